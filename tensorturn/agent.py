@@ -1,0 +1,24 @@
+"""The agent: a Celery worker of :mod:`tensorturn.celery_app` that trains what the pool queues.
+
+It opens outbound connections only (Redis and the object store) and takes one task per process
+at a time (prefetch 1, late acks), so a faster machine simply comes back for work sooner.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+
+def worker_argv(name: str | None, concurrency: int, loglevel: str) -> list[str]:
+    """Arguments for ``celery worker``: hostname ``NAME@host``, prefork pool, task events on."""
+    node = f"{name or 'agent'}@{socket.gethostname()}"
+    return ["worker", "--hostname", node, "--concurrency", str(concurrency), "--pool", "prefork",
+            "--loglevel", loglevel, "--task-events", "--without-mingle", "--without-gossip"]
+
+
+def run_agent(name: str | None, concurrency: int, loglevel: str | None = None) -> None:
+    from .celery_app import app
+
+    level = loglevel or os.environ.get("TENSORTURN_LOGLEVEL", "INFO")
+    app.worker_main(worker_argv(name, concurrency, level))

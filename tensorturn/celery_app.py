@@ -1,0 +1,85 @@
+"""The Celery app — the only place Celery is configured.
+
+``celery -A tensorturn.celery_app worker|flower|inspect ...`` work as usual; the broker and result
+backend come from ``TENSORTURN_BROKER_URL``.
+
+Choices, each against a known hazard of Celery on Redis (DESIGN.md, "Known hazards"):
+
+* JSON only, in both directions: nothing is ever unpickled, and tensors never travel through the
+  broker (tasks carry object-store keys and small JSON).
+* ``acks_late`` + ``reject_on_worker_lost`` + prefetch 1: a task is acknowledged only when it is
+  done, and each worker process holds one task at a time — that is the work stealing: a faster
+  machine comes back for the next task sooner.
+* A short visibility timeout with a fast restore sweep, so a dead machine's task is back in the
+  queue within seconds; a live task keeps its lease through :mod:`tensorturn.lease`, so it is never
+  handed to a second machine however long it runs.
+"""
+
+from __future__ import annotations
+
+import os
+
+from celery import Celery
+
+from .settings import BROKER_ENV
+
+# Seconds a delivered-but-unacknowledged task may go without a lease refresh before another
+# worker's restore sweep puts it back in the queue. The lease keeper refreshes every
+# LEASE_REFRESH_S, so a live task is never restored.
+VISIBILITY_TIMEOUT_S = int(os.environ.get("TENSORTURN_VISIBILITY_TIMEOUT_S", "20"))
+LEASE_REFRESH_S = max(1.0, VISIBILITY_TIMEOUT_S / 4)
+RESTORE_INTERVAL_S = 2
+
+DEFAULT_BROKER = "redis://127.0.0.1:6379/0"
+
+app = Celery("tensorturn", include=["tensorturn.fused"])
+
+
+def _transport_options() -> dict:
+    return {
+        "visibility_timeout": VISIBILITY_TIMEOUT_S,
+        "unacked_restore_interval": RESTORE_INTERVAL_S,
+        "unacked_restore_throttle": 1,
+        "socket_connect_timeout": 5,
+        "socket_keepalive": True,
+        "health_check_interval": 10,
+    }
+
+
+app.conf.update(
+    broker_url=os.environ.get(BROKER_ENV) or DEFAULT_BROKER,
+    result_backend=os.environ.get(BROKER_ENV) or DEFAULT_BROKER,
+    task_serializer="json",
+    result_serializer="json",
+    accept_content=["json"],
+    result_accept_content=["json"],
+    event_serializer="json",
+    task_acks_late=True,
+    task_reject_on_worker_lost=True,
+    worker_prefetch_multiplier=1,
+    broker_transport_options=_transport_options(),
+    result_backend_transport_options={"socket_connect_timeout": 5, "socket_keepalive": True},
+    broker_connection_retry_on_startup=True,
+    broker_connection_max_retries=None,  # an agent reconnects forever
+    result_expires=7 * 24 * 3600,
+    result_extended=True,
+    task_track_started=True,
+    worker_send_task_events=True,
+    task_send_sent_event=True,
+    worker_hijack_root_logger=False,
+    worker_cancel_long_running_tasks_on_connection_loss=False,
+    broker_channel_error_retry=True,
+)
+
+
+def configure(broker_url: str) -> None:
+    """Point the app (broker and result backend) at ``broker_url``; call before first use."""
+    os.environ[BROKER_ENV] = broker_url
+    app.conf.broker_url = broker_url
+    app.conf.result_backend = broker_url
+
+
+# The lease keeper runs in every worker's main process.
+from .lease import LeaseKeeper  # noqa: E402
+
+app.steps["worker"].add(LeaseKeeper)

@@ -1,0 +1,308 @@
+"""The ``tensorturn`` command. Thin: it parses options and calls the modules that do the work."""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import sys
+import time
+from typing import Any
+
+import click
+
+from . import settings
+from .errors import TensorTurnError
+
+log = logging.getLogger("tensorturn")
+
+
+# ---- shared options and error handling --------------------------------------------------------
+
+def pool_options(fn):
+    """``--broker``, ``--store`` and ``--debug`` on every command."""
+
+    @click.option("--broker", envvar=settings.BROKER_ENV, metavar="URL",
+                  help="Redis URL of the pool (env TENSORTURN_BROKER_URL). Without it, `run` "
+                       "starts a private embedded pool.")
+    @click.option("--store", envvar=settings.STORE_ENV, metavar="URL",
+                  help="Object store: file:///dir, a directory, or s3://bucket/prefix "
+                       "(env TENSORTURN_STORE_URL; default ./tensorturn-store).")
+    @click.option("--debug", is_flag=True, help="Show tracebacks and debug logs.")
+    @functools.wraps(fn)
+    def wrapper(*args, broker, store, debug, **kwargs):
+        logging.basicConfig(level=logging.DEBUG if debug else logging.WARNING,
+                            format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+        ctx = click.get_current_context()
+        ctx.meta["debug"] = debug
+        store_url = settings.normalize_store_url(store) if store else settings.store_url()
+        try:
+            return fn(*args, broker=broker or None, store=store_url, **kwargs)
+        except TensorTurnError as exc:
+            if debug:
+                raise
+            click.echo(f"error: {settings.mask_text(str(exc))}", err=True)
+            sys.exit(exc.exit_code)
+
+    return wrapper
+
+
+def emit_json(doc: Any) -> None:
+    click.echo(json.dumps(doc, indent=2, sort_keys=True, default=str))
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(package_name="tensorturn")
+def cli() -> None:
+    """TensorTurn: train one model on several machines you own.
+
+    \b
+    Fused mode shards the data and averages weights every H steps (DiLoCo) into one model.
+    Ensemble mode trains diverse full models that vote.
+    With no --broker, `tensorturn run` starts a private Redis and local agents on this machine.
+    """
+
+
+# ---- run --------------------------------------------------------------------------------------
+
+class RoundProgress:
+    """Live progress on stderr: a bar on a terminal, one line per round otherwise."""
+
+    def __init__(self, total: int, quiet: bool):
+        self.total, self.quiet, self.seen = total, quiet, 0
+        self.bar = None
+        if sys.stderr.isatty() and not quiet:
+            from rich.console import Console
+            from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+            self.bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(),
+                                TextColumn("{task.completed}/{task.total} rounds"),
+                                TimeElapsedColumn(), TextColumn("{task.fields[info]}"),
+                                console=Console(stderr=True), transient=False)
+            self.task = self.bar.add_task("training", total=total, info="")
+            self.bar.start()
+
+    def __call__(self, doc: dict[str, Any]) -> None:
+        rounds = doc.get("rounds", [])
+        for r in rounds[self.seen:]:
+            info = f"loss {r['loss']:.4f}  val_loss {r['val_loss']:.4f}"
+            if r.get("val_accuracy") is not None:
+                info += f"  val_acc {r['val_accuracy']:.3f}"
+            if self.bar is None and not self.quiet:
+                click.echo(f"round {r['round'] + 1}/{self.total}  {info}", err=True)
+            self.info = info
+        self.seen = len(rounds)
+        if self.bar is not None:
+            self.bar.update(self.task, completed=self.seen, description=doc["state"],
+                            info=getattr(self, "info", ""))
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+
+def print_result(doc: dict[str, Any], as_json: bool) -> None:
+    if as_json:
+        emit_json(doc)
+        return
+    click.echo(f"run {doc['run_id']}: {doc['state']}")
+    if doc.get("error"):
+        click.echo(f"  error: {doc['error']}")
+    for k, v in sorted((doc.get("metrics") or {}).items()):
+        click.echo(f"  {k}: {v:.4f}" if isinstance(v, float) else f"  {k}: {v}")
+    if doc.get("model_uri"):
+        click.echo(f"  model: {doc['model_uri']}")
+        click.echo(f"  sha256: {doc['model_sha256']}")
+
+
+@cli.command()
+@click.option("--mode", type=click.Choice(["fused", "ensemble"]), default="fused", show_default=True,
+              help="fused: shard the data, average weights every H steps into one model. "
+                   "ensemble: diverse full models that vote.")
+@click.option("--recipe", required=True, metavar="NAME|module:attr",
+              help="What to train: a built-in recipe (digits-mlp) or package.module:attr "
+                   "importable on every machine.")
+@click.option("--rounds", type=int, default=8, show_default=True, help="Fused: outer rounds.")
+@click.option("--sync-every", "sync_every", type=int, default=25, show_default=True,
+              help="Fused: inner steps per shard between weight averages (H).")
+@click.option("--shards", type=int, default=8, show_default=True,
+              help="Fused: virtual replicas per round; more shards than machines lets faster "
+                   "machines take more. The math depends on this, not on the machines.")
+@click.option("--outer", type=click.Choice(["nesterov", "sgd"]), default="nesterov", show_default=True,
+              help="Fused outer optimizer: nesterov (DiLoCo) or sgd (with --outer-lr 1: FedAvg).")
+@click.option("--outer-lr", type=float, default=None,
+              help="Outer learning rate [default: 0.7 for nesterov, 1.0 for sgd].")
+@click.option("--outer-momentum", type=float, default=0.9, show_default=True)
+@click.option("--codec", type=click.Choice(["fp32", "fp16", "int8"]), default="fp32", show_default=True,
+              help="Encoding of uploaded pseudo-gradients.")
+@click.option("--lr", type=float, default=None, help="Inner learning rate [default: the recipe's].")
+@click.option("--batch-size", type=int, default=None, help="[default: the recipe's]")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--threads-per-task", type=int, default=1, show_default=True,
+              help="CPU torch threads per task; CPU results depend on it.")
+@click.option("--max-attempts", type=int, default=3, show_default=True,
+              help="Attempts per task before the run fails.")
+@click.option("--local-workers", type=int, default=2, show_default=True,
+              help="Embedded pool only: agent processes to start on this machine.")
+@click.option("--detach", is_flag=True, help="Queue the run and return at once (needs --broker).")
+@click.option("--timeout", "timeout_s", type=float, default=None,
+              help="Stop waiting after this many seconds (the run goes on).")
+@click.option("--json", "as_json", is_flag=True, help="Print the run as one JSON object on stdout.")
+@pool_options
+def run(broker, store, mode, recipe, rounds, sync_every, shards, outer, outer_lr, outer_momentum,
+        codec, lr, batch_size, seed, threads_per_task, max_attempts, local_workers, detach,
+        timeout_s, as_json):
+    """Train a model on the pool and print the result.
+
+    \b
+    Example (no setup; a private pool on this machine):
+      tensorturn run --mode fused --recipe digits-mlp --local-workers 3 --json
+    """
+    from .errors import SpecError
+    from .recipes import resolve
+    from .runs import RunSpec
+
+    spec = RunSpec(mode=mode, recipe=recipe, store_url=store, seed=seed, rounds=rounds,
+                   sync_every=sync_every, shards=shards, outer=outer, outer_lr=outer_lr,
+                   outer_momentum=outer_momentum, codec=codec, lr=lr, batch_size=batch_size,
+                   threads_per_task=threads_per_task, max_attempts=max_attempts)
+    spec.validate()
+    resolve(spec.recipe, spec.recipe_options)  # fail fast, before anything starts
+    if broker is None and (local_workers is None or local_workers < 1):
+        raise SpecError(f"--local-workers must be a whole number ≥ 1 (got {local_workers})")
+    if detach and broker is None:
+        raise SpecError("--detach needs a pool (--broker): an embedded pool stops when `run` exits")
+
+    if broker:
+        doc = _run_on(broker, spec, detach, timeout_s, as_json)
+    else:
+        doc = _run_embedded(spec, local_workers, timeout_s, as_json)
+    print_result(doc, as_json)
+    if doc["state"] == "failed":
+        sys.exit(1)
+
+
+def _run_on(broker: str, spec, detach: bool, timeout_s, as_json: bool) -> dict:
+    from . import client
+
+    doc = client.submit(spec, broker)
+    if detach:
+        return doc
+    click.echo(f"run {spec.run_id} queued on {settings.mask_url(broker)}", err=True)
+    return _follow(broker, spec, timeout_s, as_json)
+
+
+def _follow(broker: str, spec, timeout_s, as_json: bool) -> dict:
+    from . import client
+
+    progress = RoundProgress(spec.rounds, quiet=False)
+    try:
+        return client.wait(broker, spec.run_id, on_update=progress, timeout_s=timeout_s)
+    finally:
+        progress.close()
+
+
+def _run_embedded(spec, local_workers: int, timeout_s, as_json: bool) -> dict:
+    from . import client
+    from .local import LocalPool
+    from .runs import RunBoard, check_broker, write_manifest
+    from .store import open_store
+
+    click.echo(f"starting an embedded pool: redis-server + {local_workers} local agents; "
+               f"store {settings.mask_url(spec.store_url)}", err=True)
+    t0 = time.monotonic()
+    with LocalPool(local_workers, spec.store_url) as pool:
+        click.echo(f"pool ready in {time.monotonic() - t0:.1f}s; run {spec.run_id}", err=True)
+        client.submit(spec, pool.broker_url)
+        try:
+            doc = _follow(pool.broker_url, spec, timeout_s, as_json)
+        except KeyboardInterrupt:
+            board = RunBoard(check_broker(pool.broker_url))
+            board.fail(spec.run_id, "interrupted (Ctrl-C); the embedded pool was stopped")
+            write_manifest(open_store(spec.store_url), board, spec.run_id)
+            raise
+        if doc["state"] not in ("succeeded", "failed"):
+            board = RunBoard(check_broker(pool.broker_url))
+            board.fail(spec.run_id, f"did not finish within --timeout {timeout_s}s")
+            doc = write_manifest(open_store(spec.store_url), board, spec.run_id)
+    return doc
+
+
+# ---- status / runs ----------------------------------------------------------------------------
+
+@cli.command()
+@click.argument("run_id")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@click.option("--watch", is_flag=True, help="Follow the run until it finishes.")
+@pool_options
+def status(broker, store, run_id, as_json, watch):
+    """Show a run: state, metrics, rounds, attempts (from the broker, else the store)."""
+    from . import client
+
+    doc = client.describe(run_id, broker, store)
+    if watch and broker and doc["state"] not in ("succeeded", "failed"):
+        progress = RoundProgress(doc["spec"].get("rounds", 0), quiet=False)
+        try:
+            doc = client.wait(broker, run_id, on_update=progress)
+        finally:
+            progress.close()
+    if as_json:
+        emit_json(doc)
+        return
+    print_result(doc, False)
+    for r in doc.get("rounds", []):
+        acc = r.get("val_accuracy")
+        click.echo(f"  round {r['round']}: loss {r['loss']:.4f} val_loss {r['val_loss']:.4f}"
+                   + (f" val_acc {acc:.3f}" if acc is not None else "") + f" bytes {r['bytes']}")
+
+
+@cli.command()
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON list.")
+@pool_options
+def runs(broker, store, as_json):
+    """List runs, newest first (from the broker, else the store's manifests)."""
+    from . import client
+
+    items = client.list_runs(broker, store)
+    if as_json:
+        emit_json(items)
+        return
+    if not items:
+        click.echo("no runs")
+    for m in items:
+        acc = (m.get("metrics") or {}).get("test_accuracy")
+        click.echo(f"{m['run_id']}  {m['mode']:8s} {m['state']:9s} {m['recipe']}"
+                   + (f"  test_accuracy {acc:.4f}" if acc is not None else ""))
+
+
+# ---- agent ------------------------------------------------------------------------------------
+
+@cli.command()
+@click.option("--name", default=None, help="Worker name (shown as NAME@host) [default: agent].")
+@click.option("--concurrency", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Tasks at once on this machine; each CPU task uses --threads-per-task threads.")
+@click.option("--loglevel", default=None, help="Celery log level [default: INFO].")
+@pool_options
+def agent(broker, store, name, concurrency, loglevel):
+    """Run this machine's agent: a Celery worker that trains what the pool queues.
+
+    It only opens outbound connections, to the broker and the store.
+    """
+    from .celery_app import configure
+    from .runs import check_broker
+
+    if not broker:
+        raise TensorTurnError("the agent needs a pool: pass --broker URL or set TENSORTURN_BROKER_URL")
+    check_broker(broker)
+    configure(broker)
+    from .agent import run_agent
+
+    run_agent(name, concurrency, loglevel)
+
+
+def main() -> None:
+    cli(prog_name="tensorturn")
+
+
+if __name__ == "__main__":
+    main()

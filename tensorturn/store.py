@@ -1,0 +1,252 @@
+"""The object store: where weights, pseudo-gradients and manifests live.
+
+Two backends behind one small interface: ``file:///abs/dir`` (a directory; atomic by rename) and
+``s3://bucket/prefix`` (boto3; endpoint and credentials from boto3's own ``AWS_*`` environment, so
+MinIO, R2 and B2 work). Keys are ``/``-separated relative paths such as
+``runs/<id>/global/r0001.safetensors``. Every put returns the sha256 of the bytes as stored, and
+transient errors are retried with exponential backoff before they surface as one clear
+:class:`StoreError`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import tempfile
+import time
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import Any, Callable, TypeVar
+from urllib.parse import unquote, urlsplit
+
+from .errors import StoreError
+from .settings import mask_url
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+RETRIES = int(os.environ.get("TENSORTURN_STORE_RETRIES", "6"))
+BACKOFF_S = float(os.environ.get("TENSORTURN_STORE_BACKOFF_S", "0.5"))
+
+
+class ObjectMissing(StoreError):
+    """The key does not exist in the store."""
+
+
+def sha256_hex(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+class Store(ABC):
+    """A flat key → bytes map with atomic puts."""
+
+    url: str
+
+    @abstractmethod
+    def _put(self, key: str, data: bytes, sha256: str) -> None: ...
+
+    @abstractmethod
+    def _get(self, key: str) -> bytes: ...
+
+    @abstractmethod
+    def _exists(self, key: str) -> bool: ...
+
+    @abstractmethod
+    def _list(self, prefix: str) -> list[str]: ...
+
+    @abstractmethod
+    def _delete(self, key: str) -> None: ...
+
+    @abstractmethod
+    def uri(self, key: str) -> str:
+        """Where an ordinary client finds the object (``s3://bucket/key`` or ``file:///path``)."""
+
+    def _transient(self, exc: Exception) -> bool:
+        return False
+
+    def _retrying(self, what: str, key: str, fn: Callable[[], T]) -> T:
+        delay = BACKOFF_S
+        for attempt in range(RETRIES + 1):
+            try:
+                return fn()
+            except ObjectMissing:
+                raise
+            except Exception as exc:  # noqa: BLE001 - classified just below
+                if not self._transient(exc) or attempt == RETRIES:
+                    raise StoreError(
+                        f"store {mask_url(self.url)}: cannot {what} {key}: {exc}"
+                    ) from exc
+                log.warning("store %s: %s %s failed (%s); retrying in %.1fs",
+                            mask_url(self.url), what, key, exc, delay)
+                time.sleep(delay)
+                delay = min(delay * 2, 8.0)
+        raise AssertionError("unreachable")
+
+    def put_bytes(self, key: str, data: bytes) -> str:
+        digest = sha256_hex(data)
+        self._retrying("write", key, lambda: self._put(key, data, digest))
+        return digest
+
+    def get_bytes(self, key: str) -> bytes:
+        return self._retrying("read", key, lambda: self._get(key))
+
+    def exists(self, key: str) -> bool:
+        return self._retrying("look up", key, lambda: self._exists(key))
+
+    def list(self, prefix: str) -> list[str]:
+        """Keys under ``prefix``, sorted."""
+        return sorted(self._retrying("list", prefix, lambda: self._list(prefix)))
+
+    def delete(self, key: str) -> None:
+        self._retrying("delete", key, lambda: self._delete(key))
+
+    def put_json(self, key: str, obj: Any) -> str:
+        return self.put_bytes(key, json.dumps(obj, indent=2, sort_keys=True).encode())
+
+    def get_json(self, key: str) -> Any:
+        return json.loads(self.get_bytes(key))
+
+    def check(self) -> None:
+        """Write, read and delete a probe object; raise StoreError if the store is unusable."""
+        key = f"probe/{os.getpid()}-{time.time_ns()}"
+        self.put_bytes(key, b"ok")
+        if self.get_bytes(key) != b"ok":
+            raise StoreError(f"store {mask_url(self.url)}: a probe object read back wrong")
+        self.delete(key)
+
+
+class FileStore(Store):
+    """A directory. Puts write a temporary file beside the target and rename it into place."""
+
+    def __init__(self, url: str):
+        self.url = url
+        self.root = Path(unquote(urlsplit(url).path))
+
+    def _path(self, key: str) -> Path:
+        if key.startswith("/") or ".." in key.split("/"):
+            raise StoreError(f"invalid store key {key!r}")
+        return self.root / key
+
+    def _put(self, key: str, data: bytes, sha256: str) -> None:
+        path = self._path(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+    def _get(self, key: str) -> bytes:
+        try:
+            return self._path(key).read_bytes()
+        except FileNotFoundError:
+            raise ObjectMissing(f"store {self.url}: no object {key}") from None
+
+    def _exists(self, key: str) -> bool:
+        return self._path(key).is_file()
+
+    def _list(self, prefix: str) -> list[str]:
+        base = self._path(prefix.rstrip("/")) if prefix else self.root
+        if base.is_file():
+            return [prefix]
+        if not base.is_dir():
+            return []
+        return [p.relative_to(self.root).as_posix() for p in base.rglob("*")
+                if p.is_file() and not p.name.startswith(".")]
+
+    def _delete(self, key: str) -> None:
+        self._path(key).unlink(missing_ok=True)
+
+    def uri(self, key: str) -> str:
+        return self._path(key).as_uri()
+
+
+class S3Store(Store):
+    """An S3-compatible bucket (AWS, MinIO, R2, B2) through boto3."""
+
+    def __init__(self, url: str):
+        import boto3
+        from botocore.config import Config
+
+        self.url = url
+        parts = urlsplit(url)
+        self.bucket = parts.netloc
+        self.prefix = parts.path.strip("/")
+        if not self.bucket:
+            raise StoreError(f"store URL {url!r} names no bucket (expected s3://bucket/prefix)")
+        self.client = boto3.client("s3", config=Config(
+            connect_timeout=5, read_timeout=60,
+            retries={"max_attempts": 2, "mode": "standard"},
+        ))
+
+    def _key(self, key: str) -> str:
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    def _transient(self, exc: Exception) -> bool:
+        from botocore.exceptions import ClientError, ConnectionError, HTTPClientError
+
+        if isinstance(exc, (ConnectionError, HTTPClientError)):
+            return True
+        if isinstance(exc, ClientError):
+            status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+            code = exc.response.get("Error", {}).get("Code", "")
+            return status >= 500 or code in {"SlowDown", "RequestTimeout", "Throttling"}
+        return False
+
+    def _put(self, key: str, data: bytes, sha256: str) -> None:
+        self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data,
+                               Metadata={"sha256": sha256})
+
+    def _get(self, key: str) -> bytes:
+        from botocore.exceptions import ClientError
+
+        try:
+            return self.client.get_object(Bucket=self.bucket, Key=self._key(key))["Body"].read()
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") in {"NoSuchKey", "404"}:
+                raise ObjectMissing(f"store {self.url}: no object {key}") from None
+            raise
+
+    def _exists(self, key: str) -> bool:
+        from botocore.exceptions import ClientError
+
+        try:
+            self.client.head_object(Bucket=self.bucket, Key=self._key(key))
+            return True
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") in {"NoSuchKey", "404", "NotFound"}:
+                return False
+            raise
+
+    def _list(self, prefix: str) -> list[str]:
+        full = self._key(prefix)
+        strip = len(self.prefix) + 1 if self.prefix else 0
+        keys: list[str] = []
+        for page in self.client.get_paginator("list_objects_v2").paginate(
+                Bucket=self.bucket, Prefix=full):
+            keys.extend(obj["Key"][strip:] for obj in page.get("Contents", []))
+        return keys
+
+    def _delete(self, key: str) -> None:
+        self.client.delete_object(Bucket=self.bucket, Key=self._key(key))
+
+    def uri(self, key: str) -> str:
+        return f"s3://{self.bucket}/{self._key(key)}"
+
+
+_BACKENDS: dict[str, type[Store]] = {"file": FileStore, "s3": S3Store}
+
+
+def open_store(url: str) -> Store:
+    """The store for ``url``; raises StoreError for an unknown scheme."""
+    scheme = urlsplit(url).scheme
+    if scheme not in _BACKENDS:
+        raise StoreError(f"unsupported store URL {mask_url(url)!r}: use file:///dir or s3://bucket/prefix")
+    return _BACKENDS[scheme](url)

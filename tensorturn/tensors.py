@@ -1,0 +1,113 @@
+"""State dicts ⇄ safetensors bytes, and the pseudo-gradient codecs.
+
+Nothing here unpickles: weights travel as safetensors only. A model file holds the weights and
+deterministic metadata (recipe and model config, never a run id or a time), so identical weights
+give identical bytes and the same sha256.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+MODEL_FORMAT = "tensorturn-model/1"
+DELTA_FORMAT = "tensorturn-delta/1"
+CODECS = ("fp32", "fp16", "int8")
+INT8_BLOCK = 256
+
+StateDict = dict[str, torch.Tensor]
+
+
+def to_bytes(tensors: StateDict, metadata: dict[str, str] | None = None) -> bytes:
+    """Serialize tensors (moved to CPU, made contiguous) with string metadata."""
+    clean = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
+    return _canonical(st_save(clean, metadata=metadata or None))
+
+
+def _canonical(blob: bytes) -> bytes:
+    """Rewrite the header with sorted keys: safetensors writes metadata in hash-map order, which
+    differs between processes, and the same weights must give the same bytes everywhere."""
+    n = int.from_bytes(blob[:8], "little")
+    header = json.dumps(json.loads(blob[8:8 + n]), sort_keys=True, separators=(",", ":")).encode()
+    header += b" " * ((-len(header)) % 8)  # keep the data 8-byte aligned, as safetensors does
+    return len(header).to_bytes(8, "little") + header + blob[8 + n:]
+
+
+def from_bytes(data: bytes) -> StateDict:
+    return st_load(data)
+
+
+def metadata_of(data: bytes) -> dict[str, str]:
+    """The string metadata of a safetensors blob, read from its header alone."""
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + n])
+    return header.get("__metadata__", {})
+
+
+def model_bytes(state: StateDict, recipe: str, config: dict) -> bytes:
+    """A model file: weights plus the recipe name and model config needed to rebuild it."""
+    meta = {"format": MODEL_FORMAT, "recipe": recipe,
+            "config": json.dumps(config, sort_keys=True)}
+    return to_bytes(state, meta)
+
+
+def float_keys(state: StateDict) -> list[str]:
+    """Keys of floating-point entries: the ones averaged; integer buffers are copied through."""
+    return [k for k, v in state.items() if v.is_floating_point()]
+
+
+# ---- pseudo-gradient codecs ------------------------------------------------------------------
+
+def encode_delta(delta: StateDict, codec: str) -> dict[str, torch.Tensor]:
+    """Pack a float32 pseudo-gradient for upload. ``int8`` keeps one fp32 scale per block of 256."""
+    if codec == "fp32":
+        return {k: v.float() for k, v in delta.items()}
+    if codec == "fp16":
+        return {k: v.half() for k, v in delta.items()}
+    if codec == "int8":
+        out: dict[str, torch.Tensor] = {}
+        for k, v in delta.items():
+            flat = v.float().flatten()
+            pad = (-flat.numel()) % INT8_BLOCK
+            blocks = torch.nn.functional.pad(flat, (0, pad)).view(-1, INT8_BLOCK)
+            scale = blocks.abs().amax(dim=1) / 127.0
+            safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+            out[f"{k}::q"] = torch.round(blocks / safe[:, None]).clamp(-127, 127).to(torch.int8)
+            out[f"{k}::scale"] = scale
+        return out
+    raise ValueError(f"unknown codec {codec!r}; choose one of {', '.join(CODECS)}")
+
+
+def decode_delta(packed: dict[str, torch.Tensor], codec: str,
+                 shapes: dict[str, list[int]]) -> StateDict:
+    """Inverse of :func:`encode_delta`, back to float32 with the original shapes."""
+    if codec in ("fp32", "fp16"):
+        return {k: v.float() for k, v in packed.items()}
+    if codec == "int8":
+        out = {}
+        for k, shape in shapes.items():
+            q, scale = packed[f"{k}::q"], packed[f"{k}::scale"]
+            flat = (q.float() * scale[:, None]).flatten()[: math.prod(shape)]
+            out[k] = flat.view(shape)
+        return out
+    raise ValueError(f"unknown codec {codec!r}")
+
+
+def delta_bytes(delta: StateDict, codec: str, extra: dict[str, str]) -> bytes:
+    shapes = {k: list(v.shape) for k, v in delta.items()}
+    meta = {"format": DELTA_FORMAT, "codec": codec, "shapes": json.dumps(shapes, sort_keys=True), **extra}
+    return to_bytes(encode_delta(delta, codec), meta)
+
+
+def delta_from_bytes(data: bytes) -> tuple[StateDict, dict[str, str]]:
+    meta = metadata_of(data)
+    shapes = json.loads(meta["shapes"])
+    return decode_delta(from_bytes(data), meta["codec"], shapes), meta
+
+
+def is_finite(state: StateDict) -> bool:
+    return all(bool(torch.isfinite(v).all()) for v in state.values())
