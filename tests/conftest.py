@@ -1,0 +1,89 @@
+"""Shared fixtures: real redis-server processes, real agents, a real S3 HTTP endpoint (moto)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tensorturn.local import LocalPool, RedisServer, free_port, stop_process_group
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """The environment for a CLI subprocess: no pool or store inherited from the developer's."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("TENSORTURN_", "AWS_"))}
+    env.update(extra)
+    return env
+
+
+def tt(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None,
+       timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run the ``tensorturn`` CLI as a user would, in a subprocess, with no stdin."""
+    return subprocess.run([sys.executable, "-m", "tensorturn", *args], env=env or clean_env(),
+                          cwd=cwd, capture_output=True, text=True, timeout=timeout,
+                          stdin=subprocess.DEVNULL)
+
+
+def tt_json(*args: str, **kw) -> dict:
+    proc = tt(*args, **kw)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout)
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    server = RedisServer(tmp_path / "redis").start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory):
+    """A pool of two real agents (named local1, local2) on a private redis-server."""
+    workdir = tmp_path_factory.mktemp("pool")
+    store = (workdir / "store").as_uri()
+    with LocalPool(2, store, workdir=workdir, loglevel="INFO") as p:
+        yield p
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint(tmp_path_factory):
+    """moto's S3 server on a free loopback port; yields the env a client needs."""
+    port = free_port()
+    log = open(tmp_path_factory.mktemp("moto") / "moto.log", "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+            break
+        except OSError:
+            if time.monotonic() > deadline or proc.poll() is not None:
+                raise RuntimeError("moto server did not start")
+            time.sleep(0.1)
+    env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "testing",
+           "AWS_SECRET_ACCESS_KEY": "testing-secret", "AWS_DEFAULT_REGION": "us-east-1"}
+    yield env
+    stop_process_group(proc, grace=5)
+
+
+@pytest.fixture
+def s3_bucket(s3_endpoint, monkeypatch):
+    """A fresh bucket on the moto endpoint; the test process's env points boto3 at it."""
+    import boto3
+
+    for k, v in s3_endpoint.items():
+        monkeypatch.setenv(k, v)
+    name = f"tt-{time.time_ns()}"
+    boto3.client("s3").create_bucket(Bucket=name)
+    return name

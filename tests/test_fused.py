@@ -1,0 +1,63 @@
+"""Fused mode end to end, as a user runs it: the CLI, real redis-server, real agent processes."""
+
+import hashlib
+from urllib.parse import urlsplit
+
+import boto3
+
+from conftest import clean_env, tt_json
+
+
+def test_embedded_fused_run_reaches_accuracy_and_is_machine_independent(tmp_path):
+    store = str(tmp_path / "store")
+    three = tt_json("run", "--mode", "fused", "--recipe", "digits-mlp", "--local-workers", "3",
+                    "--rounds", "8", "--store", store, "--json", cwd=tmp_path)
+    assert three["state"] == "succeeded"
+    assert three["metrics"]["test_accuracy"] >= 0.95
+    assert len(three["rounds"]) == 8
+    assert {a["worker"].split("@")[0] for a in three["attempts"]} <= {"local1", "local2", "local3"}
+    assert all(a["outcome"] == "succeeded" for a in three["attempts"])
+    assert len({a["task"] for a in three["attempts"]}) == 8 * 8
+    model = urlsplit(three["model_uri"]).path
+    assert hashlib.sha256(open(model, "rb").read()).hexdigest() == three["model_sha256"]
+    assert three["bytes_up"] > 0 and three["bytes_down"] > 0
+
+    # Shards are virtual replicas: one agent computes the very same weights.
+    one = tt_json("run", "--mode", "fused", "--recipe", "digits-mlp", "--local-workers", "1",
+                  "--rounds", "8", "--store", store, "--threads-per-task", "1", "--json",
+                  cwd=tmp_path)
+    assert one["state"] == "succeeded"
+    assert {a["worker"].split("@")[0] for a in one["attempts"]} == {"local1"}
+    assert one["model_sha256"] == three["model_sha256"]
+    assert one["run_id"] != three["run_id"]
+
+
+def test_fused_run_on_a_pool_with_an_s3_store(s3_endpoint, s3_bucket, tmp_path):
+    doc = tt_json("run", "--recipe", "digits-mlp", "--local-workers", "2", "--rounds", "2",
+                  "--store", f"s3://{s3_bucket}/team", "--json",
+                  env=clean_env(**s3_endpoint), cwd=tmp_path)
+    assert doc["state"] == "succeeded"
+    uri = urlsplit(doc["model_uri"])
+    assert uri.scheme == "s3" and uri.netloc == s3_bucket
+    assert uri.path == f"/team/runs/{doc['run_id']}/final/model.safetensors"
+    body = boto3.client("s3").get_object(Bucket=s3_bucket, Key=uri.path.lstrip("/"))["Body"].read()
+    assert hashlib.sha256(body).hexdigest() == doc["model_sha256"]
+    assert not (tmp_path / "tensorturn-store").exists()  # nothing went to the default file store
+
+
+def test_run_on_an_existing_pool_names_its_agents(pool, tmp_path):
+    doc = tt_json("run", "--broker", pool.broker_url, "--recipe", "digits-mlp", "--rounds", "2",
+                  "--shards", "4", "--sync-every", "5", "--store", str(tmp_path / "s"), "--json")
+    assert doc["state"] == "succeeded"
+    assert len(doc["attempts"]) == 8
+    assert {a["worker"].split("@")[0] for a in doc["attempts"]} <= {"local1", "local2"}
+    assert [r["round"] for r in doc["rounds"]] == [0, 1]
+    assert doc["spec"]["shards"] == 4
+
+    detached = tt_json("run", "--broker", pool.broker_url, "--recipe", "digits-mlp", "--rounds", "1",
+                       "--shards", "2", "--sync-every", "2", "--store", str(tmp_path / "s"),
+                       "--detach", "--json")
+    assert detached["state"] == "queued" and detached["finished_at"] is None
+    watched = tt_json("status", detached["run_id"], "--broker", pool.broker_url, "--watch", "--json")
+    assert watched["state"] == "succeeded"
+    assert watched["model_sha256"]

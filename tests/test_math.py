@@ -1,0 +1,98 @@
+"""Unit tests for the math: the outer step, the average, the codecs, canonical bytes."""
+
+import hashlib
+
+import pytest
+import torch
+
+from tensorturn.fused import outer_update, shard_rows, weighted_average
+from tensorturn.tensors import (delta_bytes, delta_from_bytes, from_bytes, metadata_of,
+                                model_bytes, to_bytes)
+
+
+def test_nesterov_outer_step_matches_hand_computation():
+    theta = {"w": torch.tensor([1.0, -2.0])}
+    d1 = {"w": torch.tensor([0.5, 0.25])}
+    d2 = {"w": torch.tensor([-1.0, 2.0])}
+    lr, mu = 0.7, 0.9
+    # round 1: b = d1; step = d1 + mu*b = 1.9*d1
+    t1, b1 = outer_update(theta, d1, None, lr, mu, nesterov=True)
+    assert torch.allclose(b1["w"], torch.tensor([0.5, 0.25]))
+    assert torch.allclose(t1["w"], torch.tensor([1.0 - 0.7 * 0.95, -2.0 - 0.7 * 0.475]))
+    # round 2: b = 0.9*b1 + d2 = [-0.55, 2.225]; step = d2 + 0.9*b = [-1.495, 4.0025]
+    t2, b2 = outer_update(t1, d2, b1, lr, mu, nesterov=True)
+    assert torch.allclose(b2["w"], torch.tensor([-0.55, 2.225]))
+    expected = t1["w"] - 0.7 * torch.tensor([-1.495, 4.0025])
+    assert torch.allclose(t2["w"], expected)
+
+
+def test_outer_step_equals_torch_sgd_nesterov():
+    torch.manual_seed(0)
+    theta = {"a": torch.randn(5, 3), "b": torch.randn(3)}
+    deltas = [{k: torch.randn_like(v) for k, v in theta.items()} for _ in range(3)]
+    params = {k: torch.nn.Parameter(v.clone()) for k, v in theta.items()}
+    opt = torch.optim.SGD(params.values(), lr=0.7, momentum=0.9, nesterov=True)
+    ours, buf = theta, None
+    for d in deltas:
+        for k, p in params.items():
+            p.grad = d[k].clone()
+        opt.step()
+        ours, buf = outer_update(ours, d, buf, 0.7, 0.9, nesterov=True)
+    for k in theta:
+        assert torch.allclose(ours[k], params[k].detach(), atol=1e-6)
+
+
+def test_sgd_lr1_is_fedavg():
+    theta = {"w": torch.tensor([1.0, 1.0])}
+    trained = [torch.tensor([0.0, 2.0]), torch.tensor([2.0, 4.0])]
+    deltas = [{"w": theta["w"] - t} for t in trained]
+    avg = weighted_average(deltas, [1, 1])
+    new, _ = outer_update(theta, avg, None, 1.0, 0.0, nesterov=False)
+    assert torch.allclose(new["w"], torch.tensor([1.0, 3.0]))  # the mean of the trained weights
+
+
+def test_weighted_average_uses_sample_weights():
+    deltas = [{"w": torch.tensor([1.0])}, {"w": torch.tensor([4.0])}]
+    assert weighted_average(deltas, [3, 1])["w"].item() == pytest.approx(1.75)
+
+
+def test_integer_buffers_pass_through():
+    theta = {"w": torch.ones(2), "n": torch.tensor(7)}
+    new, _ = outer_update(theta, {"w": torch.ones(2)}, None, 0.5, 0.0, nesterov=False)
+    assert new["n"].item() == 7 and torch.allclose(new["w"], torch.full((2,), 0.5))
+
+
+def test_shards_partition_the_training_rows():
+    rows = [shard_rows(100, 8, k, seed=3) for k in range(8)]
+    allrows = torch.cat(rows).sort().values
+    assert torch.equal(allrows, torch.arange(100))
+    assert torch.equal(shard_rows(100, 8, 2, seed=3), rows[2])  # deterministic
+
+
+@pytest.mark.parametrize("codec,tol", [("fp32", 0.0), ("fp16", 1e-3), ("int8", 0.02)])
+def test_codecs_round_trip(codec, tol):
+    torch.manual_seed(1)
+    delta = {"w": torch.randn(300, 7), "b": torch.randn(5)}
+    back, meta = delta_from_bytes(delta_bytes(delta, codec, {"samples": "10"}))
+    assert meta["samples"] == "10" and meta["codec"] == codec
+    for k in delta:
+        assert back[k].shape == delta[k].shape
+        err = (back[k] - delta[k]).abs().max().item()
+        assert err <= tol * delta[k].abs().max().item() + 1e-12
+
+
+def test_int8_is_about_four_times_smaller():
+    delta = {"w": torch.randn(256, 256)}
+    assert len(delta_bytes(delta, "fp32", {})) / len(delta_bytes(delta, "int8", {})) > 3.5
+
+
+def test_model_bytes_are_canonical():
+    state = {"b": torch.arange(3.0), "a": torch.ones(2, 2)}
+    blobs = {model_bytes(dict(reversed(list(state.items()))), "r", {"x": 1, "y": [2]})
+             for _ in range(3)} | {model_bytes(state, "r", {"y": [2], "x": 1})}
+    assert len(blobs) == 1
+    blob = blobs.pop()
+    assert metadata_of(blob)["recipe"] == "r"
+    assert torch.equal(from_bytes(blob)["a"], torch.ones(2, 2))
+    assert int.from_bytes(blob[:8], "little") % 8 == 0
+    assert hashlib.sha256(to_bytes(state)).digest() == hashlib.sha256(to_bytes(state)).digest()
