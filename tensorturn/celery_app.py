@@ -32,7 +32,7 @@ RESTORE_INTERVAL_S = 2
 
 DEFAULT_BROKER = "redis://127.0.0.1:6379/0"
 
-app = Celery("tensorturn", include=["tensorturn.fused"])
+app = Celery("tensorturn", include=["tensorturn.fused", "tensorturn.ensemble"])
 
 
 def _transport_options() -> dict:

@@ -65,36 +65,61 @@ def cli() -> None:
 
 # ---- run --------------------------------------------------------------------------------------
 
-class RoundProgress:
-    """Live progress on stderr: a bar on a terminal, one line per round otherwise."""
+class RunProgress:
+    """Live progress on stderr: a bar on a terminal, one line per finished unit otherwise.
 
-    def __init__(self, total: int, quiet: bool):
-        self.total, self.quiet, self.seen = total, quiet, 0
+    Units are rounds (fused) or member segments (ensemble).
+    """
+
+    def __init__(self, spec: dict[str, Any], quiet: bool = False):
+        self.fused = spec["mode"] == "fused"
+        members = spec.get("members") or 0
+        self.total = spec["rounds"] if self.fused else members * spec["segments"]
+        self.quiet, self.lines_seen, self.info = quiet, set(), ""
         self.bar = None
         if sys.stderr.isatty() and not quiet:
             from rich.console import Console
             from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+            unit = "rounds" if self.fused else "segments"
             self.bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(),
-                                TextColumn("{task.completed}/{task.total} rounds"),
+                                TextColumn("{task.completed}/{task.total} " + unit),
                                 TimeElapsedColumn(), TextColumn("{task.fields[info]}"),
                                 console=Console(stderr=True), transient=False)
-            self.task = self.bar.add_task("training", total=total, info="")
+            self.task = self.bar.add_task("queued", total=self.total, info="")
             self.bar.start()
 
+    def _events(self, doc: dict[str, Any]) -> tuple[int, list[tuple[str, str]]]:
+        if self.fused:
+            events = []
+            for r in doc.get("rounds", []):
+                info = f"loss {r['loss']:.4f}  val_loss {r['val_loss']:.4f}"
+                if r.get("val_accuracy") is not None:
+                    info += f"  val_acc {r['val_accuracy']:.3f}"
+                events.append((f"r{r['round']}", f"round {r['round'] + 1}/{self.total}  {info}"))
+            return len(events), events
+        done, events = 0, []
+        for m in doc.get("members", []):
+            done += m.get("segments_done", 0)
+            if m["state"] == "succeeded":
+                acc = m["metrics"].get("test_accuracy")
+                events.append((f"m{m['member']}", f"member {m['member']} succeeded"
+                               + (f"  test_acc {acc:.3f}" if acc is not None else "")))
+            elif m["state"] == "dropped":
+                events.append((f"m{m['member']}", f"member {m['member']} dropped: {m['reason']}"))
+        return done, events
+
     def __call__(self, doc: dict[str, Any]) -> None:
-        rounds = doc.get("rounds", [])
-        for r in rounds[self.seen:]:
-            info = f"loss {r['loss']:.4f}  val_loss {r['val_loss']:.4f}"
-            if r.get("val_accuracy") is not None:
-                info += f"  val_acc {r['val_accuracy']:.3f}"
+        done, events = self._events(doc)
+        for key, line in events:
+            if key in self.lines_seen:
+                continue
+            self.lines_seen.add(key)
+            self.info = line
             if self.bar is None and not self.quiet:
-                click.echo(f"round {r['round'] + 1}/{self.total}  {info}", err=True)
-            self.info = info
-        self.seen = len(rounds)
+                click.echo(line, err=True)
         if self.bar is not None:
-            self.bar.update(self.task, completed=self.seen, description=doc["state"],
-                            info=getattr(self, "info", ""))
+            self.bar.update(self.task, completed=done, description=doc["state"], info=self.info)
 
     def close(self) -> None:
         if self.bar is not None:
@@ -135,6 +160,22 @@ def print_result(doc: dict[str, Any], as_json: bool) -> None:
 @click.option("--outer-momentum", type=float, default=0.9, show_default=True)
 @click.option("--codec", type=click.Choice(["fp32", "fp16", "int8"]), default="fp32", show_default=True,
               help="Encoding of uploaded pseudo-gradients.")
+@click.option("--members", type=int, default=None,
+              help="Ensemble: models to train [default: one per online machine, at least 2].")
+@click.option("--min-members", type=int, default=1, show_default=True,
+              help="Ensemble: the run fails if fewer members finish.")
+@click.option("--vote", type=click.Choice(["soft", "hard"]), default="soft", show_default=True,
+              help="Ensemble: soft = mean probability, hard = majority of top classes.")
+@click.option("--segments", type=int, default=3, show_default=True,
+              help="Ensemble: checkpointed segments per member (a lost machine costs one).")
+@click.option("--segment-steps", type=int, default=400, show_default=True,
+              help="Ensemble: optimizer steps per segment.")
+@click.option("--bootstrap/--no-bootstrap", default=True, show_default=True,
+              help="Ensemble: train each member on its own bootstrap sample of the data.")
+@click.option("--diversity", type=click.Choice(["full", "seed"]), default="full", show_default=True,
+              help="Ensemble: full = seed + a draw from the recipe's config space; seed = seed only.")
+@click.option("--deadline", type=float, default=None,
+              help="Ensemble: seconds after submission; members still training then drop out.")
 @click.option("--lr", type=float, default=None, help="Inner learning rate [default: the recipe's].")
 @click.option("--batch-size", type=int, default=None, help="[default: the recipe's]")
 @click.option("--seed", type=int, default=0, show_default=True)
@@ -150,13 +191,15 @@ def print_result(doc: dict[str, Any], as_json: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the run as one JSON object on stdout.")
 @pool_options
 def run(broker, store, mode, recipe, rounds, sync_every, shards, outer, outer_lr, outer_momentum,
-        codec, lr, batch_size, seed, threads_per_task, max_attempts, local_workers, detach,
-        timeout_s, as_json):
+        codec, members, min_members, vote, segments, segment_steps, bootstrap, diversity, deadline,
+        lr, batch_size, seed, threads_per_task, max_attempts, local_workers, detach, timeout_s,
+        as_json):
     """Train a model on the pool and print the result.
 
     \b
-    Example (no setup; a private pool on this machine):
+    Examples (no setup; a private pool on this machine):
       tensorturn run --mode fused --recipe digits-mlp --local-workers 3 --json
+      tensorturn run --mode ensemble --recipe digits-mlp --members 4 --local-workers 2
     """
     from .errors import SpecError
     from .recipes import resolve
@@ -164,7 +207,10 @@ def run(broker, store, mode, recipe, rounds, sync_every, shards, outer, outer_lr
 
     spec = RunSpec(mode=mode, recipe=recipe, store_url=store, seed=seed, rounds=rounds,
                    sync_every=sync_every, shards=shards, outer=outer, outer_lr=outer_lr,
-                   outer_momentum=outer_momentum, codec=codec, lr=lr, batch_size=batch_size,
+                   outer_momentum=outer_momentum, codec=codec, members=members,
+                   min_members=min_members, vote=vote, segments=segments,
+                   segment_steps=segment_steps, bootstrap=bootstrap, diversity=diversity,
+                   deadline=deadline, lr=lr, batch_size=batch_size,
                    threads_per_task=threads_per_task, max_attempts=max_attempts)
     spec.validate()
     resolve(spec.recipe, spec.recipe_options)  # fail fast, before anything starts
@@ -195,7 +241,10 @@ def _run_on(broker: str, spec, detach: bool, timeout_s, as_json: bool) -> dict:
 def _follow(broker: str, spec, timeout_s, as_json: bool) -> dict:
     from . import client
 
-    progress = RoundProgress(spec.rounds, quiet=False)
+    from .runs import RunBoard, check_broker
+
+    spec_doc = RunBoard(check_broker(broker)).describe(spec.run_id)["spec"]
+    progress = RunProgress(spec_doc)
     try:
         return client.wait(broker, spec.run_id, on_update=progress, timeout_s=timeout_s)
     finally:
@@ -241,7 +290,7 @@ def status(broker, store, run_id, as_json, watch):
 
     doc = client.describe(run_id, broker, store)
     if watch and broker and doc["state"] not in ("succeeded", "failed"):
-        progress = RoundProgress(doc["spec"].get("rounds", 0), quiet=False)
+        progress = RunProgress(doc["spec"])
         try:
             doc = client.wait(broker, run_id, on_update=progress)
         finally:

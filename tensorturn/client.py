@@ -36,8 +36,20 @@ def submit(spec: RunSpec, broker_url: str) -> dict[str, Any]:
 
         fused.start(spec, store, board)
     else:
-        raise NotImplementedError("ensemble mode is not available yet")
+        from . import ensemble
+
+        if spec.members is None:  # one member per online machine, at least 2
+            spec.members = max(2, len(online_workers()))
+            spec.validate()
+        ensemble.start(spec, store, board)
     return board.describe(spec.run_id)
+
+
+def online_workers(timeout_s: float = 1.0) -> list[str]:
+    """Names of the agents that answer a ping on the configured broker."""
+    from .celery_app import app
+
+    return sorted(name for reply in (app.control.ping(timeout=timeout_s) or []) for name in reply)
 
 
 def wait(broker_url: str, run_id: str, on_update: Update | None = None,

@@ -175,7 +175,7 @@ def train_shard(self, run_id: str, store_url: str, r: int, k: int) -> dict[str, 
         board.finish_attempt(run_id, attempt, "duplicate: output already stored")
         return result
     try:
-        _train_shard(spec, store, r, k, out_key)
+        up, down = _train_shard(spec, store, r, k, out_key)
     except Exception as exc:  # noqa: BLE001 - recorded, then retried or failed
         message = _describe_failure(exc, self.request.hostname)
         board.finish_attempt(run_id, attempt, f"failed: {message}")
@@ -184,6 +184,7 @@ def train_shard(self, run_id: str, store_url: str, r: int, k: int) -> dict[str, 
         board.fail(run_id, f"{task}: {message}")
         write_manifest(store, board, run_id)
         raise
+    board.add_bytes(run_id, task, up, down)
     board.finish_attempt(run_id, attempt, "succeeded")
     return result
 
@@ -196,7 +197,8 @@ def _describe_failure(exc: Exception, worker: str | None) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def _train_shard(spec: RunSpec, store: Store, r: int, k: int, out_key: str) -> None:
+def _train_shard(spec: RunSpec, store: Store, r: int, k: int, out_key: str) -> tuple[int, int]:
+    """Returns (bytes uploaded, bytes downloaded)."""
     set_threads(spec.threads_per_task)
     recipe = recipe_of(spec)
     device = pick_device()
@@ -218,6 +220,7 @@ def _train_shard(spec: RunSpec, store: Store, r: int, k: int, out_key: str) -> N
     blob = delta_bytes(delta, spec.codec, {"samples": str(samples), "loss": repr(loss),
                                            "bytes_down": str(len(theta_bytes))})
     store.put_bytes(out_key, blob)
+    return len(blob), len(theta_bytes)
 
 
 @app.task(bind=True, name="tensorturn.fused.outer_step")

@@ -25,6 +25,8 @@ log = logging.getLogger(__name__)
 
 MODES = ("fused", "ensemble")
 OUTERS = ("nesterov", "sgd")
+VOTES = ("soft", "hard")
+DIVERSITY = ("full", "seed")
 STATES = ("queued", "running", "succeeded", "failed")
 FINISHED = ("succeeded", "failed")
 
@@ -47,6 +49,15 @@ class RunSpec:
     outer_lr: float | None = None       # None: 0.7 for nesterov (DiLoCo), 1.0 for sgd (FedAvg)
     outer_momentum: float = 0.9
     codec: str = "fp32"
+    # ensemble
+    members: int | None = None          # None: one per online machine, at least 2 (set at submit)
+    min_members: int = 1
+    vote: str = "soft"
+    segments: int = 3
+    segment_steps: int = 400
+    bootstrap: bool = True
+    diversity: str = "full"             # full: seed + config draw; seed: seed (+ bootstrap) only
+    deadline: float | None = None       # seconds after creation; later segments drop their member
     # inner training (None: the recipe's default)
     lr: float | None = None
     batch_size: int | None = None
@@ -75,9 +86,22 @@ class RunSpec:
                     "--max-attempts": self.max_attempts}
         if self.batch_size is not None:
             positive["--batch-size"] = self.batch_size
+        if self.mode == "ensemble":
+            if self.vote not in VOTES:
+                raise SpecError(f"unknown vote rule {self.vote!r}: choose soft or hard")
+            if self.diversity not in DIVERSITY:
+                raise SpecError(f"unknown diversity {self.diversity!r}: choose full or seed")
+            positive.update({"--segments": self.segments, "--segment-steps": self.segment_steps,
+                             "--min-members": self.min_members})
+            if self.members is not None:
+                positive["--members"] = self.members
+            if self.deadline is not None and self.deadline <= 0:
+                raise SpecError(f"--deadline must be a positive number of seconds (got {self.deadline})")
         for flag, value in positive.items():
             if not isinstance(value, int) or value < 1:
                 raise SpecError(f"{flag} must be a whole number ≥ 1 (got {value})")
+        if self.mode == "ensemble" and self.members is not None and self.min_members > self.members:
+            raise SpecError(f"--min-members ({self.min_members}) cannot exceed --members ({self.members})")
         if self.lr is not None and not (0 < self.lr < 10):
             raise SpecError(f"--lr must be in (0, 10) (got {self.lr})")
         if not (0 < float(self.outer_lr) <= 10):
@@ -183,11 +207,43 @@ class RunBoard:
         raw = self.r.hgetall(_k(run_id, "rounds"))
         return [json.loads(raw[k]) for k in sorted(raw, key=int)]
 
+    # -- ensemble members --
+    def record_member(self, run_id: str, member: int, info: dict[str, Any]) -> None:
+        self.r.hset(_k(run_id, "members"), str(member), json.dumps(info))
+
+    def member(self, run_id: str, member: int) -> dict[str, Any]:
+        raw = self.r.hget(_k(run_id, "members"), str(member))
+        return json.loads(raw) if raw else {}
+
+    def members(self, run_id: str) -> list[dict[str, Any]]:
+        raw = self.r.hgetall(_k(run_id, "members"))
+        return [json.loads(raw[k]) for k in sorted(raw, key=int)]
+
+    def member_done(self, run_id: str, member: int) -> int:
+        """Mark a member finished (succeeded or dropped) once; returns how many are finished."""
+        self.r.hsetnx(_k(run_id, "members_done"), str(member), time.time())
+        return int(self.r.hlen(_k(run_id, "members_done")))
+
+    # -- bytes moved, counted once per task --
+    def add_bytes(self, run_id: str, task: str, up: int, down: int) -> None:
+        self.r.hsetnx(_k(run_id, "bytes"), task, f"{up},{down}")
+
+    def bytes_moved(self, run_id: str) -> tuple[int, int]:
+        up = down = 0
+        for v in self.r.hvals(_k(run_id, "bytes")):
+            u, d = v.split(",")
+            up, down = up + int(u), down + int(d)
+        return up, down
+
     # -- attempts --
     def start_attempt(self, run_id: str, task: str, worker: str) -> tuple[str, int]:
         """Record a new attempt of ``task``; returns its key and its number (1, 2, ...)."""
         n = int(self.r.hincrby(_k(run_id, "attempt_n"), task, 1))
         key = f"{task}#{n}"
+        for i in range(1, n):  # an earlier attempt still "running" was lost with its machine
+            raw = self.r.hget(_k(run_id, "attempts"), f"{task}#{i}")
+            if raw and json.loads(raw)["outcome"] == "running":
+                self.finish_attempt(run_id, f"{task}#{i}", "lost: requeued to another attempt")
         self.r.hset(_k(run_id, "attempts"), key, json.dumps({
             "task": task, "attempt": n, "worker": worker, "started_at": time.time(),
             "finished_at": None, "outcome": "running"}))
@@ -231,6 +287,7 @@ class RunBoard:
             raise NotFound(f"no run {run_id!r} on this broker (see `tensorturn runs`)")
         spec = json.loads(h["spec"])
         rounds = self.rounds(run_id)
+        bytes_up, bytes_down = self.bytes_moved(run_id)
         out: dict[str, Any] = {
             "run_id": run_id,
             "mode": h["mode"],
@@ -241,14 +298,16 @@ class RunBoard:
             "model_sha256": h.get("model_sha256"),
             "rounds": rounds,
             "attempts": self.attempts(run_id),
-            "bytes_up": sum(r.get("bytes_up", 0) for r in rounds),
-            "bytes_down": sum(r.get("bytes_down", 0) for r in rounds),
+            "bytes_up": bytes_up,
+            "bytes_down": bytes_down,
             "created_at": float(h["created_at"]),
             "started_at": float(h["started_at"]) if "started_at" in h else None,
             "finished_at": float(h["finished_at"]) if "finished_at" in h else None,
             "error": h.get("error"),
             "spec": spec,
         }
+        if h["mode"] == "ensemble":
+            out["members"] = self.members(run_id)
         return out
 
 

@@ -16,6 +16,7 @@ from safetensors.torch import save as st_save
 
 MODEL_FORMAT = "tensorturn-model/1"
 DELTA_FORMAT = "tensorturn-delta/1"
+ENSEMBLE_FORMAT = "tensorturn-ensemble/1"
 CODECS = ("fp32", "fp16", "int8")
 INT8_BLOCK = 256
 
@@ -48,11 +49,29 @@ def metadata_of(data: bytes) -> dict[str, str]:
     return header.get("__metadata__", {})
 
 
-def model_bytes(state: StateDict, recipe: str, config: dict) -> bytes:
-    """A model file: weights plus the recipe name and model config needed to rebuild it."""
+def model_bytes(state: StateDict, recipe: str, config: dict,
+                options: dict | None = None) -> bytes:
+    """A model file: weights plus the recipe name, options and model config to rebuild it."""
     meta = {"format": MODEL_FORMAT, "recipe": recipe,
             "config": json.dumps(config, sort_keys=True)}
+    if options:
+        meta["recipe_options"] = json.dumps(options, sort_keys=True)
     return to_bytes(state, meta)
+
+
+def ensemble_bytes(members: list[tuple[int, StateDict, dict]], recipe: str, vote: str,
+                   options: dict | None = None) -> bytes:
+    """One file for a voting ensemble: each member's weights under ``m<member>.`` and the
+    members' configs and the vote rule in the metadata."""
+    tensors: StateDict = {}
+    for member, state, _ in members:
+        tensors.update({f"m{member}.{k}": v for k, v in state.items()})
+    meta = {"format": ENSEMBLE_FORMAT, "recipe": recipe, "vote": vote,
+            "members": json.dumps([{"member": m, "config": c} for m, _, c in members],
+                                  sort_keys=True)}
+    if options:
+        meta["recipe_options"] = json.dumps(options, sort_keys=True)
+    return to_bytes(tensors, meta)
 
 
 def float_keys(state: StateDict) -> list[str]:
@@ -111,3 +130,26 @@ def delta_from_bytes(data: bytes) -> tuple[StateDict, dict[str, str]]:
 
 def is_finite(state: StateDict) -> bool:
     return all(bool(torch.isfinite(v).all()) for v in state.values())
+
+
+# ---- optimizer state (ensemble checkpoints) ----------------------------------------------------
+
+def optimizer_tensors(optimizer: torch.optim.Optimizer) -> StateDict:
+    """An optimizer's per-parameter state as flat tensors (``<param index>.<field>``).
+
+    Hyper-parameters are not saved: they come from the run's spec when the state is loaded.
+    """
+    out: StateDict = {}
+    for idx, fields in optimizer.state_dict()["state"].items():
+        for name, value in fields.items():
+            out[f"{idx}.{name}"] = value if torch.is_tensor(value) else torch.tensor(value)
+    return out
+
+
+def load_optimizer_tensors(optimizer: torch.optim.Optimizer, tensors: StateDict) -> None:
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    for key, value in tensors.items():
+        idx, _, name = key.partition(".")
+        state.setdefault(int(idx), {})[name] = value
+    optimizer.load_state_dict({"state": state,
+                               "param_groups": optimizer.state_dict()["param_groups"]})

@@ -8,6 +8,7 @@ into the model's input and is applied to training data and to served requests al
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,6 +54,17 @@ class Recipe:
     def default_config(self) -> dict[str, Any]:
         """The model configuration used unless a run (or an ensemble member) varies it."""
         return {}
+
+    def config_space(self) -> dict[str, list[Any]]:
+        """Choices an ensemble draws each member's variation from (``lr_scale`` scales ``lr``).
+
+        Empty by default: members then differ by seed (and bootstrap sample) only.
+        """
+        return {}
+
+    def member_config(self, member: int, rng: random.Random) -> dict[str, Any]:
+        """Ensemble member ``member``'s variation: one independent draw per key of the space."""
+        return {key: rng.choice(choices) for key, choices in sorted(self.config_space().items())}
 
     def input_shape(self) -> list[int]:
         """Shape of one raw input row (without the batch dimension)."""

@@ -37,6 +37,11 @@ class DigitsMLP(Recipe):
     def default_config(self) -> dict[str, Any]:
         return {"hidden": [256], "dropout": 0.1}
 
+    def config_space(self) -> dict[str, list[Any]]:
+        return {"hidden": [[128], [256], [512], [256, 128], [128, 128]],
+                "dropout": [0.0, 0.1, 0.2, 0.3],
+                "lr_scale": [0.5, 1.0, 2.0]}
+
     def model(self, config: dict[str, Any]) -> nn.Module:
         layers: list[nn.Module] = []
         width = 64

@@ -1,0 +1,66 @@
+"""Loading a run's result — one fused model or a voting ensemble — for evaluation and serving."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .errors import TensorTurnError
+from .recipes import Recipe, resolve
+from .tensors import ENSEMBLE_FORMAT, MODEL_FORMAT, from_bytes, metadata_of
+
+
+@dataclass
+class Predictor:
+    """A recipe plus one or more models and a vote rule ("single", "soft" or "hard")."""
+
+    recipe: Recipe
+    models: list[nn.Module]
+    vote: str
+    members: list[dict]
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> "Predictor":
+        meta = metadata_of(data)
+        fmt = meta.get("format")
+        if fmt not in (MODEL_FORMAT, ENSEMBLE_FORMAT):
+            raise TensorTurnError(f"not a TensorTurn model file (format {fmt!r})")
+        recipe = resolve(meta["recipe"], json.loads(meta.get("recipe_options", "{}")))
+        tensors = from_bytes(data)
+        if fmt == MODEL_FORMAT:
+            model = recipe.model(json.loads(meta["config"]))
+            model.load_state_dict(tensors)
+            return cls(recipe, [model.eval()], "single", [])
+        members = json.loads(meta["members"])
+        models = []
+        for entry in members:
+            prefix = f"m{entry['member']}."
+            model = recipe.model(entry["config"])
+            model.load_state_dict({k[len(prefix):]: v for k, v in tensors.items()
+                                   if k.startswith(prefix)})
+            models.append(model.eval())
+        return cls(recipe, models, meta["vote"], members)
+
+    @torch.no_grad()
+    def member_probabilities(self, x: torch.Tensor) -> torch.Tensor:
+        """(members, rows, classes) probabilities for preprocessed inputs ``x``."""
+        return torch.stack([self.recipe.predict_proba(m, x) for m in self.models])
+
+    @torch.no_grad()
+    def predict(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(labels, probabilities, member probabilities) for preprocessed inputs ``x``.
+
+        Soft vote: the mean of the members' probabilities. Hard vote: each member's top class
+        is one vote; ``probabilities`` are the vote shares, and ties go to the class with the
+        higher mean probability.
+        """
+        per_member = self.member_probabilities(x)
+        mean = per_member.mean(0)
+        if self.vote != "hard":
+            return mean.argmax(-1), mean, per_member
+        votes = nn.functional.one_hot(per_member.argmax(-1), mean.shape[-1]).float().mean(0)
+        labels = (votes + 1e-6 * mean).argmax(-1)
+        return labels, votes, per_member

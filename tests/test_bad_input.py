@@ -1,0 +1,239 @@
+"""Mistakes a user can make, through the real CLI: one clear line, no traceback, nothing queued."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+
+import pytest
+import redis
+
+from conftest import clean_env, tt
+from tensorturn.local import free_port
+
+RUN = ("run",)
+SMALL = ("--rounds", "1", "--shards", "2", "--sync-every", "2")
+
+
+def error_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("error: ")]
+
+
+def assert_clean_error(proc, exit_code: int | None = None) -> str:
+    """A non-zero exit with exactly one ``error:`` line and no traceback; returns that line."""
+    assert proc.returncode != 0, proc.stdout + proc.stderr
+    if exit_code is not None:
+        assert proc.returncode == exit_code, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stdout, proc.stdout
+    lines = error_lines(proc.stderr)
+    assert len(lines) == 1, proc.stderr
+    assert proc.stdout == "", proc.stdout
+    return lines[0]
+
+
+def assert_usage_error(proc, option: str) -> None:
+    """click's own usage error for a bad choice or a non-number."""
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert "Usage: tensorturn run" in proc.stderr
+    assert f"Invalid value for '{option}'" in proc.stderr
+    assert proc.stdout == ""
+
+
+def assert_nothing_queued(broker_url: str, store_dir) -> None:
+    r = redis.Redis.from_url(broker_url, decode_responses=True)
+    assert r.zcard("tt:runs") == 0
+    assert r.keys("*") == []  # no run hash, no Celery queue, no chord state
+    assert not (store_dir / "runs").exists()
+
+
+# ---- invalid options, with a live broker that must stay empty -----------------------------------
+
+@pytest.mark.parametrize("args,expected", [
+    (("--recipe", "nope"), "unknown recipe 'nope'"),
+    (("--recipe", "nosuchmod:thing"), "recipe 'nosuchmod:thing' failed to import: ModuleNotFoundError"),
+    (("--recipe", "digits-mlp", "--rounds", "0"), "--rounds must be a whole number ≥ 1 (got 0)"),
+    (("--recipe", "digits-mlp", "--shards", "-1"), "--shards must be a whole number ≥ 1 (got -1)"),
+    (("--recipe", "digits-mlp", "--sync-every", "0"), "--sync-every must be a whole number ≥ 1 (got 0)"),
+    (("--recipe", "digits-mlp", "--outer-momentum", "1.5"), "--outer-momentum must be in [0, 1) (got 1.5)"),
+])
+def test_invalid_run_options_are_one_line_errors(redis_server, tmp_path, args, expected):
+    store = tmp_path / "store"
+    proc = tt(*RUN, "--broker", redis_server.url, "--store", str(store), *args)
+    line = assert_clean_error(proc, exit_code=2)
+    assert expected in line
+    assert redis_server.password not in proc.stderr
+    assert_nothing_queued(redis_server.url, store)
+
+
+@pytest.mark.parametrize("args,option", [
+    (("--mode", "foo"), "--mode"),
+    (("--rounds", "abc"), "--rounds"),
+])
+def test_bad_choices_and_numbers_are_click_usage_errors(redis_server, tmp_path, args, option):
+    store = tmp_path / "store"
+    proc = tt(*RUN, "--broker", redis_server.url, "--store", str(store), "--recipe", "digits-mlp", *args)
+    assert_usage_error(proc, option)
+    assert_nothing_queued(redis_server.url, store)
+
+
+def test_local_workers_zero_starts_no_embedded_pool(tmp_path):
+    store = tmp_path / "store"
+    proc = tt(*RUN, "--recipe", "digits-mlp", "--local-workers", "0", "--store", str(store), cwd=tmp_path)
+    line = assert_clean_error(proc, exit_code=2)
+    assert "--local-workers must be a whole number ≥ 1 (got 0)" in line
+    assert "embedded pool" not in proc.stderr.replace(line, "")
+    assert not store.exists()
+
+
+def test_detach_without_broker_is_an_error(tmp_path):
+    store = tmp_path / "store"
+    proc = tt(*RUN, "--recipe", "digits-mlp", "--detach", "--store", str(store), cwd=tmp_path)
+    line = assert_clean_error(proc, exit_code=2)
+    assert "--detach needs a pool (--broker)" in line
+    assert "starting an embedded pool" not in proc.stderr
+    assert not store.exists()
+
+
+@pytest.mark.xfail(strict=True, reason="recipes.resolve only catches TypeError from the recipe's "
+                                       "constructor; any other exception escapes as a traceback")
+def test_recipe_whose_constructor_raises_is_a_clean_error(redis_server, tmp_path):
+    (tmp_path / "badinit.py").write_text(textwrap.dedent("""
+        from tensorturn.recipes.digits import DigitsMLP
+
+        class Bad(DigitsMLP):
+            def __init__(self):
+                raise ValueError("this recipe needs DATA_DIR set")
+    """))
+    store = tmp_path / "store"
+    proc = tt(*RUN, "--broker", redis_server.url, "--store", str(store), "--recipe", "badinit:Bad",
+              env=clean_env(PYTHONPATH=str(tmp_path)))
+    assert_nothing_queued(redis_server.url, store)
+    line = assert_clean_error(proc, exit_code=2)
+    assert "badinit:Bad" in line and "needs DATA_DIR set" in line
+
+
+# ---- unreachable broker and store ---------------------------------------------------------------
+
+def test_unreachable_broker_names_masked_url_and_hides_password(tmp_path):
+    port = free_port()  # nothing listens there
+    url = f"redis://:hunter2@127.0.0.1:{port}/0"
+    store = tmp_path / "store"
+    proc = tt(*RUN, "--broker", url, "--store", str(store), "--recipe", "digits-mlp", *SMALL)
+    line = assert_clean_error(proc, exit_code=3)
+    assert f"cannot reach broker redis://:***@127.0.0.1:{port}/0" in line
+    assert "hunter2" not in proc.stderr and "hunter2" not in proc.stdout
+    assert not store.exists()
+
+
+def test_unreachable_broker_from_env_for_status_and_agent(tmp_path):
+    port = free_port()
+    env = clean_env(TENSORTURN_BROKER_URL=f"redis://user:hunter2@127.0.0.1:{port}/3",
+                    TENSORTURN_STORE_URL=str(tmp_path / "store"))
+    for args in (("status", "some-run"), ("agent", "--name", "x")):
+        proc = tt(*args, env=env)
+        line = assert_clean_error(proc, exit_code=3)
+        assert f"redis://user:***@127.0.0.1:{port}/3" in line, args
+        assert "hunter2" not in proc.stderr + proc.stdout, args
+
+
+def test_unreachable_store_fails_before_the_run_is_recorded(redis_server, tmp_path):
+    port = free_port()
+    env = clean_env(AWS_ENDPOINT_URL=f"http://127.0.0.1:{port}", AWS_ACCESS_KEY_ID="testing",
+                    AWS_SECRET_ACCESS_KEY="testing-secret", AWS_DEFAULT_REGION="us-east-1",
+                    TENSORTURN_STORE_RETRIES="1", TENSORTURN_STORE_BACKOFF_S="0.05")
+    proc = tt(*RUN, "--broker", redis_server.url, "--store", "s3://bucket/x", "--recipe", "digits-mlp",
+              *SMALL, env=env)
+    assert proc.returncode == 3, proc.stderr
+    assert "Traceback" not in proc.stderr
+    lines = error_lines(proc.stderr)
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("error: store s3://bucket/x: cannot write probe/")
+    assert f"127.0.0.1:{port}" in lines[0]
+    assert "testing-secret" not in proc.stderr
+    assert proc.stdout == ""
+    r = redis.Redis.from_url(redis_server.url, decode_responses=True)
+    assert r.zcard("tt:runs") == 0
+    assert r.keys("*") == []
+
+
+def test_status_of_unknown_run_is_an_error(redis_server, tmp_path):
+    store = tmp_path / "store"
+    proc = tt("status", "nosuchrun", cwd=tmp_path)  # the default store: ./tensorturn-store
+    line = assert_clean_error(proc, exit_code=2)
+    assert "no run 'nosuchrun'" in line
+    assert not (tmp_path / "tensorturn-store").exists()  # looking does not create it
+    proc = tt("status", "nosuchrun", "--json", "--broker", redis_server.url, "--store", str(store))
+    line = assert_clean_error(proc, exit_code=2)
+    assert "no run 'nosuchrun' on the broker or in the store" in line
+
+
+# ---- a recipe that imports here but not on the workers ------------------------------------------
+
+MY_RECIPE = '''
+"""A recipe module that exists only on the submitting machine."""
+from typing import Any
+
+import torch
+from torch import nn
+
+from tensorturn.recipes import Recipe
+
+
+class Mine(Recipe):
+    name = "mine"
+    lr = 3e-3
+    batch_size = 32
+
+    def raw_data(self):
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(300, 8, generator=g)
+        y = (x.sum(1) > 0).long()
+        return x[:200], y[:200], x[200:250], y[200:250], x[250:], y[250:]
+
+    def default_config(self) -> dict[str, Any]:
+        return {"hidden": 16}
+
+    def model(self, config: dict[str, Any]) -> nn.Module:
+        return nn.Sequential(nn.Linear(8, config["hidden"]), nn.ReLU(), nn.Linear(config["hidden"], 2))
+'''
+
+
+def test_recipe_missing_on_workers_fails_the_run_with_every_attempt(pool, tmp_path):
+    (tmp_path / "myrecipe.py").write_text(MY_RECIPE)
+    proc = tt(*RUN, "--broker", pool.broker_url, "--store", pool.store_url, "--recipe", "myrecipe:Mine",
+              *SMALL, "--max-attempts", "2", "--timeout", "120", "--json",
+              env=clean_env(PYTHONPATH=str(tmp_path)))
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    doc = json.loads(proc.stdout)
+    assert doc["state"] == "failed"
+    assert doc["recipe"] == "myrecipe:Mine"
+    error = doc["error"]
+    assert "myrecipe:Mine" in error and "failed to import" in error, error
+    assert "No module named 'myrecipe'" in error
+    assert "on worker local" in error  # says where it failed
+    assert doc["model_uri"] is None and doc["model_sha256"] is None
+    assert doc["rounds"] == []
+
+    attempts = doc["attempts"]
+    assert attempts, doc
+    by_task: dict[str, list[dict]] = {}
+    for a in attempts:
+        assert a["task"] in ("r0/shard-0", "r0/shard-1"), a
+        assert a["worker"].startswith(("local1@", "local2@")), a
+        by_task.setdefault(a["task"], []).append(a)
+    for task, entries in by_task.items():
+        assert sorted(e["attempt"] for e in entries) == list(range(1, len(entries) + 1)), entries
+        assert len(entries) <= 2, entries  # never more than --max-attempts
+    finished = [a for a in attempts if a["finished_at"] is not None]
+    assert finished
+    for a in finished:
+        assert a["outcome"].startswith("failed: recipe 'myrecipe:Mine' failed to import"), a
+        assert a["finished_at"] >= a["started_at"]
+    # the task named in the run's error used up both of its attempts, each recorded as failed
+    failed_task = error.split(":", 1)[0]
+    assert failed_task in by_task, error
+    assert [e["outcome"].startswith("failed:") for e in by_task[failed_task]] == [True, True]
+    assert "succeeded" not in {a["outcome"] for a in attempts}

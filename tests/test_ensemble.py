@@ -1,0 +1,123 @@
+"""Ensemble mode end to end: diverse members, the vote, a lost machine, a member that drops out."""
+
+import json
+import os
+import signal
+import textwrap
+import time
+
+import pytest
+import redis
+
+from conftest import clean_env, tt, tt_json
+from tensorturn import client
+from tensorturn.local import LocalPool
+from tensorturn.runs import RunBoard, RunSpec
+
+
+def test_vote_beats_the_mean_member(tmp_path):
+    doc = tt_json("run", "--mode", "ensemble", "--recipe", "digits-mlp", "--members", "4",
+                  "--local-workers", "2", "--json", cwd=tmp_path)
+    assert doc["state"] == "succeeded"
+    members = doc["members"]
+    assert [m["state"] for m in members] == ["succeeded"] * 4
+    m = doc["metrics"]
+    assert m["test_accuracy"] >= m["member_mean_test_accuracy"] + 0.005
+    assert m["test_loss"] < m["member_mean_test_loss"]
+    assert 0 < m["disagreement"] < 0.5
+    # genuine diversity, recorded per member
+    assert len({json.dumps(x["config"]["model"], sort_keys=True) + str(x["config"]["lr"])
+                for x in members}) > 1
+    assert len({x["config"]["seed"] for x in members}) == 4
+    mean = sum(x["metrics"]["test_accuracy"] for x in members) / 4
+    assert m["member_mean_test_accuracy"] == pytest.approx(mean)
+    assert doc["model_uri"].endswith("/final/ensemble.safetensors") and doc["model_sha256"]
+
+
+def _attempts(doc, task):
+    return [a for a in doc["attempts"] if a["task"] == task]
+
+
+def test_a_lost_machine_costs_one_segment_not_the_member(tmp_path):
+    store = (tmp_path / "store").as_uri()
+    with LocalPool(2, store, workdir=tmp_path / "pool", loglevel="INFO") as pool:
+        spec = RunSpec(mode="ensemble", recipe="digits-mlp", store_url=store, members=2,
+                       segments=3, segment_steps=2500)
+        client.submit(spec, pool.broker_url)
+        board = RunBoard(redis.Redis.from_url(pool.broker_url, decode_responses=True))
+        victim = None
+        deadline = time.monotonic() + 120
+        while victim is None and time.monotonic() < deadline:
+            for a in board.attempts(spec.run_id):
+                if a["task"].endswith("/seg-1") and a["outcome"] == "running":
+                    victim = a
+                    break
+            time.sleep(0.1)
+        assert victim is not None, "no second segment started"
+        index = int(victim["worker"].split("@")[0].removeprefix("local")) - 1
+        os.killpg(pool.agents[index].pid, signal.SIGKILL)  # the machine drops
+        doc = client.wait(pool.broker_url, spec.run_id, timeout_s=240)
+
+    assert doc["state"] == "succeeded", doc.get("error")
+    member = victim["task"].split("/")[0]
+    seg0, seg1 = _attempts(doc, f"{member}/seg-0"), _attempts(doc, f"{member}/seg-1")
+    assert [a["outcome"] for a in seg0] == ["succeeded"]          # not trained again
+    assert seg1[0]["outcome"].startswith("lost") and seg1[-1]["outcome"] == "succeeded"
+    assert seg1[-1]["worker"] != victim["worker"]                 # resumed on the other agent
+    m = next(x for x in doc["members"] if f"m{x['member']}" == member)
+    assert m["state"] == "succeeded" and len(m["workers"]) == 2
+
+
+FLAKY = textwrap.dedent('''
+    from tensorturn.recipes.digits import DigitsMLP
+
+    class Flaky(DigitsMLP):
+        """Member 1 always fails: its model cannot be built."""
+
+        def member_config(self, member, rng):
+            return {**super().member_config(member, rng), "fail": member == 1}
+
+        def model(self, config):
+            if config.get("fail"):
+                raise RuntimeError("member 1 is broken on purpose")
+            return super().model(config)
+''')
+
+
+def test_a_member_that_always_fails_drops_out_of_the_vote(tmp_path):
+    (tmp_path / "flaky_recipe.py").write_text(FLAKY)
+    proc = tt("run", "--mode", "ensemble", "--recipe", "flaky_recipe:Flaky", "--members", "3",
+              "--segments", "2", "--segment-steps", "50", "--max-attempts", "2",
+              "--local-workers", "2", "--json", env=clean_env(PYTHONPATH=str(tmp_path)),
+              cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    doc = json.loads(proc.stdout)
+    assert doc["state"] == "succeeded"
+    states = {m["member"]: m["state"] for m in doc["members"]}
+    assert states == {0: "succeeded", 1: "dropped", 2: "succeeded"}
+    dropped = doc["members"][1]
+    assert "failed 2 attempts" in dropped["reason"] and "broken on purpose" in dropped["reason"]
+    assert [a["outcome"][:6] for a in _attempts(doc, "m1/seg-0")] == ["failed", "failed"]
+    assert doc["metrics"]["members_succeeded"] == 2 and doc["metrics"]["members_dropped"] == 1
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--members", "0"], "--members must be a whole number"),
+    (["--members", "2", "--min-members", "3"], "--min-members (3) cannot exceed --members (2)"),
+    (["--members", "2", "--segments", "0"], "--segments must be a whole number"),
+])
+def test_bad_ensemble_options_queue_nothing(redis_server, tmp_path, args, message):
+    proc = tt("run", "--mode", "ensemble", "--recipe", "digits-mlp", "--broker", redis_server.url,
+              "--store", str(tmp_path / "s"), *args)
+    assert proc.returncode == 2
+    assert message in proc.stderr and "Traceback" not in proc.stderr
+    r = redis.Redis.from_url(redis_server.url)
+    assert r.zcard("tt:runs") == 0 and r.llen("celery") == 0
+    assert not (tmp_path / "s").exists()
+
+
+def test_unknown_vote_rule_is_refused(redis_server):
+    proc = tt("run", "--mode", "ensemble", "--recipe", "digits-mlp", "--broker", redis_server.url,
+              "--vote", "plurality")
+    assert proc.returncode == 2 and "'plurality' is not one of" in proc.stderr
+    assert redis.Redis.from_url(redis_server.url).zcard("tt:runs") == 0

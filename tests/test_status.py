@@ -1,0 +1,144 @@
+"""`status` and `runs` after an embedded run: the JSON contract, read back from the manifest."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from urllib.parse import unquote, urlsplit
+
+import pytest
+
+from conftest import tt, tt_json
+
+SHARDS, SYNC_EVERY, BATCH = 2, 2, 32  # digits-mlp's batch size is 32
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    """One small embedded run (its private Redis is gone once `run` returns)."""
+    work = tmp_path_factory.mktemp("status")
+    store = work / "store"
+    doc = tt_json("run", "--recipe", "digits-mlp", "--local-workers", "1", "--rounds", "1",
+                  "--shards", str(SHARDS), "--sync-every", str(SYNC_EVERY), "--store", str(store),
+                  "--json", cwd=work)
+    return store, doc
+
+
+def path_of(uri: str) -> Path:
+    assert uri.startswith("file:///"), uri
+    return Path(unquote(urlsplit(uri).path))
+
+
+def test_run_json_has_the_contract_fields(finished_run):
+    store, doc = finished_run
+    run_id = doc["run_id"]
+    assert doc["state"] == "succeeded", doc.get("error")
+    assert doc["mode"] == "fused"
+    assert doc["recipe"] == "digits-mlp"
+    assert doc["error"] is None
+    assert set(doc["metrics"]) >= {"test_accuracy", "test_loss"}
+    assert 0.0 <= doc["metrics"]["test_accuracy"] <= 1.0
+    assert doc["metrics"]["test_loss"] > 0
+    assert doc["model_uri"] == (store / "runs" / run_id / "final" / "model.safetensors").as_uri()
+    assert len(doc["model_sha256"]) == 64
+
+    assert len(doc["rounds"]) == 1
+    r0 = doc["rounds"][0]
+    assert r0["round"] == 0
+    assert r0["loss"] > 0
+    assert r0["samples"] == SHARDS * SYNC_EVERY * BATCH
+    assert r0["bytes"] == r0["bytes_up"] + r0["bytes_down"]
+    assert doc["bytes_up"] == r0["bytes_up"] and doc["bytes_down"] == r0["bytes_down"]
+
+    # the byte counts are those of the objects actually moved through the store
+    run_dir = store / "runs" / run_id
+    shard_sizes = sum((run_dir / "r0000" / f"shard-{k:03d}.safetensors").stat().st_size
+                      for k in range(SHARDS))
+    assert doc["bytes_up"] == shard_sizes
+    assert doc["bytes_down"] == SHARDS * (run_dir / "global" / "r0000.safetensors").stat().st_size
+
+    tasks = sorted(a["task"] for a in doc["attempts"])
+    assert tasks == [f"r0/shard-{k}" for k in range(SHARDS)]
+    for a in doc["attempts"]:
+        assert a["outcome"] == "succeeded"
+        assert a["worker"].startswith("local1@")
+        assert a["attempt"] == 1
+        assert a["started_at"] <= a["finished_at"]
+
+
+def test_model_file_hashes_to_model_sha256(finished_run):
+    _, doc = finished_run
+    data = path_of(doc["model_uri"]).read_bytes()
+    assert hashlib.sha256(data).hexdigest() == doc["model_sha256"]
+    # the final model is the global weights after the last round
+    last = path_of(doc["model_uri"]).parent.parent / "global" / "r0001.safetensors"
+    assert last.read_bytes() == data
+
+
+def test_status_reads_the_manifest_after_the_embedded_pool_is_gone(finished_run):
+    store, doc = finished_run
+    st = tt_json("status", doc["run_id"], "--store", str(store), "--json")
+    for field in ("run_id", "mode", "state", "recipe", "metrics", "model_uri", "model_sha256",
+                  "rounds", "attempts", "bytes_up", "bytes_down", "error", "finished_at"):
+        assert st[field] == doc[field], field
+    assert st["spec"]["rounds"] == 1 and st["spec"]["shards"] == SHARDS
+
+
+def test_status_falls_back_to_the_store_when_the_broker_does_not_know_the_run(finished_run,
+                                                                               redis_server):
+    store, doc = finished_run
+    st = tt_json("status", doc["run_id"], "--broker", redis_server.url, "--store", str(store), "--json")
+    assert (st["run_id"], st["state"], st["model_sha256"]) == (
+        doc["run_id"], "succeeded", doc["model_sha256"])
+
+
+def test_status_human_output(finished_run):
+    store, doc = finished_run
+    proc = tt("status", doc["run_id"], "--store", str(store))
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert f"run {doc['run_id']}: succeeded" in out
+    assert f"sha256: {doc['model_sha256']}" in out
+    assert f"model: {doc['model_uri']}" in out
+    assert "test_accuracy:" in out
+    assert "round 0: loss" in out
+
+
+def test_runs_lists_the_run_from_the_store(finished_run):
+    store, doc = finished_run
+    items = tt_json("runs", "--store", str(store), "--json")
+    assert [m["run_id"] for m in items] == [doc["run_id"]]
+    m = items[0]
+    assert (m["mode"], m["state"], m["recipe"]) == ("fused", "succeeded", "digits-mlp")
+    assert m["metrics"] == doc["metrics"]
+    assert m["error"] is None
+    assert m["created_at"] == doc["created_at"]
+
+
+@pytest.mark.xfail(strict=True, reason="LocalPool.stop SIGTERMs each agent's whole process group; "
+                                       "Celery resets SIGTERM to the default in prefork children, so "
+                                       "a running task is killed instead of finishing (warm shutdown), "
+                                       "and an embedded run can stop before its final manifest is written")
+def test_stopping_the_pool_lets_a_running_task_finish(tmp_path, monkeypatch):
+    import time
+
+    from tensorturn import settings
+    from tensorturn.local import LocalPool
+    from tensorturn.runs import RunBoard, check_broker
+
+    monkeypatch.setenv(settings.BROKER_ENV, "redis://127.0.0.1:1/0")  # LocalPool points it elsewhere
+    store = tmp_path / "store"
+    with LocalPool(1, store.as_uri(), workdir=tmp_path / "pool") as pool:
+        # one shard of 2000 steps: a few seconds, well within the 10 s shutdown grace
+        doc = tt_json("run", "--broker", pool.broker_url, "--store", str(store), "--recipe",
+                      "digits-mlp", "--rounds", "1", "--shards", "1", "--sync-every", "2000",
+                      "--detach", "--json")
+        board = RunBoard(check_broker(pool.broker_url))
+        for _ in range(1200):  # until the agent has started the shard (bounded, not timed)
+            if board.attempts(doc["run_id"]):
+                break
+            time.sleep(0.05)
+        assert [a["outcome"] for a in board.attempts(doc["run_id"])] == ["running"]
+    # leaving the block stops the pool; a warm shutdown finishes the task and stores its output
+    shard = store / "runs" / doc["run_id"] / "r0000" / "shard-000.safetensors"
+    assert shard.exists(), (tmp_path / "pool" / "agent-1.log").read_text()[-2000:]
