@@ -62,6 +62,9 @@ app.conf.update(
     broker_connection_retry_on_startup=True,
     broker_connection_max_retries=None,  # an agent reconnects forever
     result_expires=7 * 24 * 3600,
+    # ride out a broker restart instead of failing the task that is storing its result
+    result_backend_always_retry=True,
+    result_backend_max_retries=30,
     result_extended=True,
     task_track_started=True,
     worker_send_task_events=True,
@@ -75,8 +78,18 @@ app.conf.update(
 def configure(broker_url: str) -> None:
     """Point the app (broker and result backend) at ``broker_url``; call before first use."""
     os.environ[BROKER_ENV] = broker_url
+    if app.conf.broker_url == broker_url and app.conf.result_backend == broker_url:
+        return
     app.conf.broker_url = broker_url
     app.conf.result_backend = broker_url
+    # Drop connections and the result backend cached for the previous URL (one process may
+    # follow several pools: tests, or an embedded pool after a remote one).
+    app._pool = None
+    amqp = app.__dict__.get("amqp")
+    if amqp is not None:
+        amqp._producer_pool = None
+    app._backend_cache = None
+    app._local.__dict__.pop("backend", None)
 
 
 # The lease keeper runs in every worker's main process.

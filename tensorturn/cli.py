@@ -235,46 +235,90 @@ def _run_on(broker: str, spec, detach: bool, timeout_s, as_json: bool) -> dict:
     if detach:
         return doc
     click.echo(f"run {spec.run_id} queued on {settings.mask_url(broker)}", err=True)
-    return _follow(broker, spec, timeout_s, as_json)
+    return _follow(broker, spec.run_id, timeout_s)
 
 
-def _follow(broker: str, spec, timeout_s, as_json: bool) -> dict:
+def _follow(broker: str, run_id: str, timeout_s) -> dict:
     from . import client
-
     from .runs import RunBoard, check_broker
 
-    spec_doc = RunBoard(check_broker(broker)).describe(spec.run_id)["spec"]
+    spec_doc = RunBoard(check_broker(broker)).describe(run_id)["spec"]
     progress = RunProgress(spec_doc)
     try:
-        return client.wait(broker, spec.run_id, on_update=progress, timeout_s=timeout_s)
+        return client.wait(broker, run_id, on_update=progress, timeout_s=timeout_s)
     finally:
         progress.close()
 
 
-def _run_embedded(spec, local_workers: int, timeout_s, as_json: bool) -> dict:
-    from . import client
+def _embedded(run_id: str, store_url: str, local_workers: int, timeout_s, start) -> dict:
+    """Start a private pool, call ``start(broker_url)``, follow the run, stop the pool."""
     from .local import LocalPool
     from .runs import RunBoard, check_broker, write_manifest
     from .store import open_store
 
     click.echo(f"starting an embedded pool: redis-server + {local_workers} local agents; "
-               f"store {settings.mask_url(spec.store_url)}", err=True)
+               f"store {settings.mask_url(store_url)}", err=True)
     t0 = time.monotonic()
-    with LocalPool(local_workers, spec.store_url) as pool:
-        click.echo(f"pool ready in {time.monotonic() - t0:.1f}s; run {spec.run_id}", err=True)
-        client.submit(spec, pool.broker_url)
+    with LocalPool(local_workers, store_url) as pool:
+        click.echo(f"pool ready in {time.monotonic() - t0:.1f}s; run {run_id}", err=True)
+        start(pool.broker_url)
+        board = RunBoard(check_broker(pool.broker_url))
         try:
-            doc = _follow(pool.broker_url, spec, timeout_s, as_json)
+            doc = _follow(pool.broker_url, run_id, timeout_s)
         except KeyboardInterrupt:
-            board = RunBoard(check_broker(pool.broker_url))
-            board.fail(spec.run_id, "interrupted (Ctrl-C); the embedded pool was stopped")
-            write_manifest(open_store(spec.store_url), board, spec.run_id)
+            board.fail(run_id, "interrupted (Ctrl-C); the embedded pool was stopped. "
+                               f"Continue with: tensorturn resume {run_id}")
+            write_manifest(open_store(store_url), board, run_id)
             raise
         if doc["state"] not in ("succeeded", "failed"):
-            board = RunBoard(check_broker(pool.broker_url))
-            board.fail(spec.run_id, f"did not finish within --timeout {timeout_s}s")
-            doc = write_manifest(open_store(spec.store_url), board, spec.run_id)
+            board.fail(run_id, f"did not finish within --timeout {timeout_s}s; "
+                               f"continue with: tensorturn resume {run_id}")
+        # the manifest must hold the final state before this pool (and its Redis) goes away
+        doc = write_manifest(open_store(store_url), board, run_id)
     return doc
+
+
+def _run_embedded(spec, local_workers: int, timeout_s, as_json: bool) -> dict:
+    from . import client
+
+    return _embedded(spec.run_id, spec.store_url, local_workers, timeout_s,
+                     lambda broker: client.submit(spec, broker))
+
+
+@cli.command()
+@click.argument("run_id")
+@click.option("--local-workers", type=click.IntRange(min=1), default=2, show_default=True,
+              help="Embedded pool only: agent processes to start on this machine.")
+@click.option("--detach", is_flag=True, help="Queue the remaining work and return (needs --broker).")
+@click.option("--timeout", "timeout_s", type=float, default=None,
+              help="Stop waiting after this many seconds.")
+@click.option("--json", "as_json", is_flag=True, help="Print the run as one JSON object on stdout.")
+@pool_options
+def resume(broker, store, run_id, local_workers, detach, timeout_s, as_json):
+    """Continue a run from the last complete round or checkpoints in the store.
+
+    For a run whose chain was lost: Redis lost its data, the embedded pool was stopped, or the
+    run failed and its cause is fixed. Needs only the store (and a pool, or --local-workers).
+    """
+    from . import client
+    from .errors import SpecError
+
+    if detach and broker is None:
+        raise SpecError("--detach needs a pool (--broker): an embedded pool stops when `resume` exits")
+
+    def start(broker_url: str) -> None:
+        _, what = client.resume(run_id, broker_url, store)
+        click.echo(f"run {run_id}: {what}", err=True)
+
+    if broker:
+        start(broker)
+        doc = (client.describe(run_id, broker, store) if detach
+               else _follow(broker, run_id, timeout_s))
+    else:
+        doc = _embedded(run_id, store, local_workers, timeout_s, start)
+    print_result(doc, as_json)
+    if doc["state"] == "failed":
+        sys.exit(1)
 
 
 # ---- status / runs ----------------------------------------------------------------------------

@@ -45,6 +45,43 @@ def submit(spec: RunSpec, broker_url: str) -> dict[str, Any]:
     return board.describe(spec.run_id)
 
 
+def resume(run_id: str, broker_url: str, store_url: str) -> tuple[dict[str, Any], str]:
+    """Continue a run whose chain was lost (say Redis lost its data) from the store alone.
+
+    Returns the run's description and a sentence on what was resumed.
+    """
+    from . import ensemble, fused
+    from .celery_app import configure
+    from .errors import SpecError
+    from .runs import load_spec
+
+    store = open_store(store_url)
+    try:
+        spec = load_spec(store, run_id)
+    except ObjectMissing:
+        raise NotFound(f"no run {run_id!r} in the store {store_url}") from None
+    client = check_broker(broker_url)
+    configure(broker_url)
+    board = RunBoard(client)
+    if board.exists(run_id):
+        if board.state(run_id) == "succeeded":
+            raise SpecError(f"run {run_id} already succeeded; nothing to resume")
+        board.reopen(run_id)
+    else:
+        try:
+            manifest = store.get_json(manifest_key(run_id))
+        except ObjectMissing:
+            manifest = None
+        if manifest and manifest.get("state") == "succeeded":
+            raise SpecError(f"run {run_id} already succeeded; nothing to resume")
+        board.restore(spec, manifest)
+    if spec.store_url != store.url:  # the store moved: tasks follow the one given here
+        spec.store_url = store.url
+        store.put_json(f"runs/{run_id}/spec.json", spec.to_json())
+    what = (fused if spec.mode == "fused" else ensemble).resume(spec, store, board)
+    return board.describe(run_id), what
+
+
 def online_workers(timeout_s: float = 1.0) -> list[str]:
     """Names of the agents that answer a ping on the configured broker."""
     from .celery_app import app

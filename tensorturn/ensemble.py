@@ -246,3 +246,31 @@ def vote(self, run_id: str, store_url: str) -> dict[str, str]:
                  model_sha256=sha)
     write_manifest(store, board, run_id)
     return {"run_id": run_id}
+
+
+def resume(spec: RunSpec, store: Store, board: RunBoard) -> str:
+    """Continue every unfinished member from its last checkpoint in the store."""
+    recipe = resolve(spec.recipe, spec.recipe_options)
+    resumed = []
+    for entry in member_plan(spec, recipe):
+        m = entry["member"]
+        info = board.member(spec.run_id, m)
+        if not info:
+            info = {"member": m, "state": "queued", "config": entry, "metrics": {},
+                    "workers": [], "segments_done": 0, "reason": None}
+            board.record_member(spec.run_id, m, info)
+        if info["state"] in ("succeeded", "dropped"):
+            board.member_done(spec.run_id, m)
+            continue
+        stored = [j for j in range(spec.segments) if store.exists(segment_key(spec.run_id, m, j))]
+        j = max(stored) + 1 if stored else 0
+        _update_member(board, spec.run_id, m, segments_done=j)
+        if j >= spec.segments:
+            _finish_member(spec, store, board, m)
+        else:
+            board.claim(spec.run_id, f"m{m}/seg-{j}")
+            train_segment.delay(spec.run_id, spec.store_url, m, j)
+            resumed.append(f"member {m} at segment {j}")
+    if not resumed and board.claim(spec.run_id, "vote"):
+        vote.delay(spec.run_id, spec.store_url)
+    return "resumed " + (", ".join(resumed) if resumed else "the vote")

@@ -57,6 +57,10 @@ def shard_key(run_id: str, r: int, k: int) -> str:
     return f"runs/{run_id}/r{r:04d}/shard-{k:03d}.safetensors"
 
 
+def round_key(run_id: str, r: int) -> str:
+    return f"runs/{run_id}/rounds/r{r:04d}.json"
+
+
 def final_key(run_id: str) -> str:
     return f"runs/{run_id}/final/model.safetensors"
 
@@ -156,6 +160,10 @@ def dispatch_round(spec: RunSpec, r: int) -> None:
 
 # ---- tasks ------------------------------------------------------------------------------------
 
+class UpdateRejected(Exception):
+    """A shard's pseudo-gradient is non-finite or absurdly large; the shard is trained again."""
+
+
 @app.task(bind=True, name="tensorturn.fused.train_shard")
 def train_shard(self, run_id: str, store_url: str, r: int, k: int) -> dict[str, int]:
     """Train shard k for one round from θ_r and upload its pseudo-gradient."""
@@ -165,25 +173,38 @@ def train_shard(self, run_id: str, store_url: str, r: int, k: int) -> dict[str, 
         return result
     out_key = shard_key(run_id, r, k)
     task = f"r{r}/shard-{k}"
-    attempt, n = board.start_attempt(run_id, task, self.request.hostname or "?")
+    worker = self.request.hostname or "?"
+    attempt, n = board.start_attempt(run_id, task, worker)
     spec = load_spec(store, run_id)
     if n > spec.max_attempts:
         board.finish_attempt(run_id, attempt, "refused: attempt limit reached")
+        board.incident(run_id, "attempt_limit", task, worker,
+                       f"attempt {n} refused: the task already had {spec.max_attempts}")
         board.fail(run_id, f"{task} failed {spec.max_attempts} attempts")
+        write_manifest(store, board, run_id)
         return result
-    if store.exists(out_key):  # an earlier attempt finished; a second run is harmless
+    if store.exists(out_key) or store.exists(global_key(run_id, r + 1)):
         board.finish_attempt(run_id, attempt, "duplicate: output already stored")
+        board.incident(run_id, "duplicate_ignored", task, worker,
+                       "the shard's output was already stored; nothing was trained or counted")
         return result
     try:
         up, down = _train_shard(spec, store, r, k, out_key)
     except Exception as exc:  # noqa: BLE001 - recorded, then retried or failed
-        message = _describe_failure(exc, self.request.hostname)
+        message = _describe_failure(exc, worker)
         board.finish_attempt(run_id, attempt, f"failed: {message}")
+        if isinstance(exc, UpdateRejected):
+            board.incident(run_id, "update_rejected", task, worker, str(exc))
         if n < spec.max_attempts:
             raise self.retry(countdown=1, max_retries=None) from None
         board.fail(run_id, f"{task}: {message}")
         write_manifest(store, board, run_id)
         raise
+    if up is None:  # another attempt stored the output while this one trained
+        board.finish_attempt(run_id, attempt, "late: output already stored")
+        board.incident(run_id, "late_ignored", task, worker,
+                       "a late attempt finished after another stored the output; discarded")
+        return result
     board.add_bytes(run_id, task, up, down)
     board.finish_attempt(run_id, attempt, "succeeded")
     return result
@@ -197,8 +218,20 @@ def _describe_failure(exc: Exception, worker: str | None) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def _train_shard(spec: RunSpec, store: Store, r: int, k: int, out_key: str) -> tuple[int, int]:
-    """Returns (bytes uploaded, bytes downloaded)."""
+def check_update(delta: StateDict, theta: StateDict, max_ratio: float) -> None:
+    """Raise UpdateRejected for a non-finite pseudo-gradient or one far larger than the weights."""
+    if not is_finite(delta):
+        raise UpdateRejected("non-finite (NaN/Inf) pseudo-gradient")
+    d_norm = torch.sqrt(sum((v.float() ** 2).sum() for v in delta.values()))
+    w_norm = torch.sqrt(sum((theta[k].float() ** 2).sum() for k in delta))
+    if float(d_norm) > max_ratio * max(float(w_norm), 1e-12):
+        raise UpdateRejected(f"pseudo-gradient norm {float(d_norm):.3g} exceeds {max_ratio:g}× "
+                             f"the weights' norm {float(w_norm):.3g}")
+
+
+def _train_shard(spec: RunSpec, store: Store, r: int, k: int,
+                 out_key: str) -> tuple[int | None, int]:
+    """Returns (bytes uploaded, or None when another attempt got there first; bytes downloaded)."""
     set_threads(spec.threads_per_task)
     recipe = recipe_of(spec)
     device = pick_device()
@@ -210,15 +243,19 @@ def _train_shard(spec: RunSpec, store: Store, r: int, k: int, out_key: str) -> t
     lr = spec.lr or recipe.lr
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=recipe.weight_decay)
     rows = shard_rows(len(splits.y_train), spec.shards, k, spec.seed)
-    loss, samples = train_steps(
-        recipe, model, opt, splits.x_train, splits.y_train, rows, spec.sync_every,
-        spec.batch_size or recipe.batch_size, derive_seed(spec.seed, r, k), device)
+    try:
+        loss, samples = train_steps(
+            recipe, model, opt, splits.x_train, splits.y_train, rows, spec.sync_every,
+            spec.batch_size or recipe.batch_size, derive_seed(spec.seed, r, k), device)
+    except FloatingPointError as exc:
+        raise UpdateRejected(str(exc)) from None
     trained = {name: v.detach().cpu() for name, v in model.state_dict().items()}
     delta = {name: theta[name].float() - trained[name].float() for name in float_keys(theta)}
-    if not is_finite(delta):
-        raise FloatingPointError(f"shard {k} produced a non-finite pseudo-gradient")
+    check_update(delta, theta, spec.max_update_ratio)
     blob = delta_bytes(delta, spec.codec, {"samples": str(samples), "loss": repr(loss),
                                            "bytes_down": str(len(theta_bytes))})
+    if store.exists(out_key):  # never overwrite: the round may already have used it
+        return None, len(theta_bytes)
     store.put_bytes(out_key, blob)
     return len(blob), len(theta_bytes)
 
@@ -240,6 +277,7 @@ def outer_step(self, _results: list, run_id: str, store_url: str, r: int) -> dic
         write_manifest(store, board, run_id)
         raise
     board.record_round(run_id, r, info)
+    store.put_json(round_key(run_id, r), info)
     if r + 1 < spec.rounds:
         write_manifest(store, board, run_id)
         if board.claim(run_id, f"dispatch-r{r + 1}"):
@@ -311,3 +349,19 @@ def _finalize(spec: RunSpec, store: Store, board: RunBoard) -> None:
     board.finish(run_id, "succeeded", metrics=metrics, model_uri=store.uri(final_key(run_id)),
                  model_sha256=sha)
     write_manifest(store, board, run_id)
+
+
+def resume(spec: RunSpec, store: Store, board: RunBoard) -> str:
+    """Continue from the last round whose global weights are in the store; says what it did."""
+    done = [int(key.rsplit("/r", 1)[1][:4]) for key in store.list(f"runs/{spec.run_id}/global/")
+            if key.endswith(".safetensors")]
+    r = max(done, default=0)
+    for past in range(r):  # rounds the broker forgot are rebuilt from the store
+        if store.exists(round_key(spec.run_id, past)):
+            board.record_round(spec.run_id, past, store.get_json(round_key(spec.run_id, past)))
+    if r >= spec.rounds:
+        _finalize(spec, store, board)
+        return f"all {spec.rounds} rounds were complete; finalized"
+    board.claim(spec.run_id, f"dispatch-r{r}")
+    dispatch_round(spec, r)
+    return f"resumed at round {r} of {spec.rounds}"

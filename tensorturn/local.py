@@ -103,31 +103,34 @@ def agent_command(name: str, concurrency: int = 1) -> list[str]:
             "--concurrency", str(concurrency)]
 
 
-def stop_process_group(proc: subprocess.Popen, grace: float = 10.0) -> None:
-    """SIGTERM the process group (warm shutdown), then SIGKILL whatever is left."""
+def stop_process_group(proc: subprocess.Popen, grace: float = 10.0, term: bool = True) -> None:
+    """SIGTERM the leader only (Celery's warm shutdown lets its pool children finish the task
+    at hand; SIGTERM to the whole group would kill them mid-task), then SIGKILL the group."""
     if proc.poll() is not None:
         return
     try:
-        os.killpg(proc.pid, signal.SIGTERM)
+        if term:
+            proc.terminate()
         proc.wait(grace)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
         proc.wait()
-    except ProcessLookupError:
-        pass
 
 
 class LocalPool:
-    """Private redis-server + ``workers`` agent processes; a context manager."""
+    """Private redis-server + ``workers`` agent processes (named local1, local2, ...)."""
 
     def __init__(self, workers: int, store_url: str, workdir: Path | None = None,
-                 loglevel: str = "WARNING"):
+                 loglevel: str = "WARNING", appendonly: bool = False):
         self.workers = workers
         self.store_url = store_url
         self.loglevel = loglevel
         self._tmp = None if workdir else tempfile.TemporaryDirectory(prefix="tensorturn-")
         self.workdir = Path(workdir or self._tmp.name)
-        self.redis = RedisServer(self.workdir / "redis")
+        self.redis = RedisServer(self.workdir / "redis", appendonly=appendonly)
         self.agents: list[subprocess.Popen] = []
         self.logs: list[Path] = []
 
@@ -143,23 +146,33 @@ class LocalPool:
             raise
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.stop()
+    def __exit__(self, exc_type, *exc) -> None:
+        # on Ctrl-C do not wait for running tasks: their outputs are idempotent anyway
+        self.stop(grace=3.0 if exc_type is KeyboardInterrupt else 30.0)
 
     def start(self, timeout: float = 90) -> None:
         self.redis.start()
-        env = dict(os.environ, **{BROKER_ENV: self.broker_url, STORE_ENV: self.store_url,
-                                  "TENSORTURN_LOGLEVEL": self.loglevel})
         for i in range(self.workers):
-            log_path = self.workdir / f"agent-{i + 1}.log"
-            self.logs.append(log_path)
-            with open(log_path, "wb") as out:
-                self.agents.append(subprocess.Popen(
-                    agent_command(f"local{i + 1}"), env=env, stdout=out, stderr=subprocess.STDOUT,
-                    stdin=subprocess.DEVNULL, start_new_session=True))
+            self.start_agent(i)
         self.wait_ready(timeout)
 
-    def wait_ready(self, timeout: float) -> None:
+    def start_agent(self, i: int) -> subprocess.Popen:
+        """(Re)start agent ``local<i+1>`` as its own process group, logging to the workdir."""
+        env = dict(os.environ, **{BROKER_ENV: self.broker_url, STORE_ENV: self.store_url,
+                                  "TENSORTURN_LOGLEVEL": self.loglevel})
+        log_path = self.workdir / f"agent-{i + 1}.log"
+        with open(log_path, "ab") as out:
+            proc = subprocess.Popen(agent_command(f"local{i + 1}"), env=env, stdout=out,
+                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    start_new_session=True)
+        if i < len(self.agents):
+            self.agents[i], self.logs[i] = proc, log_path
+        else:
+            self.agents.append(proc)
+            self.logs.append(log_path)
+        return proc
+
+    def wait_ready(self, timeout: float = 90) -> None:
         """Until every agent answers a ping; an agent that exits early is an error with its log."""
         from .celery_app import app, configure
 
@@ -170,21 +183,28 @@ class LocalPool:
                 if proc.poll() is not None:
                     tail = log_path.read_text(errors="replace").strip().splitlines()[-5:]
                     raise TensorTurnError("a local agent exited at start: " + " | ".join(tail))
-            replies = app.control.ping(timeout=0.5) or []
-            if len(replies) >= self.workers:
+            try:
+                replies = app.control.ping(timeout=0.5) or []
+            except Exception as exc:  # noqa: BLE001 - the broker may be restarting
+                log.debug("ping failed: %s", exc)
+                replies = []
+            if len(replies) >= len(self.agents):
                 return
             if time.monotonic() > deadline:
-                raise TensorTurnError(f"only {len(replies)} of {self.workers} local agents "
+                raise TensorTurnError(f"only {len(replies)} of {len(self.agents)} local agents "
                                       f"came up within {timeout:.0f}s (logs in {self.workdir})")
 
-    def stop(self) -> None:
+    def stop(self, grace: float = 30.0) -> None:
         for proc in self.agents:
-            try:
-                os.killpg(proc.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGCONT)  # a stopped agent cannot shut down
+                except ProcessLookupError:
+                    pass
+                proc.terminate()
+        deadline = time.monotonic() + grace
         for proc in self.agents:
-            stop_process_group(proc)
+            stop_process_group(proc, grace=max(0.1, deadline - time.monotonic()), term=False)
         self.redis.stop()
         if self._tmp is not None:
             self._tmp.cleanup()

@@ -63,6 +63,8 @@ class RunSpec:
     batch_size: int | None = None
     threads_per_task: int = 1
     max_attempts: int = 3
+    # fused: a pseudo-gradient whose norm exceeds this multiple of the weights' norm is rejected
+    max_update_ratio: float = 10.0
     created_at: float = 0.0
 
     def __post_init__(self) -> None:
@@ -133,19 +135,25 @@ def load_spec(store: Store, run_id: str) -> RunSpec:
 
 # ---- Redis ------------------------------------------------------------------------------------
 
-def redis_client(url: str) -> redis.Redis:
+def redis_client(url: str, patient: bool = True) -> redis.Redis:
+    """A client that rides out a broker restart: connection errors are retried with backoff for
+    about a minute (``patient=False`` gives up at once, for probing)."""
+    from redis.backoff import ExponentialBackoff
+    from redis.retry import Retry
+
+    retry = Retry(ExponentialBackoff(cap=4.0, base=0.1), 20 if patient else 0)
     return redis.Redis.from_url(url, socket_connect_timeout=5, socket_keepalive=True,
-                                health_check_interval=10, decode_responses=True)
+                                health_check_interval=10, decode_responses=True, retry=retry,
+                                retry_on_error=[redis.ConnectionError, redis.TimeoutError])
 
 
 def check_broker(url: str) -> redis.Redis:
     """A client for ``url`` after a successful PING; BrokerError (URL masked) otherwise."""
-    client = redis_client(url)
     try:
-        client.ping()
+        redis_client(url, patient=False).ping()
     except redis.RedisError as exc:
         raise BrokerError(f"cannot reach broker {mask_url(url)}: {mask_text(str(exc))}") from None
-    return client
+    return redis_client(url)
 
 
 def _k(run_id: str, part: str = "") -> str:
@@ -244,6 +252,9 @@ class RunBoard:
             raw = self.r.hget(_k(run_id, "attempts"), f"{task}#{i}")
             if raw and json.loads(raw)["outcome"] == "running":
                 self.finish_attempt(run_id, f"{task}#{i}", "lost: requeued to another attempt")
+                self.incident(run_id, "requeued", task, json.loads(raw)["worker"],
+                              f"attempt {i} was lost (its worker stopped answering); attempt {n} "
+                              f"started on {worker}")
         self.r.hset(_k(run_id, "attempts"), key, json.dumps({
             "task": task, "attempt": n, "worker": worker, "started_at": time.time(),
             "finished_at": None, "outcome": "running"}))
@@ -261,6 +272,41 @@ class RunBoard:
     def attempts(self, run_id: str) -> list[dict[str, Any]]:
         entries = [json.loads(v) for v in self.r.hgetall(_k(run_id, "attempts")).values()]
         return sorted(entries, key=lambda e: (e["started_at"], e["task"]))
+
+    # -- incidents: requeued, duplicate or late attempts ignored, updates rejected --
+    def incident(self, run_id: str, kind: str, task: str, worker: str | None, detail: str) -> None:
+        self.r.rpush(_k(run_id, "incidents"), json.dumps({
+            "kind": kind, "task": task, "worker": worker, "at": time.time(),
+            "detail": mask_text(detail)}))
+
+    def incidents(self, run_id: str) -> list[dict[str, Any]]:
+        return [json.loads(x) for x in self.r.lrange(_k(run_id, "incidents"), 0, -1)]
+
+    # -- rebuilding after the broker lost its data --
+    def restore(self, spec: RunSpec, doc: dict[str, Any] | None) -> None:
+        """Re-create a run's records from its last manifest (or from the spec alone)."""
+        self.create(spec)
+        self.r.hset(_k(spec.run_id), "state", "running")
+        self.r.hdel(_k(spec.run_id), "error", "finished_at")
+        if not doc:
+            return
+        pipe = self.r.pipeline()
+        for r in doc.get("rounds", []):
+            pipe.hset(_k(spec.run_id, "rounds"), str(r["round"]), json.dumps(r))
+        for a in doc.get("attempts", []):
+            pipe.hset(_k(spec.run_id, "attempts"), f"{a['task']}#{a['attempt']}", json.dumps(a))
+            pipe.hset(_k(spec.run_id, "attempt_n"), a["task"], a["attempt"])
+        for i in doc.get("incidents", []):
+            pipe.rpush(_k(spec.run_id, "incidents"), json.dumps(i))
+        for m in doc.get("members", []):
+            pipe.hset(_k(spec.run_id, "members"), str(m["member"]), json.dumps(m))
+        pipe.execute()
+
+    def reopen(self, run_id: str) -> None:
+        """Back to running for a resume: clear the one-time claims and any failure."""
+        self.r.delete(_k(run_id, "claims"))
+        self.r.hset(_k(run_id), "state", "running")
+        self.r.hdel(_k(run_id), "error", "finished_at")
 
     # -- reading --
     def list_runs(self, limit: int = 50) -> list[dict[str, Any]]:
@@ -298,6 +344,7 @@ class RunBoard:
             "model_sha256": h.get("model_sha256"),
             "rounds": rounds,
             "attempts": self.attempts(run_id),
+            "incidents": self.incidents(run_id),
             "bytes_up": bytes_up,
             "bytes_down": bytes_down,
             "created_at": float(h["created_at"]),

@@ -35,6 +35,13 @@ class ObjectMissing(StoreError):
     """The key does not exist in the store."""
 
 
+def check_key(key: str) -> str:
+    """Keys are relative ``/``-separated paths that stay inside the store."""
+    if key.startswith("/") or ".." in key.split("/"):
+        raise StoreError(f"invalid store key {key!r}")
+    return key
+
+
 def sha256_hex(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
@@ -125,9 +132,7 @@ class FileStore(Store):
         self.root = Path(unquote(urlsplit(url).path))
 
     def _path(self, key: str) -> Path:
-        if key.startswith("/") or ".." in key.split("/"):
-            raise StoreError(f"invalid store key {key!r}")
-        return self.root / key
+        return self.root / check_key(key)
 
     def _put(self, key: str, data: bytes, sha256: str) -> None:
         path = self._path(key)
@@ -187,6 +192,7 @@ class S3Store(Store):
         ))
 
     def _key(self, key: str) -> str:
+        check_key(key)
         return f"{self.prefix}/{key}" if self.prefix else key
 
     def _transient(self, exc: Exception) -> bool:

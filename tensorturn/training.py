@@ -51,7 +51,7 @@ def train_steps(recipe: Recipe, model: nn.Module, optimizer: torch.optim.Optimiz
         optimizer.step()
         value = float(loss.detach())
         if not math.isfinite(value):
-            raise FloatingPointError(f"training loss became {value} at step {step}")
+            raise FloatingPointError(f"non-finite training loss ({value} at step {step})")
         total += value
         samples += len(batch)
         if on_step is not None:

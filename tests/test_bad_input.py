@@ -96,8 +96,6 @@ def test_detach_without_broker_is_an_error(tmp_path):
     assert not store.exists()
 
 
-@pytest.mark.xfail(strict=True, reason="recipes.resolve only catches TypeError from the recipe's "
-                                       "constructor; any other exception escapes as a traceback")
 def test_recipe_whose_constructor_raises_is_a_clean_error(redis_server, tmp_path):
     (tmp_path / "badinit.py").write_text(textwrap.dedent("""
         from tensorturn.recipes.digits import DigitsMLP

@@ -115,10 +115,6 @@ def test_runs_lists_the_run_from_the_store(finished_run):
     assert m["created_at"] == doc["created_at"]
 
 
-@pytest.mark.xfail(strict=True, reason="LocalPool.stop SIGTERMs each agent's whole process group; "
-                                       "Celery resets SIGTERM to the default in prefork children, so "
-                                       "a running task is killed instead of finishing (warm shutdown), "
-                                       "and an embedded run can stop before its final manifest is written")
 def test_stopping_the_pool_lets_a_running_task_finish(tmp_path, monkeypatch):
     import time
 

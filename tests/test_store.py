@@ -195,8 +195,6 @@ def test_s3_url_without_bucket_is_an_error():
         open_store("s3:///just/a/path")
 
 
-@pytest.mark.xfail(strict=True, reason="S3Store._key does not validate keys: '..' and absolute "
-                                       "keys are written outside the store prefix, unlike FileStore")
 @pytest.mark.parametrize("key", ["../escape.bin", "/abs.bin"])
 def test_s3_rejects_keys_outside_the_store(s3store, s3_bucket, key):
     try:

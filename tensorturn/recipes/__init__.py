@@ -42,6 +42,8 @@ def resolve(name: str, options: dict | None = None) -> Recipe:
         recipe = target(**options) if callable(target) else target
     except TypeError as exc:
         raise RecipeError(f"recipe {name!r} does not accept options {sorted(options)}: {exc}") from exc
+    except Exception as exc:  # noqa: BLE001 - a user recipe's own failure, shown in one line
+        raise RecipeError(f"recipe {name!r} failed to build: {type(exc).__name__}: {exc}") from exc
     if not isinstance(recipe, Recipe):
         raise RecipeError(f"recipe {name!r} is a {type(recipe).__name__}, not a tensorturn Recipe")
     recipe.ref = name

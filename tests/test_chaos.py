@@ -1,0 +1,278 @@
+"""Chaos: faults injected into a real pool (signals, a Redis restart, an S3 outage, a duplicate).
+
+Each fused run must succeed, give exactly the fault-free run's model (same seed and threads), and
+count nothing twice.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import threading
+import time
+
+import psutil
+import pytest
+import redis
+
+from tensorturn import client
+from tensorturn.fused import train_shard
+from tensorturn.local import LocalPool
+from tensorturn.runs import RunBoard, RunSpec
+
+# Three shards of about 1.5k steps: long enough to hit mid-shard, short enough for CI.
+SPEC = dict(mode="fused", recipe="digits-mlp", rounds=2, shards=3, sync_every=1500)
+
+
+@pytest.fixture(scope="module")
+def chaos_pool(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("chaos")
+    with LocalPool(3, (workdir / "store").as_uri(), workdir=workdir, loglevel="INFO",
+                   appendonly=True) as pool:
+        yield pool
+
+
+@pytest.fixture
+def pool(chaos_pool):
+    """The module's pool with every agent alive and every process running."""
+    for i, proc in enumerate(chaos_pool.agents):
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGCONT)
+        else:
+            chaos_pool.start_agent(i)
+    chaos_pool.wait_ready()
+    yield chaos_pool
+
+
+@pytest.fixture(scope="module")
+def reference(chaos_pool, tmp_path_factory):
+    """The fault-free run of SPEC on the same pool."""
+    store = (tmp_path_factory.mktemp("ref") / "store").as_uri()
+    spec = RunSpec(store_url=store, **SPEC)
+    client.submit(spec, chaos_pool.broker_url)
+    doc = client.wait(chaos_pool.broker_url, spec.run_id, timeout_s=300)
+    assert doc["state"] == "succeeded" and not doc["incidents"]
+    return doc
+
+
+def submit(pool, tmp_path, **overrides) -> RunSpec:
+    spec = RunSpec(store_url=(tmp_path / "store").as_uri(), **{**SPEC, **overrides})
+    client.submit(spec, pool.broker_url)
+    return spec
+
+
+def board(pool) -> RunBoard:
+    return RunBoard(redis.Redis.from_url(pool.broker_url, decode_responses=True))
+
+
+def running_attempt(pool, run_id: str, round_: int = 0, settle: float = 0.5) -> dict:
+    """Wait until a shard of ``round_`` is mid-training; return its attempt."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        for a in board(pool).attempts(run_id):
+            if a["task"].startswith(f"r{round_}/") and a["outcome"] == "running":
+                time.sleep(settle)
+                return a
+        time.sleep(0.05)
+    raise AssertionError("no shard started")
+
+
+def agent_index(attempt: dict) -> int:
+    return int(attempt["worker"].split("@")[0].removeprefix("local")) - 1
+
+
+def finish(pool, spec: RunSpec, reference: dict) -> dict:
+    doc = client.wait(pool.broker_url, spec.run_id, timeout_s=300)
+    assert doc["state"] == "succeeded", doc.get("error")
+    assert doc["model_sha256"] == reference["model_sha256"]
+    assert doc["bytes_up"] == reference["bytes_up"]  # nothing counted twice
+    assert [r["samples"] for r in doc["rounds"]] == [r["samples"] for r in reference["rounds"]]
+    return doc
+
+
+def attempts_of(doc: dict, task: str) -> list[dict]:
+    return [a for a in doc["attempts"] if a["task"] == task]
+
+
+def test_killed_pool_child_is_requeued(pool, reference, tmp_path):
+    spec = submit(pool, tmp_path)
+    victim = running_attempt(pool, spec.run_id)
+    agent = psutil.Process(pool.agents[agent_index(victim)].pid)
+    children = agent.children(recursive=True)
+    assert children, "the agent has no pool child"
+    for child in children:
+        child.send_signal(signal.SIGKILL)
+    doc = finish(pool, spec, reference)
+    tries = attempts_of(doc, victim["task"])
+    assert len(tries) >= 2 and tries[-1]["outcome"] == "succeeded"
+    assert any(i["kind"] == "requeued" and i["task"] == victim["task"] for i in doc["incidents"])
+
+
+def test_machine_drop_is_requeued_to_another_agent(pool, reference, tmp_path):
+    spec = submit(pool, tmp_path)
+    victim = running_attempt(pool, spec.run_id)
+    os.killpg(pool.agents[agent_index(victim)].pid, signal.SIGKILL)
+    killed_at = time.time()
+    doc = finish(pool, spec, reference)
+    tries = attempts_of(doc, victim["task"])
+    assert tries[0]["outcome"].startswith("lost")
+    assert tries[-1]["outcome"] == "succeeded" and tries[-1]["worker"] != victim["worker"]
+    print(f"requeue latency {tries[1]['started_at'] - killed_at:.1f}s")
+
+
+def test_partition_heals_and_the_late_result_is_ignored(pool, reference, tmp_path):
+    spec = submit(pool, tmp_path)
+    victim = running_attempt(pool, spec.run_id)
+    group = pool.agents[agent_index(victim)].pid
+    os.killpg(group, signal.SIGSTOP)  # partitioned: alive, but silent past its lease
+    try:
+        deadline = time.monotonic() + 180
+        while board(pool).state(spec.run_id) not in ("succeeded", "failed"):
+            assert time.monotonic() < deadline, "the run did not finish around the stalled agent"
+            time.sleep(0.2)
+    finally:
+        os.killpg(group, signal.SIGCONT)  # the partition heals; the old attempt finishes late
+    deadline = time.monotonic() + 60
+    while not attempts_of(board(pool).describe(spec.run_id), victim["task"])[0]["outcome"].startswith("late"):
+        assert time.monotonic() < deadline, "the healed attempt never finished"
+        time.sleep(0.2)
+    doc = finish(pool, spec, reference)
+    tries = attempts_of(doc, victim["task"])
+    assert len(tries) == 2 and tries[1]["outcome"] == "succeeded"
+    assert any(i["kind"] == "late_ignored" for i in doc["incidents"])
+
+
+def test_redis_restart_mid_run(pool, reference, tmp_path):
+    spec = submit(pool, tmp_path)
+    running_attempt(pool, spec.run_id, settle=1.0)
+    pool.redis.stop()   # SIGTERM: redis-server writes its AOF and exits
+    time.sleep(2)
+    pool.redis.start()  # same port, password and data directory
+    finish(pool, spec, reference)
+
+
+def test_duplicate_delivery_is_ignored(pool, reference, tmp_path):
+    spec = submit(pool, tmp_path)
+    deadline = time.monotonic() + 120
+    while not board(pool).rounds(spec.run_id):
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    train_shard.apply_async(args=(spec.run_id, spec.store_url, 0, 1))  # shard 1 of round 0, again
+    doc = finish(pool, spec, reference)
+    dup = [i for i in doc["incidents"] if i["kind"] == "duplicate_ignored"]
+    assert [i["task"] for i in dup] == ["r0/shard-1"]
+
+
+class FlakyProxy:
+    """A TCP proxy to the S3 endpoint that can refuse service for a while."""
+
+    def __init__(self, target_port: int):
+        self.target = ("127.0.0.1", target_port)
+        self.sock = socket.socket()
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.port = self.sock.getsockname()[1]
+        self.down = False
+        self.refused = 0
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self):
+        while True:
+            conn, _ = self.sock.accept()
+            if self.down:
+                self.refused += 1
+                conn.close()
+                continue
+            upstream = socket.create_connection(self.target)
+            for a, b in ((conn, upstream), (upstream, conn)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pipe(a, b):
+        try:
+            while data := a.recv(65536):
+                b.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (a, b):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+
+def test_s3_outage_is_ridden_out(s3_endpoint, s3_bucket, tmp_path, monkeypatch, reference):
+    proxy = FlakyProxy(int(s3_endpoint["AWS_ENDPOINT_URL"].rsplit(":", 1)[1]))
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{proxy.port}")
+    with LocalPool(2, f"s3://{s3_bucket}/chaos", workdir=tmp_path / "pool") as s3pool:
+        spec = RunSpec(store_url=f"s3://{s3_bucket}/chaos", **SPEC)
+        client.submit(spec, s3pool.broker_url)
+        running_attempt(s3pool, spec.run_id)
+        proxy.down = True
+        time.sleep(6)
+        proxy.down = False
+        doc = client.wait(s3pool.broker_url, spec.run_id, timeout_s=300)
+    assert proxy.refused > 0
+    assert doc["state"] == "succeeded", doc.get("error")
+    assert doc["model_sha256"] == reference["model_sha256"]
+
+
+CRASHER = '''
+import os, signal
+from tensorturn.recipes.digits import DigitsMLP
+
+class Crasher(DigitsMLP):
+    """Every training attempt kills its own worker process (as an out-of-memory kill would)."""
+    def loss(self, model, x, y):
+        os.kill(os.getpid(), signal.SIGKILL)
+'''
+
+
+def test_a_task_that_always_kills_its_worker_does_not_loop(tmp_path, monkeypatch):
+    (tmp_path / "crasher.py").write_text(CRASHER)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    with LocalPool(1, (tmp_path / "store").as_uri(), workdir=tmp_path / "pool") as p:
+        spec = RunSpec(mode="fused", recipe="crasher:Crasher", store_url=(tmp_path / "store").as_uri(),
+                       rounds=1, shards=1, sync_every=5)
+        client.submit(spec, p.broker_url)
+        doc = client.wait(p.broker_url, spec.run_id, timeout_s=180)
+    assert doc["state"] == "failed"
+    assert "failed 3 attempts" in doc["error"]
+    tries = attempts_of(doc, "r0/shard-0")
+    assert len(tries) == 4 and tries[-1]["outcome"].startswith("refused")
+    assert any(i["kind"] == "attempt_limit" for i in doc["incidents"])
+
+
+NAN_ONCE = '''
+import os
+import torch
+from tensorturn.recipes.digits import DigitsMLP
+
+class NanOnce(DigitsMLP):
+    """The first attempt of shard training produces NaN weights; later attempts are sound."""
+    def loss(self, model, x, y):
+        marker = os.path.join(os.path.dirname(__file__), "poisoned")
+        if not os.path.exists(marker):
+            open(marker, "w").close()
+            return super().loss(model, x, y) * float("nan")
+        return super().loss(model, x, y)
+'''
+
+
+def test_non_finite_update_is_rejected_and_retried(tmp_path, monkeypatch):
+    (tmp_path / "nan_once.py").write_text(NAN_ONCE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    with LocalPool(1, (tmp_path / "store").as_uri(), workdir=tmp_path / "pool") as p:
+        spec = RunSpec(mode="fused", recipe="nan_once:NanOnce", store_url=(tmp_path / "store").as_uri(),
+                       rounds=1, shards=2, sync_every=5)
+        client.submit(spec, p.broker_url)
+        doc = client.wait(p.broker_url, spec.run_id, timeout_s=180)
+    assert doc["state"] == "succeeded", doc.get("error")
+    rejected = [i for i in doc["incidents"] if i["kind"] == "update_rejected"]
+    assert len(rejected) == 1 and "non-finite" in rejected[0]["detail"]
+    assert sum(1 for a in doc["attempts"] if a["outcome"].startswith("failed")) == 1
