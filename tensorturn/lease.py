@@ -29,7 +29,8 @@ def held_delivery_tags() -> list[str]:
     """Delivery tags of every message this worker process holds: running or reserved."""
     tags = []
     for request in list(worker_state.active_requests) + list(worker_state.reserved_requests):
-        tag = (request.delivery_info or {}).get("delivery_tag") or getattr(request, "delivery_tag", None)
+        message = getattr(request, "message", None)
+        tag = getattr(message, "delivery_tag", None)
         if tag:
             tags.append(tag)
     return tags

@@ -1,0 +1,81 @@
+"""Requeue latency: how long after a machine drops does its fused shard start again elsewhere?
+
+Each trial starts a fresh embedded pool of two agents with default settings, queues one long
+fused shard (--sync-every 20000), SIGKILLs the process group of the agent that runs it (a machine
+drop), and measures the time until the other agent starts the shard. Prints the distribution and
+writes JSON beside this script.
+
+    python benchmarks/requeue.py [--trials 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import signal
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import redis
+
+from tensorturn import client
+from tensorturn.celery_app import RESTORE_INTERVAL_S, VISIBILITY_TIMEOUT_S
+from tensorturn.local import LocalPool
+from tensorturn.runs import RunBoard, RunSpec
+
+
+def trial(workdir: Path) -> float:
+    store = (workdir / "store").as_uri()
+    with LocalPool(2, store, workdir=workdir / "pool") as pool:
+        spec = RunSpec(mode="fused", recipe="digits-mlp", store_url=store, rounds=1, shards=1,
+                       sync_every=20000)
+        client.submit(spec, pool.broker_url)
+        board = RunBoard(redis.Redis.from_url(pool.broker_url, decode_responses=True))
+        while not (attempts := board.attempts(spec.run_id)):
+            time.sleep(0.02)
+        first = attempts[0]
+        time.sleep(1.0)
+        victim = int(first["worker"].split("@")[0].removeprefix("local")) - 1
+        os.killpg(pool.agents[victim].pid, signal.SIGKILL)
+        killed = time.time()
+        while len(attempts := board.attempts(spec.run_id)) < 2:
+            time.sleep(0.05)
+        latency = attempts[1]["started_at"] - killed
+        board.fail(spec.run_id, "benchmark trial over")
+        for proc in pool.agents:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+    return latency
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--trials", type=int, default=5)
+    parser.add_argument("--out", default=str(Path(__file__).with_name("requeue.json")))
+    args = parser.parse_args()
+    latencies = []
+    for i in range(args.trials):
+        with tempfile.TemporaryDirectory() as tmp:
+            latencies.append(trial(Path(tmp)))
+        print(f"trial {i + 1}/{args.trials}: shard restarted {latencies[-1]:.1f}s after the kill",
+              flush=True)
+    q = sorted(latencies)
+    summary = {
+        "visibility_timeout_s": VISIBILITY_TIMEOUT_S, "restore_interval_s": RESTORE_INTERVAL_S,
+        "trials": len(q), "min_s": q[0], "median_s": statistics.median(q), "max_s": q[-1],
+        "latencies_s": latencies, "machine": f"{platform.node()} {platform.processor()} "
+                                               f"{os.cpu_count()} cores",
+    }
+    print(f"\nrequeue latency over {len(q)} kills (visibility {VISIBILITY_TIMEOUT_S}s, sweep every "
+          f"{RESTORE_INTERVAL_S}s):  min {q[0]:.1f}s  median {statistics.median(q):.1f}s  "
+          f"max {q[-1]:.1f}s")
+    Path(args.out).write_text(json.dumps(summary, indent=2))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

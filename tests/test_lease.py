@@ -1,0 +1,38 @@
+"""Leases: a live task keeps its broker lease however long it runs."""
+
+import time
+
+import redis
+
+from tensorturn import client
+from tensorturn.lease import UNACKED_INDEX, refresh
+from tensorturn.local import LocalPool
+from tensorturn.runs import RunSpec
+
+
+def test_refresh_moves_only_leases_still_held(redis_server):
+    r = redis.Redis.from_url(redis_server.url, decode_responses=True)
+    r.zadd(UNACKED_INDEX, {"held": 100.0, "other": 100.0})
+    assert refresh(r, ["held", "gone"], now=500.0) == 1
+    assert r.zscore(UNACKED_INDEX, "held") == 500.0
+    assert r.zscore(UNACKED_INDEX, "other") == 100.0
+    assert r.zscore(UNACKED_INDEX, "gone") is None  # acked meanwhile: never re-created
+
+
+def test_a_task_far_longer_than_the_visibility_timeout_runs_once(tmp_path, monkeypatch):
+    # A 3 s visibility timeout; one shard that trains for ~10x that. Without the lease keeper
+    # the idle second agent's restore sweep would hand the shard out again after 3 s.
+    monkeypatch.setenv("TENSORTURN_VISIBILITY_TIMEOUT_S", "3")
+    store = (tmp_path / "store").as_uri()
+    with LocalPool(2, store, workdir=tmp_path / "pool") as pool:
+        spec = RunSpec(mode="fused", recipe="digits-mlp", store_url=store, rounds=1, shards=1,
+                       sync_every=12000)
+        client.submit(spec, pool.broker_url)
+        doc = client.wait(pool.broker_url, spec.run_id, timeout_s=600)
+    assert doc["state"] == "succeeded", doc.get("error")
+    shard = [a for a in doc["attempts"] if a["task"] == "r0/shard-0"]
+    assert len(shard) == 1 and shard[0]["outcome"] == "succeeded"
+    assert doc["incidents"] == []
+    ran_for = shard[0]["finished_at"] - shard[0]["started_at"]
+    print(f"the shard ran {ran_for:.0f}s under a 3s visibility timeout, once")
+    assert ran_for > 3  # the premise: it really outlived the visibility timeout
