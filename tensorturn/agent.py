@@ -11,10 +11,16 @@ import socket
 
 
 def worker_argv(name: str | None, concurrency: int, loglevel: str) -> list[str]:
-    """Arguments for ``celery worker``: hostname ``NAME@host``, prefork pool, task events on."""
+    """Arguments for ``celery worker``: hostname ``NAME@host``, prefork pool, task events on, and
+    the queues of every model size this machine's device memory can hold."""
+    from .capacity import queues_for
+    from .telemetry import inventory
+
     node = f"{name or 'agent'}@{socket.gethostname()}"
+    queues = ",".join(queues_for(inventory()["device_memory_gb"]))
     return ["worker", "--hostname", node, "--concurrency", str(concurrency), "--pool", "prefork",
-            "--loglevel", loglevel, "--task-events", "--without-mingle", "--without-gossip"]
+            "--loglevel", loglevel, "--task-events", "--without-mingle", "--without-gossip",
+            "--queues", queues]
 
 
 def run_agent(name: str | None, concurrency: int, loglevel: str | None = None) -> None:

@@ -71,13 +71,16 @@ app.conf.update(
     task_send_sent_event=True,
     worker_hijack_root_logger=False,
     worker_cancel_long_running_tasks_on_connection_loss=False,
+    # SIGTERM: give running tasks a few seconds, then stop them and put their messages back in
+    # the queue at once (another machine takes them) instead of waiting out a long task.
+    worker_soft_shutdown_timeout=float(os.environ.get("TENSORTURN_SHUTDOWN_GRACE_S", "5")),
+    worker_enable_soft_shutdown_on_idle=True,
     broker_channel_error_retry=True,
 )
 
 
 def configure(broker_url: str) -> None:
     """Point the app (broker and result backend) at ``broker_url``; call before first use."""
-    os.environ[BROKER_ENV] = broker_url
     if app.conf.broker_url == broker_url and app.conf.result_backend == broker_url:
         return
     app.conf.broker_url = broker_url
@@ -94,5 +97,7 @@ def configure(broker_url: str) -> None:
 
 # The lease keeper runs in every worker's main process.
 from .lease import LeaseKeeper  # noqa: E402
+from .telemetry import Heartbeat  # noqa: E402
 
 app.steps["worker"].add(LeaseKeeper)
+app.steps["worker"].add(Heartbeat)

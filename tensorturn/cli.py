@@ -368,29 +368,138 @@ def runs(broker, store, as_json):
                    + (f"  test_accuracy {acc:.4f}" if acc is not None else ""))
 
 
-# ---- agent ------------------------------------------------------------------------------------
+# ---- workers / agent / up ---------------------------------------------------------------------
 
 @cli.command()
-@click.option("--name", default=None, help="Worker name (shown as NAME@host) [default: agent].")
-@click.option("--concurrency", type=click.IntRange(min=1), default=1, show_default=True,
-              help="Tasks at once on this machine; each CPU task uses --threads-per-task threads.")
-@click.option("--loglevel", default=None, help="Celery log level [default: INFO].")
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON list.")
 @pool_options
-def agent(broker, store, name, concurrency, loglevel):
-    """Run this machine's agent: a Celery worker that trains what the pool queues.
-
-    It only opens outbound connections, to the broker and the store.
-    """
-    from .celery_app import configure
-    from .runs import check_broker
+def workers(broker, store, as_json):
+    """List the pool's machines: state (idle/busy/offline), device, memory, current task."""
+    from . import client
 
     if not broker:
-        raise TensorTurnError("the agent needs a pool: pass --broker URL or set TENSORTURN_BROKER_URL")
+        raise TensorTurnError("`workers` needs a pool: pass --broker URL or set TENSORTURN_BROKER_URL")
+    items = client.workers(broker)
+    if as_json:
+        emit_json(items)
+        return
+    if not items:
+        click.echo("no workers have connected to this broker")
+    for w in items:
+        mem = f"{w['device_memory_gb']:.1f} GB"
+        line = (f"{w['name']:28s} {w['state']:8s} {w['device']:4s} {w['device_name'][:32]:32s} "
+                f"{w['cpu_count']:>3} cpus  {mem:>9s}  done {w['tasks_done']}")
+        if w["task"]:
+            rate = w.get("samples_per_s")
+            line += f"  {w['task']}" + (f" {rate:.0f} samples/s" if rate else "")
+        if w["state"] == "offline":
+            line += f"  (last seen {w['last_seen_s']:.0f}s ago)"
+        click.echo(line)
+
+
+@cli.command()
+@click.option("--join", "join", metavar="JOIN", envvar="TENSORTURN_JOIN",
+              help="The join string `tensorturn up` printed (carries the broker and store).")
+@click.option("--name", default=None, help="Worker name (shown as NAME@host) [default: agent].")
+@click.option("--concurrency", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Tasks at once on this machine. One is right for a GPU and for CPUs "
+                   "(each CPU task uses --threads-per-task threads).")
+@click.option("--memory-gb", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Offer at most this much device memory (VRAM, or RAM on CPU) to the pool.")
+@click.option("--loglevel", default=None, help="Celery log level [default: INFO].")
+@pool_options
+def agent(broker, store, join, name, concurrency, memory_gb, loglevel):
+    """Run this machine's agent: a Celery worker that trains what the pool queues.
+
+    It only opens outbound connections, to the broker and the store, reconnects forever when the
+    network drops, and on SIGTERM puts its running task back in the queue within a few seconds.
+    """
+    import os
+
+    # SIGTERM (systemd, Ctrl-C of a supervisor) becomes Celery's cold shutdown with a short soft
+    # grace: running tasks get a few seconds, then their messages go straight back to the queue.
+    # billiard reads this when first imported, so it is set before anything imports Celery.
+    os.environ.setdefault("REMAP_SIGTERM", "SIGQUIT")
+    from .celery_app import configure
+    from .runs import check_broker
+    from .store import open_store
+    from .telemetry import MEMORY_ENV
+
+    if join:
+        from .coordinator import apply_join, parse_join
+
+        broker, joined_store = apply_join(parse_join(join))
+        if joined_store:
+            store = joined_store
+            os.environ[settings.STORE_ENV] = store
+    if not broker:
+        raise TensorTurnError("the agent needs a pool: pass --join JOIN (from `tensorturn up`), "
+                              "or --broker URL / TENSORTURN_BROKER_URL")
     check_broker(broker)
+    if join or os.environ.get(settings.STORE_ENV):
+        open_store(store).check()
+    if memory_gb:
+        os.environ[MEMORY_ENV] = str(memory_gb)
     configure(broker)
     from .agent import run_agent
 
     run_agent(name, concurrency, loglevel)
+
+
+@cli.command()
+@click.option("--port", type=click.IntRange(1, 65535), default=None,
+              help="Redis port [default: 6379, or the one used last time].")
+@click.option("--bind", default="0.0.0.0", show_default=True,
+              help="Address Redis listens on (0.0.0.0: every interface, for your other machines).")
+@click.option("--advertise", default=None, metavar="HOST",
+              help="Host name or address the agents dial [default: this machine's address].")
+@click.option("--dir", "directory", type=click.Path(file_okay=False), default=".tensorturn",
+              show_default=True, help="Where Redis keeps its data and the generated password.")
+@pool_options
+def up(broker, store, port, bind, advertise, directory):
+    """Start the coordinator in the foreground: a Redis for the pool and the store.
+
+    It prints the one line to paste on each of your machines. Stop it with Ctrl-C. Users with
+    their own Redis and S3/MinIO do not need this: give agents --broker and --store instead.
+    """
+    from pathlib import Path
+
+    from .coordinator import CoordinatorConfig, advertised_host, make_join
+    from .local import RedisServer
+    from .store import open_store
+
+    if broker:
+        raise TensorTurnError("`up` starts its own Redis; drop --broker (or unset TENSORTURN_BROKER_URL)")
+    home = Path(directory).resolve()
+    cfg = CoordinatorConfig.load_or_create(home, port or 0)
+    open_store(store).check()
+    server = RedisServer(home / "redis", port=cfg.port, appendonly=True, password=cfg.password,
+                         bind=bind)
+    try:
+        server.start()
+    except TensorTurnError as exc:
+        raise TensorTurnError(f"{exc}; is port {cfg.port} in use? try --port") from None
+    host = advertise or (advertised_host() if bind == "0.0.0.0" else bind)
+    broker_url = f"redis://:{cfg.password}@{host}:{cfg.port}/0"
+    join = make_join(broker_url, store)
+    click.echo(f"TensorTurn coordinator: Redis on {bind}:{cfg.port} (AOF on, noeviction), "
+               f"store {settings.mask_url(store)}", err=True)
+    click.echo("On each of your machines, run (this line is a secret: it holds the Redis "
+               "password):", err=True)
+    click.echo(f"  tensorturn agent --join {join}")
+    click.echo(f"Submit runs with: TENSORTURN_BROKER_URL=$(cat {home / 'broker-url'}) tensorturn run ...",
+               err=True)
+    url_file = home / "broker-url"
+    url_file.write_text(broker_url + "\n")
+    url_file.chmod(0o600)
+    click.echo("Ctrl-C stops the coordinator.", err=True)
+    try:
+        server.proc.wait()
+        raise TensorTurnError(f"redis-server exited (log: {home / 'redis' / 'redis.log'})")
+    except KeyboardInterrupt:
+        click.echo("stopping the coordinator", err=True)
+    finally:
+        server.stop()
 
 
 def main() -> None:

@@ -8,10 +8,12 @@ from __future__ import annotations
 import time
 from typing import Any, Callable
 
+from .capacity import check_fits, estimate
 from .errors import NotFound, StoreError
-from .recipes import resolve
+from .recipes import Recipe, resolve
 from .runs import FINISHED, RunBoard, RunSpec, check_broker, manifest_key
 from .store import ObjectMissing, open_store
+from .telemetry import list_workers
 
 Update = Callable[[dict[str, Any]], None]
 
@@ -25,12 +27,18 @@ def submit(spec: RunSpec, broker_url: str) -> dict[str, Any]:
     from .celery_app import configure
 
     spec.validate()
-    resolve(spec.recipe, spec.recipe_options)
+    recipe = resolve(spec.recipe, spec.recipe_options)
     client = check_broker(broker_url)
     store = open_store(spec.store_url)
     store.check()
     configure(broker_url)
     board = RunBoard(client)
+    if spec.mode == "ensemble" and spec.members is None:  # one per online machine, at least 2
+        spec.members = max(2, len(online_workers()))
+        spec.validate()
+    need = memory_needed(spec, recipe)
+    check_fits(need, list_workers(client))
+    spec.memory_needed_bytes = need["total_bytes"]
     if spec.mode == "fused":
         from . import fused
 
@@ -38,9 +46,6 @@ def submit(spec: RunSpec, broker_url: str) -> dict[str, Any]:
     else:
         from . import ensemble
 
-        if spec.members is None:  # one member per online machine, at least 2
-            spec.members = max(2, len(online_workers()))
-            spec.validate()
         ensemble.start(spec, store, board)
     return board.describe(spec.run_id)
 
@@ -80,6 +85,22 @@ def resume(run_id: str, broker_url: str, store_url: str) -> tuple[dict[str, Any]
         store.put_json(f"runs/{run_id}/spec.json", spec.to_json())
     what = (fused if spec.mode == "fused" else ensemble).resume(spec, store, board)
     return board.describe(run_id), what
+
+
+def memory_needed(spec: RunSpec, recipe: Recipe) -> dict[str, Any]:
+    """The memory estimate of the largest model the run trains (any ensemble member)."""
+    batch = spec.batch_size or recipe.batch_size
+    if spec.mode == "fused":
+        return estimate(recipe, recipe.default_config(), batch)
+    from .ensemble import member_plan
+
+    return max((estimate(recipe, m["model"], batch) for m in member_plan(spec, recipe)),
+               key=lambda e: e["total_bytes"])
+
+
+def workers(broker_url: str) -> list[dict[str, Any]]:
+    """The pool's agents with their inventory, live figures and state."""
+    return list_workers(check_broker(broker_url))
 
 
 def online_workers(timeout_s: float = 1.0) -> list[str]:

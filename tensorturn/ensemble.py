@@ -27,6 +27,7 @@ import torch
 
 from .artifact import Predictor
 from .celery_app import app
+from .capacity import queue_for
 from .device import pick_device
 from .fused import _board, _describe_failure, _store, load_model, recipe_of
 from .recipes import Recipe, load_splits, resolve
@@ -34,6 +35,7 @@ from .runs import RunBoard, RunSpec, load_spec, write_manifest
 from .store import Store
 from .tensors import (ensemble_bytes, from_bytes, load_optimizer_tensors, model_bytes,
                       optimizer_tensors, to_bytes)
+from .telemetry import TaskReporter
 from .training import derive_seed, set_threads, train_steps
 
 log = logging.getLogger(__name__)
@@ -77,7 +79,17 @@ def start(spec: RunSpec, store: Store, board: RunBoard) -> None:
             "workers": [], "segments_done": 0, "reason": None})
     write_manifest(store, board, spec.run_id)
     for entry in plan:
-        train_segment.delay(spec.run_id, spec.store_url, entry["member"], 0)
+        queue_segment(spec, entry["member"], 0)
+
+
+def queue_segment(spec: RunSpec, m: int, j: int) -> None:
+    """Queue segment j of member m on the machines that can hold the model."""
+    train_segment.apply_async((spec.run_id, spec.store_url, m, j),
+                              queue=queue_for(spec.memory_needed_bytes))
+
+
+def queue_vote(spec: RunSpec) -> None:
+    vote.apply_async((spec.run_id, spec.store_url), queue=queue_for(spec.memory_needed_bytes))
 
 
 def _update_member(board: RunBoard, run_id: str, m: int, **fields: Any) -> None:
@@ -93,7 +105,7 @@ def _drop(spec: RunSpec, board: RunBoard, m: int, reason: str) -> None:
 
 def _member_finished(spec: RunSpec, board: RunBoard, m: int) -> None:
     if board.member_done(spec.run_id, m) >= (spec.members or 0) and board.claim(spec.run_id, "vote"):
-        vote.delay(spec.run_id, spec.store_url)
+        queue_vote(spec)
 
 
 @app.task(bind=True, name="tensorturn.ensemble.train_segment")
@@ -124,8 +136,10 @@ def train_segment(self, run_id: str, store_url: str, m: int, j: int) -> dict[str
     if store.exists(segment_key(run_id, m, j)):
         board.finish_attempt(run_id, attempt, "duplicate: checkpoint already stored")
     else:
+        reporter = TaskReporter(self, board.r, task, spec.segment_steps,
+                                    spec.batch_size or recipe_of(spec).batch_size)
         try:
-            up, down = _train_segment(spec, store, m, j)
+            up, down = _train_segment(spec, store, m, j, reporter)
         except Exception as exc:  # noqa: BLE001 - recorded, then retried or dropped
             message = _describe_failure(exc, worker)
             board.finish_attempt(run_id, attempt, f"failed: {message}")
@@ -136,16 +150,18 @@ def train_segment(self, run_id: str, store_url: str, m: int, j: int) -> dict[str
             return result
         board.add_bytes(run_id, task, up, down)
         board.finish_attempt(run_id, attempt, "succeeded")
+        reporter.done()
     _update_member(board, run_id, m, segments_done=j + 1)
     if j + 1 < spec.segments:
         if board.claim(run_id, f"m{m}/seg-{j + 1}"):
-            train_segment.delay(run_id, store_url, m, j + 1)
+            queue_segment(spec, m, j + 1)
     else:
         _finish_member(spec, store, board, m)
     return result
 
 
-def _train_segment(spec: RunSpec, store: Store, m: int, j: int) -> tuple[int, int]:
+def _train_segment(spec: RunSpec, store: Store, m: int, j: int,
+                   on_step=None) -> tuple[int, int]:
     """Returns (bytes uploaded, bytes downloaded)."""
     set_threads(spec.threads_per_task)
     recipe = recipe_of(spec)
@@ -171,7 +187,8 @@ def _train_segment(spec: RunSpec, store: Store, m: int, j: int) -> tuple[int, in
     else:
         rows = torch.arange(n)
     train_steps(recipe, model, opt, splits.x_train, splits.y_train, rows, spec.segment_steps,
-                spec.batch_size or recipe.batch_size, derive_seed(plan["seed"], j), device)
+                spec.batch_size or recipe.batch_size, derive_seed(plan["seed"], j), device,
+                on_step=on_step)
     optim_blob = to_bytes(optimizer_tensors(opt))
     weights = model_bytes({k: v.cpu() for k, v in model.state_dict().items()}, spec.recipe,
                           plan["model"], spec.recipe_options)
@@ -269,8 +286,8 @@ def resume(spec: RunSpec, store: Store, board: RunBoard) -> str:
             _finish_member(spec, store, board, m)
         else:
             board.claim(spec.run_id, f"m{m}/seg-{j}")
-            train_segment.delay(spec.run_id, spec.store_url, m, j)
+            queue_segment(spec, m, j)
             resumed.append(f"member {m} at segment {j}")
     if not resumed and board.claim(spec.run_id, "vote"):
-        vote.delay(spec.run_id, spec.store_url)
+        queue_vote(spec)
     return "resumed " + (", ".join(resumed) if resumed else "the vote")

@@ -29,6 +29,7 @@ import torch
 from celery import chord
 
 from .celery_app import app
+from .capacity import queue_for
 from .device import pick_device
 from .errors import RecipeError, TensorTurnError
 from .recipes import Recipe, load_splits, resolve
@@ -36,6 +37,7 @@ from .runs import RunBoard, RunSpec, load_spec, redis_client, write_manifest
 from .store import Store, open_store
 from .tensors import (StateDict, delta_bytes, delta_from_bytes, float_keys, from_bytes,
                       is_finite, model_bytes, to_bytes)
+from .telemetry import TaskReporter
 from .training import derive_seed, set_threads, train_steps
 
 log = logging.getLogger(__name__)
@@ -154,8 +156,11 @@ def start(spec: RunSpec, store: Store, board: RunBoard) -> None:
 
 
 def dispatch_round(spec: RunSpec, r: int) -> None:
-    header = [train_shard.s(spec.run_id, spec.store_url, r, k) for k in range(spec.shards)]
-    chord(header)(outer_step.s(spec.run_id, spec.store_url, r))
+    """Queue round r: its shards, then the outer step, on machines that can hold the model."""
+    queue = queue_for(spec.memory_needed_bytes)
+    header = [train_shard.s(spec.run_id, spec.store_url, r, k).set(queue=queue)
+              for k in range(spec.shards)]
+    chord(header)(outer_step.s(spec.run_id, spec.store_url, r).set(queue=queue))
 
 
 # ---- tasks ------------------------------------------------------------------------------------
@@ -174,8 +179,8 @@ def train_shard(self, run_id: str, store_url: str, r: int, k: int) -> dict[str, 
     out_key = shard_key(run_id, r, k)
     task = f"r{r}/shard-{k}"
     worker = self.request.hostname or "?"
-    attempt, n = board.start_attempt(run_id, task, worker)
     spec = load_spec(store, run_id)
+    attempt, n = board.start_attempt(run_id, task, worker)
     if n > spec.max_attempts:
         board.finish_attempt(run_id, attempt, "refused: attempt limit reached")
         board.incident(run_id, "attempt_limit", task, worker,
@@ -188,8 +193,10 @@ def train_shard(self, run_id: str, store_url: str, r: int, k: int) -> dict[str, 
         board.incident(run_id, "duplicate_ignored", task, worker,
                        "the shard's output was already stored; nothing was trained or counted")
         return result
+    reporter = TaskReporter(self, board.r, task, spec.sync_every,
+                                spec.batch_size or recipe_of(spec).batch_size)
     try:
-        up, down = _train_shard(spec, store, r, k, out_key)
+        up, down = _train_shard(spec, store, r, k, out_key, reporter)
     except Exception as exc:  # noqa: BLE001 - recorded, then retried or failed
         message = _describe_failure(exc, worker)
         board.finish_attempt(run_id, attempt, f"failed: {message}")
@@ -207,6 +214,7 @@ def train_shard(self, run_id: str, store_url: str, r: int, k: int) -> dict[str, 
         return result
     board.add_bytes(run_id, task, up, down)
     board.finish_attempt(run_id, attempt, "succeeded")
+    reporter.done()
     return result
 
 
@@ -229,8 +237,8 @@ def check_update(delta: StateDict, theta: StateDict, max_ratio: float) -> None:
                              f"the weights' norm {float(w_norm):.3g}")
 
 
-def _train_shard(spec: RunSpec, store: Store, r: int, k: int,
-                 out_key: str) -> tuple[int | None, int]:
+def _train_shard(spec: RunSpec, store: Store, r: int, k: int, out_key: str,
+                 on_step=None) -> tuple[int | None, int]:
     """Returns (bytes uploaded, or None when another attempt got there first; bytes downloaded)."""
     set_threads(spec.threads_per_task)
     recipe = recipe_of(spec)
@@ -246,7 +254,8 @@ def _train_shard(spec: RunSpec, store: Store, r: int, k: int,
     try:
         loss, samples = train_steps(
             recipe, model, opt, splits.x_train, splits.y_train, rows, spec.sync_every,
-            spec.batch_size or recipe.batch_size, derive_seed(spec.seed, r, k), device)
+            spec.batch_size or recipe.batch_size, derive_seed(spec.seed, r, k), device,
+            on_step=on_step)
     except FloatingPointError as exc:
         raise UpdateRejected(str(exc)) from None
     trained = {name: v.detach().cpu() for name, v in model.state_dict().items()}

@@ -51,8 +51,9 @@ class RedisServer:
     """A redis-server child process on a free loopback port, password-protected."""
 
     def __init__(self, workdir: Path, port: int | None = None, appendonly: bool = False,
-                 password: str | None = None):
+                 password: str | None = None, bind: str = "127.0.0.1"):
         self.workdir = workdir
+        self.bind = bind
         self.port = port or free_port()
         self.password = password if password is not None else secrets.token_urlsafe(16)
         self.appendonly = appendonly
@@ -66,7 +67,7 @@ class RedisServer:
         import redis
 
         self.workdir.mkdir(parents=True, exist_ok=True)
-        args = [redis_server_binary(), "--port", str(self.port), "--bind", "127.0.0.1",
+        args = [redis_server_binary(), "--port", str(self.port), "--bind", self.bind,
                 "--dir", str(self.workdir), "--save", "", "--maxmemory-policy", "noeviction",
                 "--appendonly", "yes" if self.appendonly else "no", "--daemonize", "no",
                 "--logfile", str(self.workdir / "redis.log")]

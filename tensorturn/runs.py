@@ -65,6 +65,8 @@ class RunSpec:
     max_attempts: int = 3
     # fused: a pseudo-gradient whose norm exceeds this multiple of the weights' norm is rejected
     max_update_ratio: float = 10.0
+    # bytes one task needs on a machine (set at submit from capacity.estimate)
+    memory_needed_bytes: int | None = None
     created_at: float = 0.0
 
     def __post_init__(self) -> None:

@@ -87,3 +87,9 @@ def s3_bucket(s3_endpoint, monkeypatch):
     name = f"tt-{time.time_ns()}"
     boto3.client("s3").create_bucket(Bucket=name)
     return name
+
+
+def queued_messages(client) -> list[bytes]:
+    """Every message waiting in a TensorTurn queue (the default one and the memory classes)."""
+    keys = [b"celery"] + sorted(client.scan_iter(match="tt.fits.*"))
+    return [m for key in keys if client.type(key) == b"list" for m in client.lrange(key, 0, -1)]

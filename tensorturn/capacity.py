@@ -1,0 +1,88 @@
+"""Will the model fit? TensorTurn's honest limit, enforced before anything is queued.
+
+Every machine must hold the whole model: weights, gradients, AdamW's two moments and one batch's
+activations. The estimate builds the model on PyTorch's ``meta`` device (no memory is allocated,
+so a model far too big for this machine can still be measured) and runs one forward pass there.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .errors import TensorTurnError
+from .recipes import Recipe, load_splits
+
+GB = 1024 ** 3
+OVERHEAD = 1.2  # framework buffers, fragmentation, the data itself
+
+
+class DoesNotFit(TensorTurnError):
+    """No connected worker can hold the model."""
+
+
+def estimate(recipe: Recipe, config: dict[str, Any], batch_size: int) -> dict[str, Any]:
+    """Bytes one training task needs, by part; measured on the meta device."""
+    sample = load_splits(recipe).x_train[:1]
+    with torch.device("meta"):
+        model = recipe.model(config)
+        params = sum(p.numel() * p.element_size() for p in model.parameters())
+        activations = 0
+
+        def count(_module, _inputs, output):
+            nonlocal activations
+            for t in output if isinstance(output, (tuple, list)) else (output,):
+                if torch.is_tensor(t):
+                    activations += t.numel() * t.element_size()
+
+        hooks = [m.register_forward_hook(count) for m in model.modules()]
+        try:
+            x = torch.empty((batch_size, *sample.shape[1:]), dtype=sample.dtype, device="meta")
+            model(x)
+        except Exception:  # noqa: BLE001 - a model that cannot run on meta: count weights only
+            activations = 0
+        finally:
+            for h in hooks:
+                h.remove()
+    # weights + gradients + AdamW's exp_avg and exp_avg_sq, all the parameters' size
+    total = int((params * 4 + activations) * OVERHEAD)
+    return {"parameters_bytes": params, "activations_bytes": activations, "total_bytes": total,
+            "total_gb": round(total / GB, 3)}
+
+
+def check_fits(need: dict[str, Any], workers: list[dict[str, Any]]) -> None:
+    """Raise DoesNotFit unless some online worker offers enough device memory."""
+    online = [w for w in workers if w.get("state") != "offline"]
+    if not online:
+        return  # nothing to compare with yet; tasks wait for a machine that fits
+    biggest = max(online, key=lambda w: w.get("device_memory_gb") or 0)
+    offered = biggest.get("device_memory_gb") or 0
+    if need["total_bytes"] > offered * GB:
+        raise DoesNotFit(
+            f"the model needs about {need['total_bytes'] / GB:.2f} GB per machine (weights, "
+            f"gradients, optimizer state and a batch), but the largest connected worker, "
+            f"{biggest['name']}, offers {offered:.2f} GB ({biggest.get('device')}); TensorTurn "
+            f"does not split a model across machines")
+
+
+# Tasks go to a queue per memory class (powers of two, 1 MB to 1 TB); an agent consumes the
+# classes its device memory can hold, so a machine too small for a model never takes its tasks
+# and work stealing goes on among the machines that can. Tasks of unknown size use "celery".
+MB = 1024 ** 2
+CLASSES_MB = [2 ** k for k in range(21)]
+DEFAULT_QUEUE = "celery"
+
+
+def queue_for(need_bytes: int | None) -> str:
+    """The queue of the smallest memory class that holds ``need_bytes``."""
+    if need_bytes is None:
+        return DEFAULT_QUEUE
+    need_mb = need_bytes / MB
+    size = next((c for c in CLASSES_MB if c >= need_mb), CLASSES_MB[-1])
+    return f"tt.fits.{size}MB"
+
+
+def queues_for(offered_gb: float) -> list[str]:
+    """The queues an agent offering ``offered_gb`` of device memory consumes."""
+    return [DEFAULT_QUEUE] + [f"tt.fits.{c}MB" for c in CLASSES_MB if c * MB <= offered_gb * GB]

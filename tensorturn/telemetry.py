@@ -1,0 +1,208 @@
+"""Worker hardware inventory and live figures, published to Redis every few seconds.
+
+Each agent's main process runs the :class:`Heartbeat` bootstep: it writes the machine's inventory
+once and its live figures (CPU, memory, GPU) every ``HEARTBEAT_S`` seconds to
+``tt:worker:<name>``. The task being trained reports its own progress (current task, step,
+samples/s) into the same hash and as Celery ``task-progress`` events, which Flower shows.
+A worker silent for ``OFFLINE_AFTER`` heartbeats is listed as offline.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import socket
+import time
+from functools import lru_cache
+from typing import Any
+
+import psutil
+from celery import bootsteps
+from celery.worker import state as worker_state
+
+from .settings import KEY_PREFIX
+
+log = logging.getLogger(__name__)
+
+HEARTBEAT_S = float(os.environ.get("TENSORTURN_HEARTBEAT_S", "3"))
+OFFLINE_AFTER = 3          # heartbeats
+PROGRESS_EVERY_S = 1.0     # how often a training task reports progress
+MEMORY_ENV = "TENSORTURN_DEVICE_MEMORY_GB"  # caps what this machine offers (agent --memory-gb)
+GB = 1024 ** 3
+
+
+def worker_key(name: str) -> str:
+    return f"{KEY_PREFIX}worker:{name}"
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+@lru_cache(maxsize=1)
+def inventory() -> dict[str, Any]:
+    """What this machine is: fixed for the life of the agent."""
+    import torch
+
+    from .device import pick_device
+
+    device = pick_device()
+    info: dict[str, Any] = {
+        "hostname": socket.gethostname(),
+        "os": platform.platform(terse=True),
+        "cpu_model": _cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "memory_total_gb": round(psutil.virtual_memory().total / GB, 2),
+        "device": device.type,
+        "device_name": _cpu_model(),
+        "vram_gb": None,
+        "torch": torch.__version__,
+    }
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        info.update(device_name=props.name, vram_gb=round(props.total_memory / GB, 2),
+                    gpu_count=torch.cuda.device_count())
+    elif device.type == "mps":
+        info.update(device_name="Apple MPS")
+    offered = info["vram_gb"] if info["vram_gb"] else info["memory_total_gb"]
+    if os.environ.get(MEMORY_ENV):
+        offered = min(offered, float(os.environ[MEMORY_ENV]))
+    info["device_memory_gb"] = offered
+    return info
+
+
+def live_figures() -> dict[str, Any]:
+    """What this machine is doing now."""
+    vm = psutil.virtual_memory()
+    out: dict[str, Any] = {"cpu_percent": psutil.cpu_percent(interval=None),
+                           "memory_used_gb": round((vm.total - vm.available) / GB, 2),
+                           "gpu_util_percent": None, "gpu_memory_used_gb": None}
+    if inventory()["device"] == "cuda":
+        import torch
+
+        try:
+            free, total = torch.cuda.mem_get_info()
+            out["gpu_memory_used_gb"] = round((total - free) / GB, 2)
+            out["gpu_util_percent"] = torch.cuda.utilization()
+        except Exception:  # noqa: BLE001 - pynvml may be missing; memory is enough
+            pass
+    return out
+
+
+class Heartbeat(bootsteps.StartStopStep):
+    """Worker bootstep: publish inventory once and live figures every HEARTBEAT_S seconds."""
+
+    requires = {"celery.worker.components:Timer"}
+
+    def __init__(self, worker, **kwargs):
+        super().__init__(worker, **kwargs)
+        self.tref = None
+        self.client = None
+        self.node = None
+
+    def start(self, worker):
+        from .runs import redis_client
+
+        self.node = worker.hostname
+        self.client = redis_client(worker.app.conf.broker_url)
+        psutil.cpu_percent(interval=None)  # prime the counter
+        self.beat(first=True)
+        self.tref = worker.timer.call_repeatedly(HEARTBEAT_S, self.beat, priority=5)
+
+    def beat(self, first: bool = False):
+        try:
+            key = worker_key(self.node)
+            pipe = self.client.pipeline()
+            if first:
+                pipe.delete(key)
+                pipe.hset(key, mapping={"name": self.node, "inventory": json.dumps(inventory()),
+                                        "started_at": time.time(), "tasks_done": 0})
+            pipe.hset(key, mapping={"live": json.dumps(live_figures()), "last_seen": time.time(),
+                                    "pid": os.getpid()})
+            if not worker_state.active_requests:  # a killed pool child leaves its progress behind
+                pipe.hdel(key, "task", "progress")
+            pipe.expire(key, 7 * 24 * 3600)
+            pipe.execute()
+        except Exception as exc:  # noqa: BLE001 - the broker may be restarting
+            log.warning("heartbeat failed: %s", exc)
+
+    def stop(self, worker):
+        if self.tref is not None:
+            self.tref.cancel()
+            self.tref = None
+        try:  # a clean stop is offline at once, not after three missed heartbeats
+            self.client.hset(worker_key(self.node), "last_seen", 0)
+        except Exception:  # noqa: BLE001
+            pass
+
+
+class TaskReporter:
+    """Progress of the task a pool process is training: Redis for ``tensorturn workers``, and
+    Celery ``task-progress`` events for Flower. Reports at most once per PROGRESS_EVERY_S."""
+
+    def __init__(self, task, client, label: str, steps: int, batch_size: int):
+        self.task, self.client, self.label = task, client, label
+        self.steps, self.batch_size = steps, batch_size
+        self.worker = task.request.hostname or "?"
+        self.t0 = self.last = time.monotonic()
+        self._write({"task": label, "step": 0, "steps": steps, "samples_per_s": None})
+
+    def _write(self, progress: dict[str, Any]) -> None:
+        try:
+            self.client.hset(worker_key(self.worker), mapping={
+                "task": self.label, "progress": json.dumps(progress)})
+            self.task.send_event("task-progress", **progress)
+        except Exception as exc:  # noqa: BLE001 - progress is best effort
+            log.debug("progress report failed: %s", exc)
+
+    def __call__(self, step: int, loss: float) -> None:
+        now = time.monotonic()
+        if now - self.last < PROGRESS_EVERY_S and step < self.steps:
+            return
+        self.last = now
+        rate = step * self.batch_size / max(now - self.t0, 1e-9)
+        self._write({"task": self.label, "step": step, "steps": self.steps, "loss": loss,
+                     "samples_per_s": round(rate, 1)})
+
+    def done(self) -> None:
+        try:
+            pipe = self.client.pipeline()
+            pipe.hdel(worker_key(self.worker), "task")
+            pipe.hincrby(worker_key(self.worker), "tasks_done", 1)
+            pipe.execute()
+        except Exception as exc:  # noqa: BLE001
+            log.debug("progress report failed: %s", exc)
+
+
+def list_workers(client, now: float | None = None) -> list[dict[str, Any]]:
+    """Every agent that ever sent a heartbeat to this broker, with its state."""
+    now = time.time() if now is None else now
+    out = []
+    for key in sorted(client.scan_iter(f"{KEY_PREFIX}worker:*")):
+        h = client.hgetall(key)
+        if "inventory" not in h:
+            continue
+        inv, live = json.loads(h["inventory"]), json.loads(h.get("live", "{}"))
+        progress = json.loads(h["progress"]) if h.get("progress") else {}
+        last_seen = now - float(h.get("last_seen", 0))
+        if last_seen > OFFLINE_AFTER * HEARTBEAT_S:
+            state = "offline"
+        else:
+            state = "busy" if h.get("task") else "idle"
+        out.append({
+            "name": h["name"], "state": state, "last_seen_s": round(last_seen, 1),
+            "task": h.get("task") if state == "busy" else None,
+            "samples_per_s": progress.get("samples_per_s") if state == "busy" else None,
+            "tasks_done": int(h.get("tasks_done", 0)),
+            **inv, **live,
+        })
+    return out
