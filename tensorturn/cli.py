@@ -126,6 +126,22 @@ class RunProgress:
             self.bar.stop()
 
 
+def parse_recipe_options(pairs: tuple[str, ...]) -> dict[str, Any]:
+    """``KEY=VALUE`` pairs; values are JSON when they parse as JSON, else plain strings."""
+    from .errors import SpecError
+
+    options: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key.strip():
+            raise SpecError(f"--recipe-option needs KEY=VALUE (got {pair!r})")
+        try:
+            options[key.strip()] = json.loads(value)
+        except ValueError:
+            options[key.strip()] = value
+    return options
+
+
 def print_result(doc: dict[str, Any], as_json: bool) -> None:
     if as_json:
         emit_json(doc)
@@ -147,6 +163,9 @@ def print_result(doc: dict[str, Any], as_json: bool) -> None:
 @click.option("--recipe", required=True, metavar="NAME|module:attr",
               help="What to train: a built-in recipe (digits-mlp) or package.module:attr "
                    "importable on every machine.")
+@click.option("--recipe-option", "recipe_options", multiple=True, metavar="KEY=VALUE",
+              help="An option for the recipe (repeatable), e.g. --recipe-option data=book.txt. "
+                   "Values are parsed as JSON when they can be (numbers, lists), else strings.")
 @click.option("--rounds", type=int, default=8, show_default=True, help="Fused: outer rounds.")
 @click.option("--sync-every", "sync_every", type=int, default=25, show_default=True,
               help="Fused: inner steps per shard between weight averages (H).")
@@ -190,7 +209,7 @@ def print_result(doc: dict[str, Any], as_json: bool) -> None:
               help="Stop waiting after this many seconds (the run goes on).")
 @click.option("--json", "as_json", is_flag=True, help="Print the run as one JSON object on stdout.")
 @pool_options
-def run(broker, store, mode, recipe, rounds, sync_every, shards, outer, outer_lr, outer_momentum,
+def run(broker, store, mode, recipe, recipe_options, rounds, sync_every, shards, outer, outer_lr, outer_momentum,
         codec, members, min_members, vote, segments, segment_steps, bootstrap, diversity, deadline,
         lr, batch_size, seed, threads_per_task, max_attempts, local_workers, detach, timeout_s,
         as_json):
@@ -206,6 +225,7 @@ def run(broker, store, mode, recipe, rounds, sync_every, shards, outer, outer_lr
     from .runs import RunSpec
 
     spec = RunSpec(mode=mode, recipe=recipe, store_url=store, seed=seed, rounds=rounds,
+                   recipe_options=parse_recipe_options(recipe_options),
                    sync_every=sync_every, shards=shards, outer=outer, outer_lr=outer_lr,
                    outer_momentum=outer_momentum, codec=codec, members=members,
                    min_members=min_members, vote=vote, segments=segments,
@@ -500,6 +520,85 @@ def up(broker, store, port, bind, advertise, directory):
         click.echo("stopping the coordinator", err=True)
     finally:
         server.stop()
+
+
+# ---- serving ----------------------------------------------------------------------------------
+
+@cli.command()
+@click.argument("run_id")
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to listen on (0.0.0.0 for every interface).")
+@click.option("--port", type=click.IntRange(1, 65535), default=8000, show_default=True)
+@click.option("--name", "alias", default=None, help="An alias for the model besides the run id.")
+@click.option("--max-body-mb", type=click.FloatRange(min=0, min_open=True), default=8.0,
+              show_default=True, help="Largest request body accepted (larger → 413).")
+@pool_options
+def serve(broker, store, run_id, host, port, alias, max_body_mb):
+    """Serve a run's model (or voting ensemble) as an authenticated HTTP API.
+
+    Open Inference Protocol (KServe V2) routes under /v2; OpenAPI page at /docs. Every
+    /v2/models route needs `Authorization: Bearer <token>` from `tensorturn token create`.
+    The server needs only the store.
+    """
+    from .serve import run_server
+    from .store import open_store
+
+    run_server(open_store(store), run_id, host, port, alias, int(max_body_mb * 1024 * 1024))
+
+
+@cli.group()
+def token():
+    """API tokens: create (shown once), list, revoke. Only their hashes are stored."""
+
+
+@token.command("create")
+@click.option("--name", default=None, help="A label to recognise the token by.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object (with the token).")
+@pool_options
+def token_create(broker, store, name, as_json):
+    """Create a token and print it once; it cannot be shown again."""
+    from . import tokens
+    from .store import open_store
+
+    secret, record = tokens.create(open_store(store), name)
+    if as_json:
+        emit_json({**tokens.public(record), "token": secret})
+        return
+    click.echo(secret)
+    click.echo(f"token {record['id']} ({record['name']}) created; this is the only time it is "
+               f"shown. Send it as 'Authorization: Bearer <token>'.", err=True)
+
+
+@token.command("list")
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON list.")
+@pool_options
+def token_list(broker, store, as_json):
+    """List tokens (ids, names, dates; never the tokens themselves)."""
+    from . import tokens
+    from .store import open_store
+
+    items = [tokens.public(r) for r in tokens.records(open_store(store))]
+    if as_json:
+        emit_json(items)
+        return
+    if not items:
+        click.echo("no tokens")
+    for t in items:
+        state = "revoked" if t["revoked_at"] else "active"
+        created = time.strftime("%Y-%m-%d %H:%M", time.localtime(t["created_at"]))
+        click.echo(f"{t['id']}  {t['name']:20s} {state:8s} created {created}")
+
+
+@token.command("revoke")
+@click.argument("id_or_name")
+@pool_options
+def token_revoke(broker, store, id_or_name):
+    """Revoke a token by id or name; servers refuse it within a few seconds."""
+    from . import tokens
+    from .store import open_store
+
+    record = tokens.revoke(open_store(store), id_or_name)
+    click.echo(f"token {record['id']} ({record['name']}) revoked")
 
 
 def main() -> None:

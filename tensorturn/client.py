@@ -9,7 +9,7 @@ import time
 from typing import Any, Callable
 
 from .capacity import check_fits, estimate
-from .errors import NotFound, StoreError
+from .errors import NotFound, RecipeError, StoreError
 from .recipes import Recipe, resolve
 from .runs import FINISHED, RunBoard, RunSpec, check_broker, manifest_key
 from .store import ObjectMissing, open_store
@@ -89,13 +89,16 @@ def resume(run_id: str, broker_url: str, store_url: str) -> tuple[dict[str, Any]
 
 def memory_needed(spec: RunSpec, recipe: Recipe) -> dict[str, Any]:
     """The memory estimate of the largest model the run trains (any ensemble member)."""
-    batch = spec.batch_size or recipe.batch_size
-    if spec.mode == "fused":
-        return estimate(recipe, recipe.default_config(), batch)
     from .ensemble import member_plan
 
-    return max((estimate(recipe, m["model"], batch) for m in member_plan(spec, recipe)),
-               key=lambda e: e["total_bytes"])
+    batch = spec.batch_size or recipe.batch_size
+    configs = ([recipe.default_config()] if spec.mode == "fused"
+               else [m["model"] for m in member_plan(spec, recipe)])
+    try:
+        return max((estimate(recipe, c, batch) for c in configs), key=lambda e: e["total_bytes"])
+    except Exception as exc:  # noqa: BLE001 - the user's recipe failed; say so in one line
+        raise RecipeError(f"recipe {spec.recipe!r} could not build its model to estimate its "
+                          f"memory: {type(exc).__name__}: {exc}") from exc
 
 
 def workers(broker_url: str) -> list[dict[str, Any]]:

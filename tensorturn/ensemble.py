@@ -136,9 +136,9 @@ def train_segment(self, run_id: str, store_url: str, m: int, j: int) -> dict[str
     if store.exists(segment_key(run_id, m, j)):
         board.finish_attempt(run_id, attempt, "duplicate: checkpoint already stored")
     else:
-        reporter = TaskReporter(self, board.r, task, spec.segment_steps,
-                                    spec.batch_size or recipe_of(spec).batch_size)
         try:
+            reporter = TaskReporter(self, board.r, task, spec.segment_steps,
+                                    spec.batch_size or recipe_of(spec).batch_size)
             up, down = _train_segment(spec, store, m, j, reporter)
         except Exception as exc:  # noqa: BLE001 - recorded, then retried or dropped
             message = _describe_failure(exc, worker)

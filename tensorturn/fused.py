@@ -193,9 +193,9 @@ def train_shard(self, run_id: str, store_url: str, r: int, k: int) -> dict[str, 
         board.incident(run_id, "duplicate_ignored", task, worker,
                        "the shard's output was already stored; nothing was trained or counted")
         return result
-    reporter = TaskReporter(self, board.r, task, spec.sync_every,
-                                spec.batch_size or recipe_of(spec).batch_size)
     try:
+        reporter = TaskReporter(self, board.r, task, spec.sync_every,
+                                spec.batch_size or recipe_of(spec).batch_size)
         up, down = _train_shard(spec, store, r, k, out_key, reporter)
     except Exception as exc:  # noqa: BLE001 - recorded, then retried or failed
         message = _describe_failure(exc, worker)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import hashlib
 import math
+import os
+import time
 
 import torch
 from torch import nn
@@ -24,6 +26,11 @@ def set_threads(n: int) -> None:
         torch.set_num_threads(n)
 
 
+# Benchmark/test-only: a factor ≥ 1 that makes this process train that many times slower (it
+# sleeps (f−1)× each step's time), to emulate a slow machine beside fast ones on one host.
+SLOWDOWN = float(os.environ.get("TENSORTURN_SLOWDOWN", "1"))
+
+
 def train_steps(recipe: Recipe, model: nn.Module, optimizer: torch.optim.Optimizer,
                 x: torch.Tensor, y: torch.Tensor, rows: torch.Tensor, steps: int,
                 batch_size: int, seed: int, device: torch.device,
@@ -38,6 +45,7 @@ def train_steps(recipe: Recipe, model: nn.Module, optimizer: torch.optim.Optimiz
     order = rows[torch.randperm(len(rows), generator=gen)]
     pos, total, samples = 0, 0.0, 0
     for step in range(steps):
+        t0 = time.perf_counter()
         if pos + batch_size > len(order):
             order = rows[torch.randperm(len(rows), generator=gen)]
             pos = 0
@@ -54,6 +62,8 @@ def train_steps(recipe: Recipe, model: nn.Module, optimizer: torch.optim.Optimiz
             raise FloatingPointError(f"non-finite training loss ({value} at step {step})")
         total += value
         samples += len(batch)
+        if SLOWDOWN > 1:
+            time.sleep((SLOWDOWN - 1) * (time.perf_counter() - t0))
         if on_step is not None:
             on_step(step + 1, value)
     return total / max(steps, 1), samples

@@ -72,15 +72,20 @@ FLAKY = textwrap.dedent('''
     from tensorturn.recipes.digits import DigitsMLP
 
     class Flaky(DigitsMLP):
-        """Member 1 always fails: its model cannot be built."""
+        """Member 1 always fails: every training step of its model raises."""
 
         def member_config(self, member, rng):
             return {**super().member_config(member, rng), "fail": member == 1}
 
         def model(self, config):
-            if config.get("fail"):
+            model = super().model(config)
+            model.broken = config.get("fail", False)
+            return model
+
+        def loss(self, model, x, y):
+            if model.broken:
                 raise RuntimeError("member 1 is broken on purpose")
-            return super().model(config)
+            return super().loss(model, x, y)
 ''')
 
 
@@ -121,3 +126,15 @@ def test_unknown_vote_rule_is_refused(redis_server):
               "--vote", "plurality")
     assert proc.returncode == 2 and "'plurality' is not one of" in proc.stderr
     assert redis.Redis.from_url(redis_server.url).zcard("tt:runs") == 0
+
+
+def test_members_past_the_deadline_drop_out_and_the_run_says_why(tmp_path):
+    proc = tt("run", "--mode", "ensemble", "--recipe", "digits-mlp", "--members", "2",
+              "--segments", "2", "--segment-steps", "20", "--deadline", "0.001",
+              "--local-workers", "1", "--json", cwd=tmp_path)
+    assert proc.returncode == 1
+    doc = json.loads(proc.stdout)
+    assert doc["state"] == "failed"
+    assert "only 0 of 2 members finished" in doc["error"]
+    assert all(m["state"] == "dropped" and "missed the deadline" in m["reason"]
+               for m in doc["members"])

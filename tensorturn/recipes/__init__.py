@@ -10,12 +10,14 @@ import importlib
 
 from ..errors import RecipeError
 from .base import Recipe, Splits, load_splits
+from .charlm import CharLM
 from .digits import DigitsMLP
 
 __all__ = ["Recipe", "Splits", "load_splits", "resolve", "BUILTIN"]
 
 BUILTIN: dict[str, type[Recipe]] = {
     "digits-mlp": DigitsMLP,
+    "charlm": CharLM,
 }
 
 

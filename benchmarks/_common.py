@@ -1,0 +1,114 @@
+"""Helpers shared by the benchmark scripts: the machine, running a job on a pool, timing it from
+its attempts, printing a table, and writing ``<name>.json`` / ``<name>.png`` beside the scripts."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+import time
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+
+from tensorturn import client
+from tensorturn.runs import RunSpec
+
+HERE = Path(__file__).resolve().parent
+_SHARD = re.compile(r"^r(\d+)/shard-(\d+)$")
+
+
+def machine() -> dict[str, Any]:
+    """nproc, CPU model, RAM, load, Python and torch versions of this machine."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    ram_gb = None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                ram_gb = round(int(line.split()[1]) / 1024 ** 2, 1)
+    except OSError:
+        pass
+    return {"nproc": os.cpu_count(), "cpu_model": cpu, "ram_gb": ram_gb,
+            "loadavg_1m_at_start": os.getloadavg()[0], "python": platform.python_version(),
+            "torch": torch.__version__, "platform": platform.platform(terse=True)}
+
+
+def short(worker: str) -> str:
+    return worker.split("@", 1)[0]
+
+
+def run_job(pool, store_url: str, timeout_s: float = 900, **spec_fields: Any) -> dict[str, Any]:
+    """Submit one run to ``pool`` and wait for it; raises unless it succeeded."""
+    spec = RunSpec(recipe=spec_fields.pop("recipe", "digits-mlp"), store_url=store_url,
+                   **spec_fields)
+    client.submit(spec, pool.broker_url)
+    doc = client.wait(pool.broker_url, spec.run_id, poll_s=0.25, timeout_s=timeout_s)
+    if doc["state"] != "succeeded":
+        raise RuntimeError(f"run {spec.run_id} ended {doc['state']}: {doc.get('error')}")
+    return doc
+
+
+def succeeded(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    """The run's successful shard/segment attempts."""
+    return [a for a in doc["attempts"] if a["outcome"] == "succeeded"]
+
+
+def shard_span(doc: dict[str, Any]) -> float:
+    """Seconds from the first shard start to the last shard finish."""
+    done = [a for a in succeeded(doc) if _SHARD.match(a["task"])]
+    return max(a["finished_at"] for a in done) - min(a["started_at"] for a in done)
+
+
+def total_samples(doc: dict[str, Any]) -> int:
+    return sum(int(r["samples"]) for r in doc["rounds"])
+
+
+def round_gaps(doc: dict[str, Any]) -> list[float]:
+    """Per round boundary: next round's first shard start − previous round's last shard finish."""
+    by_round: dict[int, list[dict[str, Any]]] = {}
+    for a in succeeded(doc):
+        m = _SHARD.match(a["task"])
+        if m:
+            by_round.setdefault(int(m.group(1)), []).append(a)
+    rs = sorted(by_round)
+    return [min(a["started_at"] for a in by_round[r + 1]) - max(a["finished_at"] for a in by_round[r])
+            for r in rs[:-1] if r + 1 in by_round]
+
+
+def table(headers: list[str], rows: Iterable[list[Any]]) -> str:
+    """A plain-text table (also valid Markdown)."""
+    def cell(v: Any) -> str:
+        if isinstance(v, float):
+            return f"{v:,.3f}" if abs(v) < 10 else f"{v:,.1f}"
+        return str(v)
+
+    body = [[cell(v) for v in row] for row in rows]
+    widths = [max(len(h), *(len(r[i]) for r in body)) if body else len(h)
+              for i, h in enumerate(headers)]
+    line = lambda cells: "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
+    return "\n".join([line(headers), "|" + "|".join("-" * (w + 2) for w in widths) + "|",
+                      *(line(r) for r in body)])
+
+
+def figure(width: float = 7.0, height: float = 4.0):
+    from matplotlib.figure import Figure
+
+    return Figure(figsize=(width, height), dpi=100, layout="constrained")
+
+
+def write_outputs(name: str, summary: dict[str, Any], fig, out_dir: Path | None = None) -> None:
+    """``<name>.json`` and ``<name>.png`` beside the scripts (or in ``out_dir``)."""
+    out_dir = Path(out_dir or HERE)
+    summary.setdefault("finished_at", time.strftime("%Y-%m-%d %H:%M:%S"))
+    (out_dir / f"{name}.json").write_text(json.dumps(summary, indent=2) + "\n")
+    fig.savefig(out_dir / f"{name}.png", format="png", metadata={"Software": None})
+    print(f"wrote {out_dir / (name + '.json')} and {out_dir / (name + '.png')}")

@@ -1,0 +1,216 @@
+"""Overhead: samples/s of a fused run on one agent vs a plain PyTorch loop doing the same steps.
+
+One embedded agent (a real Celery worker on a private redis-server, file store) runs fused runs of
+R rounds × S shards × H steps. TensorTurn's rate is total samples / (last shard finish − first
+shard start), from the run's attempts: it pays for every task's start (spec, weights download,
+model build), its upload, and the outer step between rounds. The baseline is
+``tensorturn.training.train_steps`` — the very inner loop the shard task runs, so the ratio is
+TensorTurn's own cost — called once for the same total steps, in this process, on the same
+recipe, training split, batch size and one torch thread (``--threads-per-task 1``).
+
+Task lengths H are chosen from a calibration of the plain loop's step time so that a task lasts
+about 0.1 s, 0.5 s and 2 s (digits-mlp) or 0.5 s, 2 s and 8 s (slower recipes such as charlm,
+whose outer step evaluates a bigger model). Each (H, side) pair is measured ``--reps`` times,
+interleaved (plain, TensorTurn, plain, ...), because the CPU is shared: the table shows the ratio
+of the best rates (noise only ever slows a run down), the median of the per-pair ratios, and a
+noise-robust cross-check: CPU seconds per sample of the plain loop over those of the whole pool
+(agent processes and redis-server, from submit to the end of the run, final evaluation
+included). The agent is warmed up first with one tiny run; its cold first task (imports, data
+load) is reported apart.
+
+    python benchmarks/overhead.py [--reps 3] [--seconds 8] [--shards 2]
+
+Runs ``charlm`` too when ``tensorturn.recipes.BUILTIN`` has it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+import torch
+
+from _common import figure, machine, run_job, shard_span, succeeded, table, total_samples, write_outputs
+from tensorturn.local import LocalPool
+from tensorturn.recipes import BUILTIN, load_splits, resolve
+from tensorturn.training import derive_seed, set_threads, train_steps
+
+# Task lengths (seconds at the plain loop's step time) and pairs per length, by recipe; a recipe
+# with slow steps and a costly evaluation in the outer step needs longer tasks to amortize it.
+TASK_SECONDS = {"digits-mlp": (0.1, 0.5, 2.0)}
+SLOW_TASK_SECONDS = (0.5, 2.0, 8.0)
+REPS = {"digits-mlp": 3}
+SLOW_REPS = 2
+
+
+def plain_run(recipe, steps: int, batch: int, seed: int = 0) -> tuple[float, float]:
+    """(samples/s, CPU seconds per sample) of ``train_steps`` over ``steps`` steps on the whole
+    training split, in this process."""
+    splits = load_splits(recipe)
+    torch.manual_seed(derive_seed(seed, "init"))
+    model = recipe.model(recipe.default_config())
+    opt = torch.optim.AdamW(model.parameters(), lr=recipe.lr, weight_decay=recipe.weight_decay)
+    rows = torch.arange(len(splits.y_train))
+    t0, c0 = time.perf_counter(), time.process_time()
+    _, samples = train_steps(recipe, model, opt, splits.x_train, splits.y_train, rows, steps,
+                             batch, seed, torch.device("cpu"))
+    return samples / (time.perf_counter() - t0), (time.process_time() - c0) / samples
+
+
+def step_seconds(recipe, batch: int) -> float:
+    """The plain loop's seconds per step: steps doubled until a measurement lasts ≥ 1 s."""
+    steps = 1
+    while True:
+        rate, _ = plain_run(recipe, steps, batch)
+        if steps * batch / rate >= 1.0 or steps >= 4096:
+            return batch / rate
+        steps *= 2
+
+
+def cpu_seconds(pool) -> float:
+    """CPU seconds used so far by the pool: its agents' process trees and its redis-server."""
+    total = 0.0
+    roots = [p.pid for p in pool.agents] + [pool.redis.proc.pid]
+    for pid in roots:
+        try:
+            root = psutil.Process(pid)
+            for proc in [root, *root.children(recursive=True)]:
+                t = proc.cpu_times()
+                total += t.user + t.system
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
+def nice(x: float) -> int:
+    """Round to two significant digits (at least 1)."""
+    if x < 10:
+        return max(1, round(x))
+    p = 10 ** (len(str(int(x))) - 2)
+    return int(round(x / p) * p)
+
+
+def bench_recipe(name: str, pool, store: str, args) -> dict:
+    recipe = resolve(name)
+    batch = recipe.batch_size
+    step_s = step_seconds(recipe, batch)
+    warm = run_job(pool, store, mode="fused", recipe=name, rounds=1, shards=1, sync_every=5,
+                   threads_per_task=1, seed=args.seed)
+    cold = succeeded(warm)[0]
+    cold_s = cold["finished_at"] - cold["started_at"]
+    print(f"\n{name}: batch {batch}, plain step ≈ {step_s * 1e3:.2f} ms; agent's cold first task "
+          f"(5 steps) took {cold_s:.2f} s", flush=True)
+    rows = []
+    reps = args.reps or REPS.get(name, SLOW_REPS)
+    for task_s in TASK_SECONDS.get(name, SLOW_TASK_SECONDS):
+        h = nice(task_s / step_s)
+        rounds = max(2, round(args.seconds / (task_s * args.shards)))
+        steps = rounds * args.shards * h
+        plain, tt, per_task, gaps, cpu_ratio = [], [], [], [], []
+        for rep in range(reps):
+            rate, plain_cpu = plain_run(recipe, steps, batch, seed=args.seed)
+            plain.append(rate)
+            c0 = cpu_seconds(pool)
+            doc = run_job(pool, store, mode="fused", recipe=name, rounds=rounds,
+                          shards=args.shards, sync_every=h, threads_per_task=1, seed=args.seed)
+            tt_cpu = (cpu_seconds(pool) - c0) / total_samples(doc)
+            cpu_ratio.append(plain_cpu / tt_cpu)
+            assert total_samples(doc) == steps * batch, (total_samples(doc), steps * batch)
+            tt.append(total_samples(doc) / shard_span(doc))
+            done = succeeded(doc)
+            # time of a task beyond its H steps at the plain loop's rate of this pair
+            per_task.append(statistics.median(a["finished_at"] - a["started_at"] for a in done)
+                            - h * batch / plain[-1])
+            busy = sum(a["finished_at"] - a["started_at"] for a in done)
+            gaps.append((shard_span(doc) - busy) / len(done))
+            print(f"  H={h:<6} rounds={rounds:<3} rep {rep + 1}: plain {plain[-1]:,.0f}/s  "
+                  f"tensorturn {tt[-1]:,.0f}/s  ratio {tt[-1] / plain[-1]:.3f}  "
+                  f"CPU ratio {cpu_ratio[-1]:.3f}", flush=True)
+        row = {
+            "recipe": name, "sync_every": h, "task_s": h * step_s, "rounds": rounds,
+            "shards": args.shards, "total_steps": steps, "batch_size": batch,
+            "plain_samples_per_s": plain, "tensorturn_samples_per_s": tt,
+            "ratio_best": max(tt) / max(plain),
+            "ratio_median_of_pairs": statistics.median(t / p for t, p in zip(tt, plain)),
+            "cpu_ratio_median": statistics.median(cpu_ratio), "cpu_ratios": cpu_ratio,
+            "reps": reps,
+            "task_overhead_ms": statistics.median(per_task) * 1e3,
+            "idle_between_tasks_ms": statistics.median(gaps) * 1e3,
+        }
+        rows.append(row)
+    return {"recipe": name, "batch_size": batch, "plain_step_ms": step_s * 1e3,
+            "cold_first_task_s": cold_s, "rows": rows}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=None,
+                        help="interleaved pairs per task length (default: 3 for digits-mlp, "
+                             "2 for slower recipes)")
+    parser.add_argument("--seconds", type=float, default=8.0,
+                        help="about how long one measurement trains")
+    parser.add_argument("--shards", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--recipes", default="digits-mlp,charlm",
+                        help="comma-separated; those not in BUILTIN are skipped with a note")
+    parser.add_argument("--out-dir", default=None)
+    args = parser.parse_args()
+    set_threads(1)
+    info = machine()
+    names = [n for n in args.recipes.split(",") if n]
+    skipped = [n for n in names if n not in BUILTIN]
+    for n in skipped:
+        print(f"note: recipe {n!r} is not in tensorturn.recipes.BUILTIN here; skipped")
+    results = []
+    with tempfile.TemporaryDirectory(prefix="tt-overhead-") as tmp:
+        store = (Path(tmp) / "store").as_uri()
+        with LocalPool(1, store, workdir=Path(tmp) / "pool") as pool:
+            for n in names:
+                if n in BUILTIN:
+                    results.append(bench_recipe(n, pool, store, args))
+
+    headers = ["recipe", "H (steps)", "task ≈ s", "rounds×shards", "plain samples/s (best)",
+               "TensorTurn samples/s (best)", "ratio (best)", "ratio (median of pairs)",
+               "CPU ratio (whole run)", "task overhead ms", "idle between tasks ms"]
+    rows = [[r["recipe"], r["sync_every"], round(r["task_s"], 2), f"{r['rounds']}×{r['shards']}",
+             round(max(r["plain_samples_per_s"])), round(max(r["tensorturn_samples_per_s"])),
+             round(r["ratio_best"], 3), round(r["ratio_median_of_pairs"], 3),
+             round(r["cpu_ratio_median"], 3), round(r["task_overhead_ms"], 1), round(r["idle_between_tasks_ms"], 1)]
+            for res in results for r in res["rows"]]
+    print(f"\nOverhead on one agent (interleaved pairs; "
+          f"{info['nproc']} cores, {info['cpu_model']}):\n")
+    print(table(headers, rows))
+    for res in results:
+        print(f"{res['recipe']}: the agent's cold first task took {res['cold_first_task_s']:.2f} s "
+              f"(imports and data load, once per agent process)")
+    for n in skipped:
+        print(f"{n}: skipped (not a built-in recipe in this checkout)")
+
+    fig = figure()
+    ax = fig.add_subplot()
+    for res in results:
+        xs = [r["sync_every"] for r in res["rows"]]
+        ax.plot(xs, [r["ratio_best"] for r in res["rows"]], "o-", label=f"{res['recipe']} (best)")
+        ax.plot(xs, [r["ratio_median_of_pairs"] for r in res["rows"]], "x--",
+                label=f"{res['recipe']} (median of pairs)")
+    ax.axhline(0.95, color="gray", linestyle=":", label="goal 0.95")
+    ax.set_xscale("log")
+    ax.set_xlabel("H = --sync-every (steps per task)")
+    ax.set_ylabel("TensorTurn / plain loop samples/s")
+    ax.set_title(f"Overhead, one agent, 1 thread ({info['nproc']} cores)", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    write_outputs("overhead", {
+        "question": "samples/s of TensorTurn (one agent) vs a plain loop of the same steps",
+        "command": "python benchmarks/overhead.py " + " ".join(
+            f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None),
+        "baseline": "tensorturn.training.train_steps, one call over the same total steps",
+        "machine": info, "skipped": skipped, "results": results}, fig, args.out_dir)
+
+
+if __name__ == "__main__":
+    main()

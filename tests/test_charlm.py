@@ -1,0 +1,152 @@
+"""The built-in ``charlm`` recipe: its fixed split, vocabulary, model, and one fused run."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tensorturn.capacity import estimate
+from tensorturn.errors import RecipeError
+from tensorturn.recipes import charlm, load_splits, resolve
+
+from conftest import tt_json
+
+# A small text with a learnable structure (and a non-ASCII character) for custom-data tests.
+SMALL_TEXT = "".join(f"line {i}: the quick brown fox jumps over the lazy dog {i * 7 % 13} — ok\n"
+                     for i in range(80))
+
+SPLIT_DIGEST = """
+import hashlib, torch
+from tensorturn.recipes import resolve
+h = hashlib.sha256()
+for t in resolve("charlm").raw_data():
+    h.update(str(t.dtype).encode() + str(tuple(t.shape)).encode() + t.numpy().tobytes())
+print(h.hexdigest())
+"""
+
+
+def split_digest(recipe) -> str:
+    h = hashlib.sha256()
+    for t in recipe.raw_data():
+        h.update(str(t.dtype).encode() + str(tuple(t.shape)).encode() + t.numpy().tobytes())
+    return h.hexdigest()
+
+
+@pytest.fixture(scope="module")
+def recipe():
+    return resolve("charlm")
+
+
+@pytest.fixture(scope="module")
+def splits(recipe):
+    return load_splits(recipe)
+
+
+def test_split_is_deterministic_across_instances_and_processes():
+    first = resolve("charlm")
+    a = first.raw_data()
+    for cache in (charlm.load_text, charlm._vocab, charlm._ids):  # nothing shared but the code
+        cache.cache_clear()
+    b = resolve("charlm").raw_data()
+    assert len(a) == len(b) == 6
+    for ta, tb in zip(a, b):
+        assert ta.dtype == tb.dtype == torch.int64
+        assert torch.equal(ta, tb)
+    fresh = subprocess.run([sys.executable, "-c", SPLIT_DIGEST], capture_output=True, text=True,
+                           timeout=120, check=True)
+    assert fresh.stdout.strip() == split_digest(first)
+
+
+def test_windows_vocab_and_split_sizes(recipe, splits):
+    text, vocab = recipe.text(), recipe.vocab()
+    assert 300_000 <= len(text) <= 500_000
+    assert vocab == sorted(set(text)) and len(vocab) == len(set(vocab))
+    assert recipe.decode(recipe.encode(text[:2000])) == text[:2000]
+    ctx = recipe.context
+    assert ctx == 64
+    for x, y in ((splits.x_train, splits.y_train), (splits.x_val, splits.y_val),
+                 (splits.x_test, splits.y_test)):
+        assert x.shape == y.shape and x.shape[1] == ctx and x.dtype == torch.int64
+        assert torch.equal(x[:, 1:], y[:, :-1])            # targets are the next characters
+        assert torch.equal(x[1:, 0], y[:-1, -1])            # windows are consecutive, stride = ctx
+        assert int(x.min()) >= 0 and int(x.max()) < len(vocab)
+    assert len(splits.x_val) <= charlm.MAX_EVAL_WINDOWS and len(splits.x_test) <= charlm.MAX_EVAL_WINDOWS
+    # train is the first 90 % of the text, validation the next 5 %, test the last 5 %
+    assert recipe.decode(splits.x_train[0]) == text[:ctx]
+    assert recipe.decode(splits.x_val[0]) == text[int(len(text) * 0.9):][:ctx]
+    assert recipe.decode(splits.x_test[0]) == text[int(len(text) * 0.95):][:ctx]
+    assert len(splits.x_train) == (int(len(text) * 0.9) - 1) // ctx
+
+
+def test_loss_at_init_is_about_ln_vocab(recipe, splits):
+    torch.manual_seed(0)
+    model = recipe.model(recipe.default_config())
+    metrics = recipe.evaluate(model, splits.x_val, splits.y_val)
+    expected = math.log(len(recipe.vocab()))
+    assert abs(metrics["loss"] - expected) < 0.15 * expected, (metrics, expected)
+    assert 0 <= metrics["accuracy"] <= 1
+    probs = recipe.predict_proba(model, recipe.preprocess(splits.x_test[:5].float()))
+    assert probs.shape == (5, len(recipe.vocab()))
+    assert torch.allclose(probs.sum(-1), torch.ones(5), atol=1e-5)
+
+
+def test_overfits_one_small_batch(recipe, splits):
+    torch.manual_seed(0)
+    model = recipe.model(recipe.default_config())
+    opt = torch.optim.AdamW(model.parameters(), lr=recipe.lr)
+    x, y = splits.x_train[:8], splits.y_train[:8]
+    model.train()
+    first = float(recipe.loss(model, x, y))
+    for _ in range(40):
+        loss = recipe.loss(model, x, y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    last = float(recipe.evaluate(model, x, y)["loss"])
+    assert last < 0.6 * first, (first, last)
+
+
+def test_memory_estimate_runs_the_model_on_meta_with_int64_input(recipe):
+    need = estimate(recipe, recipe.default_config(), recipe.batch_size)
+    assert need["parameters_bytes"] == 4 * sum(p.numel() for p in recipe.model(recipe.default_config()).parameters())
+    assert need["activations_bytes"] > 0      # the forward pass ran (it counts 0 when it fails)
+
+
+def test_custom_data_file_and_options(tmp_path):
+    path = tmp_path / "small.txt"
+    path.write_text(SMALL_TEXT, encoding="utf-8")
+    recipe = resolve("charlm", {"data": str(path), "context": 16, "n_embd": 32, "n_head": 2})
+    assert recipe.vocab() == sorted(set(SMALL_TEXT)) and "—" in recipe.vocab()
+    s = load_splits(recipe)
+    assert s.x_train.shape[1] == 16 and len(s.x_train) == (int(len(SMALL_TEXT) * 0.9) - 1) // 16
+    assert recipe.decode(s.x_train[0]) == SMALL_TEXT[:16]
+    torch.manual_seed(0)
+    model = recipe.model(recipe.default_config())
+    assert model.tok.weight.shape == (len(recipe.vocab()), 32)
+    assert math.isfinite(recipe.evaluate(model, s.x_val, s.y_val)["loss"])
+
+    (tmp_path / "tiny.txt").write_text("far too short", encoding="utf-8")
+    with pytest.raises(ValueError, match="too short"):
+        resolve("charlm", {"data": str(tmp_path / "tiny.txt")}).raw_data()
+    with pytest.raises(RecipeError, match="does not accept"):
+        resolve("charlm", {"vocab": 3})
+    with pytest.raises(RecipeError, match="n_head"):
+        resolve("charlm", {"n_embd": 30, "n_head": 4})
+
+
+def test_fused_run_through_the_cli(tmp_path):
+    path = tmp_path / "small.txt"
+    path.write_text(SMALL_TEXT * 2, encoding="utf-8")
+    doc = tt_json("run", "--recipe", "charlm", "--recipe-option", f"data={path}", "--rounds", "2",
+                  "--sync-every", "5", "--shards", "2", "--local-workers", "1", "--json",
+                  cwd=tmp_path)
+    assert doc["state"] == "succeeded", doc.get("error")
+    assert doc["spec"]["recipe_options"] == {"data": str(path)}
+    assert len(doc["rounds"]) == 2
+    assert math.isfinite(doc["metrics"]["test_loss"]) and doc["metrics"]["test_loss"] > 0
+    assert doc["rounds"][1]["val_loss"] < math.log(len(set(SMALL_TEXT)))
