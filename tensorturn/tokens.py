@@ -63,18 +63,22 @@ class TokenChecker:
         self._digests: list[str] = []
         self._loaded = 0.0
 
-    def _active(self) -> list[str]:
-        if time.monotonic() - self._loaded > self.ttl_s:
+    def _active(self, max_age_s: float) -> list[str]:
+        if time.monotonic() - self._loaded > max_age_s:
             self._digests = [r["sha256"] for r in records(self.store) if r["revoked_at"] is None]
             self._loaded = time.monotonic()
         return self._digests
+
+    def _known(self, digest: str, max_age_s: float) -> bool:
+        found = False
+        for known in self._active(max_age_s):  # every digest, without stopping early
+            found |= hmac.compare_digest(digest, known)
+        return found
 
     def __call__(self, token: str | None) -> bool:
         if not token:
             return False
         digest = _digest(token)
-        # compare against every active digest, without stopping early
-        found = False
-        for known in self._active():
-            found |= hmac.compare_digest(digest, known)
-        return found
+        # an unknown token re-reads the list (a token created a moment ago works at once),
+        # at most twice a second so that guessing cannot hammer the store
+        return self._known(digest, self.ttl_s) or self._known(digest, 0.5)
