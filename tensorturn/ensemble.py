@@ -120,11 +120,11 @@ def train_segment(self, run_id: str, store_url: str, m: int, j: int) -> dict[str
     spec = load_spec(store, run_id)
     task = f"m{m}/seg-{j}"
     worker = self.request.hostname or "?"
-    attempt, n = board.start_attempt(run_id, task, worker)
-    if n > spec.max_attempts:
-        board.finish_attempt(run_id, attempt, "refused: attempt limit reached")
+    begun = board.begin_attempt(run_id, task, worker, spec.max_attempts)
+    if begun is None:
         _drop(spec, board, m, f"{task} failed {spec.max_attempts} attempts")
         return result
+    attempt, n = begun
     if spec.deadline is not None and time.time() > spec.created_at + spec.deadline:
         board.finish_attempt(run_id, attempt, "refused: past the deadline")
         _drop(spec, board, m, f"missed the deadline ({spec.deadline:g}s) before {task}")

@@ -180,14 +180,12 @@ def train_shard(self, run_id: str, store_url: str, r: int, k: int) -> dict[str, 
     task = f"r{r}/shard-{k}"
     worker = self.request.hostname or "?"
     spec = load_spec(store, run_id)
-    attempt, n = board.start_attempt(run_id, task, worker)
-    if n > spec.max_attempts:
-        board.finish_attempt(run_id, attempt, "refused: attempt limit reached")
-        board.incident(run_id, "attempt_limit", task, worker,
-                       f"attempt {n} refused: the task already had {spec.max_attempts}")
+    begun = board.begin_attempt(run_id, task, worker, spec.max_attempts)
+    if begun is None:
         board.fail(run_id, f"{task} failed {spec.max_attempts} attempts")
         write_manifest(store, board, run_id)
         return result
+    attempt, n = begun
     if store.exists(out_key) or store.exists(global_key(run_id, r + 1)):
         board.finish_attempt(run_id, attempt, "duplicate: output already stored")
         board.incident(run_id, "duplicate_ignored", task, worker,

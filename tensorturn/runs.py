@@ -263,6 +263,18 @@ class RunBoard:
         self.mark_running(run_id)
         return key, n
 
+    def begin_attempt(self, run_id: str, task: str, worker: str,
+                      max_attempts: int) -> tuple[str, int] | None:
+        """Record a new attempt, or — past ``max_attempts`` (a task that keeps killing its
+        worker is redelivered without end) — record its refusal and return None."""
+        key, n = self.start_attempt(run_id, task, worker)
+        if n <= max_attempts:
+            return key, n
+        self.finish_attempt(run_id, key, "refused: attempt limit reached")
+        self.incident(run_id, "attempt_limit", task, worker,
+                      f"attempt {n} refused: the task already had {max_attempts}")
+        return None
+
     def finish_attempt(self, run_id: str, key: str, outcome: str) -> None:
         raw = self.r.hget(_k(run_id, "attempts"), key)
         if raw is None:
