@@ -1,6 +1,5 @@
 """Leases: a live task keeps its broker lease however long it runs."""
 
-import time
 
 import redis
 
