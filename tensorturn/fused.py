@@ -149,7 +149,8 @@ def start(spec: RunSpec, store: Store, board: RunBoard) -> None:
     model = recipe.model(recipe.default_config())
     store.put_json(f"runs/{spec.run_id}/spec.json", spec.to_json())
     store.put_bytes(global_key(spec.run_id, 0),
-                    model_bytes(model.state_dict(), spec.recipe, recipe.default_config()))
+                    model_bytes(model.state_dict(), spec.recipe, recipe.default_config(),
+                                spec.recipe_options))
     board.create(spec)
     write_manifest(store, board, spec.run_id)
     dispatch_round(spec, 0)
@@ -325,7 +326,8 @@ def _outer_step(spec: RunSpec, store: Store, r: int) -> dict[str, Any]:
             spec.outer_momentum if use_momentum else 0.0, nesterov=use_momentum)
         if use_momentum:  # the outer state of r+1 is stored before θ_{r+1} decides the round
             store.put_bytes(outer_state_key(run_id, r + 1), to_bytes(new_buf))
-        store.put_bytes(next_key, model_bytes(new_theta, spec.recipe, recipe.default_config()))
+        store.put_bytes(next_key, model_bytes(new_theta, spec.recipe, recipe.default_config(),
+                                              spec.recipe_options))
 
     splits = load_splits(recipe)
     set_threads(spec.threads_per_task)
