@@ -388,6 +388,25 @@ def runs(broker, store, as_json):
                    + (f"  test_accuracy {acc:.4f}" if acc is not None else ""))
 
 
+@cli.command()
+@click.argument("run_id")
+@click.option("--json", "as_json", is_flag=True, help="Print the plots' locations as JSON.")
+@pool_options
+def report(broker, store, run_id, as_json):
+    """Plot a run (loss per round or member, samples/s per worker, bytes moved) as PNG files
+    saved beside its manifest; prints where they are."""
+    from . import client
+    from .report import save_report
+    from .store import open_store
+
+    uris = save_report(client.describe(run_id, broker, store), open_store(store))
+    if as_json:
+        emit_json(uris)
+        return
+    for uri in uris:
+        click.echo(uri)
+
+
 # ---- workers / agent / up ---------------------------------------------------------------------
 
 @cli.command()

@@ -235,7 +235,8 @@ def _bytes_plot(doc: dict[str, Any]) -> bytes:
         ax.set_ylabel(f"{unit}")
         ax.set_xlabel(xlabel)
         ax.grid(alpha=0.3, axis="y")
-        ax.legend()
+        ax.margins(y=0.25)
+        ax.legend(loc="upper right", fontsize=8)
         if len(labels) > 12:
             ax.tick_params(axis="x", labelrotation=90, labelsize=6)
     ax.set_title(_title(doc, what), fontsize=9)
