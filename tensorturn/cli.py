@@ -521,6 +521,9 @@ def up(broker, store, port, bind, advertise, directory):
     host = advertise or (advertised_host() if bind == "0.0.0.0" else bind)
     broker_url = f"redis://:{cfg.password}@{host}:{cfg.port}/0"
     join = make_join(broker_url, store)
+    url_file = home / "broker-url"  # written before the join line, which callers wait for
+    url_file.write_text(broker_url + "\n")
+    url_file.chmod(0o600)
     click.echo(f"TensorTurn coordinator: Redis on {bind}:{cfg.port} (AOF on, noeviction), "
                f"store {settings.mask_url(store)}", err=True)
     click.echo("On each of your machines, run (this line is a secret: it holds the Redis "
@@ -528,9 +531,6 @@ def up(broker, store, port, bind, advertise, directory):
     click.echo(f"  tensorturn agent --join {join}")
     click.echo(f"Submit runs with: TENSORTURN_BROKER_URL=$(cat {home / 'broker-url'}) tensorturn run ...",
                err=True)
-    url_file = home / "broker-url"
-    url_file.write_text(broker_url + "\n")
-    url_file.chmod(0o600)
     click.echo("Ctrl-C stops the coordinator.", err=True)
     try:
         server.proc.wait()
