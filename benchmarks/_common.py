@@ -110,7 +110,7 @@ def table(headers: list[str], rows: Iterable[list[Any]]) -> str:
     """A plain-text table (also valid Markdown)."""
     def cell(v: Any) -> str:
         if isinstance(v, float):
-            return f"{v:,.3f}" if abs(v) < 10 else f"{v:,.1f}"
+            return f"{v:.4f}" if abs(v) < 10 else f"{v:,.1f}"
         return str(v)
 
     body = [[cell(v) for v in row] for row in rows]

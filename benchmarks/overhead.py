@@ -9,16 +9,18 @@ TensorTurn's own cost — called once for the same total steps, in this process,
 recipe, training split, batch size and one torch thread (``--threads-per-task 1``).
 
 Task lengths H are chosen from a calibration of the plain loop's step time so that a task lasts
-about 0.1 s, 0.5 s and 2 s (digits-mlp) or 0.5 s, 2 s and 8 s (slower recipes such as charlm,
+about 0.1 s, 0.5 s and 2 s (digits-mlp) or 1 s and 4 s (slower recipes such as charlm,
 whose outer step evaluates a bigger model). Each (H, side) pair is measured ``--reps`` times,
-interleaved (plain, TensorTurn, plain, ...), because the CPU is shared: the table shows the ratio
-of the best rates (noise only ever slows a run down), the median of the per-pair ratios, and a
-noise-robust cross-check: CPU seconds per sample of the plain loop over those of the whole pool
-(agent processes and redis-server, from submit to the end of the run, final evaluation
-included). The agent is warmed up first with one tiny run; its cold first task (imports, data
-load) is reported apart.
+interleaved (plain, TensorTurn, plain, ...), because the CPU is shared and its speed swings by
+±30 % from one second to the next on a busy host: the table shows the ratio of the best rates
+(noise only ever slows a run down), the median and range of the per-pair ratios, and the idle
+time between consecutive tasks (from the attempts: the chord, outer step and dispatch between
+rounds, the next fetch within a round). The JSON also has each pair's CPU ratio: CPU seconds per
+sample of the plain loop over those of the whole pool (agent processes and redis-server, from
+submit to the end of the run, final evaluation included). The agent is warmed up first with one
+tiny run; its cold first task (imports, data load) is reported apart.
 
-    python benchmarks/overhead.py [--reps 3] [--seconds 8] [--shards 2]
+    python benchmarks/overhead.py [--reps N] [--seconds 4] [--shards 2]
 
 Runs ``charlm`` too when ``tensorturn.recipes.BUILTIN`` has it.
 """
@@ -42,9 +44,9 @@ from tensorturn.training import derive_seed, set_threads, train_steps
 # Task lengths (seconds at the plain loop's step time) and pairs per length, by recipe; a recipe
 # with slow steps and a costly evaluation in the outer step needs longer tasks to amortize it.
 TASK_SECONDS = {"digits-mlp": (0.1, 0.5, 2.0)}
-SLOW_TASK_SECONDS = (0.5, 2.0, 8.0)
-REPS = {"digits-mlp": 3}
-SLOW_REPS = 2
+SLOW_TASK_SECONDS = (1.0, 4.0)
+REPS = {"digits-mlp": 5}
+SLOW_REPS = 3
 
 
 def plain_run(recipe, steps: int, batch: int, seed: int = 0) -> tuple[float, float]:
@@ -110,7 +112,7 @@ def bench_recipe(name: str, pool, store: str, args) -> dict:
         h = nice(task_s / step_s)
         rounds = max(2, round(args.seconds / (task_s * args.shards)))
         steps = rounds * args.shards * h
-        plain, tt, per_task, gaps, cpu_ratio = [], [], [], [], []
+        plain, tt, gaps, cpu_ratio = [], [], [], []
         for rep in range(reps):
             rate, plain_cpu = plain_run(recipe, steps, batch, seed=args.seed)
             plain.append(rate)
@@ -122,9 +124,6 @@ def bench_recipe(name: str, pool, store: str, args) -> dict:
             assert total_samples(doc) == steps * batch, (total_samples(doc), steps * batch)
             tt.append(total_samples(doc) / shard_span(doc))
             done = succeeded(doc)
-            # time of a task beyond its H steps at the plain loop's rate of this pair
-            per_task.append(statistics.median(a["finished_at"] - a["started_at"] for a in done)
-                            - h * batch / plain[-1])
             busy = sum(a["finished_at"] - a["started_at"] for a in done)
             gaps.append((shard_span(doc) - busy) / len(done))
             print(f"  H={h:<6} rounds={rounds:<3} rep {rep + 1}: plain {plain[-1]:,.0f}/s  "
@@ -138,7 +137,6 @@ def bench_recipe(name: str, pool, store: str, args) -> dict:
             "ratio_median_of_pairs": statistics.median(t / p for t, p in zip(tt, plain)),
             "cpu_ratio_median": statistics.median(cpu_ratio), "cpu_ratios": cpu_ratio,
             "reps": reps,
-            "task_overhead_ms": statistics.median(per_task) * 1e3,
             "idle_between_tasks_ms": statistics.median(gaps) * 1e3,
         }
         rows.append(row)
@@ -146,19 +144,53 @@ def bench_recipe(name: str, pool, store: str, args) -> dict:
             "cold_first_task_s": cold_s, "rows": rows}
 
 
+def draw(results: list[dict], info: dict):
+    fig = figure()
+    ax = fig.add_subplot()
+    for i, res in enumerate(results):
+        xs = [r["task_s"] for r in res["rows"]]
+        ax.plot(xs, [r["ratio_median_of_pairs"] for r in res["rows"]], "o-", color=f"C{i}",
+                label=f"{res['recipe']} (median of pairs)")
+        ax.plot(xs, [r["ratio_best"] for r in res["rows"]], "x--", color=f"C{i}", alpha=0.6,
+                label=f"{res['recipe']} (best vs best)")
+        for r in res["rows"]:
+            ax.annotate(f"H={r['sync_every']}", (r["task_s"], r["ratio_median_of_pairs"]),
+                        textcoords="offset points", xytext=(4, -12), fontsize=7, color=f"C{i}")
+    ax.axhline(0.95, color="gray", linestyle=":", label="goal 0.95")
+    ax.set_xscale("log")
+    ax.margins(x=0.12)
+    ax.set_xlabel("task length, seconds (H steps at the plain loop's speed)")
+    ax.set_ylabel("TensorTurn ÷ plain loop, samples/s")
+    ax.set_title(f"Overhead on one agent, 1 thread ({info['nproc']} cores, {info['cpu_model']})",
+                 fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return fig
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=None,
-                        help="interleaved pairs per task length (default: 3 for digits-mlp, "
-                             "2 for slower recipes)")
-    parser.add_argument("--seconds", type=float, default=8.0,
+                        help="interleaved pairs per task length (default: 5 for digits-mlp, "
+                             "3 for slower recipes)")
+    parser.add_argument("--seconds", type=float, default=4.0,
                         help="about how long one measurement trains")
     parser.add_argument("--shards", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--recipes", default="digits-mlp,charlm",
                         help="comma-separated; those not in BUILTIN are skipped with a note")
     parser.add_argument("--out-dir", default=None)
+    parser.add_argument("--replot", action="store_true",
+                        help="only redraw overhead.png from overhead.json")
     args = parser.parse_args()
+    if args.replot:
+        import json
+
+        out = Path(args.out_dir or Path(__file__).parent)
+        summary = json.loads((out / "overhead.json").read_text())
+        draw(summary["results"], summary["machine"]).savefig(
+            out / "overhead.png", format="png", metadata={"Software": None})
+        return
     set_threads(1)
     info = machine()
     names = [n for n in args.recipes.split(",") if n]
@@ -173,14 +205,19 @@ def main() -> None:
                 if n in BUILTIN:
                     results.append(bench_recipe(n, pool, store, args))
 
-    headers = ["recipe", "H (steps)", "task ≈ s", "rounds×shards", "plain samples/s (best)",
-               "TensorTurn samples/s (best)", "ratio (best)", "ratio (median of pairs)",
-               "CPU ratio (whole run)", "task overhead ms", "idle between tasks ms"]
-    rows = [[r["recipe"], r["sync_every"], round(r["task_s"], 2), f"{r['rounds']}×{r['shards']}",
-             round(max(r["plain_samples_per_s"])), round(max(r["tensorturn_samples_per_s"])),
-             round(r["ratio_best"], 3), round(r["ratio_median_of_pairs"], 3),
-             round(r["cpu_ratio_median"], 3), round(r["task_overhead_ms"], 1), round(r["idle_between_tasks_ms"], 1)]
-            for res in results for r in res["rows"]]
+    headers = ["recipe", "H (steps)", "task ≈ s", "rounds×shards", "pairs",
+               "plain samples/s (best)", "TensorTurn samples/s (best)", "ratio (best)",
+               "ratio (median of pairs)", "ratio range", "idle between tasks ms"]
+    rows = []
+    for res in results:
+        for r in res["rows"]:
+            pairs = [t / p for t, p in zip(r["tensorturn_samples_per_s"], r["plain_samples_per_s"])]
+            rows.append([r["recipe"], r["sync_every"], f"{r['task_s']:.2f}",
+                         f"{r['rounds']}×{r['shards']}", r["reps"],
+                         f"{max(r['plain_samples_per_s']):,.0f}",
+                         f"{max(r['tensorturn_samples_per_s']):,.0f}", f"{r['ratio_best']:.3f}",
+                         f"{r['ratio_median_of_pairs']:.3f}", f"{min(pairs):.2f}–{max(pairs):.2f}",
+                         f"{r['idle_between_tasks_ms']:.0f}"])
     print(f"\nOverhead on one agent (interleaved pairs; "
           f"{info['nproc']} cores, {info['cpu_model']}):\n")
     print(table(headers, rows))
@@ -190,20 +227,7 @@ def main() -> None:
     for n in skipped:
         print(f"{n}: skipped (not a built-in recipe in this checkout)")
 
-    fig = figure()
-    ax = fig.add_subplot()
-    for res in results:
-        xs = [r["sync_every"] for r in res["rows"]]
-        ax.plot(xs, [r["ratio_best"] for r in res["rows"]], "o-", label=f"{res['recipe']} (best)")
-        ax.plot(xs, [r["ratio_median_of_pairs"] for r in res["rows"]], "x--",
-                label=f"{res['recipe']} (median of pairs)")
-    ax.axhline(0.95, color="gray", linestyle=":", label="goal 0.95")
-    ax.set_xscale("log")
-    ax.set_xlabel("H = --sync-every (steps per task)")
-    ax.set_ylabel("TensorTurn / plain loop samples/s")
-    ax.set_title(f"Overhead, one agent, 1 thread ({info['nproc']} cores)", fontsize=9)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    fig = draw(results, info)
     write_outputs("overhead", {
         "question": "samples/s of TensorTurn (one agent) vs a plain loop of the same steps",
         "command": "python benchmarks/overhead.py " + " ".join(

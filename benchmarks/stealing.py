@@ -19,9 +19,16 @@ dynamic run (samples over its busy seconds, from the attempts): aggregate ÷ the
 of agent time spent training — what stealing controls — apart from CPU contention. And it runs
 the whole comparison twice (``--variants 1,2``): with the fast agents at full speed (local3 at
 SLOWDOWN=3), and with every agent sleep-throttled (local1/2 at 2, local3 at 6: still 3× slower)
-so that the three need ~1.2 cores and the CPU no longer hides how well stealing does.
+so that the three need ~1.2 cores and the CPU no longer hides how well stealing does; H is
+halved there so that tasks last about as long.
 
-    python benchmarks/stealing.py [--shards 24] [--sync-every 200] [--rounds 2] [--reps 2]
+A second table splits the agents' time (3 × the run's span) into training, waiting at the end of a
+round for its last shard (the straggler tail), the gap between rounds (chord, outer step,
+dispatch) and the rest (fetching the next task), for the dynamic run, one more dynamic run with
+``--more-shards`` (48) shards per round, and the static run: it shows what the ratio loses where.
+
+    python benchmarks/stealing.py [--shards 24] [--sync-every 150] [--rounds 2] [--reps 2]
+                                  [--more-shards 48] [--variants 1,2]
 """
 
 from __future__ import annotations
@@ -97,9 +104,37 @@ def rate(doc: dict) -> float:
     return total_samples(doc) / shard_span(doc)
 
 
+def agent_time(doc: dict, agents: list[str]) -> dict:
+    """Where the agents' time went in a run (shares of agents × span): training; waiting at the
+    end of a round for its last shard (the straggler tail); between rounds (the chord, outer
+    step and dispatch); and the rest (fetching the next task, starting late)."""
+    by_round: dict[int, list[dict]] = {}
+    for a in succeeded(doc):
+        by_round.setdefault(int(a["task"].split("/")[0][1:]), []).append(a)
+    span = shard_span(doc)
+    total = span * len(agents)
+    training = sum(a["finished_at"] - a["started_at"] for a in succeeded(doc))
+    tail = between = 0.0
+    rounds = sorted(by_round)
+    for r in rounds:
+        end = max(a["finished_at"] for a in by_round[r])
+        start = min(a["started_at"] for a in by_round[r])
+        for w in agents:
+            mine = [a["finished_at"] for a in by_round[r] if short(a["worker"]) == w]
+            tail += end - (max(mine) if mine else start)
+        if r + 1 in by_round:
+            between += (min(a["started_at"] for a in by_round[r + 1]) - end) * len(agents)
+    return {"training": training / total, "round_tail": tail / total,
+            "between_rounds": between / total,
+            "other_idle": (total - training - tail - between) / total}
+
+
 def measure(args, fast: float) -> dict:
-    """Solo, dynamic and static runs on a fresh pool whose fast agents are throttled by ``fast``."""
-    h_static = args.shards * args.sync_every // 3
+    """Solo, dynamic and static runs on a fresh pool whose fast agents are throttled by ``fast``.
+
+    H is ``--sync-every`` / ``fast``, so a task lasts about as long in every variant."""
+    h = max(1, round(args.sync_every / fast))
+    h_static = args.shards * h // 3
     label = f"local1/2 ×{fast:g}, local3 ×{SLOW_FACTOR * fast:g}"
     print(f"\n== variant: {label} (TENSORTURN_SLOWDOWN) ==", flush=True)
     with tempfile.TemporaryDirectory(prefix="tt-stealing-") as tmp:
@@ -112,27 +147,31 @@ def measure(args, fast: float) -> dict:
             for w in workers:
                 only(w, queues)
                 run_job(pool, store, **job(args, 3, 5))  # warm the agent (imports, data)
-                doc = run_job(pool, store, **job(args, args.shards, args.sync_every))
+                doc = run_job(pool, store, **job(args, args.shards, h))
                 assert {a["worker"] for a in succeeded(doc)} == {w}, "another agent took work"
                 solo[short(w)] = rate(doc)
                 print(f"solo {short(w)}: {solo[short(w)]:,.0f} samples/s", flush=True)
             only(None, queues)
-            dynamic, static = [], []
-            for rep in range(args.reps):
-                for kind, shards, h, out in (("dynamic", args.shards, args.sync_every, dynamic),
-                                             ("static", 3, h_static, static)):
-                    doc = run_job(pool, store, **job(args, shards, h))
-                    out.append(doc)
-                    counts = Counter(short(a["worker"]) for a in succeeded(doc))
-                    print(f"{kind} rep {rep + 1}: {rate(doc):,.0f} samples/s; tasks per agent "
-                          f"{dict(sorted(counts.items()))}", flush=True)
+            dynamic, static, more = [], [], []
+            plan = [("dynamic", args.shards, h, dynamic)] * args.reps
+            plan.insert(1, ("static", 3, h_static, static))
+            if args.more_shards:
+                plan.append(("more shards", args.more_shards, h, more))
+            for kind, shards, steps, out in plan:
+                doc = run_job(pool, store, **job(args, shards, steps))
+                out.append(doc)
+                counts = Counter(short(a["worker"]) for a in succeeded(doc))
+                print(f"{kind} ({shards} shards × H={steps}): {rate(doc):,.0f} samples/s; tasks "
+                      f"per agent {dict(sorted(counts.items()))}", flush=True)
+            names = [short(w) for w in workers]
     best_dyn, best_sta = max(dynamic, key=rate), max(static, key=rate)
     solo_sum = sum(solo.values())
     in_run = {short(s["worker"]): s["samples_per_s"] for s in worker_stats(best_dyn)}
     in_run_sum = sum(in_run.values())
     return {
         "variant": label, "fast_slowdown": fast, "slow_slowdown": SLOW_FACTOR * fast,
-        "samples_per_run": total_samples(best_dyn), "static_sync_every": h_static,
+        "samples_per_run": total_samples(best_dyn), "sync_every": h,
+        "static_sync_every": h_static,
         "solo_samples_per_s": solo, "solo_sum": solo_sum,
         "dynamic_samples_per_s": [rate(d) for d in dynamic],
         "static_samples_per_s": [rate(d) for d in static],
@@ -148,7 +187,16 @@ def measure(args, fast: float) -> dict:
         "static_tasks_per_agent": dict(sorted(Counter(
             short(a["worker"]) for a in succeeded(best_sta)).items())),
         "median_dynamic": statistics.median(rate(d) for d in dynamic),
-        "median_static": statistics.median(rate(d) for d in static),
+        "slow_factor_measured": statistics.mean(
+            v for n, v in solo.items() if n != "local3") / solo["local3"],
+        "agent_time_dynamic": agent_time(best_dyn, names),
+        "agent_time_static": agent_time(best_sta, names),
+        "more_shards": ({"shards": args.more_shards, "samples_per_s": rate(more[0]),
+                         "ratio_vs_solo_sum": rate(more[0]) / solo_sum,
+                         "agent_time": agent_time(more[0], names),
+                         "tasks_per_agent": dict(sorted(Counter(
+                             short(a["worker"]) for a in succeeded(more[0])).items()))}
+                        if more else None),
         "_docs": (best_dyn, best_sta),
     }
 
@@ -156,9 +204,13 @@ def measure(args, fast: float) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shards", type=int, default=24, help="shards per round, dynamic run")
-    parser.add_argument("--sync-every", type=int, default=200, help="H of the dynamic run")
+    parser.add_argument("--sync-every", type=int, default=150,
+                        help="H of the dynamic run at full speed (divided by a variant's throttle)")
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--reps", type=int, default=2, help="dynamic/static runs, interleaved")
+    parser.add_argument("--reps", type=int, default=2, help="dynamic runs (the best counts)")
+    parser.add_argument("--more-shards", type=int, default=48,
+                        help="one more dynamic run with this many shards per round (0: none), "
+                             "rated against the same solo rates")
     parser.add_argument("--variants", default="1,2",
                         help="throttles of the fast agents, one pool each (the slow one gets 3×): "
                              "1 = the machine's full speed; 2 = sleep-emulated machines that "
@@ -166,32 +218,48 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out-dir", default=None)
     args = parser.parse_args()
-    if (args.shards * args.sync_every) % 3:
-        parser.error("--shards × --sync-every must be a multiple of 3 (the static run's 3 shards)")
+    variants = [float(f) for f in args.variants.split(",") if f]
+    if args.shards % 3:
+        parser.error("--shards must be a multiple of 3 (the static run has 3 shards of the same work)")
     info = machine()
-    results = [measure(args, float(f)) for f in args.variants.split(",") if f]
+    results = [measure(args, f) for f in variants]
 
     print(f"\nWork stealing: 3 agents, local3 {SLOW_FACTOR}× slower; digits-mlp, {args.rounds} "
-          f"rounds; dynamic {args.shards} shards × H={args.sync_every}, static 3 shards × "
-          f"H={results[0]['static_sync_every']} (same samples); best of {args.reps}; "
-          f"{info['nproc']} cores, {info['cpu_model']}\n")
+          f"rounds; dynamic {args.shards} shards × H, static 3 shards × {args.shards // 3}·H (the "
+          f"same samples); best of {args.reps}; {info['nproc']} cores, {info['cpu_model']}\n")
     rows = []
     for r in results:
         solo = r["solo_samples_per_s"]
-        rows.append([r["variant"], " + ".join(f"{v:,.0f}" for _, v in sorted(solo.items())),
-                     round(r["solo_sum"]), round(r["dynamic_best"]),
-                     round(r["ratio_dynamic_vs_solo_sum"], 3), round(r["static_best"]),
-                     round(r["ratio_static_vs_solo_sum"], 3),
-                     round(r["ratio_dynamic_vs_static"], 2),
-                     round(r["busy_share_dynamic"], 3), round(r["contention_factor"], 3),
-                     " / ".join(str(c) for c in r["dynamic_tasks_per_agent"].values())])
-    print(table(["throttles", "solo local1 + local2 + local3", "Σ solo", "dynamic",
-                 "dynamic ÷ Σ solo", "static", "static ÷ Σ solo", "dynamic ÷ static",
-                 "dynamic ÷ Σ in-run rates", "Σ in-run ÷ Σ solo (contention)",
-                 "dynamic tasks local1/2/3"], rows))
-    print("\nsamples/s; 'in-run rate' = an agent's samples over its busy seconds in the dynamic "
-          "run, so 'dynamic ÷ Σ in-run rates' is the share of agent time spent training and "
-          "'Σ in-run ÷ Σ solo' is what running side by side on this CPU costs each agent.")
+        rows.append([r["variant"], r["sync_every"],
+                     " + ".join(f"{v:,.0f}" for _, v in sorted(solo.items())),
+                     f"{r['slow_factor_measured']:.1f}×", f"{r['solo_sum']:,.0f}",
+                     f"{r['dynamic_best']:,.0f}", f"{r['ratio_dynamic_vs_solo_sum']:.3f}",
+                     f"{r['static_best']:,.0f}", f"{r['ratio_static_vs_solo_sum']:.3f}",
+                     f"{r['ratio_dynamic_vs_static']:.2f}×",
+                     " / ".join(str(c) for c in r["dynamic_tasks_per_agent"].values()),
+                     f"{r['contention_factor']:.3f}"])
+    print(table(["throttles", "H", "solo local1 + local2 + local3", "slow ÷ fast (solo)",
+                 "Σ solo", f"dynamic ({args.shards} shards)", "dynamic ÷ Σ solo",
+                 "static (3 shards)", "static ÷ Σ solo", "dynamic ÷ static",
+                 "dynamic tasks local1/2/3", "Σ in-run rates ÷ Σ solo"], rows))
+    print("\nWhere the agents' time went (share of 3 agents × the run's span):\n")
+    rows = []
+    for r in results:
+        runs = [(f"dynamic, {args.shards} shards", r["agent_time_dynamic"], r["ratio_dynamic_vs_solo_sum"]),
+                ("static, 3 shards", r["agent_time_static"], r["ratio_static_vs_solo_sum"])]
+        if r["more_shards"]:
+            m = r["more_shards"]
+            runs.insert(1, (f"dynamic, {m['shards']} shards", m["agent_time"], m["ratio_vs_solo_sum"]))
+        for name, t, ratio in runs:
+            rows.append([r["variant"], name, f"{ratio:.3f}", f"{t['training']:.3f}",
+                         f"{t['round_tail']:.3f}", f"{t['between_rounds']:.3f}",
+                         f"{t['other_idle']:.3f}"])
+    print(table(["throttles", "run", "÷ Σ solo", "training", "waiting for a round's last shard",
+                 "between rounds", "fetching / other"], rows))
+    print("\nsamples/s, best of the dynamic runs; 'Σ in-run rates' = each agent's samples over "
+          "its busy seconds in that run: below 1 it is what running side by side on this CPU "
+          "costs each agent. The more-shards run is rated against the solo rates measured at "
+          f"{args.shards} shards.")
 
     fig = figure(13, 4 * len(results))
     axes = fig.subplots(len(results), 3, width_ratios=[1, 1.4, 1.4], squeeze=False)
@@ -207,9 +275,11 @@ def main() -> None:
         ax_rate.set_ylabel("samples/s")
         ax_rate.legend(fontsize=7)
         ax_rate.set_title(r["variant"], fontsize=9)
-        timeline(ax_dyn, best_dyn, f"dynamic: {args.shards} shards/round")
-        timeline(ax_sta, best_sta, "static: 3 shards/round")
-        ax_sta.sharex(ax_dyn)
+        timeline(ax_dyn, best_dyn, f"dynamic: {args.shards} shards × H={r['sync_every']} per round")
+        timeline(ax_sta, best_sta, f"static: 3 shards × H={r['static_sync_every']} per round")
+        right = max(ax_dyn.get_xlim()[1], ax_sta.get_xlim()[1])
+        ax_dyn.set_xlim(0, right)
+        ax_sta.set_xlim(0, right)
     for r in results:
         del r["_docs"]
     write_outputs("stealing", {
