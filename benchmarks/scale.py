@@ -115,9 +115,9 @@ def main() -> None:
             pool.stop()
 
     for r in results:
-        rows.append([r["shards"], r["rounds"], r["agents_used"], round(r["task_median_s"], 3),
-                     round(r["coordination_median_s"], 2), round(r["coordination_max_s"], 2),
-                     round(r["coordination_median_s"] / r["shards"] * 1e3, 1),
+        rows.append([r["shards"], r["rounds"], r["agents_used"], f"{r['task_median_s']:.3f}",
+                     f"{r['coordination_median_s']:.3f}", f"{r['coordination_max_s']:.3f}",
+                     f"{r['coordination_median_s'] / r['shards'] * 1e3:.1f}",
                      f"{r['broker_before']['used_memory'] / 1024 ** 2:.2f} → "
                      f"{r['broker_after']['used_memory'] / 1024 ** 2:.2f}",
                      f"{r['broker_before']['keys']} → {r['broker_after']['keys']}",
