@@ -58,6 +58,41 @@ def agents_rss(pool) -> int:
     return total
 
 
+def draw(results: list[dict], agents: int):
+    fig = figure(11, 4)
+    ax_c, ax_m = fig.subplots(1, 2)
+    xs = [r["shards"] for r in results]
+    ax_c.plot(xs, [r["coordination_median_s"] for r in results], "o-", label="median")
+    ax_c.plot(xs, [r["coordination_max_s"] for r in results], "s--", label="max")
+    ax_c.set_xlabel("shards per round")
+    ax_c.set_ylabel("seconds between rounds")
+    ax_c.set_title(f"coordination per round boundary, {agents} agents", fontsize=9)
+    ax_c.set_xticks(xs)
+    ax_c.set_ylim(bottom=0)
+    ax_c.grid(alpha=0.3)
+    ax_c.legend()
+    labels = ["start"] + [f"after {r['shards']}" for r in results]
+    keys = [results[0]["broker_before"]["keys"]] + [r["broker_after"]["keys"] for r in results]
+    chans = ([results[0]["broker_before"]["pubsub_channels"]]
+             + [r["broker_after"]["pubsub_channels"] for r in results])
+    mem = ([results[0]["broker_before"]["used_memory"] / 1024 ** 2]
+           + [r["broker_after"]["used_memory"] / 1024 ** 2 for r in results])
+    ax_m.plot(labels, keys, "o-", label="keys")
+    ax_m.plot(labels, chans, "s-", label="pub/sub channels")
+    ax_m.set_ylabel("count")
+    ax_m.set_xlabel("runs in order (shards per round)")
+    ax_m.grid(alpha=0.3)
+    ax_r = ax_m.twinx()
+    ax_r.plot(labels, mem, "^:", color="gray", label="used_memory (MiB, right)")
+    ax_r.set_ylabel("used_memory, MiB")
+    ax_r.set_ylim(bottom=0)
+    lines = ax_m.get_legend_handles_labels()
+    more = ax_r.get_legend_handles_labels()
+    ax_m.legend(lines[0] + more[0], lines[1] + more[1], fontsize=8, loc="upper left")
+    ax_m.set_title("broker: what stays behind after each run", fontsize=9)
+    return fig
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--agents", type=int, default=16)
@@ -66,7 +101,16 @@ def main() -> None:
     parser.add_argument("--sync-every", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out-dir", default=None)
+    parser.add_argument("--replot", action="store_true", help="only redraw scale.png from scale.json")
     args = parser.parse_args()
+    if args.replot:
+        import json
+
+        out = Path(args.out_dir or Path(__file__).parent)
+        summary = json.loads((out / "scale.json").read_text())
+        draw(summary["results"], summary["agents"]).savefig(
+            out / "scale.png", format="png", metadata={"Software": None})
+        return
     info = machine()
     shard_counts = [int(x) for x in args.shards.split(",") if x]
     rows, results = [], []
@@ -133,27 +177,7 @@ def main() -> None:
           f"pub/sub channels {base['pubsub_channels']} → {final['pubsub_channels']}; agents' PSS "
           f"{base_rss / 1024 ** 2:.0f} → {final_rss / 1024 ** 2:.0f} MiB")
 
-    fig = figure(11, 4)
-    ax_c, ax_m = fig.subplots(1, 2)
-    xs = [r["shards"] for r in results]
-    ax_c.plot(xs, [r["coordination_median_s"] for r in results], "o-", label="median")
-    ax_c.plot(xs, [r["coordination_max_s"] for r in results], "s--", label="max")
-    ax_c.set_xlabel("shards per round")
-    ax_c.set_ylabel("seconds between rounds")
-    ax_c.set_title(f"coordination per round, {args.agents} agents", fontsize=9)
-    ax_c.set_xticks(xs)
-    ax_c.grid(alpha=0.3)
-    ax_c.legend()
-    ax_m.plot(xs, [r["broker_before"]["used_memory"] / 1024 ** 2 for r in results], "o-",
-              label="before the run")
-    ax_m.plot(xs, [r["broker_after"]["used_memory"] / 1024 ** 2 for r in results], "s-",
-              label="after the run")
-    ax_m.set_xlabel("shards per round (runs in this order)")
-    ax_m.set_ylabel("redis used_memory, MiB")
-    ax_m.set_xticks(xs)
-    ax_m.grid(alpha=0.3)
-    ax_m.legend()
-    ax_m.set_title("broker memory", fontsize=9)
+    fig = draw(results, args.agents)
     write_outputs("scale", {
         "question": "coordination time per round and broker memory with many agents and shards",
         "command": "python benchmarks/scale.py " + " ".join(

@@ -41,7 +41,8 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from _common import figure, machine, run_job, shard_span, short, succeeded, table, total_samples, write_outputs
+from _common import (figure, machine, run_job, shard_span, short, succeeded, table, total_samples,
+                     write_outputs)
 from tensorturn.celery_app import app
 from tensorturn.local import LocalPool
 from tensorturn.report import worker_stats
