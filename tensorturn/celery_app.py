@@ -101,3 +101,23 @@ from .telemetry import Heartbeat  # noqa: E402
 
 app.steps["worker"].add(LeaseKeeper)
 app.steps["worker"].add(Heartbeat)
+
+
+def forget_results(results: list) -> None:
+    """Stop this process listening for these tasks' results.
+
+    Nothing in TensorTurn waits on a Celery result (progress lives on the run board), but the
+    Redis backend subscribes whoever sends a task to its result channel, and a chord keeps a
+    waiter per header task (on result objects of its own, so this goes by task id): without
+    this, a long-lived dispatcher (the CLI during an embedded run, a worker dispatching rounds)
+    gathers one subscription per task it ever sent, and result objects collected after the
+    broker is gone try to unsubscribe from a dead connection.
+    """
+    backend = app.backend
+    consumer = getattr(backend, "result_consumer", None)
+    pending = getattr(backend, "_pending_results", ())  # Celery's waiters, keyed by task id
+    for result in results:
+        for waiters in pending:
+            waiters.pop(result.id, None)
+        if consumer is not None:
+            consumer.cancel_for(result.id)

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from .artifact import Predictor
-from .celery_app import app
+from .celery_app import app, forget_results
 from .capacity import queue_for
 from .device import pick_device
 from .fused import _board, _describe_failure, _store, load_model, recipe_of
@@ -84,12 +84,13 @@ def start(spec: RunSpec, store: Store, board: RunBoard) -> None:
 
 def queue_segment(spec: RunSpec, m: int, j: int) -> None:
     """Queue segment j of member m on the machines that can hold the model."""
-    train_segment.apply_async((spec.run_id, spec.store_url, m, j),
-                              queue=queue_for(spec.memory_needed_bytes))
+    forget_results([train_segment.apply_async((spec.run_id, spec.store_url, m, j),
+                                              queue=queue_for(spec.memory_needed_bytes))])
 
 
 def queue_vote(spec: RunSpec) -> None:
-    vote.apply_async((spec.run_id, spec.store_url), queue=queue_for(spec.memory_needed_bytes))
+    forget_results([vote.apply_async((spec.run_id, spec.store_url),
+                                     queue=queue_for(spec.memory_needed_bytes))])
 
 
 def _update_member(board: RunBoard, run_id: str, m: int, **fields: Any) -> None:

@@ -21,22 +21,25 @@ Guarantees:
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
+from collections import OrderedDict
 from functools import lru_cache
 from typing import Any
 
 import torch
 from celery import chord
 
-from .celery_app import app
+from .celery_app import app, forget_results
 from .capacity import queue_for
 from .device import pick_device
 from .errors import RecipeError, TensorTurnError
 from .recipes import Recipe, load_splits, resolve
 from .runs import RunBoard, RunSpec, load_spec, redis_client, write_manifest
 from .store import Store, open_store
-from .tensors import (StateDict, delta_bytes, delta_from_bytes, float_keys, from_bytes,
-                      is_finite, model_bytes, to_bytes)
+from .tensors import (StateDict, decode_delta, delta_bytes, delta_from_bytes, encode_delta,
+                      float_keys, from_bytes, is_finite, metadata_of, model_bytes, to_bytes)
 from .telemetry import TaskReporter
 from .training import derive_seed, set_threads, train_steps
 
@@ -61,6 +64,11 @@ def shard_key(run_id: str, r: int, k: int) -> str:
 
 def round_key(run_id: str, r: int) -> str:
     return f"runs/{run_id}/rounds/r{r:04d}.json"
+
+
+def broadcast_key(run_id: str, r: int) -> str:
+    """θ_r − θ_{r−1} in the run's codec: what a machine that holds θ_{r−1} downloads instead of θ_r."""
+    return f"runs/{run_id}/broadcast/r{r:04d}.safetensors"
 
 
 def final_key(run_id: str) -> str:
@@ -105,6 +113,46 @@ def weighted_average(deltas: list[StateDict], samples: list[int]) -> StateDict:
     return out
 
 
+def apply_step(theta: StateDict, step: StateDict) -> StateDict:
+    """θ + step for the entries in ``step`` (float32 arithmetic, CPU); the rest copied through.
+    The coordinator and every worker rebuild θ_{r+1} with this very function, so bit for bit."""
+    return {name: (value.float() + step[name]).to(value.dtype) if name in step else value.clone()
+            for name, value in theta.items()}
+
+
+def compress_broadcast(theta: StateDict, target: StateDict, residual: StateDict | None,
+                       codec: str) -> tuple[dict, StateDict, StateDict]:
+    """Encode the move θ_r → θ_{r+1} for the download, with error feedback.
+
+    Returns (packed tensors, θ_{r+1} as every machine will rebuild it, the new residual). The
+    run's θ_{r+1} *is* the rebuilt one; what the codec dropped (``residual``) is added to the
+    next round's move, so quantization error does not accumulate (error feedback, as in 1-bit
+    SGD/EF-SGD, applied to the broadcast).
+    """
+    want = {k: target[k].float() - theta[k].float() + (residual[k] if residual else 0.0)
+            for k in float_keys(theta)}
+    packed = encode_delta(want, codec)
+    sent = decode_delta(packed, codec, {k: list(v.shape) for k, v in want.items()})
+    return packed, apply_step(theta, sent), {k: want[k] - sent[k] for k in want}
+
+
+def initial_state(spec: RunSpec, recipe: Recipe) -> StateDict:
+    """θ_0: the recipe's model initialized from the run's seed (the global RNG is left as it was)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(derive_seed(spec.seed, "init"))
+        model = recipe.model(recipe.default_config())
+    return {name: value.detach().clone() for name, value in model.state_dict().items()}
+
+
+def global_bytes(spec: RunSpec, recipe: Recipe, theta: StateDict) -> bytes:
+    """The model file of a global θ (its sha256 identifies the weights of a round)."""
+    return model_bytes(theta, spec.recipe, recipe.default_config(), spec.recipe_options)
+
+
+def sha256_hex(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
 def shard_rows(n_train: int, shards: int, k: int, seed: int) -> torch.Tensor:
     """Training rows of shard k: a seeded permutation dealt round-robin over the shards."""
     perm = torch.randperm(n_train, generator=torch.Generator().manual_seed(derive_seed(seed, "shards")))
@@ -125,12 +173,10 @@ def _board() -> RunBoard:
 
 @lru_cache(maxsize=8)
 def _recipe(name: str, options_json: str) -> Recipe:
-    import json
     return resolve(name, json.loads(options_json))
 
 
 def recipe_of(spec: RunSpec) -> Recipe:
-    import json
     return _recipe(spec.recipe, json.dumps(spec.recipe_options, sort_keys=True))
 
 
@@ -145,12 +191,10 @@ def load_model(recipe: Recipe, state: StateDict, config: dict[str, Any], device:
 def start(spec: RunSpec, store: Store, board: RunBoard) -> None:
     """Write the spec and initial weights, record the run, dispatch round 0."""
     recipe = resolve(spec.recipe, spec.recipe_options)
-    torch.manual_seed(derive_seed(spec.seed, "init"))
-    model = recipe.model(recipe.default_config())
+    theta0 = global_bytes(spec, recipe, initial_state(spec, recipe))
+    spec.init_sha256 = sha256_hex(theta0)  # lets machines rebuild θ_0 from the seed, verified
     store.put_json(f"runs/{spec.run_id}/spec.json", spec.to_json())
-    store.put_bytes(global_key(spec.run_id, 0),
-                    model_bytes(model.state_dict(), spec.recipe, recipe.default_config(),
-                                spec.recipe_options))
+    store.put_bytes(global_key(spec.run_id, 0), theta0)
     board.create(spec)
     write_manifest(store, board, spec.run_id)
     dispatch_round(spec, 0)
@@ -161,7 +205,8 @@ def dispatch_round(spec: RunSpec, r: int) -> None:
     queue = queue_for(spec.memory_needed_bytes)
     header = [train_shard.s(spec.run_id, spec.store_url, r, k).set(queue=queue)
               for k in range(spec.shards)]
-    chord(header)(outer_step.s(spec.run_id, spec.store_url, r).set(queue=queue))
+    result = chord(header)(outer_step.s(spec.run_id, spec.store_url, r).set(queue=queue))
+    forget_results([*result.parent.results, result])
 
 
 # ---- tasks ------------------------------------------------------------------------------------
@@ -243,8 +288,7 @@ def _train_shard(spec: RunSpec, store: Store, r: int, k: int, out_key: str,
     recipe = recipe_of(spec)
     device = pick_device()
     splits = load_splits(recipe)
-    theta_bytes = store.get_bytes(global_key(spec.run_id, r))
-    theta = from_bytes(theta_bytes)
+    theta, bytes_down = fetch_global(spec, recipe, store, r)
     config = recipe.default_config()
     model = load_model(recipe, theta, config, device)
     lr = spec.lr or recipe.lr
@@ -260,12 +304,68 @@ def _train_shard(spec: RunSpec, store: Store, r: int, k: int, out_key: str,
     trained = {name: v.detach().cpu() for name, v in model.state_dict().items()}
     delta = {name: theta[name].float() - trained[name].float() for name in float_keys(theta)}
     check_update(delta, theta, spec.max_update_ratio)
+    # bytes_down is written at a fixed width: it depends on where the shard ran (what that
+    # machine held), and the upload's size must not
     blob = delta_bytes(delta, spec.codec, {"samples": str(samples), "loss": repr(loss),
-                                           "bytes_down": str(len(theta_bytes))})
+                                           "bytes_down": f"{bytes_down:015d}"})
     if store.exists(out_key):  # never overwrite: the round may already have used it
-        return None, len(theta_bytes)
+        return None, bytes_down
     store.put_bytes(out_key, blob)
-    return len(blob), len(theta_bytes)
+    return len(blob), bytes_down
+
+
+# This process's latest global weights per run: (round, sha256 of the model file, θ).
+_held: OrderedDict[str, tuple[int, str, StateDict]] = OrderedDict()
+_HELD_RUNS = 2
+
+
+def fetch_global(spec: RunSpec, recipe: Recipe, store: Store, r: int) -> tuple[StateDict, int]:
+    """θ_r for a shard task, moving as few bytes as it can; returns (θ_r, bytes downloaded).
+
+    In order: θ_r already held (another shard of the round ran here) — nothing moves; round 0
+    rebuilt from the seed — nothing moves; θ_{r−1} held and the run compresses — only the
+    broadcast delta moves; else the full model file. A rebuilt θ is used only if its model file
+    hashes to the one the coordinator stored, so a different torch or a lost delta can only cost
+    bytes, never change the weights.
+    """
+    held = _held.get(spec.run_id)
+    if held and held[0] == r:
+        return held[2], 0
+    moved, theta, sha = 0, None, None
+    if r == 0 and spec.init_sha256:
+        candidate = initial_state(spec, recipe)
+        if sha256_hex(global_bytes(spec, recipe, candidate)) == spec.init_sha256:
+            theta, sha = candidate, spec.init_sha256
+        else:
+            log.warning("run %s: θ_0 rebuilt from the seed differs from the stored one "
+                        "(another torch version?); downloading it", spec.run_id)
+    elif held and held[0] == r - 1 and spec.codec != "fp32":
+        theta, sha, moved = _rebuild_from_broadcast(spec, recipe, store, r, held)
+    if theta is None:
+        data = store.get_bytes(global_key(spec.run_id, r))
+        theta, sha, moved = from_bytes(data), sha256_hex(data), moved + len(data)
+    _held[spec.run_id] = (r, sha, theta)
+    _held.move_to_end(spec.run_id)
+    while len(_held) > _HELD_RUNS:
+        _held.popitem(last=False)
+    return theta, moved
+
+
+def _rebuild_from_broadcast(spec: RunSpec, recipe: Recipe, store: Store, r: int,
+                            held: tuple[int, str, StateDict]) -> tuple[StateDict | None, str, int]:
+    key = broadcast_key(spec.run_id, r)
+    if not store.exists(key):
+        return None, "", 0
+    blob = store.get_bytes(key)
+    meta = metadata_of(blob)
+    if meta.get("base_sha256") == held[1]:
+        theta = apply_step(held[2], delta_from_bytes(blob)[0])
+        sha = sha256_hex(global_bytes(spec, recipe, theta))
+        if sha == meta.get("sha256"):
+            return theta, sha, len(blob)
+    log.warning("run %s: round %d's broadcast delta does not rebuild the stored weights here; "
+                "downloading them", spec.run_id, r)
+    return None, "", len(blob)
 
 
 @app.task(bind=True, name="tensorturn.fused.outer_step")
@@ -315,20 +415,7 @@ def _outer_step(spec: RunSpec, store: Store, r: int) -> dict[str, Any]:
     if store.exists(next_key):  # a duplicate body: θ_{r+1} is already decided
         new_theta = from_bytes(store.get_bytes(next_key))
     else:
-        theta = from_bytes(store.get_bytes(global_key(run_id, r)))
-        avg = weighted_average(deltas, samples)
-        use_momentum = spec.outer == "nesterov" and spec.outer_momentum > 0
-        buf = None
-        if use_momentum and r > 0:
-            buf = from_bytes(store.get_bytes(outer_state_key(run_id, r)))
-        new_theta, new_buf = outer_update(
-            theta, avg, buf, float(spec.outer_lr),
-            spec.outer_momentum if use_momentum else 0.0, nesterov=use_momentum)
-        if use_momentum:  # the outer state of r+1 is stored before θ_{r+1} decides the round
-            store.put_bytes(outer_state_key(run_id, r + 1), to_bytes(new_buf))
-        store.put_bytes(next_key, model_bytes(new_theta, spec.recipe, recipe.default_config(),
-                                              spec.recipe_options))
-
+        new_theta = _step_global(spec, recipe, store, r, weighted_average(deltas, samples))
     splits = load_splits(recipe)
     set_threads(spec.threads_per_task)
     model = load_model(recipe, new_theta, recipe.default_config(), torch.device("cpu"))
@@ -344,6 +431,42 @@ def _outer_step(spec: RunSpec, store: Store, r: int) -> dict[str, Any]:
         "bytes_down": bytes_down,
         "bytes": bytes_up + bytes_down,
     }
+
+
+RESIDUAL = "residual::"  # prefix of the broadcast's error-feedback residual in the outer state
+
+
+def _step_global(spec: RunSpec, recipe: Recipe, store: Store, r: int, avg: StateDict) -> StateDict:
+    """θ_{r+1} from θ_r and the averaged pseudo-gradient; stores the outer state, the broadcast
+    delta (compressed runs) and then θ_{r+1}, whose existence decides the round."""
+    run_id = spec.run_id
+    theta_bytes = store.get_bytes(global_key(run_id, r))
+    theta = from_bytes(theta_bytes)
+    use_momentum = spec.outer == "nesterov" and spec.outer_momentum > 0
+    compress = spec.codec != "fp32" and r + 1 < spec.rounds  # the final θ is kept exact
+    state: StateDict = {}
+    if (use_momentum or spec.codec != "fp32") and r > 0:
+        state = from_bytes(store.get_bytes(outer_state_key(run_id, r)))
+    buf = {k: v for k, v in state.items() if not k.startswith(RESIDUAL)}
+    residual = {k[len(RESIDUAL):]: v for k, v in state.items() if k.startswith(RESIDUAL)}
+    new_theta, new_buf = outer_update(
+        theta, avg, buf or None, float(spec.outer_lr),
+        spec.outer_momentum if use_momentum else 0.0, nesterov=use_momentum)
+    if compress:
+        packed, new_theta, new_residual = compress_broadcast(theta, new_theta, residual or None,
+                                                             spec.codec)
+        new_buf.update({RESIDUAL + k: v for k, v in new_residual.items()})
+    if new_buf:  # the outer state of r+1 is stored before θ_{r+1} decides the round
+        store.put_bytes(outer_state_key(run_id, r + 1), to_bytes(new_buf))
+    new_bytes = global_bytes(spec, recipe, new_theta)
+    if compress:
+        shapes = {k: list(theta[k].shape) for k in float_keys(theta)}
+        store.put_bytes(broadcast_key(run_id, r + 1), to_bytes(packed, {
+            "format": "tensorturn-broadcast/1", "codec": spec.codec,
+            "shapes": json.dumps(shapes, sort_keys=True),
+            "base_sha256": sha256_hex(theta_bytes), "sha256": sha256_hex(new_bytes)}))
+    store.put_bytes(global_key(run_id, r + 1), new_bytes)
+    return new_theta
 
 
 def _finalize(spec: RunSpec, store: Store, board: RunBoard) -> None:

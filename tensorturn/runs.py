@@ -67,6 +67,8 @@ class RunSpec:
     max_update_ratio: float = 10.0
     # bytes one task needs on a machine (set at submit from capacity.estimate)
     memory_needed_bytes: int | None = None
+    # fused: sha256 of θ_0's model file, so machines can rebuild θ_0 from the seed (set at start)
+    init_sha256: str = ""
     created_at: float = 0.0
 
     def __post_init__(self) -> None:

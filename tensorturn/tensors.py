@@ -15,7 +15,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 MODEL_FORMAT = "tensorturn-model/1"
-DELTA_FORMAT = "tensorturn-delta/1"
+DELTA_FORMAT = "tensorturn-delta/2"
 ENSEMBLE_FORMAT = "tensorturn-ensemble/1"
 CODECS = ("fp32", "fp16", "int8")
 INT8_BLOCK = 256
@@ -82,22 +82,25 @@ def float_keys(state: StateDict) -> list[str]:
 # ---- pseudo-gradient codecs ------------------------------------------------------------------
 
 def encode_delta(delta: StateDict, codec: str) -> dict[str, torch.Tensor]:
-    """Pack a float32 pseudo-gradient for upload. ``int8`` keeps one fp32 scale per block of 256."""
+    """Pack a float32 delta for transfer.
+
+    ``int8`` concatenates every tensor (in name order) into one vector, cut into blocks of 256
+    with one fp32 scale each (max-abs / 127): about 1.016 bytes per value whatever the model's
+    layout, where per-tensor blocks would pad each small tensor (biases, norms) to 256 values.
+    """
     if codec == "fp32":
         return {k: v.float() for k, v in delta.items()}
     if codec == "fp16":
         return {k: v.half() for k, v in delta.items()}
     if codec == "int8":
-        out: dict[str, torch.Tensor] = {}
-        for k, v in delta.items():
-            flat = v.float().flatten()
-            pad = (-flat.numel()) % INT8_BLOCK
-            blocks = torch.nn.functional.pad(flat, (0, pad)).view(-1, INT8_BLOCK)
-            scale = blocks.abs().amax(dim=1) / 127.0
-            safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-            out[f"{k}::q"] = torch.round(blocks / safe[:, None]).clamp(-127, 127).to(torch.int8)
-            out[f"{k}::scale"] = scale
-        return out
+        flat = torch.cat([delta[k].float().flatten() for k in sorted(delta)]) if delta \
+            else torch.zeros(0)
+        pad = (-flat.numel()) % INT8_BLOCK
+        blocks = torch.nn.functional.pad(flat, (0, pad)).view(-1, INT8_BLOCK)
+        scale = blocks.abs().amax(dim=1) / 127.0
+        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+        q = torch.round(blocks / safe[:, None]).clamp(-127, 127).to(torch.int8)
+        return {"int8.q": q.flatten(), "int8.scale": scale}
     raise ValueError(f"unknown codec {codec!r}; choose one of {', '.join(CODECS)}")
 
 
@@ -107,11 +110,13 @@ def decode_delta(packed: dict[str, torch.Tensor], codec: str,
     if codec in ("fp32", "fp16"):
         return {k: v.float() for k, v in packed.items()}
     if codec == "int8":
-        out = {}
-        for k, shape in shapes.items():
-            q, scale = packed[f"{k}::q"], packed[f"{k}::scale"]
-            flat = (q.float() * scale[:, None]).flatten()[: math.prod(shape)]
-            out[k] = flat.view(shape)
+        q, scale = packed["int8.q"], packed["int8.scale"]
+        flat = (q.view(-1, INT8_BLOCK).float() * scale[:, None]).flatten()
+        out, pos = {}, 0
+        for k in sorted(shapes):
+            n = math.prod(shapes[k])
+            out[k] = flat[pos:pos + n].view(shapes[k]).clone()
+            pos += n
         return out
     raise ValueError(f"unknown codec {codec!r}")
 

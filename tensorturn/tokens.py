@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import secrets
+import threading
 import time
 from typing import Any
 
@@ -56,22 +57,29 @@ def revoke(store: Store, id_or_name: str) -> dict[str, Any]:
 
 class TokenChecker:
     """Checks bearer tokens against the store, re-reading it at most every ``ttl_s`` seconds
-    (a revoked token stops working within that time)."""
+    (a revoked token stops working within that time).
+
+    A token not in the cached list may have been created a moment ago, so a miss re-reads the
+    list — at most twice a second: a miss that comes too soon after a re-read waits for its turn
+    (it is not refused), so a new token works on its first request while guessing cannot hammer
+    the store (each wrong guess costs the guesser up to half a second).
+    """
+
+    MIN_RELOAD_S = 0.5
 
     def __init__(self, store: Store, ttl_s: float = 2.0):
         self.store, self.ttl_s = store, ttl_s
         self._digests: list[str] = []
-        self._loaded = 0.0
+        self._loaded = float("-inf")
+        self._lock = threading.Lock()
 
-    def _active(self, max_age_s: float) -> list[str]:
-        if time.monotonic() - self._loaded > max_age_s:
-            self._digests = [r["sha256"] for r in records(self.store) if r["revoked_at"] is None]
-            self._loaded = time.monotonic()
-        return self._digests
+    def _reload(self) -> None:
+        self._digests = [r["sha256"] for r in records(self.store) if r["revoked_at"] is None]
+        self._loaded = time.monotonic()
 
-    def _known(self, digest: str, max_age_s: float) -> bool:
+    def _known(self, digest: str) -> bool:
         found = False
-        for known in self._active(max_age_s):  # every digest, without stopping early
+        for known in self._digests:  # every digest, without stopping early
             found |= hmac.compare_digest(digest, known)
         return found
 
@@ -79,6 +87,17 @@ class TokenChecker:
         if not token:
             return False
         digest = _digest(token)
-        # an unknown token re-reads the list (a token created a moment ago works at once),
-        # at most twice a second so that guessing cannot hammer the store
-        return self._known(digest, self.ttl_s) or self._known(digest, 0.5)
+        arrived = time.monotonic()
+        with self._lock:
+            if arrived - self._loaded > self.ttl_s:
+                self._reload()
+            if self._known(digest):
+                return True
+            loaded = self._loaded
+        if loaded >= arrived:  # the list was read after this request came: the token is unknown
+            return False
+        time.sleep(max(0.0, loaded + self.MIN_RELOAD_S - time.monotonic()))  # outside the lock
+        with self._lock:
+            if self._loaded < arrived:  # no other miss re-read it meanwhile
+                self._reload()
+            return self._known(digest)

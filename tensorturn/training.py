@@ -26,9 +26,31 @@ def set_threads(n: int) -> None:
         torch.set_num_threads(n)
 
 
-# Benchmark/test-only: a factor ≥ 1 that makes this process train that many times slower (it
-# sleeps (f−1)× each step's time), to emulate a slow machine beside fast ones on one host.
+# Benchmark/test-only: a factor ≥ 1 that makes this process train that many times slower, to
+# emulate a slow machine beside fast ones on one host. See Throttle.
 SLOWDOWN = float(os.environ.get("TENSORTURN_SLOWDOWN", "1"))
+
+
+class Throttle:
+    """Stretch a loop to ``factor`` × its compute time by sleeping, without burning CPU.
+
+    Sleeps are paced against a deadline — after each step, sleep until ``factor × (compute time
+    so far)`` has passed since the loop began — rather than ``(factor − 1) × step`` after every
+    step: short steps would otherwise pay the sleep's own overshoot each time (a 1 ms step with a
+    2 ms sleep ran ~5.7× slower instead of 3×). Sleeps shorter than ``min_sleep`` are deferred.
+    """
+
+    def __init__(self, factor: float, min_sleep: float = 0.02):
+        self.factor, self.min_sleep = factor, min_sleep
+        self.start = time.perf_counter()
+        self.compute = 0.0
+
+    def step(self, seconds: float) -> None:
+        """Account one step of ``seconds`` of work; sleep if the loop is ahead of its pace."""
+        self.compute += seconds
+        ahead = self.start + self.factor * self.compute - time.perf_counter()
+        if ahead >= self.min_sleep:
+            time.sleep(ahead)
 
 
 def train_steps(recipe: Recipe, model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -44,6 +66,7 @@ def train_steps(recipe: Recipe, model: nn.Module, optimizer: torch.optim.Optimiz
     model.train()
     order = rows[torch.randperm(len(rows), generator=gen)]
     pos, total, samples = 0, 0.0, 0
+    throttle = Throttle(SLOWDOWN) if SLOWDOWN > 1 else None
     for step in range(steps):
         t0 = time.perf_counter()
         if pos + batch_size > len(order):
@@ -62,8 +85,8 @@ def train_steps(recipe: Recipe, model: nn.Module, optimizer: torch.optim.Optimiz
             raise FloatingPointError(f"non-finite training loss ({value} at step {step})")
         total += value
         samples += len(batch)
-        if SLOWDOWN > 1:
-            time.sleep((SLOWDOWN - 1) * (time.perf_counter() - t0))
+        if throttle is not None:
+            throttle.step(time.perf_counter() - t0)
         if on_step is not None:
             on_step(step + 1, value)
     return total / max(steps, 1), samples

@@ -56,6 +56,17 @@ def reference(chaos_pool, tmp_path_factory):
     return doc
 
 
+def test_senders_keep_no_result_subscriptions(chaos_pool, reference):
+    """Sending a task subscribes the sender to its result channel; TensorTurn never waits on
+    Celery results, so this process (it sent round 0) and the agents (they sent round 1) must
+    have let go of every one once the run is over."""
+    from tensorturn.celery_app import app
+
+    channels = redis.Redis.from_url(chaos_pool.broker_url).pubsub_channels("celery-task-meta-*")
+    assert channels == []
+    assert not app.backend._pending_results.concrete
+
+
 def submit(pool, tmp_path, **overrides) -> RunSpec:
     spec = RunSpec(store_url=(tmp_path / "store").as_uri(), **{**SPEC, **overrides})
     client.submit(spec, pool.broker_url)

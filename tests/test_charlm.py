@@ -13,6 +13,7 @@ import torch
 from tensorturn.capacity import estimate
 from tensorturn.errors import RecipeError
 from tensorturn.recipes import charlm, load_splits, resolve
+from tensorturn.tensors import delta_bytes, from_bytes, metadata_of
 
 from conftest import tt_json
 
@@ -139,14 +140,35 @@ def test_custom_data_file_and_options(tmp_path):
         resolve("charlm", {"n_embd": 30, "n_head": 4})
 
 
-def test_fused_run_through_the_cli(tmp_path):
+def test_fused_int8_run_through_the_cli_moves_compressed_bytes(tmp_path):
     path = tmp_path / "small.txt"
     path.write_text(SMALL_TEXT * 2, encoding="utf-8")
-    doc = tt_json("run", "--recipe", "charlm", "--recipe-option", f"data={path}", "--rounds", "2",
-                  "--sync-every", "5", "--shards", "2", "--local-workers", "1", "--json",
-                  cwd=tmp_path)
+    store = tmp_path / "store"
+    doc = tt_json("run", "--recipe", "charlm", "--recipe-option", f"data={path}", "--rounds", "3",
+                  "--sync-every", "5", "--shards", "2", "--local-workers", "1", "--codec", "int8",
+                  "--store", str(store), "--json", cwd=tmp_path)
     assert doc["state"] == "succeeded", doc.get("error")
     assert doc["spec"]["recipe_options"] == {"data": str(path)}
-    assert len(doc["rounds"]) == 2
+    assert len(doc["rounds"]) == 3
     assert math.isfinite(doc["metrics"]["test_loss"]) and doc["metrics"]["test_loss"] > 0
-    assert doc["rounds"][1]["val_loss"] < math.log(len(set(SMALL_TEXT)))
+    assert doc["rounds"][2]["val_loss"] < math.log(len(set(SMALL_TEXT)))
+
+    run = store / "runs" / doc["run_id"]
+    model_size = (run / "global" / "r0000.safetensors").stat().st_size
+    rounds = doc["rounds"]
+    # θ_0 is rebuilt from the seed (verified by its sha256): round 0 downloads nothing
+    assert rounds[0]["bytes_down"] == 0
+    # later rounds: the one agent holds θ_{r−1} and downloads only the int8 broadcast delta, once
+    for r in (1, 2):
+        broadcast = run / "broadcast" / f"r{r:04d}.safetensors"
+        assert rounds[r]["bytes_down"] == broadcast.stat().st_size
+        assert model_size / broadcast.stat().st_size > 3.5
+        meta = metadata_of(broadcast.read_bytes())
+        assert meta["sha256"] == hashlib.sha256(
+            (run / "global" / f"r{r:04d}.safetensors").read_bytes()).hexdigest()
+    assert not (run / "broadcast" / "r0003.safetensors").exists()  # the final θ stays exact
+    # uploads: int8 pseudo-gradients are ~4× smaller than the fp32 ones would be
+    theta = from_bytes((run / "global" / "r0000.safetensors").read_bytes())
+    fp32_upload = len(delta_bytes({k: v.float() for k, v in theta.items()}, "fp32", {}))
+    for r in range(3):
+        assert rounds[r]["bytes_up"] * 3.8 < 2 * fp32_upload

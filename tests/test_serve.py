@@ -12,7 +12,10 @@ import pytest
 from sklearn.datasets import load_digits
 
 from conftest import clean_env, tt, tt_json
+from tensorturn import tokens
 from tensorturn.local import free_port, stop_process_group
+from tensorturn.store import open_store
+from tensorturn.tokens import TokenChecker
 
 
 @pytest.fixture(scope="module")
@@ -177,3 +180,16 @@ def test_serving_a_run_that_does_not_exist_is_one_clear_error(tmp_path):
     proc = tt("serve", "nope", "--store", str(tmp_path), "--port", str(free_port()))
     assert proc.returncode != 0 and "no run 'nope'" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_a_token_created_right_after_a_check_works_on_its_first_request(tmp_path):
+    store = open_store(tmp_path.as_uri())
+    check = TokenChecker(store)
+    first, _ = tokens.create(store, "first")
+    assert check(first)                    # this read the list
+    second, _ = tokens.create(store, "second")
+    assert check(second)                   # a miss right after a read waits its turn, re-reads
+    assert not check("tt_" + "x" * 43)
+    tokens.revoke(store, "first")
+    check.ttl_s = 0.0                      # (the server re-reads every 2 s)
+    assert not check(first) and check(second)

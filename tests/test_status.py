@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
@@ -55,7 +56,11 @@ def test_run_json_has_the_contract_fields(finished_run):
     shard_sizes = sum((run_dir / "r0000" / f"shard-{k:03d}.safetensors").stat().st_size
                       for k in range(SHARDS))
     assert doc["bytes_up"] == shard_sizes
-    assert doc["bytes_down"] == SHARDS * (run_dir / "global" / "r0000.safetensors").stat().st_size
+    # θ_0 is not downloaded: each agent rebuilds it from the seed and checks its sha256
+    assert doc["bytes_down"] == 0
+    spec = json.loads((run_dir / "spec.json").read_text())
+    assert spec["init_sha256"] == hashlib.sha256(
+        (run_dir / "global" / "r0000.safetensors").read_bytes()).hexdigest()
 
     tasks = sorted(a["task"] for a in doc["attempts"])
     assert tasks == [f"r0/shard-{k}" for k in range(SHARDS)]
