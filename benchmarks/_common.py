@@ -52,31 +52,9 @@ def run_job(pool, store_url: str, timeout_s: float = 900, **spec_fields: Any) ->
                    **spec_fields)
     client.submit(spec, pool.broker_url)
     doc = client.wait(pool.broker_url, spec.run_id, poll_s=0.25, timeout_s=timeout_s)
-    release_results()
     if doc["state"] != "succeeded":
         raise RuntimeError(f"run {spec.run_id} ended {doc['state']}: {doc.get('error')}")
     return doc
-
-
-def release_results() -> int:
-    """Drop this process's subscriptions to task results; returns how many were pending.
-
-    Workaround: dispatching a fused round (a Celery chord) subscribes the dispatching process to
-    every shard task's result (the header's ResultSet calls ``.then()`` on each) and nobody ever
-    waits on them, so they pile up; once a pool's redis-server is gone, garbage-collecting them
-    retries the dead connection for a long time. Releasing them while the broker is up is cheap.
-    """
-    from tensorturn.celery_app import app
-
-    backend = app.backend
-    pending = getattr(backend, "_pending_results", None)
-    if not pending:
-        return 0
-    results = [r for mapping in pending for waiters in list(mapping.values())
-               for r in list(waiters.values())]
-    for r in results:
-        backend.remove_pending_result(r)
-    return len(results)
 
 
 def succeeded(doc: dict[str, Any]) -> list[dict[str, Any]]:

@@ -11,10 +11,11 @@ Rows, all from the same initial weights (seed 0), inner AdamW at the same lr and
 
 (c)–(e) run in this process with the very functions a TensorTurn run uses — ``fused.shard_rows``,
 ``training.train_steps``, ``tensors.delta_bytes``/``delta_from_bytes`` (the real codecs, so the
-decoded int8 error is in the result), ``fused.weighted_average`` and ``fused.outer_update`` — and
-the same seeds, so row (c) is the run ``tensorturn run --recipe charlm`` with these options would
-give. ``--pool`` also runs (c) through a real embedded pool (``LocalPool`` + ``client.submit`` /
-``client.wait``) and checks that its per-round validation losses are identical to the in-process
+decoded int8 error is in the result), ``fused.weighted_average`` and the real outer step
+``fused._step_global`` (outer optimizer, broadcast compression) — and the same seeds, so row (c)
+is the run ``tensorturn run --recipe charlm`` with these options would give. ``--pool`` also runs
+(c) and (e) through a real embedded pool (``LocalPool`` + ``client.submit`` / ``client.wait``) and
+checks that their per-round validation losses and final models are identical to the in-process
 ones (both use 1 CPU thread per task; CPU results depend on the thread count).
 
 Communication, per fused run, counted as TensorTurn counts it (``bytes_down``/``bytes_up`` in
@@ -34,9 +35,9 @@ Validation loss is the recipe's mean NLL in nats per character on the fixed vali
 The regime (defaults) and why:
 
 * model: ``charlm`` with ``context 32, n_embd 64, n_layer 2, n_head 4`` (115 k parameters), batch
-  16 — about 12 ms a step on one idle CPU thread; the 17 k training steps of all rows took 4.6
-  minutes on a shared 2-core VM (``--jobs 2`` runs rows in parallel processes), ``--pool`` adds
-  about 1.5 minutes. The recipe's default model (n_embd 128, context 64, batch 32) is ≈10× slower
+  16 — about 12 ms a step on one idle CPU thread; the 17 k training steps of all rows take 1.5
+  minutes on an idle 2-core VM, up to 5 when it is shared (``--jobs 2`` runs rows in parallel
+  processes); ``--pool`` adds about a minute. The recipe's default model (n_embd 128, context 64, batch 32) is ≈10× slower
   per step.
 * H = 125 inner steps: DiLoCo's point is communicating every H steps; with one model down and one
   pseudo-gradient up per shard per round the saving over a per-step all-reduce is ≈ H, so H must
@@ -199,7 +200,7 @@ def run_row(job: tuple[str, dict]) -> tuple[str, dict, float]:
 
 
 def run_on_pool(spec: RunSpec, workers: int) -> tuple[dict, float]:
-    """Row (c) through a real embedded pool: redis-server + ``workers`` agent processes."""
+    """A row through a real embedded pool: redis-server + ``workers`` agent processes."""
     from tensorturn import client
     from tensorturn.local import LocalPool
 
@@ -239,7 +240,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--jobs", type=int, default=2, help="rows run in parallel processes")
     parser.add_argument("--pool", action="store_true",
-                        help="also run row (c) on a real LocalPool and compare its val loss")
+                        help="also run rows (c) and (e) on a real LocalPool and compare")
     parser.add_argument("--pool-workers", type=int, default=2)
     parser.add_argument("--json-out", default=str(HERE / "diloco.json"))
     parser.add_argument("--png-out", default=str(HERE / "diloco.png"))
@@ -336,31 +337,32 @@ def main() -> None:
          f"{e['val_loss']:.4f} vs {c['val_loss']:.4f} ({100 * (e['val_loss'] / c['val_loss'] - 1):+.2f}%)"),
     ]
 
-    pool_report = None
-    if args.pool:
-        pool_spec = spec()
-        print(f"\nrow (c) on a LocalPool of {args.pool_workers} agents ...", flush=True)
-        doc, secs = run_on_pool(pool_spec, args.pool_workers)
+    pool_report = {}
+    for key in ("c", "e") if args.pool else ():
+        row = rows[key]
+        print(f"\nrow ({key}) on a LocalPool of {args.pool_workers} agents ...", flush=True)
+        doc, secs = run_on_pool(specs[key], args.pool_workers)
         if doc["state"] != "succeeded":
-            pool_report = {"state": doc["state"], "error": doc.get("error"), "seconds": secs}
-            checks.append(("pool run of (c) succeeded", False, str(doc.get("error"))))
-        else:
-            pool_losses = [r["val_loss"] for r in doc["rounds"]]
-            local_losses = [r["val_loss"] for r in c["rounds"]]
-            same = pool_losses == local_losses
-            pool_report = {"state": doc["state"], "val_losses": pool_losses,
-                           "inprocess_val_losses": local_losses, "identical": same,
-                           "bytes_up": doc["bytes_up"], "bytes_down": doc["bytes_down"],
-                           "model_sha256": doc["model_sha256"],
-                           "inprocess_model_sha256": c["model_sha256"], "seconds": round(secs, 1)}
-            print(f"  pool val loss {pool_losses[-1]:.6f}   in-process {local_losses[-1]:.6f}   "
-                  f"({'identical' if same else 'DIFFERENT'} in every round; pool bytes "
-                  f"{fmt_bytes(doc['bytes_up'] + doc['bytes_down'])}, in-process "
-                  f"{fmt_bytes(c['bytes'])}; model sha256 "
-                  f"{'equal' if doc['model_sha256'] == c['model_sha256'] else 'differs'}; "
-                  f"{secs:.0f}s)")
-            checks.append(("pool run of (c) gives the in-process val losses exactly", same,
-                           f"{pool_losses[-1]!r} vs {local_losses[-1]!r}"))
+            pool_report[key] = {"state": doc["state"], "error": doc.get("error"), "seconds": secs}
+            checks.append((f"pool run of ({key}) succeeded", False, str(doc.get("error"))))
+            continue
+        pool_losses = [r["val_loss"] for r in doc["rounds"]]
+        local_losses = [r["val_loss"] for r in row["rounds"]]
+        same = pool_losses == local_losses and doc["model_sha256"] == row["model_sha256"]
+        pool_report[key] = {"state": doc["state"], "val_losses": pool_losses,
+                            "inprocess_val_losses": local_losses, "identical": same,
+                            "bytes_up": doc["bytes_up"], "bytes_down": doc["bytes_down"],
+                            "model_sha256": doc["model_sha256"],
+                            "inprocess_model_sha256": row["model_sha256"],
+                            "seconds": round(secs, 1)}
+        print(f"  pool val loss {pool_losses[-1]:.6f}   in-process {local_losses[-1]:.6f}   "
+              f"({'identical' if same else 'DIFFERENT'} in every round and model sha256; "
+              f"pool bytes {fmt_bytes(doc['bytes_up'])} up + {fmt_bytes(doc['bytes_down'])} down "
+              f"(its {args.pool_workers} agents hold θ between shards), in-process "
+              f"{fmt_bytes(row['bytes_up'])} + {fmt_bytes(row['bytes_down'])} (one machine per "
+              f"shard); {secs:.0f}s)")
+        checks.append((f"pool run of ({key}) gives the in-process val losses and model exactly",
+                       same, f"{pool_losses[-1]!r} vs {local_losses[-1]!r}"))
 
     print("\ntargets:")
     for name, ok, detail in checks:

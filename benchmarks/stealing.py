@@ -1,8 +1,8 @@
 """Work stealing: does a pool with one slow machine reach the sum of its machines' rates?
 
 Three embedded agents; local3 is made 3× slower than local1 and local2 by the test-only throttle
-``TENSORTURN_SLOWDOWN`` (an agent started with it set to f sleeps (f−1)× each step's time; see
-tensorturn/training.py). Each measurement is a fused digits-mlp run of the same total work
+``TENSORTURN_SLOWDOWN`` (an agent started with it set to f sleeps so that its training loops
+take f× their compute time, paced against a deadline; ``training.Throttle``). Each measurement is a fused digits-mlp run of the same total work
 (rounds × shards × H steps), rated samples / (last shard finish − first shard start):
 
 1. solo: each agent alone (the other two stop consuming the queues through Celery's
@@ -27,7 +27,7 @@ round for its last shard (the straggler tail), the gap between rounds (chord, ou
 dispatch) and the rest (fetching the next task), for the dynamic run, one more dynamic run with
 ``--more-shards`` (48) shards per round, and the static run: it shows what the ratio loses where.
 
-    python benchmarks/stealing.py [--shards 24] [--sync-every 150] [--rounds 2] [--reps 2]
+    python benchmarks/stealing.py [--shards 24] [--sync-every 600] [--rounds 2] [--reps 2]
                                   [--more-shards 48] [--variants 1,2]
 """
 
@@ -205,7 +205,7 @@ def measure(args, fast: float) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shards", type=int, default=24, help="shards per round, dynamic run")
-    parser.add_argument("--sync-every", type=int, default=150,
+    parser.add_argument("--sync-every", type=int, default=600,
                         help="H of the dynamic run at full speed (divided by a variant's throttle)")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--reps", type=int, default=2, help="dynamic runs (the best counts)")

@@ -178,7 +178,9 @@ def print_result(doc: dict[str, Any], as_json: bool) -> None:
               help="Outer learning rate [default: 0.7 for nesterov, 1.0 for sgd].")
 @click.option("--outer-momentum", type=float, default=0.9, show_default=True)
 @click.option("--codec", type=click.Choice(["fp32", "fp16", "int8"]), default="fp32", show_default=True,
-              help="Encoding of uploaded pseudo-gradients.")
+              help="Fused: encoding of what travels between rounds — pseudo-gradients up and "
+                   "weight updates down (int8: ~3.9× fewer bytes than fp32, with error feedback "
+                   "on the download).")
 @click.option("--members", type=int, default=None,
               help="Ensemble: models to train [default: one per online machine, at least 2].")
 @click.option("--min-members", type=int, default=1, show_default=True,

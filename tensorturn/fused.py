@@ -17,6 +17,10 @@ Guarantees:
 * The inner optimizer state is reset each round: the result then stays independent of where a
   shard ran, and nothing but weights moves (see the README's notes on this choice).
 * Weights never pass through the broker; tasks return small deterministic JSON.
+* Downloads are as small as the run allows (:func:`fetch_global`): θ_0 is rebuilt from the seed,
+  a machine reuses the θ it holds, and with ``--codec fp16|int8`` a machine holding θ_{r−1}
+  fetches only the compressed move θ_r − θ_{r−1} (:func:`compress_broadcast`, error feedback).
+  Every rebuilt θ is checked against the stored file's sha256 before use.
 """
 
 from __future__ import annotations
