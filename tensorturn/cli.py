@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import signal
 import sys
 import time
 from typing import Any
@@ -281,22 +282,34 @@ def _embedded(run_id: str, store_url: str, local_workers: int, timeout_s, start)
     click.echo(f"starting an embedded pool: redis-server + {local_workers} local agents; "
                f"store {settings.mask_url(store_url)}", err=True)
     t0 = time.monotonic()
-    with LocalPool(local_workers, store_url) as pool:
-        click.echo(f"pool ready in {time.monotonic() - t0:.1f}s; run {run_id}", err=True)
-        start(pool.broker_url)
-        board = RunBoard(check_broker(pool.broker_url))
-        try:
-            doc = _follow(pool.broker_url, run_id, timeout_s)
-        except KeyboardInterrupt:
-            board.fail(run_id, "interrupted (Ctrl-C); the embedded pool was stopped. "
-                               f"Continue with: tensorturn resume {run_id}")
-            write_manifest(open_store(store_url), board, run_id)
-            raise
-        if doc["state"] not in ("succeeded", "failed"):
-            board.fail(run_id, f"did not finish within --timeout {timeout_s}s; "
-                               f"continue with: tensorturn resume {run_id}")
-        # the manifest must hold the final state before this pool (and its Redis) goes away
-        doc = write_manifest(open_store(store_url), board, run_id)
+    _stop_on_signals()  # SIGTERM too: the pool's processes must not outlive this command
+    queued = False
+    try:
+        with LocalPool(local_workers, store_url) as pool:
+            click.echo(f"pool ready in {time.monotonic() - t0:.1f}s; run {run_id}", err=True)
+            start(pool.broker_url)
+            queued = True
+            board = RunBoard(check_broker(pool.broker_url))
+            try:
+                doc = _follow(pool.broker_url, run_id, timeout_s)
+            except KeyboardInterrupt:
+                board.fail(run_id, f"interrupted; the embedded pool was stopped. "
+                                   f"Continue with: tensorturn resume {run_id}")
+                write_manifest(open_store(store_url), board, run_id)
+                raise
+            if doc["state"] not in ("succeeded", "failed"):
+                board.fail(run_id, f"did not finish within --timeout {timeout_s}s; "
+                                   f"continue with: tensorturn resume {run_id}")
+            # the manifest must hold the final state before this pool (and its Redis) goes away
+            doc = write_manifest(open_store(store_url), board, run_id)
+    except KeyboardInterrupt:
+        if queued:
+            click.echo(f"error: interrupted; the embedded pool was stopped and the finished work "
+                       f"is in the store. Continue with: tensorturn resume {run_id}", err=True)
+        else:
+            click.echo(f"error: interrupted before run {run_id} was queued; nothing to resume",
+                       err=True)
+        sys.exit(130)
     return doc
 
 
@@ -534,6 +547,7 @@ def up(broker, store, port, bind, advertise, directory):
     click.echo(f"Submit runs with: TENSORTURN_BROKER_URL=$(cat {home / 'broker-url'}) tensorturn run ...",
                err=True)
     click.echo("Ctrl-C stops the coordinator.", err=True)
+    _stop_on_signals()
     try:
         server.proc.wait()
         raise TensorTurnError(f"redis-server exited (log: {home / 'redis' / 'redis.log'})")
@@ -541,6 +555,22 @@ def up(broker, store, port, bind, advertise, directory):
         click.echo("stopping the coordinator", err=True)
     finally:
         server.stop()
+
+
+def _stop_on_signals() -> None:
+    """Ctrl-C and SIGTERM (a service manager's stop) both end a foreground command cleanly.
+
+    Set explicitly: a process started in the background by a non-interactive shell inherits
+    SIGINT *ignored*, and Python then leaves it ignored, so Ctrl-C semantics would silently vanish.
+    """
+    def interrupt(_signum, _frame):
+        # once: a second Ctrl-C must not cut short the cleanup the first one started
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, interrupt)
+    signal.signal(signal.SIGTERM, interrupt)
 
 
 # ---- serving ----------------------------------------------------------------------------------

