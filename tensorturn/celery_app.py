@@ -17,11 +17,14 @@ Choices, each against a known hazard of Celery on Redis (DESIGN.md, "Known hazar
 
 from __future__ import annotations
 
+import logging
 import os
 
 from celery import Celery
 
 from .settings import BROKER_ENV
+
+log = logging.getLogger(__name__)
 
 # Seconds a delivered-but-unacknowledged task may go without a lease refresh before another
 # worker's restore sweep puts it back in the queue. The lease keeper refreshes every
@@ -116,8 +119,11 @@ def forget_results(results: list) -> None:
     backend = app.backend
     consumer = getattr(backend, "result_consumer", None)
     pending = getattr(backend, "_pending_results", ())  # Celery's waiters, keyed by task id
-    for result in results:
-        for waiters in pending:
-            waiters.pop(result.id, None)
-        if consumer is not None:
-            consumer.cancel_for(result.id)
+    try:
+        for result in results:
+            for waiters in pending:
+                waiters.pop(result.id, None)
+            if consumer is not None:
+                consumer.cancel_for(result.id)
+    except Exception as exc:  # noqa: BLE001 - cleanup only: the tasks are sent either way
+        log.warning("could not release result subscriptions (%s); harmless", exc)

@@ -287,21 +287,23 @@ def _embedded(run_id: str, store_url: str, local_workers: int, timeout_s, start)
     try:
         with LocalPool(local_workers, store_url) as pool:
             click.echo(f"pool ready in {time.monotonic() - t0:.1f}s; run {run_id}", err=True)
-            start(pool.broker_url)
-            queued = True
             board = RunBoard(check_broker(pool.broker_url))
             try:
+                start(pool.broker_url)
                 doc = _follow(pool.broker_url, run_id, timeout_s)
             except KeyboardInterrupt:
-                board.fail(run_id, f"interrupted; the embedded pool was stopped. "
-                                   f"Continue with: tensorturn resume {run_id}")
-                write_manifest(open_store(store_url), board, run_id)
+                queued = board.exists(run_id)
+                if queued:
+                    board.fail(run_id, f"interrupted; the embedded pool was stopped. "
+                                       f"Continue with: tensorturn resume {run_id}")
+                    write_manifest(open_store(store_url), board, run_id)
                 raise
             if doc["state"] not in ("succeeded", "failed"):
                 board.fail(run_id, f"did not finish within --timeout {timeout_s}s; "
                                    f"continue with: tensorturn resume {run_id}")
             # the manifest must hold the final state before this pool (and its Redis) goes away
             doc = write_manifest(open_store(store_url), board, run_id)
+            _ignore_signals()  # the run is over: let the pool stop whatever arrives now
     except KeyboardInterrupt:
         if queued:
             click.echo(f"error: interrupted; the embedded pool was stopped and the finished work "
@@ -564,13 +566,16 @@ def _stop_on_signals() -> None:
     SIGINT *ignored*, and Python then leaves it ignored, so Ctrl-C semantics would silently vanish.
     """
     def interrupt(_signum, _frame):
-        # once: a second Ctrl-C must not cut short the cleanup the first one started
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        _ignore_signals()  # once: a second Ctrl-C must not cut short the cleanup it starts
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGINT, interrupt)
     signal.signal(signal.SIGTERM, interrupt)
+
+
+def _ignore_signals() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 # ---- serving ----------------------------------------------------------------------------------

@@ -42,7 +42,7 @@ from .errors import RecipeError, TensorTurnError
 from .recipes import Recipe, load_splits, resolve
 from .runs import RunBoard, RunSpec, load_spec, redis_client, write_manifest
 from .store import Store, open_store
-from .tensors import (StateDict, decode_delta, delta_bytes, delta_from_bytes, encode_delta,
+from .tensors import (BROADCAST_FORMAT, StateDict, decode_delta, delta_bytes, delta_from_bytes, encode_delta,
                       float_keys, from_bytes, is_finite, metadata_of, model_bytes, to_bytes)
 from .telemetry import TaskReporter
 from .training import derive_seed, set_threads, train_steps
@@ -449,8 +449,9 @@ def _step_global(spec: RunSpec, recipe: Recipe, store: Store, r: int, avg: State
     use_momentum = spec.outer == "nesterov" and spec.outer_momentum > 0
     compress = spec.codec != "fp32" and r + 1 < spec.rounds  # the final θ is kept exact
     state: StateDict = {}
-    if (use_momentum or spec.codec != "fp32") and r > 0:
-        state = from_bytes(store.get_bytes(outer_state_key(run_id, r)))
+    state_key = outer_state_key(run_id, r)
+    if r > 0 and (use_momentum or (spec.codec != "fp32" and store.exists(state_key))):
+        state = from_bytes(store.get_bytes(state_key))  # (no residual yet: a run from before)
     buf = {k: v for k, v in state.items() if not k.startswith(RESIDUAL)}
     residual = {k[len(RESIDUAL):]: v for k, v in state.items() if k.startswith(RESIDUAL)}
     new_theta, new_buf = outer_update(
@@ -466,7 +467,7 @@ def _step_global(spec: RunSpec, recipe: Recipe, store: Store, r: int, avg: State
     if compress:
         shapes = {k: list(theta[k].shape) for k in float_keys(theta)}
         store.put_bytes(broadcast_key(run_id, r + 1), to_bytes(packed, {
-            "format": "tensorturn-broadcast/1", "codec": spec.codec,
+            "format": BROADCAST_FORMAT, "codec": spec.codec,
             "shapes": json.dumps(shapes, sort_keys=True),
             "base_sha256": sha256_hex(theta_bytes), "sha256": sha256_hex(new_bytes)}))
     store.put_bytes(global_key(run_id, r + 1), new_bytes)

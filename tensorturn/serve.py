@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .artifact import Predictor
@@ -143,7 +144,7 @@ def create_app(store: Store, run_id: str, alias: str | None = None,
 
     @app.post("/v2/models/{name}/infer", tags=["models"])
     async def infer(name: str, request: Request) -> dict:
-        authorize(request)
+        await run_in_threadpool(authorize, request)  # it may read the store, or wait on a miss
         model_named(name)
         body = await _read_json(request, max_body_bytes)
         x = parse_input(body, input_shape)

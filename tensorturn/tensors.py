@@ -15,7 +15,8 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 MODEL_FORMAT = "tensorturn-model/1"
-DELTA_FORMAT = "tensorturn-delta/2"
+DELTA_FORMAT = "tensorturn-delta/2"          # a shard's pseudo-gradient
+BROADCAST_FORMAT = "tensorturn-broadcast/1"  # θ_{r+1} − θ_r for the download
 ENSEMBLE_FORMAT = "tensorturn-ensemble/1"
 CODECS = ("fp32", "fp16", "int8")
 INT8_BLOCK = 256
@@ -129,6 +130,9 @@ def delta_bytes(delta: StateDict, codec: str, extra: dict[str, str]) -> bytes:
 
 def delta_from_bytes(data: bytes) -> tuple[StateDict, dict[str, str]]:
     meta = metadata_of(data)
+    if meta.get("format") not in (DELTA_FORMAT, BROADCAST_FORMAT):
+        raise ValueError(f"a delta in format {meta.get('format')!r}, not {DELTA_FORMAT!r}: "
+                         "written by another TensorTurn version (upgrade every agent)")
     shapes = json.loads(meta["shapes"])
     return decode_delta(from_bytes(data), meta["codec"], shapes), meta
 

@@ -74,8 +74,9 @@ class TokenChecker:
         self._lock = threading.Lock()
 
     def _reload(self) -> None:
+        began = time.monotonic()  # the list is as of when the read began
         self._digests = [r["sha256"] for r in records(self.store) if r["revoked_at"] is None]
-        self._loaded = time.monotonic()
+        self._loaded = began
 
     def _known(self, digest: str) -> bool:
         found = False

@@ -1,6 +1,7 @@
 """Unit tests for the math: the outer step, the average, the codecs, canonical bytes."""
 
 import hashlib
+import types
 
 import pytest
 import torch
@@ -115,11 +116,18 @@ def test_throttle_paces_short_steps_to_the_factor(monkeypatch):
         clock["now"] += seconds + 0.001
         clock["sleeps"] += 1
 
-    monkeypatch.setattr(training.time, "perf_counter", lambda: clock["now"])
-    monkeypatch.setattr(training.time, "sleep", sleep)
+    fake_time = types.SimpleNamespace(perf_counter=lambda: clock["now"], sleep=sleep)
+    monkeypatch.setattr(training, "time", fake_time)  # this module's clock only
     throttle = training.Throttle(3.0)
     for _ in range(1000):
         clock["now"] += 0.001           # one step of work
         throttle.step(0.001)
     assert 2.95 < clock["now"] / 1.0 < 3.05
     assert clock["sleeps"] < 1000 / 10    # sleeps are batched, not one per step
+
+
+def test_a_delta_from_another_version_is_one_clear_error():
+    blob = to_bytes({"w::q": torch.zeros(256, dtype=torch.int8)},
+                    {"format": "tensorturn-delta/1", "codec": "int8", "shapes": '{"w": [256]}'})
+    with pytest.raises(ValueError, match="another TensorTurn version"):
+        delta_from_bytes(blob)
