@@ -112,3 +112,11 @@ def write_outputs(name: str, summary: dict[str, Any], fig, out_dir: Path | None 
     (out_dir / f"{name}.json").write_text(json.dumps(summary, indent=2) + "\n")
     fig.savefig(out_dir / f"{name}.png", format="png", metadata={"Software": None})
     print(f"wrote {out_dir / (name + '.json')} and {out_dir / (name + '.png')}")
+
+
+def replot(name: str, draw, out_dir: Path | None = None) -> None:
+    """Redraw ``<name>.png`` from ``<name>.json`` with ``draw(summary) -> figure``."""
+    out_dir = Path(out_dir or HERE)
+    summary = json.loads((out_dir / f"{name}.json").read_text())
+    draw(summary).savefig(out_dir / f"{name}.png", format="png", metadata={"Software": None})
+    print(f"redrew {out_dir / (name + '.png')}")

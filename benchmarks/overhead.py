@@ -36,7 +36,8 @@ from pathlib import Path
 import psutil
 import torch
 
-from _common import figure, machine, run_job, shard_span, succeeded, table, total_samples, write_outputs
+from _common import (figure, machine, replot, run_job, shard_span, succeeded, table, total_samples,
+                     write_outputs)
 from tensorturn.local import LocalPool
 from tensorturn.recipes import BUILTIN, load_splits, resolve
 from tensorturn.training import derive_seed, set_threads, train_steps
@@ -184,12 +185,7 @@ def main() -> None:
                         help="only redraw overhead.png from overhead.json")
     args = parser.parse_args()
     if args.replot:
-        import json
-
-        out = Path(args.out_dir or Path(__file__).parent)
-        summary = json.loads((out / "overhead.json").read_text())
-        draw(summary["results"], summary["machine"]).savefig(
-            out / "overhead.png", format="png", metadata={"Software": None})
+        replot("overhead", lambda summary: draw(summary["results"], summary["machine"]), args.out_dir)
         return
     set_threads(1)
     info = machine()

@@ -28,8 +28,8 @@ from pathlib import Path
 import psutil
 import redis
 
-from _common import (figure, machine, round_gaps, run_job, shard_span, short, succeeded, table,
-                     write_outputs)
+from _common import (figure, machine, replot, round_gaps, run_job, shard_span, short, succeeded,
+                     table, write_outputs)
 from tensorturn.local import LocalPool
 
 
@@ -104,12 +104,7 @@ def main() -> None:
     parser.add_argument("--replot", action="store_true", help="only redraw scale.png from scale.json")
     args = parser.parse_args()
     if args.replot:
-        import json
-
-        out = Path(args.out_dir or Path(__file__).parent)
-        summary = json.loads((out / "scale.json").read_text())
-        draw(summary["results"], summary["agents"]).savefig(
-            out / "scale.png", format="png", metadata={"Software": None})
+        replot("scale", lambda summary: draw(summary["results"], summary["agents"]), args.out_dir)
         return
     info = machine()
     shard_counts = [int(x) for x in args.shards.split(",") if x]
