@@ -66,7 +66,6 @@ Writes benchmarks/diloco.json and benchmarks/diloco.png beside this script.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import platform
@@ -84,8 +83,8 @@ from tensorturn.device import pick_device
 from tensorturn.fused import shard_rows, weighted_average
 from tensorturn.recipes import load_splits, resolve
 from tensorturn.runs import RunSpec
-from tensorturn.store import open_store
-from tensorturn.tensors import delta_bytes, delta_from_bytes, float_keys, from_bytes, model_bytes
+from tensorturn.store import open_store, sha256_hex
+from tensorturn.tensors import delta_bytes, delta_from_bytes, float_keys
 from tensorturn.training import derive_seed, set_threads, train_steps
 
 RECIPE = "charlm"
@@ -93,13 +92,6 @@ HERE = Path(__file__).resolve().parent
 
 
 # ---- the runs -----------------------------------------------------------------------------------
-
-def initial_weights(recipe, config: dict, seed: int) -> dict[str, torch.Tensor]:
-    """θ_0 exactly as ``fused.start`` makes it (and round-tripped through a model file)."""
-    torch.manual_seed(derive_seed(seed, "init"))
-    model = recipe.model(config)
-    return from_bytes(model_bytes(model.state_dict(), RECIPE, config))
-
 
 def fresh_model(recipe, config: dict, state: dict[str, torch.Tensor], device: torch.device):
     model = recipe.model(config)
@@ -121,7 +113,7 @@ def fused_inprocess(spec: RunSpec) -> dict[str, Any]:
     rounds = []
     with tempfile.TemporaryDirectory(prefix="tt-diloco-store-") as tmp:
         store = open_store(Path(tmp).as_uri())
-        theta = initial_weights(recipe, config, spec.seed)
+        theta = fused.initial_state(recipe, spec.seed)
         store.put_bytes(fused.global_key(spec.run_id, 0), fused.global_bytes(spec, recipe, theta))
         for r in range(spec.rounds):
             if r == 0:
@@ -158,7 +150,7 @@ def fused_inprocess(spec: RunSpec) -> dict[str, Any]:
                            "samples": total, "bytes_up": up,
                            "bytes_down": spec.shards * per_shard_down})
         final = store.get_bytes(fused.global_key(spec.run_id, spec.rounds))
-    return {"rounds": rounds, "model_sha256": hashlib.sha256(final).hexdigest()}
+    return {"rounds": rounds, "model_sha256": sha256_hex(final)}
 
 
 def baseline(options: dict, steps: int, eval_every: int, lr: float, batch_size: int,
@@ -170,7 +162,7 @@ def baseline(options: dict, steps: int, eval_every: int, lr: float, batch_size: 
     config = recipe.default_config()
     splits = load_splits(recipe)
     device = pick_device()
-    model = fresh_model(recipe, config, initial_weights(recipe, config, seed), device)
+    model = fresh_model(recipe, config, fused.initial_state(recipe, seed), device)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=recipe.weight_decay)
     curve = []
 
@@ -254,7 +246,7 @@ def main() -> None:
     recipe = resolve(RECIPE, options)
     config = recipe.default_config()
     splits = load_splits(recipe)
-    params = sum(v.numel() for k, v in initial_weights(recipe, config, args.seed).items())
+    params = sum(v.numel() for k, v in fused.initial_state(recipe, args.seed).items())
     fp32_model = 4 * params
 
     def spec(**kw) -> RunSpec:

@@ -25,7 +25,6 @@ Guarantees:
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 from collections import OrderedDict
@@ -41,7 +40,7 @@ from .device import pick_device
 from .errors import RecipeError, TensorTurnError
 from .recipes import Recipe, load_splits, resolve
 from .runs import RunBoard, RunSpec, load_spec, redis_client, write_manifest
-from .store import Store, open_store
+from .store import ObjectMissing, Store, open_store, sha256_hex
 from .tensors import (BROADCAST_FORMAT, StateDict, decode_delta, delta_bytes, delta_from_bytes, encode_delta,
                       float_keys, from_bytes, is_finite, metadata_of, model_bytes, to_bytes)
 from .telemetry import TaskReporter
@@ -140,10 +139,10 @@ def compress_broadcast(theta: StateDict, target: StateDict, residual: StateDict 
     return packed, apply_step(theta, sent), {k: want[k] - sent[k] for k in want}
 
 
-def initial_state(spec: RunSpec, recipe: Recipe) -> StateDict:
+def initial_state(recipe: Recipe, seed: int) -> StateDict:
     """θ_0: the recipe's model initialized from the run's seed (the global RNG is left as it was)."""
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(derive_seed(spec.seed, "init"))
+        torch.manual_seed(derive_seed(seed, "init"))
         model = recipe.model(recipe.default_config())
     return {name: value.detach().clone() for name, value in model.state_dict().items()}
 
@@ -151,10 +150,6 @@ def initial_state(spec: RunSpec, recipe: Recipe) -> StateDict:
 def global_bytes(spec: RunSpec, recipe: Recipe, theta: StateDict) -> bytes:
     """The model file of a global θ (its sha256 identifies the weights of a round)."""
     return model_bytes(theta, spec.recipe, recipe.default_config(), spec.recipe_options)
-
-
-def sha256_hex(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
 
 
 def shard_rows(n_train: int, shards: int, k: int, seed: int) -> torch.Tensor:
@@ -195,7 +190,7 @@ def load_model(recipe: Recipe, state: StateDict, config: dict[str, Any], device:
 def start(spec: RunSpec, store: Store, board: RunBoard) -> None:
     """Write the spec and initial weights, record the run, dispatch round 0."""
     recipe = resolve(spec.recipe, spec.recipe_options)
-    theta0 = global_bytes(spec, recipe, initial_state(spec, recipe))
+    theta0 = global_bytes(spec, recipe, initial_state(recipe, spec.seed))
     spec.init_sha256 = sha256_hex(theta0)  # lets machines rebuild θ_0 from the seed, verified
     store.put_json(f"runs/{spec.run_id}/spec.json", spec.to_json())
     store.put_bytes(global_key(spec.run_id, 0), theta0)
@@ -337,7 +332,7 @@ def fetch_global(spec: RunSpec, recipe: Recipe, store: Store, r: int) -> tuple[S
         return held[2], 0
     moved, theta, sha = 0, None, None
     if r == 0 and spec.init_sha256:
-        candidate = initial_state(spec, recipe)
+        candidate = initial_state(recipe, spec.seed)
         if sha256_hex(global_bytes(spec, recipe, candidate)) == spec.init_sha256:
             theta, sha = candidate, spec.init_sha256
         else:
@@ -357,10 +352,10 @@ def fetch_global(spec: RunSpec, recipe: Recipe, store: Store, r: int) -> tuple[S
 
 def _rebuild_from_broadcast(spec: RunSpec, recipe: Recipe, store: Store, r: int,
                             held: tuple[int, str, StateDict]) -> tuple[StateDict | None, str, int]:
-    key = broadcast_key(spec.run_id, r)
-    if not store.exists(key):
+    try:
+        blob = store.get_bytes(broadcast_key(spec.run_id, r))
+    except ObjectMissing:  # a run from before broadcasts existed
         return None, "", 0
-    blob = store.get_bytes(key)
     meta = metadata_of(blob)
     if meta.get("base_sha256") == held[1]:
         theta = apply_step(held[2], delta_from_bytes(blob)[0])

@@ -9,7 +9,7 @@ import torch
 from tensorturn import fused
 from tensorturn.recipes import resolve
 from tensorturn.runs import RunSpec
-from tensorturn.store import open_store
+from tensorturn.store import open_store, sha256_hex
 from tensorturn.tensors import from_bytes, metadata_of, to_bytes
 
 
@@ -52,9 +52,9 @@ def run(tmp_path):
     spec = RunSpec(mode="fused", recipe="digits-mlp", store_url=store.url, codec="int8",
                    rounds=3).validate()
     recipe = resolve(spec.recipe)
-    theta0 = fused.initial_state(spec, recipe)
+    theta0 = fused.initial_state(recipe, spec.seed)
     blob0 = fused.global_bytes(spec, recipe, theta0)
-    spec.init_sha256 = fused.sha256_hex(blob0)
+    spec.init_sha256 = sha256_hex(blob0)
     store.put_json(f"runs/{spec.run_id}/spec.json", spec.to_json())
     store.put_bytes(fused.global_key(spec.run_id, 0), blob0)
     torch.manual_seed(1)
