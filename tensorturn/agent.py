@@ -6,8 +6,9 @@ at a time (prefetch 1, late acks), so a faster machine simply comes back for wor
 
 from __future__ import annotations
 
-import os
 import socket
+
+from . import config
 
 
 def worker_argv(name: str | None, concurrency: int, loglevel: str) -> list[str]:
@@ -26,5 +27,5 @@ def worker_argv(name: str | None, concurrency: int, loglevel: str) -> list[str]:
 def run_agent(name: str | None, concurrency: int, loglevel: str | None = None) -> None:
     from .celery_app import app
 
-    level = loglevel or os.environ.get("TENSORTURN_LOGLEVEL", "INFO")
+    level = loglevel or config.current().loglevel
     app.worker_main(worker_argv(name, concurrency, level))

@@ -7,12 +7,13 @@ so a model far too big for this machine can still be measured) and runs one forw
 
 from __future__ import annotations
 
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from .errors import TensorTurnError
-from .recipes import Recipe, load_splits
+from .layout import DEFAULT_QUEUE, memory_queue
+
+if TYPE_CHECKING:
+    from .recipes import Recipe
 
 GB = 1024 ** 3
 OVERHEAD = 1.2  # framework buffers, fragmentation, the data itself
@@ -24,6 +25,10 @@ class DoesNotFit(TensorTurnError):
 
 def estimate(recipe: Recipe, config: dict[str, Any], batch_size: int) -> dict[str, Any]:
     """Bytes one training task needs, by part; measured on the meta device."""
+    import torch
+
+    from .recipes import load_splits
+
     sample = load_splits(recipe).x_train[:1]
     with torch.device("meta"):
         model = recipe.model(config)
@@ -71,7 +76,6 @@ def check_fits(need: dict[str, Any], workers: list[dict[str, Any]]) -> None:
 # and work stealing goes on among the machines that can. Tasks of unknown size use "celery".
 MB = 1024 ** 2
 CLASSES_MB = [2 ** k for k in range(21)]
-DEFAULT_QUEUE = "celery"
 
 
 def queue_for(need_bytes: int | None) -> str:
@@ -80,9 +84,9 @@ def queue_for(need_bytes: int | None) -> str:
         return DEFAULT_QUEUE
     need_mb = need_bytes / MB
     size = next((c for c in CLASSES_MB if c >= need_mb), CLASSES_MB[-1])
-    return f"tt.fits.{size}MB"
+    return memory_queue(size)
 
 
 def queues_for(offered_gb: float) -> list[str]:
     """The queues an agent offering ``offered_gb`` of device memory consumes."""
-    return [DEFAULT_QUEUE] + [f"tt.fits.{c}MB" for c in CLASSES_MB if c * MB <= offered_gb * GB]
+    return [DEFAULT_QUEUE] + [memory_queue(c) for c in CLASSES_MB if c * MB <= offered_gb * GB]

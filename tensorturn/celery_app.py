@@ -18,29 +18,27 @@ Choices, each against a known hazard of Celery on Redis (DESIGN.md, "Known hazar
 from __future__ import annotations
 
 import logging
-import os
 
 from celery import Celery
 
-from .settings import BROKER_ENV
+from . import config
+from .lease import LeaseKeeper
+from .modes import task_modules
+from .telemetry import Heartbeat
 
 log = logging.getLogger(__name__)
 
-# Seconds a delivered-but-unacknowledged task may go without a lease refresh before another
-# worker's restore sweep puts it back in the queue. The lease keeper refreshes every
-# LEASE_REFRESH_S, so a live task is never restored.
-VISIBILITY_TIMEOUT_S = int(os.environ.get("TENSORTURN_VISIBILITY_TIMEOUT_S", "20"))
-LEASE_REFRESH_S = max(1.0, VISIBILITY_TIMEOUT_S / 4)
 RESTORE_INTERVAL_S = 2
-
 DEFAULT_BROKER = "redis://127.0.0.1:6379/0"
 
-app = Celery("tensorturn", include=["tensorturn.fused", "tensorturn.ensemble"])
+app = Celery("tensorturn", include=["tensorturn.tasks.attempt", *task_modules()])
+app.steps["worker"].add(LeaseKeeper)  # keeps running tasks' leases alive
+app.steps["worker"].add(Heartbeat)    # inventory and live figures for `tensorturn workers`
 
 
-def _transport_options() -> dict:
+def transport_options(settings: config.Settings) -> dict:
     return {
-        "visibility_timeout": VISIBILITY_TIMEOUT_S,
+        "visibility_timeout": settings.visibility_timeout_s,
         "unacked_restore_interval": RESTORE_INTERVAL_S,
         "unacked_restore_throttle": 1,
         "socket_connect_timeout": 5,
@@ -49,37 +47,43 @@ def _transport_options() -> dict:
     }
 
 
-app.conf.update(
-    broker_url=os.environ.get(BROKER_ENV) or DEFAULT_BROKER,
-    result_backend=os.environ.get(BROKER_ENV) or DEFAULT_BROKER,
-    task_serializer="json",
-    result_serializer="json",
-    accept_content=["json"],
-    result_accept_content=["json"],
-    event_serializer="json",
-    task_acks_late=True,
-    task_reject_on_worker_lost=True,
-    worker_prefetch_multiplier=1,
-    broker_transport_options=_transport_options(),
-    result_backend_transport_options={"socket_connect_timeout": 5, "socket_keepalive": True},
-    broker_connection_retry_on_startup=True,
-    broker_connection_max_retries=None,  # an agent reconnects forever
-    result_expires=7 * 24 * 3600,
-    # ride out a broker restart instead of failing the task that is storing its result
-    result_backend_always_retry=True,
-    result_backend_max_retries=30,
-    result_extended=True,
-    task_track_started=True,
-    worker_send_task_events=True,
-    task_send_sent_event=True,
-    worker_hijack_root_logger=False,
-    worker_cancel_long_running_tasks_on_connection_loss=False,
-    # SIGTERM: give running tasks a few seconds, then stop them and put their messages back in
-    # the queue at once (another machine takes them) instead of waiting out a long task.
-    worker_soft_shutdown_timeout=float(os.environ.get("TENSORTURN_SHUTDOWN_GRACE_S", "5")),
-    worker_enable_soft_shutdown_on_idle=True,
-    broker_channel_error_retry=True,
-)
+def settings_for(settings: config.Settings) -> dict:
+    """Celery's configuration for these settings (``app.conf.update`` takes it as is)."""
+    broker = settings.broker_url or DEFAULT_BROKER
+    return dict(
+        broker_url=broker,
+        result_backend=broker,
+        task_serializer="json",
+        result_serializer="json",
+        accept_content=["json"],
+        result_accept_content=["json"],
+        event_serializer="json",
+        task_acks_late=True,
+        task_reject_on_worker_lost=True,
+        worker_prefetch_multiplier=1,
+        broker_transport_options=transport_options(settings),
+        result_backend_transport_options={"socket_connect_timeout": 5, "socket_keepalive": True},
+        broker_connection_retry_on_startup=True,
+        broker_connection_max_retries=None,  # an agent reconnects forever
+        result_expires=7 * 24 * 3600,
+        # ride out a broker restart instead of failing the task that is storing its result
+        result_backend_always_retry=True,
+        result_backend_max_retries=30,
+        result_extended=True,
+        task_track_started=True,
+        worker_send_task_events=True,
+        task_send_sent_event=True,
+        worker_hijack_root_logger=False,
+        worker_cancel_long_running_tasks_on_connection_loss=False,
+        # SIGTERM: give running tasks a few seconds, then stop them and put their messages back
+        # in the queue at once (another machine takes them) instead of waiting out a long task.
+        worker_soft_shutdown_timeout=settings.shutdown_grace_s,
+        worker_enable_soft_shutdown_on_idle=True,
+        broker_channel_error_retry=True,
+    )
+
+
+app.conf.update(settings_for(config.current()))
 
 
 def configure(broker_url: str) -> None:
@@ -89,21 +93,14 @@ def configure(broker_url: str) -> None:
     app.conf.broker_url = broker_url
     app.conf.result_backend = broker_url
     # Drop connections and the result backend cached for the previous URL (one process may
-    # follow several pools: tests, or an embedded pool after a remote one).
+    # follow several pools: tests, or an embedded pool after a remote one). Celery has no public
+    # call for this; these are the caches ``Celery.close`` and ``backend`` fill.
     app._pool = None
     amqp = app.__dict__.get("amqp")
     if amqp is not None:
         amqp._producer_pool = None
     app._backend_cache = None
     app._local.__dict__.pop("backend", None)
-
-
-# The lease keeper runs in every worker's main process.
-from .lease import LeaseKeeper  # noqa: E402
-from .telemetry import Heartbeat  # noqa: E402
-
-app.steps["worker"].add(LeaseKeeper)
-app.steps["worker"].add(Heartbeat)
 
 
 def forget_results(results: list) -> None:

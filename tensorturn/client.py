@@ -1,6 +1,9 @@
-"""Submitting runs and following them: the functions behind ``tensorturn run`` and ``status``.
+"""Submitting runs and following them: the functions behind ``tensorturn run``, ``status``,
+``runs``, ``resume`` and ``workers``.
 
-The CLI only parses options and calls these; tests and the serving API call them too.
+The CLI only parses options and calls these; tests and benchmarks call them too. Nothing here
+imports torch, Celery or boto3 until a function needs them: ``runs`` and ``status`` answer at
+once, and a bad option or recipe name is refused before anything heavy loads.
 """
 
 from __future__ import annotations
@@ -8,63 +11,84 @@ from __future__ import annotations
 import time
 from typing import Any, Callable
 
-from .capacity import check_fits, estimate
-from .errors import NotFound, RecipeError, StoreError
-from .recipes import Recipe, resolve
-from .runs import FINISHED, RunBoard, RunSpec, check_broker, manifest_key
-from .store import ObjectMissing, open_store
-from .telemetry import list_workers
+from . import config, layout
+from .board import RunBoard
+from .broker import check_broker
+from .errors import BrokerError, NotFound, RecipeError, SpecError, StoreError
+from .spec import FINISHED, RunSpec
 
 Update = Callable[[dict[str, Any]], None]
+
+
+def validate(spec: RunSpec) -> None:
+    """Everything about a spec that can be checked without torch, a broker or a store."""
+    from .recipes import check_name
+
+    spec.validate()
+    check_name(spec.recipe)
 
 
 def submit(spec: RunSpec, broker_url: str) -> dict[str, Any]:
     """Validate everything a user can get wrong, then queue the run; returns its description.
 
-    Nothing is queued unless the spec is valid, the recipe imports here, and both the broker and
-    the store answer.
+    Nothing is queued unless the spec is valid, the recipe builds here, both the broker and the
+    store answer, and some connected machine can hold the model.
     """
+    from .capacity import check_fits
     from .celery_app import configure
+    from .modes import get_mode
+    from .recipes import resolve
+    from .roster import list_workers
+    from .store import open_store
 
-    spec.validate()
+    validate(spec)
     recipe = resolve(spec.recipe, spec.recipe_options)
     client = check_broker(broker_url)
     store = open_store(spec.store_url)
     store.check()
     configure(broker_url)
-    board = RunBoard(client)
-    if spec.mode == "ensemble" and spec.members is None:  # one per online machine, at least 2
-        spec.members = max(2, len(online_workers()))
-        spec.validate()
+    mode = get_mode(spec.mode)
+    pool = list_workers(client)
+    mode.prepare(spec, len([w for w in pool if w["state"] in ("idle", "busy")]))
+    spec.validate()
     need = memory_needed(spec, recipe)
-    check_fits(need, list_workers(client))
+    check_fits(need, pool)
     spec.memory_needed_bytes = need["total_bytes"]
-    if spec.mode == "fused":
-        from . import fused
-
-        fused.start(spec, store, board)
-    else:
-        from . import ensemble
-
-        ensemble.start(spec, store, board)
+    board = RunBoard(client)
+    mode.start(spec, store, board)
     return board.describe(spec.run_id)
 
 
+def memory_needed(spec: RunSpec, recipe: Any) -> dict[str, Any]:
+    """The memory estimate of the largest model the run trains (any ensemble member)."""
+    from .capacity import estimate
+    from .modes import get_mode
+
+    batch = spec.batch_size or recipe.batch_size
+    try:
+        configs = get_mode(spec.mode).model_configs(spec, recipe)
+        return max((estimate(recipe, c, batch) for c in configs), key=lambda e: e["total_bytes"])
+    except Exception as exc:  # noqa: BLE001 - the user's recipe failed; say so in one line
+        raise RecipeError(f"recipe {spec.recipe!r} could not build its model to estimate its "
+                          f"memory: {type(exc).__name__}: {exc}") from exc
+
+
 def resume(run_id: str, broker_url: str, store_url: str) -> tuple[dict[str, Any], str]:
-    """Continue a run whose chain was lost (say Redis lost its data) from the store alone.
+    """Continue a run whose chain was lost (Redis lost its data, the embedded pool was stopped)
+    or that failed and whose cause is fixed, from the store alone.
 
     Returns the run's description and a sentence on what was resumed.
     """
-    from . import ensemble, fused
     from .celery_app import configure
-    from .errors import SpecError
-    from .runs import load_spec
+    from .manifest import load_spec, save_spec
+    from .modes import get_mode
+    from .store import ObjectMissing, open_store
 
     store = open_store(store_url)
     try:
         spec = load_spec(store, run_id)
     except ObjectMissing:
-        raise NotFound(f"no run {run_id!r} in the store {store_url}") from None
+        raise NotFound(f"no run {run_id!r} in the store {config.mask_url(store_url)}") from None
     client = check_broker(broker_url)
     configure(broker_url)
     board = RunBoard(client)
@@ -73,44 +97,32 @@ def resume(run_id: str, broker_url: str, store_url: str) -> tuple[dict[str, Any]
             raise SpecError(f"run {run_id} already succeeded; nothing to resume")
         board.reopen(run_id)
     else:
-        try:
-            manifest = store.get_json(manifest_key(run_id))
-        except ObjectMissing:
-            manifest = None
+        manifest = _manifest(store, run_id)
         if manifest and manifest.get("state") == "succeeded":
             raise SpecError(f"run {run_id} already succeeded; nothing to resume")
         board.restore(spec, manifest)
     if spec.store_url != store.url:  # the store moved: tasks follow the one given here
         spec.store_url = store.url
-        store.put_json(f"runs/{run_id}/spec.json", spec.to_json())
-    what = (fused if spec.mode == "fused" else ensemble).resume(spec, store, board)
+        save_spec(store, spec)
+        board.update_spec(spec)
+    what = get_mode(spec.mode).resume(spec, store, board)
     return board.describe(run_id), what
 
 
-def memory_needed(spec: RunSpec, recipe: Recipe) -> dict[str, Any]:
-    """The memory estimate of the largest model the run trains (any ensemble member)."""
-    from .ensemble import member_plan
+def _manifest(store: Any, run_id: str) -> dict[str, Any] | None:
+    from .store import ObjectMissing
 
-    batch = spec.batch_size or recipe.batch_size
-    configs = ([recipe.default_config()] if spec.mode == "fused"
-               else [m["model"] for m in member_plan(spec, recipe)])
     try:
-        return max((estimate(recipe, c, batch) for c in configs), key=lambda e: e["total_bytes"])
-    except Exception as exc:  # noqa: BLE001 - the user's recipe failed; say so in one line
-        raise RecipeError(f"recipe {spec.recipe!r} could not build its model to estimate its "
-                          f"memory: {type(exc).__name__}: {exc}") from exc
+        return store.get_json(layout.manifest_key(run_id))
+    except ObjectMissing:
+        return None
 
 
 def workers(broker_url: str) -> list[dict[str, Any]]:
     """The pool's agents with their inventory, live figures and state."""
+    from .roster import list_workers
+
     return list_workers(check_broker(broker_url))
-
-
-def online_workers(timeout_s: float = 1.0) -> list[str]:
-    """Names of the agents that answer a ping on the configured broker."""
-    from .celery_app import app
-
-    return sorted(name for reply in (app.control.ping(timeout=timeout_s) or []) for name in reply)
 
 
 def wait(broker_url: str, run_id: str, on_update: Update | None = None,
@@ -119,7 +131,12 @@ def wait(broker_url: str, run_id: str, on_update: Update | None = None,
     board = RunBoard(check_broker(broker_url))
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while True:
-        doc = board.describe(run_id)
+        try:
+            doc = annotate(board.describe(run_id), board)
+        except NotFound:
+            raise BrokerError(f"the broker lost run {run_id}'s records while it ran (Redis "
+                              f"restarted without its data?); the finished work is in the "
+                              f"store: continue with `tensorturn resume {run_id}`") from None
         if on_update:
             on_update(doc)
         if doc["state"] in FINISHED or (deadline and time.monotonic() > deadline):
@@ -127,31 +144,75 @@ def wait(broker_url: str, run_id: str, on_update: Update | None = None,
         time.sleep(poll_s)
 
 
+def annotate(doc: dict[str, Any], board: RunBoard | None = None) -> dict[str, Any]:
+    """Add ``note`` to a live run that has made no progress for ``TENSORTURN_STALL_S``
+    seconds, saying what it waits for."""
+    from .roster import list_workers
+
+    if doc.get("state") in FINISHED or not doc.get("progress_at"):
+        return doc
+    idle = time.time() - float(doc["progress_at"])
+    if idle < config.current().stall_s:
+        return doc
+    why = "its tasks are queued but no attempt started or finished"
+    if board is not None:
+        pool = list_workers(board.r)
+        usable = [w for w in pool if w["state"] in ("idle", "busy")]
+        if not usable:
+            why = ("no agent is online to take its tasks" if not pool else
+                   "every agent is offline or quarantined (see `tensorturn workers`)")
+    failed = [a for a in doc.get("attempts", []) if a["outcome"].startswith("failed")]
+    if failed:
+        why += f"; the last failure: {failed[-1]['task']} {failed[-1]['outcome']}"
+    doc["note"] = f"no progress for {idle:.0f}s: {why}"
+    return doc
+
+
 def describe(run_id: str, broker_url: str | None, store_url: str) -> dict[str, Any]:
     """A run's description from the broker, or from its manifest in the store when the broker
-    has no record of it (for instance after an embedded run, whose Redis is gone)."""
+    has no record of it (after an embedded run, whose Redis is gone, or a Redis that lost its
+    data — then ``note`` says so and how to continue)."""
+    from .store import open_store
+
+    board = None
     if broker_url:
         board = RunBoard(check_broker(broker_url))
         if board.exists(run_id):
-            return board.describe(run_id)
-    try:
-        return open_store(store_url).get_json(manifest_key(run_id))
-    except ObjectMissing:
-        raise NotFound(f"no run {run_id!r} on the broker or in the store") from None
+            return annotate(board.describe(run_id), board)
+    doc = _manifest(open_store(store_url), run_id)
+    if doc is None:
+        where = "on the broker or in the store" if broker_url else "in the store"
+        raise NotFound(f"no run {run_id!r} {where} (see `tensorturn runs`)")
+    if doc.get("state") not in FINISHED:
+        doc["note"] = (f"the last saved state is '{doc.get('state')}', but "
+                       + ("the broker has no record of the run (Redis lost its data?)"
+                          if broker_url else "no broker is following it")
+                       + f"; continue it with `tensorturn resume {run_id}`")
+    return doc
+
+
+SUMMARY = ("run_id", "mode", "state", "recipe", "created_at", "finished_at", "metrics", "error")
 
 
 def list_runs(broker_url: str | None, store_url: str) -> list[dict[str, Any]]:
-    """Runs known to the broker, else the manifests in the store; newest first."""
+    """Runs known to the broker and the manifests in the store, newest first; a run the store
+    knows but the broker lost says so in ``note``."""
+    from .store import open_store
+
+    runs: dict[str, dict[str, Any]] = {}
     if broker_url:
-        return RunBoard(check_broker(broker_url)).list_runs()
+        runs = {m["run_id"]: m for m in RunBoard(check_broker(broker_url)).list_runs()}
     store = open_store(store_url)
-    out = []
-    for key in store.list("runs/"):
-        if key.endswith("/manifest.json") and key.count("/") == 2:
-            try:
-                m = store.get_json(key)
-            except StoreError:
-                continue
-            out.append({k: m.get(k) for k in ("run_id", "mode", "state", "recipe", "created_at",
-                                              "finished_at", "metrics", "error")})
-    return sorted(out, key=lambda m: m.get("created_at") or 0, reverse=True)
+    for key in store.list(layout.RUNS):
+        run_id = layout.manifest_run(key)
+        if run_id is None or run_id in runs:
+            continue
+        try:
+            m = store.get_json(key)
+        except StoreError:
+            continue
+        summary = {k: m.get(k) for k in SUMMARY}
+        if broker_url and summary["state"] not in FINISHED:
+            summary["note"] = f"not on this broker; `tensorturn resume {run_id}` continues it"
+        runs[run_id] = summary
+    return sorted(runs.values(), key=lambda m: m.get("created_at") or 0, reverse=True)

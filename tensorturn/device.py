@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import contextlib
-import os
 
 import torch
+
+from . import config
 
 
 def pick_device() -> torch.device:
     """CUDA if present, else Apple MPS, else CPU; ``TENSORTURN_DEVICE`` overrides."""
-    forced = os.environ.get("TENSORTURN_DEVICE")
+    forced = config.current().device
     if forced:
         return torch.device(forced)
     if torch.cuda.is_available():

@@ -20,9 +20,11 @@ import time
 from celery import bootsteps
 from celery.worker import state as worker_state
 
-log = logging.getLogger(__name__)
+from . import config
+from .broker import redis_client
+from .layout import UNACKED_INDEX
 
-UNACKED_INDEX = "unacked_index"  # kombu's default ``unacked_index_key``
+log = logging.getLogger(__name__)
 
 
 def held_delivery_tags() -> list[str]:
@@ -45,7 +47,7 @@ def refresh(client, tags: list[str], now: float | None = None) -> int:
 
 
 class LeaseKeeper(bootsteps.StartStopStep):
-    """Worker bootstep: refresh this worker's leases every ``LEASE_REFRESH_S`` seconds."""
+    """Worker bootstep: refresh this worker's leases four times per visibility timeout."""
 
     requires = {"celery.worker.components:Timer"}
 
@@ -55,11 +57,9 @@ class LeaseKeeper(bootsteps.StartStopStep):
         self.client = None
 
     def start(self, worker):
-        from .celery_app import LEASE_REFRESH_S
-        from .runs import redis_client
-
         self.client = redis_client(worker.app.conf.broker_url)
-        self.tref = worker.timer.call_repeatedly(LEASE_REFRESH_S, self.tick, priority=10)
+        self.tref = worker.timer.call_repeatedly(config.current().lease_refresh_s, self.tick,
+                                                 priority=10)
 
     def tick(self):
         try:

@@ -20,7 +20,6 @@ import time
 from pathlib import Path
 
 from .errors import TensorTurnError
-from .settings import BROKER_ENV, STORE_ENV
 
 log = logging.getLogger(__name__)
 
@@ -159,8 +158,8 @@ class LocalPool:
 
     def start_agent(self, i: int) -> subprocess.Popen:
         """(Re)start agent ``local<i+1>`` as its own process group, logging to the workdir."""
-        env = dict(os.environ, **{BROKER_ENV: self.broker_url, STORE_ENV: self.store_url,
-                                  "TENSORTURN_LOGLEVEL": self.loglevel})
+        env = dict(os.environ, TENSORTURN_BROKER_URL=self.broker_url,
+                   TENSORTURN_STORE_URL=self.store_url, TENSORTURN_LOGLEVEL=self.loglevel)
         log_path = self.workdir / f"agent-{i + 1}.log"
         with open(log_path, "ab") as out:
             proc = subprocess.Popen(agent_command(f"local{i + 1}"), env=env, stdout=out,

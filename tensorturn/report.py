@@ -19,20 +19,15 @@ display, no global state), and PNGs carry no timestamp or version metadata.
 from __future__ import annotations
 
 import io
-import re
 from collections import defaultdict
 from typing import Any
 
 from .errors import TensorTurnError
+from .layout import parse_label, report_key
+from .spec import options_json
 
 NAMES = ("loss", "samples_per_worker", "bytes")
 
-_FUSED_TASK = re.compile(r"^r(\d+)/shard-(\d+)$")
-_SEGMENT_TASK = re.compile(r"^m(\d+)/seg-(\d+)$")
-
-
-def report_key(run_id: str, name: str) -> str:
-    return f"runs/{run_id}/report/{name}.png"
 
 
 # ---- figures from the description ---------------------------------------------------------------
@@ -57,34 +52,37 @@ def task_samples(doc: dict[str, Any]) -> dict[str, int]:
     """
     spec = doc.get("spec") or {}
     tasks = {a["task"] for a in doc.get("attempts", [])}
+    options = options_json(spec)
     out: dict[str, int] = {}
     batch = None
     if doc.get("mode") == "fused":
-        shards = int(spec.get("shards") or 1)
+        shards = int(options.get("shards") or 1)
         per_round = {int(r["round"]): int(r["samples"]) // shards
                      for r in doc.get("rounds", []) if r.get("samples") is not None}
         for task in tasks:
-            m = _FUSED_TASK.match(task)
-            if not m:
+            label = parse_label(task)
+            if label is None or label.kind != "shard" or label.round is None:
                 continue
-            r = int(m.group(1))
+            r = label.round
             if r in per_round:
                 out[task] = per_round[r]
             else:
                 batch = batch or _batch_size(doc)
                 if batch:
-                    out[task] = int(spec.get("sync_every") or 0) * batch
+                    out[task] = int(options.get("sync_every") or 0) * batch
     else:
         batch = _batch_size(doc)
         if batch:
             for task in tasks:
-                if _SEGMENT_TASK.match(task):
-                    out[task] = int(spec.get("segment_steps") or 0) * batch
+                label = parse_label(task)
+                if label is not None and label.kind == "segment":
+                    out[task] = int(options.get("segment_steps") or 0) * batch
     return out
 
 
 def worker_stats(doc: dict[str, Any]) -> list[dict[str, Any]]:
-    """Per worker, from its successful attempts: tasks, samples, seconds busy, samples/s.
+    """Per worker, from its successful training attempts (shards, segments): tasks, samples,
+    seconds busy, samples/s.
 
     Sorted by worker name. ``samples_per_s`` is the worker's rate while it trained (samples over
     the summed durations of its tasks), so idle time between tasks does not lower it.
@@ -93,6 +91,9 @@ def worker_stats(doc: dict[str, Any]) -> list[dict[str, Any]]:
     acc: dict[str, dict[str, Any]] = defaultdict(lambda: {"tasks": 0, "samples": 0, "busy_s": 0.0})
     for a in doc.get("attempts", []):
         if a.get("outcome") != "succeeded" or a.get("finished_at") is None:
+            continue
+        label = parse_label(a["task"])
+        if label is None or label.kind not in ("shard", "segment"):
             continue
         w = acc[a.get("worker") or "?"]
         w["tasks"] += 1

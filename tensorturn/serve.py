@@ -22,7 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .artifact import Predictor
 from .errors import TensorTurnError
-from .runs import manifest_key
+from .layout import final_ensemble_key, final_model_key, manifest_key
 from .store import ObjectMissing, Store, sha256_hex
 from .tokens import TokenChecker
 
@@ -45,8 +45,8 @@ def load_result(store: Store, run_id: str) -> tuple[Predictor, dict[str, Any]]:
         raise TensorTurnError(f"no run {run_id!r} in the store (see `tensorturn runs`)") from None
     if manifest.get("state") != "succeeded" or not manifest.get("model_uri"):
         raise TensorTurnError(f"run {run_id} has no model to serve (state {manifest.get('state')})")
-    name = "ensemble.safetensors" if manifest["mode"] == "ensemble" else "model.safetensors"
-    data = store.get_bytes(f"runs/{run_id}/final/{name}")
+    final = final_ensemble_key if manifest["mode"] == "ensemble" else final_model_key
+    data = store.get_bytes(final(run_id))
     if sha256_hex(data) != manifest["model_sha256"]:
         raise TensorTurnError(f"run {run_id}: the model file does not match its recorded sha256")
     return Predictor.from_bytes(data), manifest

@@ -21,14 +21,12 @@ from pathlib import Path
 from typing import Any, Callable, TypeVar
 from urllib.parse import unquote, urlsplit
 
+from . import config
+from .config import mask_url
 from .errors import StoreError
-from .settings import mask_url
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-
-RETRIES = int(os.environ.get("TENSORTURN_STORE_RETRIES", "6"))
-BACKOFF_S = float(os.environ.get("TENSORTURN_STORE_BACKOFF_S", "0.5"))
 
 
 class ObjectMissing(StoreError):
@@ -50,6 +48,8 @@ class Store(ABC):
     """A flat key → bytes map with atomic puts."""
 
     url: str
+    retries: int = 6           # set from the settings by open_store
+    backoff_s: float = 0.5
 
     @abstractmethod
     def _put(self, key: str, data: bytes, sha256: str) -> None: ...
@@ -74,14 +74,14 @@ class Store(ABC):
         return False
 
     def _retrying(self, what: str, key: str, fn: Callable[[], T]) -> T:
-        delay = BACKOFF_S
-        for attempt in range(RETRIES + 1):
+        delay = self.backoff_s
+        for attempt in range(self.retries + 1):
             try:
                 return fn()
             except ObjectMissing:
                 raise
             except Exception as exc:  # noqa: BLE001 - classified just below
-                if not self._transient(exc) or attempt == RETRIES:
+                if not self._transient(exc) or attempt == self.retries:
                     raise StoreError(
                         f"store {mask_url(self.url)}: cannot {what} {key}: {exc}"
                     ) from exc
@@ -250,9 +250,12 @@ class S3Store(Store):
 _BACKENDS: dict[str, type[Store]] = {"file": FileStore, "s3": S3Store}
 
 
-def open_store(url: str) -> Store:
-    """The store for ``url``; raises StoreError for an unknown scheme."""
+def open_store(url: str, settings: config.Settings | None = None) -> Store:
+    """The store for ``url``, retrying as ``settings`` say; StoreError for an unknown scheme."""
     scheme = urlsplit(url).scheme
     if scheme not in _BACKENDS:
         raise StoreError(f"unsupported store URL {mask_url(url)!r}: use file:///dir or s3://bucket/prefix")
-    return _BACKENDS[scheme](url)
+    settings = settings or config.current()
+    store = _BACKENDS[scheme](url)
+    store.retries, store.backoff_s = settings.store_retries, settings.store_backoff_s
+    return store

@@ -1,10 +1,10 @@
 """Worker hardware inventory and live figures, published to Redis every few seconds.
 
 Each agent's main process runs the :class:`Heartbeat` bootstep: it writes the machine's inventory
-once and its live figures (CPU, memory, GPU) every ``HEARTBEAT_S`` seconds to
-``tt:worker:<name>``. The task being trained reports its own progress (current task, step,
+once and its live figures (CPU, memory, GPU) every ``TENSORTURN_HEARTBEAT_S`` seconds
+to ``tt:worker:<name>``. The task being trained reports its own progress (current task, step,
 samples/s) into the same hash and as Celery ``task-progress`` events, which Flower shows.
-A worker silent for ``OFFLINE_AFTER`` heartbeats is listed as offline.
+The pool's roster (:mod:`tensorturn.roster`) reads it back.
 """
 
 from __future__ import annotations
@@ -22,19 +22,14 @@ import psutil
 from celery import bootsteps
 from celery.worker import state as worker_state
 
-from .settings import KEY_PREFIX
+from . import config
+from .broker import redis_client
+from .layout import worker_key
 
 log = logging.getLogger(__name__)
 
-HEARTBEAT_S = float(os.environ.get("TENSORTURN_HEARTBEAT_S", "3"))
-OFFLINE_AFTER = 3          # heartbeats
 PROGRESS_EVERY_S = 1.0     # how often a training task reports progress
-MEMORY_ENV = "TENSORTURN_DEVICE_MEMORY_GB"  # caps what this machine offers (agent --memory-gb)
 GB = 1024 ** 3
-
-
-def worker_key(name: str) -> str:
-    return f"{KEY_PREFIX}worker:{name}"
 
 
 def _cpu_model() -> str:
@@ -74,8 +69,9 @@ def inventory() -> dict[str, Any]:
     elif device.type == "mps":
         info.update(device_name="Apple MPS")
     offered = info["vram_gb"] if info["vram_gb"] else info["memory_total_gb"]
-    if os.environ.get(MEMORY_ENV):
-        offered = min(offered, float(os.environ[MEMORY_ENV]))
+    cap = config.current().device_memory_gb
+    if cap:
+        offered = min(offered, cap)
     info["device_memory_gb"] = offered
     return info
 
@@ -99,7 +95,7 @@ def live_figures() -> dict[str, Any]:
 
 
 class Heartbeat(bootsteps.StartStopStep):
-    """Worker bootstep: publish inventory once and live figures every HEARTBEAT_S seconds."""
+    """Worker bootstep: publish inventory once and live figures every heartbeat."""
 
     requires = {"celery.worker.components:Timer"}
 
@@ -110,13 +106,12 @@ class Heartbeat(bootsteps.StartStopStep):
         self.node = None
 
     def start(self, worker):
-        from .runs import redis_client
-
         self.node = worker.hostname
         self.client = redis_client(worker.app.conf.broker_url)
         psutil.cpu_percent(interval=None)  # prime the counter
         self.beat(first=True)
-        self.tref = worker.timer.call_repeatedly(HEARTBEAT_S, self.beat, priority=5)
+        self.tref = worker.timer.call_repeatedly(config.current().heartbeat_s, self.beat,
+                                                 priority=5)
 
     def beat(self, first: bool = False):
         try:
@@ -124,9 +119,11 @@ class Heartbeat(bootsteps.StartStopStep):
             pipe = self.client.pipeline()
             if first:
                 pipe.delete(key)
-                pipe.hset(key, mapping={"name": self.node, "inventory": json.dumps(inventory()),
-                                        "started_at": time.time(), "tasks_done": 0})
-            pipe.hset(key, mapping={"live": json.dumps(live_figures()), "last_seen": time.time(),
+                pipe.hset(key, mapping={"started_at": time.time(), "tasks_done": 0})
+            # the inventory goes out with every beat: a Redis that lost its data (restarted
+            # without AOF) lists the machine again at the next heartbeat
+            pipe.hset(key, mapping={"name": self.node, "inventory": json.dumps(inventory()),
+                                    "live": json.dumps(live_figures()), "last_seen": time.time(),
                                     "pid": os.getpid()})
             if not worker_state.active_requests:  # a killed pool child leaves its progress behind
                 pipe.hdel(key, "task", "progress")
@@ -181,28 +178,3 @@ class TaskReporter:
             pipe.execute()
         except Exception as exc:  # noqa: BLE001
             log.debug("progress report failed: %s", exc)
-
-
-def list_workers(client, now: float | None = None) -> list[dict[str, Any]]:
-    """Every agent that ever sent a heartbeat to this broker, with its state."""
-    now = time.time() if now is None else now
-    out = []
-    for key in sorted(client.scan_iter(f"{KEY_PREFIX}worker:*")):
-        h = client.hgetall(key)
-        if "inventory" not in h:
-            continue
-        inv, live = json.loads(h["inventory"]), json.loads(h.get("live", "{}"))
-        progress = json.loads(h["progress"]) if h.get("progress") else {}
-        last_seen = now - float(h.get("last_seen", 0))
-        if last_seen > OFFLINE_AFTER * HEARTBEAT_S:
-            state = "offline"
-        else:
-            state = "busy" if h.get("task") else "idle"
-        out.append({
-            "name": h["name"], "state": state, "last_seen_s": round(last_seen, 1),
-            "task": h.get("task") if state == "busy" else None,
-            "samples_per_s": progress.get("samples_per_s") if state == "busy" else None,
-            "tasks_done": int(h.get("tasks_done", 0)),
-            **inv, **live,
-        })
-    return out

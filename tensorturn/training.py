@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import hashlib
 import math
-import os
 import time
+from typing import Any
 
 import torch
 from torch import nn
 
+from . import config
 from .device import autocast
 from .recipes import Recipe
 
@@ -26,9 +27,12 @@ def set_threads(n: int) -> None:
         torch.set_num_threads(n)
 
 
-# Benchmark/test-only: a factor ≥ 1 that makes this process train that many times slower, to
-# emulate a slow machine beside fast ones on one host. See Throttle.
-SLOWDOWN = float(os.environ.get("TENSORTURN_SLOWDOWN", "1"))
+def load_model(recipe: Recipe, state: dict[str, torch.Tensor], config: dict[str, Any],
+               device: torch.device) -> nn.Module:
+    """The recipe's model for ``config`` with ``state`` loaded, on ``device``."""
+    model = recipe.model(config)
+    model.load_state_dict(state)
+    return model.to(device)
 
 
 class Throttle:
@@ -66,7 +70,9 @@ def train_steps(recipe: Recipe, model: nn.Module, optimizer: torch.optim.Optimiz
     model.train()
     order = rows[torch.randperm(len(rows), generator=gen)]
     pos, total, samples = 0, 0.0, 0
-    throttle = Throttle(SLOWDOWN) if SLOWDOWN > 1 else None
+    # benchmarks/tests only: TENSORTURN_SLOWDOWN emulates a slower machine on the same host
+    slowdown = config.current().slowdown
+    throttle = Throttle(slowdown) if slowdown > 1 else None
     for step in range(steps):
         t0 = time.perf_counter()
         if pos + batch_size > len(order):

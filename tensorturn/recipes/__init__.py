@@ -1,45 +1,73 @@
 """Recipes: what to train. A recipe names the data, the model, the loss and the evaluation.
 
-Built-in recipes are listed in :data:`BUILTIN`; any other recipe is given as ``package.module:attr``
-and must be importable on every machine of the pool (a class, a factory, or an instance).
+Built-in recipes are listed in :data:`BUILTIN` (by name; imported only when used); any other
+recipe is given as ``package.module:attr`` and must be importable on every machine of the pool
+(a class, a factory, or an instance). :func:`check_name` needs no torch, for the CLI.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import json
+from functools import lru_cache
+from typing import TYPE_CHECKING, Any
 
 from ..errors import RecipeError
-from .base import Recipe, Splits, load_splits
-from .charlm import CharLM
-from .digits import DigitsMLP
 
-__all__ = ["Recipe", "Splits", "load_splits", "resolve", "BUILTIN"]
+if TYPE_CHECKING:
+    from ..spec import RunSpec
+    from .base import Recipe, Splits
 
-BUILTIN: dict[str, type[Recipe]] = {
-    "digits-mlp": DigitsMLP,
-    "charlm": CharLM,
+__all__ = ["Recipe", "Splits", "load_splits", "resolve", "recipe_of", "check_name", "BUILTIN"]
+
+BUILTIN: dict[str, str] = {
+    "digits-mlp": "tensorturn.recipes.digits:DigitsMLP",
+    "charlm": "tensorturn.recipes.charlm:CharLM",
 }
 
 
-def resolve(name: str, options: dict | None = None) -> Recipe:
-    """The recipe called ``name`` (built-in, or ``module:attr``), built with ``options``."""
-    options = options or {}
+def __getattr__(name: str) -> Any:  # Recipe, Splits, load_splits without importing torch early
+    if name in ("Recipe", "Splits", "load_splits"):
+        from . import base
+
+        return getattr(base, name)
+    raise AttributeError(name)
+
+
+def check_name(name: str) -> None:
+    """RecipeError unless ``name`` is a built-in or names a module that exists here; imports
+    nothing (the recipe itself is imported where it runs)."""
     if name in BUILTIN:
-        target: object = BUILTIN[name]
-    elif ":" in name:
-        module_name, _, attr = name.partition(":")
-        try:
-            module = importlib.import_module(module_name)
-        except Exception as exc:  # noqa: BLE001 - any import failure is the user's to fix
-            raise RecipeError(f"recipe {name!r} failed to import: {type(exc).__name__}: {exc}") from exc
-        try:
-            target = getattr(module, attr)
-        except AttributeError:
-            raise RecipeError(f"recipe {name!r}: module {module_name!r} has no attribute {attr!r}") from None
-    else:
+        return
+    if ":" not in name:
         known = ", ".join(sorted(BUILTIN))
         raise RecipeError(f"unknown recipe {name!r}: use one of {known} or package.module:attr")
+    module_name = name.partition(":")[0]
+    try:
+        found = importlib.util.find_spec(module_name)
+    except (ImportError, ValueError) as exc:
+        raise RecipeError(f"recipe {name!r} failed to import: {type(exc).__name__}: {exc}") from None
+    if found is None:
+        raise RecipeError(f"recipe {name!r} failed to import: ModuleNotFoundError: "
+                          f"No module named {module_name!r}")
 
+
+def resolve(name: str, options: dict | None = None) -> "Recipe":
+    """The recipe called ``name`` (built-in, or ``module:attr``), built with ``options``."""
+    from .base import Recipe
+
+    check_name(name)
+    options = options or {}
+    module_name, _, attr = BUILTIN.get(name, name).partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # noqa: BLE001 - any import failure is the user's to fix
+        raise RecipeError(f"recipe {name!r} failed to import: {type(exc).__name__}: {exc}") from exc
+    try:
+        target = getattr(module, attr)
+    except AttributeError:
+        raise RecipeError(f"recipe {name!r}: module {module_name!r} has no attribute {attr!r}") from None
     try:
         recipe = target(**options) if callable(target) else target
     except TypeError as exc:
@@ -50,3 +78,13 @@ def resolve(name: str, options: dict | None = None) -> Recipe:
         raise RecipeError(f"recipe {name!r} is a {type(recipe).__name__}, not a tensorturn Recipe")
     recipe.ref = name
     return recipe
+
+
+@lru_cache(maxsize=8)
+def _cached(name: str, options_json: str) -> "Recipe":
+    return resolve(name, json.loads(options_json))
+
+
+def recipe_of(spec: "RunSpec") -> "Recipe":
+    """The run's recipe, built once per process."""
+    return _cached(spec.recipe, json.dumps(spec.recipe_options, sort_keys=True))

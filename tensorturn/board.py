@@ -1,0 +1,264 @@
+"""The run board: a run's live state in Redis — state, rounds, members, attempts, incidents.
+
+Everything here can be rebuilt from the store (``runs/<id>/manifest.json`` and the outputs), which
+is what ``tensorturn resume`` does after Redis lost its data. The JSON that ``tensorturn run
+--json`` and ``status --json`` print comes from :meth:`RunBoard.describe`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import redis
+
+from . import layout
+from .config import mask_text
+from .errors import NotFound
+from .spec import FINISHED, RunSpec
+
+_FINISH_ONCE = ("local s = redis.call('hget', KEYS[1], 'state') "
+                "if s == 'succeeded' or s == 'failed' then return 0 end "
+                "redis.call('hset', KEYS[1], unpack(ARGV)) return 1")
+_QUEUED_TO_RUNNING = ("if redis.call('hget', KEYS[1], 'state') == 'queued' then "
+                      "redis.call('hset', KEYS[1], 'state', 'running', 'started_at', ARGV[1]) end")
+
+
+def _encode(fields: dict[str, Any]) -> dict[str, Any]:
+    return {k: json.dumps(v) if isinstance(v, (dict, list)) else v
+            for k, v in fields.items() if v is not None}
+
+
+class RunBoard:
+    """Live run state in Redis (keys from :mod:`tensorturn.layout`)."""
+
+    def __init__(self, client: redis.Redis):
+        self.r = client
+
+    # -- the run --
+    def create(self, spec: RunSpec, state: str = "queued") -> None:
+        pipe = self.r.pipeline()
+        pipe.hset(layout.run_key(spec.run_id), mapping={
+            "run_id": spec.run_id, "mode": spec.mode, "state": state,
+            "spec": json.dumps(spec.to_json()), "created_at": spec.created_at,
+            "progress_at": time.time()})
+        pipe.zadd(layout.RUN_INDEX, {spec.run_id: spec.created_at})
+        pipe.execute()
+
+    def update_spec(self, spec: RunSpec) -> None:
+        self.r.hset(layout.run_key(spec.run_id), "spec", json.dumps(spec.to_json()))
+
+    def exists(self, run_id: str) -> bool:
+        return bool(self.r.exists(layout.run_key(run_id)))
+
+    def state(self, run_id: str) -> str | None:
+        return self.r.hget(layout.run_key(run_id), "state")
+
+    def is_finished(self, run_id: str) -> bool:
+        return self.state(run_id) in FINISHED
+
+    def mark_running(self, run_id: str) -> None:
+        """queued → running only; never overwrites a finished state."""
+        self.r.eval(_QUEUED_TO_RUNNING, 1, layout.run_key(run_id), time.time())
+
+    def touch(self, run_id: str) -> None:
+        """Note that the run made progress now (``status`` reports runs that stop doing so)."""
+        self.r.hset(layout.run_key(run_id), "progress_at", time.time())
+
+    def finish(self, run_id: str, state: str, **fields: Any) -> bool:
+        """Move to a finished state once; later calls (a duplicate task) change nothing."""
+        mapping = _encode(fields)
+        mapping.update(state=state, finished_at=time.time())
+        args = [x for kv in mapping.items() for x in kv]
+        return bool(self.r.eval(_FINISH_ONCE, 1, layout.run_key(run_id), *args))
+
+    def fail(self, run_id: str, error: str) -> bool:
+        return self.finish(run_id, "failed", error=mask_text(error))
+
+    def claim(self, run_id: str, what: str) -> bool:
+        """True the first time ``what`` is claimed for this run (guards one-time dispatches)."""
+        return bool(self.r.hsetnx(layout.run_key(run_id, "claims"), what, time.time()))
+
+    # -- rounds --
+    def record_round(self, run_id: str, round_: int, info: dict[str, Any]) -> None:
+        self.r.hset(layout.run_key(run_id, "rounds"), str(round_), json.dumps(info))
+        self.touch(run_id)
+
+    def has_round(self, run_id: str, round_: int) -> bool:
+        return bool(self.r.hexists(layout.run_key(run_id, "rounds"), str(round_)))
+
+    def rounds(self, run_id: str) -> list[dict[str, Any]]:
+        raw = self.r.hgetall(layout.run_key(run_id, "rounds"))
+        return [json.loads(raw[k]) for k in sorted(raw, key=int)]
+
+    # -- ensemble members --
+    def record_member(self, run_id: str, member: int, info: dict[str, Any]) -> None:
+        self.r.hset(layout.run_key(run_id, "members"), str(member), json.dumps(info))
+
+    def update_member(self, run_id: str, member: int, **fields: Any) -> dict[str, Any]:
+        info = self.member(run_id, member)
+        info.update(fields)
+        self.record_member(run_id, member, info)
+        return info
+
+    def member(self, run_id: str, member: int) -> dict[str, Any]:
+        raw = self.r.hget(layout.run_key(run_id, "members"), str(member))
+        return json.loads(raw) if raw else {}
+
+    def members(self, run_id: str) -> list[dict[str, Any]]:
+        raw = self.r.hgetall(layout.run_key(run_id, "members"))
+        return [json.loads(raw[k]) for k in sorted(raw, key=int)]
+
+    def member_done(self, run_id: str, member: int) -> int:
+        """Mark a member finished (succeeded or dropped) once; returns how many are finished."""
+        self.r.hsetnx(layout.run_key(run_id, "members_done"), str(member), time.time())
+        self.touch(run_id)
+        return int(self.r.hlen(layout.run_key(run_id, "members_done")))
+
+    # -- bytes moved, counted once per task --
+    def add_bytes(self, run_id: str, task: str, up: int, down: int) -> None:
+        self.r.hsetnx(layout.run_key(run_id, "bytes"), task, f"{up},{down}")
+
+    def bytes_moved(self, run_id: str) -> tuple[int, int]:
+        up = down = 0
+        for v in self.r.hvals(layout.run_key(run_id, "bytes")):
+            u, d = v.split(",")
+            up, down = up + int(u), down + int(d)
+        return up, down
+
+    # -- attempts --
+    def begin_attempt(self, run_id: str, task: str, worker: str,
+                      max_attempts: int) -> tuple[str, int] | None:
+        """Record a new attempt of ``task``; returns its key and its number (1, 2, ...).
+
+        Past ``max_attempts`` (counted since the run was last started or resumed: a task that
+        keeps killing its worker is redelivered without end) the attempt is recorded as refused,
+        with an incident, and None is returned.
+        """
+        n = int(self.r.hincrby(layout.run_key(run_id, "attempt_n"), task, 1))
+        base = int(self.r.hget(layout.run_key(run_id, "attempt_base"), task) or 0)
+        key = f"{task}#{n}"
+        for i in range(base + 1, n):  # an earlier attempt still "running" was lost with its machine
+            raw = self.r.hget(layout.run_key(run_id, "attempts"), f"{task}#{i}")
+            if raw and json.loads(raw)["outcome"] == "running":
+                self.finish_attempt(run_id, f"{task}#{i}", "lost: requeued to another attempt")
+                self.incident(run_id, "requeued", task, json.loads(raw)["worker"],
+                              f"attempt {i} was lost (its worker stopped answering); attempt {n} "
+                              f"started on {worker}")
+        self.r.hset(layout.run_key(run_id, "attempts"), key, json.dumps({
+            "task": task, "attempt": n, "worker": worker, "started_at": time.time(),
+            "finished_at": None, "outcome": "running"}))
+        self.mark_running(run_id)
+        self.touch(run_id)
+        if n - base <= max_attempts:
+            return key, n - base
+        self.finish_attempt(run_id, key, "refused: attempt limit reached")
+        self.incident(run_id, "attempt_limit", task, worker,
+                      f"attempt {n - base} refused: the task already had {max_attempts}")
+        return None
+
+    def finish_attempt(self, run_id: str, key: str, outcome: str) -> None:
+        raw = self.r.hget(layout.run_key(run_id, "attempts"), key)
+        if raw is None:
+            return
+        entry = json.loads(raw)
+        entry.update(finished_at=time.time(), outcome=mask_text(outcome))
+        self.r.hset(layout.run_key(run_id, "attempts"), key, json.dumps(entry))
+        self.touch(run_id)
+
+    def attempts(self, run_id: str) -> list[dict[str, Any]]:
+        entries = [json.loads(v) for v in self.r.hgetall(layout.run_key(run_id, "attempts")).values()]
+        return sorted(entries, key=lambda e: (e["started_at"], e["task"]))
+
+    # -- incidents: requeued, duplicate or late attempts ignored, updates rejected, ... --
+    def incident(self, run_id: str, kind: str, task: str, worker: str | None, detail: str) -> None:
+        self.r.rpush(layout.run_key(run_id, "incidents"), json.dumps({
+            "kind": kind, "task": task, "worker": worker, "at": time.time(),
+            "detail": mask_text(detail)}))
+
+    def incidents(self, run_id: str) -> list[dict[str, Any]]:
+        return [json.loads(x) for x in self.r.lrange(layout.run_key(run_id, "incidents"), 0, -1)]
+
+    # -- resuming --
+    def restore(self, spec: RunSpec, doc: dict[str, Any] | None) -> None:
+        """Re-create a run's records from its last manifest (or from the spec alone)."""
+        self.create(spec, state="running")
+        if not doc:
+            return
+        pipe = self.r.pipeline()
+        for r in doc.get("rounds", []):
+            pipe.hset(layout.run_key(spec.run_id, "rounds"), str(r["round"]), json.dumps(r))
+        for a in doc.get("attempts", []):
+            pipe.hset(layout.run_key(spec.run_id, "attempts"), f"{a['task']}#{a['attempt']}",
+                      json.dumps(a))
+            pipe.hset(layout.run_key(spec.run_id, "attempt_n"), a["task"], a["attempt"])
+            pipe.hset(layout.run_key(spec.run_id, "attempt_base"), a["task"], a["attempt"])
+        for i in doc.get("incidents", []):
+            pipe.rpush(layout.run_key(spec.run_id, "incidents"), json.dumps(i))
+        for m in doc.get("members", []):
+            pipe.hset(layout.run_key(spec.run_id, "members"), str(m["member"]), json.dumps(m))
+        pipe.execute()
+
+    def reopen(self, run_id: str) -> None:
+        """Back to running for a resume: clear the one-time claims and any failure, and give
+        every task a fresh allowance of attempts (the cause of the failure was fixed)."""
+        counts = self.r.hgetall(layout.run_key(run_id, "attempt_n"))
+        pipe = self.r.pipeline()
+        pipe.delete(layout.run_key(run_id, "claims"))
+        if counts:
+            pipe.hset(layout.run_key(run_id, "attempt_base"), mapping=counts)
+        pipe.hset(layout.run_key(run_id), mapping={"state": "running", "progress_at": time.time()})
+        pipe.hdel(layout.run_key(run_id), "error", "finished_at")
+        pipe.execute()
+
+    # -- reading --
+    def list_runs(self, limit: int = 50) -> list[dict[str, Any]]:
+        ids = self.r.zrevrange(layout.RUN_INDEX, 0, limit - 1)
+        return [self.summary(i) for i in ids if self.exists(i)]
+
+    def _hash(self, run_id: str) -> dict[str, str]:
+        h = self.r.hgetall(layout.run_key(run_id))
+        if not h:
+            raise NotFound(f"no run {run_id!r} on this broker (see `tensorturn runs`)")
+        return h
+
+    def summary(self, run_id: str) -> dict[str, Any]:
+        h = self._hash(run_id)
+        spec = json.loads(h["spec"])
+        return {
+            "run_id": run_id, "mode": h["mode"], "state": h["state"], "recipe": spec["recipe"],
+            "created_at": float(h["created_at"]),
+            "finished_at": float(h["finished_at"]) if "finished_at" in h else None,
+            "metrics": json.loads(h.get("metrics", "{}")),
+            "error": h.get("error"),
+        }
+
+    def describe(self, run_id: str) -> dict[str, Any]:
+        """The run as the CLI/JSON contract shows it."""
+        h = self._hash(run_id)
+        spec = json.loads(h["spec"])
+        bytes_up, bytes_down = self.bytes_moved(run_id)
+        out: dict[str, Any] = {
+            "run_id": run_id,
+            "mode": h["mode"],
+            "state": h["state"],
+            "recipe": spec["recipe"],
+            "metrics": json.loads(h.get("metrics", "{}")),
+            "model_uri": h.get("model_uri"),
+            "model_sha256": h.get("model_sha256"),
+            "rounds": self.rounds(run_id),
+            "attempts": self.attempts(run_id),
+            "incidents": self.incidents(run_id),
+            "bytes_up": bytes_up,
+            "bytes_down": bytes_down,
+            "created_at": float(h["created_at"]),
+            "started_at": float(h["started_at"]) if "started_at" in h else None,
+            "finished_at": float(h["finished_at"]) if "finished_at" in h else None,
+            "progress_at": float(h["progress_at"]) if "progress_at" in h else None,
+            "error": h.get("error"),
+            "spec": spec,
+        }
+        if h["mode"] == "ensemble":
+            out["members"] = self.members(run_id)
+        return out

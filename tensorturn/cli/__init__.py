@@ -1,0 +1,98 @@
+"""The ``tensorturn`` command. Thin: it parses options and calls the modules that do the work.
+
+Commands that train nothing import neither torch nor Celery nor boto3 unless they need them, so
+``--help``, ``runs``, ``status`` and every argument error answer at once.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import signal
+import sys
+from typing import Any, Callable
+
+import click
+
+from .. import config
+from ..errors import TensorTurnError
+
+log = logging.getLogger("tensorturn")
+
+BROKER_HELP = "Redis URL of the pool (env TENSORTURN_BROKER_URL)."
+
+
+def pool_options(broker_help: str = BROKER_HELP) -> Callable:
+    """``--broker``, ``--store`` and ``--debug``; TensorTurn errors become one line + exit code."""
+
+    def decorate(fn: Callable) -> Callable:
+        @click.option("--broker", envvar="TENSORTURN_BROKER_URL", metavar="URL", help=broker_help)
+        @click.option("--store", envvar="TENSORTURN_STORE_URL", metavar="URL",
+                      help="Object store: file:///dir, a directory, or s3://bucket/prefix "
+                           "(env TENSORTURN_STORE_URL; default ./tensorturn-store).")
+        @click.option("--debug", is_flag=True, help="Show tracebacks and debug logs.")
+        @functools.wraps(fn)
+        def wrapper(*args: Any, broker: str | None, store: str | None, debug: bool, **kwargs: Any):
+            logging.basicConfig(level=logging.DEBUG if debug else logging.WARNING,
+                                format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+            click.get_current_context().meta["debug"] = debug
+            try:
+                store_url = config.normalize_store_url(store) if store else config.default_store_url()
+                return fn(*args, broker=broker or None, store=store_url, **kwargs)
+            except TensorTurnError as exc:
+                if debug:
+                    raise
+                fail(str(exc), exc.exit_code)
+
+        return wrapper
+
+    return decorate
+
+
+def fail(message: str, code: int) -> None:
+    """One line on stderr (secrets masked), then exit ``code``."""
+    click.echo(f"error: {config.mask_text(' '.join(message.split()))}", err=True)
+    sys.exit(code)
+
+
+def emit_json(doc: Any) -> None:
+    click.echo(json.dumps(doc, indent=2, sort_keys=True, default=str))
+
+
+def stop_on_signals() -> None:
+    """Ctrl-C and SIGTERM (a service manager's stop) both end a foreground command cleanly.
+
+    Set explicitly: a process started in the background by a non-interactive shell inherits
+    SIGINT *ignored*, and Python then leaves it ignored, so Ctrl-C semantics would silently vanish.
+    """
+    def interrupt(_signum, _frame):
+        ignore_signals()  # once: a second Ctrl-C must not cut short the cleanup it starts
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, interrupt)
+    signal.signal(signal.SIGTERM, interrupt)
+
+
+def ignore_signals() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(package_name="tensorturn")
+def cli() -> None:
+    """TensorTurn: train one model on several machines you own.
+
+    \b
+    Fused mode shards the data and averages weights every H steps (DiLoCo) into one model.
+    Ensemble mode trains diverse full models that vote.
+    With no --broker, `tensorturn run` starts a private Redis and local agents on this machine.
+    """
+
+
+def main() -> None:
+    cli(prog_name="tensorturn")
+
+
+from . import inspect, pool, run, serve  # noqa: E402,F401 - each module adds its commands

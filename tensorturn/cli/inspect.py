@@ -1,0 +1,107 @@
+"""``status``, ``runs``, ``report`` and ``workers``: looking at runs and machines."""
+
+from __future__ import annotations
+
+import click
+
+from ..errors import TensorTurnError
+from . import cli, emit_json, pool_options
+
+
+@cli.command()
+@click.argument("run_id")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@click.option("--watch", is_flag=True, help="Follow the run until it finishes.")
+@pool_options()
+def status(broker, store, run_id, as_json, watch):
+    """Show a run: state, metrics, rounds, attempts (from the broker, else the store).
+
+    Exits 1 when the run failed. A run that made no progress for a while says why.
+    """
+    from .. import client
+    from ..spec import FINISHED
+    from .run import RunProgress, print_result
+
+    doc = client.describe(run_id, broker, store)
+    if watch and broker and doc["state"] not in FINISHED:
+        progress = RunProgress(doc)
+        try:
+            doc = client.wait(broker, run_id, on_update=progress)
+        finally:
+            progress.close()
+    if not as_json:
+        for r in doc.get("rounds", []):
+            acc = r.get("val_accuracy")
+            click.echo(f"  round {r['round']}: loss {r['loss']:.4f} val_loss {r['val_loss']:.4f}"
+                       + (f" val_acc {acc:.3f}" if acc is not None else "") + f" bytes {r['bytes']}")
+    print_result(doc, as_json)
+
+
+@cli.command()
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON list.")
+@pool_options()
+def runs(broker, store, as_json):
+    """List runs, newest first (the broker's, and the manifests in the store)."""
+    from .. import client
+
+    items = client.list_runs(broker, store)
+    if as_json:
+        emit_json(items)
+        return
+    if not items:
+        click.echo("no runs")
+    for m in items:
+        acc = (m.get("metrics") or {}).get("test_accuracy")
+        click.echo(f"{m['run_id']}  {m['mode']:8s} {m['state']:9s} {m['recipe']}"
+                   + (f"  test_accuracy {acc:.4f}" if acc is not None else "")
+                   + (f"  ({m['note']})" if m.get("note") else ""))
+
+
+@cli.command()
+@click.argument("run_id")
+@click.option("--json", "as_json", is_flag=True, help="Print the plots' locations as JSON.")
+@pool_options()
+def report(broker, store, run_id, as_json):
+    """Plot a run (loss per round or member, samples/s per worker, bytes moved) as PNG files
+    saved beside its manifest; prints where they are."""
+    from .. import client
+
+    doc = client.describe(run_id, broker, store)  # an unknown run fails before matplotlib loads
+    from ..report import save_report
+    from ..store import open_store
+
+    uris = save_report(doc, open_store(store))
+    if as_json:
+        emit_json(uris)
+        return
+    for uri in uris:
+        click.echo(uri)
+
+
+@cli.command()
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON list.")
+@pool_options()
+def workers(broker, store, as_json):
+    """List the pool's machines: state (idle/busy/offline/quarantined), device, memory, task."""
+    from .. import client
+
+    if not broker:
+        raise TensorTurnError("`workers` needs a pool: pass --broker URL or set TENSORTURN_BROKER_URL")
+    items = client.workers(broker)
+    if as_json:
+        emit_json(items)
+        return
+    if not items:
+        click.echo("no workers have connected to this broker")
+    for w in items:
+        mem = f"{w['device_memory_gb']:.1f} GB"
+        line = (f"{w['name']:28s} {w['state']:11s} {w['device']:4s} {w['device_name'][:32]:32s} "
+                f"{w['cpu_count']:>3} cpus  {mem:>9s}  done {w['tasks_done']}")
+        if w["task"]:
+            rate = w.get("samples_per_s")
+            line += f"  {w['task']}" + (f" {rate:.0f} samples/s" if rate else "")
+        if w["state"] == "offline":
+            line += f"  (last seen {w['last_seen_s']:.0f}s ago)"
+        if w["state"] == "quarantined":
+            line += f"  ({w['quarantined']})"
+        click.echo(line)

@@ -1,0 +1,86 @@
+"""``serve`` and ``token``: the result as an authenticated HTTP API, and its tokens."""
+
+from __future__ import annotations
+
+import time
+
+import click
+
+from . import cli, emit_json, pool_options
+
+
+@cli.command()
+@click.argument("run_id")
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to listen on (0.0.0.0 for every interface).")
+@click.option("--port", type=click.IntRange(1, 65535), default=8000, show_default=True)
+@click.option("--name", "alias", default=None, help="An alias for the model besides the run id.")
+@click.option("--max-body-mb", type=click.FloatRange(min=0, min_open=True), default=8.0,
+              show_default=True, help="Largest request body accepted (larger → 413).")
+@pool_options()
+def serve(broker, store, run_id, host, port, alias, max_body_mb):
+    """Serve a run's model (or voting ensemble) as an authenticated HTTP API.
+
+    Open Inference Protocol (KServe V2) routes under /v2; OpenAPI page at /docs. Every
+    /v2/models route needs `Authorization: Bearer <token>` from `tensorturn token create`.
+    The server needs only the store.
+    """
+    from ..serve import run_server
+    from ..store import open_store
+
+    run_server(open_store(store), run_id, host, port, alias, int(max_body_mb * 1024 * 1024))
+
+
+@cli.group()
+def token():
+    """API tokens: create (shown once), list, revoke. Only their hashes are stored."""
+
+
+@token.command("create")
+@click.option("--name", default=None, help="A label to recognise the token by.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object (with the token).")
+@pool_options()
+def token_create(broker, store, name, as_json):
+    """Create a token and print it once; it cannot be shown again."""
+    from .. import tokens
+    from ..store import open_store
+
+    secret, record = tokens.create(open_store(store), name)
+    if as_json:
+        emit_json({**tokens.public(record), "token": secret})
+        return
+    click.echo(secret)
+    click.echo(f"token {record['id']} ({record['name']}) created; this is the only time it is "
+               f"shown. Send it as 'Authorization: Bearer <token>'.", err=True)
+
+
+@token.command("list")
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON list.")
+@pool_options()
+def token_list(broker, store, as_json):
+    """List tokens (ids, names, dates; never the tokens themselves)."""
+    from .. import tokens
+    from ..store import open_store
+
+    items = [tokens.public(r) for r in tokens.records(open_store(store))]
+    if as_json:
+        emit_json(items)
+        return
+    if not items:
+        click.echo("no tokens")
+    for t in items:
+        state = "revoked" if t["revoked_at"] else "active"
+        created = time.strftime("%Y-%m-%d %H:%M", time.localtime(t["created_at"]))
+        click.echo(f"{t['id']}  {t['name']:20s} {state:8s} created {created}")
+
+
+@token.command("revoke")
+@click.argument("id_or_name")
+@pool_options()
+def token_revoke(broker, store, id_or_name):
+    """Revoke a token by id or name; servers refuse it within a few seconds."""
+    from .. import tokens
+    from ..store import open_store
+
+    record = tokens.revoke(open_store(store), id_or_name)
+    click.echo(f"token {record['id']} ({record['name']}) revoked")

@@ -1,0 +1,142 @@
+"""The DiLoCo math, once: what a replica does in a round and what the outer step does with it.
+
+DiLoCo (Douillard et al., 2023, arXiv 2311.08105): each of S replicas starts a round from the
+global weights θ_r, takes H inner AdamW steps on its shard and reports the pseudo-gradient
+Δ_k = θ_r − θ_k; the outer step averages them (weighted by samples, summed in shard-id order) and
+applies an outer optimizer — Nesterov SGD, lr 0.7, momentum 0.9 by default; SGD with lr 1 and no
+momentum is FedAvg. The functions here are pure (tensors in, tensors out); fused mode's tasks
+(:mod:`tensorturn.modes.fused.tasks`) and ``benchmarks/diloco.py`` both call them.
+
+Guarantee: the result depends on (S, H, seed, threads) only — a replica's rows, seed and starting
+weights are functions of the run and the shard id, never of the machine that trains it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .recipes import Recipe
+from .tensors import StateDict, decode_delta, encode_delta, float_keys, is_finite
+from .training import derive_seed, load_model, train_steps
+
+
+class UpdateRejected(Exception):
+    """A shard's pseudo-gradient is non-finite or absurdly large; the shard is trained again."""
+
+
+def initial_state(recipe: Recipe, seed: int) -> StateDict:
+    """θ_0: the recipe's model initialized from the run's seed (the global RNG is left as it was)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(derive_seed(seed, "init"))
+        model = recipe.model(recipe.default_config())
+    return {name: value.detach().clone() for name, value in model.state_dict().items()}
+
+
+def shard_rows(n_train: int, shards: int, k: int, seed: int) -> torch.Tensor:
+    """Training rows of shard k: a seeded permutation dealt round-robin over the shards."""
+    perm = torch.randperm(n_train, generator=torch.Generator().manual_seed(derive_seed(seed, "shards")))
+    return perm[k::shards]
+
+
+def train_replica(recipe: Recipe, theta: StateDict, x: torch.Tensor, y: torch.Tensor,
+                  rows: torch.Tensor, steps: int, lr: float, batch_size: int, seed: int,
+                  device: torch.device, on_step=None) -> tuple[StateDict, float, int]:
+    """One replica's round: H AdamW steps from θ_r on ``rows`` (a fresh inner optimizer: its
+    state is reset every round, so only weights move); returns (Δ = θ_r − θ_k, mean loss,
+    samples)."""
+    model = load_model(recipe, theta, recipe.default_config(), device)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=recipe.weight_decay)
+    try:
+        loss, samples = train_steps(recipe, model, opt, x, y, rows, steps, batch_size, seed,
+                                    device, on_step=on_step)
+    except FloatingPointError as exc:
+        raise UpdateRejected(str(exc)) from None
+    trained = {name: v.detach().cpu() for name, v in model.state_dict().items()}
+    delta = {name: theta[name].float() - trained[name].float() for name in float_keys(theta)}
+    return delta, loss, samples
+
+
+def check_update(delta: StateDict, theta: StateDict, max_ratio: float) -> None:
+    """Raise UpdateRejected for a non-finite pseudo-gradient or one far larger than the weights."""
+    if not is_finite(delta):
+        raise UpdateRejected("non-finite (NaN/Inf) pseudo-gradient")
+    d_norm = torch.sqrt(sum((v.float() ** 2).sum() for v in delta.values()))
+    w_norm = torch.sqrt(sum((theta[k].float() ** 2).sum() for k in delta))
+    if float(d_norm) > max_ratio * max(float(w_norm), 1e-12):
+        raise UpdateRejected(f"pseudo-gradient norm {float(d_norm):.3g} exceeds {max_ratio:g}× "
+                             f"the weights' norm {float(w_norm):.3g}")
+
+
+def weighted_average(deltas: list[StateDict], samples: list[int]) -> StateDict:
+    """Σ_k w_k Δ_k with w_k ∝ samples, accumulated in list (shard-id) order."""
+    total = float(sum(samples))
+    out: StateDict = {}
+    for delta, n in zip(deltas, samples):
+        w = n / total
+        for name, value in delta.items():
+            out[name] = out[name] + w * value if name in out else w * value
+    return out
+
+
+def outer_update(theta: StateDict, delta: StateDict, momentum_buf: StateDict | None,
+                 lr: float, momentum: float, nesterov: bool) -> tuple[StateDict, StateDict]:
+    """One outer step on the averaged pseudo-gradient ``delta`` (the "gradient" is θ_r − θ_avg).
+
+    Same update as ``torch.optim.SGD(lr, momentum, nesterov)``:
+    ``b ← μ·b + Δ``;  ``θ ← θ − lr·(Δ + μ·b)`` with Nesterov, ``θ ← θ − lr·b`` without.
+    Entries without a delta (integer buffers) are copied through. Returns (θ_new, b_new).
+    """
+    new_theta, new_buf = {}, {}
+    for name, value in theta.items():
+        if name not in delta:
+            new_theta[name] = value.clone()
+            continue
+        d = delta[name].to(torch.float32)
+        if momentum:
+            prev = momentum_buf.get(name) if momentum_buf else None
+            buf = d.clone() if prev is None else prev * momentum + d
+            new_buf[name] = buf
+            step = d + momentum * buf if nesterov else buf
+        else:
+            step = d
+        new_theta[name] = (value.to(torch.float32) - lr * step).to(value.dtype)
+    return new_theta, new_buf
+
+
+def apply_step(theta: StateDict, step: StateDict) -> StateDict:
+    """θ + step for the entries in ``step`` (float32 arithmetic, CPU); the rest copied through.
+    The coordinator and every worker rebuild θ_{r+1} with this very function, so bit for bit."""
+    return {name: (value.float() + step[name]).to(value.dtype) if name in step else value.clone()
+            for name, value in theta.items()}
+
+
+def compress_broadcast(theta: StateDict, target: StateDict, residual: StateDict | None,
+                       codec: str) -> tuple[dict, StateDict, StateDict]:
+    """Encode the move θ_r → θ_{r+1} for the download, with error feedback.
+
+    Returns (packed tensors, θ_{r+1} as every machine will rebuild it, the new residual). The
+    run's θ_{r+1} *is* the rebuilt one; what the codec dropped (``residual``) is added to the
+    next round's move, so quantization error does not accumulate (error feedback, as in 1-bit
+    SGD/EF-SGD, applied to the broadcast).
+    """
+    want = {k: target[k].float() - theta[k].float() + (residual[k] if residual else 0.0)
+            for k in float_keys(theta)}
+    packed = encode_delta(want, codec)
+    sent = decode_delta(packed, codec, {k: list(v.shape) for k, v in want.items()})
+    return packed, apply_step(theta, sent), {k: want[k] - sent[k] for k in want}
+
+
+def round_figures(losses: list[float], samples: list[int], val: dict[str, float],
+                  bytes_up: int, bytes_down: int, r: int) -> dict:
+    """A round's record: sample-weighted training loss, validation figures, bytes moved."""
+    total = sum(samples)
+    return {
+        "round": r,
+        "loss": sum(loss * n for loss, n in zip(losses, samples)) / total,
+        "val_loss": val["loss"],
+        "val_accuracy": val.get("accuracy"),
+        "samples": total,
+        "bytes_up": bytes_up,
+        "bytes_down": bytes_down,
+        "bytes": bytes_up + bytes_down,
+    }

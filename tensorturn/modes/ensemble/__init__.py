@@ -1,0 +1,113 @@
+"""Ensemble mode: diverse full models trained independently on every machine, then a vote.
+
+Each of M members gets its own seed, its own draw from the recipe's configuration space and, by
+default, its own bootstrap sample of the training rows — diversity is what makes a vote beat its
+members (Dietterich 2000; Lakshminarayanan et al. 2017, arXiv 1612.01474). Everything drawn is
+recorded per member in the manifest. The plug-in (this module, no torch) holds the options; the
+Celery tasks — segment, vote — are in :mod:`.tasks`.
+
+Guarantees:
+
+* A member trains in segments chained through checkpoints in the store (weights and AdamW
+  state), so a machine lost mid-member costs one segment; the next segment runs on any machine.
+* Every task goes through the attempt protocol: a segment whose checkpoint exists is not trained
+  again and writes nothing, each next segment and the vote are queued once, so duplicate or late
+  deliveries change nothing.
+* A member whose segment (or its evaluation) fails ``max_attempts`` times, or that is still
+  training at the deadline, drops out of the vote and the manifest says why; the run succeeds
+  while at least ``min_members`` members finish, and fails with every member's reason otherwise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ... import layout
+from ...errors import SpecError
+from ...spec import ModeOptions, check_positive
+
+if TYPE_CHECKING:
+    from ...board import RunBoard
+    from ...recipes import Recipe
+    from ...spec import RunSpec
+    from ...store import Store
+
+VOTES = ("soft", "hard")
+DIVERSITY = ("full", "seed")
+
+
+@dataclass
+class EnsembleOptions(ModeOptions):
+    members: int | None = None          # None: one per online machine, at least 2 (set at submit)
+    min_members: int = 1
+    vote: str = "soft"
+    segments: int = 3
+    segment_steps: int = 400
+    bootstrap: bool = True
+    diversity: str = "full"             # full: seed + config draw; seed: seed (+ bootstrap) only
+    deadline: float | None = None       # seconds after creation; later segments drop their member
+
+    def validate(self) -> None:
+        if self.vote not in VOTES:
+            raise SpecError(f"unknown vote rule {self.vote!r}: choose soft or hard")
+        if self.diversity not in DIVERSITY:
+            raise SpecError(f"unknown diversity {self.diversity!r}: choose full or seed")
+        check_positive({"segments": self.segments, "segment_steps": self.segment_steps,
+                        "min_members": self.min_members})
+        if self.members is not None:
+            check_positive({"members": self.members})
+            if self.members < 2:
+                raise SpecError(f"--members must be at least 2: an ensemble of {self.members} "
+                                f"does not vote (use --mode fused for one model)")
+            if self.min_members > self.members:
+                raise SpecError(f"--min-members ({self.min_members}) cannot exceed "
+                                f"--members ({self.members})")
+        if self.deadline is not None and self.deadline <= 0:
+            raise SpecError(f"--deadline must be a positive number of seconds (got {self.deadline})")
+
+
+class Ensemble:
+    name = "ensemble"
+    Options = EnsembleOptions
+    unit = "segments"
+
+    def prepare(self, spec: "RunSpec", online_workers: int) -> None:
+        opts = spec.opts(EnsembleOptions)
+        if opts.members is None:
+            opts.members = max(2, opts.min_members, online_workers)
+
+    def model_configs(self, spec: "RunSpec", recipe: "Recipe") -> list[dict[str, Any]]:
+        from .tasks import member_plan
+
+        return [m["model"] for m in member_plan(spec, recipe)]
+
+    def start(self, spec: "RunSpec", store: "Store", board: "RunBoard") -> None:
+        from .tasks import start
+
+        start(spec, store, board)
+
+    def resume(self, spec: "RunSpec", store: "Store", board: "RunBoard") -> str:
+        from .tasks import resume
+
+        return resume(spec, store, board)
+
+    def progress(self, doc: dict[str, Any]) -> tuple[int, int, list[tuple[str, str]]]:
+        options = (doc.get("spec") or {}).get("options", {})
+        total = int(options.get("members") or 0) * int(options.get("segments", 0))
+        done, events = 0, []
+        for m in doc.get("members", []):
+            done += m.get("segments_done", 0)
+            if m["state"] == "succeeded":
+                acc = m["metrics"].get("test_accuracy")
+                events.append((f"m{m['member']}", f"member {m['member']} succeeded"
+                               + (f"  test_acc {acc:.3f}" if acc is not None else "")))
+            elif m["state"] == "dropped":
+                events.append((f"m{m['member']}", f"member {m['member']} dropped: {m['reason']}"))
+        return done, total, events
+
+    def final_key(self, run_id: str) -> str:
+        return layout.final_ensemble_key(run_id)
+
+
+MODE = Ensemble()

@@ -1,0 +1,296 @@
+"""Ensemble mode's Celery tasks: train a member's segment, vote; and starting/resuming a run.
+
+Both tasks run through the attempt protocol (:func:`tensorturn.tasks.attempt.execute`). The last
+segment of a member includes its evaluation, so a member counts as finished only once it is
+evaluated, and a recipe that fails there drops the member with its reason.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from typing import Any
+
+import torch
+
+from ... import layout
+from ...artifact import Predictor
+from ...board import RunBoard
+from ...capacity import queue_for
+from ...celery_app import app, forget_results
+from ...device import pick_device
+from ...manifest import save_spec, try_write_manifest, write_manifest
+from ...recipes import Recipe, load_splits, recipe_of, resolve
+from ...spec import RunSpec
+from ...store import Store
+from ...tasks.attempt import LATE, SUCCEEDED, Unit, execute
+from ...telemetry import TaskReporter
+from ...tensors import (ensemble_bytes, from_bytes, load_optimizer_tensors, model_bytes,
+                        optimizer_tensors, to_bytes)
+from ...training import derive_seed, load_model, set_threads, train_steps
+from . import EnsembleOptions
+
+log = logging.getLogger(__name__)
+
+
+def options(spec: RunSpec) -> EnsembleOptions:
+    return spec.opts(EnsembleOptions)
+
+
+def member_plan(spec: RunSpec, recipe: Recipe) -> list[dict[str, Any]]:
+    """Each member's seed, model config and learning rate; a pure function of the spec."""
+    opts = options(spec)
+    base_lr = spec.lr or recipe.lr
+    plan = []
+    for m in range(opts.members or 0):
+        seed = derive_seed(spec.seed, "member", m)
+        variation = recipe.member_config(m, random.Random(seed)) if opts.diversity == "full" else {}
+        lr_scale = float(variation.pop("lr_scale", 1.0))
+        plan.append({"member": m, "seed": seed, "lr": base_lr * lr_scale,
+                     "bootstrap": opts.bootstrap,
+                     "model": {**recipe.default_config(), **variation}})
+    return plan
+
+
+def _new_member(entry: dict[str, Any]) -> dict[str, Any]:
+    return {"member": entry["member"], "state": "queued", "config": entry, "metrics": {},
+            "workers": [], "segments_done": 0, "reason": None}
+
+
+# ---- start, dispatch, resume -------------------------------------------------------------------
+
+def start(spec: RunSpec, store: Store, board: RunBoard) -> None:
+    """Record the run and its member plan, then queue every member's first segment."""
+    plan = member_plan(spec, resolve(spec.recipe, spec.recipe_options))
+    save_spec(store, spec)
+    board.create(spec)
+    for entry in plan:
+        board.record_member(spec.run_id, entry["member"], _new_member(entry))
+    write_manifest(store, board, spec.run_id)
+    for entry in plan:
+        board.claim(spec.run_id, layout.segment_claim(entry["member"], 0))
+        queue_segment(spec, entry["member"], 0)
+
+
+def queue_segment(spec: RunSpec, m: int, j: int) -> None:
+    """Queue segment j of member m on the machines that can hold the model."""
+    forget_results([train_segment.apply_async((spec.run_id, spec.store_url, m, j),
+                                              queue=queue_for(spec.memory_needed_bytes))])
+
+
+def maybe_vote(spec: RunSpec, board: RunBoard) -> None:
+    """Queue the vote once every member has finished (succeeded or dropped)."""
+    finished = int(board.r.hlen(layout.run_key(spec.run_id, "members_done")))
+    if finished >= (options(spec).members or 0) and board.claim(spec.run_id, layout.VOTE_CLAIM):
+        forget_results([vote.apply_async((spec.run_id, spec.store_url),
+                                         queue=queue_for(spec.memory_needed_bytes))])
+
+
+def drop(spec: RunSpec, board: RunBoard, m: int, reason: str) -> None:
+    board.update_member(spec.run_id, m, state="dropped", reason=reason)
+    board.member_done(spec.run_id, m)
+    maybe_vote(spec, board)
+
+
+def resume(spec: RunSpec, store: Store, board: RunBoard) -> str:
+    """Continue every unfinished member from its last checkpoint in the store."""
+    opts = options(spec)
+    resumed = []
+    for entry in member_plan(spec, resolve(spec.recipe, spec.recipe_options)):
+        m = entry["member"]
+        info = board.member(spec.run_id, m) or _new_member(entry)
+        if info["state"] == "dropped" and info.get("reason", "").startswith("missed the deadline"):
+            board.member_done(spec.run_id, m)
+            continue
+        if info["state"] == "succeeded":
+            board.member_done(spec.run_id, m)
+            continue
+        # a member dropped for failures gets another chance: the cause may be fixed
+        board.r.hdel(layout.run_key(spec.run_id, "members_done"), str(m))
+        stored = [j for j in range(opts.segments)
+                  if store.exists(layout.segment_key(spec.run_id, m, j))]
+        j = min(max(stored) + 1 if stored else 0, opts.segments - 1)
+        board.record_member(spec.run_id, m, {**info, "state": "queued", "reason": None,
+                                             "segments_done": len(stored)})
+        board.claim(spec.run_id, layout.segment_claim(m, j))
+        queue_segment(spec, m, j)
+        resumed.append(f"member {m} at segment {j}")
+    if not resumed:
+        board.r.hdel(layout.run_key(spec.run_id, "claims"), layout.VOTE_CLAIM)
+        maybe_vote(spec, board)
+    return "resumed " + (", ".join(resumed) if resumed else "the vote")
+
+
+# ---- the segment -------------------------------------------------------------------------------
+
+@app.task(bind=True, name="tensorturn.ensemble.train_segment")
+def train_segment(self, run_id: str, store_url: str, m: int, j: int) -> dict[str, Any]:
+    """Train segment j of member m from segment j−1's checkpoint; queue j+1 or finish m."""
+    return execute(self, run_id, store_url, layout.segment_label(m, j), SegmentUnit)
+
+
+class SegmentUnit(Unit):
+    def _where(self) -> tuple[int, int]:
+        label = self.a.label
+        assert label.member is not None and label.segment is not None
+        return label.member, label.segment
+
+    def _last(self) -> bool:
+        return self._where()[1] == options(self.spec).segments - 1
+
+    def done(self) -> bool:
+        m, j = self._where()
+        state = self.board.member(self.spec.run_id, m).get("state")
+        if state in ("dropped", "succeeded"):
+            return True
+        return not self._last() and self.store.exists(layout.segment_key(self.spec.run_id, m, j))
+
+    def run(self) -> str:
+        spec, board, (m, j) = self.spec, self.board, self._where()
+        opts = options(spec)
+        if opts.deadline is not None and time.time() > spec.created_at + opts.deadline:
+            drop(spec, board, m, f"missed the deadline ({opts.deadline:g}s) before {self.a.label}")
+            return "refused: past the deadline"
+        info = board.member(spec.run_id, m)
+        workers = info.get("workers", [])
+        board.update_member(spec.run_id, m, state="running",
+                            workers=workers if self.a.worker in workers else workers + [self.a.worker])
+        outcome = SUCCEEDED
+        if not self.store.exists(layout.segment_key(spec.run_id, m, j)):
+            outcome = self._train(m, j)
+        board.update_member(spec.run_id, m, segments_done=max(info.get("segments_done", 0), j + 1))
+        if self._last():
+            self._finish_member(m)
+        return outcome
+
+    def _train(self, m: int, j: int) -> str:
+        spec, store = self.spec, self.store
+        opts = options(spec)
+        set_threads(spec.threads_per_task)
+        recipe = recipe_of(spec)
+        plan = member_plan(spec, recipe)[m]
+        batch = spec.batch_size or recipe.batch_size
+        reporter = TaskReporter(self.a.task, self.board.r, str(self.a.label), opts.segment_steps, batch)
+        device = pick_device()
+        splits = load_splits(recipe)
+        if j == 0:
+            torch.manual_seed(plan["seed"])
+            model = recipe.model(plan["model"]).to(device)
+        else:
+            blob = store.get_bytes(layout.segment_key(spec.run_id, m, j - 1))
+            self.a.bytes_down += len(blob)
+            model = load_model(recipe, from_bytes(blob), plan["model"], device)
+        opt = torch.optim.AdamW(model.parameters(), lr=plan["lr"], weight_decay=recipe.weight_decay)
+        if j > 0:
+            blob = store.get_bytes(layout.optim_key(spec.run_id, m, j - 1))
+            self.a.bytes_down += len(blob)
+            load_optimizer_tensors(opt, from_bytes(blob))
+        n = len(splits.y_train)
+        if plan["bootstrap"]:
+            rows = torch.randint(n, (n,), generator=torch.Generator().manual_seed(plan["seed"]))
+        else:
+            rows = torch.arange(n)
+        train_steps(recipe, model, opt, splits.x_train, splits.y_train, rows, opts.segment_steps,
+                    batch, derive_seed(plan["seed"], j), device, on_step=reporter)
+        optim_blob = to_bytes(optimizer_tensors(opt))
+        weights = model_bytes({k: v.cpu() for k, v in model.state_dict().items()}, spec.recipe,
+                              plan["model"], spec.recipe_options)
+        if store.exists(layout.segment_key(spec.run_id, m, j)):
+            return LATE
+        # The optimizer state goes first: a stored checkpoint means the segment is complete.
+        store.put_bytes(layout.optim_key(spec.run_id, m, j), optim_blob)
+        store.put_bytes(layout.segment_key(spec.run_id, m, j), weights)
+        self.a.bytes_up = len(optim_blob) + len(weights)
+        reporter.done()
+        return SUCCEEDED
+
+    def _finish_member(self, m: int) -> None:
+        spec, store = self.spec, self.store
+        recipe = recipe_of(spec)
+        splits = load_splits(recipe)
+        last = options(spec).segments - 1
+        state = from_bytes(store.get_bytes(layout.segment_key(spec.run_id, m, last)))
+        model = load_model(recipe, state, member_plan(spec, recipe)[m]["model"], torch.device("cpu"))
+        test = recipe.evaluate(model, splits.x_test, splits.y_test)
+        self.board.update_member(spec.run_id, m, state="succeeded",
+                                 metrics={f"test_{k}": v for k, v in test.items()})
+        self.board.member_done(spec.run_id, m)
+        try_write_manifest(store, self.board, spec.run_id)
+
+    def then(self) -> None:
+        spec, (m, j) = self.spec, self._where()
+        if self.board.member(spec.run_id, m).get("state") in ("dropped", "succeeded"):
+            maybe_vote(spec, self.board)
+        elif j + 1 < options(spec).segments and self.board.claim(spec.run_id,
+                                                                  layout.segment_claim(m, j + 1)):
+            queue_segment(spec, m, j + 1)
+
+    def give_up(self, message: str) -> None:
+        drop(self.spec, self.board, self._where()[0], message)
+
+
+# ---- the vote ----------------------------------------------------------------------------------
+
+@app.task(bind=True, name="tensorturn.ensemble.vote")
+def vote(self, run_id: str, store_url: str) -> dict[str, Any]:
+    """Merge the finished members into one ensemble file, evaluate the vote, finish the run."""
+    return execute(self, run_id, store_url, layout.vote_label(), VoteUnit)
+
+
+def vote_metrics(predictor: Predictor, x: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
+    """The vote's accuracy and NLL beside the members' mean and best, and their disagreement."""
+    labels, _, per_member = predictor.predict(x)
+    mean = per_member.mean(0)
+
+    def nll(p: torch.Tensor) -> float:
+        return float(torch.nn.functional.nll_loss(torch.log(p.clamp_min(1e-12)), y))
+
+    member_acc = [float((p.argmax(-1) == y).float().mean()) for p in per_member]
+    member_nll = [nll(p) for p in per_member]
+    preds = per_member.argmax(-1)
+    pairs = [(a, b) for a in range(len(preds)) for b in range(a + 1, len(preds))]
+    disagreement = (sum(float((preds[a] != preds[b]).float().mean()) for a, b in pairs) / len(pairs)
+                    if pairs else 0.0)
+    return {
+        "test_accuracy": float((labels == y).float().mean()),
+        # NLL of the mean probability for both rules (hard votes have no calibrated probability)
+        "test_loss": nll(mean),
+        "member_mean_test_accuracy": sum(member_acc) / len(member_acc),
+        "member_mean_test_loss": sum(member_nll) / len(member_nll),
+        "best_member_test_accuracy": max(member_acc),
+        "disagreement": disagreement,
+    }
+
+
+class VoteUnit(Unit):
+    def done(self) -> bool:
+        return False  # a finished run (the vote's only output) returns before this
+
+    def run(self) -> str:
+        spec, store, board = self.spec, self.store, self.board
+        opts, run_id = options(spec), spec.run_id
+        members = board.members(run_id)
+        done = [e for e in members if e["state"] == "succeeded"]
+        dropped = [e for e in members if e["state"] == "dropped"]
+        if len(done) < opts.min_members:
+            reasons = "; ".join(f"member {e['member']}: {e['reason']}" for e in dropped)
+            board.fail(run_id, f"only {len(done)} of {opts.members} members finished "
+                               f"(--min-members {opts.min_members}): {reasons}")
+            write_manifest(store, board, run_id)
+            return SUCCEEDED
+        entries = []
+        for e in done:
+            m = e["member"]
+            state = from_bytes(store.get_bytes(layout.segment_key(run_id, m, opts.segments - 1)))
+            entries.append((m, state, e["config"]["model"]))
+        blob = ensemble_bytes(entries, spec.recipe, opts.vote, spec.recipe_options)
+        final = layout.final_ensemble_key(run_id)
+        sha = store.put_bytes(final, blob)
+        splits = load_splits(recipe_of(spec))
+        metrics = vote_metrics(Predictor.from_bytes(blob), splits.x_test, splits.y_test)
+        metrics.update(members_succeeded=len(done), members_dropped=len(dropped))
+        board.finish(run_id, "succeeded", metrics=metrics, model_uri=store.uri(final),
+                     model_sha256=sha)
+        write_manifest(store, board, run_id)
+        return SUCCEEDED

@@ -1,0 +1,303 @@
+"""Fused mode's Celery tasks: train a shard, take the outer step; and starting/resuming a run.
+
+Both tasks run through the attempt protocol (:func:`tensorturn.tasks.attempt.execute`); their
+units say when their output exists, how to make it, and what follows.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import OrderedDict
+from typing import Any
+
+import torch
+from celery import chord
+
+from ... import layout
+from ...board import RunBoard
+from ...capacity import queue_for
+from ...celery_app import app, forget_results
+from ...device import pick_device
+from ...diloco import (apply_step, check_update, compress_broadcast, initial_state,
+                       outer_update, round_figures, shard_rows, train_replica, weighted_average)
+from ...manifest import save_spec, write_manifest
+from ...recipes import Recipe, load_splits, recipe_of, resolve
+from ...spec import RunSpec
+from ...store import ObjectMissing, Store, sha256_hex
+from ...tasks.attempt import LATE, SUCCEEDED, Unit, chord_failed, execute
+from ...telemetry import TaskReporter
+from ...tensors import (BROADCAST_FORMAT, StateDict, delta_bytes, delta_from_bytes, float_keys,
+                        from_bytes, metadata_of, model_bytes, to_bytes)
+from ...training import derive_seed, load_model, set_threads
+from . import FusedOptions
+
+log = logging.getLogger(__name__)
+
+RESIDUAL = "residual::"  # prefix of the broadcast's error-feedback residual in the outer state
+
+
+def options(spec: RunSpec) -> FusedOptions:
+    return spec.opts(FusedOptions)
+
+
+def global_bytes(spec: RunSpec, recipe: Recipe, theta: StateDict) -> bytes:
+    """The model file of a global θ (its sha256 identifies the weights of a round)."""
+    return model_bytes(theta, spec.recipe, recipe.default_config(), spec.recipe_options)
+
+
+# ---- start, dispatch, resume -------------------------------------------------------------------
+
+def start(spec: RunSpec, store: Store, board: RunBoard) -> None:
+    """Write the spec and initial weights, record the run, dispatch round 0."""
+    recipe = resolve(spec.recipe, spec.recipe_options)
+    theta0 = global_bytes(spec, recipe, initial_state(recipe, spec.seed))
+    options(spec).init_sha256 = sha256_hex(theta0)  # machines rebuild θ_0 from the seed, verified
+    save_spec(store, spec)
+    store.put_bytes(layout.global_key(spec.run_id, 0), theta0)
+    board.create(spec)
+    write_manifest(store, board, spec.run_id)
+    board.claim(spec.run_id, layout.dispatch_claim(0))
+    dispatch_round(spec, 0)
+
+
+def dispatch_round(spec: RunSpec, r: int) -> None:
+    """Queue round r: its shards, then the outer step, on machines that can hold the model."""
+    queue = queue_for(spec.memory_needed_bytes)
+    header = [train_shard.s(spec.run_id, spec.store_url, r, k).set(queue=queue)
+              for k in range(options(spec).shards)]
+    body = outer_step.s(spec.run_id, spec.store_url, r).set(queue=queue)
+    body.on_error(chord_failed.s(spec.run_id, f"the outer step of round {r}"))
+    result = chord(header)(body)
+    forget_results([*result.parent.results, result])
+
+
+def resume(spec: RunSpec, store: Store, board: RunBoard) -> str:
+    """Continue from the last round whose global weights are in the store; says what it did."""
+    done = [layout.global_round(key) for key in store.list(layout.global_prefix(spec.run_id))]
+    r = max((d for d in done if d is not None), default=0)
+    for past in range(r):  # rounds the broker forgot are rebuilt from the store
+        if store.exists(layout.round_key(spec.run_id, past)):
+            board.record_round(spec.run_id, past, store.get_json(layout.round_key(spec.run_id, past)))
+    rounds = options(spec).rounds
+    if r >= rounds:  # every round is stored: the outer step of the last one finalizes again
+        r = rounds - 1
+    board.claim(spec.run_id, layout.dispatch_claim(r))
+    dispatch_round(spec, r)
+    return f"resumed at round {r} of 0..{rounds - 1}"
+
+
+# ---- the shard ---------------------------------------------------------------------------------
+
+@app.task(bind=True, name="tensorturn.fused.train_shard")
+def train_shard(self, run_id: str, store_url: str, r: int, k: int) -> dict[str, Any]:
+    """Train shard k for one round from θ_r and upload its pseudo-gradient."""
+    return execute(self, run_id, store_url, layout.shard_label(r, k), ShardUnit)
+
+
+class ShardUnit(Unit):
+    def _where(self) -> tuple[int, int]:
+        label = self.a.label
+        assert label.round is not None and label.shard is not None
+        return label.round, label.shard
+
+    def done(self) -> bool:
+        r, k = self._where()
+        return (self.store.exists(layout.shard_key(self.spec.run_id, r, k))
+                or self.store.exists(layout.global_key(self.spec.run_id, r + 1)))
+
+    def run(self) -> str:
+        r, k = self._where()
+        spec, opts = self.spec, options(self.spec)
+        set_threads(spec.threads_per_task)
+        recipe = recipe_of(spec)
+        batch = spec.batch_size or recipe.batch_size
+        reporter = TaskReporter(self.a.task, self.board.r, str(self.a.label), opts.sync_every, batch)
+        splits = load_splits(recipe)
+        theta, self.a.bytes_down = fetch_global(spec, recipe, self.store, r)
+        rows = shard_rows(len(splits.y_train), opts.shards, k, spec.seed)
+        delta, loss, samples = train_replica(
+            recipe, theta, splits.x_train, splits.y_train, rows, opts.sync_every,
+            spec.lr or recipe.lr, batch, derive_seed(spec.seed, r, k), pick_device(),
+            on_step=reporter)
+        check_update(delta, theta, opts.max_update_ratio)
+        # bytes_down is written at a fixed width: it depends on where the shard ran (what that
+        # machine held), and the upload's size must not
+        blob = delta_bytes(delta, opts.codec, {"samples": str(samples), "loss": repr(loss),
+                                               "bytes_down": f"{self.a.bytes_down:015d}"})
+        out_key = layout.shard_key(spec.run_id, r, k)
+        if self.store.exists(out_key):  # never overwrite: the round may already have used it
+            return LATE
+        self.store.put_bytes(out_key, blob)
+        self.a.bytes_up = len(blob)
+        reporter.done()
+        return SUCCEEDED
+
+
+# This process's latest global weights per run: (round, sha256 of the model file, θ).
+_held: OrderedDict[str, tuple[int, str, StateDict]] = OrderedDict()
+_HELD_RUNS = 2
+
+
+def fetch_global(spec: RunSpec, recipe: Recipe, store: Store, r: int) -> tuple[StateDict, int]:
+    """θ_r for a shard task, moving as few bytes as it can; returns (θ_r, bytes downloaded).
+
+    In order: θ_r already held (another shard of the round ran here) — nothing moves; round 0
+    rebuilt from the seed — nothing moves; θ_{r−1} held and the run compresses — only the
+    broadcast delta moves; else the full model file. A rebuilt θ is used only if its model file
+    hashes to the one the coordinator stored, so a different torch or a lost delta can only cost
+    bytes, never change the weights.
+    """
+    opts = options(spec)
+    held = _held.get(spec.run_id)
+    if held and held[0] == r:
+        return held[2], 0
+    moved, theta, sha = 0, None, None
+    if r == 0 and opts.init_sha256:
+        candidate = initial_state(recipe, spec.seed)
+        if sha256_hex(global_bytes(spec, recipe, candidate)) == opts.init_sha256:
+            theta, sha = candidate, opts.init_sha256
+        else:
+            log.warning("run %s: θ_0 rebuilt from the seed differs from the stored one "
+                        "(another torch version?); downloading it", spec.run_id)
+    elif held and held[0] == r - 1 and opts.codec != "fp32":
+        theta, sha, moved = _rebuild_from_broadcast(spec, recipe, store, r, held)
+    if theta is None:
+        data = store.get_bytes(layout.global_key(spec.run_id, r))
+        theta, sha, moved = from_bytes(data), sha256_hex(data), moved + len(data)
+    assert sha is not None
+    _held[spec.run_id] = (r, sha, theta)
+    _held.move_to_end(spec.run_id)
+    while len(_held) > _HELD_RUNS:
+        _held.popitem(last=False)
+    return theta, moved
+
+
+def _rebuild_from_broadcast(spec: RunSpec, recipe: Recipe, store: Store, r: int,
+                            held: tuple[int, str, StateDict]) -> tuple[StateDict | None, str, int]:
+    try:
+        blob = store.get_bytes(layout.broadcast_key(spec.run_id, r))
+    except ObjectMissing:  # a run from before broadcasts existed
+        return None, "", 0
+    meta = metadata_of(blob)
+    if meta.get("base_sha256") == held[1]:
+        theta = apply_step(held[2], delta_from_bytes(blob)[0])
+        sha = sha256_hex(global_bytes(spec, recipe, theta))
+        if sha == meta.get("sha256"):
+            return theta, sha, len(blob)
+    log.warning("run %s: round %d's broadcast delta does not rebuild the stored weights here; "
+                "downloading them", spec.run_id, r)
+    return None, "", len(blob)
+
+
+# ---- the outer step ----------------------------------------------------------------------------
+
+@app.task(bind=True, name="tensorturn.fused.outer_step")
+def outer_step(self, _receipts: list, run_id: str, store_url: str, r: int) -> dict[str, Any]:
+    """Chord body: average round r's pseudo-gradients, step θ, then dispatch r+1 or finish."""
+    return execute(self, run_id, store_url, layout.outer_label(r), OuterUnit)
+
+
+class OuterUnit(Unit):
+    def _round(self) -> int:
+        assert self.a.label.round is not None
+        return self.a.label.round
+
+    def done(self) -> bool:
+        # the last round is done only when the run is finished (checked before this)
+        r = self._round()
+        return r + 1 < options(self.spec).rounds and self.board.has_round(self.spec.run_id, r)
+
+    def run(self) -> str:
+        spec, store, r = self.spec, self.store, self._round()
+        info = outer_round(spec, store, r)
+        self.board.record_round(spec.run_id, r, info)
+        store.put_json(layout.round_key(spec.run_id, r), info)
+        if r + 1 == options(spec).rounds:
+            finalize(spec, store, self.board)
+        else:
+            write_manifest(store, self.board, spec.run_id)
+        return SUCCEEDED
+
+    def then(self) -> None:
+        spec, r = self.spec, self._round()
+        if r + 1 < options(spec).rounds and self.board.claim(spec.run_id, layout.dispatch_claim(r + 1)):
+            dispatch_round(spec, r + 1)
+
+
+def outer_round(spec: RunSpec, store: Store, r: int) -> dict[str, Any]:
+    """Average round r's stored pseudo-gradients into θ_{r+1} (or reuse it, when a previous
+    attempt stored it) and evaluate it; returns the round's record."""
+    run_id, shards = spec.run_id, options(spec).shards
+    missing = [k for k in range(shards) if not store.exists(layout.shard_key(run_id, r, k))]
+    if missing:
+        raise RuntimeError(f"round {r}: shard outputs missing for shards {missing}")
+    deltas, samples, losses, bytes_up, bytes_down = [], [], [], 0, 0
+    for k in range(shards):
+        blob = store.get_bytes(layout.shard_key(run_id, r, k))
+        delta, meta = delta_from_bytes(blob)
+        deltas.append(delta)
+        samples.append(int(meta["samples"]))
+        losses.append(float(meta["loss"]))
+        bytes_up += len(blob)
+        bytes_down += int(meta["bytes_down"])
+    recipe = recipe_of(spec)
+    next_key = layout.global_key(run_id, r + 1)
+    if store.exists(next_key):  # a previous attempt decided θ_{r+1} already
+        new_theta = from_bytes(store.get_bytes(next_key))
+    else:
+        new_theta = step_global(spec, recipe, store, r, weighted_average(deltas, samples))
+    splits = load_splits(recipe)
+    set_threads(spec.threads_per_task)
+    model = load_model(recipe, new_theta, recipe.default_config(), torch.device("cpu"))
+    val = recipe.evaluate(model, splits.x_val, splits.y_val)
+    return round_figures(losses, samples, val, bytes_up, bytes_down, r)
+
+
+def step_global(spec: RunSpec, recipe: Recipe, store: Store, r: int, avg: StateDict) -> StateDict:
+    """θ_{r+1} from θ_r and the averaged pseudo-gradient; stores the outer state, the broadcast
+    delta (compressed runs) and then θ_{r+1}, whose existence decides the round."""
+    run_id, opts = spec.run_id, options(spec)
+    theta_bytes = store.get_bytes(layout.global_key(run_id, r))
+    theta = from_bytes(theta_bytes)
+    use_momentum = opts.outer == "nesterov" and opts.outer_momentum > 0
+    compress = opts.codec != "fp32" and r + 1 < opts.rounds  # the final θ is kept exact
+    state: StateDict = {}
+    state_key = layout.outer_state_key(run_id, r)
+    if r > 0 and (use_momentum or (opts.codec != "fp32" and store.exists(state_key))):
+        state = from_bytes(store.get_bytes(state_key))  # (no residual yet: a run from before)
+    buf = {k: v for k, v in state.items() if not k.startswith(RESIDUAL)}
+    residual = {k[len(RESIDUAL):]: v for k, v in state.items() if k.startswith(RESIDUAL)}
+    new_theta, new_buf = outer_update(
+        theta, avg, buf or None, float(opts.outer_lr or 0),
+        opts.outer_momentum if use_momentum else 0.0, nesterov=use_momentum)
+    packed: dict = {}
+    if compress:
+        packed, new_theta, new_residual = compress_broadcast(theta, new_theta, residual or None,
+                                                             opts.codec)
+        new_buf.update({RESIDUAL + k: v for k, v in new_residual.items()})
+    if new_buf:  # the outer state of r+1 is stored before θ_{r+1} decides the round
+        store.put_bytes(layout.outer_state_key(run_id, r + 1), to_bytes(new_buf))
+    new_bytes = global_bytes(spec, recipe, new_theta)
+    if compress:
+        shapes = {k: list(theta[k].shape) for k in float_keys(theta)}
+        store.put_bytes(layout.broadcast_key(run_id, r + 1), to_bytes(packed, {
+            "format": BROADCAST_FORMAT, "codec": opts.codec,
+            "shapes": json.dumps(shapes, sort_keys=True),
+            "base_sha256": sha256_hex(theta_bytes), "sha256": sha256_hex(new_bytes)}))
+    store.put_bytes(layout.global_key(run_id, r + 1), new_bytes)
+    return new_theta
+
+
+def finalize(spec: RunSpec, store: Store, board: RunBoard) -> None:
+    """Store the final model, evaluate it on the test split, and finish the run."""
+    run_id = spec.run_id
+    data = store.get_bytes(layout.global_key(run_id, options(spec).rounds))
+    sha = store.put_bytes(layout.final_model_key(run_id), data)
+    recipe = recipe_of(spec)
+    splits = load_splits(recipe)
+    model = load_model(recipe, from_bytes(data), recipe.default_config(), torch.device("cpu"))
+    test = recipe.evaluate(model, splits.x_test, splits.y_test)
+    board.finish(run_id, "succeeded", metrics={f"test_{k}": v for k, v in test.items()},
+                 model_uri=store.uri(layout.final_model_key(run_id)), model_sha256=sha)
+    write_manifest(store, board, run_id)

@@ -1,0 +1,226 @@
+"""The one attempt protocol every task of every mode goes through.
+
+A task names one *unit* of a run's work — a shard of a round, an outer step, a member's segment,
+the vote — and :func:`execute` runs it in this order:
+
+1. **Finished run?** A task of a succeeded or failed run returns at once.
+2. **Already done?** A unit whose output is stored (a duplicate or late delivery, a retry of work
+   another attempt finished) writes *no* state: it only makes sure its follow-up is queued
+   (:meth:`Unit.then`, guarded by one-time claims), and records a ``duplicate_ignored`` incident.
+3. **Attempt record**, capped at the spec's ``max_attempts`` (a task that keeps killing its worker
+   is redelivered without end; the cap ends that).
+4. **Work** (:meth:`Unit.run`); output stored at a key fixed by the unit, never overwritten.
+5. **Failure**, anywhere — the spec unreadable, the store down, the recipe raising in any hook —
+   is recorded on the attempt, then retried with backoff; past the cap the unit gives up
+   (:meth:`Unit.give_up`): the run fails with the error in one line, or an ensemble member drops.
+
+So every failure ends in a recorded state; none is left only in an agent's log. An agent whose
+store calls keep failing while other machines' succeed (wrong credentials, say) is taken out of
+rotation (:func:`quarantine`) with an incident, so it cannot burn the run's attempts.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Any
+
+from celery import Task
+from celery.exceptions import Retry
+
+from ..board import RunBoard
+from ..broker import redis_client
+from ..celery_app import app
+from ..config import mask_text
+from ..errors import RecipeError, StoreError, TensorTurnError
+from ..layout import Label, worker_key
+from ..manifest import load_spec, try_write_manifest
+from ..spec import RunSpec
+from ..store import Store, open_store
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_ATTEMPTS = 3      # when the spec itself cannot be read
+SUCCEEDED = "succeeded"
+LATE = "late: output already stored"
+QUARANTINE_AFTER = 2          # store failures in a row on one agent while others succeed
+
+
+@lru_cache(maxsize=8)
+def store_for(url: str) -> Store:
+    return open_store(url)
+
+
+@lru_cache(maxsize=1)
+def board_for(broker_url: str) -> RunBoard:
+    return RunBoard(redis_client(broker_url))
+
+
+@dataclass
+class Attempt:
+    """The attempt in progress: who runs it, and its record's key and number."""
+
+    task: Task
+    board: RunBoard
+    store: Store
+    spec: RunSpec
+    label: Label
+    worker: str
+    key: str = ""
+    number: int = 0
+    bytes_up: int = 0
+    bytes_down: int = 0
+    notes: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def run_id(self) -> str:
+        return self.spec.run_id
+
+
+class Unit(ABC):
+    """One unit of work. Subclasses say when it is done, how to do it, what follows it, and what
+    giving up means; :func:`execute` does the rest."""
+
+    def __init__(self, attempt: Attempt):
+        self.a = attempt
+        self.spec, self.store, self.board = attempt.spec, attempt.store, attempt.board
+
+    @abstractmethod
+    def done(self) -> bool:
+        """True when the unit's output is already stored (nothing must be written then)."""
+
+    @abstractmethod
+    def run(self) -> str:
+        """Do the work and store the output; returns the attempt's outcome: :data:`SUCCEEDED`,
+        :data:`LATE` when another attempt stored the output first, or ``refused: <why>``."""
+
+    def then(self) -> None:
+        """Queue what follows the unit; idempotent (one-time claims), called after run() and
+        for duplicates, so a follow-up lost with a crashed attempt is queued by the next."""
+
+    def give_up(self, message: str) -> None:
+        """Past the attempt cap: by default the run fails with ``message``."""
+        self.board.fail(self.spec.run_id, message)
+
+
+def describe_failure(exc: BaseException, worker: str | None) -> str:
+    """One line for a failure: the user's own words for TensorTurn errors, else type and text."""
+    if isinstance(exc, RecipeError):
+        return f"{exc} (on worker {worker})"
+    if isinstance(exc, TensorTurnError):
+        return str(exc)
+    text = " ".join(str(exc).split())  # one line, whatever the exception's message holds
+    return mask_text(f"{type(exc).__name__}: {text}" if text else type(exc).__name__)
+
+
+def execute(task: Task, run_id: str, store_url: str, label: Label,
+            unit_class: type[Unit]) -> dict[str, Any]:
+    """Run ``label``'s unit through the protocol; returns a small deterministic receipt (chords
+    count receipts, and a duplicate must return exactly what the first attempt returned)."""
+    receipt = {"run_id": run_id, "task": str(label)}
+    board = board_for(task.app.conf.broker_url)
+    if board.is_finished(run_id):
+        return receipt
+    worker = task.request.hostname or "?"
+    store: Store | None = None
+    unit: Unit | None = None
+    key, number, max_attempts = "", 0, DEFAULT_MAX_ATTEMPTS
+    try:
+        store = store_for(store_url)
+        spec = load_spec(store, run_id)
+        max_attempts = spec.max_attempts
+        attempt = Attempt(task, board, store, spec, label, worker)
+        unit = unit_class(attempt)
+        if unit.done():
+            board.incident(run_id, "duplicate_ignored", str(label), worker,
+                           "the unit's output was already stored; nothing was redone or counted")
+            unit.then()
+            return receipt
+        begun = board.begin_attempt(run_id, str(label), worker, max_attempts)
+        if begun is None:
+            unit.give_up(f"{label} failed {max_attempts} attempts")
+            try_write_manifest(store, board, run_id)
+            return receipt
+        key, number = begun
+        attempt.key, attempt.number = key, number
+        outcome = unit.run()
+        if outcome == SUCCEEDED:
+            board.add_bytes(run_id, str(label), attempt.bytes_up, attempt.bytes_down)
+        elif outcome == LATE:
+            board.incident(run_id, "late_ignored", str(label), worker,
+                           "a late attempt finished after another stored the output; discarded")
+        board.finish_attempt(run_id, key, outcome)
+        _worker_succeeded(board, worker)
+        unit.then()
+        return receipt
+    except Retry:
+        raise
+    except Exception as exc:  # noqa: BLE001 - every failure is recorded, then retried or final
+        message = describe_failure(exc, worker)
+        log.warning("run %s %s failed on %s: %s", run_id, label, worker, message)
+        if not key:  # failed before its attempt was recorded: the spec or store was unreadable
+            begun = board.begin_attempt(run_id, str(label), worker, max_attempts)
+            key, number = begun if begun else (f"{label}#refused", max_attempts + 1)
+        board.finish_attempt(run_id, key, f"failed: {message}")
+        if isinstance(exc, StoreError):
+            _worker_store_failed(task, board, run_id, str(label), worker, message)
+        else:
+            _worker_succeeded(board, worker)  # the store answered: this is not the machine's fault
+        if number < max_attempts:
+            raise task.retry(countdown=min(2 ** (number - 1), 8), max_retries=None) from None
+        final = f"{label}: {message}" if number <= max_attempts else f"{label} failed {max_attempts} attempts"
+        if unit is not None:
+            unit.give_up(final)
+        else:
+            board.fail(run_id, final)
+        try_write_manifest(store, board, run_id)
+        return receipt
+
+
+# ---- agents that keep failing ------------------------------------------------------------------
+
+def _worker_succeeded(board: RunBoard, worker: str) -> None:
+    board.r.hdel(worker_key(worker), "store_failures", "store_failing_since")
+
+
+def _worker_store_failed(task: Task, board: RunBoard, run_id: str, label: str, worker: str,
+                         message: str) -> None:
+    """Count a store failure of this agent; quarantine it when others succeed meanwhile."""
+    key = worker_key(worker)
+    board.r.hsetnx(key, "store_failing_since", time.time())
+    failures = int(board.r.hincrby(key, "store_failures", 1))
+    since = float(board.r.hget(key, "store_failing_since") or time.time())
+    others_ok = any(a["outcome"] == "succeeded" and a["worker"] != worker
+                    and (a["finished_at"] or 0) >= since for a in board.attempts(run_id))
+    if failures >= QUARANTINE_AFTER and others_ok:
+        quarantine(task, board, run_id, label, worker,
+                   f"{worker} failed {failures} tasks in a row on the object store while other "
+                   f"machines' tasks succeeded (wrong credentials or endpoint on that machine?); "
+                   f"it takes no more tasks until restarted. Last error: {message}")
+
+
+def quarantine(task: Task, board: RunBoard, run_id: str, label: str, worker: str,
+               reason: str) -> None:
+    """Take ``worker`` out of rotation: it stops consuming every queue, and says why."""
+    from ..capacity import queues_for
+    from ..telemetry import inventory
+
+    board.r.hset(worker_key(worker), "quarantined", mask_text(reason))
+    board.incident(run_id, "worker_quarantined", label, worker, reason)
+    for queue in queues_for(inventory()["device_memory_gb"]):
+        task.app.control.cancel_consumer(queue, destination=[worker])
+
+
+# ---- a chord whose body cannot run ---------------------------------------------------------------
+
+@app.task(name="tensorturn.tasks.chord_failed")
+def chord_failed(task_id: str, run_id: str, what: str) -> None:
+    """Errback of a round's chord: Celery could not run its body (a header task raised past the
+    protocol, or the chord's counter broke); the run fails instead of waiting forever."""
+    board = board_for(app.conf.broker_url)
+    board.fail(run_id, f"{what} could not run: a task of it failed outside TensorTurn's "
+                       f"handling (Celery task {task_id}); see the agents' logs, then "
+                       f"`tensorturn resume {run_id}`")
