@@ -14,7 +14,7 @@ from typing import Any, Iterable
 import torch
 
 from tensorturn import client
-from tensorturn.runs import RunSpec
+from tensorturn.spec import RunSpec
 
 HERE = Path(__file__).resolve().parent
 _SHARD = re.compile(r"^r(\d+)/shard-(\d+)$")
@@ -48,7 +48,7 @@ def short(worker: str) -> str:
 
 def run_job(pool, store_url: str, timeout_s: float = 900, **spec_fields: Any) -> dict[str, Any]:
     """Submit one run to ``pool`` and wait for it; raises unless it succeeded."""
-    spec = RunSpec(recipe=spec_fields.pop("recipe", "digits-mlp"), store_url=store_url,
+    spec = RunSpec.create(recipe=spec_fields.pop("recipe", "digits-mlp"), store_url=store_url,
                    **spec_fields)
     client.submit(spec, pool.broker_url)
     doc = client.wait(pool.broker_url, spec.run_id, poll_s=0.25, timeout_s=timeout_s)

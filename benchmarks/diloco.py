@@ -9,10 +9,10 @@ Rows, all from the same initial weights (seed 0), inner AdamW at the same lr and
   (d) FedAvg              the same, outer SGD lr 1 without momentum (``--outer sgd``);
   (e) DiLoCo int8         (c) with int8 pseudo-gradients (``--codec int8``).
 
-(c)–(e) run in this process with the very functions a TensorTurn run uses — ``fused.shard_rows``,
-``training.train_steps``, ``tensors.delta_bytes``/``delta_from_bytes`` (the real codecs, so the
-decoded int8 error is in the result), ``fused.weighted_average`` and the real outer step
-``fused._step_global`` (outer optimizer, broadcast compression) — and the same seeds, so row (c)
+(c)–(e) run in this process with the very functions a TensorTurn run uses — ``diloco.shard_rows``,
+``diloco.train_replica``, ``tensors.delta_bytes``/``delta_from_bytes`` (the real codecs, so the
+decoded int8 error is in the result), ``diloco.weighted_average`` and the real outer step
+``modes.fused.tasks.step_global`` (outer optimizer, broadcast compression) — and the same seeds, so row (c)
 is the run ``tensorturn run --recipe charlm`` with these options would give. ``--pool`` also runs
 (c) and (e) through a real embedded pool (``LocalPool`` + ``client.submit`` / ``client.wait``) and
 checks that their per-round validation losses and final models are identical to the in-process
@@ -22,9 +22,9 @@ Communication, per fused run, counted as TensorTurn counts it (``bytes_down``/``
 ``tensorturn status``), with each shard on its own machine as in the paper: round 0 moves no
 weights down (every machine rebuilds θ_0 from the seed and checks its sha256); in each later round
 a machine downloads θ_r (fp32 runs) or, when the run compresses, only the broadcast delta
-θ_r − θ_{r−1} in the run's codec (``fused.compress_broadcast``, with error feedback); every shard
+θ_r − θ_{r−1} in the run's codec (``diloco.compress_broadcast``, with error feedback); every shard
 uploads its pseudo-gradient (``tensors.delta_bytes`` with the codec). These are the real encoded
-sizes written by the real outer step (``fused._step_global``) to a file store. The baselines run
+sizes written by the real outer step (``step_global``) to a file store. The baselines run
 on one machine and communicate nothing. The "all-reduce" column is what synchronous data
 parallelism would move for the same steps: 2 × (fp32 parameter bytes) per replica per step (a
 ring all-reduce sends and receives about one model's worth each way) × R×H steps × S replicas —
@@ -78,13 +78,14 @@ from typing import Any
 
 import torch
 
-from tensorturn import fused
+from tensorturn import diloco, layout
 from tensorturn.device import pick_device
-from tensorturn.fused import shard_rows, weighted_average
+from tensorturn.modes.fused import FusedOptions
+from tensorturn.modes.fused import tasks as fused
 from tensorturn.recipes import load_splits, resolve
-from tensorturn.runs import RunSpec
+from tensorturn.spec import RunSpec
 from tensorturn.store import open_store, sha256_hex
-from tensorturn.tensors import delta_bytes, delta_from_bytes, float_keys
+from tensorturn.tensors import delta_bytes, delta_from_bytes
 from tensorturn.training import derive_seed, set_threads, train_steps
 
 RECIPE = "charlm"
@@ -100,12 +101,16 @@ def fresh_model(recipe, config: dict, state: dict[str, torch.Tensor], device: to
 
 
 def fused_inprocess(spec: RunSpec) -> dict[str, Any]:
-    """A fused run in memory, step for step what ``fused._train_shard``/``_outer_step`` do, with
-    the real outer step (``fused._step_global``) writing to a file store in a temporary folder.
+    """A fused run in memory with the very functions of a TensorTurn run: each shard is
+    ``diloco.train_replica`` on ``diloco.shard_rows`` with the task's seed, its pseudo-gradient
+    goes through the real codec (``tensors.delta_bytes``/``delta_from_bytes``), and the round is
+    the real outer step (``modes.fused.tasks.step_global``, writing to a file store in a temporary
+    folder) on ``diloco.weighted_average``.
 
     Each shard stands for its own machine (S replicas, as in the paper): round 0 rebuilds θ_0 from
     the seed; later rounds download the broadcast delta when the run compresses, else θ_r."""
     set_threads(spec.threads_per_task)
+    opts = spec.opts(FusedOptions)
     recipe = resolve(spec.recipe, spec.recipe_options)
     config = recipe.default_config()
     splits = load_splits(recipe)
@@ -113,43 +118,35 @@ def fused_inprocess(spec: RunSpec) -> dict[str, Any]:
     rounds = []
     with tempfile.TemporaryDirectory(prefix="tt-diloco-store-") as tmp:
         store = open_store(Path(tmp).as_uri())
-        theta = fused.initial_state(recipe, spec.seed)
-        store.put_bytes(fused.global_key(spec.run_id, 0), fused.global_bytes(spec, recipe, theta))
-        for r in range(spec.rounds):
+        theta = diloco.initial_state(recipe, spec.seed)
+        store.put_bytes(layout.global_key(spec.run_id, 0), fused.global_bytes(spec, recipe, theta))
+        for r in range(opts.rounds):
             if r == 0:
                 per_shard_down = 0
-            elif store.exists(fused.broadcast_key(spec.run_id, r)):
-                per_shard_down = len(store.get_bytes(fused.broadcast_key(spec.run_id, r)))
+            elif store.exists(layout.broadcast_key(spec.run_id, r)):
+                per_shard_down = len(store.get_bytes(layout.broadcast_key(spec.run_id, r)))
             else:
-                per_shard_down = len(store.get_bytes(fused.global_key(spec.run_id, r)))
+                per_shard_down = len(store.get_bytes(layout.global_key(spec.run_id, r)))
             deltas, samples, losses, up = [], [], [], 0
-            for k in range(spec.shards):
-                model = fresh_model(recipe, config, theta, device)
-                opt = torch.optim.AdamW(model.parameters(), lr=spec.lr or recipe.lr,
-                                        weight_decay=recipe.weight_decay)
-                rows = shard_rows(len(splits.y_train), spec.shards, k, spec.seed)
-                loss, n = train_steps(recipe, model, opt, splits.x_train, splits.y_train, rows,
-                                      spec.sync_every, spec.batch_size or recipe.batch_size,
-                                      derive_seed(spec.seed, r, k), device)
-                trained = {name: v.detach().cpu() for name, v in model.state_dict().items()}
-                delta = {name: theta[name].float() - trained[name].float()
-                         for name in float_keys(theta)}
-                blob = delta_bytes(delta, spec.codec, {"samples": str(n), "loss": repr(loss),
+            for k in range(opts.shards):
+                rows = diloco.shard_rows(len(splits.y_train), opts.shards, k, spec.seed)
+                delta, loss, n = diloco.train_replica(
+                    recipe, theta, splits.x_train, splits.y_train, rows, opts.sync_every,
+                    spec.lr or recipe.lr, spec.batch_size or recipe.batch_size,
+                    derive_seed(spec.seed, r, k), device)
+                blob = delta_bytes(delta, opts.codec, {"samples": str(n), "loss": repr(loss),
                                                        "bytes_down": f"{per_shard_down:015d}"})
                 decoded, _ = delta_from_bytes(blob)       # what the outer step reads back
                 deltas.append(decoded)
                 samples.append(n)
                 losses.append(loss)
                 up += len(blob)
-            theta = fused._step_global(spec, recipe, store, r, weighted_average(deltas, samples))
+            theta = fused.step_global(spec, recipe, store, r, diloco.weighted_average(deltas, samples))
             model = fresh_model(recipe, config, theta, torch.device("cpu"))
             val = recipe.evaluate(model, splits.x_val, splits.y_val)
-            total = sum(samples)
-            rounds.append({"round": r, "loss": sum(l * n for l, n in zip(losses, samples)) / total,
-                           "val_loss": val["loss"], "val_accuracy": val["accuracy"],
-                           "samples": total, "bytes_up": up,
-                           "bytes_down": spec.shards * per_shard_down})
-        final = store.get_bytes(fused.global_key(spec.run_id, spec.rounds))
+            rounds.append(diloco.round_figures(losses, samples, val, up,
+                                               opts.shards * per_shard_down, r))
+        final = store.get_bytes(layout.global_key(spec.run_id, opts.rounds))
     return {"rounds": rounds, "model_sha256": sha256_hex(final)}
 
 
@@ -162,7 +159,7 @@ def baseline(options: dict, steps: int, eval_every: int, lr: float, batch_size: 
     config = recipe.default_config()
     splits = load_splits(recipe)
     device = pick_device()
-    model = fresh_model(recipe, config, fused.initial_state(recipe, seed), device)
+    model = fresh_model(recipe, config, diloco.initial_state(recipe, seed), device)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=recipe.weight_decay)
     curve = []
 
@@ -187,7 +184,7 @@ def run_row(job: tuple[str, dict]) -> tuple[str, dict, float]:
         out = baseline(kw["options"], kw["steps"], kw["eval_every"], kw["lr"], kw["batch_size"],
                        kw["seed"])
     else:
-        out = fused_inprocess(RunSpec(**kw["spec"]))
+        out = fused_inprocess(RunSpec.from_json(kw["spec"]))
     return key, out, time.perf_counter() - t0
 
 
@@ -246,11 +243,11 @@ def main() -> None:
     recipe = resolve(RECIPE, options)
     config = recipe.default_config()
     splits = load_splits(recipe)
-    params = sum(v.numel() for k, v in fused.initial_state(recipe, args.seed).items())
+    params = sum(v.numel() for k, v in diloco.initial_state(recipe, args.seed).items())
     fp32_model = 4 * params
 
     def spec(**kw) -> RunSpec:
-        return RunSpec(mode="fused", recipe=RECIPE, store_url="", recipe_options=options,
+        return RunSpec.create(mode="fused", recipe=RECIPE, store_url="", recipe_options=options,
                        rounds=R, sync_every=H, shards=S, lr=args.lr, batch_size=args.batch_size,
                        seed=args.seed, threads_per_task=1, **kw).validate()
 
@@ -324,7 +321,7 @@ def main() -> None:
          c["allreduce_bytes"] >= 100 * c["bytes"], f"{c['allreduce_bytes'] / c['bytes']:.1f}×"),
         ("int8 moves ≥3.5× fewer bytes than fp32", c["bytes"] >= 3.5 * e["bytes"],
          f"{c['bytes'] / e['bytes']:.2f}× in all ({c['bytes_up'] / e['bytes_up']:.2f}× up, "
-         f"{c['bytes_down'] / e['bytes_down']:.2f}× down)"),
+         f"{c['bytes_down'] / max(e['bytes_down'], 1):.2f}× down)"),
         ("int8 val loss within 1% of fp32", abs(e["val_loss"] / c["val_loss"] - 1) <= 0.01,
          f"{e['val_loss']:.4f} vs {c['val_loss']:.4f} ({100 * (e['val_loss'] / c['val_loss'] - 1):+.2f}%)"),
     ]

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from _common import figure, machine, run_job, table, write_outputs
 from tensorturn.artifact import Predictor
-from tensorturn.ensemble import segment_key
+from tensorturn.layout import segment_key
 from tensorturn.local import LocalPool
 from tensorturn.recipes import load_splits, resolve
 from tensorturn.store import open_store

@@ -23,15 +23,17 @@ from pathlib import Path
 import redis
 
 from tensorturn import client
-from tensorturn.celery_app import RESTORE_INTERVAL_S, VISIBILITY_TIMEOUT_S
+from tensorturn import config
+from tensorturn.celery_app import RESTORE_INTERVAL_S
 from tensorturn.local import LocalPool
-from tensorturn.runs import RunBoard, RunSpec
+from tensorturn.board import RunBoard
+from tensorturn.spec import RunSpec
 
 
 def trial(workdir: Path) -> float:
     store = (workdir / "store").as_uri()
     with LocalPool(2, store, workdir=workdir / "pool") as pool:
-        spec = RunSpec(mode="fused", recipe="digits-mlp", store_url=store, rounds=1, shards=1,
+        spec = RunSpec.create(mode="fused", recipe="digits-mlp", store_url=store, rounds=1, shards=1,
                        sync_every=20000)
         client.submit(spec, pool.broker_url)
         board = RunBoard(redis.Redis.from_url(pool.broker_url, decode_responses=True))
@@ -65,12 +67,12 @@ def main() -> None:
               flush=True)
     q = sorted(latencies)
     summary = {
-        "visibility_timeout_s": VISIBILITY_TIMEOUT_S, "restore_interval_s": RESTORE_INTERVAL_S,
+        "visibility_timeout_s": config.current().visibility_timeout_s, "restore_interval_s": RESTORE_INTERVAL_S,
         "trials": len(q), "min_s": q[0], "median_s": statistics.median(q), "max_s": q[-1],
         "latencies_s": latencies, "machine": f"{platform.node()} {platform.processor()} "
                                                f"{os.cpu_count()} cores",
     }
-    print(f"\nrequeue latency over {len(q)} kills (visibility {VISIBILITY_TIMEOUT_S}s, sweep every "
+    print(f"\nrequeue latency over {len(q)} kills (visibility {config.current().visibility_timeout_s}s, sweep every "
           f"{RESTORE_INTERVAL_S}s):  min {q[0]:.1f}s  median {statistics.median(q):.1f}s  "
           f"max {q[-1]:.1f}s")
     Path(args.out).write_text(json.dumps(summary, indent=2))

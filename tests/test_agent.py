@@ -15,7 +15,9 @@ import redis
 
 from conftest import clean_env, queued_messages, tt, tt_json
 from tensorturn.local import free_port, stop_process_group
-from tensorturn.telemetry import HEARTBEAT_S, OFFLINE_AFTER
+from tensorturn.roster import OFFLINE_AFTER
+
+HEARTBEAT_S = 3.0  # the default heartbeat (TENSORTURN_HEARTBEAT_S)
 
 
 def spawn(*args: str, env: dict, cwd) -> subprocess.Popen:
@@ -131,7 +133,7 @@ def test_a_model_that_fits_no_worker_is_refused_before_queueing(pool, tmp_path):
 def test_a_worker_too_small_for_the_model_leaves_its_tasks_to_others(tmp_path, monkeypatch):
     from tensorturn import client
     from tensorturn.local import LocalPool
-    from tensorturn.runs import RunSpec
+    from tensorturn.spec import RunSpec
 
     store = (tmp_path / "store").as_uri()
     with LocalPool(2, store, workdir=tmp_path / "pool") as pool:
@@ -139,7 +141,7 @@ def test_a_worker_too_small_for_the_model_leaves_its_tasks_to_others(tmp_path, m
         monkeypatch.setenv("TENSORTURN_DEVICE_MEMORY_GB", "0.0001")
         pool.start_agent(1)
         pool.wait_ready()
-        spec = RunSpec(mode="fused", recipe="digits-mlp", store_url=store, rounds=2, shards=4,
+        spec = RunSpec.create(mode="fused", recipe="digits-mlp", store_url=store, rounds=2, shards=4,
                        sync_every=20)
         client.submit(spec, pool.broker_url)
         doc = client.wait(pool.broker_url, spec.run_id, timeout_s=300)

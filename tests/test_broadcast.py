@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tensorturn import fused
+from tensorturn import diloco, layout
+from tensorturn.modes.fused import tasks as fused
 from tensorturn.recipes import resolve
-from tensorturn.runs import RunSpec
+from tensorturn.spec import RunSpec
 from tensorturn.store import open_store, sha256_hex
 from tensorturn.tensors import from_bytes, metadata_of, to_bytes
 
@@ -19,8 +20,8 @@ def test_error_feedback_keeps_the_rebuilt_weights_on_the_exact_trajectory():
     theta, residual = {k: v.clone() for k, v in exact.items()}, None
     for _ in range(30):
         move = {"w": 1e-2 * torch.randn(50, 40), "b": 1e-2 * torch.randn(40)}
-        exact = fused.apply_step(exact, move)
-        _, theta, residual = fused.compress_broadcast(theta, fused.apply_step(theta, move),
+        exact = diloco.apply_step(exact, move)
+        _, theta, residual = diloco.compress_broadcast(theta, diloco.apply_step(theta, move),
                                                       residual, "int8")
         # what was not sent is carried: rebuilt + residual is the exact trajectory
         for k in ("w", "b"):
@@ -36,10 +37,10 @@ def test_without_error_feedback_the_error_would_accumulate():
     fed, plain, residual = dict(exact), dict(exact), None
     for _ in range(50):
         move = {"w": 1e-3 + 1e-2 * torch.rand(4096) ** 8}   # biased: rounding errs one way
-        exact = fused.apply_step(exact, move)
-        _, fed, residual = fused.compress_broadcast(fed, fused.apply_step(fed, move), residual,
+        exact = diloco.apply_step(exact, move)
+        _, fed, residual = diloco.compress_broadcast(fed, diloco.apply_step(fed, move), residual,
                                                     "int8")
-        _, plain, _ = fused.compress_broadcast(plain, fused.apply_step(plain, move), None, "int8")
+        _, plain, _ = diloco.compress_broadcast(plain, diloco.apply_step(plain, move), None, "int8")
     err_fed = (fed["w"] - exact["w"]).abs().mean().item()
     err_plain = (plain["w"] - exact["w"]).abs().mean().item()
     assert err_fed < 0.2 * err_plain
@@ -49,17 +50,17 @@ def test_without_error_feedback_the_error_would_accumulate():
 def run(tmp_path):
     """A digits-mlp run's θ_0 and θ_1 in a real file store, as ``fused`` writes them."""
     store = open_store((tmp_path / "store").as_uri())
-    spec = RunSpec(mode="fused", recipe="digits-mlp", store_url=store.url, codec="int8",
+    spec = RunSpec.create(mode="fused", recipe="digits-mlp", store_url=store.url, codec="int8",
                    rounds=3).validate()
     recipe = resolve(spec.recipe)
-    theta0 = fused.initial_state(recipe, spec.seed)
+    theta0 = diloco.initial_state(recipe, spec.seed)
     blob0 = fused.global_bytes(spec, recipe, theta0)
-    spec.init_sha256 = sha256_hex(blob0)
+    spec.options.init_sha256 = sha256_hex(blob0)  # type: ignore[attr-defined]
     store.put_json(f"runs/{spec.run_id}/spec.json", spec.to_json())
-    store.put_bytes(fused.global_key(spec.run_id, 0), blob0)
+    store.put_bytes(layout.global_key(spec.run_id, 0), blob0)
     torch.manual_seed(1)
     avg = {k: 1e-2 * torch.randn_like(v) for k, v in theta0.items() if v.is_floating_point()}
-    theta1 = fused._step_global(spec, recipe, store, 0, avg)
+    theta1 = fused.step_global(spec, recipe, store, 0, avg)
     fused._held.clear()
     yield spec, recipe, store, theta0, theta1
     fused._held.clear()
@@ -72,15 +73,15 @@ def test_shard_tasks_fetch_the_fewest_bytes(run):
     assert moved == 0 and all(torch.equal(got[k], theta0[k]) for k in theta0)
     # round 1 while holding θ_0: only the int8 broadcast delta comes down
     got, moved = fused.fetch_global(spec, recipe, store, 1)
-    broadcast = store.get_bytes(fused.broadcast_key(spec.run_id, 1))
-    full = store.get_bytes(fused.global_key(spec.run_id, 1))
+    broadcast = store.get_bytes(layout.broadcast_key(spec.run_id, 1))
+    full = store.get_bytes(layout.global_key(spec.run_id, 1))
     assert moved == len(broadcast) and len(full) > 3.5 * len(broadcast)
     assert to_bytes(got) == to_bytes(from_bytes(full))           # bit for bit the stored θ_1
     assert all(torch.equal(got[k], theta1[k]) for k in theta1)
     # a second shard of round 1 in this process: nothing moves
     assert fused.fetch_global(spec, recipe, store, 1)[1] == 0
     # the outer state carries the broadcast's residual beside the momentum
-    state = from_bytes(store.get_bytes(fused.outer_state_key(spec.run_id, 1)))
+    state = from_bytes(store.get_bytes(layout.outer_state_key(spec.run_id, 1)))
     assert any(k.startswith(fused.RESIDUAL) for k in state)
     assert any(not k.startswith(fused.RESIDUAL) for k in state)
 
@@ -89,13 +90,13 @@ def test_a_delta_that_does_not_rebuild_the_stored_weights_costs_bytes_not_correc
     spec, recipe, store, theta0, theta1 = run
     fused.fetch_global(spec, recipe, store, 0)
     # corrupt the broadcast's values (its claimed sha256 stays): the rebuilt θ_1 would differ
-    key = fused.broadcast_key(spec.run_id, 1)
+    key = layout.broadcast_key(spec.run_id, 1)
     blob = store.get_bytes(key)
     packed = from_bytes(blob)
     packed["int8.q"] = torch.flip(packed["int8.q"], [0])
     store.put_bytes(key, to_bytes(packed, metadata_of(blob)))
     got, moved = fused.fetch_global(spec, recipe, store, 1)
-    full = store.get_bytes(fused.global_key(spec.run_id, 1))
+    full = store.get_bytes(layout.global_key(spec.run_id, 1))
     assert moved == len(store.get_bytes(key)) + len(full)
     assert to_bytes(got) == to_bytes(from_bytes(full))
     assert all(torch.equal(got[k], theta1[k]) for k in theta1)
@@ -103,7 +104,7 @@ def test_a_delta_that_does_not_rebuild_the_stored_weights_costs_bytes_not_correc
 
 def test_a_seed_that_does_not_rebuild_theta0_falls_back_to_the_file(run):
     spec, recipe, store, theta0, _ = run
-    spec.init_sha256 = "0" * 64   # as if this machine's torch initialized differently
+    spec.options.init_sha256 = "0" * 64  # type: ignore[attr-defined]  # as if this machine's torch initialized differently
     got, moved = fused.fetch_global(spec, recipe, store, 0)
-    assert moved == len(store.get_bytes(fused.global_key(spec.run_id, 0)))
+    assert moved == len(store.get_bytes(layout.global_key(spec.run_id, 0)))
     assert all(torch.equal(got[k], theta0[k]) for k in theta0)

@@ -17,9 +17,10 @@ import pytest
 import redis
 
 from tensorturn import client
-from tensorturn.fused import train_shard
+from tensorturn.modes.fused.tasks import train_shard
 from tensorturn.local import LocalPool
-from tensorturn.runs import RunBoard, RunSpec
+from tensorturn.board import RunBoard
+from tensorturn.spec import RunSpec
 
 # Three shards of about 1.5k steps: long enough to hit mid-shard, short enough for CI.
 SPEC = dict(mode="fused", recipe="digits-mlp", rounds=2, shards=3, sync_every=1500)
@@ -49,7 +50,7 @@ def pool(chaos_pool):
 def reference(chaos_pool, tmp_path_factory):
     """The fault-free run of SPEC on the same pool."""
     store = (tmp_path_factory.mktemp("ref") / "store").as_uri()
-    spec = RunSpec(store_url=store, **SPEC)
+    spec = RunSpec.create(store_url=store, **SPEC)
     client.submit(spec, chaos_pool.broker_url)
     doc = client.wait(chaos_pool.broker_url, spec.run_id, timeout_s=300)
     assert doc["state"] == "succeeded" and not doc["incidents"]
@@ -68,7 +69,7 @@ def test_senders_keep_no_result_subscriptions(chaos_pool, reference):
 
 
 def submit(pool, tmp_path, **overrides) -> RunSpec:
-    spec = RunSpec(store_url=(tmp_path / "store").as_uri(), **{**SPEC, **overrides})
+    spec = RunSpec.create(store_url=(tmp_path / "store").as_uri(), **{**SPEC, **overrides})
     client.submit(spec, pool.broker_url)
     return spec
 
@@ -219,7 +220,7 @@ def test_s3_outage_is_ridden_out(s3_endpoint, s3_bucket, tmp_path, monkeypatch, 
     proxy = FlakyProxy(int(s3_endpoint["AWS_ENDPOINT_URL"].rsplit(":", 1)[1]))
     monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{proxy.port}")
     with LocalPool(2, f"s3://{s3_bucket}/chaos", workdir=tmp_path / "pool") as s3pool:
-        spec = RunSpec(store_url=f"s3://{s3_bucket}/chaos", **SPEC)
+        spec = RunSpec.create(store_url=f"s3://{s3_bucket}/chaos", **SPEC)
         client.submit(spec, s3pool.broker_url)
         running_attempt(s3pool, spec.run_id)
         proxy.down = True
@@ -247,7 +248,7 @@ def test_a_task_that_always_kills_its_worker_does_not_loop(tmp_path, monkeypatch
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
     with LocalPool(1, (tmp_path / "store").as_uri(), workdir=tmp_path / "pool") as p:
-        spec = RunSpec(mode="fused", recipe="crasher:Crasher", store_url=(tmp_path / "store").as_uri(),
+        spec = RunSpec.create(mode="fused", recipe="crasher:Crasher", store_url=(tmp_path / "store").as_uri(),
                        rounds=1, shards=1, sync_every=5)
         client.submit(spec, p.broker_url)
         doc = client.wait(p.broker_url, spec.run_id, timeout_s=180)
@@ -279,7 +280,7 @@ def test_non_finite_update_is_rejected_and_retried(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
     with LocalPool(1, (tmp_path / "store").as_uri(), workdir=tmp_path / "pool") as p:
-        spec = RunSpec(mode="fused", recipe="nan_once:NanOnce", store_url=(tmp_path / "store").as_uri(),
+        spec = RunSpec.create(mode="fused", recipe="nan_once:NanOnce", store_url=(tmp_path / "store").as_uri(),
                        rounds=1, shards=2, sync_every=5)
         client.submit(spec, p.broker_url)
         doc = client.wait(p.broker_url, spec.run_id, timeout_s=180)

@@ -12,7 +12,8 @@ import redis
 from conftest import clean_env, queued_messages, tt, tt_json
 from tensorturn import client
 from tensorturn.local import LocalPool
-from tensorturn.runs import RunBoard, RunSpec
+from tensorturn.board import RunBoard
+from tensorturn.spec import RunSpec
 
 
 def test_vote_beats_the_mean_member(tmp_path):
@@ -41,7 +42,7 @@ def _attempts(doc, task):
 def test_a_lost_machine_costs_one_segment_not_the_member(tmp_path):
     store = (tmp_path / "store").as_uri()
     with LocalPool(2, store, workdir=tmp_path / "pool", loglevel="INFO") as pool:
-        spec = RunSpec(mode="ensemble", recipe="digits-mlp", store_url=store, members=2,
+        spec = RunSpec.create(mode="ensemble", recipe="digits-mlp", store_url=store, members=2,
                        segments=3, segment_steps=2500)
         client.submit(spec, pool.broker_url)
         board = RunBoard(redis.Redis.from_url(pool.broker_url, decode_responses=True))

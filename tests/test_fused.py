@@ -52,7 +52,7 @@ def test_run_on_an_existing_pool_names_its_agents(pool, tmp_path):
     assert len(doc["attempts"]) == 8
     assert {a["worker"].split("@")[0] for a in doc["attempts"]} <= {"local1", "local2"}
     assert [r["round"] for r in doc["rounds"]] == [0, 1]
-    assert doc["spec"]["shards"] == 4
+    assert doc["spec"]["options"]["shards"] == 4
 
     detached = tt_json("run", "--broker", pool.broker_url, "--recipe", "digits-mlp", "--rounds", "1",
                        "--shards", "2", "--sync-every", "2", "--store", str(tmp_path / "s"),

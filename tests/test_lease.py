@@ -6,7 +6,7 @@ import redis
 from tensorturn import client
 from tensorturn.lease import UNACKED_INDEX, refresh
 from tensorturn.local import LocalPool
-from tensorturn.runs import RunSpec
+from tensorturn.spec import RunSpec
 
 
 def test_refresh_moves_only_leases_still_held(redis_server):
@@ -24,7 +24,7 @@ def test_a_task_far_longer_than_the_visibility_timeout_runs_once(tmp_path, monke
     monkeypatch.setenv("TENSORTURN_VISIBILITY_TIMEOUT_S", "3")
     store = (tmp_path / "store").as_uri()
     with LocalPool(2, store, workdir=tmp_path / "pool") as pool:
-        spec = RunSpec(mode="fused", recipe="digits-mlp", store_url=store, rounds=1, shards=1,
+        spec = RunSpec.create(mode="fused", recipe="digits-mlp", store_url=store, rounds=1, shards=1,
                        sync_every=12000)
         client.submit(spec, pool.broker_url)
         doc = client.wait(pool.broker_url, spec.run_id, timeout_s=600)

@@ -6,7 +6,7 @@ import types
 import pytest
 import torch
 
-from tensorturn.fused import outer_update, shard_rows, weighted_average
+from tensorturn.diloco import outer_update, shard_rows, weighted_average
 from tensorturn.tensors import (delta_bytes, delta_from_bytes, from_bytes, metadata_of,
                                 model_bytes, to_bytes)
 

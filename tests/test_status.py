@@ -59,11 +59,11 @@ def test_run_json_has_the_contract_fields(finished_run):
     # θ_0 is not downloaded: each agent rebuilds it from the seed and checks its sha256
     assert doc["bytes_down"] == 0
     spec = json.loads((run_dir / "spec.json").read_text())
-    assert spec["init_sha256"] == hashlib.sha256(
+    assert spec["options"]["init_sha256"] == hashlib.sha256(
         (run_dir / "global" / "r0000.safetensors").read_bytes()).hexdigest()
 
     tasks = sorted(a["task"] for a in doc["attempts"])
-    assert tasks == [f"r0/shard-{k}" for k in range(SHARDS)]
+    assert tasks == ["r0/outer"] + [f"r0/shard-{k}" for k in range(SHARDS)]
     for a in doc["attempts"]:
         assert a["outcome"] == "succeeded"
         assert a["worker"].startswith("local1@")
@@ -86,7 +86,7 @@ def test_status_reads_the_manifest_after_the_embedded_pool_is_gone(finished_run)
     for field in ("run_id", "mode", "state", "recipe", "metrics", "model_uri", "model_sha256",
                   "rounds", "attempts", "bytes_up", "bytes_down", "error", "finished_at"):
         assert st[field] == doc[field], field
-    assert st["spec"]["rounds"] == 1 and st["spec"]["shards"] == SHARDS
+    assert st["spec"]["options"]["rounds"] == 1 and st["spec"]["options"]["shards"] == SHARDS
 
 
 def test_status_falls_back_to_the_store_when_the_broker_does_not_know_the_run(finished_run,
@@ -125,11 +125,11 @@ def test_sigterm_puts_the_running_task_back_in_the_queue(tmp_path, monkeypatch):
 
     import redis
 
-    from tensorturn import settings
     from tensorturn.local import LocalPool
-    from tensorturn.runs import RunBoard, check_broker
+    from tensorturn.board import RunBoard
+    from tensorturn.broker import check_broker
 
-    monkeypatch.setenv(settings.BROKER_ENV, "redis://127.0.0.1:1/0")  # LocalPool points it elsewhere
+    monkeypatch.setenv("TENSORTURN_BROKER_URL", "redis://127.0.0.1:1/0")  # LocalPool points it elsewhere
     store = tmp_path / "store"
     with LocalPool(1, store.as_uri(), workdir=tmp_path / "pool") as pool:
         doc = tt_json("run", "--broker", pool.broker_url, "--store", str(store), "--recipe",

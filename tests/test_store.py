@@ -10,7 +10,7 @@ from urllib.parse import unquote, urlsplit
 import boto3
 import pytest
 
-from tensorturn import settings, store as store_mod
+from tensorturn import config, store as store_mod
 from tensorturn.errors import StoreError
 from tensorturn.local import free_port
 from tensorturn.store import FileStore, ObjectMissing, S3Store, open_store, sha256_hex
@@ -211,9 +211,8 @@ def test_unreachable_s3_endpoint_raises_one_line_store_error(monkeypatch, caplog
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing-secret")
     monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
-    monkeypatch.setattr(store_mod, "RETRIES", 1)
-    monkeypatch.setattr(store_mod, "BACKOFF_S", 0.05)
-    s = open_store("s3://somebucket/prefix")
+    s = open_store("s3://somebucket/prefix",
+                   config.Settings(store_retries=1, store_backoff_s=0.05))
     with caplog.at_level(logging.WARNING, logger="tensorturn.store"):
         with pytest.raises(StoreError) as info:
             s.put_bytes("runs/x/spec.json", b"{}")
@@ -238,22 +237,22 @@ def test_unreachable_s3_endpoint_raises_one_line_store_error(monkeypatch, caplog
     ("s3://bucket/prefix", "s3://bucket/prefix"),
 ])
 def test_mask_url(url, expected):
-    masked = settings.mask_url(url)
+    masked = config.mask_url(url)
     assert masked == expected
     assert "secret" not in masked and "s3cr" not in masked
 
 
 def test_mask_url_none_and_empty():
-    assert settings.mask_url(None) == "None"
-    assert settings.mask_url("") == ""
+    assert config.mask_url(None) == "None"
+    assert config.mask_url("") == ""
 
 
 def test_mask_text_hides_every_password_in_a_message():
     text = ("cannot reach redis://:secret@h:1/0 (fallback redis://admin:hunter2@10.0.0.2:6379/1); "
             "store s3://bucket/x is fine")
-    masked = settings.mask_text(text)
+    masked = config.mask_text(text)
     assert "secret" not in masked and "hunter2" not in masked
     assert "redis://:***@h:1/0" in masked
     assert "redis://admin:***@10.0.0.2:6379/1" in masked
     assert "s3://bucket/x is fine" in masked
-    assert settings.mask_text("no urls here: a:b@c") == "no urls here: a:b@c"
+    assert config.mask_text("no urls here: a:b@c") == "no urls here: a:b@c"

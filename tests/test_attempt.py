@@ -1,0 +1,291 @@
+"""The attempt protocol, in-process: every task of both modes run here against a real
+redis-server and a file store, delivered in the orders a real broker can produce — twice, late,
+after the unit finished, after the run finished — and failing in every recipe hook and in the
+store. Each case must end in a recorded state and change nothing a correct run would not.
+
+The tasks run with Celery's ``apply`` (in this process); what they queue goes to the test's Redis
+and is not consumed: this module drives rounds and segments itself, in the order each case needs.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from tensorturn import client, config
+from tensorturn.board import RunBoard
+from tensorturn.broker import redis_client
+from tensorturn.celery_app import configure
+from tensorturn.errors import BrokerError, RecipeError
+from tensorturn.modes.ensemble import tasks as ensemble
+from tensorturn.modes.fused import tasks as fused
+from tensorturn.recipes import base as recipe_base
+from tensorturn.spec import RunSpec
+from tensorturn.tasks.attempt import chord_failed
+
+sys.path.insert(0, str(Path(__file__).parent))  # the `failing` recipe module
+
+FUSED = dict(mode="fused", recipe="digits-mlp", rounds=2, shards=2, sync_every=10)
+ENSEMBLE = dict(mode="ensemble", recipe="digits-mlp", members=3, segments=2, segment_steps=10)
+
+
+@pytest.fixture
+def world(redis_server, tmp_path, monkeypatch):
+    monkeypatch.delenv("TT_FAIL_IN", raising=False)
+    configure(redis_server.url)
+    fused._held.clear()
+    yield SimpleNamespace(broker=redis_server.url, tmp=tmp_path,
+                          board=RunBoard(redis_client(redis_server.url)))
+    fused._held.clear()
+
+
+def submit(world, name: str = "store", **options) -> RunSpec:
+    spec = RunSpec.create(store_url=(world.tmp / name).as_uri(), **options)
+    client.submit(spec, world.broker)
+    return spec
+
+
+def shard(spec: RunSpec, r: int, k: int) -> None:
+    fused.train_shard.apply(args=(spec.run_id, spec.store_url, r, k)).get()
+
+
+def outer(spec: RunSpec, r: int) -> None:
+    fused.outer_step.apply(args=([], spec.run_id, spec.store_url, r)).get()
+
+
+def segment(spec: RunSpec, m: int, j: int) -> None:
+    ensemble.train_segment.apply(args=(spec.run_id, spec.store_url, m, j)).get()
+
+
+def vote(spec: RunSpec) -> None:
+    ensemble.vote.apply(args=(spec.run_id, spec.store_url)).get()
+
+
+def drive_fused(spec: RunSpec, start: int = 0) -> None:
+    for r in range(start, spec.options.rounds):  # type: ignore[attr-defined]
+        for k in range(spec.options.shards):  # type: ignore[attr-defined]
+            shard(spec, r, k)
+        outer(spec, r)
+
+
+def drive_ensemble(spec: RunSpec) -> None:
+    for m in range(spec.options.members):  # type: ignore[attr-defined]
+        for j in range(spec.options.segments):  # type: ignore[attr-defined]
+            segment(spec, m, j)
+    vote(spec)
+
+
+def kinds(doc: dict) -> list[str]:
+    return [i["kind"] for i in doc["incidents"]]
+
+
+# ---- duplicate and late deliveries --------------------------------------------------------------
+
+def test_fused_duplicates_at_every_stage_change_nothing(world, monkeypatch):
+    clean = submit(world, "clean", **FUSED)
+    drive_fused(clean)
+    expected = world.board.describe(clean.run_id)
+    assert expected["state"] == "succeeded"
+
+    spec = submit(world, "dup", **FUSED)
+    real_train = fused.train_replica
+    nested = []
+
+    def train_with_a_second_delivery(*args, **kwargs):
+        # while the first attempt of r0/shard-0 trains, a second delivery runs to the end
+        if not nested:
+            nested.append(1)
+            shard(spec, 0, 0)
+        return real_train(*args, **kwargs)
+
+    monkeypatch.setattr(fused, "train_replica", train_with_a_second_delivery)
+    shard(spec, 0, 0)                      # during: the first attempt finishes late
+    monkeypatch.setattr(fused, "train_replica", real_train)
+    shard(spec, 0, 1)
+    shard(spec, 0, 1)                      # before the outer step: a plain duplicate
+    outer(spec, 0)
+    shard(spec, 0, 1)                      # after the round
+    outer(spec, 0)                         # the outer step delivered twice
+    drive_fused(spec, start=1)
+    shard(spec, 1, 0)                      # after the run finished
+    outer(spec, 1)
+    doc = world.board.describe(spec.run_id)
+
+    assert doc["state"] == "succeeded", doc["error"]
+    assert doc["model_sha256"] == expected["model_sha256"]
+    assert doc["bytes_up"] == expected["bytes_up"]          # nothing counted twice
+    assert [r["samples"] for r in doc["rounds"]] == [r["samples"] for r in expected["rounds"]]
+    assert [r["val_loss"] for r in doc["rounds"]] == [r["val_loss"] for r in expected["rounds"]]
+    assert "late_ignored" in kinds(doc) and kinds(doc).count("duplicate_ignored") == 3
+
+
+def test_ensemble_duplicate_after_a_member_finished_keeps_it_in_the_vote(world):
+    """The reported bug: a second delivery of m0/seg-0 after member 0 stored its last
+    checkpoint reset it to `running` and left it out of the vote."""
+    spec = submit(world, **ENSEMBLE)
+    segment(spec, 0, 0)
+    segment(spec, 0, 1)                    # member 0 finished
+    segment(spec, 0, 0)                    # after its completion
+    segment(spec, 1, 0)
+    segment(spec, 1, 0)                    # before the next segment
+    segment(spec, 1, 1)
+    segment(spec, 2, 0)
+    segment(spec, 2, 1)
+    vote(spec)
+    segment(spec, 0, 0)                    # after the run finished
+    vote(spec)
+    doc = world.board.describe(spec.run_id)
+
+    assert doc["state"] == "succeeded", doc["error"]
+    assert doc["metrics"]["members_succeeded"] == 3
+    assert [(m["state"], m["segments_done"]) for m in doc["members"]] == [("succeeded", 2)] * 3
+    assert kinds(doc).count("duplicate_ignored") == 2
+
+
+def test_ensemble_late_segment_is_discarded(world, monkeypatch):
+    spec = submit(world, **ENSEMBLE)
+    real_train = ensemble.train_steps
+    nested = []
+
+    def train_with_a_second_delivery(*args, **kwargs):
+        if not nested:
+            nested.append(1)
+            segment(spec, 0, 0)
+        return real_train(*args, **kwargs)
+
+    monkeypatch.setattr(ensemble, "train_steps", train_with_a_second_delivery)
+    segment(spec, 0, 0)
+    monkeypatch.setattr(ensemble, "train_steps", real_train)
+    drive_ensemble(spec)
+    doc = world.board.describe(spec.run_id)
+    assert doc["state"] == "succeeded" and doc["metrics"]["members_succeeded"] == 3
+    assert "late_ignored" in kinds(doc)
+
+
+# ---- a recipe that raises ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("mode,hook", [
+    ("fused", "raw_data"), ("fused", "loss"), ("fused", "evaluate"),
+    ("ensemble", "raw_data"), ("ensemble", "loss"), ("ensemble", "evaluate"),
+    ("ensemble", "predict_proba"),
+])
+def test_a_recipe_that_raises_ends_the_run_with_its_error(world, monkeypatch, mode, hook):
+    options = {**(FUSED if mode == "fused" else ENSEMBLE), "recipe": "failing:Failing"}
+    spec = submit(world, **options)
+    monkeypatch.setenv("TT_FAIL_IN", hook)
+    recipe_base._SPLITS.clear()  # raw_data runs again, as on a fresh agent
+    (drive_fused if mode == "fused" else drive_ensemble)(spec)
+    doc = world.board.describe(spec.run_id)
+
+    assert doc["state"] == "failed"
+    assert f"ValueError: boom in {hook}" in doc["error"] and "\n" not in doc["error"]
+    failed = [a for a in doc["attempts"] if a["outcome"].startswith("failed")]
+    assert failed and all(f"boom in {hook}" in a["outcome"] for a in failed)
+
+
+def test_a_recipe_whose_model_raises_is_refused_before_queueing(world, monkeypatch):
+    monkeypatch.setenv("TT_FAIL_IN", "model")
+    spec = RunSpec.create(store_url=(world.tmp / "s").as_uri(),
+                          **{**FUSED, "recipe": "failing:Failing"})
+    with pytest.raises(RecipeError, match="boom in model"):
+        client.submit(spec, world.broker)
+    assert not world.board.exists(spec.run_id)
+
+
+# ---- the store failing, attempt caps, resume ----------------------------------------------------
+
+def test_a_lost_store_fails_the_run_in_one_line_and_resume_continues(world):
+    spec = submit(world, **FUSED)
+    store_dir = world.tmp / "store"
+    shutil.move(store_dir, world.tmp / "away")
+    store_dir.write_text("not a directory any more")   # every store call now fails
+    shard(spec, 0, 0)
+    doc = world.board.describe(spec.run_id)
+    assert doc["state"] == "failed"
+    assert doc["error"].startswith("r0/shard-0: store ") and "\n" not in doc["error"]
+    assert [a["outcome"].split(":")[0] for a in doc["attempts"]] == ["failed"] * 3
+
+    store_dir.unlink()
+    shutil.move(world.tmp / "away", store_dir)          # the store is back
+    _, what = client.resume(spec.run_id, world.broker, spec.store_url)
+    assert what.startswith("resumed at round 0")
+    drive_fused(spec)
+    doc = world.board.describe(spec.run_id)
+    assert doc["state"] == "succeeded", doc["error"]
+
+
+def test_a_run_that_failed_on_its_attempt_cap_resumes_once_fixed(world, monkeypatch):
+    spec = submit(world, **{**FUSED, "recipe": "failing:Failing"})
+    monkeypatch.setenv("TT_FAIL_IN", "loss")
+    shard(spec, 0, 0)
+    assert world.board.state(spec.run_id) == "failed"
+    monkeypatch.delenv("TT_FAIL_IN")                     # the cause is fixed
+    client.resume(spec.run_id, world.broker, spec.store_url)
+    drive_fused(spec)
+    doc = world.board.describe(spec.run_id)
+    assert doc["state"] == "succeeded", doc["error"]
+    tries = [a for a in doc["attempts"] if a["task"] == "r0/shard-0"]
+    assert [a["outcome"].split(":")[0] for a in tries] == ["failed"] * 3 + ["succeeded"]
+
+
+def test_an_ensemble_member_dropped_for_failures_gets_another_chance_on_resume(world, monkeypatch):
+    spec = submit(world, **{**ENSEMBLE, "recipe": "failing:Failing", "min_members": 3})
+    monkeypatch.setenv("TT_FAIL_IN", "evaluate")
+    drive_ensemble(spec)
+    doc = world.board.describe(spec.run_id)
+    assert doc["state"] == "failed" and "only 0 of 3 members finished" in doc["error"]
+    assert all(m["state"] == "dropped" and "boom in evaluate" in m["reason"] for m in doc["members"])
+    monkeypatch.delenv("TT_FAIL_IN")
+    client.resume(spec.run_id, world.broker, spec.store_url)
+    for m in range(3):
+        segment(spec, m, 1)   # the last segment: stored already, so only evaluated again
+    vote(spec)
+    doc = world.board.describe(spec.run_id)
+    assert doc["state"] == "succeeded", doc["error"]
+    assert doc["metrics"]["members_succeeded"] == 3
+
+
+def test_a_chord_whose_body_cannot_run_fails_the_run(world):
+    spec = submit(world, **FUSED)
+    chord_failed.apply(args=("task-id", spec.run_id, "the outer step of round 0")).get()
+    doc = world.board.describe(spec.run_id)
+    assert doc["state"] == "failed" and "the outer step of round 0 could not run" in doc["error"]
+    assert f"tensorturn resume {spec.run_id}" in doc["error"]
+
+
+# ---- a broker that lost its data; a run that makes no progress ----------------------------------
+
+def test_after_redis_loses_its_data_the_run_says_so_and_resumes(world):
+    spec = submit(world, **FUSED)
+    shard(spec, 0, 0)
+    shard(spec, 0, 1)
+    outer(spec, 0)                          # round 0 done, its manifest saved
+    world.board.r.flushall()
+
+    doc = client.describe(spec.run_id, world.broker, spec.store_url)
+    assert "the broker has no record of the run" in doc["note"]
+    assert f"tensorturn resume {spec.run_id}" in doc["note"]
+    listed = client.list_runs(world.broker, spec.store_url)
+    assert [m["run_id"] for m in listed] == [spec.run_id] and "resume" in listed[0]["note"]
+    with pytest.raises(BrokerError, match="tensorturn resume"):
+        client.wait(world.broker, spec.run_id, timeout_s=5)
+
+    _, what = client.resume(spec.run_id, world.broker, spec.store_url)
+    assert what.startswith("resumed at round 1")
+    drive_fused(spec, start=1)
+    assert world.board.state(spec.run_id) == "succeeded"
+    assert [r["round"] for r in world.board.rounds(spec.run_id)] == [0, 1]
+
+
+def test_a_run_without_progress_says_why(world):
+    spec = submit(world, **FUSED)
+    config.use(config.current().with_(stall_s=0.0))
+    try:
+        doc = client.describe(spec.run_id, world.broker, spec.store_url)
+    finally:
+        config.reload()
+    assert doc["note"].startswith("no progress for") and "no agent is online" in doc["note"]

@@ -1,0 +1,73 @@
+"""The CLI answers at once: commands that train nothing load neither torch nor Celery nor boto3,
+argument and recipe errors come before any pool starts, and a failed run exits non-zero."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import clean_env, tt
+
+PROBE = """
+import sys
+from tensorturn.cli import main
+sys.argv = ["tensorturn", *{args!r}]
+try:
+    main()
+except SystemExit as exc:
+    code = exc.code
+else:
+    code = 0
+heavy = sorted(m for m in ("torch", "celery", "boto3") if m in sys.modules)
+print("PROBE", code, ",".join(heavy), file=sys.stderr)
+"""
+
+
+def modules_loaded(args: list[str], cwd: Path) -> tuple[int, list[str], str]:
+    proc = subprocess.run([sys.executable, "-c", PROBE.format(args=args)], cwd=cwd, env=clean_env(),
+                          capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+    line = [x for x in proc.stderr.splitlines() if x.startswith("PROBE")][-1].split(" ")
+    return int(line[1]), [m for m in line[2:] if m for m in m.split(",")], proc.stderr
+
+
+@pytest.mark.parametrize("args,code", [
+    (["--help"], 0),
+    (["runs"], 0),
+    (["status", "no-such-run"], 2),
+    (["report", "no-such-run"], 2),
+    (["resume", "no-such-run"], 2),
+    (["run", "--recipe", "unknown-name"], 2),
+    (["run", "--recipe", "nosuchmodule:Thing"], 2),
+    (["run", "--recipe", "digits-mlp", "--rounds", "0"], 2),
+    (["run", "--mode", "fused", "--recipe", "digits-mlp", "--vote", "hard"], 2),
+    (["run", "--mode", "ensemble", "--recipe", "digits-mlp", "--members", "1"], 2),
+])
+def test_commands_that_train_nothing_import_no_torch(tmp_path, args, code):
+    exit_code, heavy, stderr = modules_loaded(args, tmp_path)
+    assert exit_code == code, stderr
+    assert heavy == [], f"{args} imported {heavy}"
+    assert "starting an embedded pool" not in stderr
+    assert not (tmp_path / "tensorturn-store" / "runs").exists()
+
+
+def test_an_option_of_the_other_mode_is_refused_by_name(tmp_path):
+    proc = tt("run", "--mode", "fused", "--recipe", "digits-mlp", "--segments", "2", cwd=tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == ("error: --segments is an option of --mode ensemble; "
+                                   "it does not apply to --mode fused")
+
+
+def test_status_of_a_failed_run_exits_1(tmp_path):
+    run_dir = tmp_path / "store" / "runs" / "r1"
+    run_dir.mkdir(parents=True)
+    (run_dir / "manifest.json").write_text(json.dumps({
+        "run_id": "r1", "mode": "fused", "state": "failed", "recipe": "digits-mlp",
+        "error": "r0/shard-1: ValueError: boom", "metrics": {}, "rounds": [], "attempts": []}))
+    proc = tt("status", "r1", "--store", str(tmp_path / "store"))
+    assert proc.returncode == 1
+    assert proc.stderr.strip() == "error: r0/shard-1: ValueError: boom"
+    assert json.loads(tt("status", "r1", "--store", str(tmp_path / "store"), "--json").stdout)["state"] == "failed"

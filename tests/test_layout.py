@@ -1,0 +1,62 @@
+"""Keys, labels, settings and the spec: built and parsed in one place each."""
+
+from __future__ import annotations
+
+import pytest
+
+from tensorturn import config, layout
+from tensorturn.errors import SpecError
+from tensorturn.spec import RunSpec
+
+
+@pytest.mark.parametrize("label", [layout.shard_label(3, 12), layout.outer_label(0),
+                                   layout.segment_label(4, 2), layout.vote_label(),
+                                   layout.start_label()])
+def test_task_labels_round_trip(label):
+    assert layout.parse_label(str(label)) == label
+
+
+def test_store_keys_parse_back():
+    assert layout.global_round(layout.global_key("run-1", 12)) == 12
+    assert layout.global_round(layout.shard_key("run-1", 12, 0)) is None
+    assert layout.manifest_run(layout.manifest_key("run-1")) == "run-1"
+    assert layout.manifest_run("runs/run-1/report/manifest.json") is None
+    assert layout.parse_label("r1/shard-x") is None
+
+
+def test_every_setting_has_a_variable_and_the_readme_lists_them_all():
+    from pathlib import Path
+
+    fields = {f for f in config.Settings.__dataclass_fields__}
+    assert {v.field for v in config.VARIABLES} == fields
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    missing = [v.env for v in config.VARIABLES if f"`{v.env}`" not in readme]
+    assert missing == []
+
+
+def test_settings_from_the_environment():
+    s = config.Settings.from_env({"TENSORTURN_STORE_RETRIES": "2", "TENSORTURN_SLOWDOWN": "1.5",
+                                  "TENSORTURN_BROKER_URL": "redis://x:1/0"})
+    assert (s.store_retries, s.slowdown, s.broker_url) == (2, 1.5, "redis://x:1/0")
+    assert s.visibility_timeout_s == 20 and s.lease_refresh_s == 5
+    with pytest.raises(SpecError, match="TENSORTURN_HEARTBEAT_S must be a number"):
+        config.Settings.from_env({"TENSORTURN_HEARTBEAT_S": "often"})
+
+
+def test_spec_splits_common_and_mode_options():
+    spec = RunSpec.create(mode="fused", recipe="digits-mlp", store_url="file:///s", rounds=3,
+                          seed=4, codec="int8").validate()
+    doc = spec.to_json()
+    assert doc["seed"] == 4 and doc["options"]["rounds"] == 3 and "rounds" not in doc
+    assert RunSpec.from_json(doc) == spec
+    with pytest.raises(SpecError, match="--vote is an option of --mode ensemble"):
+        RunSpec.create(mode="fused", recipe="digits-mlp", store_url="file:///s", vote="hard")
+    with pytest.raises(SpecError, match="unknown mode 'relay'"):
+        RunSpec.create(mode="relay", recipe="digits-mlp", store_url="file:///s")
+
+
+def test_a_flat_spec_of_an_older_run_still_reads():
+    flat = {"mode": "ensemble", "recipe": "digits-mlp", "store_url": "file:///s", "run_id": "old",
+            "members": 4, "vote": "hard", "rounds": 8, "codec": "fp32", "seed": 1}
+    spec = RunSpec.from_json(flat)
+    assert (spec.options.members, spec.options.vote, spec.seed) == (4, "hard", 1)  # type: ignore[attr-defined]
