@@ -37,8 +37,8 @@ The regime (defaults) and why:
 * model: ``charlm`` with ``context 32, n_embd 64, n_layer 2, n_head 4`` (115 k parameters), batch
   16 — about 12 ms a step on one idle CPU thread; the 17 k training steps of all rows take 1.5
   minutes on an idle 2-core VM, up to 5 when it is shared (``--jobs 2`` runs rows in parallel
-  processes); ``--pool`` adds about a minute. The recipe's default model (n_embd 128, context 64, batch 32) is ≈10× slower
-  per step.
+  processes); ``--pool`` adds about a minute. The recipe's default model (n_embd 128, context 64,
+  batch 32) is ≈10× slower per step.
 * H = 125 inner steps: DiLoCo's point is communicating every H steps; with one model down and one
   pseudo-gradient up per shard per round the saving over a per-step all-reduce is ≈ H, so H must
   exceed 100 for the ≥100× target (the paper uses H = 500 with 8 replicas).
@@ -119,14 +119,14 @@ def fused_inprocess(spec: RunSpec) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="tt-diloco-store-") as tmp:
         store = open_store(Path(tmp).as_uri())
         theta = diloco.initial_state(recipe, spec.seed)
-        store.put_bytes(layout.global_key(spec.run_id, 0), fused.global_bytes(spec, recipe, theta))
+        store.put_bytes(layout.key("global", spec.run_id, 0), fused.global_bytes(spec, recipe, theta))
         for r in range(opts.rounds):
             if r == 0:
                 per_shard_down = 0
-            elif store.exists(layout.broadcast_key(spec.run_id, r)):
-                per_shard_down = len(store.get_bytes(layout.broadcast_key(spec.run_id, r)))
+            elif store.exists(layout.key("broadcast", spec.run_id, r)):
+                per_shard_down = len(store.get_bytes(layout.key("broadcast", spec.run_id, r)))
             else:
-                per_shard_down = len(store.get_bytes(layout.global_key(spec.run_id, r)))
+                per_shard_down = len(store.get_bytes(layout.key("global", spec.run_id, r)))
             deltas, samples, losses, up = [], [], [], 0
             for k in range(opts.shards):
                 rows = diloco.shard_rows(len(splits.y_train), opts.shards, k, spec.seed)
@@ -146,7 +146,7 @@ def fused_inprocess(spec: RunSpec) -> dict[str, Any]:
             val = recipe.evaluate(model, splits.x_val, splits.y_val)
             rounds.append(diloco.round_figures(losses, samples, val, up,
                                                opts.shards * per_shard_down, r))
-        final = store.get_bytes(layout.global_key(spec.run_id, opts.rounds))
+        final = store.get_bytes(layout.key("global", spec.run_id, opts.rounds))
     return {"rounds": rounds, "model_sha256": sha256_hex(final)}
 
 

@@ -24,10 +24,10 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-
 from _common import figure, machine, run_job, table, write_outputs
+
+from tensorturn import layout
 from tensorturn.artifact import Predictor
-from tensorturn.layout import segment_key
 from tensorturn.local import LocalPool
 from tensorturn.recipes import load_splits, resolve
 from tensorturn.store import open_store
@@ -83,7 +83,7 @@ def main() -> None:
         store = open_store(store_url)
         members = [m for m in doc["members"] if m["state"] == "succeeded"]
         models = [Predictor.from_bytes(store.get_bytes(
-            segment_key(doc["run_id"], m["member"], args.segments - 1))) for m in members]
+            layout.key("segment", doc["run_id"], m["member"], args.segments - 1))) for m in members]
     recipe = resolve(doc["recipe"], doc["spec"].get("recipe_options") or {})
     splits = load_splits(recipe)
     x, y = splits.x_test, splits.y_test

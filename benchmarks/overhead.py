@@ -35,9 +35,18 @@ from pathlib import Path
 
 import psutil
 import torch
+from _common import (
+    figure,
+    machine,
+    replot,
+    run_job,
+    shard_span,
+    succeeded,
+    table,
+    total_samples,
+    write_outputs,
+)
 
-from _common import (figure, machine, replot, run_job, shard_span, succeeded, table, total_samples,
-                     write_outputs)
 from tensorturn.local import LocalPool
 from tensorturn.recipes import BUILTIN, load_splits, resolve
 from tensorturn.training import derive_seed, set_threads, train_steps

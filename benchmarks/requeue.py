@@ -22,11 +22,10 @@ from pathlib import Path
 
 import redis
 
-from tensorturn import client
-from tensorturn import config
+from tensorturn import client, config
+from tensorturn.board import RunBoard
 from tensorturn.celery_app import RESTORE_INTERVAL_S
 from tensorturn.local import LocalPool
-from tensorturn.board import RunBoard
 from tensorturn.spec import RunSpec
 
 

@@ -27,9 +27,19 @@ from pathlib import Path
 
 import psutil
 import redis
+from _common import (
+    figure,
+    machine,
+    replot,
+    round_gaps,
+    run_job,
+    shard_span,
+    short,
+    succeeded,
+    table,
+    write_outputs,
+)
 
-from _common import (figure, machine, replot, round_gaps, run_job, shard_span, short, succeeded,
-                     table, write_outputs)
 from tensorturn.local import LocalPool
 
 

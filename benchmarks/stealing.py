@@ -2,8 +2,9 @@
 
 Three embedded agents; local3 is made 3× slower than local1 and local2 by the test-only throttle
 ``TENSORTURN_SLOWDOWN`` (an agent started with it set to f sleeps so that its training loops
-take f× their compute time, paced against a deadline; ``training.Throttle``). Each measurement is a fused digits-mlp run of the same total work
-(rounds × shards × H steps), rated samples / (last shard finish − first shard start):
+take f× their compute time, paced against a deadline; ``training.Throttle``). Each measurement is
+a fused digits-mlp run of the same total work (rounds × shards × H steps), rated
+samples / (last shard finish − first shard start):
 
 1. solo: each agent alone (the other two stop consuming the queues through Celery's
    ``cancel_consumer``; they stay up, idle) runs the dynamic job; the ideal aggregate is the sum.
@@ -41,8 +42,18 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from _common import (figure, machine, run_job, shard_span, short, succeeded, table, total_samples,
-                     write_outputs)
+from _common import (
+    figure,
+    machine,
+    run_job,
+    shard_span,
+    short,
+    succeeded,
+    table,
+    total_samples,
+    write_outputs,
+)
+
 from tensorturn.celery_app import app
 from tensorturn.local import LocalPool
 from tensorturn.report import worker_stats

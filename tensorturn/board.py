@@ -34,7 +34,7 @@ class RunBoard:
     """Live run state in Redis (keys from :mod:`tensorturn.layout`)."""
 
     def __init__(self, client: redis.Redis):
-        self.r = client
+        self.r: Any = client  # decode_responses=True: every reply is str (the stubs cannot say)
 
     # -- the run --
     def create(self, spec: RunSpec, state: str = "queued") -> None:

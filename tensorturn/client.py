@@ -9,7 +9,8 @@ once, and a bad option or recipe name is refused before anything heavy loads.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from . import config, layout
 from .board import RunBoard
@@ -113,7 +114,7 @@ def _manifest(store: Any, run_id: str) -> dict[str, Any] | None:
     from .store import ObjectMissing
 
     try:
-        return store.get_json(layout.manifest_key(run_id))
+        return store.get_json(layout.key("manifest", run_id))
     except ObjectMissing:
         return None
 
@@ -204,7 +205,8 @@ def list_runs(broker_url: str | None, store_url: str) -> list[dict[str, Any]]:
         runs = {m["run_id"]: m for m in RunBoard(check_broker(broker_url)).list_runs()}
     store = open_store(store_url)
     for key in store.list(layout.RUNS):
-        run_id = layout.manifest_run(key)
+        parts = layout.parse("manifest", key)
+        run_id = parts["run_id"] if parts else None
         if run_id is None or run_id in runs:
             continue
         try:

@@ -13,12 +13,33 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 DEFAULT_STORE_DIR = "tensorturn-store"
+
+
+# Every variable, with what it does: the README's table is this one (`python -m tensorturn.config`).
+# The name of a variable is TENSORTURN_ and its Settings field in capitals; defaults are the fields'.
+_DOCS = """
+broker_url            Redis URL of the pool; unset, `run` starts a private embedded pool
+store_url             object store: `file:///dir`, a directory or `s3://bucket/prefix` (default `./tensorturn-store`)
+join                  the join string `tensorturn up` printed, read by `tensorturn agent`
+visibility_timeout_s  seconds an unrefreshed task lease lasts before the task goes back to the queue
+shutdown_grace_s      seconds a stopping agent gives its running task before requeueing it
+heartbeat_s           seconds between an agent's telemetry heartbeats (offline after 3 missed)
+store_retries         retries of a failing store call, with exponential backoff, before it is an error
+store_backoff_s       the first of those backoffs; it doubles each time (at most 8 s)
+stall_s               seconds without progress after which `status` and `run` say a run looks stalled and why
+device                force a torch device: `cpu`, `cuda:1`, `mps`
+device_memory_gb      cap on the device memory an agent offers to the pool (`agent --memory-gb`)
+loglevel              an agent's Celery log level
+slowdown              benchmarks and tests only: train this many times slower, to emulate a slow machine
+serve_run             the run the `Procfile`'s `api` line serves (read by the Procfile, not by TensorTurn)
+"""
 
 
 @dataclass(frozen=True)
@@ -29,39 +50,9 @@ class Variable:
     doc: str
 
 
-VARIABLES: tuple[Variable, ...] = (
-    Variable("TENSORTURN_BROKER_URL", "broker_url", None,
-             "Redis URL of the pool; unset: `run` starts a private embedded pool"),
-    Variable("TENSORTURN_STORE_URL", "store_url", None,
-             "object store: `file:///dir`, a directory or `s3://bucket/prefix` "
-             "(default `./tensorturn-store`)"),
-    Variable("TENSORTURN_JOIN", "join", None, "the join string of `tensorturn up`, for `agent`"),
-    Variable("TENSORTURN_VISIBILITY_TIMEOUT_S", "visibility_timeout_s", 20,
-             "seconds an unrefreshed task lease lasts before the task is requeued"),
-    Variable("TENSORTURN_SHUTDOWN_GRACE_S", "shutdown_grace_s", 5.0,
-             "seconds a stopping agent gives its running task before requeueing it"),
-    Variable("TENSORTURN_HEARTBEAT_S", "heartbeat_s", 3.0,
-             "seconds between an agent's telemetry heartbeats (offline after 3 missed)"),
-    Variable("TENSORTURN_STORE_RETRIES", "store_retries", 6,
-             "retries of a failing store call (exponential backoff) before it is an error"),
-    Variable("TENSORTURN_STORE_BACKOFF_S", "store_backoff_s", 0.5,
-             "first backoff of those retries; it doubles each time"),
-    Variable("TENSORTURN_STALL_S", "stall_s", 120.0,
-             "seconds without progress after which `status`/`run` say a run looks stalled"),
-    Variable("TENSORTURN_DEVICE", "device", None, "force a torch device (`cpu`, `cuda:1`, `mps`)"),
-    Variable("TENSORTURN_DEVICE_MEMORY_GB", "device_memory_gb", None,
-             "cap on the device memory an agent offers (`agent --memory-gb`)"),
-    Variable("TENSORTURN_LOGLEVEL", "loglevel", "INFO", "an agent's Celery log level"),
-    Variable("TENSORTURN_SLOWDOWN", "slowdown", 1.0,
-             "benchmarks/tests only: train this many times slower (emulates a slow machine)"),
-    Variable("TENSORTURN_SERVE_RUN", "serve_run", None,
-             "the run `Procfile`'s `api` line serves (read by the Procfile, not the code)"),
-)
-
-
 @dataclass(frozen=True)
 class Settings:
-    """Every setting TensorTurn reads from the environment; see :data:`VARIABLES`."""
+    """Every setting TensorTurn reads from the environment (``TENSORTURN_<FIELD>``)."""
 
     broker_url: str | None = None
     store_url: str | None = None
@@ -123,6 +114,26 @@ class Settings:
         return out
 
 
+def _variables() -> tuple[Variable, ...]:
+    defaults = {f.name: f.default for f in fields(Settings)}
+    out = []
+    for line in _DOCS.strip().splitlines():
+        name, doc = line.split(maxsplit=1)
+        out.append(Variable(f"TENSORTURN_{name.upper()}", name, defaults[name], doc))
+    return tuple(out)
+
+
+VARIABLES: tuple[Variable, ...] = _variables()
+
+
+def markdown_table() -> str:
+    """The variables as the README's table."""
+    rows = ["| variable | default | what it does |", "|---|---|---|"]
+    rows += [f"| `{v.env}` | {'—' if v.default is None else f'`{v.default}`'} | {v.doc} |"
+             for v in VARIABLES]
+    return "\n".join(rows)
+
+
 _current: Settings | None = None
 
 
@@ -178,3 +189,7 @@ _SECRET_IN_TEXT = re.compile(r"(\w+://[^:/@\s]*:)([^@\s]+)(@)")
 def mask_text(text: str) -> str:
     """Mask passwords of every URL inside a free-form message (exceptions quote URLs)."""
     return _SECRET_IN_TEXT.sub(r"\1***\3", text)
+
+
+if __name__ == "__main__":
+    print(markdown_table())

@@ -12,6 +12,7 @@ import json
 import os
 import secrets
 import socket
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,7 @@ AWS_KEYS = ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
             "AWS_DEFAULT_REGION", "AWS_SESSION_TOKEN")
 
 
-def make_join(broker_url: str, store_url: str, env: dict[str, str] | None = None) -> str:
+def make_join(broker_url: str, store_url: str, env: Mapping[str, str] | None = None) -> str:
     env = os.environ if env is None else env
     doc: dict[str, Any] = {"broker": broker_url, "store": store_url}
     if store_url.startswith("s3://"):

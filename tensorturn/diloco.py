@@ -60,8 +60,8 @@ def check_update(delta: StateDict, theta: StateDict, max_ratio: float) -> None:
     """Raise UpdateRejected for a non-finite pseudo-gradient or one far larger than the weights."""
     if not is_finite(delta):
         raise UpdateRejected("non-finite (NaN/Inf) pseudo-gradient")
-    d_norm = torch.sqrt(sum((v.float() ** 2).sum() for v in delta.values()))
-    w_norm = torch.sqrt(sum((theta[k].float() ** 2).sum() for k in delta))
+    d_norm = torch.sqrt(torch.stack([(v.float() ** 2).sum() for v in delta.values()]).sum())
+    w_norm = torch.sqrt(torch.stack([(theta[k].float() ** 2).sum() for k in delta]).sum())
     if float(d_norm) > max_ratio * max(float(w_norm), 1e-12):
         raise UpdateRejected(f"pseudo-gradient norm {float(d_norm):.3g} exceeds {max_ratio:g}× "
                              f"the weights' norm {float(w_norm):.3g}")

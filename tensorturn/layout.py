@@ -35,91 +35,82 @@ Task labels (``attempts[].task`` in the JSON): ``start``, ``r<r>/shard-<k>``, ``
 from __future__ import annotations
 
 import re
+import string
 from dataclasses import dataclass
+from typing import Any
 
 # ---- object store -------------------------------------------------------------------------------
 
 RUNS = "runs/"
 TOKENS = "auth/tokens/"
 
-
-def run_prefix(run_id: str) -> str:
-    return f"{RUNS}{run_id}/"
-
-
-def spec_key(run_id: str) -> str:
-    return f"{RUNS}{run_id}/spec.json"
-
-
-def manifest_key(run_id: str) -> str:
-    return f"{RUNS}{run_id}/manifest.json"
-
-
-_MANIFEST = re.compile(r"^runs/([^/]+)/manifest\.json$")
-
-
-def manifest_run(key: str) -> str | None:
-    """The run id of a manifest key, or None for any other key."""
-    match = _MANIFEST.match(key)
-    return match.group(1) if match else None
+# name, template: what ``key(name, ...)`` builds and ``parse(name, key)`` reads back
+_STORE = """
+spec            runs/{run_id}/spec.json
+manifest        runs/{run_id}/manifest.json
+global          runs/{run_id}/global/r{round:04d}.safetensors
+outer           runs/{run_id}/outer/r{round:04d}.safetensors
+broadcast       runs/{run_id}/broadcast/r{round:04d}.safetensors
+shard           runs/{run_id}/r{round:04d}/shard-{shard:03d}.safetensors
+round           runs/{run_id}/rounds/r{round:04d}.json
+segment         runs/{run_id}/members/m{member:02d}/seg-{segment:03d}.safetensors
+optim           runs/{run_id}/members/m{member:02d}/seg-{segment:03d}.optim.safetensors
+final_model     runs/{run_id}/final/model.safetensors
+final_ensemble  runs/{run_id}/final/ensemble.safetensors
+report          runs/{run_id}/report/{name}.png
+token           auth/tokens/{token_id}.json
+"""
 
 
-def global_key(run_id: str, r: int) -> str:
-    return f"{RUNS}{run_id}/global/r{r:04d}.safetensors"
+class Template:
+    """One kind of store key: built from values in the template's order, parsed back to them."""
+
+    def __init__(self, template: str):
+        self.template = template
+        pattern, self.fields = "", []
+        for literal, field, spec, _ in string.Formatter().parse(template):
+            pattern += re.escape(literal)
+            if field:
+                self.fields.append(field)
+                pattern += rf"(?P<{field}>\d+)" if (spec or "").endswith("d") else rf"(?P<{field}>[^/]+)"
+        self.regex = re.compile(pattern + "$")
+
+    def build(self, *values: Any) -> str:
+        if len(values) != len(self.fields):
+            raise TypeError(f"{self.template} takes {', '.join(self.fields)}")
+        return self.template.format(**dict(zip(self.fields, values)))
+
+    def prefix(self, *values: Any) -> str:
+        """The folder of the keys of this kind with these first values (to list them)."""
+        head = self.template.split("{" + self.fields[len(values)], 1)[0]
+        return head.format(**dict(zip(self.fields, values))).rpartition("/")[0] + "/"
+
+    def parse(self, key: str) -> dict[str, Any] | None:
+        match = self.regex.match(key)
+        if not match:
+            return None
+        return {k: int(v) if v.isdigit() and "{" + k + ":" in self.template else v
+                for k, v in match.groupdict().items()}
 
 
-def global_prefix(run_id: str) -> str:
-    return f"{RUNS}{run_id}/global/"
+TEMPLATES = {name: Template(template)
+             for name, template in (line.split() for line in _STORE.strip().splitlines())}
 
 
-_GLOBAL = re.compile(r"^runs/[^/]+/global/r(\d{4,})\.safetensors$")
+def key(kind: str, *values: Any) -> str:
+    """The store key of ``kind`` (a name in the table above) for ``values``, in order:
+    ``key("shard", run_id, r, k)`` → ``runs/<id>/r0003/shard-002.safetensors``."""
+    return TEMPLATES[kind].build(*values)
 
 
-def global_round(key: str) -> int | None:
-    """The round of a global-weights key, or None for any other key."""
-    match = _GLOBAL.match(key)
-    return int(match.group(1)) if match else None
+def prefix(kind: str, *values: Any) -> str:
+    """Where keys of ``kind`` start: ``prefix("global", run_id)`` lists a run's global weights."""
+    return TEMPLATES[kind].prefix(*values)
 
 
-def outer_state_key(run_id: str, r: int) -> str:
-    return f"{RUNS}{run_id}/outer/r{r:04d}.safetensors"
-
-
-def broadcast_key(run_id: str, r: int) -> str:
-    """θ_r − θ_{r−1} in the run's codec: what a machine holding θ_{r−1} downloads instead of θ_r."""
-    return f"{RUNS}{run_id}/broadcast/r{r:04d}.safetensors"
-
-
-def shard_key(run_id: str, r: int, k: int) -> str:
-    return f"{RUNS}{run_id}/r{r:04d}/shard-{k:03d}.safetensors"
-
-
-def round_key(run_id: str, r: int) -> str:
-    return f"{RUNS}{run_id}/rounds/r{r:04d}.json"
-
-
-def segment_key(run_id: str, m: int, j: int) -> str:
-    return f"{RUNS}{run_id}/members/m{m:02d}/seg-{j:03d}.safetensors"
-
-
-def optim_key(run_id: str, m: int, j: int) -> str:
-    return f"{RUNS}{run_id}/members/m{m:02d}/seg-{j:03d}.optim.safetensors"
-
-
-def final_model_key(run_id: str) -> str:
-    return f"{RUNS}{run_id}/final/model.safetensors"
-
-
-def final_ensemble_key(run_id: str) -> str:
-    return f"{RUNS}{run_id}/final/ensemble.safetensors"
-
-
-def report_key(run_id: str, name: str) -> str:
-    return f"{RUNS}{run_id}/report/{name}.png"
-
-
-def token_key(token_id: str) -> str:
-    return f"{TOKENS}{token_id}.json"
+def parse(kind: str, text: str) -> dict[str, Any] | None:
+    """The values of a key of ``kind`` (``{"run_id": ..., "round": 3}``), or None."""
+    return TEMPLATES[kind].parse(text)
 
 
 # ---- Redis --------------------------------------------------------------------------------------
@@ -159,6 +150,11 @@ class Label:
     shard: int | None = None
     member: int | None = None
     segment: int | None = None
+
+    @property
+    def numbers(self) -> tuple[int, ...]:
+        """(round, shard), (round,), (member, segment) or () — what the label names."""
+        return tuple(v for v in (self.round, self.shard, self.member, self.segment) if v is not None)
 
     def __str__(self) -> str:
         if self.kind == "shard":

@@ -19,6 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from . import config
 from .errors import TensorTurnError
 
 log = logging.getLogger(__name__)
@@ -129,7 +130,7 @@ class LocalPool:
         self.store_url = store_url
         self.loglevel = loglevel
         self._tmp = None if workdir else tempfile.TemporaryDirectory(prefix="tensorturn-")
-        self.workdir = Path(workdir or self._tmp.name)
+        self.workdir = Path(workdir) if workdir else Path(self._tmp.name)  # type: ignore[union-attr]
         self.redis = RedisServer(self.workdir / "redis", appendonly=appendonly)
         self.agents: list[subprocess.Popen] = []
         self.logs: list[Path] = []
@@ -158,7 +159,7 @@ class LocalPool:
 
     def start_agent(self, i: int) -> subprocess.Popen:
         """(Re)start agent ``local<i+1>`` as its own process group, logging to the workdir."""
-        env = dict(os.environ, TENSORTURN_BROKER_URL=self.broker_url,
+        env = dict(os.environ, **config.current().environ(), TENSORTURN_BROKER_URL=self.broker_url,
                    TENSORTURN_STORE_URL=self.store_url, TENSORTURN_LOGLEVEL=self.loglevel)
         log_path = self.workdir / f"agent-{i + 1}.log"
         with open(log_path, "ab") as out:

@@ -18,17 +18,17 @@ log = logging.getLogger(__name__)
 
 
 def load_spec(store: Store, run_id: str) -> RunSpec:
-    return RunSpec.from_json(store.get_json(layout.spec_key(run_id)))
+    return RunSpec.from_json(store.get_json(layout.key("spec", run_id)))
 
 
 def save_spec(store: Store, spec: RunSpec) -> None:
-    store.put_json(layout.spec_key(spec.run_id), spec.to_json())
+    store.put_json(layout.key("spec", spec.run_id), spec.to_json())
 
 
 def write_manifest(store: Store, board: RunBoard, run_id: str) -> dict[str, Any]:
     """Save the run's description beside its weights (rebuildable without Redis)."""
     doc = board.describe(run_id)
-    store.put_json(layout.manifest_key(run_id), doc)
+    store.put_json(layout.key("manifest", run_id), doc)
     return doc
 
 

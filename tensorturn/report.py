@@ -22,8 +22,9 @@ import io
 from collections import defaultdict
 from typing import Any
 
+from . import layout
 from .errors import TensorTurnError
-from .layout import parse_label, report_key
+from .layout import parse_label
 from .spec import options_json
 
 NAMES = ("loss", "samples_per_worker", "bytes")
@@ -261,7 +262,7 @@ def save_report(doc: dict[str, Any], store) -> list[str]:
     (a :class:`tensorturn.store.Store`); returns their URIs in :data:`NAMES` order."""
     uris = []
     for name, png in plots(doc).items():
-        key = report_key(doc["run_id"], name)
+        key = layout.key("report", doc["run_id"], name)
         store.put_bytes(key, png)
         uris.append(store.uri(key))
     return uris

@@ -20,9 +20,9 @@ from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from . import layout
 from .artifact import Predictor
 from .errors import TensorTurnError
-from .layout import final_ensemble_key, final_model_key, manifest_key
 from .store import ObjectMissing, Store, sha256_hex
 from .tokens import TokenChecker
 
@@ -40,13 +40,13 @@ class BadRequest(HTTPException):
 def load_result(store: Store, run_id: str) -> tuple[Predictor, dict[str, Any]]:
     """The run's final artifact from the store, checked against the manifest's sha256."""
     try:
-        manifest = store.get_json(manifest_key(run_id))
+        manifest = store.get_json(layout.key("manifest", run_id))
     except ObjectMissing:
         raise TensorTurnError(f"no run {run_id!r} in the store (see `tensorturn runs`)") from None
     if manifest.get("state") != "succeeded" or not manifest.get("model_uri"):
         raise TensorTurnError(f"run {run_id} has no model to serve (state {manifest.get('state')})")
-    final = final_ensemble_key if manifest["mode"] == "ensemble" else final_model_key
-    data = store.get_bytes(final(run_id))
+    final = "final_ensemble" if manifest["mode"] == "ensemble" else "final_model"
+    data = store.get_bytes(layout.key(final, run_id))
     if sha256_hex(data) != manifest["model_sha256"]:
         raise TensorTurnError(f"run {run_id}: the model file does not match its recorded sha256")
     return Predictor.from_bytes(data), manifest

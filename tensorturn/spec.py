@@ -10,7 +10,7 @@ from __future__ import annotations
 import secrets
 import time
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 from .errors import SpecError
 
@@ -32,16 +32,36 @@ def check_positive(values: dict[str, Any]) -> None:
 
 @dataclass
 class ModeOptions:
-    """Base of a mode's own options (a dataclass per mode, in ``tensorturn.modes.<mode>``)."""
+    """Base of a mode's own options (a dataclass per mode, in ``tensorturn.modes.<mode>``).
+
+    ``HELP`` is a small table, one option a line: the field's name, then its help. Every field in
+    it becomes a ``tensorturn run`` flag (``sync_every`` → ``--sync-every``) with that help and
+    the field's default; ``CHOICES`` limits a flag to some values. Fields not in ``HELP`` are
+    derived when the run starts, never given by the user.
+    """
+
+    HELP: ClassVar[str] = ""
+    CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {}
 
     def validate(self) -> None:
-        """Raise SpecError with a one-line reason for the first invalid option."""
+        """Raise SpecError with a one-line reason for the first invalid option (subclasses
+        check their own rules after these)."""
+        for name, allowed in self.CHOICES.items():
+            value = getattr(self, name)
+            if value not in allowed:
+                raise SpecError(f"{flag(name)} {value!r} is not one of {', '.join(allowed)}")
+
+    @classmethod
+    def flags(cls) -> list[tuple[str, str]]:
+        """(field, help) of every option a user can give, in the order of ``HELP``."""
+        rows = [line.split(maxsplit=1) for line in cls.HELP.strip().splitlines()]
+        return [(name, text) for name, text in rows]
 
 
-O = TypeVar("O", bound=ModeOptions)
+OptionsT = TypeVar("OptionsT", bound=ModeOptions)
 
 
-@dataclass
+@dataclass(slots=True)  # a misspelt attribute is an error, not a silent new field
 class RunSpec:
     """Everything that determines a run's result. Stored at ``runs/<id>/spec.json``."""
 
@@ -110,7 +130,7 @@ class RunSpec:
         self.options.validate()
         return self
 
-    def opts(self, kind: type[O]) -> O:
+    def opts(self, kind: type[OptionsT]) -> OptionsT:
         """The mode options, typed: ``spec.opts(FusedOptions).rounds``."""
         if not isinstance(self.options, kind):
             raise SpecError(f"run {self.run_id} is a {self.mode} run, not {kind.__name__}")

@@ -17,8 +17,9 @@ import os
 import tempfile
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 from urllib.parse import unquote, urlsplit
 
 from . import config
@@ -247,7 +248,7 @@ class S3Store(Store):
         return f"s3://{self.bucket}/{self._key(key)}"
 
 
-_BACKENDS: dict[str, type[Store]] = {"file": FileStore, "s3": S3Store}
+_BACKENDS: dict[str, Callable[[str], Store]] = {"file": FileStore, "s3": S3Store}
 
 
 def open_store(url: str, settings: config.Settings | None = None) -> Store:

@@ -102,8 +102,8 @@ class Heartbeat(bootsteps.StartStopStep):
     def __init__(self, worker, **kwargs):
         super().__init__(worker, **kwargs)
         self.tref = None
-        self.client = None
-        self.node = None
+        self.client: Any = None
+        self.node = ""
 
     def start(self, worker):
         self.node = worker.hostname

@@ -31,7 +31,7 @@ def create(store: Store, name: str | None = None) -> tuple[str, dict[str, Any]]:
     token_id = secrets.token_hex(4)
     record = {"id": token_id, "name": name or token_id, "sha256": _digest(token),
               "created_at": time.time(), "revoked_at": None}
-    store.put_json(layout.token_key(token_id), record)
+    store.put_json(layout.key("token", token_id), record)
     return token, record
 
 
@@ -52,7 +52,7 @@ def revoke(store: Store, id_or_name: str) -> dict[str, Any]:
     for record in matches:
         if record["revoked_at"] is None:
             record["revoked_at"] = time.time()
-            store.put_json(layout.token_key(record["id"]), record)
+            store.put_json(layout.key("token", record["id"]), record)
     return matches[0]
 
 

@@ -69,7 +69,7 @@ def s3_endpoint(tmp_path_factory):
             break
         except OSError:
             if time.monotonic() > deadline or proc.poll() is not None:
-                raise RuntimeError("moto server did not start")
+                raise RuntimeError("moto server did not start") from None
             time.sleep(0.1)
     env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "testing",
            "AWS_SECRET_ACCESS_KEY": "testing-secret", "AWS_DEFAULT_REGION": "us-east-1"}

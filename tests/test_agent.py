@@ -12,8 +12,8 @@ import time
 import psutil
 import pytest
 import redis
-
 from conftest import clean_env, queued_messages, tt, tt_json
+
 from tensorturn.local import free_port, stop_process_group
 from tensorturn.roster import OFFLINE_AFTER
 

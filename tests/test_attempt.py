@@ -206,7 +206,8 @@ def test_a_lost_store_fails_the_run_in_one_line_and_resume_continues(world):
     shard(spec, 0, 0)
     doc = world.board.describe(spec.run_id)
     assert doc["state"] == "failed"
-    assert doc["error"].startswith("r0/shard-0: store ") and "\n" not in doc["error"]
+    assert doc["error"].startswith("r0/shard-0 failed 3 attempts; last: store ")
+    assert "\n" not in doc["error"]
     assert [a["outcome"].split(":")[0] for a in doc["attempts"]] == ["failed"] * 3
 
     store_dir.unlink()

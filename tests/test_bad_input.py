@@ -7,8 +7,8 @@ import textwrap
 
 import pytest
 import redis
-
 from conftest import clean_env, tt
+
 from tensorturn.local import free_port
 
 RUN = ("run",)
@@ -222,7 +222,7 @@ def test_recipe_missing_on_workers_fails_the_run_with_every_attempt(pool, tmp_pa
         assert a["task"] in ("r0/shard-0", "r0/shard-1"), a
         assert a["worker"].startswith(("local1@", "local2@")), a
         by_task.setdefault(a["task"], []).append(a)
-    for task, entries in by_task.items():
+    for entries in by_task.values():
         assert sorted(e["attempt"] for e in entries) == list(range(1, len(entries) + 1)), entries
         assert len(entries) <= 2, entries  # never more than --max-attempts
     finished = [a for a in attempts if a["finished_at"] is not None]

@@ -57,7 +57,7 @@ def run(tmp_path):
     blob0 = fused.global_bytes(spec, recipe, theta0)
     spec.options.init_sha256 = sha256_hex(blob0)  # type: ignore[attr-defined]
     store.put_json(f"runs/{spec.run_id}/spec.json", spec.to_json())
-    store.put_bytes(layout.global_key(spec.run_id, 0), blob0)
+    store.put_bytes(layout.key("global", spec.run_id, 0), blob0)
     torch.manual_seed(1)
     avg = {k: 1e-2 * torch.randn_like(v) for k, v in theta0.items() if v.is_floating_point()}
     theta1 = fused.step_global(spec, recipe, store, 0, avg)
@@ -73,15 +73,15 @@ def test_shard_tasks_fetch_the_fewest_bytes(run):
     assert moved == 0 and all(torch.equal(got[k], theta0[k]) for k in theta0)
     # round 1 while holding θ_0: only the int8 broadcast delta comes down
     got, moved = fused.fetch_global(spec, recipe, store, 1)
-    broadcast = store.get_bytes(layout.broadcast_key(spec.run_id, 1))
-    full = store.get_bytes(layout.global_key(spec.run_id, 1))
+    broadcast = store.get_bytes(layout.key("broadcast", spec.run_id, 1))
+    full = store.get_bytes(layout.key("global", spec.run_id, 1))
     assert moved == len(broadcast) and len(full) > 3.5 * len(broadcast)
     assert to_bytes(got) == to_bytes(from_bytes(full))           # bit for bit the stored θ_1
     assert all(torch.equal(got[k], theta1[k]) for k in theta1)
     # a second shard of round 1 in this process: nothing moves
     assert fused.fetch_global(spec, recipe, store, 1)[1] == 0
     # the outer state carries the broadcast's residual beside the momentum
-    state = from_bytes(store.get_bytes(layout.outer_state_key(spec.run_id, 1)))
+    state = from_bytes(store.get_bytes(layout.key("outer", spec.run_id, 1)))
     assert any(k.startswith(fused.RESIDUAL) for k in state)
     assert any(not k.startswith(fused.RESIDUAL) for k in state)
 
@@ -90,13 +90,13 @@ def test_a_delta_that_does_not_rebuild_the_stored_weights_costs_bytes_not_correc
     spec, recipe, store, theta0, theta1 = run
     fused.fetch_global(spec, recipe, store, 0)
     # corrupt the broadcast's values (its claimed sha256 stays): the rebuilt θ_1 would differ
-    key = layout.broadcast_key(spec.run_id, 1)
+    key = layout.key("broadcast", spec.run_id, 1)
     blob = store.get_bytes(key)
     packed = from_bytes(blob)
     packed["int8.q"] = torch.flip(packed["int8.q"], [0])
     store.put_bytes(key, to_bytes(packed, metadata_of(blob)))
     got, moved = fused.fetch_global(spec, recipe, store, 1)
-    full = store.get_bytes(layout.global_key(spec.run_id, 1))
+    full = store.get_bytes(layout.key("global", spec.run_id, 1))
     assert moved == len(store.get_bytes(key)) + len(full)
     assert to_bytes(got) == to_bytes(from_bytes(full))
     assert all(torch.equal(got[k], theta1[k]) for k in theta1)
@@ -106,5 +106,5 @@ def test_a_seed_that_does_not_rebuild_theta0_falls_back_to_the_file(run):
     spec, recipe, store, theta0, _ = run
     spec.options.init_sha256 = "0" * 64  # type: ignore[attr-defined]  # as if this machine's torch initialized differently
     got, moved = fused.fetch_global(spec, recipe, store, 0)
-    assert moved == len(store.get_bytes(layout.global_key(spec.run_id, 0)))
+    assert moved == len(store.get_bytes(layout.key("global", spec.run_id, 0)))
     assert all(torch.equal(got[k], theta0[k]) for k in theta0)

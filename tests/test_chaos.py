@@ -17,9 +17,9 @@ import pytest
 import redis
 
 from tensorturn import client
-from tensorturn.modes.fused.tasks import train_shard
-from tensorturn.local import LocalPool
 from tensorturn.board import RunBoard
+from tensorturn.local import LocalPool
+from tensorturn.modes.fused.tasks import train_shard
 from tensorturn.spec import RunSpec
 
 # Three shards of about 1.5k steps: long enough to hit mid-shard, short enough for CI.

@@ -8,11 +8,11 @@ import time
 
 import pytest
 import redis
-
 from conftest import clean_env, queued_messages, tt, tt_json
+
 from tensorturn import client
-from tensorturn.local import LocalPool
 from tensorturn.board import RunBoard
+from tensorturn.local import LocalPool
 from tensorturn.spec import RunSpec
 
 

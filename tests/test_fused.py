@@ -4,7 +4,6 @@ import hashlib
 from urllib.parse import urlsplit
 
 import boto3
-
 from conftest import clean_env, tt_json
 
 

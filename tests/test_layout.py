@@ -17,10 +17,13 @@ def test_task_labels_round_trip(label):
 
 
 def test_store_keys_parse_back():
-    assert layout.global_round(layout.global_key("run-1", 12)) == 12
-    assert layout.global_round(layout.shard_key("run-1", 12, 0)) is None
-    assert layout.manifest_run(layout.manifest_key("run-1")) == "run-1"
-    assert layout.manifest_run("runs/run-1/report/manifest.json") is None
+    assert layout.key("shard", "run-1", 3, 2) == "runs/run-1/r0003/shard-002.safetensors"
+    assert layout.parse("global", layout.key("global", "run-1", 12)) == {"run_id": "run-1", "round": 12}
+    assert layout.parse("global", layout.key("shard", "run-1", 12, 0)) is None
+    assert layout.parse("manifest", layout.key("manifest", "run-1")) == {"run_id": "run-1"}
+    assert layout.parse("manifest", "runs/run-1/report/manifest.json") is None
+    assert layout.prefix("global", "run-1") == "runs/run-1/global/"
+    assert layout.parse("segment", layout.key("segment", "x", 4, 2)) == {"run_id": "x", "member": 4, "segment": 2}
     assert layout.parse_label("r1/shard-x") is None
 
 
@@ -30,8 +33,7 @@ def test_every_setting_has_a_variable_and_the_readme_lists_them_all():
     fields = {f for f in config.Settings.__dataclass_fields__}
     assert {v.field for v in config.VARIABLES} == fields
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    missing = [v.env for v in config.VARIABLES if f"`{v.env}`" not in readme]
-    assert missing == []
+    assert config.markdown_table() in readme  # `python -m tensorturn.config` prints it
 
 
 def test_settings_from_the_environment():

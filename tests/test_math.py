@@ -7,8 +7,7 @@ import pytest
 import torch
 
 from tensorturn.diloco import outer_update, shard_rows, weighted_average
-from tensorturn.tensors import (delta_bytes, delta_from_bytes, from_bytes, metadata_of,
-                                model_bytes, to_bytes)
+from tensorturn.tensors import delta_bytes, delta_from_bytes, from_bytes, metadata_of, model_bytes, to_bytes
 
 
 def test_nesterov_outer_step_matches_hand_computation():

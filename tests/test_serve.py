@@ -9,9 +9,9 @@ import time
 
 import httpx
 import pytest
+from conftest import clean_env, tt, tt_json
 from sklearn.datasets import load_digits
 
-from conftest import clean_env, tt, tt_json
 from tensorturn import tokens
 from tensorturn.local import free_port, stop_process_group
 from tensorturn.store import open_store

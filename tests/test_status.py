@@ -8,7 +8,6 @@ from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
 import pytest
-
 from conftest import queued_messages, tt, tt_json
 
 SHARDS, SYNC_EVERY, BATCH = 2, 2, 32  # digits-mlp's batch size is 32
@@ -125,9 +124,9 @@ def test_sigterm_puts_the_running_task_back_in_the_queue(tmp_path, monkeypatch):
 
     import redis
 
-    from tensorturn.local import LocalPool
     from tensorturn.board import RunBoard
     from tensorturn.broker import check_broker
+    from tensorturn.local import LocalPool
 
     monkeypatch.setenv("TENSORTURN_BROKER_URL", "redis://127.0.0.1:1/0")  # LocalPool points it elsewhere
     store = tmp_path / "store"

@@ -10,7 +10,7 @@ from urllib.parse import unquote, urlsplit
 import boto3
 import pytest
 
-from tensorturn import config, store as store_mod
+from tensorturn import config
 from tensorturn.errors import StoreError
 from tensorturn.local import free_port
 from tensorturn.store import FileStore, ObjectMissing, S3Store, open_store, sha256_hex

@@ -107,6 +107,7 @@ def up(broker, store, port, bind, advertise, directory):
     click.echo("Ctrl-C stops the coordinator.", err=True)
     stop_on_signals()
     try:
+        assert server.proc is not None  # started above
         server.proc.wait()
         raise TensorTurnError(f"redis-server exited (log: {home / 'redis' / 'redis.log'})")
     except KeyboardInterrupt:

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import click
 
 from .. import config
 from ..errors import SpecError
+from ..modes import get_mode, mode_names
 from ..spec import FINISHED
 from . import cli, emit_json, ignore_signals, pool_options, stop_on_signals
 
@@ -19,10 +21,9 @@ class RunProgress:
     What a unit is (a round, a member's segment) is the mode's to say."""
 
     def __init__(self, doc: dict[str, Any], quiet: bool = False):
-        from ..modes import get_mode
-
         self.mode = get_mode(doc["mode"])
-        self.quiet, self.lines_seen, self.info, self.note = quiet, set(), "", None
+        self.quiet, self.info, self.note = quiet, "", None
+        self.lines_seen: set[str] = set()
         _, self.total, _ = self.mode.progress(doc)
         self.bar = None
         if sys.stderr.isatty() and not quiet:
@@ -99,10 +100,57 @@ def print_result(doc: dict[str, Any], as_json: bool) -> None:
         sys.exit(1)
 
 
+def follow_options(command: str) -> Callable:
+    """What `run` and `resume` share: where the work runs, and how the command waits for it."""
+
+    def decorate(fn: Callable) -> Callable:
+        for option in reversed([
+            click.option("--local-workers", type=int, default=2, show_default=True,
+                         help="Embedded pool only: agent processes to start on this machine."),
+            click.option("--detach", is_flag=True,
+                         help="Queue the work and return at once (needs --broker)."),
+            click.option("--timeout", "timeout_s", type=float, default=None,
+                         help="Stop waiting after this many seconds (the run goes on)."),
+            click.option("--json", "as_json", is_flag=True,
+                         help="Print the run as one JSON object on stdout."),
+            pool_options(f"Redis URL of the pool (env TENSORTURN_BROKER_URL). Without it, "
+                         f"`{command}` starts a private embedded pool on this machine."),
+        ]):
+            fn = option(fn)
+        return fn
+
+    return decorate
+
+
+def mode_options(fn: Callable) -> Callable:
+    """A flag for every option of every mode in the registry, from the mode's options class."""
+    from dataclasses import MISSING, fields
+
+    types = {"int": int, "float": float, "str": str}
+    for name in reversed(mode_names()):
+        options = get_mode(name).Options
+        by_name = {f.name: f for f in fields(options)}
+        for field_name, text in reversed(options.flags()):
+            f = by_name[field_name]
+            kind = str(f.type).split(" | ")[0]
+            shown = ("on" if f.default else "off") if kind == "bool" else f.default
+            default = "" if f.default in (MISSING, None) else f" [default: {shown}]"
+            help_text = f"{name.capitalize()}: {text}.{default}"
+            flag = "--" + field_name.replace("_", "-")
+            if kind == "bool":
+                fn = click.option(f"{flag}/--no-{flag[2:]}", field_name, default=None, help=help_text)(fn)
+            elif field_name in options.CHOICES:
+                fn = click.option(flag, field_name, type=click.Choice(options.CHOICES[field_name]),
+                                  default=None, help=help_text)(fn)
+            else:
+                fn = click.option(flag, field_name, type=types[kind], default=None, help=help_text)(fn)
+    return fn
+
+
 # Options of one mode default to None here: only what the user gave reaches the spec, so an
 # option of the other mode is refused by name, and defaults live in the mode's options class.
 @cli.command()
-@click.option("--mode", type=click.Choice(["fused", "ensemble"]), default="fused", show_default=True,
+@click.option("--mode", type=click.Choice(mode_names()), default="fused", show_default=True,
               help="fused: shard the data, average weights every H steps into one model. "
                    "ensemble: diverse full models that vote.")
 @click.option("--recipe", required=True, metavar="NAME|module:attr",
@@ -111,40 +159,7 @@ def print_result(doc: dict[str, Any], as_json: bool) -> None:
 @click.option("--recipe-option", "recipe_options", multiple=True, metavar="KEY=VALUE",
               help="An option for the recipe (repeatable), e.g. --recipe-option data=book.txt. "
                    "Values are parsed as JSON when they can be (numbers, lists), else strings.")
-@click.option("--rounds", type=int, default=None, help="Fused: outer rounds [default: 8].")
-@click.option("--sync-every", "sync_every", type=int, default=None,
-              help="Fused: inner steps per shard between weight averages (H) [default: 25].")
-@click.option("--shards", type=int, default=None,
-              help="Fused: virtual replicas per round [default: 8]; more shards than machines "
-                   "lets faster machines take more. The math depends on this, not on the machines.")
-@click.option("--outer", type=click.Choice(["nesterov", "sgd"]), default=None,
-              help="Fused outer optimizer: nesterov (DiLoCo, the default) or sgd (with "
-                   "--outer-lr 1: FedAvg).")
-@click.option("--outer-lr", type=float, default=None,
-              help="Fused: outer learning rate [default: 0.7 for nesterov, 1.0 for sgd].")
-@click.option("--outer-momentum", type=float, default=None, help="Fused [default: 0.9].")
-@click.option("--codec", type=click.Choice(["fp32", "fp16", "int8"]), default=None,
-              help="Fused: encoding of what travels between rounds — pseudo-gradients up and "
-                   "weight updates down [default: fp32; int8: ~3.9× fewer bytes, with error "
-                   "feedback on the download].")
-@click.option("--members", type=int, default=None,
-              help="Ensemble: models to train, at least 2 [default: one per online machine].")
-@click.option("--min-members", type=int, default=None,
-              help="Ensemble: the run fails if fewer members finish [default: 1].")
-@click.option("--vote", type=click.Choice(["soft", "hard"]), default=None,
-              help="Ensemble: soft = mean probability (the default), hard = majority.")
-@click.option("--segments", type=int, default=None,
-              help="Ensemble: checkpointed segments per member (a lost machine costs one) "
-                   "[default: 3].")
-@click.option("--segment-steps", type=int, default=None,
-              help="Ensemble: optimizer steps per segment [default: 400].")
-@click.option("--bootstrap/--no-bootstrap", default=None,
-              help="Ensemble: train each member on its own bootstrap sample [default: on].")
-@click.option("--diversity", type=click.Choice(["full", "seed"]), default=None,
-              help="Ensemble: full = seed + a draw from the recipe's config space (the default); "
-                   "seed = seed only.")
-@click.option("--deadline", type=float, default=None,
-              help="Ensemble: seconds after submission; members still training then drop out.")
+@mode_options
 @click.option("--lr", type=float, default=None, help="Inner learning rate [default: the recipe's].")
 @click.option("--batch-size", type=int, default=None, help="[default: the recipe's]")
 @click.option("--seed", type=int, default=0, show_default=True)
@@ -152,14 +167,7 @@ def print_result(doc: dict[str, Any], as_json: bool) -> None:
               help="CPU torch threads per task; CPU results depend on it.")
 @click.option("--max-attempts", type=int, default=3, show_default=True,
               help="Attempts per task before the run fails (or an ensemble member drops).")
-@click.option("--local-workers", type=int, default=2, show_default=True,
-              help="Embedded pool only: agent processes to start on this machine.")
-@click.option("--detach", is_flag=True, help="Queue the run and return at once (needs --broker).")
-@click.option("--timeout", "timeout_s", type=float, default=None,
-              help="Stop waiting after this many seconds (the run goes on).")
-@click.option("--json", "as_json", is_flag=True, help="Print the run as one JSON object on stdout.")
-@pool_options("Redis URL of the pool (env TENSORTURN_BROKER_URL). Without it, `run` starts a "
-              "private embedded pool on this machine.")
+@follow_options("run")
 def run(broker, store, mode, recipe, recipe_options, seed, lr, batch_size, threads_per_task,
         max_attempts, local_workers, detach, timeout_s, as_json, **mode_options):
     """Train a model on the pool and print the result.
@@ -252,14 +260,7 @@ def embedded(run_id: str, store_url: str, local_workers: int, timeout_s: float |
 
 @cli.command()
 @click.argument("run_id")
-@click.option("--local-workers", type=click.IntRange(min=1), default=2, show_default=True,
-              help="Embedded pool only: agent processes to start on this machine.")
-@click.option("--detach", is_flag=True, help="Queue the remaining work and return (needs --broker).")
-@click.option("--timeout", "timeout_s", type=float, default=None,
-              help="Stop waiting after this many seconds.")
-@click.option("--json", "as_json", is_flag=True, help="Print the run as one JSON object on stdout.")
-@pool_options("Redis URL of the pool (env TENSORTURN_BROKER_URL). Without it, `resume` starts a "
-              "private embedded pool on this machine.")
+@follow_options("resume")
 def resume(broker, store, run_id, local_workers, detach, timeout_s, as_json):
     """Continue a run from the last complete round or checkpoints in the store.
 
@@ -269,6 +270,8 @@ def resume(broker, store, run_id, local_workers, detach, timeout_s, as_json):
     """
     from .. import client
 
+    if broker is None and local_workers < 1:
+        raise SpecError(f"--local-workers must be a whole number ≥ 1 (got {local_workers})")
     if detach and broker is None:
         raise SpecError("--detach needs a pool (--broker): an embedded pool stops when `resume` exits")
     client.describe(run_id, None, store)  # an unknown run is refused before any pool starts

@@ -49,6 +49,24 @@ class Mode(Protocol):
         """Where the run's result lives in the store."""
 
 
+class ModeBase:
+    """What modes share: a name, an options class, what progress counts, and the mode's
+    ``tasks`` module, where the torch-heavy work (starting and resuming a run) is imported only
+    when a run starts."""
+
+    def __init__(self, name: str, options: type["ModeOptions"], unit: str, tasks: str):
+        self.name, self.Options, self.unit, self.tasks = name, options, unit, tasks
+
+    def prepare(self, spec: "RunSpec", online_workers: int) -> None:
+        pass
+
+    def start(self, spec: "RunSpec", store: "Store", board: "RunBoard") -> None:
+        importlib.import_module(self.tasks).start(spec, store, board)
+
+    def resume(self, spec: "RunSpec", store: "Store", board: "RunBoard") -> str:
+        return importlib.import_module(self.tasks).resume(spec, store, board)
+
+
 def mode_names() -> list[str]:
     return list(REGISTRY)
 

@@ -58,7 +58,9 @@ def load_text(data: str | None) -> str:
         return Path(data).expanduser().read_text(encoding="utf-8")
     parts = []
     for name in CORPUS_MODULES:
-        origin = importlib.util.find_spec(name).origin
+        found = importlib.util.find_spec(name)
+        assert found is not None and found.origin is not None, name  # standard library modules
+        origin = found.origin
         parts.append(f"# ---- {name} ----\n" + Path(origin).read_text(encoding="utf-8"))
     return "\n".join(parts)[:CORPUS_CHARS]
 

@@ -97,7 +97,7 @@ class Unit(ABC):
         """Do the work and store the output; returns the attempt's outcome: :data:`SUCCEEDED`,
         :data:`LATE` when another attempt stored the output first, or ``refused: <why>``."""
 
-    def then(self) -> None:
+    def then(self) -> None:  # noqa: B027 - optional: most units queue nothing
         """Queue what follows the unit; idempotent (one-time claims), called after run() and
         for duplicates, so a follow-up lost with a crashed attempt is queued by the next."""
 
@@ -171,7 +171,8 @@ def execute(task: Task, run_id: str, store_url: str, label: Label,
             _worker_succeeded(board, worker)  # the store answered: this is not the machine's fault
         if number < max_attempts:
             raise task.retry(countdown=min(2 ** (number - 1), 8), max_retries=None) from None
-        final = f"{label}: {message}" if number <= max_attempts else f"{label} failed {max_attempts} attempts"
+        final = (f"{label} failed {number} attempts; last: {message}" if number <= max_attempts
+                 else f"{label} failed {max_attempts} attempts")
         if unit is not None:
             unit.give_up(final)
         else:

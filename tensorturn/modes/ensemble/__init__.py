@@ -26,12 +26,11 @@ from typing import TYPE_CHECKING, Any
 from ... import layout
 from ...errors import SpecError
 from ...spec import ModeOptions, check_positive
+from .. import ModeBase
 
 if TYPE_CHECKING:
-    from ...board import RunBoard
     from ...recipes import Recipe
     from ...spec import RunSpec
-    from ...store import Store
 
 VOTES = ("soft", "hard")
 DIVERSITY = ("full", "seed")
@@ -39,6 +38,18 @@ DIVERSITY = ("full", "seed")
 
 @dataclass
 class EnsembleOptions(ModeOptions):
+    HELP = """
+    members         models to train, at least 2 (default: one per online machine)
+    min_members     the run fails if fewer members finish
+    vote            soft = mean probability, hard = majority of top classes
+    segments        checkpointed segments per member (a lost machine costs one)
+    segment_steps   optimizer steps per segment
+    bootstrap       train each member on its own bootstrap sample of the data
+    diversity       full = seed + a draw from the recipe's config space; seed = seed only
+    deadline        seconds after submission; members still training then drop out
+    """
+    CHOICES = {"vote": VOTES, "diversity": DIVERSITY}
+
     members: int | None = None          # None: one per online machine, at least 2 (set at submit)
     min_members: int = 1
     vote: str = "soft"
@@ -49,10 +60,7 @@ class EnsembleOptions(ModeOptions):
     deadline: float | None = None       # seconds after creation; later segments drop their member
 
     def validate(self) -> None:
-        if self.vote not in VOTES:
-            raise SpecError(f"unknown vote rule {self.vote!r}: choose soft or hard")
-        if self.diversity not in DIVERSITY:
-            raise SpecError(f"unknown diversity {self.diversity!r}: choose full or seed")
+        super().validate()
         check_positive({"segments": self.segments, "segment_steps": self.segment_steps,
                         "min_members": self.min_members})
         if self.members is not None:
@@ -67,11 +75,7 @@ class EnsembleOptions(ModeOptions):
             raise SpecError(f"--deadline must be a positive number of seconds (got {self.deadline})")
 
 
-class Ensemble:
-    name = "ensemble"
-    Options = EnsembleOptions
-    unit = "segments"
-
+class Ensemble(ModeBase):
     def prepare(self, spec: "RunSpec", online_workers: int) -> None:
         opts = spec.opts(EnsembleOptions)
         if opts.members is None:
@@ -81,16 +85,6 @@ class Ensemble:
         from .tasks import member_plan
 
         return [m["model"] for m in member_plan(spec, recipe)]
-
-    def start(self, spec: "RunSpec", store: "Store", board: "RunBoard") -> None:
-        from .tasks import start
-
-        start(spec, store, board)
-
-    def resume(self, spec: "RunSpec", store: "Store", board: "RunBoard") -> str:
-        from .tasks import resume
-
-        return resume(spec, store, board)
 
     def progress(self, doc: dict[str, Any]) -> tuple[int, int, list[tuple[str, str]]]:
         options = (doc.get("spec") or {}).get("options", {})
@@ -107,7 +101,7 @@ class Ensemble:
         return done, total, events
 
     def final_key(self, run_id: str) -> str:
-        return layout.final_ensemble_key(run_id)
+        return layout.key("final_ensemble", run_id)
 
 
-MODE = Ensemble()
+MODE = Ensemble("ensemble", EnsembleOptions, "segments", "tensorturn.modes.ensemble.tasks")

@@ -26,8 +26,14 @@ from ...spec import RunSpec
 from ...store import Store
 from ...tasks.attempt import LATE, SUCCEEDED, Unit, execute
 from ...telemetry import TaskReporter
-from ...tensors import (ensemble_bytes, from_bytes, load_optimizer_tensors, model_bytes,
-                        optimizer_tensors, to_bytes)
+from ...tensors import (
+    ensemble_bytes,
+    from_bytes,
+    load_optimizer_tensors,
+    model_bytes,
+    optimizer_tensors,
+    to_bytes,
+)
 from ...training import derive_seed, load_model, set_threads, train_steps
 from . import EnsembleOptions
 
@@ -109,7 +115,7 @@ def resume(spec: RunSpec, store: Store, board: RunBoard) -> str:
         # a member dropped for failures gets another chance: the cause may be fixed
         board.r.hdel(layout.run_key(spec.run_id, "members_done"), str(m))
         stored = [j for j in range(opts.segments)
-                  if store.exists(layout.segment_key(spec.run_id, m, j))]
+                  if store.exists(layout.key("segment", spec.run_id, m, j))]
         j = min(max(stored) + 1 if stored else 0, opts.segments - 1)
         board.record_member(spec.run_id, m, {**info, "state": "queued", "reason": None,
                                              "segments_done": len(stored)})
@@ -131,23 +137,18 @@ def train_segment(self, run_id: str, store_url: str, m: int, j: int) -> dict[str
 
 
 class SegmentUnit(Unit):
-    def _where(self) -> tuple[int, int]:
-        label = self.a.label
-        assert label.member is not None and label.segment is not None
-        return label.member, label.segment
-
     def _last(self) -> bool:
-        return self._where()[1] == options(self.spec).segments - 1
+        return self.a.label.numbers[1] == options(self.spec).segments - 1
 
     def done(self) -> bool:
-        m, j = self._where()
+        m, j = self.a.label.numbers
         state = self.board.member(self.spec.run_id, m).get("state")
         if state in ("dropped", "succeeded"):
             return True
-        return not self._last() and self.store.exists(layout.segment_key(self.spec.run_id, m, j))
+        return not self._last() and self.store.exists(layout.key("segment", self.spec.run_id, m, j))
 
     def run(self) -> str:
-        spec, board, (m, j) = self.spec, self.board, self._where()
+        spec, board, (m, j) = self.spec, self.board, self.a.label.numbers
         opts = options(spec)
         if opts.deadline is not None and time.time() > spec.created_at + opts.deadline:
             drop(spec, board, m, f"missed the deadline ({opts.deadline:g}s) before {self.a.label}")
@@ -157,7 +158,7 @@ class SegmentUnit(Unit):
         board.update_member(spec.run_id, m, state="running",
                             workers=workers if self.a.worker in workers else workers + [self.a.worker])
         outcome = SUCCEEDED
-        if not self.store.exists(layout.segment_key(spec.run_id, m, j)):
+        if not self.store.exists(layout.key("segment", spec.run_id, m, j)):
             outcome = self._train(m, j)
         board.update_member(spec.run_id, m, segments_done=max(info.get("segments_done", 0), j + 1))
         if self._last():
@@ -178,12 +179,12 @@ class SegmentUnit(Unit):
             torch.manual_seed(plan["seed"])
             model = recipe.model(plan["model"]).to(device)
         else:
-            blob = store.get_bytes(layout.segment_key(spec.run_id, m, j - 1))
+            blob = store.get_bytes(layout.key("segment", spec.run_id, m, j - 1))
             self.a.bytes_down += len(blob)
             model = load_model(recipe, from_bytes(blob), plan["model"], device)
         opt = torch.optim.AdamW(model.parameters(), lr=plan["lr"], weight_decay=recipe.weight_decay)
         if j > 0:
-            blob = store.get_bytes(layout.optim_key(spec.run_id, m, j - 1))
+            blob = store.get_bytes(layout.key("optim", spec.run_id, m, j - 1))
             self.a.bytes_down += len(blob)
             load_optimizer_tensors(opt, from_bytes(blob))
         n = len(splits.y_train)
@@ -196,11 +197,11 @@ class SegmentUnit(Unit):
         optim_blob = to_bytes(optimizer_tensors(opt))
         weights = model_bytes({k: v.cpu() for k, v in model.state_dict().items()}, spec.recipe,
                               plan["model"], spec.recipe_options)
-        if store.exists(layout.segment_key(spec.run_id, m, j)):
+        if store.exists(layout.key("segment", spec.run_id, m, j)):
             return LATE
         # The optimizer state goes first: a stored checkpoint means the segment is complete.
-        store.put_bytes(layout.optim_key(spec.run_id, m, j), optim_blob)
-        store.put_bytes(layout.segment_key(spec.run_id, m, j), weights)
+        store.put_bytes(layout.key("optim", spec.run_id, m, j), optim_blob)
+        store.put_bytes(layout.key("segment", spec.run_id, m, j), weights)
         self.a.bytes_up = len(optim_blob) + len(weights)
         reporter.done()
         return SUCCEEDED
@@ -210,7 +211,7 @@ class SegmentUnit(Unit):
         recipe = recipe_of(spec)
         splits = load_splits(recipe)
         last = options(spec).segments - 1
-        state = from_bytes(store.get_bytes(layout.segment_key(spec.run_id, m, last)))
+        state = from_bytes(store.get_bytes(layout.key("segment", spec.run_id, m, last)))
         model = load_model(recipe, state, member_plan(spec, recipe)[m]["model"], torch.device("cpu"))
         test = recipe.evaluate(model, splits.x_test, splits.y_test)
         self.board.update_member(spec.run_id, m, state="succeeded",
@@ -219,7 +220,7 @@ class SegmentUnit(Unit):
         try_write_manifest(store, self.board, spec.run_id)
 
     def then(self) -> None:
-        spec, (m, j) = self.spec, self._where()
+        spec, (m, j) = self.spec, self.a.label.numbers
         if self.board.member(spec.run_id, m).get("state") in ("dropped", "succeeded"):
             maybe_vote(spec, self.board)
         elif j + 1 < options(spec).segments and self.board.claim(spec.run_id,
@@ -227,7 +228,7 @@ class SegmentUnit(Unit):
             queue_segment(spec, m, j + 1)
 
     def give_up(self, message: str) -> None:
-        drop(self.spec, self.board, self._where()[0], message)
+        drop(self.spec, self.board, self.a.label.numbers[0], message)
 
 
 # ---- the vote ----------------------------------------------------------------------------------
@@ -282,10 +283,10 @@ class VoteUnit(Unit):
         entries = []
         for e in done:
             m = e["member"]
-            state = from_bytes(store.get_bytes(layout.segment_key(run_id, m, opts.segments - 1)))
+            state = from_bytes(store.get_bytes(layout.key("segment", run_id, m, opts.segments - 1)))
             entries.append((m, state, e["config"]["model"]))
         blob = ensemble_bytes(entries, spec.recipe, opts.vote, spec.recipe_options)
-        final = layout.final_ensemble_key(run_id)
+        final = layout.key("final_ensemble", run_id)
         sha = store.put_bytes(final, blob)
         splits = load_splits(recipe_of(spec))
         metrics = vote_metrics(Predictor.from_bytes(blob), splits.x_test, splits.y_test)

@@ -19,16 +19,34 @@ from ...board import RunBoard
 from ...capacity import queue_for
 from ...celery_app import app, forget_results
 from ...device import pick_device
-from ...diloco import (apply_step, check_update, compress_broadcast, initial_state,
-                       outer_update, round_figures, shard_rows, train_replica, weighted_average)
+from ...diloco import (
+    apply_step,
+    check_update,
+    compress_broadcast,
+    initial_state,
+    outer_update,
+    round_figures,
+    shard_rows,
+    train_replica,
+    weighted_average,
+)
 from ...manifest import save_spec, write_manifest
 from ...recipes import Recipe, load_splits, recipe_of, resolve
 from ...spec import RunSpec
 from ...store import ObjectMissing, Store, sha256_hex
 from ...tasks.attempt import LATE, SUCCEEDED, Unit, chord_failed, execute
 from ...telemetry import TaskReporter
-from ...tensors import (BROADCAST_FORMAT, StateDict, delta_bytes, delta_from_bytes, float_keys,
-                        from_bytes, metadata_of, model_bytes, to_bytes)
+from ...tensors import (
+    BROADCAST_FORMAT,
+    StateDict,
+    delta_bytes,
+    delta_from_bytes,
+    float_keys,
+    from_bytes,
+    metadata_of,
+    model_bytes,
+    to_bytes,
+)
 from ...training import derive_seed, load_model, set_threads
 from . import FusedOptions
 
@@ -54,7 +72,7 @@ def start(spec: RunSpec, store: Store, board: RunBoard) -> None:
     theta0 = global_bytes(spec, recipe, initial_state(recipe, spec.seed))
     options(spec).init_sha256 = sha256_hex(theta0)  # machines rebuild θ_0 from the seed, verified
     save_spec(store, spec)
-    store.put_bytes(layout.global_key(spec.run_id, 0), theta0)
+    store.put_bytes(layout.key("global", spec.run_id, 0), theta0)
     board.create(spec)
     write_manifest(store, board, spec.run_id)
     board.claim(spec.run_id, layout.dispatch_claim(0))
@@ -74,11 +92,11 @@ def dispatch_round(spec: RunSpec, r: int) -> None:
 
 def resume(spec: RunSpec, store: Store, board: RunBoard) -> str:
     """Continue from the last round whose global weights are in the store; says what it did."""
-    done = [layout.global_round(key) for key in store.list(layout.global_prefix(spec.run_id))]
-    r = max((d for d in done if d is not None), default=0)
+    stored = [layout.parse("global", key) for key in store.list(layout.prefix("global", spec.run_id))]
+    r = max((parts["round"] for parts in stored if parts), default=0)
     for past in range(r):  # rounds the broker forgot are rebuilt from the store
-        if store.exists(layout.round_key(spec.run_id, past)):
-            board.record_round(spec.run_id, past, store.get_json(layout.round_key(spec.run_id, past)))
+        if store.exists(layout.key("round", spec.run_id, past)):
+            board.record_round(spec.run_id, past, store.get_json(layout.key("round", spec.run_id, past)))
     rounds = options(spec).rounds
     if r >= rounds:  # every round is stored: the outer step of the last one finalizes again
         r = rounds - 1
@@ -96,18 +114,13 @@ def train_shard(self, run_id: str, store_url: str, r: int, k: int) -> dict[str, 
 
 
 class ShardUnit(Unit):
-    def _where(self) -> tuple[int, int]:
-        label = self.a.label
-        assert label.round is not None and label.shard is not None
-        return label.round, label.shard
-
     def done(self) -> bool:
-        r, k = self._where()
-        return (self.store.exists(layout.shard_key(self.spec.run_id, r, k))
-                or self.store.exists(layout.global_key(self.spec.run_id, r + 1)))
+        r, k = self.a.label.numbers
+        return (self.store.exists(layout.key("shard", self.spec.run_id, r, k))
+                or self.store.exists(layout.key("global", self.spec.run_id, r + 1)))
 
     def run(self) -> str:
-        r, k = self._where()
+        r, k = self.a.label.numbers
         spec, opts = self.spec, options(self.spec)
         set_threads(spec.threads_per_task)
         recipe = recipe_of(spec)
@@ -125,7 +138,7 @@ class ShardUnit(Unit):
         # machine held), and the upload's size must not
         blob = delta_bytes(delta, opts.codec, {"samples": str(samples), "loss": repr(loss),
                                                "bytes_down": f"{self.a.bytes_down:015d}"})
-        out_key = layout.shard_key(spec.run_id, r, k)
+        out_key = layout.key("shard", spec.run_id, r, k)
         if self.store.exists(out_key):  # never overwrite: the round may already have used it
             return LATE
         self.store.put_bytes(out_key, blob)
@@ -163,7 +176,7 @@ def fetch_global(spec: RunSpec, recipe: Recipe, store: Store, r: int) -> tuple[S
     elif held and held[0] == r - 1 and opts.codec != "fp32":
         theta, sha, moved = _rebuild_from_broadcast(spec, recipe, store, r, held)
     if theta is None:
-        data = store.get_bytes(layout.global_key(spec.run_id, r))
+        data = store.get_bytes(layout.key("global", spec.run_id, r))
         theta, sha, moved = from_bytes(data), sha256_hex(data), moved + len(data)
     assert sha is not None
     _held[spec.run_id] = (r, sha, theta)
@@ -176,7 +189,7 @@ def fetch_global(spec: RunSpec, recipe: Recipe, store: Store, r: int) -> tuple[S
 def _rebuild_from_broadcast(spec: RunSpec, recipe: Recipe, store: Store, r: int,
                             held: tuple[int, str, StateDict]) -> tuple[StateDict | None, str, int]:
     try:
-        blob = store.get_bytes(layout.broadcast_key(spec.run_id, r))
+        blob = store.get_bytes(layout.key("broadcast", spec.run_id, r))
     except ObjectMissing:  # a run from before broadcasts existed
         return None, "", 0
     meta = metadata_of(blob)
@@ -199,20 +212,16 @@ def outer_step(self, _receipts: list, run_id: str, store_url: str, r: int) -> di
 
 
 class OuterUnit(Unit):
-    def _round(self) -> int:
-        assert self.a.label.round is not None
-        return self.a.label.round
-
     def done(self) -> bool:
         # the last round is done only when the run is finished (checked before this)
-        r = self._round()
+        r = self.a.label.numbers[0]
         return r + 1 < options(self.spec).rounds and self.board.has_round(self.spec.run_id, r)
 
     def run(self) -> str:
-        spec, store, r = self.spec, self.store, self._round()
+        spec, store, r = self.spec, self.store, self.a.label.numbers[0]
         info = outer_round(spec, store, r)
         self.board.record_round(spec.run_id, r, info)
-        store.put_json(layout.round_key(spec.run_id, r), info)
+        store.put_json(layout.key("round", spec.run_id, r), info)
         if r + 1 == options(spec).rounds:
             finalize(spec, store, self.board)
         else:
@@ -220,7 +229,7 @@ class OuterUnit(Unit):
         return SUCCEEDED
 
     def then(self) -> None:
-        spec, r = self.spec, self._round()
+        spec, r = self.spec, self.a.label.numbers[0]
         if r + 1 < options(spec).rounds and self.board.claim(spec.run_id, layout.dispatch_claim(r + 1)):
             dispatch_round(spec, r + 1)
 
@@ -229,12 +238,12 @@ def outer_round(spec: RunSpec, store: Store, r: int) -> dict[str, Any]:
     """Average round r's stored pseudo-gradients into θ_{r+1} (or reuse it, when a previous
     attempt stored it) and evaluate it; returns the round's record."""
     run_id, shards = spec.run_id, options(spec).shards
-    missing = [k for k in range(shards) if not store.exists(layout.shard_key(run_id, r, k))]
+    missing = [k for k in range(shards) if not store.exists(layout.key("shard", run_id, r, k))]
     if missing:
         raise RuntimeError(f"round {r}: shard outputs missing for shards {missing}")
     deltas, samples, losses, bytes_up, bytes_down = [], [], [], 0, 0
     for k in range(shards):
-        blob = store.get_bytes(layout.shard_key(run_id, r, k))
+        blob = store.get_bytes(layout.key("shard", run_id, r, k))
         delta, meta = delta_from_bytes(blob)
         deltas.append(delta)
         samples.append(int(meta["samples"]))
@@ -242,7 +251,7 @@ def outer_round(spec: RunSpec, store: Store, r: int) -> dict[str, Any]:
         bytes_up += len(blob)
         bytes_down += int(meta["bytes_down"])
     recipe = recipe_of(spec)
-    next_key = layout.global_key(run_id, r + 1)
+    next_key = layout.key("global", run_id, r + 1)
     if store.exists(next_key):  # a previous attempt decided θ_{r+1} already
         new_theta = from_bytes(store.get_bytes(next_key))
     else:
@@ -258,12 +267,12 @@ def step_global(spec: RunSpec, recipe: Recipe, store: Store, r: int, avg: StateD
     """θ_{r+1} from θ_r and the averaged pseudo-gradient; stores the outer state, the broadcast
     delta (compressed runs) and then θ_{r+1}, whose existence decides the round."""
     run_id, opts = spec.run_id, options(spec)
-    theta_bytes = store.get_bytes(layout.global_key(run_id, r))
+    theta_bytes = store.get_bytes(layout.key("global", run_id, r))
     theta = from_bytes(theta_bytes)
     use_momentum = opts.outer == "nesterov" and opts.outer_momentum > 0
     compress = opts.codec != "fp32" and r + 1 < opts.rounds  # the final θ is kept exact
     state: StateDict = {}
-    state_key = layout.outer_state_key(run_id, r)
+    state_key = layout.key("outer", run_id, r)
     if r > 0 and (use_momentum or (opts.codec != "fp32" and store.exists(state_key))):
         state = from_bytes(store.get_bytes(state_key))  # (no residual yet: a run from before)
     buf = {k: v for k, v in state.items() if not k.startswith(RESIDUAL)}
@@ -277,27 +286,27 @@ def step_global(spec: RunSpec, recipe: Recipe, store: Store, r: int, avg: StateD
                                                              opts.codec)
         new_buf.update({RESIDUAL + k: v for k, v in new_residual.items()})
     if new_buf:  # the outer state of r+1 is stored before θ_{r+1} decides the round
-        store.put_bytes(layout.outer_state_key(run_id, r + 1), to_bytes(new_buf))
+        store.put_bytes(layout.key("outer", run_id, r + 1), to_bytes(new_buf))
     new_bytes = global_bytes(spec, recipe, new_theta)
     if compress:
         shapes = {k: list(theta[k].shape) for k in float_keys(theta)}
-        store.put_bytes(layout.broadcast_key(run_id, r + 1), to_bytes(packed, {
+        store.put_bytes(layout.key("broadcast", run_id, r + 1), to_bytes(packed, {
             "format": BROADCAST_FORMAT, "codec": opts.codec,
             "shapes": json.dumps(shapes, sort_keys=True),
             "base_sha256": sha256_hex(theta_bytes), "sha256": sha256_hex(new_bytes)}))
-    store.put_bytes(layout.global_key(run_id, r + 1), new_bytes)
+    store.put_bytes(layout.key("global", run_id, r + 1), new_bytes)
     return new_theta
 
 
 def finalize(spec: RunSpec, store: Store, board: RunBoard) -> None:
     """Store the final model, evaluate it on the test split, and finish the run."""
     run_id = spec.run_id
-    data = store.get_bytes(layout.global_key(run_id, options(spec).rounds))
-    sha = store.put_bytes(layout.final_model_key(run_id), data)
+    data = store.get_bytes(layout.key("global", run_id, options(spec).rounds))
+    sha = store.put_bytes(layout.key("final_model", run_id), data)
     recipe = recipe_of(spec)
     splits = load_splits(recipe)
     model = load_model(recipe, from_bytes(data), recipe.default_config(), torch.device("cpu"))
     test = recipe.evaluate(model, splits.x_test, splits.y_test)
     board.finish(run_id, "succeeded", metrics={f"test_{k}": v for k, v in test.items()},
-                 model_uri=store.uri(layout.final_model_key(run_id)), model_sha256=sha)
+                 model_uri=store.uri(layout.key("final_model", run_id)), model_sha256=sha)
     write_manifest(store, board, run_id)
