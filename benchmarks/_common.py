@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import re
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -15,10 +14,10 @@ from typing import Any
 import torch
 
 from tensorturn import client
+from tensorturn.layout import parse_label
 from tensorturn.spec import RunSpec
 
 HERE = Path(__file__).resolve().parent
-_SHARD = re.compile(r"^r(\d+)/shard-(\d+)$")
 
 
 def machine() -> dict[str, Any]:
@@ -59,13 +58,14 @@ def run_job(pool, store_url: str, timeout_s: float = 900, **spec_fields: Any) ->
 
 
 def succeeded(doc: dict[str, Any]) -> list[dict[str, Any]]:
-    """The run's successful shard/segment attempts."""
-    return [a for a in doc["attempts"] if a["outcome"] == "succeeded"]
+    """The run's successful training attempts (shards and segments)."""
+    return [a for a in doc["attempts"] if a["outcome"] == "succeeded"
+            and (label := parse_label(a["task"])) is not None and label.kind in ("shard", "segment")]
 
 
 def shard_span(doc: dict[str, Any]) -> float:
     """Seconds from the first shard start to the last shard finish."""
-    done = [a for a in succeeded(doc) if _SHARD.match(a["task"])]
+    done = [a for a in succeeded(doc) if getattr(parse_label(a["task"]), "kind", None) == "shard"]
     return max(a["finished_at"] for a in done) - min(a["started_at"] for a in done)
 
 
@@ -77,9 +77,9 @@ def round_gaps(doc: dict[str, Any]) -> list[float]:
     """Per round boundary: next round's first shard start − previous round's last shard finish."""
     by_round: dict[int, list[dict[str, Any]]] = {}
     for a in succeeded(doc):
-        m = _SHARD.match(a["task"])
-        if m:
-            by_round.setdefault(int(m.group(1)), []).append(a)
+        label = parse_label(a["task"])
+        if label is not None and label.kind == "shard" and label.round is not None:
+            by_round.setdefault(label.round, []).append(a)
     rs = sorted(by_round)
     return [min(a["started_at"] for a in by_round[r + 1]) - max(a["finished_at"] for a in by_round[r])
             for r in rs[:-1] if r + 1 in by_round]

@@ -26,6 +26,8 @@ def worker_argv(name: str | None, concurrency: int, loglevel: str) -> list[str]:
 
 def run_agent(name: str | None, concurrency: int, loglevel: str | None = None) -> None:
     from .celery_app import app
+    from .recipes import warm_up
 
     level = loglevel or config.current().loglevel
+    warm_up()  # before the pool forks: every pool process starts with torch and the recipes loaded
     app.worker_main(worker_argv(name, concurrency, level))

@@ -80,6 +80,18 @@ def resolve(name: str, options: dict | None = None) -> "Recipe":
     return recipe
 
 
+def warm_up() -> None:
+    """Import what a first task would: torch, every built-in recipe and what its data needs.
+    An agent calls this before its pool forks, so no task pays for imports."""
+    for path in BUILTIN.values():
+        importlib.import_module(path.partition(":")[0])
+    for optional in ("sklearn.datasets", "sklearn.model_selection"):  # digits-mlp's data
+        try:
+            importlib.import_module(optional)
+        except ImportError:
+            pass
+
+
 @lru_cache(maxsize=8)
 def _cached(name: str, options_json: str) -> "Recipe":
     return resolve(name, json.loads(options_json))

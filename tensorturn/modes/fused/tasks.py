@@ -20,6 +20,7 @@ from ...capacity import queue_for
 from ...celery_app import app, forget_results
 from ...device import pick_device
 from ...diloco import (
+    UpdateRejected,
     apply_step,
     check_update,
     compress_broadcast,
@@ -129,11 +130,16 @@ class ShardUnit(Unit):
         splits = load_splits(recipe)
         theta, self.a.bytes_down = fetch_global(spec, recipe, self.store, r)
         rows = shard_rows(len(splits.y_train), opts.shards, k, spec.seed)
-        delta, loss, samples = train_replica(
-            recipe, theta, splits.x_train, splits.y_train, rows, opts.sync_every,
-            spec.lr or recipe.lr, batch, derive_seed(spec.seed, r, k), pick_device(),
-            on_step=reporter)
-        check_update(delta, theta, opts.max_update_ratio)
+        try:
+            delta, loss, samples = train_replica(
+                recipe, theta, splits.x_train, splits.y_train, rows, opts.sync_every,
+                spec.lr or recipe.lr, batch, derive_seed(spec.seed, r, k), pick_device(),
+                on_step=reporter)
+            check_update(delta, theta, opts.max_update_ratio)
+        except UpdateRejected as exc:  # recorded apart: the shard is trained again
+            self.board.incident(spec.run_id, "update_rejected", str(self.a.label), self.a.worker,
+                                str(exc))
+            raise
         # bytes_down is written at a fixed width: it depends on where the shard ran (what that
         # machine held), and the upload's size must not
         blob = delta_bytes(delta, opts.codec, {"samples": str(samples), "loss": repr(loss),
