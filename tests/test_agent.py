@@ -58,6 +58,7 @@ def workers(broker: str) -> dict[str, dict]:
             for w in tt_json("workers", "--broker", broker, "--json")}
 
 
+@pytest.mark.e2e
 def test_up_and_join_connect_two_agents_with_telemetry(coordinator, tmp_path):
     join, broker = coordinator
     password = broker.split(":")[2].split("@")[0]
@@ -97,6 +98,7 @@ def test_up_and_join_connect_two_agents_with_telemetry(coordinator, tmp_path):
             stop_process_group(proc, grace=5)
 
 
+@pytest.mark.e2e
 def test_workers_show_the_task_in_progress(pool, tmp_path):
     from tensorturn import client
 
@@ -127,6 +129,7 @@ HUGE = textwrap.dedent('''
 ''')
 
 
+@pytest.mark.e2e
 def test_a_model_that_fits_no_worker_is_refused_before_queueing(pool, tmp_path):
     (tmp_path / "huge.py").write_text(HUGE)
     proc = tt("run", "--broker", pool.broker_url, "--recipe", "huge:Huge", "--store",
@@ -140,6 +143,7 @@ def test_a_model_that_fits_no_worker_is_refused_before_queueing(pool, tmp_path):
     assert queued_messages(r) == []
 
 
+@pytest.mark.e2e
 def test_a_worker_too_small_for_the_model_leaves_its_tasks_to_others(tmp_path, monkeypatch):
     from tensorturn import client
     from tensorturn.local import LocalPool

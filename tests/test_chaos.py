@@ -21,6 +21,8 @@ from tensorturn.fused import train_shard
 from tensorturn.local import LocalPool
 from tensorturn.runs import RunBoard, RunSpec
 
+pytestmark = pytest.mark.e2e
+
 # Three shards of about 1.5k steps: long enough to hit mid-shard, short enough for CI.
 SPEC = dict(mode="fused", recipe="digits-mlp", rounds=2, shards=3, sync_every=1500)
 

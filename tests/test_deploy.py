@@ -481,6 +481,7 @@ def test_launcher_refuses_to_start_without_a_broker(env, tmp_path):
     assert "TENSORTURN_BROKER_URL" in proc.stderr
 
 
+@pytest.mark.e2e
 def test_launcher_starts_a_real_agent(redis_server, tmp_path):
     """With a broker URL, the launcher execs a real agent under the given name, which joins the pool."""
     from celery import Celery

@@ -16,6 +16,8 @@ import pytest
 
 from tensorturn.local import LocalPool, free_port, stop_process_group
 
+pytestmark = pytest.mark.e2e
+
 AUTH = ("admin", "s3cret")
 AGENTS = ("local1@", "local2@")
 

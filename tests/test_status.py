@@ -11,6 +11,8 @@ import pytest
 
 from conftest import queued_messages, tt, tt_json
 
+pytestmark = pytest.mark.e2e
+
 SHARDS, SYNC_EVERY, BATCH = 2, 2, 32  # digits-mlp's batch size is 32
 
 
