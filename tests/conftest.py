@@ -26,8 +26,11 @@ def clean_env(**extra: str) -> dict[str, str]:
 
 
 def tt(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None,
-       timeout: float = 300) -> subprocess.CompletedProcess:
-    """Run the ``tensorturn`` CLI as a user would, in a subprocess, with no stdin."""
+       timeout: float = 900) -> subprocess.CompletedProcess:
+    """Run the ``tensorturn`` CLI as a user would, in a subprocess, with no stdin.
+
+    ``timeout`` only guards against a hang: an embedded multi-round run on a loaded machine can
+    take several minutes."""
     return subprocess.run([sys.executable, "-m", "tensorturn", *args], env=env or clean_env(),
                           cwd=cwd, capture_output=True, text=True, timeout=timeout,
                           stdin=subprocess.DEVNULL)

@@ -198,6 +198,7 @@ class Mine(Recipe):
 '''
 
 
+@pytest.mark.e2e
 def test_recipe_missing_on_workers_fails_the_run_with_every_attempt(pool, tmp_path):
     (tmp_path / "myrecipe.py").write_text(MY_RECIPE)
     proc = tt(*RUN, "--broker", pool.broker_url, "--store", pool.store_url, "--recipe", "myrecipe:Mine",

@@ -22,6 +22,8 @@ from tensorturn.local import LocalPool
 from tensorturn.modes.fused.tasks import train_shard
 from tensorturn.spec import RunSpec
 
+pytestmark = pytest.mark.e2e
+
 # Three shards of about 1.5k steps: long enough to hit mid-shard, short enough for CI.
 SPEC = dict(mode="fused", recipe="digits-mlp", rounds=2, shards=3, sync_every=1500)
 
@@ -188,32 +190,65 @@ class FlakyProxy:
         self.port = self.sock.getsockname()[1]
         self.down = False
         self.refused = 0
+        self.changed = threading.Condition()  # guards down, refused and open
+        self.open: set[socket.socket] = set()
         threading.Thread(target=self._serve, daemon=True).start()
 
     def _serve(self):
         while True:
             conn, _ = self.sock.accept()
-            if self.down:
-                self.refused += 1
-                conn.close()
-                continue
+            with self.changed:
+                if self.down:
+                    self.refused += 1
+                    self.changed.notify_all()
+                    conn.close()
+                    continue
+                self.open.add(conn)  # under the lock: an outage starting now cuts it too
             upstream = socket.create_connection(self.target)
+            with self.changed:
+                self.open.add(upstream)
             for a, b in ((conn, upstream), (upstream, conn)):
                 threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
 
-    @staticmethod
-    def _pipe(a, b):
+    def _pipe(self, a, b):
         try:
             while data := a.recv(65536):
                 b.sendall(data)
         except OSError:
             pass
         finally:
+            with self.changed:
+                self.open.difference_update((a, b))
             for s in (a, b):
                 try:
                     s.shutdown(socket.SHUT_RDWR)
                 except OSError:
                     pass
+
+    def go_down(self) -> None:
+        """Refuse new connections and cut the open ones: boto3 keeps connections alive, and a
+        pooled one would otherwise carry requests straight through the outage."""
+        with self.changed:
+            self.down = True
+            for s in self.open:
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def come_up(self) -> None:
+        with self.changed:
+            self.down = False
+
+    def wait_refused(self, n: int, timeout: float) -> bool:
+        """Until ``n`` connections have been refused (False if ``timeout`` passes first)."""
+        with self.changed:
+            return self.changed.wait_for(lambda: self.refused >= n, timeout)
+
+
+# More refusals than the two agents' boto3 clients make for one call each (2 attempts apiece):
+# so at least one store call failed outright and was retried by the store's own backoff.
+OUTAGE_REFUSALS = 5
 
 
 def test_s3_outage_is_ridden_out(s3_endpoint, s3_bucket, tmp_path, monkeypatch, reference):
@@ -222,12 +257,16 @@ def test_s3_outage_is_ridden_out(s3_endpoint, s3_bucket, tmp_path, monkeypatch, 
     with LocalPool(2, f"s3://{s3_bucket}/chaos", workdir=tmp_path / "pool") as s3pool:
         spec = RunSpec.create(store_url=f"s3://{s3_bucket}/chaos", **SPEC)
         client.submit(spec, s3pool.broker_url)
-        running_attempt(s3pool, spec.run_id)
-        proxy.down = True
-        time.sleep(6)
-        proxy.down = False
+        running_attempt(s3pool, spec.run_id, settle=0)  # the run is in progress: a shard trains
+        proxy.go_down()
+        try:
+            # the outage lasts until the agents have run into it, however slow they are
+            refused = proxy.wait_refused(OUTAGE_REFUSALS, timeout=240)
+        finally:
+            proxy.come_up()
+        assert refused, f"the run made only {proxy.refused} store connections during the outage"
         doc = client.wait(s3pool.broker_url, spec.run_id, timeout_s=300)
-    assert proxy.refused > 0
+    print(f"the outage refused {proxy.refused} connections")
     assert doc["state"] == "succeeded", doc.get("error")
     assert doc["model_sha256"] == reference["model_sha256"]
 

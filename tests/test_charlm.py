@@ -139,6 +139,7 @@ def test_custom_data_file_and_options(tmp_path):
         resolve("charlm", {"n_embd": 30, "n_head": 4})
 
 
+@pytest.mark.e2e
 def test_fused_int8_run_through_the_cli_moves_compressed_bytes(tmp_path):
     path = tmp_path / "small.txt"
     path.write_text(SMALL_TEXT * 2, encoding="utf-8")

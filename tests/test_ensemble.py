@@ -16,6 +16,7 @@ from tensorturn.local import LocalPool
 from tensorturn.spec import RunSpec
 
 
+@pytest.mark.e2e
 def test_vote_beats_the_mean_member(tmp_path):
     doc = tt_json("run", "--mode", "ensemble", "--recipe", "digits-mlp", "--members", "4",
                   "--local-workers", "2", "--json", cwd=tmp_path)
@@ -39,6 +40,7 @@ def _attempts(doc, task):
     return [a for a in doc["attempts"] if a["task"] == task]
 
 
+@pytest.mark.e2e
 def test_a_lost_machine_costs_one_segment_not_the_member(tmp_path):
     store = (tmp_path / "store").as_uri()
     with LocalPool(2, store, workdir=tmp_path / "pool", loglevel="INFO") as pool:
@@ -90,6 +92,7 @@ FLAKY = textwrap.dedent('''
 ''')
 
 
+@pytest.mark.e2e
 def test_a_member_that_always_fails_drops_out_of_the_vote(tmp_path):
     (tmp_path / "flaky_recipe.py").write_text(FLAKY)
     proc = tt("run", "--mode", "ensemble", "--recipe", "flaky_recipe:Flaky", "--members", "3",
@@ -146,6 +149,7 @@ def test_unknown_vote_rule_is_refused(redis_server):
     assert redis.Redis.from_url(redis_server.url).zcard("tt:runs") == 0
 
 
+@pytest.mark.e2e
 def test_members_past_the_deadline_drop_out_and_the_run_says_why(tmp_path):
     proc = tt("run", "--mode", "ensemble", "--recipe", "digits-mlp", "--members", "2",
               "--segments", "2", "--segment-steps", "20", "--deadline", "0.001",

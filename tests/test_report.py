@@ -51,6 +51,7 @@ def ensemble_doc(store_url):
                    "--store", store_url, "--json")
 
 
+@pytest.mark.e2e
 def test_fused_report_is_saved_beside_the_manifest(fused_doc, store_url):
     store = open_store(store_url)
     uris = save_report(fused_doc, store)
@@ -62,6 +63,7 @@ def test_fused_report_is_saved_beside_the_manifest(fused_doc, store_url):
         check_png(store.get_bytes(key))
 
 
+@pytest.mark.e2e
 def test_fused_rates_come_from_the_attempts(fused_doc):
     # every shard trains H=3 batches of the recipe's 32: rounds[r].samples / shards each
     samples = task_samples(fused_doc)
@@ -72,6 +74,7 @@ def test_fused_rates_come_from_the_attempts(fused_doc):
     assert stats["samples_per_s"] > 0
 
 
+@pytest.mark.e2e
 def test_ensemble_report(ensemble_doc, store_url):
     figures = plots(ensemble_doc)
     assert list(figures) == list(NAMES)
@@ -85,6 +88,7 @@ def test_ensemble_report(ensemble_doc, store_url):
         layout.key("report", ensemble_doc["run_id"], n) for n in NAMES)
 
 
+@pytest.mark.e2e
 def test_a_run_without_results_still_gets_every_figure(fused_doc):
     # the description of the same run as it looked when it was queued: no rounds, no attempts
     queued = {**fused_doc, "state": "queued", "rounds": [], "attempts": [], "metrics": {}}
@@ -94,6 +98,7 @@ def test_a_run_without_results_still_gets_every_figure(fused_doc):
         check_png(data)
 
 
+@pytest.mark.e2e
 def test_figures_are_deterministic(fused_doc):
     assert plots(fused_doc) == plots(fused_doc)
 

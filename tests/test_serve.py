@@ -41,7 +41,8 @@ class Server:
              "127.0.0.1", "--port", str(self.port), *extra],
             env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             stdin=subprocess.DEVNULL, start_new_session=True)
-        for _ in range(300):
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
             try:
                 if httpx.get(f"{self.url}/v2/health/ready", timeout=1).status_code == 200:
                     return
@@ -49,6 +50,7 @@ class Server:
                 pass
             assert self.proc.poll() is None, self.proc.stdout.read()
             time.sleep(0.1)
+        stop_process_group(self.proc, grace=10)
         raise AssertionError("the API did not come up")
 
     def stop(self) -> str:
@@ -88,6 +90,7 @@ def accuracy(url, name, token, members=False):
     return sum(int(a == b) for a, b in zip(labels, y)) / len(y), out
 
 
+@pytest.mark.e2e
 def test_health_is_open_and_models_need_a_token(fused_api, runs):
     run_id, token = runs[1]["run_id"], runs[3]["token"]
     assert httpx.get(f"{fused_api.url}/v2/health/live").json() == {"live": True}
@@ -101,11 +104,13 @@ def test_health_is_open_and_models_need_a_token(fused_api, runs):
     assert meta["parameters"]["mode"] == "fused" and meta["parameters"]["run_id"] == run_id
 
 
+@pytest.mark.e2e
 def test_fused_model_labels_all_digits(fused_api, runs):
     acc, _ = accuracy(fused_api.url, runs[1]["run_id"], runs[3]["token"])
     assert acc >= 0.95
 
 
+@pytest.mark.e2e
 def test_ensemble_votes_over_http(runs):
     store, _, ensemble, token = runs
     server = Server(store, ensemble["run_id"])
@@ -121,6 +126,7 @@ def test_ensemble_votes_over_http(runs):
         server.stop()
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("body,status,words", [
     ({"inputs": [{"name": "input", "shape": [1, 63], "datatype": "FP32", "data": [0] * 63}]},
      400, "does not fit this model"),
@@ -140,6 +146,7 @@ def test_bad_input_is_a_4xx_that_says_what_is_wrong(fused_api, runs, body, statu
     assert httpx.get(f"{fused_api.url}/v2/health/ready").status_code == 200  # still serving
 
 
+@pytest.mark.e2e
 def test_non_finite_oversized_and_malformed_bodies(fused_api, runs):
     headers = {**bearer(runs[3]["token"]), "Content-Type": "application/json"}
     url = f"{fused_api.url}/v2/models/digits/infer"
@@ -157,6 +164,7 @@ def test_non_finite_oversized_and_malformed_bodies(fused_api, runs):
     assert httpx.get(f"{fused_api.url}/v2/health/live").status_code == 200
 
 
+@pytest.mark.e2e
 def test_token_list_and_revoke(fused_api, runs):
     store = runs[0]
     extra = tt_json("token", "create", "--name", "temp", "--store", store, "--json")
@@ -166,7 +174,8 @@ def test_token_list_and_revoke(fused_api, runs):
     url = f"{fused_api.url}/v2/models/digits"
     assert httpx.get(url, headers=bearer(extra["token"])).status_code == 200
     assert tt("token", "revoke", "temp", "--store", store).returncode == 0
-    for _ in range(100):  # the server re-reads the token list within a few seconds
+    deadline = time.monotonic() + 120  # the server re-reads the token list every 2 s
+    while time.monotonic() < deadline:
         if httpx.get(url, headers=bearer(extra["token"])).status_code == 401:
             break
         time.sleep(0.1)

@@ -10,6 +10,8 @@ from urllib.parse import unquote, urlsplit
 import pytest
 from conftest import queued_messages, tt, tt_json
 
+pytestmark = pytest.mark.e2e
+
 SHARDS, SYNC_EVERY, BATCH = 2, 2, 32  # digits-mlp's batch size is 32
 
 
@@ -135,9 +137,9 @@ def test_sigterm_puts_the_running_task_back_in_the_queue(tmp_path, monkeypatch):
                       "digits-mlp", "--rounds", "1", "--shards", "1", "--sync-every", "100000",
                       "--detach", "--json")
         board = RunBoard(check_broker(pool.broker_url))
-        for _ in range(1200):  # until the agent has started the shard (bounded, not timed)
-            if board.attempts(doc["run_id"]):
-                break
+        deadline = time.monotonic() + 180
+        while not board.attempts(doc["run_id"]):  # until the agent has started the shard
+            assert time.monotonic() < deadline, "the agent never started the shard"
             time.sleep(0.05)
         assert [a["outcome"] for a in board.attempts(doc["run_id"])] == ["running"]
         agent = pool.agents[0]
