@@ -110,6 +110,7 @@ def test_a_member_that_always_fails_drops_out_of_the_vote(tmp_path):
     assert doc["metrics"]["members_succeeded"] == 2 and doc["metrics"]["members_dropped"] == 1
 
 
+@pytest.mark.e2e
 def test_a_recipe_whose_evaluate_raises_fails_the_run_with_its_error(tmp_path):
     """Reported bug: the run stayed `running` forever; the error was only in the agents' logs."""
     tests_dir = os.path.dirname(os.path.abspath(__file__))
