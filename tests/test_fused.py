@@ -63,10 +63,10 @@ def test_run_on_an_existing_pool_names_its_agents(pool, tmp_path):
     # --detach returns the run as it stood when queued; idle agents may already have picked it
     # up (or, on a tiny run, finished it), so only its identity is certain, not its progress
     assert detached["state"] in ("queued", "running", "succeeded"), detached.get("error")
-    assert detached["spec"]["shards"] == 2
+    assert detached["spec"]["options"]["shards"] == 2
     watched = tt_json("status", detached["run_id"], "--broker", pool.broker_url, "--watch", "--json")
     assert watched["run_id"] == detached["run_id"]
     assert watched["state"] == "succeeded"
     assert watched["model_sha256"]
-    assert {a["task"] for a in watched["attempts"]} == {"r0/shard-0", "r0/shard-1"}
+    assert {a["task"] for a in watched["attempts"]} == {"r0/shard-0", "r0/shard-1", "r0/outer"}
     assert {a["worker"].split("@")[0] for a in watched["attempts"]} <= {"local1", "local2"}

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from ... import layout
 from ...errors import SpecError
-from ...spec import ModeOptions, check_positive
+from ...spec import ModeOptions, check_positive, options_json
 from .. import ModeBase
 
 if TYPE_CHECKING:
@@ -87,7 +87,7 @@ class Ensemble(ModeBase):
         return [m["model"] for m in member_plan(spec, recipe)]
 
     def progress(self, doc: dict[str, Any]) -> tuple[int, int, list[tuple[str, str]]]:
-        options = (doc.get("spec") or {}).get("options", {})
+        options = options_json(doc.get("spec") or {})
         total = int(options.get("members") or 0) * int(options.get("segments", 0))
         done, events = 0, []
         for m in doc.get("members", []):

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from ... import layout
 from ...errors import SpecError
-from ...spec import ModeOptions, check_positive
+from ...spec import ModeOptions, check_positive, options_json
 from .. import ModeBase
 
 if TYPE_CHECKING:
@@ -80,7 +80,7 @@ class Fused(ModeBase):
         return [recipe.default_config()]
 
     def progress(self, doc: dict[str, Any]) -> tuple[int, int, list[tuple[str, str]]]:
-        total = int((doc.get("spec") or {}).get("options", {}).get("rounds", 0))
+        total = int(options_json(doc.get("spec") or {}).get("rounds", 0))
         events = []
         for r in doc.get("rounds", []):
             line = (f"round {r['round']} ({r['round'] + 1} of {total})  loss {r['loss']:.4f}  "
