@@ -30,6 +30,7 @@ from tensorturn import layout
 from tensorturn.artifact import Predictor
 from tensorturn.local import LocalPool
 from tensorturn.recipes import load_splits, resolve
+from tensorturn.spec import options_json
 from tensorturn.store import open_store
 from tensorturn.training import set_threads
 
@@ -91,7 +92,7 @@ def main() -> None:
     rows = votes(per_member, y)
     full = rows[-1]
     run_metrics = doc["metrics"]
-    if doc["spec"]["vote"] == "soft" and len(members) == args.members:
+    if options_json(doc["spec"])["vote"] == "soft" and len(members) == args.members:
         assert abs(full["soft_accuracy"] - run_metrics["test_accuracy"]) < 1e-6, (full, run_metrics)
         assert abs(full["soft_nll"] - run_metrics["test_loss"]) < 1e-4, (full, run_metrics)
 

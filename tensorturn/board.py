@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from typing import Any
 
 import redis
@@ -79,6 +80,21 @@ class RunBoard:
     def claim(self, run_id: str, what: str) -> bool:
         """True the first time ``what`` is claimed for this run (guards one-time dispatches)."""
         return bool(self.r.hsetnx(layout.run_key(run_id, "claims"), what, time.time()))
+
+    def release(self, run_id: str, what: str) -> None:
+        self.r.hdel(layout.run_key(run_id, "claims"), what)
+
+    def once(self, run_id: str, what: str, dispatch: Callable[[], Any]) -> bool:
+        """Run ``dispatch`` if this is the first claim of ``what``; a dispatch that fails gives
+        the claim back, so the retry that follows can queue it (nothing is lost between)."""
+        if not self.claim(run_id, what):
+            return False
+        try:
+            dispatch()
+        except BaseException:
+            self.release(run_id, what)
+            raise
+        return True
 
     # -- rounds --
     def record_round(self, run_id: str, round_: int, info: dict[str, Any]) -> None:

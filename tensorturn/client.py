@@ -106,7 +106,13 @@ def resume(run_id: str, broker_url: str, store_url: str) -> tuple[dict[str, Any]
         spec.store_url = store.url
         save_spec(store, spec)
         board.update_spec(spec)
-    what = get_mode(spec.mode).resume(spec, store, board)
+    try:
+        what = get_mode(spec.mode).resume(spec, store, board)
+    except Exception as exc:
+        # reopened but nothing queued: say so on the run rather than leave it `running`
+        board.fail(run_id, f"resume failed: {type(exc).__name__}: {exc}; try "
+                           f"`tensorturn resume {run_id}` again once the cause is fixed")
+        raise
     return board.describe(run_id), what
 
 

@@ -271,6 +271,34 @@ def test_s3_outage_is_ridden_out(s3_endpoint, s3_bucket, tmp_path, monkeypatch, 
     assert doc["model_sha256"] == reference["model_sha256"]
 
 
+def test_an_s3_outage_longer_than_the_retries_fails_the_run_and_resume_continues(
+        s3_endpoint, s3_bucket, tmp_path, monkeypatch, reference):
+    """The reported bug: a long outage left the run `running` with no error, forever."""
+    proxy = FlakyProxy(int(s3_endpoint["AWS_ENDPOINT_URL"].rsplit(":", 1)[1]))
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{proxy.port}")
+    monkeypatch.setenv("TENSORTURN_STORE_RETRIES", "1")   # the agents give up on a call quickly
+    monkeypatch.setenv("TENSORTURN_STORE_BACKOFF_S", "0.1")
+    store = f"s3://{s3_bucket}/long-outage"
+    with LocalPool(2, store, workdir=tmp_path / "pool") as s3pool:
+        spec = RunSpec.create(store_url=store, **SPEC)
+        client.submit(spec, s3pool.broker_url)
+        running_attempt(s3pool, spec.run_id, settle=0)
+        proxy.go_down()                                     # and it stays down
+        try:
+            failed = client.wait(s3pool.broker_url, spec.run_id, timeout_s=600)
+        finally:
+            proxy.come_up()
+        assert failed["state"] == "failed"
+        assert "failed 3 attempts; last: store s3://" in failed["error"]
+        assert "\n" not in failed["error"]
+        assert not [i for i in failed["incidents"] if i["kind"] == "worker_quarantined"]
+        _, what = client.resume(spec.run_id, s3pool.broker_url, store)
+        doc = client.wait(s3pool.broker_url, spec.run_id, timeout_s=600)
+    assert what.startswith("resumed at round")
+    assert doc["state"] == "succeeded", doc.get("error")
+    assert doc["model_sha256"] == reference["model_sha256"]
+
+
 CRASHER = '''
 import os, signal
 from tensorturn.recipes.digits import DigitsMLP

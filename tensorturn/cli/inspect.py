@@ -20,15 +20,13 @@ def status(broker, store, run_id, as_json, watch):
     """
     from .. import client
     from ..spec import FINISHED
-    from .run import RunProgress, print_result
+    from .run import print_result
 
     doc = client.describe(run_id, broker, store)
     if watch and broker and doc["state"] not in FINISHED:
-        progress = RunProgress(doc)
-        try:
-            doc = client.wait(broker, run_id, on_update=progress)
-        finally:
-            progress.close()
+        from .run import follow_pool
+
+        doc = follow_pool(broker, run_id, None)
     if not as_json:
         for r in doc.get("rounds", []):
             acc = r.get("val_accuracy")

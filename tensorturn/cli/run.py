@@ -193,7 +193,7 @@ def run(broker, store, mode, recipe, recipe_options, seed, lr, batch_size, threa
         doc = client.submit(spec, broker)
         if not detach:
             click.echo(f"run {spec.run_id} queued on {config.mask_url(broker)}", err=True)
-            doc = follow(broker, spec.run_id, timeout_s)
+            doc = follow_pool(broker, spec.run_id, timeout_s)
     else:
         doc = embedded(spec.run_id, store, local_workers, timeout_s,
                        lambda broker_url: client.submit(spec, broker_url))
@@ -211,6 +211,16 @@ def follow(broker: str, run_id: str, timeout_s: float | None) -> dict[str, Any]:
         return client.wait(broker, run_id, on_update=progress, timeout_s=timeout_s)
     finally:
         progress.close()
+
+
+def follow_pool(broker: str, run_id: str, timeout_s: float | None) -> dict[str, Any]:
+    """:func:`follow` on a standing pool: Ctrl-C stops following (exit 130), not the run."""
+    try:
+        return follow(broker, run_id, timeout_s)
+    except KeyboardInterrupt:
+        click.echo(f"stopped following; run {run_id} goes on in the pool "
+                   f"(`tensorturn status {run_id} --watch` follows it again)", err=True)
+        sys.exit(130)
 
 
 def embedded(run_id: str, store_url: str, local_workers: int, timeout_s: float | None,
@@ -283,7 +293,7 @@ def resume(broker, store, run_id, local_workers, detach, timeout_s, as_json):
     if broker:
         start(broker)
         doc = (client.describe(run_id, broker, store) if detach
-               else follow(broker, run_id, timeout_s))
+               else follow_pool(broker, run_id, timeout_s))
     else:
         doc = embedded(run_id, store, local_workers, timeout_s, start)
     print_result(doc, as_json)

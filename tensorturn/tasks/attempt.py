@@ -31,6 +31,7 @@ from typing import Any
 from celery import Task
 from celery.exceptions import Retry
 
+from .. import layout
 from ..board import RunBoard
 from ..broker import redis_client
 from ..celery_app import app
@@ -39,7 +40,7 @@ from ..errors import RecipeError, StoreError, TensorTurnError
 from ..layout import Label, worker_key
 from ..manifest import load_spec, try_write_manifest
 from ..spec import RunSpec
-from ..store import Store, open_store
+from ..store import ObjectMissing, Store, open_store
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +48,6 @@ DEFAULT_MAX_ATTEMPTS = 3      # when the spec itself cannot be read
 SUCCEEDED = "succeeded"
 LATE = "late: output already stored"
 QUARANTINE_AFTER = 2          # store failures in a row on one agent while others succeed
-OTHERS_WINDOW_S = 60.0        # "others succeed": another agent finished an attempt this recently
 
 
 @lru_cache(maxsize=8)
@@ -140,7 +140,11 @@ def execute(task: Task, run_id: str, store_url: str, label: Label,
         if unit.done():
             board.incident(run_id, "duplicate_ignored", str(label), worker,
                            "the unit's output was already stored; nothing was redone or counted")
-            unit.then()
+            try:
+                unit.then()
+            except Exception as exc:  # noqa: BLE001 - queuing failed (broker?): not an attempt
+                log.warning("run %s %s: queuing what follows failed (%s); retrying", run_id, label, exc)
+                raise task.retry(countdown=2, max_retries=None) from None
             return receipt
         begun = board.begin_attempt(run_id, str(label), worker, max_attempts)
         if begun is None:
@@ -168,8 +172,10 @@ def execute(task: Task, run_id: str, store_url: str, label: Label,
             begun = board.begin_attempt(run_id, str(label), worker, max_attempts)
             key, number = begun if begun else (f"{label}#refused", max_attempts + 1)
         board.finish_attempt(run_id, key, f"failed: {message}")
-        if isinstance(exc, StoreError):
-            _worker_store_failed(task, board, run_id, str(label), worker, message)
+        if isinstance(exc, StoreError) and not isinstance(exc, ObjectMissing):
+            if _worker_store_failed(task, board, run_id, str(label), worker, key, message):
+                # the machine's fault, not the task's: its failed attempts were given back
+                raise task.retry(countdown=1, max_retries=None) from None
         else:
             _worker_succeeded(board, worker)  # the store answered: this is not the machine's fault
         if number < max_attempts:
@@ -191,20 +197,32 @@ def _worker_succeeded(board: RunBoard, worker: str) -> None:
 
 
 def _worker_store_failed(task: Task, board: RunBoard, run_id: str, label: str, worker: str,
-                         message: str) -> None:
-    """Count a store failure of this agent; quarantine it when others succeed meanwhile."""
+                         attempt_key: str, message: str) -> bool:
+    """Count a store failure of this agent; quarantine it (and say True) when it keeps failing
+    and this attempt began *after* another agent's attempt succeeded, itself after this agent's
+    failures began: the store demonstrably worked for others while this machine could not reach
+    it. In an outage of the store itself nobody succeeds, so nobody is quarantined and the
+    attempts run out as they should; an attempt that began during an outage that then ended
+    is not held against its machine either."""
     key = worker_key(worker)
     board.r.hsetnx(key, "store_failing_since", time.time())
     failures = int(board.r.hincrby(key, "store_failures", 1))
     since = float(board.r.hget(key, "store_failing_since") or time.time())
+    attempts = board.attempts(run_id)
+    began = next((a["started_at"] for a in attempts
+                  if f"{a['task']}#{a['attempt']}" == attempt_key), time.time())
     others_ok = any(a["outcome"] == "succeeded" and a["worker"] != worker
-                    and (a["finished_at"] or 0) >= since - OTHERS_WINDOW_S
-                    for a in board.attempts(run_id))
-    if failures >= QUARANTINE_AFTER and others_ok:
-        quarantine(task, board, run_id, label, worker,
-                   f"{worker} failed {failures} tasks in a row on the object store while other "
-                   f"machines' tasks succeeded (wrong credentials or endpoint on that machine?); "
-                   f"it takes no more tasks until restarted. Last error: {message}")
+                    and since <= (a["finished_at"] or 0) <= began for a in attempts)
+    if failures < QUARANTINE_AFTER or not others_ok:
+        return False
+    quarantine(task, board, run_id, label, worker,
+               f"{worker} failed {failures} tasks in a row on the object store while other "
+               f"machines' tasks succeeded (wrong credentials or endpoint on that machine?); "
+               f"it takes no more tasks until restarted. Last error: {message}")
+    for a in attempts:  # its failures were the machine's: the tasks get those attempts back
+        if a["worker"] == worker and a["started_at"] >= since and a["outcome"].startswith("failed"):
+            board.r.hincrby(layout.run_key(run_id, "attempt_base"), a["task"], 1)
+    return True
 
 
 def quarantine(task: Task, board: RunBoard, run_id: str, label: str, worker: str,
@@ -222,9 +240,16 @@ def quarantine(task: Task, board: RunBoard, run_id: str, label: str, worker: str
 # ---- a chord whose body cannot run ---------------------------------------------------------------
 
 @app.task(name="tensorturn.tasks.chord_failed")
-def chord_failed(task_id: str, run_id: str, what: str) -> None:
+def chord_failed(*args: Any) -> None:
     """Errback of a round's chord: Celery could not run its body (a header task raised past the
-    protocol, or the chord's counter broke); the run fails instead of waiting forever."""
+    protocol, or the chord's counter broke); the run fails instead of waiting forever.
+
+    Celery calls an errback either as a task with the failed task's id first (``task_id,
+    run_id, what``) or in place with ``request, exc, traceback`` first, depending on its version
+    and the errback's signature: the last two arguments are ours either way."""
+    run_id, what = args[-2], args[-1]
+    first = args[0]
+    task_id = first if isinstance(first, str) else getattr(first, "id", "?")
     board = board_for(app.conf.broker_url)
     board.fail(run_id, f"{what} could not run: a task of it failed outside TensorTurn's "
                        f"handling (Celery task {task_id}); see the agents' logs, then "

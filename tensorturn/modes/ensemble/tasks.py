@@ -85,16 +85,22 @@ def queue_segment(spec: RunSpec, m: int, j: int) -> None:
                                               queue=queue_for(spec.memory_needed_bytes))])
 
 
+def all_finished(spec: RunSpec, board: RunBoard) -> bool:
+    return int(board.r.hlen(layout.run_key(spec.run_id, "members_done"))) >= (options(spec).members or 0)
+
+
 def maybe_vote(spec: RunSpec, board: RunBoard) -> None:
     """Queue the vote once every member has finished (succeeded or dropped)."""
-    finished = int(board.r.hlen(layout.run_key(spec.run_id, "members_done")))
-    if finished >= (options(spec).members or 0) and board.claim(spec.run_id, layout.VOTE_CLAIM):
-        forget_results([vote.apply_async((spec.run_id, spec.store_url),
-                                         queue=queue_for(spec.memory_needed_bytes))])
+    if all_finished(spec, board):
+        board.once(spec.run_id, layout.VOTE_CLAIM, lambda: forget_results([vote.apply_async(
+            (spec.run_id, spec.store_url), queue=queue_for(spec.memory_needed_bytes))]))
 
 
 def drop(spec: RunSpec, board: RunBoard, m: int, reason: str) -> None:
-    board.update_member(spec.run_id, m, state="dropped", reason=reason)
+    """Drop member m from the vote with ``reason`` — unless it already succeeded (a late give-up
+    of a unit that another attempt finished must not undo it)."""
+    if board.member(spec.run_id, m).get("state") != "succeeded":
+        board.update_member(spec.run_id, m, state="dropped", reason=reason)
     board.member_done(spec.run_id, m)
     maybe_vote(spec, board)
 
@@ -130,7 +136,7 @@ def resume(spec: RunSpec, store: Store, board: RunBoard) -> str:
 
 # ---- the segment -------------------------------------------------------------------------------
 
-@app.task(bind=True, name="tensorturn.ensemble.train_segment")
+@app.task(bind=True, name="tensorturn.ensemble.train_segment", max_retries=None)
 def train_segment(self, run_id: str, store_url: str, m: int, j: int) -> dict[str, Any]:
     """Train segment j of member m from segment j−1's checkpoint; queue j+1 or finish m."""
     return execute(self, run_id, store_url, layout.segment_label(m, j), SegmentUnit)
@@ -155,7 +161,8 @@ class SegmentUnit(Unit):
             return "refused: past the deadline"
         info = board.member(spec.run_id, m)
         workers = info.get("workers", [])
-        board.update_member(spec.run_id, m, state="running",
+        board.update_member(spec.run_id, m, state="running" if info.get("state") in (None, "queued", "running")
+                            else info["state"],
                             workers=workers if self.a.worker in workers else workers + [self.a.worker])
         outcome = SUCCEEDED
         if not self.store.exists(layout.key("segment", spec.run_id, m, j)):
@@ -222,10 +229,11 @@ class SegmentUnit(Unit):
     def then(self) -> None:
         spec, (m, j) = self.spec, self.a.label.numbers
         if self.board.member(spec.run_id, m).get("state") in ("dropped", "succeeded"):
+            self.board.member_done(spec.run_id, m)  # (again: a crash may have come between)
             maybe_vote(spec, self.board)
-        elif j + 1 < options(spec).segments and self.board.claim(spec.run_id,
-                                                                  layout.segment_claim(m, j + 1)):
-            queue_segment(spec, m, j + 1)
+        elif j + 1 < options(spec).segments:
+            self.board.once(spec.run_id, layout.segment_claim(m, j + 1),
+                            lambda: queue_segment(spec, m, j + 1))
 
     def give_up(self, message: str) -> None:
         drop(self.spec, self.board, self.a.label.numbers[0], message)
@@ -233,7 +241,7 @@ class SegmentUnit(Unit):
 
 # ---- the vote ----------------------------------------------------------------------------------
 
-@app.task(bind=True, name="tensorturn.ensemble.vote")
+@app.task(bind=True, name="tensorturn.ensemble.vote", max_retries=None)
 def vote(self, run_id: str, store_url: str) -> dict[str, Any]:
     """Merge the finished members into one ensemble file, evaluate the vote, finish the run."""
     return execute(self, run_id, store_url, layout.vote_label(), VoteUnit)
@@ -271,6 +279,9 @@ class VoteUnit(Unit):
     def run(self) -> str:
         spec, store, board = self.spec, self.store, self.board
         opts, run_id = options(spec), spec.run_id
+        if not all_finished(spec, board):  # a member was re-queued (a resume) since this was queued
+            board.release(run_id, layout.VOTE_CLAIM)  # the last member to finish queues it again
+            return "refused: members still training"
         members = board.members(run_id)
         done = [e for e in members if e["state"] == "succeeded"]
         dropped = [e for e in members if e["state"] == "dropped"]

@@ -108,7 +108,7 @@ def resume(spec: RunSpec, store: Store, board: RunBoard) -> str:
 
 # ---- the shard ---------------------------------------------------------------------------------
 
-@app.task(bind=True, name="tensorturn.fused.train_shard")
+@app.task(bind=True, name="tensorturn.fused.train_shard", max_retries=None)
 def train_shard(self, run_id: str, store_url: str, r: int, k: int) -> dict[str, Any]:
     """Train shard k for one round from θ_r and upload its pseudo-gradient."""
     return execute(self, run_id, store_url, layout.shard_label(r, k), ShardUnit)
@@ -211,7 +211,7 @@ def _rebuild_from_broadcast(spec: RunSpec, recipe: Recipe, store: Store, r: int,
 
 # ---- the outer step ----------------------------------------------------------------------------
 
-@app.task(bind=True, name="tensorturn.fused.outer_step")
+@app.task(bind=True, name="tensorturn.fused.outer_step", max_retries=None)
 def outer_step(self, _receipts: list, run_id: str, store_url: str, r: int) -> dict[str, Any]:
     """Chord body: average round r's pseudo-gradients, step θ, then dispatch r+1 or finish."""
     return execute(self, run_id, store_url, layout.outer_label(r), OuterUnit)
@@ -226,8 +226,8 @@ class OuterUnit(Unit):
     def run(self) -> str:
         spec, store, r = self.spec, self.store, self.a.label.numbers[0]
         info = outer_round(spec, store, r)
+        store.put_json(layout.key("round", spec.run_id, r), info)  # before the board: done() reads it
         self.board.record_round(spec.run_id, r, info)
-        store.put_json(layout.key("round", spec.run_id, r), info)
         if r + 1 == options(spec).rounds:
             finalize(spec, store, self.board)
         else:
@@ -236,8 +236,8 @@ class OuterUnit(Unit):
 
     def then(self) -> None:
         spec, r = self.spec, self.a.label.numbers[0]
-        if r + 1 < options(spec).rounds and self.board.claim(spec.run_id, layout.dispatch_claim(r + 1)):
-            dispatch_round(spec, r + 1)
+        if r + 1 < options(spec).rounds:
+            self.board.once(spec.run_id, layout.dispatch_claim(r + 1), lambda: dispatch_round(spec, r + 1))
 
 
 def outer_round(spec: RunSpec, store: Store, r: int) -> dict[str, Any]:
