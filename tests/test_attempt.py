@@ -290,3 +290,27 @@ def test_a_run_without_progress_says_why(world):
     finally:
         config.reload()
     assert doc["note"].startswith("no progress for") and "no agent is online" in doc["note"]
+
+
+def test_a_follow_up_that_fails_to_queue_is_queued_by_the_retry(world, monkeypatch):
+    """The claim for round 1 is taken, then queuing it fails (a broker blip): the claim is
+    given back and the retried outer step queues the round; the run does not hang."""
+    spec = submit(world, **FUSED)
+    real_dispatch = fused.dispatch_round
+    calls = []
+
+    def flaky_dispatch(spec_, r):
+        calls.append(r)
+        if len(calls) == 1:
+            raise ConnectionError("broker went away for a moment")
+        real_dispatch(spec_, r)
+
+    monkeypatch.setattr(fused, "dispatch_round", flaky_dispatch)
+    shard(spec, 0, 0)
+    shard(spec, 0, 1)
+    outer(spec, 0)
+    assert calls == [1, 1]
+    assert world.board.r.hexists(f"tt:run:{spec.run_id}:claims", "dispatch-r1")
+    monkeypatch.setattr(fused, "dispatch_round", real_dispatch)
+    drive_fused(spec, start=1)
+    assert world.board.state(spec.run_id) == "succeeded"
