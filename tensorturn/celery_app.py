@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 RESTORE_INTERVAL_S = 2
 DEFAULT_BROKER = "redis://127.0.0.1:6379/0"
 
-app = Celery("tensorturn", include=["tensorturn.tasks.attempt", *task_modules()])
+app = Celery("tensorturn", include=["tensorturn.tasks.attempt", "tensorturn.tasks.start", *task_modules()])
 app.steps["worker"].add(LeaseKeeper)  # keeps running tasks' leases alive
 app.steps["worker"].add(Heartbeat)    # inventory and live figures for `tensorturn workers`
 

@@ -15,7 +15,7 @@ from typing import Any
 from . import config, layout
 from .board import RunBoard
 from .broker import check_broker
-from .errors import BrokerError, NotFound, RecipeError, SpecError, StoreError
+from .errors import BrokerError, NotFound, RecipeError, SpecError, StoreError, TensorTurnError
 from .spec import FINISHED, RunSpec
 
 Update = Callable[[dict[str, Any]], None]
@@ -29,35 +29,75 @@ def validate(spec: RunSpec) -> None:
     check_name(spec.recipe)
 
 
-def submit(spec: RunSpec, broker_url: str) -> dict[str, Any]:
+START_TASK = "tensorturn.start_run"
+START_WAIT_S = 300.0  # how long `run` waits for an agent to prepare the run before giving up
+
+
+def submit(spec: RunSpec, broker_url: str, here: bool = False) -> dict[str, Any]:
     """Validate everything a user can get wrong, then queue the run; returns its description.
 
-    Nothing is queued unless the spec is valid, the recipe builds here, both the broker and the
-    store answer, and some connected machine can hold the model.
+    Nothing is queued unless the spec is valid, the recipe builds, both the broker and the store
+    answer, and some connected machine can hold the model. Building the recipe, the memory check
+    and θ_0 need torch: when the pool has an idle agent (torch and the recipes already loaded),
+    that agent does them (:func:`start`, in the ``tensorturn.start_run`` task) and this process
+    never loads torch; otherwise, or with ``here``, they run in this process.
     """
-    from .capacity import check_fits
-    from .celery_app import configure
-    from .modes import get_mode
-    from .recipes import resolve
     from .roster import list_workers
     from .store import open_store
 
     validate(spec)
-    recipe = resolve(spec.recipe, spec.recipe_options)
     client = check_broker(broker_url)
     store = open_store(spec.store_url)
     store.check()
+    pool = list_workers(client)
+    if not here and any(w["state"] == "idle" for w in pool):
+        return start_on_an_agent(spec, broker_url)
+    start(spec, broker_url, store, pool)
+    return RunBoard(client).describe(spec.run_id)
+
+
+def start(spec: RunSpec, broker_url: str, store: Any, pool: list[dict[str, Any]]) -> None:
+    """Build the recipe, fill what depends on the pool, check the model fits, store what the run
+    starts from and queue its first work (on an agent, or in the submitting process)."""
+    from .capacity import check_fits
+    from .celery_app import configure
+    from .modes import get_mode
+    from .recipes import resolve
+
+    recipe = resolve(spec.recipe, spec.recipe_options)
     configure(broker_url)
     mode = get_mode(spec.mode)
-    pool = list_workers(client)
     mode.prepare(spec, len([w for w in pool if w["state"] in ("idle", "busy")]))
     spec.validate()
     need = memory_needed(spec, recipe)
     check_fits(need, pool)
     spec.memory_needed_bytes = need["total_bytes"]
-    board = RunBoard(client)
-    mode.start(spec, store, board)
-    return board.describe(spec.run_id)
+    mode.start(spec, store, RunBoard(check_broker(broker_url)))
+
+
+def start_on_an_agent(spec: RunSpec, broker_url: str) -> dict[str, Any]:
+    """Have an idle agent :func:`start` the run, and wait for its answer: the run's description,
+    or the error it met, raised here with its exit code (nothing is queued then)."""
+    import json
+
+    from .celery_app import app, configure
+
+    configure(broker_url)
+    client = check_broker(broker_url)
+    # the answer comes back on a Redis list of the run's (no Celery result, no subscription)
+    sent = app.send_task(START_TASK, args=[spec.to_json()], queue=layout.DEFAULT_QUEUE,
+                         ignore_result=True)
+    answer = client.blpop([layout.run_key(spec.run_id, "started")], timeout=START_WAIT_S)
+    if answer is None:
+        app.control.revoke(sent.id)
+        raise BrokerError(f"no agent started run {spec.run_id} within {START_WAIT_S:.0f}s (every "
+                          f"agent busy?); nothing was queued, try again")
+    reply = json.loads(answer[1])
+    if "error" in reply:
+        error = TensorTurnError(reply["error"])
+        error.exit_code = int(reply.get("exit_code", 2))
+        raise error
+    return RunBoard(client).describe(spec.run_id)
 
 
 def memory_needed(spec: RunSpec, recipe: Any) -> dict[str, Any]:

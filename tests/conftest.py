@@ -15,6 +15,10 @@ import pytest
 from tensorturn.local import LocalPool, RedisServer, free_port, stop_process_group
 
 ROOT = Path(__file__).resolve().parent.parent
+# The test recipes (tests/failing.py, tests/huge.py) import in every process the tests start,
+# agents included, as a user's recipe must on every machine of a pool.
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    p for p in (str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")) if p)
 
 
 def clean_env(**extra: str) -> dict[str, str]:

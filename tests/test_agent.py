@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 
 import psutil
@@ -121,21 +120,11 @@ def test_workers_show_the_task_in_progress(pool, tmp_path):
     assert done["state"] == "succeeded"
 
 
-HUGE = textwrap.dedent('''
-    from tensorturn.recipes.digits import DigitsMLP
-
-    class Huge(DigitsMLP):
-        """Two 200k-wide layers: about 40 billion parameters, far beyond any machine here."""
-        def default_config(self):
-            return {"hidden": [200_000, 200_000], "dropout": 0.0}
-''')
-
-
 @pytest.mark.e2e
 def test_a_model_that_fits_no_worker_is_refused_before_queueing(pool, tmp_path):
-    (tmp_path / "huge.py").write_text(HUGE)
+    # tests/huge.py: importable by the agents too (conftest puts tests/ on their PYTHONPATH)
     proc = tt("run", "--broker", pool.broker_url, "--recipe", "huge:Huge", "--store",
-              str(tmp_path / "s"), env=clean_env(PYTHONPATH=str(tmp_path)))
+              str(tmp_path / "s"))
     assert proc.returncode == 2, proc.stderr
     assert "the model needs about" in proc.stderr and "largest connected worker" in proc.stderr
     assert "local" in proc.stderr and "Traceback" not in proc.stderr

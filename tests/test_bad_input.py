@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-import json
 import textwrap
 
 import pytest
 import redis
-from conftest import clean_env, tt
+from conftest import clean_env, queued_messages, tt
 
+from tensorturn import client
 from tensorturn.local import free_port
+from tensorturn.spec import RunSpec
 
 RUN = ("run",)
 SMALL = ("--rounds", "1", "--shards", "2", "--sync-every", "2")
@@ -199,14 +200,28 @@ class Mine(Recipe):
 
 
 @pytest.mark.e2e
-def test_recipe_missing_on_workers_fails_the_run_with_every_attempt(pool, tmp_path):
+def test_recipe_missing_on_the_agent_that_starts_the_run_is_refused_before_queueing(pool, tmp_path):
+    """An idle agent builds the recipe for `run` (the CLI loads no torch): if it cannot import it,
+    the command says so in one line, naming the machine, and nothing is queued."""
     (tmp_path / "myrecipe.py").write_text(MY_RECIPE)
+    runs_before = redis.Redis.from_url(pool.broker_url).zcard("tt:runs")
     proc = tt(*RUN, "--broker", pool.broker_url, "--store", pool.store_url, "--recipe", "myrecipe:Mine",
-              *SMALL, "--max-attempts", "2", "--timeout", "120", "--json",
-              env=clean_env(PYTHONPATH=str(tmp_path)))
-    assert proc.returncode == 1, proc.stderr[-3000:]
-    assert "Traceback" not in proc.stderr
-    doc = json.loads(proc.stdout)
+              *SMALL, env=clean_env(PYTHONPATH=str(tmp_path)))
+    line = assert_clean_error(proc, exit_code=2)
+    assert "recipe 'myrecipe:Mine' failed to import" in line and "(on worker local" in line
+    r = redis.Redis.from_url(pool.broker_url)
+    assert r.zcard("tt:runs") == runs_before and queued_messages(r) == []
+
+
+@pytest.mark.e2e
+def test_recipe_missing_on_workers_fails_the_run_with_every_attempt(pool, tmp_path, monkeypatch):
+    """Started where the recipe imports (here), it fails on every agent: each attempt recorded."""
+    (tmp_path / "myrecipe.py").write_text(MY_RECIPE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    spec = RunSpec.create(mode="fused", recipe="myrecipe:Mine", store_url=pool.store_url, rounds=1,
+                          shards=2, sync_every=2, max_attempts=2)
+    client.submit(spec, pool.broker_url, here=True)
+    doc = client.wait(pool.broker_url, spec.run_id, timeout_s=300)
     assert doc["state"] == "failed"
     assert doc["recipe"] == "myrecipe:Mine"
     error = doc["error"]

@@ -85,7 +85,8 @@ def warm_up() -> None:
     An agent calls this before its pool forks, so no task pays for imports."""
     for path in BUILTIN.values():
         importlib.import_module(path.partition(":")[0])
-    for optional in ("sklearn.datasets", "sklearn.model_selection"):  # digits-mlp's data
+    # digits-mlp's data; what torch loads for the memory check on the meta device
+    for optional in ("sklearn.datasets", "sklearn.model_selection", "torch._dynamo"):
         try:
             importlib.import_module(optional)
         except ImportError:
