@@ -79,6 +79,22 @@ def drive_ensemble(spec: RunSpec) -> None:
     vote(spec)
 
 
+def second_delivery_during(monkeypatch, module, name: str, deliver) -> None:
+    """Patch ``module.name`` (a training function) so that the first call runs ``deliver()`` — a
+    second delivery of the same task, to its end — before it trains: the first attempt then
+    finishes late. Later calls train as usual."""
+    real = getattr(module, name)
+    delivered = []
+
+    def training(*args, **kwargs):
+        if not delivered:
+            delivered.append(1)
+            deliver()
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, training)
+
+
 def kinds(doc: dict) -> list[str]:
     return [i["kind"] for i in doc["incidents"]]
 
@@ -92,19 +108,8 @@ def test_fused_duplicates_at_every_stage_change_nothing(world, monkeypatch):
     assert expected["state"] == "succeeded"
 
     spec = submit(world, "dup", **FUSED)
-    real_train = fused.train_replica
-    nested = []
-
-    def train_with_a_second_delivery(*args, **kwargs):
-        # while the first attempt of r0/shard-0 trains, a second delivery runs to the end
-        if not nested:
-            nested.append(1)
-            shard(spec, 0, 0)
-        return real_train(*args, **kwargs)
-
-    monkeypatch.setattr(fused, "train_replica", train_with_a_second_delivery)
+    second_delivery_during(monkeypatch, fused, "train_replica", lambda: shard(spec, 0, 0))
     shard(spec, 0, 0)                      # during: the first attempt finishes late
-    monkeypatch.setattr(fused, "train_replica", real_train)
     shard(spec, 0, 1)
     shard(spec, 0, 1)                      # before the outer step: a plain duplicate
     outer(spec, 0)
@@ -148,18 +153,8 @@ def test_ensemble_duplicate_after_a_member_finished_keeps_it_in_the_vote(world):
 
 def test_ensemble_late_segment_is_discarded(world, monkeypatch):
     spec = submit(world, **ENSEMBLE)
-    real_train = ensemble.train_steps
-    nested = []
-
-    def train_with_a_second_delivery(*args, **kwargs):
-        if not nested:
-            nested.append(1)
-            segment(spec, 0, 0)
-        return real_train(*args, **kwargs)
-
-    monkeypatch.setattr(ensemble, "train_steps", train_with_a_second_delivery)
+    second_delivery_during(monkeypatch, ensemble, "train_steps", lambda: segment(spec, 0, 0))
     segment(spec, 0, 0)
-    monkeypatch.setattr(ensemble, "train_steps", real_train)
     drive_ensemble(spec)
     doc = world.board.describe(spec.run_id)
     assert doc["state"] == "succeeded" and doc["metrics"]["members_succeeded"] == 3
