@@ -309,3 +309,17 @@ def test_a_follow_up_that_fails_to_queue_is_queued_by_the_retry(world, monkeypat
     monkeypatch.setattr(fused, "dispatch_round", real_dispatch)
     drive_fused(spec, start=1)
     assert world.board.state(spec.run_id) == "succeeded"
+
+
+def test_an_agent_is_listed_again_at_its_next_heartbeat_after_redis_lost_its_data(world):
+    from tensorturn.roster import list_workers
+    from tensorturn.telemetry import Heartbeat
+
+    beat = Heartbeat.__new__(Heartbeat)          # the bootstep's beat, without a worker around it
+    beat.client, beat.node, beat.tref = redis_client(world.broker), "w1@host", None
+    beat.beat(first=True)
+    assert [w["name"] for w in list_workers(beat.client)] == ["w1@host"]
+    beat.client.flushall()
+    assert list_workers(beat.client) == []
+    beat.beat()                                  # the next heartbeat, as every few seconds
+    assert [w["name"] for w in list_workers(beat.client)] == ["w1@host"]
