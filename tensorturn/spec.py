@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any, ClassVar, TypeVar
 
 from .errors import SpecError
+from .modes.registry import get_mode, mode_names, option_owner
 
 STATES = ("queued", "running", "succeeded", "failed")
 FINISHED = ("succeeded", "failed")
@@ -91,8 +92,6 @@ class RunSpec:
     def create(cls, mode: str, recipe: str, store_url: str, **values: Any) -> "RunSpec":
         """A spec from flat options, as the CLI and tests give them: the common ones go to the
         spec, the mode's own to its options; an option of another mode is a SpecError."""
-        from .modes import get_mode, mode_names, option_owner
-
         if mode not in mode_names():
             raise SpecError(f"unknown mode {mode!r}: choose {' or '.join(mode_names())}")
         options_cls = get_mode(mode).Options
@@ -115,8 +114,6 @@ class RunSpec:
 
     def validate(self) -> "RunSpec":
         """Raise SpecError with a one-line reason for the first invalid option."""
-        from .modes import get_mode, mode_names
-
         if self.mode not in mode_names():
             raise SpecError(f"unknown mode {self.mode!r}: choose {' or '.join(mode_names())}")
         if not isinstance(self.options, get_mode(self.mode).Options):
@@ -145,8 +142,6 @@ class RunSpec:
     def from_json(cls, data: dict[str, Any]) -> "RunSpec":
         """The spec from its JSON; a flat spec (written before modes had their own options)
         is read too, keeping only its mode's options."""
-        from .modes import get_mode
-
         options_cls = get_mode(data["mode"]).Options
         own = {f.name for f in fields(options_cls)}
         raw_options = data.get("options")

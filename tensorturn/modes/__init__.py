@@ -1,14 +1,13 @@
 """Run modes as plug-ins: each mode is a package ``tensorturn.modes.<name>`` whose ``MODE`` object
 follows :class:`Mode`, and whose ``tasks`` module holds its Celery tasks.
 
-Adding a mode is its own package plus one line in :data:`REGISTRY`. The plug-in object and its
+Adding a mode is its own package plus one line in :data:`tensorturn.modes.registry.REGISTRY`. The plug-in object and its
 options import no torch (the CLI validates a run with them); its ``tasks`` module does.
 """
 
 from __future__ import annotations
 
 import importlib
-from dataclasses import fields
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
@@ -17,10 +16,9 @@ if TYPE_CHECKING:
     from ..spec import ModeOptions, RunSpec
     from ..store import Store
 
-REGISTRY: dict[str, str] = {
-    "fused": "tensorturn.modes.fused",
-    "ensemble": "tensorturn.modes.ensemble",
-}
+from .registry import REGISTRY, get_mode, mode_names, option_owner, task_modules
+
+__all__ = ["REGISTRY", "Mode", "ModeBase", "get_mode", "mode_names", "option_owner", "task_modules"]
 
 
 class Mode(Protocol):
@@ -65,28 +63,3 @@ class ModeBase:
 
     def resume(self, spec: "RunSpec", store: "Store", board: "RunBoard") -> str:
         return importlib.import_module(self.tasks).resume(spec, store, board)
-
-
-def mode_names() -> list[str]:
-    return list(REGISTRY)
-
-
-def get_mode(name: str) -> Mode:
-    from ..errors import SpecError
-
-    if name not in REGISTRY:
-        raise SpecError(f"unknown mode {name!r}: choose {' or '.join(REGISTRY)}")
-    return importlib.import_module(REGISTRY[name]).MODE
-
-
-def task_modules() -> list[str]:
-    """Every mode's tasks module (the Celery app includes them)."""
-    return [f"{path}.tasks" for path in REGISTRY.values()]
-
-
-def option_owner(field: str) -> str | None:
-    """The mode whose options include ``field``, if any."""
-    for name in REGISTRY:
-        if field in {f.name for f in fields(get_mode(name).Options)}:
-            return name
-    return None
