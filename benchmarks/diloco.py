@@ -364,8 +364,8 @@ def main() -> None:
         "recipe": RECIPE, "recipe_options": options, "config": config, "parameters": params,
         "fp32_model_bytes": fp32_model, "shards": S, "rounds": R, "sync_every": H,
         "inner_lr": args.lr, "batch_size": args.batch_size, "seed": args.seed,
-        "outer": {k: {"outer": s.outer, "outer_lr": s.outer_lr, "outer_momentum": s.outer_momentum,
-                      "codec": s.codec} for k, s in specs.items()},
+        "outer": {k: {"outer": o.outer, "outer_lr": o.outer_lr, "outer_momentum": o.outer_momentum,
+                      "codec": o.codec} for k, s in specs.items() for o in [s.opts(FusedOptions)]},
         "rows": rows, "targets": [{"target": n, "met": ok, "detail": det} for n, ok, det in checks],
         "pool": pool_report, "seconds": round(elapsed, 1),
         "machine": f"{platform.node()} {platform.processor() or platform.machine()} "
