@@ -28,7 +28,7 @@ Redis (besides Celery's and kombu's own keys)::
     tt:worker:<name>              hash: an agent's inventory, live figures and current task
     celery, tt.fits.<N>MB         task queues: the default one and one per memory class
 
-Task labels (``attempts[].task`` in the JSON): ``start``, ``r<r>/shard-<k>``, ``r<r>/outer``,
+Task labels (``attempts[].task`` in the JSON): ``r<r>/shard-<k>``, ``r<r>/outer``,
 ``m<m>/seg-<j>``, ``vote``. Claims (one-time dispatches, per run): ``dispatch-r<r>``,
 ``m<m>/seg-<j>``, ``vote``.
 """
@@ -146,7 +146,7 @@ def memory_queue(size_mb: int) -> str:
 class Label:
     """What one task works on. ``str(label)`` is its name in attempts and incidents."""
 
-    kind: str                 # start | shard | outer | segment | vote
+    kind: str                 # shard | outer | segment | vote
     round: int | None = None
     shard: int | None = None
     member: int | None = None
@@ -165,10 +165,6 @@ class Label:
         if self.kind == "segment":
             return f"m{self.member}/seg-{self.segment}"
         return self.kind
-
-
-def start_label() -> Label:
-    return Label("start")
 
 
 def shard_label(r: int, k: int) -> Label:
@@ -191,7 +187,7 @@ _LABELS = (
     (re.compile(r"^r(\d+)/shard-(\d+)$"), lambda g: shard_label(int(g[0]), int(g[1]))),
     (re.compile(r"^r(\d+)/outer$"), lambda g: outer_label(int(g[0]))),
     (re.compile(r"^m(\d+)/seg-(\d+)$"), lambda g: segment_label(int(g[0]), int(g[1]))),
-    (re.compile(r"^(start|vote)$"), lambda g: Label(g[0])),
+    (re.compile(r"^(vote)$"), lambda g: Label(g[0])),
 )
 
 

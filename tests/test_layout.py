@@ -10,8 +10,7 @@ from tensorturn.spec import RunSpec
 
 
 @pytest.mark.parametrize("label", [layout.shard_label(3, 12), layout.outer_label(0),
-                                   layout.segment_label(4, 2), layout.vote_label(),
-                                   layout.start_label()])
+                                   layout.segment_label(4, 2), layout.vote_label()])
 def test_task_labels_round_trip(label):
     assert layout.parse_label(str(label)) == label
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import time
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
@@ -74,7 +74,6 @@ class Attempt:
     number: int = 0
     bytes_up: int = 0
     bytes_down: int = 0
-    notes: dict[str, Any] = field(default_factory=dict)
 
     @property
     def run_id(self) -> str:
