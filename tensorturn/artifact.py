@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
+from . import layout
 from .errors import TensorTurnError
-from .recipes import Recipe, resolve
+from .recipes import BUILTIN, Recipe, resolve
+from .store import ObjectMissing, Store, sha256_hex
 from .tensors import ENSEMBLE_FORMAT, MODEL_FORMAT, from_bytes, metadata_of
+from .trust import UntrustedError, check_recipe_allowed
 
 
 @dataclass
@@ -64,3 +68,27 @@ class Predictor:
         votes = nn.functional.one_hot(per_member.argmax(-1), mean.shape[-1]).float().mean(0)
         labels = (votes + 1e-6 * mean).argmax(-1)
         return labels, votes, per_member
+
+
+def load_result(store: Store, run_id: str) -> tuple[Predictor, dict[str, Any]]:
+    """The run's final artifact, trusted only as far as it proves itself: the manifest must be
+    signed by the pool key, its recipe allowed on this machine (checked before the model file is
+    read), and the file must match the manifest's sha256 and name the same recipe."""
+    from .manifest import read_manifest
+
+    try:
+        manifest = read_manifest(store, run_id, verify=True)
+    except ObjectMissing:
+        raise TensorTurnError(f"no run {run_id!r} in the store (see `tensorturn runs`)") from None
+    if manifest.get("state") != "succeeded" or not manifest.get("model_uri"):
+        raise TensorTurnError(f"run {run_id} has no model to serve (state {manifest.get('state')})")
+    check_recipe_allowed(manifest["recipe"], BUILTIN)
+    final = "final_ensemble" if manifest["mode"] == "ensemble" else "final_model"
+    data = store.get_bytes(layout.key(final, run_id))
+    if sha256_hex(data) != manifest["model_sha256"]:
+        raise UntrustedError(f"run {run_id}: the model file does not match its recorded sha256")
+    named = metadata_of(data).get("recipe")
+    if named != manifest["recipe"]:
+        raise UntrustedError(f"run {run_id}: the model file names recipe {named!r}, its manifest "
+                             f"{manifest['recipe']!r}; refused")
+    return Predictor.from_bytes(data), manifest

@@ -45,13 +45,18 @@ def submit(spec: RunSpec, broker_url: str, here: bool = False) -> dict[str, Any]
     from .roster import list_workers
     from .store import open_store
 
+    from . import trust
+
     validate(spec)
+    trust.pool_key()  # one clear error now rather than a refusal from every agent
     client = check_broker(broker_url)
     store = open_store(spec.store_url)
     store.check()
     pool = list_workers(client)
     if not here and any(w["state"] == "idle" for w in pool):
         return start_on_an_agent(spec, broker_url)
+    # built here: the recipe this user named on this machine is theirs to import here
+    config.use(trust.with_allowed(config.current(), [spec.recipe]))
     start(spec, broker_url, store, pool)
     return RunBoard(client).describe(spec.run_id)
 
@@ -85,8 +90,11 @@ def start_on_an_agent(spec: RunSpec, broker_url: str) -> dict[str, Any]:
     configure(broker_url)
     client = check_broker(broker_url)
     # the answer comes back on a Redis list of the run's (no Celery result, no subscription)
-    sent = app.send_task(START_TASK, args=[spec.to_json()], queue=layout.DEFAULT_QUEUE,
-                         ignore_result=True)
+    from . import trust
+
+    doc = spec.to_json()
+    sent = app.send_task(START_TASK, args=[doc], kwargs={"sig": trust.pool_key().sign("submit", doc)},
+                         queue=layout.DEFAULT_QUEUE, ignore_result=True)
     answer = client.blpop([layout.run_key(spec.run_id, "started")], timeout=START_WAIT_S)
     if answer is None:
         app.control.revoke(sent.id)
@@ -157,10 +165,11 @@ def resume(run_id: str, broker_url: str, store_url: str) -> tuple[dict[str, Any]
 
 
 def _manifest(store: Any, run_id: str) -> dict[str, Any] | None:
+    from .manifest import read_manifest
     from .store import ObjectMissing
 
     try:
-        return store.get_json(layout.key("manifest", run_id))
+        return read_manifest(store, run_id)
     except ObjectMissing:
         return None
 
@@ -259,7 +268,7 @@ def list_runs(broker_url: str | None, store_url: str) -> list[dict[str, Any]]:
             m = store.get_json(key)
         except StoreError:
             continue
-        summary = {k: m.get(k) for k in SUMMARY}
+        summary = {k: m.get(k) for k in SUMMARY}  # the signature is not among them
         if broker_url and summary["state"] not in FINISHED:
             summary["note"] = f"not on this broker; `tensorturn resume {run_id}` continues it"
         runs[run_id] = summary

@@ -27,7 +27,11 @@ DEFAULT_STORE_DIR = "tensorturn-store"
 _DOCS = """
 broker_url            Redis URL of the pool; unset, `run` starts a private embedded pool
 store_url             object store: `file:///dir`, a directory or `s3://bucket/prefix` (default `./tensorturn-store`)
-join                  the join string `tensorturn up` printed, read by `tensorturn agent`
+join                  the join string `tensorturn up` printed (prefer `--join-file`: a variable is safer than argv, a file safer still)
+join_file             a file holding that join string (`tensorturn up` writes `.tensorturn/join`)
+pool_key              the pool key that signs specs, tasks, manifests and tokens (`ttk1.…`; usually from the join file)
+pool_key_file         where the pool key is kept; `run` and `up` create it when missing (default `.tensorturn/pool-key`)
+allow_recipes         comma-separated `module:attr` patterns of non-built-in recipes this machine may import (`--allow-recipe`)
 visibility_timeout_s  seconds an unrefreshed task lease lasts before the task goes back to the queue
 shutdown_grace_s      seconds a stopping agent gives its running task before requeueing it
 heartbeat_s           seconds between an agent's telemetry heartbeats (offline after 3 missed)
@@ -57,6 +61,10 @@ class Settings:
     broker_url: str | None = None
     store_url: str | None = None
     join: str | None = None
+    join_file: str | None = None
+    pool_key: str | None = None
+    pool_key_file: str | None = None
+    allow_recipes: str | None = None
     visibility_timeout_s: int = 20
     shutdown_grace_s: float = 5.0
     heartbeat_s: float = 3.0

@@ -26,6 +26,7 @@ Redis (besides Celery's and kombu's own keys)::
                                   attempt_base, bytes, claims, incidents (a list),
                                   started (an agent's answer to `run`, a list)
     tt:worker:<name>              hash: an agent's inventory, live figures and current task
+    tt:refused                    list: the last 100 messages agents refused (JSON: why, who)
     celery, tt.fits.<N>MB         task queues: the default one and one per memory class
 
 Task labels (``attempts[].task`` in the JSON): ``r<r>/shard-<k>``, ``r<r>/outer``,
@@ -119,6 +120,7 @@ def parse(kind: str, text: str) -> dict[str, Any] | None:
 PREFIX = "tt:"
 RUN_INDEX = f"{PREFIX}runs"
 WORKER_PATTERN = f"{PREFIX}worker:*"
+REFUSED = f"{PREFIX}refused"   # list: the last task messages agents refused (bad signature, ...)
 UNACKED_INDEX = "unacked_index"  # kombu's default ``unacked_index_key``: the leases
 
 

@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from . import config
+from . import config, trust
 from .errors import TensorTurnError
 
 log = logging.getLogger(__name__)
@@ -61,18 +61,24 @@ class RedisServer:
 
     @property
     def url(self) -> str:
-        return f"redis://:{self.password}@127.0.0.1:{self.port}/0"
+        return f"redis://default:{self.password}@127.0.0.1:{self.port}/0"
 
     def start(self, timeout: float = 20) -> "RedisServer":
         import redis
 
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        args = [redis_server_binary(), "--port", str(self.port), "--bind", self.bind,
-                "--dir", str(self.workdir), "--save", "", "--maxmemory-policy", "noeviction",
-                "--appendonly", "yes" if self.appendonly else "no", "--daemonize", "no",
-                "--logfile", str(self.workdir / "redis.log")]
+        self.workdir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        # every setting in a config file (mode 600): a password on the command line would show
+        # in `ps` and /proc/<pid>/cmdline to every user of the machine
+        lines = [f"port {self.port}", f"bind {self.bind}", f"dir {_quoted(self.workdir)}",
+                 'save ""', "maxmemory-policy noeviction", "daemonize no",
+                 f"appendonly {'yes' if self.appendonly else 'no'}",
+                 f"logfile {_quoted(self.workdir / 'redis.log')}"]
         if self.password:
-            args += ["--requirepass", self.password]
+            lines.append(f"requirepass {_quoted(self.password)}")
+        conf = self.workdir / "redis.conf"
+        conf.unlink(missing_ok=True)
+        trust.write_secret(conf, "\n".join(lines) + "\n")
+        args = [redis_server_binary(), str(conf)]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                      start_new_session=True)
         client = redis.Redis(host="127.0.0.1", port=self.port, password=self.password or None,
@@ -97,6 +103,12 @@ class RedisServer:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+
+
+def _quoted(value: object) -> str:
+    """A value as a redis.conf string (double-quoted, escapes for quote and backslash)."""
+    text = str(value).replace("\\", "\\\\").replace('"', '\\"')
+    return f'"{text}"'
 
 
 def agent_command(name: str, concurrency: int = 1) -> list[str]:
@@ -159,8 +171,11 @@ class LocalPool:
 
     def start_agent(self, i: int) -> subprocess.Popen:
         """(Re)start agent ``local<i+1>`` as its own process group, logging to the workdir."""
-        env = dict(os.environ, **config.current().environ(), TENSORTURN_BROKER_URL=self.broker_url,
-                   TENSORTURN_STORE_URL=self.store_url, TENSORTURN_LOGLEVEL=self.loglevel)
+        # secrets reach the agents in their environment (readable by this user only), never argv
+        settings = config.current().with_(broker_url=self.broker_url, store_url=self.store_url,
+                                          loglevel=self.loglevel,
+                                          pool_key=trust.pool_key_or_create().text())
+        env = {**os.environ, **settings.environ()}
         log_path = self.workdir / f"agent-{i + 1}.log"
         with open(log_path, "ab") as out:
             proc = subprocess.Popen(agent_command(f"local{i + 1}"), env=env, stdout=out,

@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from . import layout
+from . import layout, trust
 from .board import RunBoard
 from .errors import StoreError
 from .spec import RunSpec
@@ -18,17 +18,29 @@ log = logging.getLogger(__name__)
 
 
 def load_spec(store: Store, run_id: str) -> RunSpec:
-    return RunSpec.from_json(store.get_json(layout.key("spec", run_id)))
+    """The run's spec, refused (UntrustedError) unless it is signed by this pool's key: a spec
+    names the recipe every agent imports."""
+    doc = store.get_json(layout.key("spec", run_id))
+    return RunSpec.from_json(trust.pool_key().check_doc("spec", doc, f"the spec of run {run_id}"))
 
 
 def save_spec(store: Store, spec: RunSpec) -> None:
-    store.put_json(layout.key("spec", spec.run_id), spec.to_json())
+    store.put_json(layout.key("spec", spec.run_id), trust.pool_key().sign_doc("spec", spec.to_json()))
+
+
+def read_manifest(store: Store, run_id: str, verify: bool = False) -> dict[str, Any]:
+    """The run's manifest, without its signature; ``verify``: refused unless signed by this
+    pool's key (what a server trusts). ObjectMissing when there is none."""
+    doc = store.get_json(layout.key("manifest", run_id))
+    if verify:
+        return trust.pool_key().check_doc("manifest", doc, f"the manifest of run {run_id}")
+    return {k: v for k, v in doc.items() if k != trust.SIGNATURE} if isinstance(doc, dict) else doc
 
 
 def write_manifest(store: Store, board: RunBoard, run_id: str) -> dict[str, Any]:
-    """Save the run's description beside its weights (rebuildable without Redis)."""
+    """Save the run's description beside its weights (rebuildable without Redis), signed."""
     doc = board.describe(run_id)
-    store.put_json(layout.key("manifest", run_id), doc)
+    store.put_json(layout.key("manifest", run_id), trust.pool_key().sign_doc("manifest", doc))
     return doc
 
 

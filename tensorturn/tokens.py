@@ -1,6 +1,8 @@
 """API tokens: shown once at creation, stored only as a hash, in the object store.
 
-An API instance then needs nothing but the store to check a token. Tokens are 256-bit random
+An API instance then needs nothing but the store (and the pool key) to check a token. Records are
+signed with the pool key, so write access to the store is not enough to mint a token: a record
+that is not signed is ignored. Tokens are 256-bit random
 strings, so a plain SHA-256 is a sound hash for them (no password stretching is needed); checks
 compare digests in constant time.
 """
@@ -14,7 +16,7 @@ import threading
 import time
 from typing import Any
 
-from . import layout
+from . import layout, trust
 from .errors import NotFound
 from .store import Store
 
@@ -31,13 +33,31 @@ def create(store: Store, name: str | None = None) -> tuple[str, dict[str, Any]]:
     token_id = secrets.token_hex(4)
     record = {"id": token_id, "name": name or token_id, "sha256": _digest(token),
               "created_at": time.time(), "revoked_at": None}
-    store.put_json(layout.key("token", token_id), record)
+    _save(store, record)
     return token, record
 
 
+def _save(store: Store, record: dict[str, Any]) -> None:
+    store.put_json(layout.key("token", record["id"]), trust.pool_key().sign_doc("token", record))
+
+
 def records(store: Store) -> list[dict[str, Any]]:
-    out = [store.get_json(k) for k in store.list(PREFIX) if k.endswith(".json")]
+    """Every token record signed by the pool key (others are ignored: see the module's doc)."""
+    key = trust.pool_key()
+    out = []
+    for k in store.list(PREFIX):
+        if not k.endswith(".json"):
+            continue
+        try:
+            out.append(key.check_doc("token", store.get_json(k), f"token record {k}"))
+        except trust.UntrustedError:
+            continue
     return sorted(out, key=lambda r: r["created_at"])
+
+
+def active_digests(store: Store) -> set[str]:
+    """The SHA-256 digests of every token that is signed and not revoked."""
+    return {r["sha256"] for r in records(store) if r["revoked_at"] is None}
 
 
 def public(record: dict[str, Any]) -> dict[str, Any]:
@@ -52,7 +72,7 @@ def revoke(store: Store, id_or_name: str) -> dict[str, Any]:
     for record in matches:
         if record["revoked_at"] is None:
             record["revoked_at"] = time.time()
-            store.put_json(layout.key("token", record["id"]), record)
+            _save(store, record)
     return matches[0]
 
 

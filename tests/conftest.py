@@ -19,12 +19,30 @@ ROOT = Path(__file__).resolve().parent.parent
 # agents included, as a user's recipe must on every machine of a pool.
 os.environ["PYTHONPATH"] = os.pathsep.join(
     p for p in (str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")) if p)
+# One pool key for the whole session, in this process and every process the tests start
+# (a test of what happens without it takes it away). Agents would refuse unsigned work.
+TEST_POOL_KEY = "ttk1.dGVzdHMgb25seTogbm90IGEgc2VjcmV0IGtleSEhISE"
+os.environ["TENSORTURN_POOL_KEY"] = TEST_POOL_KEY
+# The test recipes, allowed on the pools the tests start themselves (a run's own CLI allows the
+# recipe it names on its embedded pool; a test of an unallowed recipe names another module).
+os.environ["TENSORTURN_ALLOW_RECIPES"] = ",".join(
+    f"{m}:*" for m in ("failing", "huge", "crasher", "nan_once", "myrecipe", "flaky_recipe", "badinit"))
+
+
+@pytest.fixture(autouse=True)
+def _settings_per_test():
+    """Settings a test changed in this process (config.use) end with it."""
+    from tensorturn import config
+
+    yield
+    config.reload()
 
 
 def clean_env(**extra: str) -> dict[str, str]:
     """The environment for a CLI subprocess: no pool or store inherited from the developer's."""
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("TENSORTURN_", "AWS_"))}
+    env["TENSORTURN_POOL_KEY"] = TEST_POOL_KEY
     env.update(extra)
     return env
 

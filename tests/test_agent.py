@@ -28,15 +28,16 @@ def spawn(*args: str, env: dict, cwd) -> subprocess.Popen:
 
 @pytest.fixture
 def coordinator(tmp_path):
-    """`tensorturn up` on a free loopback port; yields (join string, broker URL)."""
+    """`tensorturn up` on a free loopback port; yields (join file, broker URL)."""
     proc = spawn("up", "--port", str(free_port()), "--bind", "127.0.0.1", "--dir",
                  str(tmp_path / "coord"), "--store", str(tmp_path / "store"),
                  env=clean_env(), cwd=tmp_path)
-    line = proc.stdout.readline()  # the one line to paste on each machine
-    assert line.strip().startswith("tensorturn agent --join tt1."), proc.stderr.read()
-    join = line.split("--join", 1)[1].strip()
+    line = proc.stdout.readline()  # the command to run on each machine, with the join file
+    assert line.strip() == "tensorturn agent --join-file join --name NAME", proc.stderr.read()
+    join_file = tmp_path / "coord" / "join"
+    assert join_file.stat().st_mode & 0o777 == 0o600
     broker = (tmp_path / "coord" / "broker-url").read_text().strip()
-    yield join, broker
+    yield str(join_file), broker
     proc.send_signal(signal.SIGINT)  # Ctrl-C
     assert proc.wait(20) == 0
     stop_process_group(proc, grace=5)
@@ -63,7 +64,7 @@ def workers(broker: str) -> dict[str, dict]:
 def test_up_and_join_connect_two_agents_with_telemetry(coordinator, tmp_path):
     join, broker = coordinator
     password = broker.split(":")[2].split("@")[0]
-    agents = [spawn("agent", "--join", join, "--name", name, env=clean_env(), cwd=tmp_path)
+    agents = [spawn("agent", "--join-file", join, "--name", name, env=clean_env(), cwd=tmp_path)
               for name in ("w1", "w2")]
     try:
         seen = wait_for(lambda: (w := workers(broker)) and len(w) == 2 and w, "two workers")
@@ -104,7 +105,7 @@ def test_workers_show_the_task_in_progress(pool, tmp_path):
     from tensorturn import client
 
     run = spawn("run", "--broker", pool.broker_url, "--recipe", "digits-mlp", "--rounds", "1",
-                "--shards", "1", "--sync-every", "6000", "--store", str(tmp_path / "s"),
+                "--shards", "1", "--sync-every", "6000", "--store", pool.store_url,
                 "--detach", "--json", env=clean_env(), cwd=tmp_path)
     try:
         # watched from the moment the CLI starts, and polled in-process (what `workers --json`
@@ -123,8 +124,7 @@ def test_workers_show_the_task_in_progress(pool, tmp_path):
 @pytest.mark.e2e
 def test_a_model_that_fits_no_worker_is_refused_before_queueing(pool, tmp_path):
     # tests/huge.py: importable by the agents too (conftest puts tests/ on their PYTHONPATH)
-    proc = tt("run", "--broker", pool.broker_url, "--recipe", "huge:Huge", "--store",
-              str(tmp_path / "s"))
+    proc = tt("run", "--broker", pool.broker_url, "--recipe", "huge:Huge", "--store", pool.store_url)
     assert proc.returncode == 2, proc.stderr
     assert "the model needs about" in proc.stderr and "largest connected worker" in proc.stderr
     assert "local" in proc.stderr and "Traceback" not in proc.stderr
@@ -155,7 +155,8 @@ def test_a_worker_too_small_for_the_model_leaves_its_tasks_to_others(tmp_path, m
 
 
 def test_a_damaged_join_string_is_one_clear_error(tmp_path):
-    proc = tt("agent", "--join", "tt1.not-base64!!", cwd=tmp_path)
+    (tmp_path / "join").write_text("tt1.not-base64!!\n")
+    proc = tt("agent", "--join-file", "join", cwd=tmp_path)
     assert proc.returncode == 2
     assert proc.stderr.strip() == ("error: invalid join string: it is damaged or incomplete "
                                    "(copy the whole line `tensorturn up` printed)")

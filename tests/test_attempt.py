@@ -25,7 +25,7 @@ from tensorturn.modes.ensemble import tasks as ensemble
 from tensorturn.modes.fused import tasks as fused
 from tensorturn.recipes import base as recipe_base
 from tensorturn.spec import RunSpec
-from tensorturn.tasks.attempt import chord_failed
+from tensorturn.tasks.attempt import chord_failed, signed
 
 sys.path.insert(0, str(Path(__file__).parent))  # the `failing` recipe module
 
@@ -49,20 +49,29 @@ def submit(world, name: str = "store", **options) -> RunSpec:
     return spec
 
 
+def as_agent_of(spec: RunSpec) -> None:
+    """This process plays an agent whose own store is the run's (agents use their own)."""
+    config.use(config.current().with_(store_url=spec.store_url))
+
+
 def shard(spec: RunSpec, r: int, k: int) -> None:
-    fused.train_shard.apply(args=(spec.run_id, spec.store_url, r, k)).get()
+    as_agent_of(spec)
+    fused.train_shard.apply(args=(spec.run_id, r, k), kwargs=signed(spec.run_id, f"r{r}/shard-{k}")).get()
 
 
 def outer(spec: RunSpec, r: int) -> None:
-    fused.outer_step.apply(args=([], spec.run_id, spec.store_url, r)).get()
+    as_agent_of(spec)
+    fused.outer_step.apply(args=([], spec.run_id, r), kwargs=signed(spec.run_id, f"r{r}/outer")).get()
 
 
 def segment(spec: RunSpec, m: int, j: int) -> None:
-    ensemble.train_segment.apply(args=(spec.run_id, spec.store_url, m, j)).get()
+    as_agent_of(spec)
+    ensemble.train_segment.apply(args=(spec.run_id, m, j), kwargs=signed(spec.run_id, f"m{m}/seg-{j}")).get()
 
 
 def vote(spec: RunSpec) -> None:
-    ensemble.vote.apply(args=(spec.run_id, spec.store_url)).get()
+    as_agent_of(spec)
+    ensemble.vote.apply(args=(spec.run_id,), kwargs=signed(spec.run_id, "vote")).get()
 
 
 def drive_fused(spec: RunSpec, start: int = 0) -> None:
@@ -247,7 +256,8 @@ def test_an_ensemble_member_dropped_for_failures_gets_another_chance_on_resume(w
 
 def test_a_chord_whose_body_cannot_run_fails_the_run(world):
     spec = submit(world, **FUSED)
-    chord_failed.apply(args=("task-id", spec.run_id, "the outer step of round 0")).get()
+    what = "the outer step of round 0"
+    chord_failed.apply(args=("task-id", spec.run_id, what), kwargs=signed(spec.run_id, f"chord_failed:{what}")).get()
     doc = world.board.describe(spec.run_id)
     assert doc["state"] == "failed" and "the outer step of round 0 could not run" in doc["error"]
     assert f"tensorturn resume {spec.run_id}" in doc["error"]

@@ -20,6 +20,7 @@ from tensorturn import client
 from tensorturn.board import RunBoard
 from tensorturn.local import LocalPool
 from tensorturn.modes.fused.tasks import train_shard
+from tensorturn.tasks.attempt import signed
 from tensorturn.spec import RunSpec
 
 pytestmark = pytest.mark.e2e
@@ -51,8 +52,7 @@ def pool(chaos_pool):
 @pytest.fixture(scope="module")
 def reference(chaos_pool, tmp_path_factory):
     """The fault-free run of SPEC on the same pool."""
-    store = (tmp_path_factory.mktemp("ref") / "store").as_uri()
-    spec = RunSpec.create(store_url=store, **SPEC)
+    spec = RunSpec.create(store_url=chaos_pool.store_url, **SPEC)
     client.submit(spec, chaos_pool.broker_url)
     doc = client.wait(chaos_pool.broker_url, spec.run_id, timeout_s=300)
     assert doc["state"] == "succeeded" and not doc["incidents"]
@@ -71,7 +71,7 @@ def test_senders_keep_no_result_subscriptions(chaos_pool, reference):
 
 
 def submit(pool, tmp_path, **overrides) -> RunSpec:
-    spec = RunSpec.create(store_url=(tmp_path / "store").as_uri(), **{**SPEC, **overrides})
+    spec = RunSpec.create(store_url=pool.store_url, **{**SPEC, **overrides})  # the agents' own
     client.submit(spec, pool.broker_url)
     return spec
 
@@ -172,7 +172,7 @@ def test_duplicate_delivery_is_ignored(pool, reference, tmp_path):
     while not board(pool).rounds(spec.run_id):
         assert time.monotonic() < deadline
         time.sleep(0.1)
-    train_shard.apply_async(args=(spec.run_id, spec.store_url, 0, 1))  # shard 1 of round 0, again
+    train_shard.apply_async(args=(spec.run_id, 0, 1), kwargs=signed(spec.run_id, "r0/shard-1"))  # again
     doc = finish(pool, spec, reference)
     dup = [i for i in doc["incidents"] if i["kind"] == "duplicate_ignored"]
     assert [i["task"] for i in dup] == ["r0/shard-1"]

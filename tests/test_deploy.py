@@ -129,6 +129,21 @@ def check_tensorturn_args(args: list[str]) -> None:
     command.make_context(args[0], list(args[1:]))  # raises on an unknown option or bad value
 
 
+def procfile_run(cmdline: str, env: dict[str, str], program: str) -> tuple[list[str], str]:
+    """Run a Procfile line in a real ``sh`` with ``program`` replaced by a stand-in that records
+    the arguments it was given and what it read on stdin."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        stub = Path(tmp) / program
+        stub.write_text(f'#!/bin/sh\nprintf "%s\\0" "$@" > {tmp}/argv\ncat > {tmp}/stdin\n')
+        stub.chmod(0o755)
+        proc = subprocess.run(["/bin/sh", "-c", cmdline], env={"PATH": f"{tmp}:{os.defpath}", **env},
+                              cwd=ROOT, capture_output=True, text=True, timeout=30)
+        assert proc.returncode == 0, proc.stderr
+        return (Path(tmp, "argv").read_text().split("\0")[:-1], Path(tmp, "stdin").read_text())
+
+
 def option_value(args: list[str], option: str) -> str:
     """``--opt VALUE`` or ``--opt=VALUE``."""
     for i, a in enumerate(args):
@@ -154,10 +169,14 @@ def test_compose_redis_password_aof_noeviction_and_healthcheck():
     svc = service("redis")
     assert str(svc["image"]).split(":")[0] == "redis" and str(svc["image"]).startswith("redis:7")
     cmd = argv(svc["command"])
-    assert cmd[0] == "redis-server"
-    # the password comes from the env, never from the file, and an empty one is refused
-    password = option_value(cmd, "--requirepass")
-    assert len(var_refs(password)) == 1, password
+    assert cmd[:2] == ["sh", "-c"]
+    script = cmd[2]
+    # the password comes from the env through stdin: never from the file, never on a command
+    # line; an empty one is refused
+    assert script.startswith("printf 'requirepass \"%s\"\\n' \"$$REDIS_PASSWORD\" | exec redis-server "), script
+    assert script.endswith(" -") and "--requirepass" not in script
+    assert var_refs(script) == []  # $$: expanded by the container's shell, not by compose
+    password = env_map(svc["environment"])["REDIS_PASSWORD"]
     name, modifier = var_refs(password)[0]
     assert name == "REDIS_PASSWORD" and modifier and modifier.startswith(":?"), password
     # the mounted redis.conf is this repository's, read-only, and is the file redis-server loads
@@ -167,7 +186,7 @@ def test_compose_redis_password_aof_noeviction_and_healthcheck():
     source, target, *mode = conf_mounts[0]
     assert (COMPOSE.parent / source).resolve() == REDIS_CONF
     assert mode == ["ro"]
-    assert cmd[1] == target, "redis-server must be given the mounted config file"
+    assert shlex.split(script.split("|")[1])[2] == target, "redis-server must be given the mounted config file"
     assert any(m[1] == "/data" for m in mounts), "no volume for /data (the AOF lives there)"
     # AOF and noeviction: in that file (checked below), not overridden on the command line
     for directive in ("--appendonly", "--maxmemory-policy"):
@@ -238,7 +257,8 @@ def test_compose_flower_has_basic_auth_and_the_pool_broker():
     svc = service("flower")
     cmd = argv(svc["command"])
     assert cmd[:4] == ["celery", "-A", "tensorturn.celery_app", "flower"]
-    auth = option_value(cmd, "--basic-auth")
+    assert not any(a.startswith("--basic-auth") for a in cmd)  # off the command line
+    auth = env_map(svc["environment"])["FLOWER_BASIC_AUTH"]
     assert [n for n, _ in var_refs(auth)] == ["FLOWER_BASIC_AUTH"]
     broker = env_map(svc["environment"])["TENSORTURN_BROKER_URL"]
     assert re.fullmatch(r"redis://:\$\{REDIS_PASSWORD[^}]*\}@redis:6379/\d+", broker), broker
@@ -327,11 +347,12 @@ def test_redis_conf_settings():
     conf = redis_conf()
     assert conf["maxmemory-policy"] == "noeviction"
     assert conf["appendonly"] == "yes"
-    assert "requirepass" not in conf, "the password belongs on the command line, not in the file"
+    assert "requirepass" not in conf, "the password comes on stdin, not in the file"
 
 
 class running_redis:
-    """``redis-server deploy/redis.conf`` on a loopback port (the command line overrides bind)."""
+    """``redis-server deploy/redis.conf`` on a loopback port (the command line overrides bind),
+    the password on stdin as the Procfile and docker-compose give it."""
 
     def __init__(self, tmp_path: Path, port: int, password: str):
         self.tmp, self.port, self.password = tmp_path, port, password
@@ -342,8 +363,10 @@ class running_redis:
         self.log = open(self.tmp / f"redis-{self.port}.log", "wb")
         self.proc = subprocess.Popen(
             [redis_server_binary(), str(REDIS_CONF), "--port", str(self.port), "--bind", "127.0.0.1",
-             "--dir", str(data), "--requirepass", self.password, "--daemonize", "no"],
+             "--dir", str(data), "--daemonize", "no", "-"], stdin=subprocess.PIPE,
             stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc.stdin.write(f'requirepass "{self.password}"\n'.encode())
+        self.proc.stdin.close()
         client = redis.Redis(host="127.0.0.1", port=self.port, password=self.password,
                              socket_connect_timeout=1, decode_responses=True)
         deadline = time.monotonic() + 60
@@ -372,7 +395,7 @@ def test_redis_conf_is_accepted_by_a_real_redis_server(tmp_path):
         assert client.config_get("maxmemory-policy") == {"maxmemory-policy": "noeviction"}
         assert client.config_get("appendonly") == {"appendonly": "yes"}
         assert client.config_get("bind")["bind"] == "127.0.0.1"
-        # --requirepass works with this file: no password, or a wrong one, gets nothing
+        # the password from stdin works with this file: no password, or a wrong one, gets nothing
         with pytest.raises(redis.AuthenticationError):
             redis.Redis(host="127.0.0.1", port=port, socket_connect_timeout=1).ping()
         with pytest.raises(redis.AuthenticationError):
@@ -398,7 +421,7 @@ def test_env_example_holds_placeholders_only():
 def test_env_example_values_fit_together():
     values = env_example()
     # agents' broker URL carries the Redis password
-    assert re.fullmatch(r"redis://:([^@]+)@[^:/]+:6379/\d+", values["TENSORTURN_BROKER_URL"]).group(1) \
+    assert re.fullmatch(r"redis://default:([^@]+)@[^:/]+:6379/\d+", values["TENSORTURN_BROKER_URL"]).group(1) \
         == values["REDIS_PASSWORD"]
     user, _, password = values["FLOWER_BASIC_AUTH"].partition(":")
     assert user and password, "FLOWER_BASIC_AUTH is user:password"
@@ -424,14 +447,14 @@ def test_procfile_commands_as_the_shell_expands_them():
     env = env_example()
     lines = procfile()
 
-    redis_args = shell_words(lines["redis"], env)
-    assert redis_args[:2] == ["redis-server", "deploy/redis.conf"]
-    assert (ROOT / redis_args[1]).resolve() == REDIS_CONF
-    assert option_value(redis_args, "--requirepass") == env["REDIS_PASSWORD"]
+    redis_argv, redis_stdin = procfile_run(lines["redis"], env, "redis-server")
+    assert redis_argv == ["deploy/redis.conf", "-"]  # the password is not among them
+    assert (ROOT / redis_argv[0]).resolve() == REDIS_CONF
+    assert redis_stdin == f'requirepass "{env["REDIS_PASSWORD"]}"\n'
 
     flower = shell_words(lines["flower"], env)
     assert flower[:4] == ["celery", "-A", "tensorturn.celery_app", "flower"]
-    assert option_value(flower, "--basic-auth") == env["FLOWER_BASIC_AUTH"]
+    assert not any(a.startswith("--basic-auth") for a in flower)  # FLOWER_BASIC_AUTH, from .env
 
     worker = shell_words(lines["worker"], env)
     assert worker[:2] == ["tensorturn", "agent"] and option_value(worker, "--name") == "agent"
@@ -487,7 +510,8 @@ def test_launcher_starts_a_real_agent(redis_server, tmp_path):
     from celery import Celery
 
     env = {"PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.defpath}", "HOME": str(tmp_path),
-           "TENSORTURN_BROKER_URL": redis_server.url, "TENSORTURN_STORE_URL": (tmp_path / "store").as_uri()}
+           "TENSORTURN_BROKER_URL": redis_server.url, "TENSORTURN_STORE_URL": (tmp_path / "store").as_uri(),
+           "TENSORTURN_POOL_KEY": os.environ["TENSORTURN_POOL_KEY"]}
     log = open(tmp_path / "agent.log", "wb")
     proc = subprocess.Popen([str(LAUNCHER), "launcher-test"], env=env, cwd=tmp_path, stdout=log,
                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)

@@ -38,8 +38,9 @@ def flower(flower_pool, tmp_path_factory):
     log = open(log_path, "wb")
     proc = subprocess.Popen(
         [sys.executable, "-m", "celery", "-A", "tensorturn.celery_app", "flower", f"--port={port}",
-         "--address=127.0.0.1", f"--basic-auth={AUTH[0]}:{AUTH[1]}"],
-        env=dict(os.environ, TENSORTURN_BROKER_URL=flower_pool.broker_url), stdout=log,
+         "--address=127.0.0.1"],  # the basic auth from the environment, as documented
+        env=dict(os.environ, TENSORTURN_BROKER_URL=flower_pool.broker_url,
+                 FLOWER_BASIC_AUTH=f"{AUTH[0]}:{AUTH[1]}"), stdout=log,
         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
     try:
         deadline = time.monotonic() + 60

@@ -49,7 +49,7 @@ def test_fused_run_on_a_pool_with_an_s3_store(s3_endpoint, s3_bucket, tmp_path):
 
 def test_run_on_an_existing_pool_names_its_agents(pool, tmp_path):
     doc = tt_json("run", "--broker", pool.broker_url, "--recipe", "digits-mlp", "--rounds", "2",
-                  "--shards", "4", "--sync-every", "5", "--store", str(tmp_path / "s"), "--json")
+                  "--shards", "4", "--sync-every", "5", "--store", pool.store_url, "--json")
     assert doc["state"] == "succeeded"
     assert sorted(a["task"] for a in doc["attempts"]) == sorted(
         [f"r{r}/outer" for r in range(2)] + [f"r{r}/shard-{k}" for r in range(2) for k in range(4)])
@@ -58,7 +58,7 @@ def test_run_on_an_existing_pool_names_its_agents(pool, tmp_path):
     assert doc["spec"]["options"]["shards"] == 4
 
     detached = tt_json("run", "--broker", pool.broker_url, "--recipe", "digits-mlp", "--rounds", "1",
-                       "--shards", "2", "--sync-every", "2", "--store", str(tmp_path / "s"),
+                       "--shards", "2", "--sync-every", "2", "--store", pool.store_url,
                        "--detach", "--json")
     # --detach returns the run as it stood when queued; idle agents may already have picked it
     # up (or, on a tiny run, finished it), so only its identity is certain, not its progress

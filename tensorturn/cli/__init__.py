@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import re
 import signal
 import sys
 from collections.abc import Callable
@@ -25,20 +26,34 @@ BROKER_HELP = "Redis URL of the pool (env TENSORTURN_BROKER_URL)."
 
 
 def pool_options(broker_help: str = BROKER_HELP) -> Callable:
-    """``--broker``, ``--store`` and ``--debug``; TensorTurn errors become one line + exit code."""
+    """``--broker``, ``--store``, ``--join-file`` and ``--debug``; TensorTurn errors become one
+    line + exit code. A join file (or ``TENSORTURN_JOIN``) fills in the broker and store not
+    given otherwise, the pool key, and the recipes its owner allows."""
 
     def decorate(fn: Callable) -> Callable:
         @click.option("--broker", envvar="TENSORTURN_BROKER_URL", metavar="URL", help=broker_help)
         @click.option("--store", envvar="TENSORTURN_STORE_URL", metavar="URL",
                       help="Object store: file:///dir, a directory, or s3://bucket/prefix "
                            "(env TENSORTURN_STORE_URL; default ./tensorturn-store).")
+        @click.option("--join-file", "join_file", envvar="TENSORTURN_JOIN_FILE", metavar="PATH",
+                      help="The pool's join file from `tensorturn up` (broker, store, pool key); "
+                           "`-` reads the join string from stdin.")
         @click.option("--debug", is_flag=True, help="Show tracebacks and debug logs.")
         @functools.wraps(fn)
-        def wrapper(*args: Any, broker: str | None, store: str | None, debug: bool, **kwargs: Any):
+        def wrapper(*args: Any, broker: str | None, store: str | None, join_file: str | None,
+                    debug: bool, **kwargs: Any):
             logging.basicConfig(level=logging.DEBUG if debug else logging.WARNING,
                                 format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
             click.get_current_context().meta["debug"] = debug
             try:
+                joined = kwargs.pop("join", None)  # `agent --join`, when the command has it
+                if joined is not None or join_file or config.current().join:
+                    from ..coordinator import load_join
+
+                    settings = load_join(joined or config.current().join, join_file, config.current())
+                    config.use(settings)
+                    broker = broker or settings.broker_url
+                    store = store or settings.store_url
                 store_url = config.normalize_store_url(store) if store else config.default_store_url()
                 return fn(*args, broker=broker or None, store=store_url, **kwargs)
             except TensorTurnError as exc:
@@ -93,7 +108,26 @@ def cli() -> None:
 
 
 def main() -> None:
-    cli(prog_name="tensorturn")
+    args = sys.argv[1:]
+    scrub_argv()
+    cli(args=args, prog_name="tensorturn")
+
+
+_SECRET_ARG = re.compile(r"(tt1|ttk1)\.[A-Za-z0-9_\-]+")
+
+
+def scrub_argv() -> None:
+    """Hide secrets given on the command line from ``ps`` and ``/proc/<pid>/cmdline`` (the
+    process title is rewritten in place); the safe forms are files, stdin and variables."""
+    masked = [_SECRET_ARG.sub("***", config.mask_text(arg)) for arg in sys.argv]
+    if masked == sys.argv:
+        return
+    sys.argv[:] = masked  # what Celery shows in its process titles (the args were read before)
+    try:
+        import setproctitle
+    except ImportError:
+        return
+    setproctitle.setproctitle(" ".join(["tensorturn", *masked[1:]]))
 
 
 from . import inspect, pool, run, serve  # noqa: E402,F401 - each module adds its commands

@@ -11,20 +11,32 @@ from . import cli, pool_options, stop_on_signals
 
 @cli.command()
 @click.option("--join", "join", metavar="JOIN", envvar="TENSORTURN_JOIN",
-              help="The join string `tensorturn up` printed (carries the broker and store).")
+              help="The join string `tensorturn up` printed; `-` reads it from stdin (hidden "
+                   "prompt on a terminal). Prefer --join-file: a command line shows in `ps` "
+                   "and shell history (TensorTurn hides it from `ps` once started).")
 @click.option("--name", default=None, help="Worker name (shown as NAME@host) [default: agent].")
 @click.option("--concurrency", type=click.IntRange(min=1), default=1, show_default=True,
               help="Tasks at once on this machine. One is right for a GPU and for CPUs "
                    "(each CPU task uses --threads-per-task threads).")
 @click.option("--memory-gb", type=click.FloatRange(min=0, min_open=True), default=None,
               help="Offer at most this much device memory (VRAM, or RAM on CPU) to the pool.")
+@click.option("--allow-recipe", "allow", multiple=True, metavar="PATTERN",
+              help="Also import recipes matching this `module:attr` pattern (fnmatch, e.g. "
+                   "'myproject.recipes:*'); built-in recipes are always allowed. Repeatable.")
 @click.option("--loglevel", default=None, help="Celery log level [default: INFO].")
 @pool_options()
-def agent(broker, store, join, name, concurrency, memory_gb, loglevel):
+def agent(broker, store, name, concurrency, memory_gb, allow, loglevel):
     """Run this machine's agent: a Celery worker that trains what the pool queues.
+
+    \b
+    Join a pool with the file `tensorturn up` wrote (copy it over, e.g. with scp):
+      tensorturn agent --join-file join --name gaming-pc
+    or paste the join string at a hidden prompt: tensorturn agent --join -
 
     It only opens outbound connections, to the broker and the store, reconnects forever when the
     network drops, and on SIGTERM puts its running task back in the queue within a few seconds.
+    It runs only work signed with the pool key, from its own store, and imports only built-in
+    recipes and those allowed with --allow-recipe.
     """
     import os
 
@@ -32,25 +44,20 @@ def agent(broker, store, join, name, concurrency, memory_gb, loglevel):
     # grace: running tasks get a few seconds, then their messages go straight back to the queue.
     # billiard reads this when first imported, so it is set before anything imports Celery.
     os.environ.setdefault("REMAP_SIGTERM", "SIGQUIT")
+    from .. import trust
     from ..broker import check_broker
     from ..store import open_store
 
-    store_given = bool(os.environ.get("TENSORTURN_STORE_URL"))
-    if join:
-        from ..coordinator import apply_join, parse_join
-
-        broker, joined_store = apply_join(parse_join(join))
-        if joined_store:
-            store, store_given = joined_store, True
     if not broker:
-        raise TensorTurnError("the agent needs a pool: pass --join JOIN (from `tensorturn up`), "
+        raise TensorTurnError("the agent needs a pool: pass --join-file JOIN (from `tensorturn up`), "
                               "or --broker URL / TENSORTURN_BROKER_URL")
+    trust.pool_key()  # one clear error now rather than every task refused later
     check_broker(broker)
-    if store_given:
-        open_store(store).check()
+    open_store(store).check()
     # what this command was told overrides the environment, for this process and its pool
-    config.use(config.current().with_(broker_url=broker, store_url=store,
-                                      device_memory_gb=memory_gb or config.current().device_memory_gb))
+    settings = config.current().with_(broker_url=broker, store_url=store,
+                                      device_memory_gb=memory_gb or config.current().device_memory_gb)
+    config.use(trust.with_allowed(settings, allow))
     from ..agent import run_agent
     from ..celery_app import configure
 
@@ -66,16 +73,21 @@ def agent(broker, store, join, name, concurrency, memory_gb, loglevel):
 @click.option("--advertise", default=None, metavar="HOST",
               help="Host name or address the agents dial [default: this machine's address].")
 @click.option("--dir", "directory", type=click.Path(file_okay=False), default=".tensorturn",
-              show_default=True, help="Where Redis keeps its data and the generated password.")
+              show_default=True, help="Where Redis keeps its data, and the pool's secrets (mode 600).")
+@click.option("--allow-recipe", "allow", multiple=True, metavar="PATTERN",
+              help="Recipes (fnmatch on `module:attr`) every joining agent may import besides the "
+                   "built-in ones; written into the join file. Repeatable.")
 @pool_options()
-def up(broker, store, port, bind, advertise, directory):
+def up(broker, store, port, bind, advertise, directory, allow):
     """Start the coordinator in the foreground: a Redis for the pool and the store.
 
-    It prints the one line to paste on each of your machines. Stop it with Ctrl-C. Users with
-    their own Redis and S3/MinIO do not need this: give agents --broker and --store instead.
+    It writes the join file (DIR/join: broker, store, pool key) to copy to each of your machines,
+    and prints how to use it. Stop it with Ctrl-C. Users with their own Redis and S3/MinIO do not
+    need this: give agents --broker and --store, and the pool key (TENSORTURN_POOL_KEY).
     """
     from pathlib import Path
 
+    from .. import trust
     from ..coordinator import CoordinatorConfig, advertised_host, make_join
     from ..local import RedisServer
     from ..store import open_store
@@ -83,7 +95,9 @@ def up(broker, store, port, bind, advertise, directory):
     if broker:
         raise TensorTurnError("`up` starts its own Redis; drop --broker (or unset TENSORTURN_BROKER_URL)")
     home = Path(directory).resolve()
+    home.mkdir(mode=0o700, parents=True, exist_ok=True)
     cfg = CoordinatorConfig.load_or_create(home, port or 0)
+    key = trust.pool_key_or_create(config.current().with_(pool_key_file=str(home / "pool-key")))
     open_store(store).check()
     server = RedisServer(home / "redis", port=cfg.port, appendonly=True, password=cfg.password,
                          bind=bind)
@@ -92,18 +106,19 @@ def up(broker, store, port, bind, advertise, directory):
     except TensorTurnError as exc:
         raise TensorTurnError(f"{exc}; is port {cfg.port} in use? try --port") from None
     host = advertise or (advertised_host() if bind == "0.0.0.0" else bind)
-    broker_url = f"redis://:{cfg.password}@{host}:{cfg.port}/0"
-    join = make_join(broker_url, store)
-    url_file = home / "broker-url"  # written before the join line, which callers wait for
-    url_file.write_text(broker_url + "\n")
-    url_file.chmod(0o600)
+    broker_url = f"redis://default:{cfg.password}@{host}:{cfg.port}/0"  # the form redis-cli takes
+    join = make_join(broker_url, store, key.text(), trust.allowed_patterns(
+        trust.with_allowed(config.current(), allow)))
+    # written before the instructions, which callers wait for
+    trust.replace_secret(home / "broker-url", broker_url + "\n")
+    trust.replace_secret(home / "join", join + "\n")
     click.echo(f"TensorTurn coordinator: Redis on {bind}:{cfg.port} (AOF on, noeviction), "
-               f"store {config.mask_url(store)}", err=True)
-    click.echo("On each of your machines, run (this line is a secret: it holds the Redis "
-               "password):", err=True)
-    click.echo(f"  tensorturn agent --join {join}")
-    click.echo(f"Submit runs with: TENSORTURN_BROKER_URL=$(cat {home / 'broker-url'}) tensorturn run ...",
-               err=True)
+               f"store {config.mask_url(store)}, pool key {key.key_id}", err=True)
+    click.echo(f"The join file {home / 'join'} (mode 600) holds the Redis password and the pool "
+               f"key: copy it to each of your machines (e.g. scp) and run there:", err=True)
+    click.echo("  tensorturn agent --join-file join --name NAME")
+    click.echo("or run `tensorturn agent --join -` and paste the file's one line at its prompt.", err=True)
+    click.echo(f"Submit runs from here with: tensorturn run --join-file {home / 'join'} ...", err=True)
     click.echo("Ctrl-C stops the coordinator.", err=True)
     stop_on_signals()
     try:

@@ -196,7 +196,7 @@ def run(broker, store, mode, recipe, recipe_options, seed, lr, batch_size, threa
             doc = follow_pool(broker, spec.run_id, timeout_s)
     else:
         doc = embedded(spec.run_id, store, local_workers, timeout_s,
-                       lambda broker_url: client.submit(spec, broker_url))
+                       lambda broker_url: client.submit(spec, broker_url), recipe)
     print_result(doc, as_json)
 
 
@@ -224,8 +224,12 @@ def follow_pool(broker: str, run_id: str, timeout_s: float | None) -> dict[str, 
 
 
 def embedded(run_id: str, store_url: str, local_workers: int, timeout_s: float | None,
-             start: Callable[[str], Any]) -> dict[str, Any]:
-    """Start a private pool, call ``start(broker_url)``, follow the run, stop the pool."""
+             start: Callable[[str], Any], recipe: str) -> dict[str, Any]:
+    """Start a private pool, call ``start(broker_url)``, follow the run, stop the pool.
+
+    The pool's agents import ``recipe`` (the user named it on this machine's command line) and
+    share this machine's pool key (made on first use, ``.tensorturn/pool-key``)."""
+    from .. import trust
     from ..board import RunBoard
     from ..broker import check_broker
     from ..local import LocalPool
@@ -234,6 +238,8 @@ def embedded(run_id: str, store_url: str, local_workers: int, timeout_s: float |
 
     click.echo(f"starting an embedded pool: redis-server + {local_workers} local agents; "
                f"store {config.mask_url(store_url)}", err=True)
+    config.use(trust.with_allowed(config.current(), [recipe]))
+    trust.pool_key_or_create()
     t0 = time.monotonic()
     stop_on_signals()  # SIGTERM too: the pool's processes must not outlive this command
     queued = False
@@ -284,7 +290,7 @@ def resume(broker, store, run_id, local_workers, detach, timeout_s, as_json):
         raise SpecError(f"--local-workers must be a whole number ≥ 1 (got {local_workers})")
     if detach and broker is None:
         raise SpecError("--detach needs a pool (--broker): an embedded pool stops when `resume` exits")
-    client.describe(run_id, None, store)  # an unknown run is refused before any pool starts
+    known = client.describe(run_id, None, store)  # an unknown run is refused before any pool starts
 
     def start(broker_url: str) -> None:
         _, what = client.resume(run_id, broker_url, store)
@@ -295,5 +301,5 @@ def resume(broker, store, run_id, local_workers, detach, timeout_s, as_json):
         doc = (client.describe(run_id, broker, store) if detach
                else follow_pool(broker, run_id, timeout_s))
     else:
-        doc = embedded(run_id, store, local_workers, timeout_s, start)
+        doc = embedded(run_id, store, local_workers, timeout_s, start, known["recipe"])
     print_result(doc, as_json)

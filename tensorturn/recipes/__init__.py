@@ -2,7 +2,8 @@
 
 Built-in recipes are listed in :data:`BUILTIN` (by name; imported only when used); any other
 recipe is given as ``package.module:attr`` and must be importable on every machine of the pool
-(a class, a factory, or an instance). :func:`check_name` needs no torch, for the CLI.
+(a class, a factory, or an instance) and allowed there (``--allow-recipe``; see
+:mod:`tensorturn.trust`): :func:`resolve` imports nothing a machine has not allowed. :func:`check_name` needs no torch, for the CLI.
 """
 
 from __future__ import annotations
@@ -55,8 +56,10 @@ def check_name(name: str) -> None:
 
 def resolve(name: str, options: dict | None = None) -> "Recipe":
     """The recipe called ``name`` (built-in, or ``module:attr``), built with ``options``."""
+    from ..trust import check_recipe_allowed
     from .base import Recipe
 
+    check_recipe_allowed(name, BUILTIN)  # before anything is imported: a recipe is code
     check_name(name)
     options = options or {}
     module_name, _, attr = BUILTIN.get(name, name).partition(":")

@@ -3,6 +3,9 @@
 A task names one *unit* of a run's work — a shard of a round, an outer step, a member's segment,
 the vote — and :func:`execute` runs it in this order:
 
+0. **Signed?** A message whose signature (:func:`signed`, an HMAC of the run and unit under the
+   pool key) does not verify is refused before anything is read: someone with access to the
+   broker but not the key queued it. The agent's own store is used, never one named in a message.
 1. **Finished run?** A task of a succeeded or failed run returns at once.
 2. **Already done?** A unit whose output is stored (a duplicate or late delivery, a retry of work
    another attempt finished) writes *no* state: it only makes sure its follow-up is queued
@@ -21,6 +24,7 @@ rotation (:func:`quarantine`) with an incident, so it cannot burn the run's atte
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from abc import ABC, abstractmethod
@@ -31,7 +35,7 @@ from typing import Any
 from celery import Task
 from celery.exceptions import Retry
 
-from .. import layout
+from .. import config, layout, trust
 from ..board import RunBoard
 from ..broker import redis_client
 from ..celery_app import app
@@ -53,6 +57,41 @@ QUARANTINE_AFTER = 2          # store failures in a row on one agent while other
 @lru_cache(maxsize=8)
 def store_for(url: str) -> Store:
     return open_store(url)
+
+
+def agent_store() -> Store:
+    """This machine's own store (its --store, join file or TENSORTURN_STORE_URL)."""
+    return store_for(config.current().resolved_store_url())
+
+
+def signed(run_id: str, what: str) -> dict[str, str]:
+    """The keyword arguments that prove a task message about ``what`` of ``run_id`` was queued
+    by a holder of the pool key."""
+    return {"sig": trust.pool_key().sign("task", {"run_id": run_id, "task": what})}
+
+
+def authentic(task: Task, run_id: Any, what: str, sig: Any) -> bool:
+    """Whether a message's signature verifies; a refusal is logged and kept on the broker
+    (``tt:refused``), and nothing else is read or written."""
+    key = trust.find_key()
+    if key is not None and isinstance(run_id, str) and key.verify(
+            "task", {"run_id": run_id, "task": what}, sig):
+        return True
+    worker = task.request.hostname or "?"
+    reason = ("this agent has no pool key" if key is None else
+              "missing or bad signature: queued by someone without the pool key")
+    log.warning("refused %s of run %r on %s: %s", task.name, run_id, worker, reason)
+    refuse(board_for(task.app.conf.broker_url).r, worker, task.name, run_id, reason)
+    return False
+
+
+def refuse(r: Any, worker: str, task_name: str | None, run_id: Any, reason: str) -> None:
+    entry = {"at": time.time(), "worker": worker, "task": task_name, "run_id": str(run_id)[:80],
+             "reason": reason}
+    pipe = r.pipeline()
+    pipe.lpush(layout.REFUSED, json.dumps(entry))
+    pipe.ltrim(layout.REFUSED, 0, 99)  # the last hundred are enough to see an attack
+    pipe.execute()
 
 
 @lru_cache(maxsize=1)
@@ -116,11 +155,13 @@ def describe_failure(exc: BaseException, worker: str | None) -> str:
     return mask_text(f"{type(exc).__name__}: {text}" if text else type(exc).__name__)
 
 
-def execute(task: Task, run_id: str, store_url: str, label: Label,
-            unit_class: type[Unit]) -> dict[str, Any]:
+def execute(task: Task, run_id: str, label: Label, unit_class: type[Unit],
+            sig: str | None) -> dict[str, Any]:
     """Run ``label``'s unit through the protocol; returns a small deterministic receipt (chords
     count receipts, and a duplicate must return exactly what the first attempt returned)."""
     receipt = {"run_id": run_id, "task": str(label)}
+    if not authentic(task, run_id, str(label), sig):
+        return receipt
     board = board_for(task.app.conf.broker_url)
     if board.is_finished(run_id):
         return receipt
@@ -131,7 +172,7 @@ def execute(task: Task, run_id: str, store_url: str, label: Label,
     unit: Unit | None = None
     key, number, max_attempts = "", 0, DEFAULT_MAX_ATTEMPTS
     try:
-        store = store_for(store_url)
+        store = agent_store()
         spec = load_spec(store, run_id)
         max_attempts = spec.max_attempts
         attempt = Attempt(task, board, store, spec, label, worker)
@@ -238,8 +279,8 @@ def quarantine(task: Task, board: RunBoard, run_id: str, label: str, worker: str
 
 # ---- a chord whose body cannot run ---------------------------------------------------------------
 
-@app.task(name="tensorturn.tasks.chord_failed")
-def chord_failed(*args: Any) -> None:
+@app.task(bind=True, name="tensorturn.tasks.chord_failed")
+def chord_failed(self: Task, *args: Any, sig: str | None = None) -> None:
     """Errback of a round's chord: Celery could not run its body (a header task raised past the
     protocol, or the chord's counter broke); the run fails instead of waiting forever.
 
@@ -247,6 +288,8 @@ def chord_failed(*args: Any) -> None:
     run_id, what``) or in place with ``request, exc, traceback`` first, depending on its version
     and the errback's signature: the last two arguments are ours either way."""
     run_id, what = args[-2], args[-1]
+    if not authentic(self, run_id, f"chord_failed:{what}", sig):
+        return
     first = args[0]
     task_id = first if isinstance(first, str) else getattr(first, "id", "?")
     board = board_for(app.conf.broker_url)

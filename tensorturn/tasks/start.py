@@ -7,27 +7,49 @@ from typing import Any
 
 from celery import Task
 
-from .. import layout
+from .. import config, layout, trust
 from ..celery_app import app
 from ..client import start
 from ..config import mask_text
-from ..errors import RecipeError, TensorTurnError
+from ..errors import RecipeError, SpecError, TensorTurnError
+from ..recipes import BUILTIN
 from ..roster import list_workers
 from ..spec import RunSpec
-from .attempt import board_for, store_for
+from ..trust import check_recipe_allowed
+from .attempt import agent_store, board_for, refuse
 
 
 @app.task(bind=True, name="tensorturn.start_run", ignore_result=True)
-def start_run(self: Task, spec_json: dict[str, Any]) -> None:
+def start_run(self: Task, spec_json: Any, sig: str | None = None) -> None:
     """Build the recipe, check the model fits, store θ_0 and queue the first work; answers the
     submitter (on ``tt:run:<id>:started``) with the run id, or with the error a user should see
-    and its exit code — then nothing was queued."""
-    spec = RunSpec.from_json(spec_json)
+    and its exit code — then nothing was queued.
+
+    Checked first, before anything is read or imported: the request is signed with the pool
+    key, it names this agent's own store, and its recipe is one this agent allows."""
     worker = self.request.hostname or "?"
     board = board_for(self.app.conf.broker_url)
+    run_id = spec_json.get("run_id") if isinstance(spec_json, dict) else None
+    key = trust.find_key()
+    if not isinstance(run_id, str) or key is None or not key.verify("submit", spec_json, sig):
+        reason = ("this agent has no pool key" if key is None else
+                  "missing or bad signature: the submitter and the agents must share the pool key")
+        refuse(board.r, worker, self.name, run_id, reason)
+        if isinstance(run_id, str) and run_id:
+            _answer(board, run_id, {"error": f"agent {worker} refused run {run_id}: {reason} "
+                                             f"(agent key {key.key_id if key else 'none'})",
+                                    "exit_code": 2})
+        return
+    spec = RunSpec.from_json(spec_json)
     reply: dict[str, Any] = {"run_id": spec.run_id}
     try:
-        start(spec, self.app.conf.broker_url, store_for(spec.store_url), list_workers(board.r))
+        store = agent_store()
+        if config.normalize_store_url(spec.store_url).rstrip("/") != store.url.rstrip("/"):
+            raise SpecError(f"this pool's agents use the store {config.mask_url(store.url)}, not "
+                            f"{config.mask_url(spec.store_url)}: submit with --store "
+                            f"{config.mask_url(store.url)} (or --join-file)")
+        check_recipe_allowed(spec.recipe, BUILTIN)
+        start(spec, self.app.conf.broker_url, store, list_workers(board.r))
     except RecipeError as exc:
         reply = {"error": mask_text(f"{exc} (on worker {worker})"), "exit_code": exc.exit_code}
     except TensorTurnError as exc:
@@ -36,7 +58,11 @@ def start_run(self: Task, spec_json: dict[str, Any]) -> None:
         reply = {"error": mask_text(f"starting run {spec.run_id} failed on {worker}: "
                                     f"{type(exc).__name__}: {' '.join(str(exc).split())}"),
                  "exit_code": 2}
-    answer = layout.run_key(spec.run_id, "started")
+    _answer(board, spec.run_id, reply)
+
+
+def _answer(board: Any, run_id: str, reply: dict[str, Any]) -> None:
+    answer = layout.run_key(run_id, "started")
     pipe = board.r.pipeline()
     pipe.rpush(answer, json.dumps(reply))
     pipe.expire(answer, 3600)  # read at once by the submitter; kept a while for nobody else

@@ -24,7 +24,7 @@ from ...manifest import save_spec, try_write_manifest, write_manifest
 from ...recipes import Recipe, load_splits, recipe_of, resolve
 from ...spec import RunSpec
 from ...store import Store
-from ...tasks.attempt import LATE, SUCCEEDED, Unit, execute
+from ...tasks.attempt import LATE, SUCCEEDED, Unit, execute, signed
 from ...telemetry import TaskReporter
 from ...tensors import (
     ensemble_bytes,
@@ -81,8 +81,9 @@ def start(spec: RunSpec, store: Store, board: RunBoard) -> None:
 
 def queue_segment(spec: RunSpec, m: int, j: int) -> None:
     """Queue segment j of member m on the machines that can hold the model."""
-    forget_results([train_segment.apply_async((spec.run_id, spec.store_url, m, j),
-                                              queue=queue_for(spec.memory_needed_bytes))])
+    forget_results([train_segment.apply_async(
+        (spec.run_id, m, j), signed(spec.run_id, str(layout.segment_label(m, j))),
+        queue=queue_for(spec.memory_needed_bytes))])
 
 
 def all_finished(spec: RunSpec, board: RunBoard) -> bool:
@@ -93,7 +94,8 @@ def maybe_vote(spec: RunSpec, board: RunBoard) -> None:
     """Queue the vote once every member has finished (succeeded or dropped)."""
     if all_finished(spec, board):
         board.once(spec.run_id, layout.VOTE_CLAIM, lambda: forget_results([vote.apply_async(
-            (spec.run_id, spec.store_url), queue=queue_for(spec.memory_needed_bytes))]))
+            (spec.run_id,), signed(spec.run_id, str(layout.vote_label())),
+            queue=queue_for(spec.memory_needed_bytes))]))
 
 
 def drop(spec: RunSpec, board: RunBoard, m: int, reason: str) -> None:
@@ -137,9 +139,9 @@ def resume(spec: RunSpec, store: Store, board: RunBoard) -> str:
 # ---- the segment -------------------------------------------------------------------------------
 
 @app.task(bind=True, name="tensorturn.ensemble.train_segment", max_retries=None)
-def train_segment(self, run_id: str, store_url: str, m: int, j: int) -> dict[str, Any]:
+def train_segment(self, run_id: str, m: int, j: int, sig: str | None = None) -> dict[str, Any]:
     """Train segment j of member m from segment j−1's checkpoint; queue j+1 or finish m."""
-    return execute(self, run_id, store_url, layout.segment_label(m, j), SegmentUnit)
+    return execute(self, run_id, layout.segment_label(m, j), SegmentUnit, sig)
 
 
 class SegmentUnit(Unit):
@@ -242,9 +244,9 @@ class SegmentUnit(Unit):
 # ---- the vote ----------------------------------------------------------------------------------
 
 @app.task(bind=True, name="tensorturn.ensemble.vote", max_retries=None)
-def vote(self, run_id: str, store_url: str) -> dict[str, Any]:
+def vote(self, run_id: str, sig: str | None = None) -> dict[str, Any]:
     """Merge the finished members into one ensemble file, evaluate the vote, finish the run."""
-    return execute(self, run_id, store_url, layout.vote_label(), VoteUnit)
+    return execute(self, run_id, layout.vote_label(), VoteUnit, sig)
 
 
 def vote_metrics(predictor: Predictor, x: torch.Tensor, y: torch.Tensor) -> dict[str, float]:

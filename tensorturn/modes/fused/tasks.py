@@ -35,7 +35,7 @@ from ...manifest import save_spec, write_manifest
 from ...recipes import Recipe, load_splits, recipe_of, resolve
 from ...spec import RunSpec
 from ...store import ObjectMissing, Store, sha256_hex
-from ...tasks.attempt import LATE, SUCCEEDED, Unit, chord_failed, execute
+from ...tasks.attempt import LATE, SUCCEEDED, Unit, chord_failed, execute, signed
 from ...telemetry import TaskReporter
 from ...tensors import (
     BROADCAST_FORMAT,
@@ -83,10 +83,12 @@ def start(spec: RunSpec, store: Store, board: RunBoard) -> None:
 def dispatch_round(spec: RunSpec, r: int) -> None:
     """Queue round r: its shards, then the outer step, on machines that can hold the model."""
     queue = queue_for(spec.memory_needed_bytes)
-    header = [train_shard.s(spec.run_id, spec.store_url, r, k).set(queue=queue)
+    run_id = spec.run_id
+    header = [train_shard.s(run_id, r, k, **signed(run_id, str(layout.shard_label(r, k)))).set(queue=queue)
               for k in range(options(spec).shards)]
-    body = outer_step.s(spec.run_id, spec.store_url, r).set(queue=queue)
-    body.on_error(chord_failed.s(spec.run_id, f"the outer step of round {r}"))
+    body = outer_step.s(run_id, r, **signed(run_id, str(layout.outer_label(r)))).set(queue=queue)
+    what = f"the outer step of round {r}"
+    body.on_error(chord_failed.s(run_id, what, **signed(run_id, f"chord_failed:{what}")))
     result = chord(header)(body)
     forget_results([*result.parent.results, result])
 
@@ -109,9 +111,9 @@ def resume(spec: RunSpec, store: Store, board: RunBoard) -> str:
 # ---- the shard ---------------------------------------------------------------------------------
 
 @app.task(bind=True, name="tensorturn.fused.train_shard", max_retries=None)
-def train_shard(self, run_id: str, store_url: str, r: int, k: int) -> dict[str, Any]:
+def train_shard(self, run_id: str, r: int, k: int, sig: str | None = None) -> dict[str, Any]:
     """Train shard k for one round from θ_r and upload its pseudo-gradient."""
-    return execute(self, run_id, store_url, layout.shard_label(r, k), ShardUnit)
+    return execute(self, run_id, layout.shard_label(r, k), ShardUnit, sig)
 
 
 class ShardUnit(Unit):
@@ -212,9 +214,9 @@ def _rebuild_from_broadcast(spec: RunSpec, recipe: Recipe, store: Store, r: int,
 # ---- the outer step ----------------------------------------------------------------------------
 
 @app.task(bind=True, name="tensorturn.fused.outer_step", max_retries=None)
-def outer_step(self, _receipts: list, run_id: str, store_url: str, r: int) -> dict[str, Any]:
+def outer_step(self, _receipts: list, run_id: str, r: int, sig: str | None = None) -> dict[str, Any]:
     """Chord body: average round r's pseudo-gradients, step θ, then dispatch r+1 or finish."""
-    return execute(self, run_id, store_url, layout.outer_label(r), OuterUnit)
+    return execute(self, run_id, layout.outer_label(r), OuterUnit, sig)
 
 
 class OuterUnit(Unit):

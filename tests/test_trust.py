@@ -1,0 +1,351 @@
+"""Trust boundaries: what a stranger with the broker or the store cannot make a machine do.
+
+Forged task messages, specs and model files naming code outside the allowlist, another store, or
+carrying a bad signature are refused before anything is imported or read — in-process here
+against a real redis-server, and with real agents and a real server in the e2e tests. Secrets
+stay off every process's command line in the documented flows.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from pathlib import Path
+
+import pytest
+from conftest import TEST_POOL_KEY, clean_env, tt
+
+from tensorturn import client, config, layout, tokens, trust
+from tensorturn.celery_app import configure
+from tensorturn.modes.fused import tasks as fused
+from tensorturn.recipes import resolve
+from tensorturn.spec import RunSpec
+from tensorturn.store import open_store
+from tensorturn.board import RunBoard
+from tensorturn.broker import redis_client
+from tensorturn.tasks.attempt import chord_failed, signed
+from tensorturn.tasks.start import start_run
+from tensorturn.tensors import MODEL_FORMAT
+from tensorturn.trust import PoolKey, UntrustedError
+
+FUSED = dict(mode="fused", recipe="digits-mlp", rounds=1, shards=2, sync_every=5)
+OTHER_KEY = PoolKey.generate()
+
+
+@pytest.fixture
+def marker(tmp_path, monkeypatch):
+    """Where tests/evil_recipe.py leaves its mark if anything ever imports it."""
+    path = tmp_path / "evil-imported"
+    monkeypatch.setenv("TT_EVIL_MARKER", str(path))
+    return path
+
+
+@pytest.fixture
+def world(redis_server, tmp_path):
+    """A run submitted in-process to a real redis-server; this process plays its agent."""
+    configure(redis_server.url)
+    store_url = (tmp_path / "store").as_uri()
+    config.use(config.current().with_(store_url=store_url))
+    spec = RunSpec.create(store_url=store_url, **FUSED)
+    client.submit(spec, redis_server.url)
+    return spec, redis_client(redis_server.url), open_store(store_url)
+
+
+def refusals(r) -> list[dict]:
+    return [json.loads(x) for x in r.lrange(layout.REFUSED, 0, -1)]
+
+
+# ---- the key -------------------------------------------------------------------------------------
+
+def test_a_signed_document_refuses_any_change_another_key_and_another_purpose():
+    key = PoolKey.from_text(TEST_POOL_KEY)
+    doc = key.sign_doc("spec", {"recipe": "digits-mlp", "seed": 1})
+    assert key.check_doc("spec", doc, "the spec") == {"recipe": "digits-mlp", "seed": 1}
+    with pytest.raises(UntrustedError, match="not signed by this pool's key"):
+        key.check_doc("spec", {**doc, "recipe": "evil_recipe:Evil"}, "the spec")
+    with pytest.raises(UntrustedError, match="not signed by this pool's key"):
+        OTHER_KEY.check_doc("spec", doc, "the spec")
+    with pytest.raises(UntrustedError, match="not signed by this pool's key"):
+        key.check_doc("manifest", doc, "the manifest")  # a spec's signature is no manifest's
+    with pytest.raises(UntrustedError, match="is not signed"):
+        key.check_doc("spec", {"recipe": "digits-mlp"}, "the spec")
+    assert TEST_POOL_KEY not in repr(key)
+
+
+def test_secret_files_are_private_from_their_first_byte(tmp_path):
+    path = tmp_path / "secrets" / "pool-key"
+    trust.write_secret(path, "ttk1.x\n")
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+    with pytest.raises(FileExistsError):  # O_EXCL: never written through an existing file
+        trust.write_secret(path, "ttk1.y\n")
+    trust.replace_secret(path, "ttk1.z\n")
+    assert path.read_text() == "ttk1.z\n" and stat.S_IMODE(path.stat().st_mode) == 0o600
+
+
+def test_an_embedded_pool_makes_its_key_once(tmp_path, monkeypatch):
+    monkeypatch.delenv("TENSORTURN_POOL_KEY")
+    monkeypatch.chdir(tmp_path)
+    config.reload()
+    with pytest.raises(UntrustedError, match="no pool key"):
+        trust.pool_key()
+    made = trust.pool_key_or_create()
+    assert trust.pool_key().text() == made.text() == (tmp_path / ".tensorturn/pool-key").read_text().strip()
+    assert stat.S_IMODE((tmp_path / ".tensorturn/pool-key").stat().st_mode) == 0o600
+
+
+# ---- recipes: code a machine agreed to import ------------------------------------------------------
+
+def test_a_recipe_outside_the_allowlist_is_never_imported(marker):
+    with pytest.raises(UntrustedError, match="not allowed on this machine"):
+        resolve("evil_recipe:Evil")
+    assert not marker.exists()
+    config.use(trust.with_allowed(config.current(), ["evil_*:*"]))
+    with pytest.raises(Exception, match="not a tensorturn Recipe"):
+        resolve("evil_recipe:Evil")  # allowed: imported (and found to be no recipe)
+    assert marker.exists()
+
+
+# ---- task messages -------------------------------------------------------------------------------
+
+def test_forged_task_messages_are_refused_before_anything_is_read(world, marker):
+    spec, r, store = world
+    before = sorted(store.list(layout.RUNS))
+    fused.train_shard.apply(args=(spec.run_id, 0, 0)).get()                      # no signature
+    fused.train_shard.apply(args=(spec.run_id, 0, 1), kwargs={"sig": "0" * 64}).get()
+    forged = OTHER_KEY.sign("task", {"run_id": spec.run_id, "task": "r0/shard-0"})
+    fused.train_shard.apply(args=(spec.run_id, 0, 0), kwargs={"sig": forged}).get()
+    # a valid signature is for one unit only: it does not pass for another
+    fused.train_shard.apply(args=(spec.run_id, 0, 1), kwargs=signed(spec.run_id, "r0/shard-0")).get()
+    assert [x["reason"] for x in refusals(r)] == [
+        "missing or bad signature: queued by someone without the pool key"] * 4
+    assert {x["task"] for x in refusals(r)} == {"tensorturn.fused.train_shard"}
+    assert sorted(store.list(layout.RUNS)) == before          # nothing written
+    assert r.hlen(layout.run_key(spec.run_id, "attempts")) == 0  # not even an attempt record
+    chord_failed.apply(args=("id", spec.run_id, "the outer step of round 0")).get()  # unsigned
+    assert RunBoard(r).describe(spec.run_id)["state"] == "queued"  # untouched
+
+
+def test_a_spec_rewritten_in_the_store_is_refused_and_the_run_fails_saying_so(world, marker):
+    spec, r, store = world
+    key = layout.key("spec", spec.run_id)
+    doc = store.get_json(key)
+    store.put_json(key, {**doc, "recipe": "evil_recipe:Evil"})  # store write access, no pool key
+    for _ in range(spec.max_attempts):
+        fused.train_shard.apply(args=(spec.run_id, 0, 0), kwargs=signed(spec.run_id, "r0/shard-0")).get()
+    board = RunBoard(r).describe(spec.run_id)
+    assert board["state"] == "failed", board
+    assert f"the spec of run {spec.run_id} is not signed by this pool's key" in board["error"]
+    assert not marker.exists()
+
+
+def start_reply(r, run_id: str) -> dict:
+    answer = r.blpop([layout.run_key(run_id, "started")], timeout=240)
+    assert answer is not None, "no answer from start_run"
+    return json.loads(answer[1])
+
+
+def test_a_run_request_is_refused_for_a_bad_signature_another_store_or_an_unallowed_recipe(
+        redis_server, tmp_path, marker):
+    configure(redis_server.url)
+    r = redis_client(redis_server.url)
+    mine, theirs = (tmp_path / "mine").as_uri(), (tmp_path / "theirs").as_uri()
+    config.use(config.current().with_(store_url=mine))
+    key = trust.pool_key()
+
+    evil = RunSpec.create(store_url=theirs, **{**FUSED, "recipe": "evil_recipe:Evil"}).to_json()
+    start_run.apply(args=[evil], kwargs={"sig": OTHER_KEY.sign("submit", evil)}).get()
+    assert "missing or bad signature" in start_reply(r, evil["run_id"])["error"]
+
+    elsewhere = RunSpec.create(store_url=theirs, **FUSED).to_json()
+    start_run.apply(args=[elsewhere], kwargs={"sig": key.sign("submit", elsewhere)}).get()
+    reply = start_reply(r, elsewhere["run_id"])
+    assert "this pool's agents use the store" in reply["error"] and reply["exit_code"] == 2
+
+    unallowed = RunSpec.create(store_url=mine, **{**FUSED, "recipe": "evil_recipe:Evil"}).to_json()
+    start_run.apply(args=[unallowed], kwargs={"sig": key.sign("submit", unallowed)}).get()
+    assert "recipe 'evil_recipe:Evil' is not allowed on this machine" in start_reply(
+        r, unallowed["run_id"])["error"]
+
+    assert not marker.exists()
+    assert not (tmp_path / "theirs").exists() and not (tmp_path / "mine" / "runs").exists()
+    assert len(refusals(r)) == 1  # the forged one; the others were signed, and answered
+
+
+# ---- tokens --------------------------------------------------------------------------------------
+
+def test_a_token_record_written_without_the_pool_key_is_not_a_token(tmp_path):
+    store = open_store((tmp_path / "store").as_uri())
+    secret, record = tokens.create(store, "real")
+    minted = {**record, "id": "f0f0f0f0", "name": "minted", "sha256": tokens._digest("tt_minted")}
+    minted.pop("signature", None)
+    store.put_json(layout.key("token", "f0f0f0f0"), minted)                   # unsigned
+    store.put_json(layout.key("token", "e0e0e0e0"), OTHER_KEY.sign_doc(       # another key
+        "token", {**minted, "id": "e0e0e0e0"}))
+    assert tokens.active_digests(store) == {tokens._digest(secret)}
+    assert [r["name"] for r in tokens.records(store)] == ["real"]
+
+
+# ---- model files, in `tensorturn serve` ------------------------------------------------------------
+
+def forge_result(store_dir: Path, run_id: str, recipe: str, file_recipe: str | None = None,
+                 key: PoolKey | None = None, sign: bool = True) -> None:
+    """A 'succeeded' run in a store whose model names ``recipe`` — written with store access."""
+    import torch
+    from safetensors.torch import save
+
+    from tensorturn.store import sha256_hex
+
+    store = open_store(store_dir.as_uri())
+    data = save({"w": torch.zeros(2)}, metadata={"format": MODEL_FORMAT, "recipe": file_recipe or recipe,
+                                                 "config": "{}"})
+    store.put_bytes(layout.key("final_model", run_id), data)
+    manifest = {"run_id": run_id, "mode": "fused", "state": "succeeded", "recipe": recipe,
+                "model_uri": "x", "model_sha256": sha256_hex(data)}
+    if sign:
+        manifest = (key or trust.pool_key()).sign_doc("manifest", manifest)
+    store.put_json(layout.key("manifest", run_id), manifest)
+
+
+@pytest.mark.parametrize("case, expected", [
+    ("unallowed", "recipe 'evil_recipe:Evil' is not allowed on this machine"),
+    ("unsigned", "the manifest of run forged is not signed"),
+    ("other-key", "the manifest of run forged is not signed by this pool's key"),
+    ("file-names-another-recipe", "the model file names recipe 'evil_recipe:Evil'"),
+])
+def test_serve_refuses_a_forged_model_before_importing_it(tmp_path, marker, case, expected):
+    store = tmp_path / "store"
+    recipe = "evil_recipe:Evil" if case == "unallowed" else "digits-mlp"
+    forge_result(store, "forged", recipe,
+                 file_recipe="evil_recipe:Evil" if case == "file-names-another-recipe" else None,
+                 key=OTHER_KEY if case == "other-key" else None, sign=case != "unsigned")
+    proc = tt("serve", "forged", "--store", str(store), "--port", "1",
+              env=clean_env(TT_EVIL_MARKER=str(marker)))
+    assert proc.returncode == 2, proc.stderr
+    assert expected in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    assert not marker.exists()
+
+
+# ---- the same with real agents ---------------------------------------------------------------------
+
+@pytest.mark.e2e
+def test_real_agents_refuse_forged_messages_unread(tmp_path, marker):
+    from tensorturn.celery_app import app
+    from tensorturn.local import LocalPool
+
+    with LocalPool(1, (tmp_path / "store").as_uri(), workdir=tmp_path / "pool") as pool:
+        r = redis_client(pool.broker_url)
+        key = trust.pool_key()
+        # a shard of a run that does not exist, unsigned: someone with the Redis password only
+        app.send_task("tensorturn.fused.train_shard", args=["someone", 0, 0])
+        # a run naming another store and a module of theirs, signed with a key not the pool's
+        evil = RunSpec.create(store_url=(tmp_path / "theirs").as_uri(),
+                              **{**FUSED, "recipe": "evil_recipe:Evil"}).to_json()
+        app.send_task("tensorturn.start_run", args=[evil], kwargs={"sig": OTHER_KEY.sign("submit", evil)})
+        assert "missing or bad signature" in start_reply(r, evil["run_id"])["error"]
+        # signed with the pool key (its holder's mistake, or a stolen key): still only this
+        # agent's store, and only recipes this agent allows
+        elsewhere = RunSpec.create(store_url=(tmp_path / "theirs").as_uri(), **FUSED).to_json()
+        app.send_task("tensorturn.start_run", args=[elsewhere], kwargs={"sig": key.sign("submit", elsewhere)})
+        assert "this pool's agents use the store" in start_reply(r, elsewhere["run_id"])["error"]
+        unallowed = RunSpec.create(store_url=pool.store_url, **{**FUSED, "recipe": "evil_recipe:Evil"}).to_json()
+        app.send_task("tensorturn.start_run", args=[unallowed], kwargs={"sig": key.sign("submit", unallowed)})
+        assert "is not allowed on this machine" in start_reply(r, unallowed["run_id"])["error"]
+        # the unsigned shard was refused too (the agent takes messages in order, one at a time)
+        assert [x["task"] for x in refusals(r)] == ["tensorturn.start_run", "tensorturn.fused.train_shard"]
+    assert not marker.exists()
+    assert not (tmp_path / "theirs").exists()
+
+
+def cmdlines() -> dict[int, str]:
+    out = {}
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                out[int(pid)] = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(
+                    errors="replace")
+            except OSError:
+                continue
+    return out
+
+
+@pytest.mark.e2e
+def test_no_secret_on_any_command_line_in_the_documented_flows(tmp_path):
+    """`up`, an agent joining with --join-file and one with --join - (stdin), a run submitted
+    with --join-file, a token, `serve`: no process shows the Redis password, the pool key or the
+    join string in its command line. An agent given --join on argv hides it once started."""
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+
+    from tensorturn.local import free_port, stop_process_group
+
+    env = clean_env()
+    env.pop("TENSORTURN_POOL_KEY")  # the documented flow: the key comes from `up`'s join file
+    coord = tmp_path / "coord"
+
+    def spawn(*args: str, stdin=subprocess.DEVNULL) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-m", "tensorturn", *args], env=env, cwd=tmp_path,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                stdin=stdin, start_new_session=True)
+
+    up = spawn("up", "--port", str(free_port()), "--bind", "127.0.0.1", "--dir", str(coord),
+               "--store", str(tmp_path / "store"))
+    procs = [up]
+    try:
+        assert up.stdout.readline().strip() == "tensorturn agent --join-file join --name NAME"
+        join = (coord / "join").read_text().strip()
+        broker = (coord / "broker-url").read_text().strip()
+        password = broker.split("default:", 1)[1].split("@")[0]
+        pool_key = json.loads(__import__("base64").urlsafe_b64decode(
+            join[4:] + "=" * (-len(join[4:]) % 4)))["key"]
+        secrets = [password, pool_key, join]
+        procs.append(spawn("agent", "--join-file", str(coord / "join"), "--name", "filed"))
+        piped = spawn("agent", "--join", "-", "--name", "piped", stdin=subprocess.PIPE)
+        piped.stdin.write(join + "\n")
+        piped.stdin.close()
+        procs.append(piped)
+        careless = spawn("agent", "--join", join, "--name", "careless")  # what not to do
+        procs.append(careless)
+        r = redis_client(broker)
+        deadline = time.monotonic() + 240
+        while len(list(r.scan_iter("tt:worker:*"))) < 3:  # all three agents are up
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), \
+                [p.stderr.read() for p in procs if p.poll() is not None]
+            time.sleep(0.2)
+        run = subprocess.run([sys.executable, "-m", "tensorturn", "run", "--join-file", str(coord / "join"),
+                              "--recipe", "digits-mlp", "--rounds", "1", "--shards", "2",
+                              "--sync-every", "5", "--json"], env=env, cwd=tmp_path, capture_output=True,
+                             text=True, stdin=subprocess.DEVNULL, timeout=600)
+        assert run.returncode == 0, run.stderr[-2000:]
+        run_id = json.loads(run.stdout)["run_id"]
+        token = subprocess.run([sys.executable, "-m", "tensorturn", "token", "create", "--join-file",
+                                str(coord / "join"), "--json"], env=env, cwd=tmp_path,
+                               capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=120)
+        assert token.returncode == 0, token.stderr
+        port = free_port()
+        serve = spawn("serve", run_id, "--join-file", str(coord / "join"), "--port", str(port))
+        procs.append(serve)
+        deadline = time.monotonic() + 240
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/v2/health/ready", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline and serve.poll() is None, serve.stderr.read()
+            time.sleep(0.2)
+        shown = cmdlines()
+        leaks = {pid: line for pid, line in shown.items() for s in secrets if s in line}
+        assert leaks == {}
+        for p in (up, *procs[1:]):
+            assert p.poll() is None
+    finally:
+        for p in reversed(procs):
+            stop_process_group(p, grace=10)
+        for p in procs:
+            out, err = p.stdout.read(), p.stderr.read()
+            assert password not in out + err and pool_key not in out + err
