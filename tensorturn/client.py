@@ -42,10 +42,9 @@ def submit(spec: RunSpec, broker_url: str, here: bool = False) -> dict[str, Any]
     that agent does them (:func:`start`, in the ``tensorturn.start_run`` task) and this process
     never loads torch; otherwise, or with ``here``, they run in this process.
     """
+    from . import trust
     from .roster import list_workers
     from .store import open_store
-
-    from . import trust
 
     validate(spec)
     trust.pool_key()  # one clear error now rather than a refusal from every agent
@@ -172,6 +171,13 @@ def _manifest(store: Any, run_id: str) -> dict[str, Any] | None:
         return read_manifest(store, run_id)
     except ObjectMissing:
         return None
+
+
+def refused(broker_url: str) -> list[dict[str, Any]]:
+    """The last task messages agents refused (newest first): bad signatures, and the like."""
+    import json
+
+    return [json.loads(x) for x in check_broker(broker_url).lrange(layout.REFUSED, 0, -1)]
 
 
 def workers(broker_url: str) -> list[dict[str, Any]]:

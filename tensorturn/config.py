@@ -27,11 +27,11 @@ DEFAULT_STORE_DIR = "tensorturn-store"
 _DOCS = """
 broker_url            Redis URL of the pool; unset, `run` starts a private embedded pool
 store_url             object store: `file:///dir`, a directory or `s3://bucket/prefix` (default `./tensorturn-store`)
-join                  the join string `tensorturn up` printed (prefer `--join-file`: a variable is safer than argv, a file safer still)
+join                  the join string from `tensorturn up` (prefer `--join-file`; never put it on a command line)
 join_file             a file holding that join string (`tensorturn up` writes `.tensorturn/join`)
-pool_key              the pool key that signs specs, tasks, manifests and tokens (`ttk1.…`; usually from the join file)
-pool_key_file         where the pool key is kept; `run` and `up` create it when missing (default `.tensorturn/pool-key`)
-allow_recipes         comma-separated `module:attr` patterns of non-built-in recipes this machine may import (`--allow-recipe`)
+pool_key              the pool key that signs runs, tasks, manifests and tokens (`ttk1.…`; usually from the join file)
+pool_key_file         where the pool key is kept; `run` and `up` make it if missing (default `.tensorturn/pool-key`)
+allow_recipes         comma-separated `module:attr` patterns of other recipes this machine may import (`--allow-recipe`)
 visibility_timeout_s  seconds an unrefreshed task lease lasts before the task goes back to the queue
 shutdown_grace_s      seconds a stopping agent gives its running task before requeueing it
 heartbeat_s           seconds between an agent's telemetry heartbeats (offline after 3 missed)

@@ -2,17 +2,16 @@
 
 An API instance then needs nothing but the store (and the pool key) to check a token. Records are
 signed with the pool key, so write access to the store is not enough to mint a token: a record
-that is not signed is ignored. Tokens are 256-bit random
-strings, so a plain SHA-256 is a sound hash for them (no password stretching is needed); checks
-compare digests in constant time.
+that is not signed is ignored. Tokens are 256-bit random strings, so a plain SHA-256 is a sound
+hash for them (no password stretching is needed), and a server can look a presented token's
+digest up in a set: how long a lookup takes tells a guesser only about the digest of its own
+guess. The server's cache of these digests is :mod:`tensorturn.apiauth`.
 """
 
 from __future__ import annotations
 
 import hashlib
-import hmac
 import secrets
-import threading
 import time
 from typing import Any
 
@@ -74,52 +73,3 @@ def revoke(store: Store, id_or_name: str) -> dict[str, Any]:
             record["revoked_at"] = time.time()
             _save(store, record)
     return matches[0]
-
-
-class TokenChecker:
-    """Checks bearer tokens against the store, re-reading it at most every ``ttl_s`` seconds
-    (a revoked token stops working within that time).
-
-    A token not in the cached list may have been created a moment ago, so a miss re-reads the
-    list — at most twice a second: a miss that comes too soon after a re-read waits for its turn
-    (it is not refused), so a new token works on its first request while guessing cannot hammer
-    the store (each wrong guess costs the guesser up to half a second).
-    """
-
-    MIN_RELOAD_S = 0.5
-
-    def __init__(self, store: Store, ttl_s: float = 2.0):
-        self.store, self.ttl_s = store, ttl_s
-        self._digests: list[str] = []
-        self._loaded = float("-inf")
-        self._lock = threading.Lock()
-
-    def _reload(self) -> None:
-        began = time.monotonic()  # the list is as of when the read began
-        self._digests = [r["sha256"] for r in records(self.store) if r["revoked_at"] is None]
-        self._loaded = began
-
-    def _known(self, digest: str) -> bool:
-        found = False
-        for known in self._digests:  # every digest, without stopping early
-            found |= hmac.compare_digest(digest, known)
-        return found
-
-    def __call__(self, token: str | None) -> bool:
-        if not token:
-            return False
-        digest = _digest(token)
-        arrived = time.monotonic()
-        with self._lock:
-            if arrived - self._loaded > self.ttl_s:
-                self._reload()
-            if self._known(digest):
-                return True
-            loaded = self._loaded
-        if loaded >= arrived:  # the list was read after this request came: the token is unknown
-            return False
-        time.sleep(max(0.0, loaded + self.MIN_RELOAD_S - time.monotonic()))  # outside the lock
-        with self._lock:
-            if self._loaded < arrived:  # no other miss re-read it meanwhile
-                self._reload()
-            return self._known(digest)

@@ -162,3 +162,15 @@ def test_a_damaged_join_string_is_one_clear_error(tmp_path):
                                    "(copy the whole line `tensorturn up` printed)")
     proc = tt("agent", cwd=tmp_path)
     assert proc.returncode == 2 and "--join" in proc.stderr
+    proc = tt("agent", "--join-file", "nowhere", cwd=tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "error: cannot read the join file nowhere: No such file or directory"
+
+
+def test_an_agent_without_the_pool_key_is_one_clear_error(redis_server, tmp_path):
+    env = clean_env(TENSORTURN_BROKER_URL=redis_server.url)
+    env.pop("TENSORTURN_POOL_KEY")
+    proc = tt("agent", env=env, cwd=tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().startswith("error: no pool key: pass --join-file JOIN")
+    assert redis_server.password not in proc.stderr

@@ -20,8 +20,8 @@ from tensorturn import client
 from tensorturn.board import RunBoard
 from tensorturn.local import LocalPool
 from tensorturn.modes.fused.tasks import train_shard
-from tensorturn.tasks.attempt import signed
 from tensorturn.spec import RunSpec
+from tensorturn.tasks.attempt import signed
 
 pytestmark = pytest.mark.e2e
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import socket
 import subprocess
 import sys
 import time
@@ -13,9 +15,9 @@ from conftest import clean_env, tt, tt_json
 from sklearn.datasets import load_digits
 
 from tensorturn import tokens
+from tensorturn.apiauth import Authenticator, AuthError, FailureCounter, TokenCache, digest
 from tensorturn.local import free_port, stop_process_group
 from tensorturn.store import open_store
-from tensorturn.tokens import TokenChecker
 
 
 @pytest.fixture(scope="module")
@@ -65,6 +67,9 @@ def fused_api(runs):
     yield server
     log = server.stop()
     assert runs[3]["token"] not in log  # tokens never reach the log
+    # once ready, it said where it listens, what it serves and how to get a token
+    assert f"ready at {server.url}" in log and "digits" in log
+    assert "tensorturn token create" in log
 
 
 def infer_body(x, members=False):
@@ -191,14 +196,147 @@ def test_serving_a_run_that_does_not_exist_is_one_clear_error(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
-def test_a_token_created_right_after_a_check_works_on_its_first_request(tmp_path):
+def test_a_token_created_right_after_a_read_works_on_its_first_request(tmp_path):
     store = open_store(tmp_path.as_uri())
-    check = TokenChecker(store)
     first, _ = tokens.create(store, "first")
-    assert check(first)                    # this read the list
-    second, _ = tokens.create(store, "second")
-    assert check(second)                   # a miss right after a read waits its turn, re-reads
-    assert not check("tt_" + "x" * 43)
-    tokens.revoke(store, "first")
-    check.ttl_s = 0.0                      # (the server re-reads every 2 s)
-    assert not check(first) and check(second)
+
+    async def scenario():
+        cache = TokenCache(lambda: tokens.active_digests(store), refresh_s=3600,
+                           min_refresh_s=0.05)
+        cache.load_now()
+        auth = Authenticator(cache, tarpit_s=0.0, failures=FailureCounter(limit=3))
+        await auth.check(f"Bearer {first}", "a")          # in the set: no wait, no read
+        reads = cache.reads
+        second, _ = tokens.create(store, "second")        # made after the list was read
+        await asyncio.gather(*(auth.check(f"Bearer {second}", "a") for _ in range(5)))
+        assert cache.reads == reads + 1                   # one shared early re-read for all
+        for _ in range(3):
+            try:
+                await auth.check("Bearer tt_" + "x" * 43, "b")
+            except AuthError as exc:
+                assert exc.status == 401
+            else:
+                raise AssertionError("a wrong token passed")
+        try:
+            await auth.check("Bearer tt_" + "x" * 43, "b")  # over its limit
+        except AuthError as exc:
+            assert exc.status == 429 and exc.retry_after and exc.retry_after > 0
+        await auth.check(f"Bearer {second}", "b")         # a valid token from that address
+        await auth.check(f"Bearer {second}", "a")         # other addresses are not limited
+        tokens.revoke(store, "first")
+        assert digest(first) in cache
+        await cache.refresh()                             # (the server re-reads every 2 s)
+        assert digest(first) not in cache and digest(second) in cache
+
+    asyncio.run(scenario())
+
+
+def http_request(sock_file, sock, path: str, token: str | None, body: bytes | None = None,
+                 method: str = "POST") -> tuple[int, dict[str, str], bytes]:
+    """One HTTP/1.1 request on an open keep-alive socket: (status, headers, body)."""
+    head = f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+    if token:
+        head += f"Authorization: Bearer {token}\r\n"
+    if body is not None:
+        head += f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+    sock.sendall(head.encode() + b"\r\n" + (body or b""))
+    status = sock_file.readline()
+    assert status, "the server closed the connection"
+    headers = {}
+    while (line := sock_file.readline()) not in (b"\r\n", b""):
+        name, _, value = line.decode().partition(":")
+        headers[name.strip().lower()] = value.strip()
+    return int(status.split()[1]), headers, sock_file.read(int(headers.get("content-length", 0)))
+
+
+def one_input(data, shape=(1, 64)) -> dict:
+    return {"inputs": [{"name": "input", "shape": list(shape), "datatype": "FP32", "data": data}]}
+
+
+ROW = [0] * 64
+PREFIX = b'{"inputs": [{"name": "input", "shape": [1, 64], "datatype": "FP32", "data": '
+BAD_BODIES = {  # each once made a 500 and reset the connection, or should be refused clearly
+    "400-digit integer": PREFIX + b"[" + b"9" * 400 + b", 0" * 63 + b"]}]}",
+    "ragged: a number for a row": json.dumps(one_input([ROW, 5], (2, 64))).encode(),
+    "ragged: null for a row": json.dumps(one_input([ROW, None], (2, 64))).encode(),
+    "parameters a list": json.dumps({**one_input(ROW), "parameters": [1]}).encode(),
+    "parameters a string": json.dumps({**one_input(ROW), "parameters": "x"}).encode(),
+    "nested 480 deep": PREFIX + b"[" * 480 + b"1" + b"]" * 480 + b"}]}",
+    "100000 brackets": b"[" * 100_000,
+    "booleans": json.dumps(one_input([True] * 64)).encode(),
+    "beyond FP32": json.dumps(one_input([1e39] + ROW[1:])).encode(),
+    "nested unlike the shape": json.dumps(one_input([[0] * 32] * 2)).encode(),
+    "members not a boolean": json.dumps({**one_input(ROW), "parameters": {"members": 1}}).encode(),
+    "too many rows": json.dumps(one_input([ROW] * 5000, (5000, 64))).encode(),
+}
+
+
+@pytest.mark.e2e
+def test_bad_bodies_get_a_json_4xx_and_the_connection_keeps_working(fused_api, runs):
+    token = runs[3]["token"]
+    good = json.dumps(one_input(ROW)).encode()
+    with socket.create_connection(("127.0.0.1", fused_api.port), timeout=60) as sock:
+        sock_file = sock.makefile("rb")
+        for what, body in BAD_BODIES.items():
+            status, headers, answer = http_request(sock_file, sock, "/v2/models/digits/infer",
+                                                   token, body)
+            assert 400 <= status < 500, (what, status, answer)
+            assert headers["content-type"] == "application/json", what
+            assert isinstance(json.loads(answer)["error"], str), what
+            status, _, answer = http_request(sock_file, sock, "/v2/models/digits/infer", token,
+                                             good)   # the same connection, still usable
+            assert status == 200 and len(json.loads(answer)["outputs"][0]["data"]) == 1, what
+        for path, method in (("/v2/models/nope/infer", "POST"), ("/v2/nothing", "GET"),
+                             ("/v2/models/digits/infer", "GET")):
+            status, headers, answer = http_request(sock_file, sock, path, token, b"{}", method)
+            assert status in (404, 405) and "error" in json.loads(answer), (path, status)
+        status, _, _ = http_request(sock_file, sock, "/v2/health/live", None, method="GET")
+        assert status == 200
+
+
+@pytest.mark.e2e
+def test_a_connection_that_sends_no_whole_request_is_closed(runs):
+    store, fused, _, token = runs
+    server = Server(store, fused["run_id"], "--request-timeout", "1")
+    try:
+        idle = socket.create_connection(("127.0.0.1", server.port), timeout=60)
+        partial = socket.create_connection(("127.0.0.1", server.port), timeout=60)
+        partial.sendall(b"POST /v2/models/x/infer HTTP/1.1\r\nHost: x\r\n")  # never finished
+        slow_body = socket.create_connection(("127.0.0.1", server.port), timeout=60)
+        slow_body.sendall(b"POST /v2/health/live HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n"
+                          b"\r\n12345")
+        for sock in (idle, partial):
+            with sock:
+                assert sock.recv(1024) == b""  # EOF: the server closed it
+        with slow_body:
+            while slow_body.recv(65536):  # whatever it answered, it then closes
+                pass
+        # a connection that does send its request is served, and kept alive after it
+        with socket.create_connection(("127.0.0.1", server.port), timeout=60) as sock:
+            sock_file = sock.makefile("rb")
+            for _ in range(2):
+                status, _, _ = http_request(sock_file, sock, "/v2/health/ready", None,
+                                            method="GET")
+                assert status == 200
+    finally:
+        server.stop()
+
+
+@pytest.mark.e2e
+def test_an_address_that_keeps_failing_gets_429_and_valid_tokens_still_pass(runs):
+    store, fused, _, token = runs
+    server = Server(store, fused["run_id"], "--auth-failures-per-minute", "3")
+    try:
+        url = f"{server.url}/v2/models/{fused['run_id']}"
+        with httpx.Client(timeout=30) as client:
+            statuses = [client.get(url, headers=bearer("tt_wrong")).status_code for _ in range(4)]
+            assert statuses == [401, 401, 401, 429]
+            r = client.get(url, headers=bearer("tt_wrong"))
+            assert r.status_code == 429 and int(r.headers["retry-after"]) > 0
+            assert "too many failed" in r.json()["error"]
+            assert client.get(url, headers=bearer(token["token"])).status_code == 200
+            x, _ = load_digits(return_X_y=True)
+            r = client.post(f"{url}/infer", json=infer_body(x[:3]), headers=bearer(token["token"]))
+            assert r.status_code == 200 and len(r.json()["outputs"][0]["data"]) == 3
+    finally:
+        server.stop()

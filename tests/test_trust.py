@@ -17,13 +17,13 @@ import pytest
 from conftest import TEST_POOL_KEY, clean_env, tt
 
 from tensorturn import client, config, layout, tokens, trust
+from tensorturn.board import RunBoard
+from tensorturn.broker import redis_client
 from tensorturn.celery_app import configure
 from tensorturn.modes.fused import tasks as fused
 from tensorturn.recipes import resolve
 from tensorturn.spec import RunSpec
 from tensorturn.store import open_store
-from tensorturn.board import RunBoard
-from tensorturn.broker import redis_client
 from tensorturn.tasks.attempt import chord_failed, signed
 from tensorturn.tasks.start import start_run
 from tensorturn.tensors import MODEL_FORMAT
@@ -254,6 +254,9 @@ def test_real_agents_refuse_forged_messages_unread(tmp_path, marker):
         assert "is not allowed on this machine" in start_reply(r, unallowed["run_id"])["error"]
         # the unsigned shard was refused too (the agent takes messages in order, one at a time)
         assert [x["task"] for x in refusals(r)] == ["tensorturn.start_run", "tensorturn.fused.train_shard"]
+        shown = tt("workers", "--broker", pool.broker_url)
+        assert shown.returncode == 0
+        assert "2 task message(s) refused by the agents" in shown.stderr
     assert not marker.exists()
     assert not (tmp_path / "theirs").exists()
 
@@ -349,3 +352,29 @@ def test_no_secret_on_any_command_line_in_the_documented_flows(tmp_path):
         for p in procs:
             out, err = p.stdout.read(), p.stderr.read()
             assert password not in out + err and pool_key not in out + err
+
+
+def test_the_join_file_carries_the_key_and_the_owners_allowlist(tmp_path):
+    from tensorturn.coordinator import load_join, make_join
+
+    key = PoolKey.generate()
+    join = make_join("redis://default:pw@h:1/0", "file:///s", key.text(), ("mine.*:*",))
+    path = tmp_path / "join"
+    trust.write_secret(path, join + "\n")
+    settings = load_join(None, str(path), config.Settings())
+    assert (settings.broker_url, settings.store_url, settings.pool_key) == (
+        "redis://default:pw@h:1/0", "file:///s", key.text())
+    assert trust.allowed_patterns(settings) == ("mine.*:*",)
+
+
+@pytest.mark.e2e
+def test_the_embedded_pool_puts_no_secret_on_a_command_line(tmp_path):
+    from tensorturn.local import LocalPool
+
+    with LocalPool(1, (tmp_path / "store").as_uri(), workdir=tmp_path / "pool") as pool:
+        secrets = [pool.redis.password, TEST_POOL_KEY]
+        shown = cmdlines()
+        assert any("redis-server" in line and (str(pool.redis.port) in line or str(tmp_path) in line)
+                   for line in shown.values())  # the pool's Redis is among the processes read
+        assert {pid: line for pid, line in shown.items() for s in secrets if s in line} == {}
+        assert stat.S_IMODE((tmp_path / "pool" / "redis" / "redis.conf").stat().st_mode) == 0o600

@@ -26,8 +26,8 @@ BROKER_HELP = "Redis URL of the pool (env TENSORTURN_BROKER_URL)."
 
 
 def pool_options(broker_help: str = BROKER_HELP) -> Callable:
-    """``--broker``, ``--store``, ``--join-file`` and ``--debug``; TensorTurn errors become one
-    line + exit code. A join file (or ``TENSORTURN_JOIN``) fills in the broker and store not
+    """``--broker``, ``--store``, ``--join-file``, ``--allow-recipe`` and ``--debug``; TensorTurn
+    errors become one line + exit code. A join file (or ``TENSORTURN_JOIN``) fills in the broker and store not
     given otherwise, the pool key, and the recipes its owner allows."""
 
     def decorate(fn: Callable) -> Callable:
@@ -38,10 +38,14 @@ def pool_options(broker_help: str = BROKER_HELP) -> Callable:
         @click.option("--join-file", "join_file", envvar="TENSORTURN_JOIN_FILE", metavar="PATH",
                       help="The pool's join file from `tensorturn up` (broker, store, pool key); "
                            "`-` reads the join string from stdin.")
+        @click.option("--allow-recipe", "allow", multiple=True, metavar="PATTERN",
+                      help="Also import recipes matching this `module:attr` pattern (fnmatch, "
+                           "e.g. 'myproject.recipes:*'; env TENSORTURN_ALLOW_RECIPES). Built-in "
+                           "recipes are always allowed; a recipe is code. Repeatable.")
         @click.option("--debug", is_flag=True, help="Show tracebacks and debug logs.")
         @functools.wraps(fn)
         def wrapper(*args: Any, broker: str | None, store: str | None, join_file: str | None,
-                    debug: bool, **kwargs: Any):
+                    allow: tuple[str, ...], debug: bool, **kwargs: Any):
             logging.basicConfig(level=logging.DEBUG if debug else logging.WARNING,
                                 format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
             click.get_current_context().meta["debug"] = debug
@@ -54,6 +58,10 @@ def pool_options(broker_help: str = BROKER_HELP) -> Callable:
                     config.use(settings)
                     broker = broker or settings.broker_url
                     store = store or settings.store_url
+                if allow:
+                    from ..trust import with_allowed
+
+                    config.use(with_allowed(config.current(), allow))
                 store_url = config.normalize_store_url(store) if store else config.default_store_url()
                 return fn(*args, broker=broker or None, store=store_url, **kwargs)
             except TensorTurnError as exc:

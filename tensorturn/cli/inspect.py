@@ -103,3 +103,8 @@ def workers(broker, store, as_json):
         if w["state"] == "quarantined":
             line += f"  ({w['quarantined']})"
         click.echo(line)
+    refused = client.refused(broker)
+    if refused:
+        last = refused[0]
+        click.echo(f"{len(refused)} task message(s) refused by the agents (see README, \"Trust model\"); "
+                   f"last: {last['task']} on {last['worker']}: {last['reason']}", err=True)

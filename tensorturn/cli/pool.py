@@ -20,12 +20,9 @@ from . import cli, pool_options, stop_on_signals
                    "(each CPU task uses --threads-per-task threads).")
 @click.option("--memory-gb", type=click.FloatRange(min=0, min_open=True), default=None,
               help="Offer at most this much device memory (VRAM, or RAM on CPU) to the pool.")
-@click.option("--allow-recipe", "allow", multiple=True, metavar="PATTERN",
-              help="Also import recipes matching this `module:attr` pattern (fnmatch, e.g. "
-                   "'myproject.recipes:*'); built-in recipes are always allowed. Repeatable.")
 @click.option("--loglevel", default=None, help="Celery log level [default: INFO].")
 @pool_options()
-def agent(broker, store, name, concurrency, memory_gb, allow, loglevel):
+def agent(broker, store, name, concurrency, memory_gb, loglevel):
     """Run this machine's agent: a Celery worker that trains what the pool queues.
 
     \b
@@ -55,9 +52,8 @@ def agent(broker, store, name, concurrency, memory_gb, allow, loglevel):
     check_broker(broker)
     open_store(store).check()
     # what this command was told overrides the environment, for this process and its pool
-    settings = config.current().with_(broker_url=broker, store_url=store,
-                                      device_memory_gb=memory_gb or config.current().device_memory_gb)
-    config.use(trust.with_allowed(settings, allow))
+    config.use(config.current().with_(broker_url=broker, store_url=store,
+                                      device_memory_gb=memory_gb or config.current().device_memory_gb))
     from ..agent import run_agent
     from ..celery_app import configure
 
@@ -74,16 +70,14 @@ def agent(broker, store, name, concurrency, memory_gb, allow, loglevel):
               help="Host name or address the agents dial [default: this machine's address].")
 @click.option("--dir", "directory", type=click.Path(file_okay=False), default=".tensorturn",
               show_default=True, help="Where Redis keeps its data, and the pool's secrets (mode 600).")
-@click.option("--allow-recipe", "allow", multiple=True, metavar="PATTERN",
-              help="Recipes (fnmatch on `module:attr`) every joining agent may import besides the "
-                   "built-in ones; written into the join file. Repeatable.")
 @pool_options()
-def up(broker, store, port, bind, advertise, directory, allow):
+def up(broker, store, port, bind, advertise, directory):
     """Start the coordinator in the foreground: a Redis for the pool and the store.
 
-    It writes the join file (DIR/join: broker, store, pool key) to copy to each of your machines,
-    and prints how to use it. Stop it with Ctrl-C. Users with their own Redis and S3/MinIO do not
-    need this: give agents --broker and --store, and the pool key (TENSORTURN_POOL_KEY).
+    It writes the join file (DIR/join: broker, store, pool key, and the recipes --allow-recipe
+    allows every agent to import) to copy to each of your machines, and prints how to use it.
+    Stop it with Ctrl-C. Users with their own Redis and S3/MinIO do not need this: give agents
+    --broker and --store, and the pool key (TENSORTURN_POOL_KEY).
     """
     from pathlib import Path
 
@@ -107,8 +101,7 @@ def up(broker, store, port, bind, advertise, directory, allow):
         raise TensorTurnError(f"{exc}; is port {cfg.port} in use? try --port") from None
     host = advertise or (advertised_host() if bind == "0.0.0.0" else bind)
     broker_url = f"redis://default:{cfg.password}@{host}:{cfg.port}/0"  # the form redis-cli takes
-    join = make_join(broker_url, store, key.text(), trust.allowed_patterns(
-        trust.with_allowed(config.current(), allow)))
+    join = make_join(broker_url, store, key.text(), trust.allowed_patterns())  # --allow-recipe
     # written before the instructions, which callers wait for
     trust.replace_secret(home / "broker-url", broker_url + "\n")
     trust.replace_secret(home / "join", join + "\n")

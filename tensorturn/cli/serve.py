@@ -17,18 +17,45 @@ from . import cli, emit_json, pool_options
 @click.option("--name", "alias", default=None, help="An alias for the model besides the run id.")
 @click.option("--max-body-mb", type=click.FloatRange(min=0, min_open=True), default=8.0,
               show_default=True, help="Largest request body accepted (larger → 413).")
+@click.option("--max-rows", type=click.IntRange(min=1), default=4096, show_default=True,
+              help="Most rows in one request (more → 413).")
+@click.option("--max-batch-rows", type=click.IntRange(min=1), default=1024, show_default=True,
+              help="Most rows in one model call: concurrent requests are batched up to this.")
+@click.option("--batch-window-ms", type=click.FloatRange(min=0), default=0.0, show_default=True,
+              help="Wait this long for more requests before running a batch (0: run what is "
+                   "queued at once).")
+@click.option("--model-threads", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Torch threads for the model (one model thread runs every batch).")
+@click.option("--request-timeout", type=click.FloatRange(min=0, min_open=True), default=10.0,
+              show_default=True,
+              help="Seconds a connection has to send a whole request (headers and body); then "
+                   "it is closed.")
+@click.option("--limit-concurrency", type=click.IntRange(min=1), default=1000, show_default=True,
+              help="Connections and requests in flight before new requests get 503.")
+@click.option("--auth-failures-per-minute", type=click.IntRange(min=1), default=20,
+              show_default=True,
+              help="Failed authentications one address may make per minute before it gets 429 "
+                   "(valid tokens are never refused).")
+@click.option("--access-log/--no-access-log", default=False, show_default=True,
+              help="Log every request.")
 @pool_options()
-def serve(broker, store, run_id, host, port, alias, max_body_mb):
+def serve(broker, store, run_id, host, port, alias, max_body_mb, max_rows, max_batch_rows,
+          batch_window_ms, model_threads, request_timeout, limit_concurrency, auth_failures_per_minute, access_log):
     """Serve a run's model (or voting ensemble) as an authenticated HTTP API.
 
     Open Inference Protocol (KServe V2) routes under /v2; OpenAPI page at /docs. Every
     /v2/models route needs `Authorization: Bearer <token>` from `tensorturn token create`.
-    The server needs only the store.
+    The server needs only the store. Concurrent requests are batched into one model call.
     """
-    from ..serve import run_server
+    from ..serve import ServeOptions, run_server
     from ..store import open_store
 
-    run_server(open_store(store), run_id, host, port, alias, int(max_body_mb * 1024 * 1024))
+    options = ServeOptions(max_rows=max_rows, max_batch_rows=max_batch_rows,
+                           batch_window_ms=batch_window_ms, model_threads=model_threads,
+                           request_timeout_s=request_timeout, limit_concurrency=limit_concurrency,
+                           auth_failure_limit=auth_failures_per_minute, access_log=access_log)
+    run_server(open_store(store), run_id, host, port, alias, int(max_body_mb * 1024 * 1024),
+               options)
 
 
 @cli.group()

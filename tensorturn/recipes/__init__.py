@@ -3,7 +3,8 @@
 Built-in recipes are listed in :data:`BUILTIN` (by name; imported only when used); any other
 recipe is given as ``package.module:attr`` and must be importable on every machine of the pool
 (a class, a factory, or an instance) and allowed there (``--allow-recipe``; see
-:mod:`tensorturn.trust`): :func:`resolve` imports nothing a machine has not allowed. :func:`check_name` needs no torch, for the CLI.
+:mod:`tensorturn.trust`): :func:`resolve` imports nothing a machine has not allowed.
+:func:`check_name` needs no torch, for the CLI.
 """
 
 from __future__ import annotations
