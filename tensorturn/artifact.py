@@ -49,25 +49,18 @@ class Predictor:
         return cls(recipe, models, meta["vote"], members)
 
     @torch.no_grad()
-    def member_probabilities(self, x: torch.Tensor) -> torch.Tensor:
-        """(members, rows, classes) probabilities for preprocessed inputs ``x``."""
-        return torch.stack([self.recipe.predict_proba(m, x) for m in self.models])
+    def member_outputs(self, x: torch.Tensor) -> torch.Tensor:
+        """``[members, rows, ...]`` outputs (probabilities, or values for regression) for
+        preprocessed inputs ``x``."""
+        return torch.stack([self.recipe.predict(m, x) for m in self.models])
 
     @torch.no_grad()
-    def predict(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(labels, probabilities, member probabilities) for preprocessed inputs ``x``.
-
-        Soft vote: the mean of the members' probabilities. Hard vote: each member's top class
-        is one vote; ``probabilities`` are the vote shares, and ties go to the class with the
-        higher mean probability.
-        """
-        per_member = self.member_probabilities(x)
-        mean = per_member.mean(0)
-        if self.vote != "hard":
-            return mean.argmax(-1), mean, per_member
-        votes = nn.functional.one_hot(per_member.argmax(-1), mean.shape[-1]).float().mean(0)
-        labels = (votes + 1e-6 * mean).argmax(-1)
-        return labels, votes, per_member
+    def predict(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(combined output, member outputs) for preprocessed inputs ``x``: the recipe's kind
+        combines the members (classification: mean probability, or hard-vote shares; regression:
+        the mean); one model's output is itself."""
+        per_member = self.member_outputs(x)
+        return self.recipe.combine(per_member, self.vote), per_member
 
 
 def load_result(store: Store, run_id: str) -> tuple[Predictor, dict[str, Any]]:

@@ -45,6 +45,7 @@ from . import tokens
 from .apiauth import Authenticator, AuthError, FailureCounter, TokenCache
 from .artifact import load_result
 from .batching import Batcher
+from .recipes.kinds import Kind
 from .store import Store
 
 log = logging.getLogger(__name__)
@@ -201,27 +202,26 @@ def parse_request(raw: bytes, input_shape: list[int], max_rows: int) -> ParsedRe
 
 
 class Prediction(NamedTuple):
-    labels: np.ndarray      # int64 [rows]
-    probs: np.ndarray       # float32 [rows, classes]
-    per_member: np.ndarray  # float32 [members, rows, classes]
+    combined: np.ndarray    # float32 [rows, ...]: probabilities, or predicted values
+    per_member: np.ndarray  # float32 [members, rows, ...]
 
 
 def _share(result: Prediction, start: int, stop: int) -> Prediction:
-    return Prediction(result.labels[start:stop], result.probs[start:stop],
-                      result.per_member[:, start:stop])
+    return Prediction(result.combined[start:stop], result.per_member[:, start:stop])
+
+
+def _tensor(name: str, datatype: str, data: np.ndarray) -> dict[str, Any]:
+    data = np.ascontiguousarray(data)
+    return {"name": name, "datatype": datatype, "shape": list(data.shape), "data": data.reshape(-1)}
 
 
 def encode_answer(name: str, version: str, request_id: str | None, pred: Prediction,
-                  members: list[dict] | None) -> bytes:
-    rows, classes = pred.probs.shape
-    outputs: list[dict[str, Any]] = [
-        {"name": "label", "datatype": "INT64", "shape": [rows], "data": pred.labels},
-        {"name": "probabilities", "datatype": "FP32", "shape": [rows, classes],
-         "data": pred.probs.reshape(-1)},
-    ]
+                  members: list[dict] | None, kind: Kind) -> bytes:
+    """The Open Inference Protocol answer: the outputs the recipe's kind serves (``label`` and
+    ``probabilities``, or ``prediction``), and each member's when asked."""
+    outputs = [_tensor(o.name, o.datatype, o.data) for o in kind.served(pred.combined)]
     for entry, p in zip(members or [], pred.per_member):
-        outputs.append({"name": f"member_{entry['member']}_probabilities", "datatype": "FP32",
-                        "shape": [rows, classes], "data": np.ascontiguousarray(p).reshape(-1)})
+        outputs.append(_tensor(kind.member_output(entry["member"]), "FP32", p))
     return orjson.dumps({"model_name": name, "model_version": version,
                          "id": request_id or str(uuid.uuid4()), "outputs": outputs},
                         option=orjson.OPT_SERIALIZE_NUMPY)
@@ -231,7 +231,7 @@ def encode_answer(name: str, version: str, request_id: str | None, pred: Predict
 # the app
 
 
-def _infer_openapi(input_shape: list[int], n_classes: int) -> dict[str, Any]:
+def _infer_openapi(input_shape: list[int], served: list[tuple[str, str, list[int]]]) -> dict[str, Any]:
     row = [0.0] * math.prod(input_shape)
     request_schema = {
         "type": "object", "required": ["inputs"],
@@ -258,8 +258,8 @@ def _infer_openapi(input_shape: list[int], n_classes: int) -> dict[str, Any]:
         "model_name": {"type": "string"}, "model_version": {"type": "string"},
         "id": {"type": "string"},
         "outputs": {"type": "array", "items": output,
-                    "description": f"label (INT64 [N]), probabilities (FP32 [N, {n_classes}]), "
-                                   "and member_<i>_probabilities when asked"}}}
+                    "description": ", ".join(f"{n} ({t} {['N', *s[1:]]})" for n, t, s in served)
+                                   + ", and each member's when asked"}}}
     error = {"content": {JSON: {"schema": {"type": "object", "properties": {
         "error": {"type": "string"}}}}}}
     return {
@@ -289,12 +289,15 @@ def create_app(store: Store, run_id: str, alias: str | None = None,
     version = manifest["model_sha256"][:12]
     members_meta = predictor.members
 
+    kind = recipe.kind
+
     def run_model(x: np.ndarray) -> Prediction:
         with torch.inference_mode():
-            labels, probs, per_member = predictor.predict(recipe.preprocess(torch.from_numpy(x)))
-            return Prediction(labels.numpy(), probs.float().numpy(), per_member.float().numpy())
+            combined, per_member = predictor.predict(recipe.preprocess(torch.from_numpy(x)))
+            return Prediction(combined.float().numpy(), per_member.float().numpy())
 
-    n_classes = int(run_model(np.zeros([1, *input_shape], np.float32)).probs.shape[-1])
+    probe = run_model(np.zeros([1, *input_shape], np.float32))
+    served = [(o.name, o.datatype, [-1, *np.asarray(o.data).shape[1:]]) for o in kind.served(probe.combined)]
     batcher: Batcher[Prediction, Prediction] = Batcher(
         run_model, _share, max_rows=opts.max_batch_rows, window_s=opts.batch_window_ms / 1000,
         thread_init=lambda: torch.set_num_threads(opts.model_threads))
@@ -370,9 +373,8 @@ def create_app(store: Store, run_id: str, alias: str | None = None,
         return {
             "name": name, "versions": [version], "platform": "tensorturn",
             "inputs": [{"name": "input", "datatype": "FP32", "shape": [-1, *input_shape]}],
-            "outputs": [{"name": "label", "datatype": "INT64", "shape": [-1]},
-                        {"name": "probabilities", "datatype": "FP32", "shape": [-1, n_classes]}],
-            "parameters": {"mode": manifest["mode"], "recipe": manifest["recipe"],
+            "outputs": [{"name": n, "datatype": t, "shape": s} for n, t, s in served],
+            "parameters": {"mode": manifest["mode"], "recipe": manifest["recipe"], "task": kind.name,
                            "run_id": run_id, "vote": predictor.vote,
                            "members": [m["member"] for m in members_meta],
                            "model_sha256": manifest["model_sha256"],
@@ -391,15 +393,15 @@ def create_app(store: Store, run_id: str, alias: str | None = None,
             parsed = await off_loop(parse_request, raw, input_shape, opts.max_rows)
         pred = await batcher.submit(parsed.x)
         wanted = members_meta if parsed.members else None
-        values = pred.probs.size * (1 + (len(wanted) if wanted else 0))
+        values = pred.combined.size * (1 + (len(wanted) if wanted else 0))
         if values <= INLINE_OUTPUT_VALUES:
-            content = encode_answer(name, version, parsed.id, pred, wanted)
+            content = encode_answer(name, version, parsed.id, pred, wanted, kind)
         else:
-            content = await off_loop(encode_answer, name, version, parsed.id, pred, wanted)
+            content = await off_loop(encode_answer, name, version, parsed.id, pred, wanted, kind)
         return Response(content, media_type=JSON)
 
     @app.post("/v2/models/{name}/infer", tags=["models"], response_class=Response,
-              openapi_extra=_infer_openapi(input_shape, n_classes))
+              openapi_extra=_infer_openapi(input_shape, served))
     async def infer(name: str, request: Request) -> Response:
         """Predictions for the rows in `inputs[0].data` (the Open Inference Protocol)."""
         try:

@@ -30,8 +30,9 @@ def wait_for(what: str, check, deadline_s: float = 600):
         time.sleep(0.2)
 
 
+@pytest.mark.parametrize("fault", ["unreachable", "another-store"])
 def test_an_agent_failing_on_the_store_is_quarantined_and_the_run_completes(
-        s3_endpoint, s3_bucket, tmp_path):
+        s3_endpoint, s3_bucket, tmp_path, fault):
     store = f"s3://{s3_bucket}/q"
     with LocalPool(2, store, workdir=tmp_path / "pool") as pool:
         spec = RunSpec.create(mode="fused", recipe="digits-mlp", store_url=store, rounds=3,
@@ -40,21 +41,31 @@ def test_an_agent_failing_on_the_store_is_quarantined_and_the_run_completes(
         board = RunBoard(redis_client(pool.broker_url))
         wait_for("a first attempt succeeded", lambda: any(
             a["outcome"] == "succeeded" for a in board.attempts(spec.run_id)))
-        # this machine's S3 settings point nowhere (the store URL is the run's; nothing else)
-        env = clean_env(TENSORTURN_BROKER_URL=pool.broker_url, TENSORTURN_STORE_RETRIES="0",
-                        AWS_ENDPOINT_URL=f"http://127.0.0.1:{free_port()}",
-                        AWS_ACCESS_KEY_ID="x", AWS_SECRET_ACCESS_KEY="y", AWS_DEFAULT_REGION="us-east-1")
+        if fault == "unreachable":  # this machine's S3 settings point nowhere
+            env = clean_env(TENSORTURN_BROKER_URL=pool.broker_url, TENSORTURN_STORE_URL=store,
+                            TENSORTURN_STORE_RETRIES="0", AWS_ENDPOINT_URL=f"http://127.0.0.1:{free_port()}",
+                            AWS_ACCESS_KEY_ID="x", AWS_SECRET_ACCESS_KEY="y", AWS_DEFAULT_REGION="us-east-1")
+        else:  # it reaches S3, but was given another store than the pool's: the runs are not there
+            env = clean_env(TENSORTURN_BROKER_URL=pool.broker_url, TENSORTURN_STORE_URL=f"{store}-elsewhere",
+                            **s3_endpoint)
         log = open(tmp_path / "bad-agent.log", "wb")
         bad = subprocess.Popen([sys.executable, "-m", "tensorturn", "agent", "--name", "bad"], env=env,
                                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                start_new_session=True)
         try:
+            if fault == "unreachable":  # it checks its store at start: it never takes a task
+                assert bad.wait(timeout=300) == 3
             doc = client.wait(pool.broker_url, spec.run_id, timeout_s=900)
             workers = {w["name"].split("@")[0]: w for w in client.workers(pool.broker_url)}
         finally:
             stop_process_group(bad, grace=10)
 
     assert doc["state"] == "succeeded", doc["error"]
+    if fault == "unreachable":
+        said = (tmp_path / "bad-agent.log").read_text().strip().splitlines()
+        assert len(said) == 1 and said[0].startswith("error: store s3://"), said
+        assert not any(a["worker"].startswith("bad@") for a in doc["attempts"])
+        return
     quarantined = [i for i in doc["incidents"] if i["kind"] == "worker_quarantined"]
     assert len(quarantined) == 1 and quarantined[0]["worker"].startswith("bad@")
     assert "tasks in a row on the object store while other machines' tasks succeeded" in quarantined[0]["detail"]

@@ -13,7 +13,7 @@ from .. import config
 from ..errors import SpecError
 from ..modes import get_mode, mode_names
 from ..spec import FINISHED
-from . import cli, emit_json, ignore_signals, pool_options, stop_on_signals
+from . import cli, emit_json, fail, ignore_signals, pool_options, stop_on_signals
 
 
 class RunProgress:
@@ -303,3 +303,40 @@ def resume(broker, store, run_id, local_workers, detach, timeout_s, as_json):
     else:
         doc = embedded(run_id, store, local_workers, timeout_s, start, known["recipe"])
     print_result(doc, as_json)
+
+
+@cli.command("check-recipe")
+@click.argument("recipe", metavar="NAME|module:attr")
+@click.option("--recipe-option", "recipe_options", multiple=True, metavar="KEY=VALUE",
+              help="An option for the recipe (repeatable), as `run` takes it.")
+@click.option("--json", "as_json", is_flag=True, help="Print the findings as one JSON object.")
+def check_recipe(recipe, recipe_options, as_json):
+    """Run every hook of a recipe on a few rows, in seconds, before a long run.
+
+    Data and splits, preprocess, the model, the loss and its gradient, a few training steps,
+    evaluate, two ensemble members combined by the recipe's task kind, and the answer the API
+    would serve. The first problem is one line naming the step (exit 2); nothing is queued.
+    """
+    from .. import trust
+    from ..errors import TensorTurnError
+
+    config.use(trust.with_allowed(config.current(), [recipe]))  # named here, by this user
+    try:
+        from ..checkrecipe import check
+
+        found = check(recipe, parse_recipe_options(recipe_options))
+    except TensorTurnError as exc:
+        fail(f"recipe {recipe!r} failed at {exc}", exc.exit_code)
+        return
+    if as_json:
+        emit_json(found)
+        return
+    rows = found["rows"]
+    outputs = ", ".join(f"{n} {o['datatype']} {o['shape']}" for n, o in found["outputs"].items())
+    metrics = ", ".join(f"{k} {v:.4g}" for k, v in found["val_metrics"].items())
+    click.echo(f"recipe {recipe} ({found['task']}): ok in {found['seconds']:.1f}s\n"
+               f"  data: {rows['train']} train / {rows['val']} validation / {rows['test']} test rows, "
+               f"input {found['input_shape']}\n"
+               f"  model: {found['parameters']:,} parameters; train loss {found['train_loss']:.4g} "
+               f"after a few steps; validation {metrics}\n"
+               f"  served: {outputs}")

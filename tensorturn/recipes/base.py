@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .kinds import Kind, kind_of
+
 
 @dataclass
 class Splits:
@@ -30,12 +32,14 @@ class Splits:
 
 
 class Recipe:
-    """Base class of recipes for classification (override ``loss``/``evaluate`` for other tasks).
+    """Base class of recipes. ``task`` names the kind of task (:mod:`.kinds`): it decides the
+    default loss, evaluation, how an ensemble combines members and what the API serves.
 
     Class attributes give the training defaults a run uses unless the user overrides them.
     """
 
     name = "recipe"
+    task = "classification"  # or "regression", "language_model" (see recipes/kinds.py)
     ref = ""            # how the run named it (set by ``resolve``), e.g. "digits-mlp"
     lr = 1e-3           # inner AdamW learning rate
     weight_decay = 0.0
@@ -75,21 +79,41 @@ class Recipe:
         """Raw inputs → model inputs. Applied to training data and to served requests."""
         return raw.float()
 
+    @property
+    def kind(self) -> Kind:
+        return kind_of(self.task)
+
     def loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(model(x), y)
+        """Cross-entropy for classification; mean squared error for regression."""
+        out = model(x)
+        if self.task == "regression":
+            return F.mse_loss(out.reshape(y.shape) if out.numel() == y.numel() else out, y.float())
+        return F.cross_entropy(out, y)
 
     @torch.no_grad()
     def predict_proba(self, model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """Class probabilities (classification and language models)."""
         model.eval()
         return torch.softmax(model(x), dim=-1)
 
     @torch.no_grad()
-    def evaluate(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
-        """Accuracy and mean NLL (nats) on preprocessed inputs."""
+    def predict(self, model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """One model's per-row outputs on preprocessed inputs, as the kind combines them:
+        probabilities (:meth:`predict_proba`) for classification, values for regression."""
         model.eval()
-        logp = torch.log_softmax(model(x), dim=-1)
-        return {"accuracy": float((logp.argmax(-1) == y).float().mean()),
-                "loss": float(F.nll_loss(logp, y))}
+        if self.task in ("classification", "language_model"):
+            return self.predict_proba(model, x)
+        return self.kind.outputs(model, x)
+
+    def combine(self, per_member: torch.Tensor, vote: str) -> torch.Tensor:
+        """An ensemble's output from its members' (``[members, rows, ...]``), by ``vote``."""
+        return self.kind.combine(per_member, vote)
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
+        """The kind's metrics on preprocessed inputs: accuracy and mean NLL (nats) for
+        classification, MSE (``loss``) and MAE for regression."""
+        return self.kind.metrics(self.predict(model, x), y)
 
 
 _SPLITS: dict[tuple[str, str], Splits] = {}

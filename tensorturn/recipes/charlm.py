@@ -150,6 +150,7 @@ class GPT(nn.Module):
 
 class CharLM(Recipe):
     name = "charlm"
+    task = "language_model"
     # AdamW lr: best of {5e-4, 1e-3, 1.5e-3, 2e-3, 3e-3, 5e-3} for the default model after 400
     # steps of batch 32 (validation NLL 1.74, 1.64, 1.65, 1.73, 2.01, 2.22 nats/char)
     lr = 1e-3

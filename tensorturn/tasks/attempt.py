@@ -39,7 +39,7 @@ from .. import config, layout, trust
 from ..board import RunBoard
 from ..broker import redis_client
 from ..celery_app import app
-from ..config import mask_text
+from ..config import mask_text, mask_url
 from ..errors import RecipeError, StoreError, TensorTurnError
 from ..layout import Label, worker_key
 from ..manifest import load_spec, try_write_manifest
@@ -155,6 +155,17 @@ def describe_failure(exc: BaseException, worker: str | None) -> str:
     return mask_text(f"{type(exc).__name__}: {text}" if text else type(exc).__name__)
 
 
+def _spec_here(store: Store, run_id: str) -> RunSpec:
+    """The run's spec from this agent's store. None there means this machine's store is not the
+    pool's (a wrong --store): a fault of the machine, not of the task, so it is a store failure
+    (the machine is quarantined when others succeed) rather than a missing object."""
+    try:
+        return load_spec(store, run_id)
+    except ObjectMissing:
+        raise StoreError(f"store {mask_url(store.url)}: no run {run_id} here (no spec); is this "
+                         f"agent's --store the pool's?") from None
+
+
 def execute(task: Task, run_id: str, label: Label, unit_class: type[Unit],
             sig: str | None) -> dict[str, Any]:
     """Run ``label``'s unit through the protocol; returns a small deterministic receipt (chords
@@ -173,7 +184,7 @@ def execute(task: Task, run_id: str, label: Label, unit_class: type[Unit],
     key, number, max_attempts = "", 0, DEFAULT_MAX_ATTEMPTS
     try:
         store = agent_store()
-        spec = load_spec(store, run_id)
+        spec = _spec_here(store, run_id)
         max_attempts = spec.max_attempts
         attempt = Attempt(task, board, store, spec, label, worker)
         unit = unit_class(attempt)

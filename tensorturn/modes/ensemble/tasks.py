@@ -250,28 +250,24 @@ def vote(self, run_id: str, sig: str | None = None) -> dict[str, Any]:
 
 
 def vote_metrics(predictor: Predictor, x: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
-    """The vote's accuracy and NLL beside the members' mean and best, and their disagreement."""
-    labels, _, per_member = predictor.predict(x)
-    mean = per_member.mean(0)
-
-    def nll(p: torch.Tensor) -> float:
-        return float(torch.nn.functional.nll_loss(torch.log(p.clamp_min(1e-12)), y))
-
-    member_acc = [float((p.argmax(-1) == y).float().mean()) for p in per_member]
-    member_nll = [nll(p) for p in per_member]
-    preds = per_member.argmax(-1)
-    pairs = [(a, b) for a in range(len(preds)) for b in range(a + 1, len(preds))]
-    disagreement = (sum(float((preds[a] != preds[b]).float().mean()) for a, b in pairs) / len(pairs)
-                    if pairs else 0.0)
-    return {
-        "test_accuracy": float((labels == y).float().mean()),
-        # NLL of the mean probability for both rules (hard votes have no calibrated probability)
-        "test_loss": nll(mean),
-        "member_mean_test_accuracy": sum(member_acc) / len(member_acc),
-        "member_mean_test_loss": sum(member_nll) / len(member_nll),
-        "best_member_test_accuracy": max(member_acc),
-        "disagreement": disagreement,
-    }
+    """The combined model's test metrics (the recipe's kind: accuracy and NLL, or MSE and MAE)
+    beside the members' mean and best; for classification, how often members disagree."""
+    combined, per_member = predictor.predict(x)
+    kind = predictor.recipe.kind
+    # classification: NLL of the mean probability for both rules (hard votes are not calibrated)
+    out = {f"test_{k}": v for k, v in kind.metrics(combined, y, per_member.mean(0)).items()}
+    members = [kind.metrics(p, y) for p in per_member]
+    for name in members[0]:
+        values = [m[name] for m in members]
+        out[f"member_mean_test_{name}"] = sum(values) / len(values)
+        best = max(values) if name == "accuracy" else min(values)
+        out[f"best_member_test_{name}"] = best
+    if kind.name != "regression":
+        preds = per_member.argmax(-1)
+        pairs = [(a, b) for a in range(len(preds)) for b in range(a + 1, len(preds))]
+        out["disagreement"] = (sum(float((preds[a] != preds[b]).float().mean()) for a, b in pairs)
+                               / len(pairs) if pairs else 0.0)
+    return out
 
 
 class VoteUnit(Unit):

@@ -1,0 +1,70 @@
+"""Task kinds beyond classification, and `check-recipe`: a regression recipe trains in both modes
+and is served with a `prediction` output; every hook of a recipe is checked in seconds."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from conftest import tt, tt_json
+from test_serve import Server, bearer
+
+RECIPE = "regress:Diabetes"  # tests/regress.py
+
+
+def test_check_recipe_passes_good_recipes_and_names_the_first_problem():
+    ok = tt_json("check-recipe", "regress:Diabetes", "--json")
+    assert ok["task"] == "regression" and ok["outputs"] == {"prediction": {"datatype": "FP32", "shape": ["N"]}}
+    assert set(ok["val_metrics"]) == {"loss", "mae"}
+    digits = tt_json("check-recipe", "digits-mlp", "--json")
+    assert set(digits["outputs"]) == {"label", "probabilities"}
+
+    wrong = tt("check-recipe", "regress:WrongTarget")
+    assert wrong.returncode == 2
+    assert wrong.stderr.strip() == (
+        "error: recipe 'regress:WrongTarget' failed at data: task 'classification' needs integer "
+        "class targets, got torch.float32 (a regression recipe sets task = 'regression')")
+    from conftest import clean_env
+
+    broken = tt("check-recipe", "failing:Failing", env=clean_env(TT_FAIL_IN="evaluate"))
+    assert broken.returncode == 2 and len(broken.stderr.strip().splitlines()) == 1
+    assert "failed at evaluate: ValueError: boom in evaluate" in broken.stderr
+    missing = tt("check-recipe", "nosuchmodule:Thing")
+    assert missing.returncode == 2 and "failed at build" in missing.stderr
+
+
+@pytest.mark.e2e
+def test_a_regression_recipe_trains_in_both_modes_and_is_served_with_a_prediction(tmp_path):
+    store = str(tmp_path / "store")
+    fused = tt_json("run", "--recipe", RECIPE, "--local-workers", "2", "--rounds", "3",
+                    "--shards", "2", "--sync-every", "20", "--store", store, "--json", cwd=tmp_path)
+    assert fused["state"] == "succeeded"
+    assert set(fused["metrics"]) >= {"test_loss", "test_mae"} and "test_accuracy" not in fused["metrics"]
+    ensemble = tt_json("run", "--mode", "ensemble", "--recipe", RECIPE, "--members", "3",
+                       "--segments", "1", "--segment-steps", "60", "--local-workers", "2",
+                       "--store", store, "--json", cwd=tmp_path)
+    assert ensemble["state"] == "succeeded", ensemble.get("error")
+    m = ensemble["metrics"]
+    assert m["members_succeeded"] == 3 and "disagreement" not in m
+    assert m["best_member_test_loss"] <= m["member_mean_test_loss"]
+    # the mean of the members' predictions is no worse than their mean error (convexity of MSE)
+    assert m["test_loss"] <= m["member_mean_test_loss"] + 1e-6
+    token = tt_json("token", "create", "--store", store, "--json", cwd=tmp_path)["token"]
+    server = Server(store, ensemble["run_id"], "--allow-recipe", "regress:*")  # a recipe is code
+    try:
+        rows = [[0.01 * (i + j) for j in range(10)] for i in range(3)]
+        body = {"inputs": [{"name": "input", "shape": [3, 10], "datatype": "FP32", "data": rows}],
+                "parameters": {"members": True}}
+        r = httpx.post(f"{server.url}/v2/models/{ensemble['run_id']}/infer", json=body,
+                       headers=bearer(token), timeout=60)
+        assert r.status_code == 200, r.text
+        outputs = {o["name"]: o for o in r.json()["outputs"]}
+        assert outputs["prediction"]["datatype"] == "FP32" and outputs["prediction"]["shape"] == [3]
+        assert len(outputs["prediction"]["data"]) == 3
+        members = [outputs[f"member_{i}_prediction"]["data"] for i in range(3)]
+        mean = [sum(v) / 3 for v in zip(*members)]
+        assert outputs["prediction"]["data"] == pytest.approx(mean, rel=1e-5, abs=1e-6)
+        meta = httpx.get(f"{server.url}/v2/models/{ensemble['run_id']}", headers=bearer(token), timeout=60).json()
+        assert meta["parameters"]["task"] == "regression"
+        assert meta["outputs"] == [{"name": "prediction", "datatype": "FP32", "shape": [-1]}]
+    finally:
+        server.stop()
