@@ -333,3 +333,29 @@ def test_an_agent_is_listed_again_at_its_next_heartbeat_after_redis_lost_its_dat
     assert list_workers(beat.client) == []
     beat.beat()                                  # the next heartbeat, as every few seconds
     assert [w["name"] for w in list_workers(beat.client)] == ["w1@host"]
+
+
+# ---- little data --------------------------------------------------------------------------------
+
+def test_keep_best_keeps_the_round_with_the_lowest_validation_loss(world):
+    from tensorturn import layout
+    from tensorturn.store import open_store
+
+    spec = submit(world, **{**FUSED, "rounds": 3, "keep": "best"})
+    drive_fused(spec)
+    doc = world.board.describe(spec.run_id)
+    assert doc["state"] == "succeeded", doc["error"]
+    best = min(doc["rounds"], key=lambda r: (r["val_loss"], -r["round"]))
+    assert doc["metrics"]["kept_round"] == best["round"]
+    store = open_store(spec.store_url)
+    assert store.get_bytes(layout.key("final_model", spec.run_id)) == store.get_bytes(
+        layout.key("global", spec.run_id, best["round"] + 1))
+
+
+def test_a_shard_with_little_data_for_its_steps_is_warned_about(world):
+    spec = submit(world, **{**FUSED, "shards": 8, "sync_every": 200})
+    warned = [i for i in world.board.describe(spec.run_id)["incidents"] if i["kind"] == "small_data"]
+    assert len(warned) == 1
+    assert "each shard holds about 162 training rows but trains 200 steps × batch 32 per round" in warned[0]["detail"]
+    quiet = submit(world, "quiet", **FUSED)
+    assert not [i for i in world.board.describe(quiet.run_id)["incidents"] if i["kind"] == "small_data"]

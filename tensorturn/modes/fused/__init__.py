@@ -34,6 +34,9 @@ if TYPE_CHECKING:
 
 OUTERS = ("nesterov", "sgd")
 CODECS = ("fp32", "fp16", "int8")
+KEEPS = ("last", "best")
+# a shard going over its rows more often than this per round is warned about (little data)
+EPOCHS_PER_ROUND_WARNING = 4.0
 
 
 @dataclass
@@ -46,8 +49,9 @@ class FusedOptions(ModeOptions):
     outer_lr        outer learning rate (default 0.7 for nesterov, 1.0 for sgd)
     outer_momentum  outer momentum
     codec           encoding of pseudo-gradients up and weight updates down (int8: ~3.9× fewer bytes)
+    keep            the result: the last round's weights, or those of the round with the lowest validation loss
     """
-    CHOICES = {"outer": OUTERS, "codec": CODECS}
+    CHOICES = {"outer": OUTERS, "codec": CODECS, "keep": KEEPS}
 
     rounds: int = 8
     sync_every: int = 25
@@ -56,6 +60,7 @@ class FusedOptions(ModeOptions):
     outer_lr: float | None = None       # None: 0.7 for nesterov (DiLoCo), 1.0 for sgd (FedAvg)
     outer_momentum: float = 0.9
     codec: str = "fp32"
+    keep: str = "last"
     # a pseudo-gradient whose norm exceeds this multiple of the weights' norm is rejected
     max_update_ratio: float = 10.0
     # derived at start: sha256 of θ_0's model file, so machines can rebuild θ_0 from the seed

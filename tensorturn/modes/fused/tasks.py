@@ -49,7 +49,7 @@ from ...tensors import (
     to_bytes,
 )
 from ...training import derive_seed, load_model, set_threads
-from . import FusedOptions
+from . import EPOCHS_PER_ROUND_WARNING, FusedOptions
 
 log = logging.getLogger(__name__)
 
@@ -75,9 +75,26 @@ def start(spec: RunSpec, store: Store, board: RunBoard) -> None:
     save_spec(store, spec)
     store.put_bytes(layout.key("global", spec.run_id, 0), theta0)
     board.create(spec)
+    warning = small_data_warning(spec, recipe)
+    if warning:
+        board.incident(spec.run_id, "small_data", "", None, warning)
     write_manifest(store, board, spec.run_id)
     board.claim(spec.run_id, layout.dispatch_claim(0))
     dispatch_round(spec, 0)
+
+
+def small_data_warning(spec: RunSpec, recipe: Recipe) -> str | None:
+    """A warning when each shard would go over its rows many times a round: with little data,
+    local steps overfit their shard and validation loss tends to rise after a few rounds."""
+    opts = options(spec)
+    rows = len(load_splits(recipe).x_train) / opts.shards
+    epochs = opts.sync_every * (spec.batch_size or recipe.batch_size) / max(rows, 1.0)
+    if epochs <= EPOCHS_PER_ROUND_WARNING:
+        return None
+    return (f"each shard holds about {rows:.0f} training rows but trains {opts.sync_every} steps × "
+            f"batch {spec.batch_size or recipe.batch_size} per round, going over them {epochs:.0f} "
+            f"times: fewer --sync-every or --shards suit this little data; --keep best keeps the "
+            f"round with the lowest validation loss")
 
 
 def dispatch_round(spec: RunSpec, r: int) -> None:
@@ -308,13 +325,18 @@ def step_global(spec: RunSpec, recipe: Recipe, store: Store, r: int, avg: StateD
 
 def finalize(spec: RunSpec, store: Store, board: RunBoard) -> None:
     """Store the final model, evaluate it on the test split, and finish the run."""
-    run_id = spec.run_id
-    data = store.get_bytes(layout.key("global", run_id, options(spec).rounds))
+    run_id, opts = spec.run_id, options(spec)
+    kept = opts.rounds - 1
+    if opts.keep == "best":  # the round whose weights had the lowest validation loss
+        rounds = board.rounds(run_id)
+        kept = min(rounds, key=lambda rec: (rec["val_loss"], -rec["round"]))["round"] if rounds else kept
+    data = store.get_bytes(layout.key("global", run_id, kept + 1))  # θ after round `kept`
     sha = store.put_bytes(layout.key("final_model", run_id), data)
     recipe = recipe_of(spec)
     splits = load_splits(recipe)
     model = load_model(recipe, from_bytes(data), recipe.default_config(), torch.device("cpu"))
     test = recipe.evaluate(model, splits.x_test, splits.y_test)
-    board.finish(run_id, "succeeded", metrics={f"test_{k}": v for k, v in test.items()},
+    board.finish(run_id, "succeeded", metrics={**{f"test_{k}": v for k, v in test.items()},
+                                               "kept_round": kept},
                  model_uri=store.uri(layout.key("final_model", run_id)), model_sha256=sha)
     write_manifest(store, board, run_id)
