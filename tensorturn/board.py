@@ -193,6 +193,13 @@ class RunBoard:
             "kind": kind, "task": task, "worker": worker, "at": time.time(),
             "detail": mask_text(detail)}))
 
+    def warn(self, run_id: str, text: str) -> None:
+        """A warning about how the run was set up (not a fault): `run` prints it at the start."""
+        self.r.rpush(layout.run_key(run_id, "warnings"), mask_text(text))
+
+    def warnings(self, run_id: str) -> list[str]:
+        return list(self.r.lrange(layout.run_key(run_id, "warnings"), 0, -1))
+
     def incidents(self, run_id: str) -> list[dict[str, Any]]:
         return [json.loads(x) for x in self.r.lrange(layout.run_key(run_id, "incidents"), 0, -1)]
 
@@ -266,6 +273,7 @@ class RunBoard:
             "rounds": self.rounds(run_id),
             "attempts": self.attempts(run_id),
             "incidents": self.incidents(run_id),
+            "warnings": self.warnings(run_id),
             "bytes_up": bytes_up,
             "bytes_down": bytes_down,
             "created_at": float(h["created_at"]),

@@ -23,7 +23,7 @@ Redis (besides Celery's and kombu's own keys)::
     tt:runs                       sorted set of run ids by creation time
     tt:run:<id>                   hash: state, mode, spec, metrics, error, times
     tt:run:<id>:<part>            rounds, members, members_done, attempts, attempt_n,
-                                  attempt_base, bytes, claims, incidents (a list),
+                                  attempt_base, bytes, claims, incidents and warnings (lists),
                                   started (an agent's answer to `run`, a list)
     tt:worker:<name>              hash: an agent's inventory, live figures and current task
     tt:refused                    list: the last 100 messages agents refused (JSON: why, who)

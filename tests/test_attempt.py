@@ -354,8 +354,8 @@ def test_keep_best_keeps_the_round_with_the_lowest_validation_loss(world):
 
 def test_a_shard_with_little_data_for_its_steps_is_warned_about(world):
     spec = submit(world, **{**FUSED, "shards": 8, "sync_every": 200})
-    warned = [i for i in world.board.describe(spec.run_id)["incidents"] if i["kind"] == "small_data"]
+    warned = world.board.describe(spec.run_id)["warnings"]
     assert len(warned) == 1
-    assert "each shard holds about 162 training rows but trains 200 steps × batch 32 per round" in warned[0]["detail"]
+    assert "each shard holds about 162 training rows but trains 200 steps × batch 32 per round" in warned[0]
     quiet = submit(world, "quiet", **FUSED)
-    assert not [i for i in world.board.describe(quiet.run_id)["incidents"] if i["kind"] == "small_data"]
+    assert world.board.describe(quiet.run_id)["warnings"] == []

@@ -207,9 +207,8 @@ def follow(broker: str, run_id: str, timeout_s: float | None) -> dict[str, Any]:
     from ..broker import check_broker
 
     first = RunBoard(check_broker(broker)).describe(run_id)
-    for incident in first.get("incidents", []):
-        if incident["kind"] == "small_data":
-            click.echo(f"warning: {incident['detail']}", err=True)
+    for warning in first.get("warnings", []):
+        click.echo(f"warning: {warning}", err=True)
     progress = RunProgress(first)
     try:
         return client.wait(broker, run_id, on_update=progress, timeout_s=timeout_s)

@@ -77,7 +77,7 @@ def start(spec: RunSpec, store: Store, board: RunBoard) -> None:
     board.create(spec)
     warning = small_data_warning(spec, recipe)
     if warning:
-        board.incident(spec.run_id, "small_data", "", None, warning)
+        board.warn(spec.run_id, warning)
     write_manifest(store, board, spec.run_id)
     board.claim(spec.run_id, layout.dispatch_claim(0))
     dispatch_round(spec, 0)
