@@ -17,6 +17,8 @@ Object store (one folder per run)::
     runs/<id>/final/ensemble.safetensors              ensemble: the result (every member)
     runs/<id>/report/<name>.png                       `tensorturn report`'s plots
     auth/tokens/<token-id>.json                       API tokens (hashes only)
+    datasets/<name>/v<NNNN>.json                      a pushed dataset's version: its chunk index
+    datasets/chunks/<sha256>.parquet                  a dataset chunk (content-addressed, shared)
 
 Redis (besides Celery's and kombu's own keys)::
 
@@ -45,6 +47,7 @@ from typing import Any
 
 RUNS = "runs/"
 TOKENS = "auth/tokens/"
+DATASETS = "datasets/"
 
 # name, template: what ``key(name, ...)`` builds and ``parse(name, key)`` reads back
 _STORE = """
@@ -61,6 +64,8 @@ final_model     runs/{run_id}/final/model.safetensors
 final_ensemble  runs/{run_id}/final/ensemble.safetensors
 report          runs/{run_id}/report/{name}.png
 token           auth/tokens/{token_id}.json
+dataset         datasets/{name}/v{version:04d}.json
+chunk           datasets/chunks/{sha256}.parquet
 """
 
 

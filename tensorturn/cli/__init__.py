@@ -138,4 +138,4 @@ def scrub_argv() -> None:
     setproctitle.setproctitle(" ".join(["tensorturn", *masked[1:]]))
 
 
-from . import inspect, pool, run, serve  # noqa: E402,F401 - each module adds its commands
+from . import data, inspect, pool, run, serve  # noqa: E402,F401 - each module adds its commands

@@ -1,0 +1,127 @@
+"""``data``: datasets in the object store — push, list, show, rm."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import click
+
+from ..errors import SpecError
+from . import cli, emit_json, pool_options
+
+
+@cli.group()
+def data():
+    """Datasets in the store: Parquet chunks (content-addressed) and a versioned index.
+
+    \b
+      tensorturn data push table.csv --name housing --label price
+      tensorturn data push photos/ --name pets            (photos/<class>/*.png|jpg)
+      tensorturn data push books/ --name books            (a folder of .txt files)
+      tensorturn data list / show NAME / rm NAME
+    """
+
+
+def _size(text: str | None) -> tuple[int, int] | None:
+    if not text:
+        return None
+    try:
+        w, h = (int(v) for v in text.lower().split("x"))
+        return w, h
+    except ValueError:
+        raise SpecError(f"--resize must be WIDTHxHEIGHT, e.g. 32x32 (got {text!r})") from None
+
+
+@data.command("push")
+@click.argument("source", metavar="SOURCE")
+@click.option("--name", required=True, help="Dataset name (lowercase letters, digits, . _ -).")
+@click.option("--label", default=None, metavar="COLUMN", help="The target column of a table.")
+@click.option("--resize", default=None, metavar="WxH", help="Resize every image to this size.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the one shuffle of rows.")
+@click.option("--val-fraction", type=float, default=0.1, show_default=True)
+@click.option("--test-fraction", type=float, default=0.1, show_default=True)
+@click.option("--chunk-mb", type=click.FloatRange(min=0, min_open=True), default=16.0, show_default=True,
+              help="About this much data per chunk (before compression).")
+@click.option("--json", "as_json", is_flag=True, help="Print the new version's index summary as JSON.")
+@pool_options()
+def data_push(broker, store, source, name, label, resize, seed, val_fraction, test_fraction, chunk_mb,
+              as_json):
+    """Push SOURCE (a .csv/.parquet table, a folder of images by class, a folder of text files,
+    or a Hugging Face dataset saved to disk) as the next version of dataset NAME."""
+    from .. import data as datasets
+    from ..store import open_store
+
+    t0 = time.monotonic()
+    bar = None
+
+    def progress(done: int, total: int) -> None:  # a bar on a terminal, once chunks are written
+        nonlocal bar
+        if bar is None and sys.stderr.isatty():
+            bar = click.progressbar(length=total, label=f"pushing {name}", file=sys.stderr)
+            bar.__enter__()
+        if bar is not None:
+            bar.update(done - bar.pos)
+
+    try:
+        index = datasets.push(open_store(store), source, name, label=label, seed=seed,
+                              val_fraction=val_fraction, test_fraction=test_fraction, chunk_mb=chunk_mb,
+                              image_size=_size(resize), on_chunk=progress)
+    finally:
+        if bar is not None:
+            bar.__exit__(None, None, None)
+    doc = datasets.summary(index)
+    if as_json:
+        emit_json(doc)
+        return
+    rows = index["rows"]
+    click.echo(f"dataset {name} v{index['version']} ({index['kind']}): {rows['train']} train / "
+               f"{rows['val']} validation / {rows['test']} test rows in {doc['chunks']} chunks, "
+               f"{index['bytes'] / 1e6:.1f} MB, in {time.monotonic() - t0:.1f}s")
+
+
+@data.command("list")
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON list.")
+@pool_options()
+def data_list(broker, store, as_json):
+    """The datasets in the store, with their latest version."""
+    from .. import data as datasets
+    from ..store import open_store
+
+    st = open_store(store)
+    items = [datasets.summary(datasets.show(st, n)) for n in datasets.names(st)]
+    if as_json:
+        emit_json(items)
+        return
+    if not items:
+        click.echo("no datasets (push one with `tensorturn data push`)")
+    for d in items:
+        rows = d["rows"]
+        click.echo(f"{d['name']:24s} v{d['version']:<4d} {d['kind']:7s} "
+                   f"{rows['train'] + rows['val'] + rows['test']:>10,d} rows {d['chunks']:>5d} chunks "
+                   f"{d['bytes'] / 1e6:>9.1f} MB")
+
+
+@data.command("show")
+@click.argument("name")
+@click.option("--version", type=int, default=None, help="A version [default: the latest].")
+@pool_options()
+def data_show(broker, store, name, version):
+    """A dataset version's index as JSON: splits, chunks (sha256, rows, bytes), schema."""
+    from .. import data as datasets
+    from ..store import open_store
+
+    emit_json(datasets.show(open_store(store), name, version))
+
+
+@data.command("rm")
+@click.argument("name")
+@click.option("--version", type=int, default=None, help="Only this version [default: every version].")
+@pool_options()
+def data_rm(broker, store, name, version):
+    """Remove a dataset (or one version) and the chunks no other dataset uses."""
+    from .. import data as datasets
+    from ..store import open_store
+
+    gone = datasets.remove(open_store(store), name, version)
+    click.echo(f"removed dataset {name} version(s) {', '.join(map(str, gone))}")

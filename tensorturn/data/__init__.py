@@ -1,0 +1,272 @@
+"""The data plane: datasets pushed to the object store as Parquet chunks and a versioned index.
+
+``tensorturn data push SOURCE --name NAME`` reads a local dataset, shuffles its rows once
+(``--seed``), splits them into train/validation/test, and writes each split as Parquet chunks of
+about ``--chunk-mb`` (zstd) under ``datasets/chunks/<sha256>.parquet`` — content-addressed, so a
+chunk that did not change is stored once — plus an index ``datasets/<name>/v<NNNN>.json`` naming
+every chunk with its sha256, rows and bytes. Why Parquet through TensorTurn's own store and
+cache, rather than a streaming library: docs/data-plane.md (measured side by side).
+
+Sources (:func:`read_source`): a CSV or Parquet table (``--label COLUMN``), a folder of images by
+class (``root/<class>/*.png|jpg``), a folder of text files (one document per file), and a Hugging
+Face ``datasets`` dataset saved with ``save_to_disk`` (read with pyarrow, no ``datasets`` needed).
+
+Machines read datasets through :mod:`.cache`: only the chunks asked for, verified against their
+sha256, kept under a byte budget.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import re
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .. import layout
+from ..errors import NotFound, SpecError
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+
+    from ..store import Store
+
+FORMAT = "tensorturn-dataset-1"
+NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,62}")
+IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg"}
+TEXT_SUFFIXES = {".txt", ".md", ".text"}
+SPLITS = ("train", "val", "test")
+
+
+def check_name(name: str) -> None:
+    if not NAME.fullmatch(name) or name == "chunks":
+        raise SpecError(f"invalid dataset name {name!r}: use lowercase letters, digits, '.', '_' "
+                        f"and '-' (not 'chunks')")
+
+
+# ---- sources -------------------------------------------------------------------------------------
+
+def read_source(source: str, label: str | None = None, image_size: tuple[int, int] | None = None
+                ) -> tuple[pa.Table, dict[str, Any]]:
+    """The source as one Arrow table and what the index says of it (kind, label, classes)."""
+    path = Path(source).expanduser()
+    if not path.exists():
+        raise SpecError(f"no such file or folder: {source}")
+    if path.is_file():
+        if path.suffix.lower() == ".csv":
+            import pyarrow.csv as pcsv
+
+            table = pcsv.read_csv(path)
+        elif path.suffix.lower() in (".parquet", ".pq"):
+            import pyarrow.parquet as pq
+
+            table = pq.read_table(path)
+        else:
+            raise SpecError(f"{source}: a file source must be .csv or .parquet")
+        return _table(table, label, source)
+    if (path / "dataset_info.json").exists() or (path / "state.json").exists():
+        return _hf_saved(path, label)
+    files = sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))
+    if any(p.suffix.lower() in IMAGE_SUFFIXES for p in files):
+        return _images(path, [p for p in files if p.suffix.lower() in IMAGE_SUFFIXES], image_size)
+    texts = [p for p in files if p.suffix.lower() in TEXT_SUFFIXES]
+    if texts:
+        return _texts(path, texts)
+    raise SpecError(f"{source}: no CSV/Parquet table, images (root/<class>/*.png|jpg), text files "
+                    f"(*.txt, *.md) or saved Hugging Face dataset found there")
+
+
+def _table(table: pa.Table, label: str | None, source: str) -> tuple[pa.Table, dict[str, Any]]:
+    if label is None:
+        raise SpecError(f"{source} is a table: name its target with --label COLUMN "
+                        f"(columns: {', '.join(table.column_names)})")
+    if label not in table.column_names:
+        raise SpecError(f"{source} has no column {label!r} (columns: {', '.join(table.column_names)})")
+    return table, {"kind": "table", "label": label,
+                   "features": [c for c in table.column_names if c != label]}
+
+
+def _hf_saved(path: Path, label: str | None) -> tuple[pa.Table, dict[str, Any]]:
+    import pyarrow as pa
+
+    arrows = sorted(path.rglob("*.arrow"))
+    if not arrows:
+        raise SpecError(f"{path}: a saved Hugging Face dataset with no .arrow files")
+    tables = []
+    for file in arrows:
+        with pa.memory_map(str(file)) as source:
+            tables.append(pa.ipc.open_stream(source).read_all())
+    table = pa.concat_tables(tables)
+    if label is None and "text" in table.column_names:
+        return table, {"kind": "text", "label": None, "features": ["text"]}
+    return _table(table, label, str(path))
+
+
+def _images(root: Path, files: list[Path], size: tuple[int, int] | None) -> tuple[pa.Table, dict[str, Any]]:
+    import pyarrow as pa
+    from PIL import Image
+
+    classes = sorted({p.relative_to(root).parts[0] for p in files if len(p.relative_to(root).parts) == 2})
+    if not classes:
+        raise SpecError(f"{root}: images must be in one folder per class (root/<class>/*.png|jpg)")
+    index = {c: i for i, c in enumerate(classes)}
+    images, labels, sizes = [], [], set()
+    for p in files:
+        parts = p.relative_to(root).parts
+        if len(parts) != 2:
+            continue
+        with Image.open(p) as opened:
+            rgb = opened.convert("RGB")
+        if size:
+            rgb = rgb.resize(size)
+        sizes.add(rgb.size)
+        out = io.BytesIO()
+        rgb.save(out, format="PNG")
+        images.append(out.getvalue())
+        labels.append(index[parts[0]])
+    if len(sizes) > 1:
+        shown = ", ".join(f"{w}x{h}" for w, h in sorted(sizes)[:4])
+        raise SpecError(f"{root}: images of different sizes ({shown}, ...): pass --resize WxH")
+    width, height = sizes.pop()
+    table = pa.table({"image": pa.array(images, pa.binary()), "label": pa.array(labels, pa.int64())})
+    return table, {"kind": "images", "label": "label", "features": ["image"], "classes": classes,
+                   "image_size": [width, height]}
+
+
+def _texts(root: Path, files: list[Path]) -> tuple[pa.Table, dict[str, Any]]:
+    import pyarrow as pa
+
+    docs = []
+    for p in files:
+        try:
+            docs.append(p.read_text(encoding="utf-8"))
+        except UnicodeDecodeError:
+            raise SpecError(f"{p}: not UTF-8 text") from None
+    table = pa.table({"text": pa.array(docs, pa.large_string()),
+                      "path": pa.array([str(p.relative_to(root)) for p in files])})
+    return table, {"kind": "text", "label": None, "features": ["text"]}
+
+
+# ---- push ----------------------------------------------------------------------------------------
+
+def _parquet_bytes(table: pa.Table) -> bytes:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    out = pa.BufferOutputStream()
+    # no dictionary encoding: it bloats float columns (docs/data-plane.md); zstd compresses
+    pq.write_table(table, out, compression="zstd", use_dictionary=False)
+    return out.getvalue().to_pybytes()
+
+
+def _chunks(table: pa.Table, chunk_bytes: int) -> list[pa.Table]:
+    """``table`` cut into slices of about ``chunk_bytes`` of Arrow data (at least one row)."""
+    if table.num_rows == 0:
+        return []
+    per_row = max(1, table.nbytes // table.num_rows)
+    rows = max(1, chunk_bytes // per_row)
+    return [table.slice(i, rows) for i in range(0, table.num_rows, rows)]
+
+
+def push(store: Store, source: str, name: str, label: str | None = None, seed: int = 0,
+         val_fraction: float = 0.1, test_fraction: float = 0.1, chunk_mb: float = 16.0,
+         image_size: tuple[int, int] | None = None,
+         on_chunk: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+    """Push ``source`` as the next version of dataset ``name``; returns its index."""
+    import numpy as np
+
+    check_name(name)
+    if not (0 <= val_fraction < 1 and 0 <= test_fraction < 1 and val_fraction + test_fraction < 1):
+        raise SpecError("--val-fraction and --test-fraction must be in [0, 1) and leave rows to train on")
+    table, about = read_source(source, label, image_size)
+    n = table.num_rows
+    if n == 0:
+        raise SpecError(f"{source}: the dataset is empty")
+    order = np.random.default_rng(seed).permutation(n)  # rows shuffled once: chunks are iid
+    n_test, n_val = int(round(n * test_fraction)), int(round(n * val_fraction))
+    cuts = {"test": order[:n_test], "val": order[n_test:n_test + n_val], "train": order[n_test + n_val:]}
+    if len(cuts["train"]) == 0:
+        raise SpecError(f"{source}: {n} rows leave none to train on")
+    pieces = {split: _chunks(table.take(rows), int(chunk_mb * 1024 * 1024)) for split, rows in cuts.items()}
+    total = sum(len(p) for p in pieces.values())
+    done = 0
+    splits: dict[str, list[dict[str, Any]]] = {}
+    for split in SPLITS:
+        entries = []
+        for piece in pieces[split]:
+            data = _parquet_bytes(piece)
+            sha = hashlib.sha256(data).hexdigest()
+            key = layout.key("chunk", sha)
+            if not store.exists(key):  # content-addressed: an unchanged chunk is stored once
+                store.put_bytes(key, data)
+            entries.append({"sha256": sha, "rows": piece.num_rows, "bytes": len(data)})
+            done += 1
+            if on_chunk:
+                on_chunk(done, total)
+        splits[split] = entries
+    version = 1 + max((v["version"] for v in versions(store, name)), default=0)
+    index = {"format": FORMAT, "name": name, "version": version, "created_at": time.time(),
+             "source": Path(source).name, "seed": seed, **about,
+             "schema": {f.name: str(f.type) for f in table.schema},
+             "rows": {s: sum(c["rows"] for c in splits[s]) for s in SPLITS},
+             "bytes": sum(c["bytes"] for s in SPLITS for c in splits[s]), "splits": splits}
+    store.put_json(layout.key("dataset", name, version), index)
+    return index
+
+
+# ---- list, show, rm ------------------------------------------------------------------------------
+
+def versions(store: Store, name: str) -> list[dict[str, Any]]:
+    found = [layout.parse("dataset", k) for k in store.list(layout.prefix("dataset", name))]
+    return sorted((f for f in found if f), key=lambda f: f["version"])
+
+
+def names(store: Store) -> list[str]:
+    out = set()
+    for k in store.list(layout.DATASETS):
+        parts = layout.parse("dataset", k)
+        if parts:
+            out.add(parts["name"])
+    return sorted(out)
+
+
+def show(store: Store, name: str, version: int | None = None) -> dict[str, Any]:
+    """The index of ``name`` (its latest version unless ``version``); NotFound names what exists."""
+    from ..store import ObjectMissing
+
+    check_name(name)
+    known = versions(store, name)
+    if not known:
+        have = ", ".join(names(store)) or "none"
+        raise NotFound(f"no dataset {name!r} in the store (datasets: {have}; see `tensorturn data push`)")
+    version = version or known[-1]["version"]
+    try:
+        return store.get_json(layout.key("dataset", name, version))
+    except ObjectMissing:
+        raise NotFound(f"dataset {name!r} has no version {version} "
+                       f"(versions: {', '.join(str(v['version']) for v in known)})") from None
+
+
+def summary(index: dict[str, Any]) -> dict[str, Any]:
+    return {k: index.get(k) for k in ("name", "version", "kind", "label", "rows", "bytes", "created_at",
+                                     "source")} | {"chunks": sum(len(c) for c in index["splits"].values())}
+
+
+def remove(store: Store, name: str, version: int | None = None) -> list[int]:
+    """Remove a version (or every version) of ``name``, and the chunks no other version uses."""
+    show(store, name, version)  # NotFound unless it exists
+    targets = ([show(store, name, version)] if version else
+               [show(store, name, v["version"]) for v in versions(store, name)])
+    dropping = {c["sha256"] for t in targets for s in t["splits"].values() for c in s}
+    for t in targets:
+        store.delete(layout.key("dataset", name, t["version"]))
+    still = set()
+    for other in names(store):
+        for v in versions(store, other):
+            idx = store.get_json(layout.key("dataset", other, v["version"]))
+            still |= {c["sha256"] for s in idx["splits"].values() for c in s}
+    for sha in dropping - still:
+        store.delete(layout.key("chunk", sha))
+    return [t["version"] for t in targets]

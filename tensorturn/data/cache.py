@@ -1,0 +1,87 @@
+"""A machine's cache of dataset chunks: only the chunks asked for, verified, under a byte budget.
+
+Chunks are content-addressed (their name is their sha256), so a cached file is either exactly
+the chunk or damaged — never stale. A file is checked against its sha256 when it is downloaded;
+a damaged download is fetched once more, then it is one clear error naming the chunk (the store
+holds a bad copy). The least recently used chunks are removed when the cache would exceed its
+budget; several processes of one machine share the cache (a lock file serialises changes).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from .. import layout
+from ..errors import StoreError
+from ..store import Store
+
+DEFAULT_DIR = Path.home() / ".cache" / "tensorturn" / "chunks"
+
+
+class ChunkError(StoreError):
+    """A chunk that cannot be had intact."""
+
+
+class ChunkCache:
+    def __init__(self, directory: Path | str = DEFAULT_DIR, budget_bytes: int = 4 * 1024 ** 3):
+        self.dir = Path(directory)
+        self.budget = int(budget_bytes)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.hits = self.misses = self.bytes_downloaded = 0
+
+    @contextmanager
+    def _locked(self):
+        with open(self.dir / ".lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+
+    def path(self, store: Store, chunk: dict[str, Any]) -> Path:
+        """The local file of ``chunk`` (an index entry: sha256, bytes), downloaded if needed."""
+        sha = chunk["sha256"]
+        target = self.dir / f"{sha}.parquet"
+        with self._locked():
+            if target.exists():
+                os.utime(target)  # most recently used
+                self.hits += 1
+                return target
+            self.misses += 1
+            data = self._download(store, sha)
+            self._make_room(len(data))
+            tmp = target.with_name(f".{sha}.{os.getpid()}")
+            tmp.write_bytes(data)
+            os.replace(tmp, target)
+            return target
+
+    def _download(self, store: Store, sha: str) -> bytes:
+        for _ in range(2):  # a damaged transfer is fetched once more
+            data = store.get_bytes(layout.key("chunk", sha))
+            self.bytes_downloaded += len(data)
+            if hashlib.sha256(data).hexdigest() == sha:
+                return data
+        raise ChunkError(f"dataset chunk {sha[:12]}… in the store does not match its sha256 "
+                         f"(downloaded twice): the store holds a damaged copy; push the dataset again")
+
+    def _make_room(self, incoming: int) -> None:
+        files = sorted((p for p in self.dir.glob("*.parquet")), key=lambda p: p.stat().st_mtime)
+        used = sum(p.stat().st_size for p in files)
+        while files and used + incoming > self.budget:
+            oldest = files.pop(0)
+            used -= oldest.stat().st_size
+            oldest.unlink(missing_ok=True)
+
+    def used_bytes(self) -> int:
+        return sum(p.stat().st_size for p in self.dir.glob("*.parquet"))
+
+    def read(self, store: Store, chunk: dict[str, Any]):
+        """The chunk as an Arrow table, memory-mapped from the cache."""
+        import pyarrow.parquet as pq
+
+        return pq.read_table(self.path(store, chunk), memory_map=True)
