@@ -193,6 +193,14 @@ class RunBoard:
             "kind": kind, "task": task, "worker": worker, "at": time.time(),
             "detail": mask_text(detail)}))
 
+    def add_data_bytes(self, run_id: str, worker: str, n: int) -> None:
+        """Dataset bytes ``worker`` downloaded for the run (chunks not already in its cache)."""
+        if n:
+            self.r.hincrby(layout.run_key(run_id, "data_bytes"), worker, n)
+
+    def data_bytes(self, run_id: str) -> dict[str, int]:
+        return {w: int(n) for w, n in self.r.hgetall(layout.run_key(run_id, "data_bytes")).items()}
+
     def warn(self, run_id: str, text: str) -> None:
         """A warning about how the run was set up (not a fault): `run` prints it at the start."""
         self.r.rpush(layout.run_key(run_id, "warnings"), mask_text(text))
@@ -274,6 +282,7 @@ class RunBoard:
             "attempts": self.attempts(run_id),
             "incidents": self.incidents(run_id),
             "warnings": self.warnings(run_id),
+            "data_bytes": self.data_bytes(run_id),
             "bytes_up": bytes_up,
             "bytes_down": bytes_down,
             "created_at": float(h["created_at"]),

@@ -27,9 +27,7 @@ def estimate(recipe: Recipe, config: dict[str, Any], batch_size: int) -> dict[st
     """Bytes one training task needs, by part; measured on the meta device."""
     import torch
 
-    from .recipes import load_splits
-
-    sample = load_splits(recipe).x_train[:1]
+    sample = recipe.sample_input()
     with torch.device("meta"):
         model = recipe.model(config)
         params = sum(p.numel() * p.element_size() for p in model.parameters())

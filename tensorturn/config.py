@@ -39,6 +39,8 @@ store_retries         retries of a failing store call, with exponential backoff,
 store_backoff_s       the first of those backoffs; it doubles each time (at most 8 s)
 stall_s               seconds without progress after which `status` and `run` say a run looks stalled and why
 device                force a torch device: `cpu`, `cuda:1`, `mps`
+cache_dir             where an agent keeps dataset chunks (default `~/.cache/tensorturn/chunks`)
+cache_gb              the most disk the chunk cache may use; least recently used chunks go first (`agent --cache-gb`)
 device_memory_gb      cap on the device memory an agent offers to the pool (`agent --memory-gb`)
 loglevel              an agent's Celery log level
 slowdown              benchmarks and tests only: train this many times slower, to emulate a slow machine
@@ -72,6 +74,8 @@ class Settings:
     store_backoff_s: float = 0.5
     stall_s: float = 120.0
     device: str | None = None
+    cache_dir: str | None = None
+    cache_gb: float = 4.0
     device_memory_gb: float | None = None
     loglevel: str = "INFO"
     slowdown: float = 1.0

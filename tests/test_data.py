@@ -147,3 +147,46 @@ def test_a_dataset_in_s3(table_csv, tmp_path, s3_bucket):
     cache = ChunkCache(tmp_path / "cache", budget_bytes=10 ** 9)
     rows = sum(cache.read(st, c).num_rows for c in index["splits"]["val"])
     assert rows == 300 and datasets.show(st, "tab")["version"] == 1
+
+
+def make_table(path, rows: int, seed: int = 0, classes: int = 3) -> None:
+    """A learnable table: the label is which of ``classes`` directions a row leans to."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(rows, 8)).astype(np.float32)
+    w = rng.normal(size=(8, classes))
+    y = (x @ w + 0.3 * rng.normal(size=(rows, classes))).argmax(1)
+    pq.write_table(pa.table({**{f"f{i}": x[:, i] for i in range(8)}, "y": y.astype(np.int64)}), path)
+
+
+@pytest.mark.e2e
+def test_a_dataset_larger_than_the_cache_trains_fused_with_the_same_result_on_1_and_3_agents(tmp_path):
+    from conftest import clean_env
+
+    make_table(tmp_path / "t.parquet", 40000)
+    store = str(tmp_path / "store")
+    pushed = tt_json("data", "push", str(tmp_path / "t.parquet"), "--name", "lean", "--label", "y",
+                     "--chunk-mb", "0.1", "--store", store, "--json")
+    train_bytes = sum(c["bytes"] for c in tt_json("data", "show", "lean", "--store", store)["splits"]["train"])
+    budget_gb = train_bytes / 4 / 1024 ** 3   # the train split is 4× what a cache may hold
+    docs = {}
+    for agents in (1, 3):
+        env = clean_env(TENSORTURN_CACHE_DIR=str(tmp_path / f"cache-{agents}"), TENSORTURN_CACHE_GB=str(budget_gb))
+        docs[agents] = tt_json("run", "--recipe", "tabular", "--recipe-option", "dataset=lean",
+                               "--local-workers", str(agents), "--rounds", "2", "--shards", "8",
+                               "--sync-every", "20", "--store", store, "--json", env=env, cwd=tmp_path)
+    one, three = docs[1], docs[3]
+    assert one["state"] == three["state"] == "succeeded"
+    assert one["model_sha256"] == three["model_sha256"]           # the math ignores where shards ran
+    assert one["metrics"]["test_accuracy"] > 0.8                    # and it learned something
+    # every agent read only chunks of its own shards; none could have held the whole split
+    for doc in (one, three):
+        assert doc["data_bytes"] and all(n > 0 for n in doc["data_bytes"].values())
+        workers = {a["worker"] for a in doc["attempts"] if "/shard-" in a["task"]}
+        assert set(doc["data_bytes"]) == workers
+    for cache in ("cache-1", "cache-3"):
+        held = sum(p.stat().st_size for p in (tmp_path / cache).glob("*.parquet"))
+        assert held <= budget_gb * 1024 ** 3
+    assert pushed["rows"]["train"] == 32000

@@ -88,6 +88,27 @@ def _table(table: pa.Table, label: str | None, source: str) -> tuple[pa.Table, d
                    "features": [c for c in table.column_names if c != label]}
 
 
+def _table_stats(train: pa.Table, about: dict[str, Any]) -> dict[str, Any]:
+    """What a recipe needs to read a table without a pass over it: the numeric features' mean
+    and std on the train split, and the number of classes when the label is an integer."""
+    import numpy as np
+    import pyarrow as pa
+
+    numeric = [c for c in about["features"] if pa.types.is_integer(train.schema.field(c).type)
+               or pa.types.is_floating(train.schema.field(c).type)]
+    stats: dict[str, Any] = {"numeric": numeric, "mean": [], "std": []}
+    for c in numeric:
+        col = train.column(c).to_numpy(zero_copy_only=False).astype(np.float64)
+        stats["mean"].append(float(np.nanmean(col)) if len(col) else 0.0)
+        stats["std"].append(float(np.nanstd(col)) or 1.0 if len(col) else 1.0)
+    label_type = train.schema.field(about["label"]).type
+    out: dict[str, Any] = {"stats": stats, "label_type": str(label_type)}
+    if pa.types.is_integer(label_type):
+        labels = train.column(about["label"]).to_numpy(zero_copy_only=False)
+        out["classes"] = int(labels.max()) + 1 if len(labels) else 0
+    return out
+
+
 def _hf_saved(path: Path, label: str | None) -> tuple[pa.Table, dict[str, Any]]:
     import pyarrow as pa
 
@@ -189,6 +210,8 @@ def push(store: Store, source: str, name: str, label: str | None = None, seed: i
     cuts = {"test": order[:n_test], "val": order[n_test:n_test + n_val], "train": order[n_test + n_val:]}
     if len(cuts["train"]) == 0:
         raise SpecError(f"{source}: {n} rows leave none to train on")
+    if about["kind"] == "table":
+        about.update(_table_stats(table.take(cuts["train"]), about))
     pieces = {split: _chunks(table.take(rows), int(chunk_mb * 1024 * 1024)) for split, rows in cuts.items()}
     total = sum(len(p) for p in pieces.values())
     done = 0

@@ -26,6 +26,7 @@ __all__ = ["Recipe", "Splits", "load_splits", "resolve", "recipe_of", "check_nam
 BUILTIN: dict[str, str] = {
     "digits-mlp": "tensorturn.recipes.digits:DigitsMLP",
     "charlm": "tensorturn.recipes.charlm:CharLM",
+    "tabular": "tensorturn.recipes.tabular:Tabular",
 }
 
 

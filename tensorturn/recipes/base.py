@@ -9,6 +9,7 @@ into the model's input and is applied to training data and to served requests al
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -108,6 +109,41 @@ class Recipe:
     def combine(self, per_member: torch.Tensor, vote: str) -> torch.Tensor:
         """An ensemble's output from its members' (``[members, rows, ...]``), by ``vote``."""
         return self.kind.combine(per_member, vote)
+
+    # -- what a fused shard trains on, what evaluation reads: in memory unless a recipe streams --
+    def shard_data(self, k: int, shards: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(x, y, rows): the preprocessed data shard ``k`` of ``shards`` trains on. Here the whole
+        train split, with the shard's rows a seeded deal of it; a recipe over a pushed dataset
+        returns just the shard's rows (read from their chunks)."""
+        from ..diloco import shard_rows
+
+        splits = load_splits(self)
+        return splits.x_train, splits.y_train, shard_rows(len(splits.y_train), shards, k, seed)
+
+    def eval_batches(self, split: str) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Preprocessed (x, y) batches of ``split`` ("val" or "test"); here the split at once."""
+        splits = load_splits(self)
+        yield getattr(splits, f"x_{split}"), getattr(splits, f"y_{split}")
+
+    def evaluate_split(self, model: nn.Module, split: str) -> dict[str, float]:
+        """:meth:`evaluate` over :meth:`eval_batches`, each metric weighted by its batch's rows."""
+        sums: dict[str, float] = {}
+        rows = 0
+        for x, y in self.eval_batches(split):
+            if len(y) == 0:
+                continue
+            for name, value in self.evaluate(model, x, y).items():
+                sums[name] = sums.get(name, 0.0) + value * len(y)
+            rows += len(y)
+        return {name: total / rows for name, total in sums.items()} if rows else {}
+
+    def train_rows(self) -> int:
+        """How many rows the train split has."""
+        return len(load_splits(self).y_train)
+
+    def sample_input(self) -> torch.Tensor:
+        """One preprocessed training row (for the memory estimate)."""
+        return load_splits(self).x_train[:1]
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict[str, float]:

@@ -27,12 +27,11 @@ from ...diloco import (
     initial_state,
     outer_update,
     round_figures,
-    shard_rows,
     train_replica,
     weighted_average,
 )
 from ...manifest import save_spec, write_manifest
-from ...recipes import Recipe, load_splits, recipe_of, resolve
+from ...recipes import Recipe, recipe_of, resolve
 from ...spec import RunSpec
 from ...store import ObjectMissing, Store, sha256_hex
 from ...tasks.attempt import LATE, SUCCEEDED, Unit, chord_failed, execute, signed
@@ -83,11 +82,20 @@ def start(spec: RunSpec, store: Store, board: RunBoard) -> None:
     dispatch_round(spec, 0)
 
 
+def data_bytes() -> int:
+    """Dataset bytes this process has downloaded so far (pushed datasets only)."""
+    from ...data.source import machine_cache
+
+    if machine_cache.cache_info().currsize == 0:  # no dataset read in this process yet
+        return 0
+    return machine_cache().bytes_downloaded
+
+
 def small_data_warning(spec: RunSpec, recipe: Recipe) -> str | None:
     """A warning when each shard would go over its rows many times a round: with little data,
     local steps overfit their shard and validation loss tends to rise after a few rounds."""
     opts = options(spec)
-    rows = len(load_splits(recipe).x_train) / opts.shards
+    rows = recipe.train_rows() / opts.shards
     epochs = opts.sync_every * (spec.batch_size or recipe.batch_size) / max(rows, 1.0)
     if epochs <= EPOCHS_PER_ROUND_WARNING:
         return None
@@ -146,12 +154,13 @@ class ShardUnit(Unit):
         recipe = recipe_of(spec)
         batch = spec.batch_size or recipe.batch_size
         reporter = TaskReporter(self.a.task, self.board.r, str(self.a.label), opts.sync_every, batch)
-        splits = load_splits(recipe)
+        data_before = data_bytes()
+        x, y, rows = recipe.shard_data(k, opts.shards, spec.seed)
+        self.board.add_data_bytes(spec.run_id, self.a.worker, data_bytes() - data_before)
         theta, self.a.bytes_down = fetch_global(spec, recipe, self.store, r)
-        rows = shard_rows(len(splits.y_train), opts.shards, k, spec.seed)
         try:
             delta, loss, samples = train_replica(
-                recipe, theta, splits.x_train, splits.y_train, rows, opts.sync_every,
+                recipe, theta, x, y, rows, opts.sync_every,
                 spec.lr or recipe.lr, batch, derive_seed(spec.seed, r, k), pick_device(),
                 on_step=reporter)
             check_update(delta, theta, opts.max_update_ratio)
@@ -281,10 +290,9 @@ def outer_round(spec: RunSpec, store: Store, r: int) -> dict[str, Any]:
         new_theta = from_bytes(store.get_bytes(next_key))
     else:
         new_theta = step_global(spec, recipe, store, r, weighted_average(deltas, samples))
-    splits = load_splits(recipe)
     set_threads(spec.threads_per_task)
     model = load_model(recipe, new_theta, recipe.default_config(), torch.device("cpu"))
-    val = recipe.evaluate(model, splits.x_val, splits.y_val)
+    val = recipe.evaluate_split(model, "val")
     return round_figures(losses, samples, val, bytes_up, bytes_down, r)
 
 
@@ -333,9 +341,8 @@ def finalize(spec: RunSpec, store: Store, board: RunBoard) -> None:
     data = store.get_bytes(layout.key("global", run_id, kept + 1))  # θ after round `kept`
     sha = store.put_bytes(layout.key("final_model", run_id), data)
     recipe = recipe_of(spec)
-    splits = load_splits(recipe)
     model = load_model(recipe, from_bytes(data), recipe.default_config(), torch.device("cpu"))
-    test = recipe.evaluate(model, splits.x_test, splits.y_test)
+    test = recipe.evaluate_split(model, "test")
     board.finish(run_id, "succeeded", metrics={**{f"test_{k}": v for k, v in test.items()},
                                                "kept_round": kept},
                  model_uri=store.uri(layout.key("final_model", run_id)), model_sha256=sha)
