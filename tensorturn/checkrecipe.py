@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .errors import RecipeError
+from .errors import RecipeError, TensorTurnError
 
 ROWS = 16       # rows each step works on
 STEPS = 3       # optimizer steps of the training check
@@ -29,6 +29,8 @@ def _step(name: str, fn: Callable[[], Any]) -> Any:
         return fn()
     except CheckFailed:
         raise
+    except TensorTurnError as exc:  # already says what is wrong
+        raise CheckFailed(f"{name}: {exc}") from exc
     except Exception as exc:  # noqa: BLE001 - the recipe's own failure, in one line
         text = " ".join(str(exc).split())
         raise CheckFailed(f"{name}: {type(exc).__name__}: {text}" if text else

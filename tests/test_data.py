@@ -190,3 +190,32 @@ def test_a_dataset_larger_than_the_cache_trains_fused_with_the_same_result_on_1_
         held = sum(p.stat().st_size for p in (tmp_path / cache).glob("*.parquet"))
         assert held <= budget_gb * 1024 ** 3
     assert pushed["rows"]["train"] == 32000
+
+
+@pytest.mark.e2e
+def test_a_language_model_on_a_pushed_text_folder_trains_fused_and_ensemble(tmp_path):
+    import random
+
+    books = tmp_path / "books"
+    books.mkdir()
+    rng = random.Random(0)
+    words = "the quick brown fox jumps over the lazy dog then runs into the quiet forest".split()
+    for i in range(30):
+        (books / f"{i}.txt").write_text(" ".join(rng.choice(words) for _ in range(200)) + "\n")
+    store = str(tmp_path / "store")
+    tt_json("data", "push", str(books), "--name", "books", "--store", store, "--json")
+    small = ["--recipe-option", "context=32", "--recipe-option", "n_embd=32", "--recipe-option", "n_layer=1"]
+    fused = tt_json("run", "--recipe", "textlm", "--recipe-option", "dataset=books", *small,
+                    "--local-workers", "2", "--rounds", "2", "--shards", "2", "--sync-every", "10",
+                    "--store", store, "--json", cwd=tmp_path)
+    assert fused["state"] == "succeeded" and fused["metrics"]["test_loss"] < 5.5  # ln 256 = 5.55
+    ensemble = tt_json("run", "--mode", "ensemble", "--recipe", "textlm", "--recipe-option", "dataset=books",
+                       *small, "--members", "2", "--segments", "1", "--segment-steps", "10",
+                       "--local-workers", "2", "--store", store, "--json", cwd=tmp_path)
+    assert ensemble["state"] == "succeeded", ensemble.get("error")
+    assert ensemble["metrics"]["members_succeeded"] == 2 and "test_accuracy" in ensemble["metrics"]
+    # a dataset that is not there: one line, nothing queued
+    proc = tt("run", "--recipe", "tabular", "--recipe-option", "dataset=nope", "--local-workers", "1",
+              "--store", store, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert "no dataset 'nope' in the store (datasets: books" in proc.stderr.strip().splitlines()[-1]

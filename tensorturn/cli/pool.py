@@ -20,9 +20,12 @@ from . import cli, pool_options, stop_on_signals
                    "(each CPU task uses --threads-per-task threads).")
 @click.option("--memory-gb", type=click.FloatRange(min=0, min_open=True), default=None,
               help="Offer at most this much device memory (VRAM, or RAM on CPU) to the pool.")
+@click.option("--cache-gb", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Disk for cached dataset chunks (least recently used go first) "
+                   "[default: TENSORTURN_CACHE_GB or 4].")
 @click.option("--loglevel", default=None, help="Celery log level [default: INFO].")
 @pool_options()
-def agent(broker, store, name, concurrency, memory_gb, loglevel):
+def agent(broker, store, name, concurrency, memory_gb, cache_gb, loglevel):
     """Run this machine's agent: a Celery worker that trains what the pool queues.
 
     \b
@@ -53,7 +56,8 @@ def agent(broker, store, name, concurrency, memory_gb, loglevel):
     open_store(store).check()
     # what this command was told overrides the environment, for this process and its pool
     config.use(config.current().with_(broker_url=broker, store_url=store,
-                                      device_memory_gb=memory_gb or config.current().device_memory_gb))
+                                      device_memory_gb=memory_gb or config.current().device_memory_gb,
+                                      cache_gb=cache_gb or config.current().cache_gb))
     from ..agent import run_agent
     from ..celery_app import configure
 

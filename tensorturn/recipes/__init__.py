@@ -15,7 +15,7 @@ import json
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
-from ..errors import RecipeError
+from ..errors import RecipeError, TensorTurnError
 
 if TYPE_CHECKING:
     from ..spec import RunSpec
@@ -27,6 +27,7 @@ BUILTIN: dict[str, str] = {
     "digits-mlp": "tensorturn.recipes.digits:DigitsMLP",
     "charlm": "tensorturn.recipes.charlm:CharLM",
     "tabular": "tensorturn.recipes.tabular:Tabular",
+    "textlm": "tensorturn.recipes.textlm:TextLM",
 }
 
 
@@ -77,6 +78,8 @@ def resolve(name: str, options: dict | None = None) -> "Recipe":
         recipe = target(**options) if callable(target) else target
     except TypeError as exc:
         raise RecipeError(f"recipe {name!r} does not accept options {sorted(options)}: {exc}") from exc
+    except TensorTurnError as exc:  # the recipe said what is wrong (a dataset that is not there, ...)
+        raise RecipeError(f"recipe {name!r}: {exc}") from exc
     except Exception as exc:  # noqa: BLE001 - a user recipe's own failure, shown in one line
         raise RecipeError(f"recipe {name!r} failed to build: {type(exc).__name__}: {exc}") from exc
     if not isinstance(recipe, Recipe):

@@ -1,0 +1,61 @@
+"""Built-in recipe ``textlm``: ``charlm``'s transformer over a pushed text dataset, byte-level.
+
+    tensorturn data push books/ --name books          (a folder of UTF-8 text files)
+    tensorturn run --recipe textlm --recipe-option dataset=books
+
+Each split's documents (the split was made at push, by document) are joined and read as UTF-8
+bytes, so the vocabulary is the 256 byte values whatever the text; inputs are windows of
+``context`` byte ids, and the model predicts the next byte. Options as ``charlm``'s, plus
+``dataset`` and ``version``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..errors import RecipeError
+from .charlm import MAX_EVAL_WINDOWS, CharLM, windows
+
+
+class TextLM(CharLM):
+    name = "textlm"
+
+    def __init__(self, dataset: str, version: int | None = None, context: int = 64, n_layer: int = 2,
+                 n_head: int = 4, n_embd: int = 128, dropout: float = 0.0):
+        from ..data.source import Dataset
+
+        super().__init__(None, context, n_layer, n_head, n_embd, dropout)
+        self.dataset, self.version = dataset, version
+        self._data = Dataset(dataset, version)
+        if self._data.index.get("kind") != "text":
+            raise RecipeError(f"dataset {dataset!r} is {self._data.index.get('kind')!r} data, not text "
+                              f"(push a folder of text files)")
+
+    def __repr__(self) -> str:
+        return f"TextLM({self.dataset!r}, version={self._data.index['version']}, context={self.context})"
+
+    def vocab(self) -> list[str]:
+        return [chr(i) for i in range(256)]  # byte values
+
+    def encode(self, s: str) -> torch.Tensor:
+        return torch.tensor(list(s.encode("utf-8")), dtype=torch.int64)
+
+    def decode(self, ids) -> str:
+        return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
+
+    def _ids(self, split: str) -> torch.Tensor:
+        docs = [t for table in self._data.batches(split) for t in table.column("text").to_pylist()]
+        return self.encode("\n".join(docs))
+
+    def raw_data(self):
+        out: list[torch.Tensor] = []
+        for split in ("train", "val", "test"):
+            x, y = windows(self._ids(split), self.context, None if split == "train" else MAX_EVAL_WINDOWS)
+            if len(x) == 0:
+                need = math.ceil(self.context + 1)
+                raise ValueError(f"dataset {self.dataset!r}: its {split} split has fewer than {need} bytes "
+                                 f"of text, too short for windows of {self.context}")
+            out += [x, y]
+        return tuple(out)
