@@ -175,6 +175,8 @@ class LocalPool:
         settings = config.current().with_(broker_url=self.broker_url, store_url=self.store_url,
                                           loglevel=self.loglevel,
                                           pool_key=trust.pool_key_or_create().text())
+        if settings.cache_dir:  # a cache folder of its own, as a separate machine would have
+            settings = settings.with_(cache_dir=str(Path(settings.cache_dir) / f"local{i + 1}"))
         env = {**os.environ, **settings.environ()}
         log_path = self.workdir / f"agent-{i + 1}.log"
         with open(log_path, "ab") as out:

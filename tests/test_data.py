@@ -186,10 +186,26 @@ def test_a_dataset_larger_than_the_cache_trains_fused_with_the_same_result_on_1_
         assert doc["data_bytes"] and all(n > 0 for n in doc["data_bytes"].values())
         workers = {a["worker"] for a in doc["attempts"] if "/shard-" in a["task"]}
         assert set(doc["data_bytes"]) == workers
-    for cache in ("cache-1", "cache-3"):
-        held = sum(p.stat().st_size for p in (tmp_path / cache).glob("*.parquet"))
-        assert held <= budget_gb * 1024 ** 3
+    for cache, agents in (("cache-1", 1), ("cache-3", 3)):  # each local agent has its own folder
+        folders = sorted(p for p in (tmp_path / cache).iterdir() if p.is_dir())
+        assert [p.name for p in folders] == [f"local{i + 1}" for i in range(agents)]
+        for folder in folders:
+            assert 0 < sum(p.stat().st_size for p in folder.glob("*.parquet")) <= budget_gb * 1024 ** 3
     assert pushed["rows"]["train"] == 32000
+    # served: the server reads the dataset's index (for the features' scaling), no chunk
+    import httpx
+    from test_serve import Server, bearer
+
+    token = tt_json("token", "create", "--store", store, "--json", cwd=tmp_path)["token"]
+    server = Server(store, one["run_id"])
+    try:
+        body = {"inputs": [{"name": "input", "shape": [2, 8], "datatype": "FP32", "data": [[0.5] * 8, [-1.0] * 8]}]}
+        r = httpx.post(f"{server.url}/v2/models/{one['run_id']}/infer", json=body, headers=bearer(token), timeout=60)
+        assert r.status_code == 200, r.text
+        outputs = {o["name"]: o for o in r.json()["outputs"]}
+        assert outputs["probabilities"]["shape"] == [2, 3] and len(outputs["label"]["data"]) == 2
+    finally:
+        server.stop()
 
 
 @pytest.mark.e2e

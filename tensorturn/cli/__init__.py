@@ -63,6 +63,8 @@ def pool_options(broker_help: str = BROKER_HELP) -> Callable:
 
                     config.use(with_allowed(config.current(), allow))
                 store_url = config.normalize_store_url(store) if store else config.default_store_url()
+                # this command's store is the process's (recipes over pushed datasets read it)
+                config.use(config.current().with_(store_url=store_url))
                 return fn(*args, broker=broker or None, store=store_url, **kwargs)
             except TensorTurnError as exc:
                 if debug:

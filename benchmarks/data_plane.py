@@ -1,0 +1,116 @@
+"""The data plane on a real pool: bytes each agent downloads, what its cache saves, and samples/s
+with a cold cache, a warm cache, and the in-memory path every recipe used before.
+
+Pushes a synthetic table (rows × 32 float32 features, 10 classes) as Parquet chunks to a file
+store, then runs the same fused `tabular` job on an embedded pool of --agents agents:
+
+* in-memory: every agent reads the whole table into memory (the base recipe's path);
+* cold: each shard reads only its own rows' chunks, into an empty cache;
+* warm: the same again, the chunks already cached;
+* small cache: a cache budget of a quarter of the train split (chunks evicted and read again).
+
+    python benchmarks/data_plane.py [--rows 200000] [--agents 3] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from _common import machine  # noqa: E402
+
+
+def tt(args: list[str], env: dict[str, str], cwd: Path) -> dict:
+    proc = subprocess.run([sys.executable, "-m", "tensorturn", *args, "--json"], env=env, cwd=cwd,
+                          capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    if proc.returncode:
+        raise SystemExit(f"tensorturn {' '.join(args)} failed: {proc.stderr[-2000:]}")
+    return json.loads(proc.stdout)
+
+
+def make_table(path: Path, rows: int) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(rows, 32)).astype(np.float32)
+    y = (x @ rng.normal(size=(32, 10)) + rng.normal(size=(rows, 10))).argmax(1).astype(np.int64)
+    pq.write_table(pa.table({**{f"f{i}": x[:, i] for i in range(32)}, "y": y}), path)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", type=int, default=200_000)
+    ap.add_argument("--agents", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--shards", type=int, default=6)
+    ap.add_argument("--sync-every", type=int, default=100)
+    ap.add_argument("--chunk-mb", type=float, default=1.0)
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory(prefix="tt-dataplane-") as tmp:
+        work = Path(tmp)
+        make_table(work / "table.parquet", args.rows)
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("TENSORTURN_", "AWS_"))}
+        env["PYTHONPATH"] = os.pathsep.join([str(HERE), env.get("PYTHONPATH", "")])
+        store = str(work / "store")
+        t0 = time.monotonic()
+        pushed = tt(["data", "push", str(work / "table.parquet"), "--name", "bench", "--label", "y",
+                     "--chunk-mb", str(args.chunk_mb), "--store", store], env, work)
+        push_s = time.monotonic() - t0
+        show = subprocess.run([sys.executable, "-m", "tensorturn", "data", "show", "bench", "--store", store],
+                              env=env, cwd=work, capture_output=True, text=True, check=True)
+        index = json.loads(show.stdout)
+        train_bytes = sum(c["bytes"] for c in index["splits"]["train"])
+        job = ["run", "--local-workers", str(args.agents), "--rounds", str(args.rounds), "--shards",
+               str(args.shards), "--sync-every", str(args.sync_every), "--store", store,
+               "--recipe-option", "dataset=bench", "--allow-recipe", "data_plane_recipes:*"]
+        cases = [
+            ("in-memory", "data_plane_recipes:InMemoryTabular", "cache-mem", 100.0),
+            ("cold cache", "tabular", "cache-a", 100.0),
+            ("warm cache", "tabular", "cache-a", 100.0),
+            ("cache = 1/4 of train", "tabular", "cache-small", train_bytes / 4 / 1024 ** 3),
+        ]
+        rows = []
+        for name, recipe, cache, gb in cases:
+            case_env = {**env, "TENSORTURN_CACHE_DIR": str(work / cache), "TENSORTURN_CACHE_GB": str(gb)}
+            t0 = time.monotonic()
+            doc = tt([*job, "--recipe", recipe], case_env, work)
+            wall = time.monotonic() - t0
+            shards = [a for a in doc["attempts"] if "/shard-" in a["task"] and a["outcome"] == "succeeded"]
+            busy = sum(a["finished_at"] - a["started_at"] for a in shards)
+            samples = sum(r["samples"] for r in doc["rounds"])
+            per_agent = {w.split("@")[0]: n for w, n in sorted(doc.get("data_bytes", {}).items())}
+            read = sum(per_agent.values())
+            rows.append({
+                "case": name, "state": doc["state"], "model_sha256": doc["model_sha256"],
+                "test_accuracy": doc["metrics"].get("test_accuracy"), "wall_s": round(wall, 2),
+                "shard_task_s": round(busy, 2), "samples_per_task_s": round(samples / busy, 1),
+                "data_bytes_per_agent": per_agent, "data_bytes": read,
+                "shard_reads_saved_by_cache": (round(1 - read / (train_bytes * args.rounds), 3)
+                                               if recipe == "tabular" else None),
+                "cache_budget_bytes": int(gb * 1024 ** 3) if gb < 100 else None,
+            })
+            print(f"{name:22s} {doc['state']:9s} wall {wall:6.1f}s  shard tasks {busy:6.1f}s  "
+                  f"{samples / busy:9.0f} samples/task-s  read {read / 1e6:7.2f} MB "
+                  f"({', '.join(f'{a} {n / 1e6:.2f}' for a, n in per_agent.items()) or '-'})  "
+                  f"acc {doc['metrics'].get('test_accuracy', 0):.4f}  sha {doc['model_sha256'][:12]}")
+        out = {"machine": machine(), "args": vars(args), "dataset": {
+                   "rows": pushed["rows"], "chunks": pushed["chunks"], "bytes": pushed["bytes"],
+                   "train_bytes": train_bytes, "push_s": round(push_s, 2)},
+               "results": rows}
+        (HERE / "data_plane.json").write_text(json.dumps(out, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
