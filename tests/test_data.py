@@ -235,3 +235,43 @@ def test_a_language_model_on_a_pushed_text_folder_trains_fused_and_ensemble(tmp_
               "--store", store, cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr
     assert "no dataset 'nope' in the store (datasets: books" in proc.stderr.strip().splitlines()[-1]
+
+
+def push_pictures(tmp_path, store: str, per_class: int = 40) -> None:
+    """Red-ish and blue-ish 12x12 pictures in two class folders, pushed as dataset 'colors'."""
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for name, channel in (("red", 0), ("blue", 2)):
+        (tmp_path / "pics" / name).mkdir(parents=True)
+        for i in range(per_class):
+            pixels = rng.integers(0, 120, size=(12, 12, 3), dtype=np.uint8)
+            pixels[..., channel] += 120
+            Image.fromarray(pixels).save(tmp_path / "pics" / name / f"{i}.png")
+    tt_json("data", "push", str(tmp_path / "pics"), "--name", "colors", "--store", store, "--json")
+
+
+def test_check_recipe_on_pushed_images_and_tables(tmp_path, table_csv):
+    from conftest import clean_env
+
+    store = str(tmp_path / "store")
+    push_pictures(tmp_path, store, per_class=10)
+    tt_json("data", "push", str(table_csv), "--name", "tab", "--label", "y", "--store", store, "--json")
+    env = clean_env(TENSORTURN_STORE_URL=store)
+    images = tt_json("check-recipe", "image-folder", "--recipe-option", "dataset=colors", "--json", env=env)
+    assert images["input_shape"] == [3, 12, 12] and images["outputs"]["probabilities"]["shape"] == ["N", 2]
+    table = tt_json("check-recipe", "tabular", "--recipe-option", "dataset=tab", "--json", env=env)
+    assert table["task"] == "classification" and table["input_shape"] == [3]
+    wrong = tt("check-recipe", "tabular", "--recipe-option", "dataset=colors", env=env)
+    assert wrong.returncode == 2
+    assert wrong.stderr.strip() == ("error: recipe 'tabular' failed at build: recipe 'tabular': dataset "
+                                    "'colors' is 'images' data, not 'table'")
+
+
+@pytest.mark.e2e
+def test_an_image_folder_trains_fused(tmp_path):
+    store = str(tmp_path / "store")
+    push_pictures(tmp_path, store)
+    doc = tt_json("run", "--recipe", "image-folder", "--recipe-option", "dataset=colors", "--local-workers", "2",
+                  "--rounds", "2", "--shards", "2", "--sync-every", "15", "--store", store, "--json", cwd=tmp_path)
+    assert doc["state"] == "succeeded" and doc["metrics"]["test_accuracy"] >= 0.75

@@ -12,7 +12,6 @@ dataset, which must then fit in memory.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -20,75 +19,43 @@ import torch
 from torch import nn
 
 from ..errors import RecipeError
-from .base import Recipe
+from .pushed import PushedRecipe
 
 
-class Tabular(Recipe):
+class Tabular(PushedRecipe):
     name = "tabular"
     lr = 3e-3
     batch_size = 64
 
     def __init__(self, dataset: str, version: int | None = None, hidden: list[int] | None = None):
-        from ..data.source import Dataset
-
-        self.dataset, self.version = dataset, version
+        super().__init__(dataset, version)
         self.hidden = list(hidden or [64, 64])
-        self._data = Dataset(dataset, version)
-        index = self._data.index
-        if index.get("kind") != "table":
-            raise RecipeError(f"dataset {dataset!r} is {index.get('kind')!r} data, not a table")
-        stats = index["stats"]
-        others = [c for c in index["features"] if c not in stats["numeric"]]
+        stats = self.index["stats"]
+        others = [c for c in self.index["features"] if c not in stats["numeric"]]
         if others:
             raise RecipeError(f"dataset {dataset!r}: columns {', '.join(others)} are not numeric; "
                               f"encode them as numbers (or drop them) before pushing")
-        self.features, self.label = stats["numeric"], index["label"]
+        self.features, self.label = stats["numeric"], self.index["label"]
         self._mean = torch.tensor(stats["mean"], dtype=torch.float32)
         self._std = torch.tensor(stats["std"], dtype=torch.float32)
-        self.classes = index.get("classes")
+        self.classes = self.index.get("classes")
         self.task = "classification" if self.classes else "regression"
 
-    def __repr__(self) -> str:  # what identifies the splits a process caches
-        return f"Tabular({self.dataset!r}, version={self._data.index['version']})"
-
-    def _tensors(self, table: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        x = np.stack([table.column(c).to_numpy(zero_copy_only=False).astype(np.float32)
-                      for c in self.features], axis=1) if table.num_rows else np.zeros((0, len(self.features)),
-                                                                                      np.float32)
-        y = table.column(self.label).to_numpy(zero_copy_only=False) if table.num_rows else np.zeros(0)
+    def tensors(self, table: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        if table.num_rows:
+            x = np.stack([table.column(c).to_numpy(zero_copy_only=False).astype(np.float32)
+                          for c in self.features], axis=1)
+            y = table.column(self.label).to_numpy(zero_copy_only=False)
+        else:
+            x, y = np.zeros((0, len(self.features)), np.float32), np.zeros(0)
         y_t = torch.from_numpy(np.asarray(y, np.int64 if self.classes else np.float32))
         return torch.from_numpy(np.ascontiguousarray(x)), y_t
-
-    def raw_data(self):
-        out: list[torch.Tensor] = []
-        for split in ("train", "val", "test"):
-            out.extend(self._tensors(self._data.read(split)))
-        return tuple(out)
 
     def input_shape(self) -> list[int]:
         return [len(self.features)]
 
     def preprocess(self, raw: torch.Tensor) -> torch.Tensor:
         return (raw.float() - self._mean) / self._std
-
-    def shard_data(self, k: int, shards: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        from ..data.source import shard_range
-
-        start, stop = shard_range(self._data.rows("train"), shards, k)
-        x, y = self._tensors(self._data.read("train", start, stop))
-        return self.preprocess(x), y, torch.arange(len(y))
-
-    def eval_batches(self, split: str) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        for table in self._data.batches(split):
-            x, y = self._tensors(table)
-            yield self.preprocess(x), y
-
-    def train_rows(self) -> int:
-        return self._data.rows("train")
-
-    def sample_input(self) -> torch.Tensor:
-        x, _ = self._tensors(self._data.read("train", 0, 1))
-        return self.preprocess(x)
 
     def default_config(self) -> dict[str, Any]:
         return {"hidden": self.hidden}

@@ -28,7 +28,7 @@ class TextLM(CharLM):
 
         super().__init__(None, context, n_layer, n_head, n_embd, dropout)
         self.dataset, self.version = dataset, version
-        self._data = Dataset(dataset, version)
+        self._data = Dataset(dataset, version)  # (a language model reads its splits whole)
         if self._data.index.get("kind") != "text":
             raise RecipeError(f"dataset {dataset!r} is {self._data.index.get('kind')!r} data, not text "
                               f"(push a folder of text files)")
