@@ -83,6 +83,12 @@ class Batcher(Generic[R, T]):
             rows += len(item[0])
         return batch, None
 
+    def _alone(self, x: np.ndarray) -> Any:
+        try:
+            return self._share(self._run(x), 0, len(x))
+        except Exception as exc:  # noqa: BLE001 - this request's own failure
+            return _alone_failed(exc)
+
     def _serve(self) -> None:
         if self._thread_init is not None:
             self._thread_init()
@@ -99,9 +105,14 @@ class Batcher(Generic[R, T]):
                     shares.append(self._share(result, at, at + len(item)))
                     at += len(item)
                 outcome: list[Any] = shares
-            except Exception as exc:  # noqa: BLE001 - every waiting request gets the error
-                log.exception("the model failed on a batch of %d requests", len(batch))
-                outcome = [exc] * len(batch)
+            except Exception as exc:  # noqa: BLE001 - find the request(s) it failed on
+                if len(batch) == 1:
+                    log.exception("the model failed on a request")
+                    outcome = [exc]
+                else:  # one request's bad input must not fail the others: each on its own
+                    log.warning("the model failed on a batch of %d requests (%s); running them "
+                                "one by one", len(batch), exc)
+                    outcome = [self._alone(item) for item, _ in batch]
             self.batches += 1
             self.rows += sum(len(item) for item, _ in batch)
             assert self._loop is not None
@@ -109,6 +120,11 @@ class Batcher(Generic[R, T]):
                 self._loop.call_soon_threadsafe(_deliver, [f for _, f in batch], outcome)
             except RuntimeError:  # the loop is closed: shutting down
                 break
+
+
+def _alone_failed(exc: Exception) -> Exception:
+    log.exception("the model failed on a request", exc_info=exc)
+    return exc
 
 
 def _deliver(futures: list[asyncio.Future], outcome: list[Any]) -> None:

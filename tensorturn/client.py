@@ -69,6 +69,7 @@ def start(spec: RunSpec, broker_url: str, store: Any, pool: list[dict[str, Any]]
     from .recipes import resolve
 
     recipe = resolve(spec.recipe, spec.recipe_options)
+    spec.recipe_options.update(recipe.pinned_options())  # e.g. the dataset version it found
     configure(broker_url)
     mode = get_mode(spec.mode)
     mode.prepare(spec, len([w for w in pool if w["state"] in ("idle", "busy")]))

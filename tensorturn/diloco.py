@@ -133,7 +133,7 @@ def round_figures(losses: list[float], samples: list[int], val: dict[str, float]
     return {
         "round": r,
         "loss": sum(loss * n for loss, n in zip(losses, samples)) / total,
-        "val_loss": val["loss"],
+        "val_loss": val.get("loss"),  # None when the dataset has no validation rows
         "val_accuracy": val.get("accuracy"),
         "samples": total,
         "bytes_up": bytes_up,

@@ -20,8 +20,11 @@ log = logging.getLogger(__name__)
 def load_spec(store: Store, run_id: str) -> RunSpec:
     """The run's spec, refused (UntrustedError) unless it is signed by this pool's key: a spec
     names the recipe every agent imports."""
-    doc = store.get_json(layout.key("spec", run_id))
-    return RunSpec.from_json(trust.pool_key().check_doc("spec", doc, f"the spec of run {run_id}"))
+    doc = trust.pool_key().check_doc("spec", store.get_json(layout.key("spec", run_id)),
+                                     f"the spec of run {run_id}")
+    if doc.get("run_id") != run_id:  # another run's signed spec, copied here
+        raise trust.UntrustedError(f"the spec stored for run {run_id} is run {doc.get('run_id')!r}'s; refused")
+    return RunSpec.from_json(doc)
 
 
 def save_spec(store: Store, spec: RunSpec) -> None:
@@ -33,7 +36,11 @@ def read_manifest(store: Store, run_id: str, verify: bool = False) -> dict[str, 
     pool's key (what a server trusts). ObjectMissing when there is none."""
     doc = store.get_json(layout.key("manifest", run_id))
     if verify:
-        return trust.pool_key().check_doc("manifest", doc, f"the manifest of run {run_id}")
+        checked = trust.pool_key().check_doc("manifest", doc, f"the manifest of run {run_id}")
+        if checked.get("run_id") != run_id:  # another run's signed manifest, copied here
+            raise trust.UntrustedError(f"the manifest stored for run {run_id} is run "
+                                       f"{checked.get('run_id')!r}'s; refused")
+        return checked
     return {k: v for k, v in doc.items() if k != trust.SIGNATURE} if isinstance(doc, dict) else doc
 
 

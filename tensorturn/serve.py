@@ -391,6 +391,9 @@ def create_app(store: Store, run_id: str, alias: str | None = None,
             parsed = parse_request(raw, input_shape, opts.max_rows)
         else:
             parsed = await off_loop(parse_request, raw, input_shape, opts.max_rows)
+        wrong = recipe.check_input(parsed.x)
+        if wrong:
+            raise BadRequest(wrong)
         pred = await batcher.submit(parsed.x)
         wanted = members_meta if parsed.members else None
         values = pred.combined.size * (1 + (len(wanted) if wanted else 0))

@@ -48,9 +48,11 @@ def records(store: Store) -> list[dict[str, Any]]:
         if not k.endswith(".json"):
             continue
         try:
-            out.append(key.check_doc("token", store.get_json(k), f"token record {k}"))
-        except trust.UntrustedError:
+            record = key.check_doc("token", store.get_json(k), f"token record {k}")
+        except (trust.UntrustedError, ValueError):  # not signed, or not even JSON: not a token
             continue
+        if isinstance(record.get("sha256"), str) and isinstance(record.get("created_at"), (int, float)):
+            out.append(record)
     return sorted(out, key=lambda r: r["created_at"])
 
 

@@ -36,6 +36,7 @@ from . import config
 from .errors import SpecError, TensorTurnError
 
 KEY_PREFIX = "ttk1."
+KEY_BYTES = 32
 DEFAULT_KEY_FILE = Path(".tensorturn") / "pool-key"
 SIGNATURE = "signature"
 
@@ -56,7 +57,7 @@ class PoolKey:
 
     @classmethod
     def generate(cls) -> "PoolKey":
-        return cls(secrets.token_bytes(32))
+        return cls(secrets.token_bytes(KEY_BYTES))
 
     @classmethod
     def from_text(cls, text: str) -> "PoolKey":
@@ -65,10 +66,15 @@ class PoolKey:
             raise SpecError("invalid pool key: it should start with 'ttk1.' "
                             "(copy .tensorturn/pool-key from the coordinator)")
         body = text[len(KEY_PREFIX):]
-        try:
-            return cls(base64.urlsafe_b64decode(body + "=" * (-len(body) % 4)))
+        try:  # strict: a character outside the alphabet is damage, not something to skip
+            secret = base64.b64decode(body + "=" * (-len(body) % 4), altchars=b"-_", validate=True)
         except ValueError:
             raise SpecError("invalid pool key: it is damaged or incomplete") from None
+        if len(secret) != KEY_BYTES:
+            raise SpecError(f"invalid pool key: it holds {len(secret)} bytes, not {KEY_BYTES} (make one with "
+                            f"`python -c \"from tensorturn.trust import PoolKey; "
+                            f"print(PoolKey.generate().text())\"`)")
+        return cls(secret)
 
     def text(self) -> str:
         return KEY_PREFIX + base64.urlsafe_b64encode(self._secret).decode().rstrip("=")
@@ -86,7 +92,10 @@ class PoolKey:
         return hmac.new(self._secret, message, hashlib.sha256).hexdigest()
 
     def verify(self, purpose: str, doc: Any, signature: Any) -> bool:
-        return isinstance(signature, str) and hmac.compare_digest(self.sign(purpose, doc), signature)
+        """Whether ``signature`` is this key's for ``doc`` (compared as bytes: any string a
+        stranger sends is just wrong, never an error)."""
+        return isinstance(signature, str) and hmac.compare_digest(
+            self.sign(purpose, doc).encode(), signature.encode("utf-8", "replace"))
 
     def sign_doc(self, purpose: str, doc: dict[str, Any]) -> dict[str, Any]:
         """``doc`` with a ``signature`` field over everything else in it."""
@@ -184,7 +193,7 @@ def allowed_patterns(settings: config.Settings | None = None) -> tuple[str, ...]
 
 def with_allowed(settings: config.Settings, patterns: Iterable[str]) -> config.Settings:
     """``settings`` allowing ``patterns`` too."""
-    merged = dict.fromkeys([*allowed_patterns(settings), *patterns])
+    merged = dict.fromkeys([*allowed_patterns(settings), *(p.strip() for p in patterns)])
     return settings.with_(allow_recipes=",".join(merged) or None)
 
 

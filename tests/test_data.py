@@ -275,3 +275,54 @@ def test_an_image_folder_trains_fused(tmp_path):
     doc = tt_json("run", "--recipe", "image-folder", "--recipe-option", "dataset=colors", "--local-workers", "2",
                   "--rounds", "2", "--shards", "2", "--sync-every", "15", "--store", store, "--json", cwd=tmp_path)
     assert doc["state"] == "succeeded" and doc["metrics"]["test_accuracy"] >= 0.75
+
+
+def test_labels_become_what_they_mean_and_bad_ones_are_one_line(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    st = open_store((tmp_path / "store").as_uri())
+    words = pq.write_table(pa.table({"x": [1.0, 2.0, 3.0, 4.0, 5.0], "kind": ["b", "a", "b", "c", "a"]}),
+                           tmp_path / "words.parquet")
+    assert words is None
+    named = datasets.push(st, str(tmp_path / "words.parquet"), "words", label="kind", val_fraction=0,
+                          test_fraction=0)
+    assert (named["task"], named["classes"], named["class_names"]) == ("classification", 3, ["a", "b", "c"])
+    prices = np.arange(1000, 1500, dtype=np.int64)
+    pq.write_table(pa.table({"x": prices.astype(np.float32), "price": prices}), tmp_path / "prices.parquet")
+    assert datasets.push(st, str(tmp_path / "prices.parquet"), "prices", label="price")["task"] == "regression"
+    forced = datasets.push(st, str(tmp_path / "prices.parquet"), "prices", label="price", task="classification")
+    assert forced["task"] == "classification" and forced["classes"] == 1500
+    pq.write_table(pa.table({"x": [1.0, 2.0], "y": pa.array([1, None], pa.int64())}), tmp_path / "holes.parquet")
+    proc = tt("data", "push", str(tmp_path / "holes.parquet"), "--name", "h", "--label", "y",
+              "--store", str(tmp_path / "store"))
+    assert proc.returncode == 2 and "the label column 'y' has 1 empty values" in proc.stderr
+    (tmp_path / "broken.csv").write_text('a,y\n1,2\n"unclosed,3\n')
+    proc = tt("data", "push", str(tmp_path / "broken.csv"), "--name", "b", "--label", "y",
+              "--store", str(tmp_path / "store"))
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
+    assert "cannot read it: ArrowInvalid" in proc.stderr
+
+
+def test_a_run_pins_the_dataset_version_it_started_with(tmp_path, table_csv, redis_server):
+    from tensorturn import client, config
+    from tensorturn.celery_app import configure
+    from tensorturn.manifest import load_spec
+    from tensorturn.spec import RunSpec
+
+    store = (tmp_path / "store").as_uri()
+    st = open_store(store)
+    datasets.push(st, str(table_csv), "tab", label="y")
+    config.use(config.current().with_(store_url=store, cache_dir=str(tmp_path / "cache")))
+    configure(redis_server.url)
+    spec = RunSpec.create(mode="fused", recipe="tabular", store_url=store, rounds=1, shards=2, sync_every=2,
+                          recipe_options={"dataset": "tab"})
+    client.submit(spec, redis_server.url)
+    datasets.push(st, str(table_csv), "tab", label="y", seed=1)  # version 2, pushed meanwhile
+    assert load_spec(st, spec.run_id).recipe_options == {"dataset": "tab", "version": 1}
+
+
+def test_a_chunk_name_that_is_no_sha256_is_refused(tmp_path):
+    st = open_store((tmp_path / "store").as_uri())
+    with pytest.raises(ChunkError, match="not a sha256"):
+        ChunkCache(tmp_path / "cache").path(st, {"sha256": "../../etc/passwd", "bytes": 1})

@@ -68,7 +68,8 @@ def test_an_agent_failing_on_the_store_is_quarantined_and_the_run_completes(
         return
     quarantined = [i for i in doc["incidents"] if i["kind"] == "worker_quarantined"]
     assert len(quarantined) == 1 and quarantined[0]["worker"].startswith("bad@")
-    assert "tasks in a row on the object store while other machines' tasks succeeded" in quarantined[0]["detail"]
+    assert ("tasks in a row on the object store (wrong credentials or endpoint on that machine?) "
+            "while other machines' tasks succeeded") in quarantined[0]["detail"]
     assert workers["bad"]["state"] == "quarantined"
     failed_on_bad = [a for a in doc["attempts"] if a["worker"].startswith("bad@")]
     assert failed_on_bad and all(a["outcome"].startswith("failed: store") for a in failed_on_bad)

@@ -340,3 +340,43 @@ def test_an_address_that_keeps_failing_gets_429_and_valid_tokens_still_pass(runs
             assert r.status_code == 200 and len(r.json()["outputs"][0]["data"]) == 3
     finally:
         server.stop()
+
+
+def test_one_bad_request_in_a_batch_fails_alone():
+    """The model fails on a batch holding one bad request: the others in it still get answers."""
+    import asyncio
+
+    import numpy as np
+
+    from tensorturn.batching import Batcher
+
+    def run(x):
+        if (x < 0).any():
+            raise IndexError("index out of range in self")
+        return x * 2
+
+    async def main():
+        batcher = Batcher(run, lambda result, a, b: result[a:b], max_rows=64, window_s=0.2)
+        batcher.start(asyncio.get_running_loop())
+        try:
+            return await asyncio.gather(*(batcher.submit(np.full((1, 2), v, np.float32))
+                                          for v in (1.0, -1.0, 3.0)), return_exceptions=True)
+        finally:
+            batcher.stop()
+
+    good, bad, other = asyncio.run(main())
+    assert good.tolist() == [[2.0, 2.0]] and other.tolist() == [[6.0, 6.0]]
+    assert isinstance(bad, IndexError)
+
+
+def test_a_language_model_refuses_token_ids_outside_its_vocabulary():
+    import numpy as np
+
+    from tensorturn.recipes.charlm import CharLM
+
+    recipe = CharLM()
+    vocab = len(recipe.vocab())
+    assert recipe.check_input(np.array([[0.0, vocab - 1.0]])) is None
+    for bad in ([[vocab]], [[-1.0]], [[1.5]]):
+        assert recipe.check_input(np.array(bad, np.float32)) == (
+            f"inputs are token ids: whole numbers from 0 to {vocab - 1}")

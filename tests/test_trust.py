@@ -378,3 +378,52 @@ def test_the_embedded_pool_puts_no_secret_on_a_command_line(tmp_path):
                    for line in shown.values())  # the pool's Redis is among the processes read
         assert {pid: line for pid, line in shown.items() for s in secrets if s in line} == {}
         assert stat.S_IMODE((tmp_path / "pool" / "redis" / "redis.conf").stat().st_mode) == 0o600
+
+
+# ---- from the review: replays, odd signatures, copied documents, weak keys ---------------------
+
+def test_a_replayed_run_request_and_a_late_chord_error_change_nothing(world):
+    spec, r, store = world
+    doc = store.get_json(layout.key("spec", spec.run_id))
+    doc.pop("signature")
+    before = RunBoard(r).describe(spec.run_id)
+    start_run.apply(args=[doc], kwargs={"sig": trust.pool_key().sign("submit", doc)}).get()
+    assert refusals(r)[0]["reason"] == "this run exists already (a replayed request?)"
+    after = RunBoard(r).describe(spec.run_id)
+    assert (after["state"], after["created_at"]) == (before["state"], before["created_at"])
+    RunBoard(r).record_round(spec.run_id, 0, {"round": 0, "loss": 1.0, "val_loss": 1.0})
+    what = "the outer step of round 0"
+    chord_failed.apply(args=("id", spec.run_id, what), kwargs={
+        "r": 0, **signed(spec.run_id, f"chord_failed:{what}")}).get()
+    assert RunBoard(r).describe(spec.run_id)["state"] != "failed"
+
+
+def test_odd_signatures_and_records_are_refused_not_errors(tmp_path):
+    key = trust.pool_key()
+    assert key.verify("spec", {}, "é") is False and key.verify("spec", {}, None) is False
+    with pytest.raises(UntrustedError):
+        key.check_doc("spec", {"signature": "é"}, "the spec")
+    store = open_store((tmp_path / "store").as_uri())
+    secret, _ = tokens.create(store, "real")
+    store.put_json(layout.key("token", "aaaaaaaa"), {"id": "aaaaaaaa", "signature": "é"})
+    store.put_bytes(layout.key("token", "bbbbbbbb"), b"not json at all")
+    assert tokens.active_digests(store) == {tokens._digest(secret)}
+
+
+@pytest.mark.parametrize("text", ["ttk1.changemechangemechangemechangeme",
+                                  "ttk1.change-me-make-one-with-the-command-above", "ttk1.AAAA"])
+def test_a_weak_or_damaged_pool_key_is_refused(text):
+    from tensorturn.errors import SpecError
+
+    with pytest.raises(SpecError, match="invalid pool key"):
+        PoolKey.from_text(text)
+
+
+def test_serve_refuses_another_runs_signed_manifest_copied_over(tmp_path, marker):
+    store = tmp_path / "store"
+    forge_result(store, "other", "digits-mlp")
+    st = open_store(store.as_uri())
+    st.put_json(layout.key("manifest", "forged"), st.get_json(layout.key("manifest", "other")))
+    st.put_bytes(layout.key("final_model", "forged"), st.get_bytes(layout.key("final_model", "other")))
+    proc = tt("serve", "forged", "--store", str(store), "--port", "1")
+    assert proc.returncode == 2 and "the manifest stored for run forged is run 'other''s" in proc.stderr

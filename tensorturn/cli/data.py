@@ -37,6 +37,9 @@ def _size(text: str | None) -> tuple[int, int] | None:
 @click.argument("source", metavar="SOURCE")
 @click.option("--name", required=True, help="Dataset name (lowercase letters, digits, . _ -).")
 @click.option("--label", default=None, metavar="COLUMN", help="The target column of a table.")
+@click.option("--task", type=click.Choice(["classification", "regression"]), default=None,
+              help="What the label is [default: text, booleans or an integer with at most 100 "
+                   "values: classification; other numbers: regression].")
 @click.option("--resize", default=None, metavar="WxH", help="Resize every image to this size.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the one shuffle of rows.")
 @click.option("--val-fraction", type=float, default=0.1, show_default=True)
@@ -45,7 +48,7 @@ def _size(text: str | None) -> tuple[int, int] | None:
               help="About this much data per chunk (before compression).")
 @click.option("--json", "as_json", is_flag=True, help="Print the new version's index summary as JSON.")
 @pool_options()
-def data_push(broker, store, source, name, label, resize, seed, val_fraction, test_fraction, chunk_mb,
+def data_push(broker, store, source, name, label, task, resize, seed, val_fraction, test_fraction, chunk_mb,
               as_json):
     """Push SOURCE (a .csv/.parquet table, a folder of images by class, a folder of text files,
     or a Hugging Face dataset saved to disk) as the next version of dataset NAME."""
@@ -64,7 +67,7 @@ def data_push(broker, store, source, name, label, resize, seed, val_fraction, te
             bar.update(done - bar.pos)
 
     try:
-        index = datasets.push(open_store(store), source, name, label=label, seed=seed,
+        index = datasets.push(open_store(store), source, name, label=label, task=task, seed=seed,
                               val_fraction=val_fraction, test_fraction=test_fraction, chunk_mb=chunk_mb,
                               image_size=_size(resize), on_chunk=progress)
     finally:

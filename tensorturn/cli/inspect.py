@@ -30,7 +30,9 @@ def status(broker, store, run_id, as_json, watch):
     if not as_json:
         for r in doc.get("rounds", []):
             acc = r.get("val_accuracy")
-            click.echo(f"  round {r['round']}: loss {r['loss']:.4f} val_loss {r['val_loss']:.4f}"
+            val = r.get("val_loss")
+            click.echo(f"  round {r['round']}: loss {r['loss']:.4f}"
+                       + (f" val_loss {val:.4f}" if val is not None else "")
                        + (f" val_acc {acc:.3f}" if acc is not None else "") + f" bytes {r['bytes']}")
     print_result(doc, as_json)
 

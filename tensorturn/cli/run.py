@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import glob
 import sys
 import time
 from collections.abc import Callable
@@ -241,7 +242,7 @@ def embedded(run_id: str, store_url: str, local_workers: int, timeout_s: float |
 
     click.echo(f"starting an embedded pool: redis-server + {local_workers} local agents; "
                f"store {config.mask_url(store_url)}", err=True)
-    config.use(trust.with_allowed(config.current(), [recipe]))
+    config.use(trust.with_allowed(config.current(), [glob.escape(recipe)]))  # exactly this one
     trust.pool_key_or_create()
     t0 = time.monotonic()
     stop_on_signals()  # SIGTERM too: the pool's processes must not outlive this command

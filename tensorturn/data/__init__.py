@@ -101,12 +101,47 @@ def _table_stats(train: pa.Table, about: dict[str, Any]) -> dict[str, Any]:
         col = train.column(c).to_numpy(zero_copy_only=False).astype(np.float64)
         stats["mean"].append(float(np.nanmean(col)) if len(col) else 0.0)
         stats["std"].append(float(np.nanstd(col)) or 1.0 if len(col) else 1.0)
-    label_type = train.schema.field(about["label"]).type
-    out: dict[str, Any] = {"stats": stats, "label_type": str(label_type)}
-    if pa.types.is_integer(label_type):
-        labels = train.column(about["label"]).to_numpy(zero_copy_only=False)
-        out["classes"] = int(labels.max()) + 1 if len(labels) else 0
-    return out
+    return {"stats": stats}
+
+
+MAX_CLASSES = 100  # an integer label with more distinct values is a regression unless --task says
+
+
+def _label(table: pa.Table, about: dict[str, Any], task: str | None) -> tuple[pa.Table, dict[str, Any]]:
+    """The table with its label ready to train on, and the task: text or booleans become class
+    numbers (their names kept), an integer label with few values is a classification."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    name = about["label"]
+    column = table.column(name)
+    if column.null_count:
+        raise SpecError(f"the label column {name!r} has {column.null_count} empty values; fill or "
+                        f"drop those rows before pushing")
+    kind = column.type
+    out: dict[str, Any] = {}
+    if pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_boolean(kind):
+        names = sorted(set(column.to_pylist()), key=str)
+        codes = pc.index_in(column, value_set=pa.array(names, kind)).cast(pa.int64())
+        table = table.set_column(table.schema.get_field_index(name), name, codes)
+        out["class_names"] = [str(n) for n in names]
+        guessed = "classification"
+    elif pa.types.is_integer(kind):
+        values = pc.unique(column)
+        guessed = "classification" if len(values) <= MAX_CLASSES and pc.min(column).as_py() >= 0 else "regression"
+    elif pa.types.is_floating(kind):
+        guessed = "regression"
+    else:
+        raise SpecError(f"the label column {name!r} is {kind}: use numbers, text or booleans")
+    task = task or guessed
+    if task == "classification":
+        if not pa.types.is_integer(table.column(name).type):
+            raise SpecError(f"--task classification needs an integer or text label; {name!r} is {kind}")
+        if pc.min(table.column(name)).as_py() < 0:
+            raise SpecError(f"the label column {name!r} has negative class numbers")
+        out["classes"] = int(pc.max(table.column(name)).as_py()) + 1  # over every split
+    out["task"] = task
+    return table, out
 
 
 def _hf_saved(path: Path, label: str | None) -> tuple[pa.Table, dict[str, Any]]:
@@ -191,7 +226,8 @@ def _chunks(table: pa.Table, chunk_bytes: int) -> list[pa.Table]:
     return [table.slice(i, rows) for i in range(0, table.num_rows, rows)]
 
 
-def push(store: Store, source: str, name: str, label: str | None = None, seed: int = 0,
+def push(store: Store, source: str, name: str, label: str | None = None, task: str | None = None,
+         seed: int = 0,
          val_fraction: float = 0.1, test_fraction: float = 0.1, chunk_mb: float = 16.0,
          image_size: tuple[int, int] | None = None,
          on_chunk: Callable[[int, int], None] | None = None) -> dict[str, Any]:
@@ -201,7 +237,13 @@ def push(store: Store, source: str, name: str, label: str | None = None, seed: i
     check_name(name)
     if not (0 <= val_fraction < 1 and 0 <= test_fraction < 1 and val_fraction + test_fraction < 1):
         raise SpecError("--val-fraction and --test-fraction must be in [0, 1) and leave rows to train on")
-    table, about = read_source(source, label, image_size)
+    try:
+        table, about = read_source(source, label, image_size)
+    except SpecError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a malformed file, in one line
+        text = " ".join(str(exc).split())[:300]
+        raise SpecError(f"{source}: cannot read it: {type(exc).__name__}: {text}") from None
     n = table.num_rows
     if n == 0:
         raise SpecError(f"{source}: the dataset is empty")
@@ -211,7 +253,8 @@ def push(store: Store, source: str, name: str, label: str | None = None, seed: i
     if len(cuts["train"]) == 0:
         raise SpecError(f"{source}: {n} rows leave none to train on")
     if about["kind"] == "table":
-        about.update(_table_stats(table.take(cuts["train"]), about))
+        table, labelled = _label(table, about, task)
+        about.update(labelled, **_table_stats(table.take(cuts["train"]), about))
     pieces = {split: _chunks(table.take(rows), int(chunk_mb * 1024 * 1024)) for split, rows in cuts.items()}
     total = sum(len(p) for p in pieces.values())
     done = 0

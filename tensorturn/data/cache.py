@@ -12,6 +12,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import os
+import re
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from ..errors import StoreError
 from ..store import Store
 
 DEFAULT_DIR = Path.home() / ".cache" / "tensorturn" / "chunks"
+SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
 class ChunkError(StoreError):
@@ -44,21 +46,27 @@ class ChunkCache:
                 fcntl.flock(lock, fcntl.LOCK_UN)
 
     def path(self, store: Store, chunk: dict[str, Any]) -> Path:
-        """The local file of ``chunk`` (an index entry: sha256, bytes), downloaded if needed."""
-        sha = chunk["sha256"]
-        target = self.dir / f"{sha}.parquet"
+        """The local file of ``chunk`` (an index entry: sha256, bytes), downloaded if needed.
+        Another process may evict it once this returns: :meth:`read` holds on to it."""
         with self._locked():
-            if target.exists():
-                os.utime(target)  # most recently used
-                self.hits += 1
-                return target
-            self.misses += 1
-            data = self._download(store, sha)
-            self._make_room(len(data))
-            tmp = target.with_name(f".{sha}.{os.getpid()}")
-            tmp.write_bytes(data)
-            os.replace(tmp, target)
+            return self._get(store, chunk)
+
+    def _get(self, store: Store, chunk: dict[str, Any]) -> Path:
+        sha = chunk.get("sha256")
+        if not isinstance(sha, str) or not SHA256.fullmatch(sha):  # the index is not signed
+            raise ChunkError(f"a dataset index names a chunk {str(sha)[:70]!r}, not a sha256")
+        target = self.dir / f"{sha}.parquet"
+        if target.exists():
+            os.utime(target)  # most recently used
+            self.hits += 1
             return target
+        self.misses += 1
+        data = self._download(store, sha)
+        self._make_room(len(data))
+        tmp = target.with_name(f".{sha}.{os.getpid()}")
+        tmp.write_bytes(data)
+        os.replace(tmp, target)
+        return target
 
     def _download(self, store: Store, sha: str) -> bytes:
         for _ in range(2):  # a damaged transfer is fetched once more
@@ -81,7 +89,9 @@ class ChunkCache:
         return sum(p.stat().st_size for p in self.dir.glob("*.parquet"))
 
     def read(self, store: Store, chunk: dict[str, Any]):
-        """The chunk as an Arrow table, memory-mapped from the cache."""
+        """The chunk as an Arrow table, memory-mapped from the cache (opened under the lock: once
+        mapped, the table outlives an eviction of its file)."""
         import pyarrow.parquet as pq
 
-        return pq.read_table(self.path(store, chunk), memory_map=True)
+        with self._locked():
+            return pq.read_table(self._get(store, chunk), memory_map=True)

@@ -80,6 +80,15 @@ class Recipe:
         """Raw inputs → model inputs. Applied to training data and to served requests."""
         return raw.float()
 
+    def pinned_options(self) -> dict[str, Any]:
+        """Options to write into the run's spec once the recipe is built, so every machine (and
+        the served model) builds the very same recipe: a pushed dataset's version, say."""
+        return {}
+
+    def check_input(self, raw: Any) -> str | None:
+        """What is wrong with served raw inputs (a numpy array), or None; the API answers 400."""
+        return None
+
     @property
     def kind(self) -> Kind:
         return kind_of(self.task)

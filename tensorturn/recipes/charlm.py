@@ -204,6 +204,12 @@ class CharLM(Recipe):
     def preprocess(self, raw: torch.Tensor) -> torch.Tensor:
         return raw.long()
 
+    def check_input(self, raw: Any) -> str | None:
+        vocab = len(self.vocab())
+        if raw.size and (((raw % 1) != 0).any() or raw.min() < 0 or raw.max() >= vocab):
+            return f"inputs are token ids: whole numbers from 0 to {vocab - 1}"
+        return None
+
     def default_config(self) -> dict[str, Any]:
         """n_layer 2, n_head 4, n_embd 128, dropout 0.0 unless the options say otherwise."""
         return dict(self._config)

@@ -37,6 +37,9 @@ class PushedRecipe(Recipe):
     def __repr__(self) -> str:  # what identifies the splits a process caches
         return f"{type(self).__name__}({self.dataset!r}, version={self.index['version']})"
 
+    def pinned_options(self) -> dict[str, Any]:
+        return {"version": self.index["version"]}  # a push after the run started changes nothing
+
     def tensors(self, table: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """Raw inputs and targets of the rows of ``table`` (an Arrow table of the dataset)."""
         raise NotImplementedError

@@ -38,8 +38,8 @@ class Tabular(PushedRecipe):
         self.features, self.label = stats["numeric"], self.index["label"]
         self._mean = torch.tensor(stats["mean"], dtype=torch.float32)
         self._std = torch.tensor(stats["std"], dtype=torch.float32)
-        self.classes = self.index.get("classes")
-        self.task = "classification" if self.classes else "regression"
+        self.task = self.index.get("task") or ("classification" if self.index.get("classes") else "regression")
+        self.classes = self.index.get("classes") if self.task == "classification" else None
 
     def tensors(self, table: Any) -> tuple[torch.Tensor, torch.Tensor]:
         if table.num_rows:
@@ -48,7 +48,7 @@ class Tabular(PushedRecipe):
             y = table.column(self.label).to_numpy(zero_copy_only=False)
         else:
             x, y = np.zeros((0, len(self.features)), np.float32), np.zeros(0)
-        y_t = torch.from_numpy(np.asarray(y, np.int64 if self.classes else np.float32))
+        y_t = torch.from_numpy(np.array(y, np.int64 if self.classes else np.float32))  # a writable copy
         return torch.from_numpy(np.ascontiguousarray(x)), y_t
 
     def input_shape(self) -> list[int]:

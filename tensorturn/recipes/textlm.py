@@ -12,6 +12,7 @@ bytes, so the vocabulary is the 256 byte values whatever the text; inputs are wi
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
@@ -35,6 +36,9 @@ class TextLM(CharLM):
 
     def __repr__(self) -> str:
         return f"TextLM({self.dataset!r}, version={self._data.index['version']}, context={self.context})"
+
+    def pinned_options(self) -> dict[str, Any]:
+        return {"version": self._data.index["version"]}
 
     def vocab(self) -> list[str]:
         return [chr(i) for i in range(256)]  # byte values

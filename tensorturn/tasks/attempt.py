@@ -147,7 +147,7 @@ class Unit(ABC):
 
 def describe_failure(exc: BaseException, worker: str | None) -> str:
     """One line for a failure: the user's own words for TensorTurn errors, else type and text."""
-    if isinstance(exc, RecipeError):
+    if isinstance(exc, (RecipeError, trust.UntrustedError)):
         return f"{exc} (on worker {worker})"
     if isinstance(exc, TensorTurnError):
         return str(exc)
@@ -223,8 +223,9 @@ def execute(task: Task, run_id: str, label: Label, unit_class: type[Unit],
             begun = board.begin_attempt(run_id, str(label), worker, max_attempts)
             key, number = begun if begun else (f"{label}#refused", max_attempts + 1)
         board.finish_attempt(run_id, key, f"failed: {message}")
-        if isinstance(exc, StoreError) and not isinstance(exc, ObjectMissing):
-            if _worker_store_failed(task, board, run_id, str(label), worker, key, message):
+        cause = _machine_fault(exc)
+        if cause:
+            if _worker_store_failed(task, board, run_id, str(label), worker, key, message, cause):
                 # the machine's fault, not the task's: its failed attempts were given back
                 raise task.retry(countdown=1, max_retries=None) from None
         else:
@@ -243,12 +244,22 @@ def execute(task: Task, run_id: str, label: Label, unit_class: type[Unit],
 
 # ---- agents that keep failing ------------------------------------------------------------------
 
+def _machine_fault(exc: BaseException) -> str | None:
+    """What a failure says of the machine, when it may be the machine's alone: its store
+    unreachable, or it refusing the run's recipe (not on its allowlist). Quarantine decides."""
+    if isinstance(exc, StoreError) and not isinstance(exc, ObjectMissing):
+        return "on the object store (wrong credentials or endpoint on that machine?)"
+    if isinstance(exc, trust.UntrustedError):
+        return "refusing the run's recipe or spec (start it with --allow-recipe for this recipe?)"
+    return None
+
+
 def _worker_succeeded(board: RunBoard, worker: str) -> None:
     board.r.hdel(worker_key(worker), "store_failures", "store_failing_since")
 
 
 def _worker_store_failed(task: Task, board: RunBoard, run_id: str, label: str, worker: str,
-                         attempt_key: str, message: str) -> bool:
+                         attempt_key: str, message: str, cause: str) -> bool:
     """Count a store failure of this agent; quarantine it (and say True) when it keeps failing
     and this attempt began *after* another agent's attempt succeeded, itself after this agent's
     failures began: the store demonstrably worked for others while this machine could not reach
@@ -267,9 +278,8 @@ def _worker_store_failed(task: Task, board: RunBoard, run_id: str, label: str, w
     if failures < QUARANTINE_AFTER or not others_ok:
         return False
     quarantine(task, board, run_id, label, worker,
-               f"{worker} failed {failures} tasks in a row on the object store while other "
-               f"machines' tasks succeeded (wrong credentials or endpoint on that machine?); "
-               f"it takes no more tasks until restarted. Last error: {message}")
+               f"{worker} failed {failures} tasks in a row {cause} while other machines' tasks "
+               f"succeeded; it takes no more tasks until restarted. Last error: {message}")
     for a in attempts:  # its failures were the machine's: the tasks get those attempts back
         if a["worker"] == worker and a["started_at"] >= since and a["outcome"].startswith("failed"):
             board.r.hincrby(layout.run_key(run_id, "attempt_base"), a["task"], 1)
@@ -291,7 +301,7 @@ def quarantine(task: Task, board: RunBoard, run_id: str, label: str, worker: str
 # ---- a chord whose body cannot run ---------------------------------------------------------------
 
 @app.task(bind=True, name="tensorturn.tasks.chord_failed")
-def chord_failed(self: Task, *args: Any, sig: str | None = None) -> None:
+def chord_failed(self: Task, *args: Any, sig: str | None = None, r: int | None = None) -> None:
     """Errback of a round's chord: Celery could not run its body (a header task raised past the
     protocol, or the chord's counter broke); the run fails instead of waiting forever.
 
@@ -304,6 +314,10 @@ def chord_failed(self: Task, *args: Any, sig: str | None = None) -> None:
     first = args[0]
     task_id = first if isinstance(first, str) else getattr(first, "id", "?")
     board = board_for(app.conf.broker_url)
+    if board.is_finished(run_id) or (r is not None and board.has_round(run_id, r)):
+        # the round went on after all (or this is a replayed message): nothing failed
+        log.warning("run %s: ignored a chord error for %s: the round is recorded", run_id, what)
+        return
     board.fail(run_id, f"{what} could not run: a task of it failed outside TensorTurn's "
                        f"handling (Celery task {task_id}); see the agents' logs, then "
                        f"`tensorturn resume {run_id}`")

@@ -42,6 +42,9 @@ def start_run(self: Task, spec_json: Any, sig: str | None = None) -> None:
         return
     spec = RunSpec.from_json(spec_json)
     reply: dict[str, Any] = {"run_id": spec.run_id}
+    if board.exists(spec.run_id):  # a replayed request: a run starts once
+        refuse(board.r, worker, self.name, run_id, "this run exists already (a replayed request?)")
+        return
     try:
         store = agent_store()
         if config.normalize_store_url(spec.store_url).rstrip("/") != store.url.rstrip("/"):

@@ -88,8 +88,9 @@ class Fused(ModeBase):
         total = int(options_json(doc.get("spec") or {}).get("rounds", 0))
         events = []
         for r in doc.get("rounds", []):
-            line = (f"round {r['round']} ({r['round'] + 1} of {total})  loss {r['loss']:.4f}  "
-                    f"val_loss {r['val_loss']:.4f}")
+            line = f"round {r['round']} ({r['round'] + 1} of {total})  loss {r['loss']:.4f}"
+            if r.get("val_loss") is not None:
+                line += f"  val_loss {r['val_loss']:.4f}"
             if r.get("val_accuracy") is not None:
                 line += f"  val_acc {r['val_accuracy']:.3f}"
             events.append((f"r{r['round']}", line))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from collections import OrderedDict
 from typing import Any
 
@@ -113,7 +114,7 @@ def dispatch_round(spec: RunSpec, r: int) -> None:
               for k in range(options(spec).shards)]
     body = outer_step.s(run_id, r, **signed(run_id, str(layout.outer_label(r)))).set(queue=queue)
     what = f"the outer step of round {r}"
-    body.on_error(chord_failed.s(run_id, what, **signed(run_id, f"chord_failed:{what}")))
+    body.on_error(chord_failed.s(run_id, what, r=r, **signed(run_id, f"chord_failed:{what}")))
     result = chord(header)(body)
     forget_results([*result.parent.results, result])
 
@@ -337,7 +338,11 @@ def finalize(spec: RunSpec, store: Store, board: RunBoard) -> None:
     kept = opts.rounds - 1
     if opts.keep == "best":  # the round whose weights had the lowest validation loss
         rounds = board.rounds(run_id)
-        kept = min(rounds, key=lambda rec: (rec["val_loss"], -rec["round"]))["round"] if rounds else kept
+        def loss(rec: dict[str, Any]) -> float:  # no figure, or not a number: never the best
+            value = rec.get("val_loss")
+            return value if value is not None and math.isfinite(value) else math.inf
+
+        kept = min(rounds, key=lambda rec: (loss(rec), -rec["round"]))["round"] if rounds else kept
     data = store.get_bytes(layout.key("global", run_id, kept + 1))  # θ after round `kept`
     sha = store.put_bytes(layout.key("final_model", run_id), data)
     recipe = recipe_of(spec)
