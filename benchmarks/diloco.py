@@ -251,7 +251,7 @@ def main() -> None:
                        rounds=R, sync_every=H, shards=S, lr=args.lr, batch_size=args.batch_size,
                        seed=args.seed, threads_per_task=1, **kw).validate()
 
-    specs = {"c": spec(), "d": spec(outer="sgd"), "e": spec(codec="int8")}
+    specs = {"c": spec(outer="nesterov"), "d": spec(outer="sgd"), "e": spec(outer="nesterov", codec="int8")}
     base = {"options": options, "lr": args.lr, "batch_size": args.batch_size, "seed": args.seed,
             "kind": "baseline", "eval_every": H}
     jobs = [("b", dict(base, steps=S * R * H))]

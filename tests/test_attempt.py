@@ -355,7 +355,16 @@ def test_keep_best_keeps_the_round_with_the_lowest_validation_loss(world):
 def test_a_shard_with_little_data_for_its_steps_is_warned_about(world):
     spec = submit(world, **{**FUSED, "shards": 8, "sync_every": 200})
     warned = world.board.describe(spec.run_id)["warnings"]
-    assert len(warned) == 1
-    assert "each shard holds about 162 training rows but trains 200 steps × batch 32 per round" in warned[0]
+    assert len(warned) == 2
+    assert warned[0].startswith("outer optimizer sgd (FedAvg), chosen by --outer auto: each shard goes "
+                                "over its rows 39.6 times a round")
+    assert "each shard holds about 162 training rows but trains 200 steps × batch 32 per round" in warned[1]
     quiet = submit(world, "quiet", **FUSED)
     assert world.board.describe(quiet.run_id)["warnings"] == []
+    # --outer auto is decided once, at start, and the spec every machine reads says what it chose
+    from tensorturn.manifest import load_spec
+    from tensorturn.store import open_store
+
+    chosen = {s.run_id: load_spec(open_store(s.store_url), s.run_id).options for s in (spec, quiet)}
+    assert (chosen[spec.run_id].outer, chosen[spec.run_id].outer_lr) == ("sgd", 1.0)
+    assert (chosen[quiet.run_id].outer, chosen[quiet.run_id].outer_lr) == ("nesterov", 0.7)

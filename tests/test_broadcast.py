@@ -51,7 +51,7 @@ def run(tmp_path):
     """A digits-mlp run's θ_0 and θ_1 in a real file store, as ``fused`` writes them."""
     store = open_store((tmp_path / "store").as_uri())
     spec = RunSpec.create(mode="fused", recipe="digits-mlp", store_url=store.url, codec="int8",
-                   rounds=3).validate()
+                          outer="nesterov", rounds=3).validate()
     recipe = resolve(spec.recipe)
     theta0 = diloco.initial_state(recipe, spec.seed)
     blob0 = fused.global_bytes(spec, recipe, theta0)

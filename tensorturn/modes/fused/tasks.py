@@ -70,14 +70,15 @@ def global_bytes(spec: RunSpec, recipe: Recipe, theta: StateDict) -> bytes:
 def start(spec: RunSpec, store: Store, board: RunBoard) -> None:
     """Write the spec and initial weights, record the run, dispatch round 0."""
     recipe = resolve(spec.recipe, spec.recipe_options)
+    chosen = options(spec).resolve_outer(epochs_per_round(spec, recipe))
     theta0 = global_bytes(spec, recipe, initial_state(recipe, spec.seed))
     options(spec).init_sha256 = sha256_hex(theta0)  # machines rebuild θ_0 from the seed, verified
     save_spec(store, spec)
     store.put_bytes(layout.key("global", spec.run_id, 0), theta0)
     board.create(spec)
-    warning = small_data_warning(spec, recipe)
-    if warning:
-        board.warn(spec.run_id, warning)
+    for warning in (chosen, small_data_warning(spec, recipe)):
+        if warning:
+            board.warn(spec.run_id, warning)
     write_manifest(store, board, spec.run_id)
     board.claim(spec.run_id, layout.dispatch_claim(0))
     dispatch_round(spec, 0)
@@ -92,12 +93,19 @@ def data_bytes() -> int:
     return machine_cache().bytes_downloaded
 
 
+def epochs_per_round(spec: RunSpec, recipe: Recipe) -> float:
+    """How many times a shard goes over its rows in one round (H steps × batch / its rows)."""
+    opts = options(spec)
+    rows = recipe.train_rows() / opts.shards
+    return opts.sync_every * (spec.batch_size or recipe.batch_size) / max(rows, 1.0)
+
+
 def small_data_warning(spec: RunSpec, recipe: Recipe) -> str | None:
     """A warning when each shard would go over its rows many times a round: with little data,
     local steps overfit their shard and validation loss tends to rise after a few rounds."""
     opts = options(spec)
     rows = recipe.train_rows() / opts.shards
-    epochs = opts.sync_every * (spec.batch_size or recipe.batch_size) / max(rows, 1.0)
+    epochs = epochs_per_round(spec, recipe)
     if epochs <= EPOCHS_PER_ROUND_WARNING:
         return None
     return (f"each shard holds about {rows:.0f} training rows but trains {opts.sync_every} steps × "
@@ -303,6 +311,8 @@ def step_global(spec: RunSpec, recipe: Recipe, store: Store, r: int, avg: StateD
     run_id, opts = spec.run_id, options(spec)
     theta_bytes = store.get_bytes(layout.key("global", run_id, r))
     theta = from_bytes(theta_bytes)
+    if opts.outer == "auto":  # start decides it before the spec is stored
+        raise RuntimeError(f"run {run_id}: its spec never decided --outer auto")
     use_momentum = opts.outer == "nesterov" and opts.outer_momentum > 0
     compress = opts.codec != "fp32" and r + 1 < opts.rounds  # the final θ is kept exact
     state: StateDict = {}
