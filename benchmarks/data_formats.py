@@ -524,12 +524,7 @@ class Mosaic:
         a = sum(c["rows"] for c in self.chunks[:k])
         return self._collect([self._dsi[i] for i in range(a, a + self.chunks[k]["rows"])])
 
-    def scan(self, cache):
-        rows = nbytes = 0
-        for it in self._ds(cache):
-            rows += 1
-            nbytes += (FEAT * 4 + 8) if self.kind == "tab" else len(it["text"].encode())
-        return rows, nbytes
+    scan = LitData.scan
 
 
 def make_backend(name, kind, chunk_bytes, work):
