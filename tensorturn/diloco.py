@@ -16,8 +16,10 @@ from __future__ import annotations
 import torch
 
 from .recipes import Recipe
+from .seeding import derive_seed
+from .seeding import shard_rows as shard_rows  # a shard's rows are part of what a replica does
 from .tensors import StateDict, decode_delta, encode_delta, float_keys, is_finite
-from .training import derive_seed, load_model, train_steps
+from .training import load_model, train_steps
 
 
 class UpdateRejected(Exception):
@@ -30,12 +32,6 @@ def initial_state(recipe: Recipe, seed: int) -> StateDict:
         torch.manual_seed(derive_seed(seed, "init"))
         model = recipe.model(recipe.default_config())
     return {name: value.detach().clone() for name, value in model.state_dict().items()}
-
-
-def shard_rows(n_train: int, shards: int, k: int, seed: int) -> torch.Tensor:
-    """Training rows of shard k: a seeded permutation dealt round-robin over the shards."""
-    perm = torch.randperm(n_train, generator=torch.Generator().manual_seed(derive_seed(seed, "shards")))
-    return perm[k::shards]
 
 
 def train_replica(recipe: Recipe, theta: StateDict, x: torch.Tensor, y: torch.Tensor,
