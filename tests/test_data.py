@@ -230,11 +230,22 @@ def test_a_language_model_on_a_pushed_text_folder_trains_fused_and_ensemble(tmp_
                        "--local-workers", "2", "--store", store, "--json", cwd=tmp_path)
     assert ensemble["state"] == "succeeded", ensemble.get("error")
     assert ensemble["metrics"]["members_succeeded"] == 2 and "test_accuracy" in ensemble["metrics"]
-    # a dataset that is not there: one line, nothing queued
-    proc = tt("run", "--recipe", "tabular", "--recipe-option", "dataset=nope", "--local-workers", "1",
-              "--store", store, cwd=tmp_path)
+
+
+def test_a_run_on_a_dataset_that_is_not_there_is_one_line_and_queues_nothing(tmp_path, redis_server):
+    import redis
+    from conftest import clean_env, queued_messages
+
+    store = str(tmp_path / "store")
+    (tmp_path / "books").mkdir()
+    (tmp_path / "books" / "a.txt").write_text("some text\n" * 50)
+    tt_json("data", "push", str(tmp_path / "books"), "--name", "books", "--store", store, "--json")
+    proc = tt("run", "--recipe", "tabular", "--recipe-option", "dataset=nope", "--store", store,
+              env=clean_env(TENSORTURN_BROKER_URL=redis_server.url), cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr
-    assert "no dataset 'nope' in the store (datasets: books" in proc.stderr.strip().splitlines()[-1]
+    assert proc.stderr.strip() == (
+        "error: recipe 'tabular': no dataset 'nope' in the store (datasets: books; see `tensorturn data push`)")
+    assert queued_messages(redis.Redis.from_url(redis_server.url)) == []
 
 
 def push_pictures(tmp_path, store: str, per_class: int = 40) -> None:

@@ -35,7 +35,7 @@ def test_check_recipe_passes_good_recipes_and_names_the_first_problem():
 @pytest.mark.e2e
 def test_a_regression_recipe_trains_in_both_modes_and_is_served_with_a_prediction(tmp_path):
     store = str(tmp_path / "store")
-    fused = tt_json("run", "--recipe", RECIPE, "--local-workers", "2", "--rounds", "3",
+    fused = tt_json("run", "--recipe", RECIPE, "--local-workers", "2", "--rounds", "2",
                     "--shards", "2", "--sync-every", "20", "--store", store, "--json", cwd=tmp_path)
     assert fused["state"] == "succeeded"
     assert set(fused["metrics"]) >= {"test_loss", "test_mae"} and "test_accuracy" not in fused["metrics"]
