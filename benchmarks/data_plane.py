@@ -20,10 +20,12 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 import numpy as np
+import psutil
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -31,12 +33,37 @@ sys.path.insert(0, str(HERE))
 from _common import machine  # noqa: E402
 
 
-def tt(args: list[str], env: dict[str, str], cwd: Path) -> dict:
-    proc = subprocess.run([sys.executable, "-m", "tensorturn", *args, "--json"], env=env, cwd=cwd,
-                          capture_output=True, text=True, stdin=subprocess.DEVNULL)
+def tt(args: list[str], env: dict[str, str], cwd: Path, peaks: dict[str, int] | None = None) -> dict:
+    """Run the CLI; with ``peaks``, sample the agents' processes (by their Celery titles) while it
+    runs and keep each agent's largest peak resident set (VmHWM) of any of its processes."""
+    proc = subprocess.Popen([sys.executable, "-m", "tensorturn", *args, "--json"], env=env, cwd=cwd,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.wait(0.2):
+            for p in psutil.process_iter(["cmdline"]):
+                title = " ".join(p.info["cmdline"] or [])
+                agent = next((w for w in ("local1", "local2", "local3", "local4") if f"{w}@" in title), None)
+                if agent is None:
+                    continue
+                try:
+                    status = Path(f"/proc/{p.pid}/status").read_text()
+                except OSError:
+                    continue
+                hwm = next((int(line.split()[1]) * 1024 for line in status.splitlines()
+                            if line.startswith("VmHWM:")), 0)
+                assert peaks is not None
+                peaks[agent] = max(peaks.get(agent, 0), hwm)
+
+    watcher = threading.Thread(target=sample, daemon=True) if peaks is not None else None
+    if watcher:
+        watcher.start()
+    out, err = proc.communicate()
+    done.set()
     if proc.returncode:
-        raise SystemExit(f"tensorturn {' '.join(args)} failed: {proc.stderr[-2000:]}")
-    return json.loads(proc.stdout)
+        raise SystemExit(f"tensorturn {' '.join(args)} failed: {err[-2000:]}")
+    return json.loads(out)
 
 
 def make_table(path: Path, rows: int) -> None:
@@ -85,7 +112,8 @@ def main() -> None:
         for name, recipe, cache, gb in cases:
             case_env = {**env, "TENSORTURN_CACHE_DIR": str(work / cache), "TENSORTURN_CACHE_GB": str(gb)}
             t0 = time.monotonic()
-            doc = tt([*job, "--recipe", recipe], case_env, work)
+            peaks: dict[str, int] = {}
+            doc = tt([*job, "--recipe", recipe], case_env, work, peaks)
             wall = time.monotonic() - t0
             shards = [a for a in doc["attempts"] if "/shard-" in a["task"] and a["outcome"] == "succeeded"]
             busy = sum(a["finished_at"] - a["started_at"] for a in shards)
@@ -100,11 +128,13 @@ def main() -> None:
                 "shard_reads_saved_by_cache": (round(1 - read / (train_bytes * args.rounds), 3)
                                                if recipe == "tabular" else None),
                 "cache_budget_bytes": int(gb * 1024 ** 3) if gb < 100 else None,
+                "peak_rss_bytes_per_agent": dict(sorted(peaks.items())),
             })
             print(f"{name:22s} {doc['state']:9s} wall {wall:6.1f}s  shard tasks {busy:6.1f}s  "
                   f"{samples / busy:9.0f} samples/task-s  read {read / 1e6:7.2f} MB "
                   f"({', '.join(f'{a} {n / 1e6:.2f}' for a, n in per_agent.items()) or '-'})  "
-                  f"acc {doc['metrics'].get('test_accuracy', 0):.4f}  sha {doc['model_sha256'][:12]}")
+                  f"acc {doc['metrics'].get('test_accuracy', 0):.4f}  sha {doc['model_sha256'][:12]}  "
+                  f"peak RSS {max(peaks.values(), default=0) / 1e6:.0f} MB")
         out = {"machine": machine(), "args": vars(args), "dataset": {
                    "rows": pushed["rows"], "chunks": pushed["chunks"], "bytes": pushed["bytes"],
                    "train_bytes": train_bytes, "push_s": round(push_s, 2)},
