@@ -47,6 +47,19 @@ def clean_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def wait_for(predicate, what: str, timeout: float = 180, pause: float = 0.1):
+    """Poll ``predicate`` (state: Redis, a process, an HTTP probe) until it is truthy; the
+    deadline only bounds a hang and is generous, for a loaded machine."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(pause)
+
+
 def tt(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None,
        timeout: float = 900) -> subprocess.CompletedProcess:
     """Run the ``tensorturn`` CLI as a user would, in a subprocess, with no stdin.

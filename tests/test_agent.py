@@ -7,12 +7,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import psutil
 import pytest
 import redis
-from conftest import clean_env, queued_messages, tt, tt_json
+from conftest import clean_env, queued_messages, tt, tt_json, wait_for
 
 from tensorturn.local import free_port, stop_process_group
 from tensorturn.roster import OFFLINE_AFTER
@@ -41,18 +40,6 @@ def coordinator(tmp_path):
     proc.send_signal(signal.SIGINT)  # Ctrl-C
     assert proc.wait(20) == 0
     stop_process_group(proc, grace=5)
-
-
-def wait_for(predicate, what: str, timeout: float = 180, pause: float = 0.1):
-    """Poll ``predicate`` until it is truthy; the deadline is generous, for a loaded machine."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(pause)
 
 
 def workers(broker: str) -> dict[str, dict]:

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 
 import pytest
-from conftest import clean_env
+from conftest import clean_env, wait_for
 
 from tensorturn import client
 from tensorturn.board import RunBoard
@@ -17,17 +16,6 @@ from tensorturn.local import LocalPool, free_port, stop_process_group
 from tensorturn.spec import RunSpec
 
 pytestmark = pytest.mark.e2e
-
-
-def wait_for(what: str, check, deadline_s: float = 600):
-    """Poll ``check`` until it returns something truthy (bounded, generous: CI may be loaded)."""
-    deadline = time.monotonic() + deadline_s
-    while True:
-        found = check()
-        if found:
-            return found
-        assert time.monotonic() < deadline, f"never: {what}"
-        time.sleep(0.2)
 
 
 @pytest.mark.parametrize("fault", ["unreachable", "another-store"])
@@ -39,8 +27,8 @@ def test_an_agent_failing_on_the_store_is_quarantined_and_the_run_completes(
                               shards=8, sync_every=1500)
         client.submit(spec, pool.broker_url)
         board = RunBoard(redis_client(pool.broker_url))
-        wait_for("a first attempt succeeded", lambda: any(
-            a["outcome"] == "succeeded" for a in board.attempts(spec.run_id)))
+        wait_for(lambda: any(a["outcome"] == "succeeded" for a in board.attempts(spec.run_id)),
+                 "a first attempt succeeded", timeout=600)
         if fault == "unreachable":  # this machine's S3 settings point nowhere
             env = clean_env(TENSORTURN_BROKER_URL=pool.broker_url, TENSORTURN_STORE_URL=store,
                             TENSORTURN_STORE_RETRIES="0", AWS_ENDPOINT_URL=f"http://127.0.0.1:{free_port()}",

@@ -14,7 +14,7 @@ import stat
 from pathlib import Path
 
 import pytest
-from conftest import TEST_POOL_KEY, clean_env, tt
+from conftest import TEST_POOL_KEY, clean_env, tt, wait_for
 
 from tensorturn import client, config, layout, tokens, trust
 from tensorturn.board import RunBoard
@@ -280,7 +280,6 @@ def test_no_secret_on_any_command_line_in_the_documented_flows(tmp_path):
     join string in its command line. An agent given --join on argv hides it once started."""
     import subprocess
     import sys
-    import time
 
     import httpx
 
@@ -314,11 +313,11 @@ def test_no_secret_on_any_command_line_in_the_documented_flows(tmp_path):
         careless = spawn("agent", "--join", join, "--name", "careless")  # what not to do
         procs.append(careless)
         r = redis_client(broker)
-        deadline = time.monotonic() + 240
-        while len(list(r.scan_iter("tt:worker:*"))) < 3:  # all three agents are up
-            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), \
-                [p.stderr.read() for p in procs if p.poll() is not None]
-            time.sleep(0.2)
+        def agents_up() -> bool:  # all three agents heartbeat (one that exited is an error)
+            assert all(p.poll() is None for p in procs), [p.stderr.read() for p in procs if p.poll() is not None]
+            return len(list(r.scan_iter("tt:worker:*"))) >= 3
+
+        wait_for(agents_up, "three agents", timeout=240)
         run = subprocess.run([sys.executable, "-m", "tensorturn", "run", "--join-file", str(coord / "join"),
                               "--recipe", "digits-mlp", "--rounds", "1", "--shards", "2",
                               "--sync-every", "5", "--json"], env=env, cwd=tmp_path, capture_output=True,
@@ -332,15 +331,14 @@ def test_no_secret_on_any_command_line_in_the_documented_flows(tmp_path):
         port = free_port()
         serve = spawn("serve", run_id, "--join-file", str(coord / "join"), "--port", str(port))
         procs.append(serve)
-        deadline = time.monotonic() + 240
-        while True:
+        def ready() -> bool:
+            assert serve.poll() is None, serve.stderr.read()
             try:
-                if httpx.get(f"http://127.0.0.1:{port}/v2/health/ready", timeout=1).status_code == 200:
-                    break
+                return httpx.get(f"http://127.0.0.1:{port}/v2/health/ready", timeout=1).status_code == 200
             except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline and serve.poll() is None, serve.stderr.read()
-            time.sleep(0.2)
+                return False
+
+        wait_for(ready, "the API", timeout=240)
         shown = cmdlines()
         leaks = {pid: line for pid, line in shown.items() for s in secrets if s in line}
         assert leaks == {}

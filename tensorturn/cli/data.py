@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import sys
 import time
+from contextlib import ExitStack
+from typing import Any
 
 import click
 
@@ -56,23 +58,20 @@ def data_push(broker, store, source, name, label, task, resize, seed, val_fracti
     from ..store import open_store
 
     t0 = time.monotonic()
-    bar = None
+    with ExitStack() as stack:
+        bar: Any = None
 
-    def progress(done: int, total: int) -> None:  # a bar on a terminal, once chunks are written
-        nonlocal bar
-        if bar is None and sys.stderr.isatty():
-            bar = click.progressbar(length=total, label=f"pushing {name}", file=sys.stderr)
-            bar.__enter__()
-        if bar is not None:
-            bar.update(done - bar.pos)
+        def progress(done: int, total: int) -> None:  # a bar on a terminal, once chunks are written
+            nonlocal bar
+            if bar is None and sys.stderr.isatty():
+                bar = stack.enter_context(click.progressbar(length=total, label=f"pushing {name}",
+                                                            file=sys.stderr))
+            if bar is not None:
+                bar.update(done - bar.pos)
 
-    try:
         index = datasets.push(open_store(store), source, name, label=label, task=task, seed=seed,
                               val_fraction=val_fraction, test_fraction=test_fraction, chunk_mb=chunk_mb,
                               image_size=_size(resize), on_chunk=progress)
-    finally:
-        if bar is not None:
-            bar.__exit__(None, None, None)
     doc = datasets.summary(index)
     if as_json:
         emit_json(doc)

@@ -70,13 +70,14 @@ def global_bytes(spec: RunSpec, recipe: Recipe, theta: StateDict) -> bytes:
 def start(spec: RunSpec, store: Store, board: RunBoard) -> None:
     """Write the spec and initial weights, record the run, dispatch round 0."""
     recipe = resolve(spec.recipe, spec.recipe_options)
-    chosen = options(spec).resolve_outer(epochs_per_round(spec, recipe))
+    epochs = epochs_per_round(spec, recipe)
+    chosen = options(spec).resolve_outer(epochs)
     theta0 = global_bytes(spec, recipe, initial_state(recipe, spec.seed))
     options(spec).init_sha256 = sha256_hex(theta0)  # machines rebuild θ_0 from the seed, verified
     save_spec(store, spec)
     store.put_bytes(layout.key("global", spec.run_id, 0), theta0)
     board.create(spec)
-    for warning in (chosen, small_data_warning(spec, recipe)):
+    for warning in (chosen, small_data_warning(spec, recipe, epochs)):
         if warning:
             board.warn(spec.run_id, warning)
     write_manifest(store, board, spec.run_id)
@@ -100,12 +101,12 @@ def epochs_per_round(spec: RunSpec, recipe: Recipe) -> float:
     return opts.sync_every * (spec.batch_size or recipe.batch_size) / max(rows, 1.0)
 
 
-def small_data_warning(spec: RunSpec, recipe: Recipe) -> str | None:
-    """A warning when each shard would go over its rows many times a round: with little data,
-    local steps overfit their shard and validation loss tends to rise after a few rounds."""
+def small_data_warning(spec: RunSpec, recipe: Recipe, epochs: float) -> str | None:
+    """A warning when each shard goes over its rows (``epochs`` times a round) many times: with
+    little data, local steps overfit their shard and validation loss tends to rise after a few
+    rounds."""
     opts = options(spec)
     rows = recipe.train_rows() / opts.shards
-    epochs = epochs_per_round(spec, recipe)
     if epochs <= EPOCHS_PER_ROUND_WARNING:
         return None
     return (f"each shard holds about {rows:.0f} training rows but trains {opts.sync_every} steps × "
