@@ -22,6 +22,41 @@ from .spec import FINISHED, RunSpec
 _FINISH_ONCE = ("local s = redis.call('hget', KEYS[1], 'state') "
                 "if s == 'succeeded' or s == 'failed' then return 0 end "
                 "redis.call('hset', KEYS[1], unpack(ARGV)) return 1")
+# A round's slot → the shard it trains (see RunBoard.claim_shard). KEYS: the round's slots, the run's
+# owners; ARGV: slot, worker, shards. Preference: a shard this worker trained before (lowest
+# first), else one nobody has, else the last one of the owner with the most left (work stealing).
+_CLAIM_SHARD = """
+local got = redis.call('hget', KEYS[1], ARGV[1])
+if got then
+  redis.call('hset', KEYS[2], got, ARGV[2])
+  return tonumber(got)
+end
+local n = tonumber(ARGV[3])
+local taken = {}
+for _, v in ipairs(redis.call('hvals', KEYS[1])) do taken[tonumber(v)] = true end
+local owner = {}
+local flat = redis.call('hgetall', KEYS[2])
+for i = 1, #flat, 2 do owner[tonumber(flat[i])] = flat[i + 1] end
+local left = {}
+for k = 0, n - 1 do
+  local o = owner[k]
+  if not taken[k] and o then left[o] = (left[o] or 0) + 1 end
+end
+local best, score = -1, -1
+for k = 0, n - 1 do
+  if not taken[k] then
+    local o, s = owner[k], 0
+    if o == ARGV[2] then s = 3 * n * n - k
+    elseif not o then s = 2 * n * n - k
+    else s = n * left[o] + k end
+    if s > score then best, score = k, s end
+  end
+end
+if best < 0 then return -1 end
+redis.call('hset', KEYS[1], ARGV[1], best)
+redis.call('hset', KEYS[2], best, ARGV[2])
+return best
+"""
 _QUEUED_TO_RUNNING = ("if redis.call('hget', KEYS[1], 'state') == 'queued' then "
                       "redis.call('hset', KEYS[1], 'state', 'running', 'started_at', ARGV[1]) end")
 
@@ -95,6 +130,26 @@ class RunBoard:
             self.release(run_id, what)
             raise
         return True
+
+    def claim_shard(self, run_id: str, r: int, slot: int, worker: str, shards: int) -> int:
+        """The shard that slot ``slot`` of round ``r`` trains, decided by the first worker to run
+        the slot and fixed from then on (a redelivered or duplicate slot trains the same shard).
+        A worker takes the shards it trained before first — their chunks are in its cache — then
+        shards nobody had, then steals from the worker with the most shards left. Which machine
+        trains a shard never changes the result, only what it downloads."""
+        k = int(self.r.eval(_CLAIM_SHARD, 2, layout.run_key(run_id, f"slots-r{r}"),
+                            layout.run_key(run_id, "owners"), slot, worker, shards))
+        if k < 0:
+            raise RuntimeError(f"round {r} of run {run_id} has no shard left for slot {slot}")
+        return k
+
+    def shard_owners(self, run_id: str) -> dict[int, str]:
+        """Which worker last trained each shard."""
+        return {int(k): w for k, w in self.r.hgetall(layout.run_key(run_id, "owners")).items()}
+
+    def unclaimed_shards(self, run_id: str, r: int, shards: int) -> list[int]:
+        taken = {int(v) for v in self.r.hvals(layout.run_key(run_id, f"slots-r{r}"))}
+        return [k for k in range(shards) if k not in taken]
 
     # -- rounds --
     def record_round(self, run_id: str, round_: int, info: dict[str, Any]) -> None:

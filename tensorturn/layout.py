@@ -26,13 +26,16 @@ Redis (besides Celery's and kombu's own keys)::
     tt:run:<id>                   hash: state, mode, spec, metrics, error, times
     tt:run:<id>:<part>            rounds, members, members_done, attempts, attempt_n,
                                   attempt_base, bytes, claims, incidents and warnings (lists),
-                                  started (an agent's answer to `run`, a list)
+                                  started (an agent's answer to `run`, a list), data_bytes,
+                                  owners (fused: shard → the worker that last trained it),
+                                  slots-r<r> (fused: round r's slot → the shard it trains)
     tt:worker:<name>              hash: an agent's inventory, live figures and current task
     tt:refused                    list: the last 100 messages agents refused (JSON: why, who)
     celery, tt.fits.<N>MB         task queues: the default one and one per memory class
 
 Task labels (``attempts[].task`` in the JSON): ``r<r>/shard-<k>``, ``r<r>/outer``,
-``m<m>/seg-<j>``, ``vote``. Claims (one-time dispatches, per run): ``dispatch-r<r>``,
+``m<m>/seg-<j>``, ``vote``; a round's messages name slots (``r<r>/slot-<i>``), each bound to a
+shard by the first worker that runs it. Claims (one-time dispatches, per run): ``dispatch-r<r>``,
 ``m<m>/seg-<j>``, ``vote``.
 """
 
@@ -153,7 +156,7 @@ def memory_queue(size_mb: int) -> str:
 class Label:
     """What one task works on. ``str(label)`` is its name in attempts and incidents."""
 
-    kind: str                 # shard | outer | segment | vote
+    kind: str                 # shard | slot | outer | segment | vote
     round: int | None = None
     shard: int | None = None
     member: int | None = None
@@ -167,6 +170,8 @@ class Label:
     def __str__(self) -> str:
         if self.kind == "shard":
             return f"r{self.round}/shard-{self.shard}"
+        if self.kind == "slot":
+            return f"r{self.round}/slot-{self.shard}"
         if self.kind == "outer":
             return f"r{self.round}/outer"
         if self.kind == "segment":
@@ -176,6 +181,11 @@ class Label:
 
 def shard_label(r: int, k: int) -> Label:
     return Label("shard", round=r, shard=k)
+
+
+def slot_label(r: int, i: int) -> Label:
+    """Slot i of round r: a message that trains whichever shard its first worker claims."""
+    return Label("slot", round=r, shard=i)
 
 
 def outer_label(r: int) -> Label:
@@ -192,6 +202,7 @@ def vote_label() -> Label:
 
 _LABELS = (
     (re.compile(r"^r(\d+)/shard-(\d+)$"), lambda g: shard_label(int(g[0]), int(g[1]))),
+    (re.compile(r"^r(\d+)/slot-(\d+)$"), lambda g: slot_label(int(g[0]), int(g[1]))),
     (re.compile(r"^r(\d+)/outer$"), lambda g: outer_label(int(g[0]))),
     (re.compile(r"^m(\d+)/seg-(\d+)$"), lambda g: segment_label(int(g[0]), int(g[1]))),
     (re.compile(r"^(vote)$"), lambda g: Label(g[0])),

@@ -78,6 +78,7 @@ class RunSpec:
     batch_size: int | None = None
     threads_per_task: int = 1
     max_attempts: int = 3
+    eval_batches: int | None = None  # evaluate on at most this many forward passes (None: all)
     # derived when the run starts: bytes one task needs on a machine (capacity.estimate)
     memory_needed_bytes: int | None = None
     created_at: float = 0.0
@@ -121,7 +122,8 @@ class RunSpec:
         if not self.recipe or not isinstance(self.recipe, str):
             raise SpecError("--recipe is required")
         check_positive({"threads_per_task": self.threads_per_task,
-                        "max_attempts": self.max_attempts, "batch_size": self.batch_size})
+                        "max_attempts": self.max_attempts, "batch_size": self.batch_size,
+                        "eval_batches": self.eval_batches})
         if self.lr is not None and not (0 < self.lr < 10):
             raise SpecError(f"--lr must be in (0, 10) (got {self.lr})")
         self.options.validate()

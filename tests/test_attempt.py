@@ -137,6 +137,47 @@ def test_fused_duplicates_at_every_stage_change_nothing(world, monkeypatch):
     assert "late_ignored" in kinds(doc) and kinds(doc).count("duplicate_ignored") == 3
 
 
+def slot(spec: RunSpec, r: int, i: int) -> None:
+    as_agent_of(spec)
+    fused.train_slot.apply(args=(spec.run_id, r, i), kwargs=signed(spec.run_id, f"r{r}/slot-{i}")).get()
+
+
+def test_slots_bind_to_shards_once_and_give_the_model_shards_give(world):
+    clean = submit(world, "clean", **FUSED)
+    drive_fused(clean)
+    spec = submit(world, "slots", **FUSED)
+    for r in range(2):
+        slot(spec, r, 1)
+        slot(spec, r, 1)                   # a duplicate: bound to the same shard, nothing redone
+        slot(spec, r, 0)
+        outer(spec, r)
+    doc = world.board.describe(spec.run_id)
+    assert doc["state"] == "succeeded", doc["error"]
+    assert doc["model_sha256"] == world.board.describe(clean.run_id)["model_sha256"]
+    trained = sorted(a["task"] for a in doc["attempts"] if a["outcome"] == "succeeded")
+    assert trained == ["r0/outer", "r0/shard-0", "r0/shard-1", "r1/outer", "r1/shard-0", "r1/shard-1"]
+    assert kinds(doc).count("duplicate_ignored") == 2
+
+
+def test_a_worker_claims_its_own_shards_first_then_new_ones_then_steals(world):
+    board, run = world.board, "affinity"
+    claim = lambda r, i, w: board.claim_shard(run, r, i, w, 8)  # noqa: E731
+    order = "ABCABCAB"
+    round0 = [claim(0, i, w) for i, w in enumerate(order)]
+    assert round0 == list(range(8))                      # nobody owns anything: lowest first
+    owners = board.shard_owners(run)
+    assert [owners[k] for k in range(8)] == list(order)
+    assert [claim(1, i, w) for i, w in enumerate("CBA")] == [2, 1, 0]  # each takes its own
+    assert claim(1, 0, "B") == 2                         # a redelivered slot keeps its shard ...
+    assert board.shard_owners(run)[2] == "B"             # ... and whoever trains it owns it now
+    # A is gone: B and C run out of their own shards and steal A's, last first
+    rest = [claim(1, i, w) for i, w in zip(range(3, 8), "BCBCB")]
+    assert rest == [4, 5, 7, 6, 3]
+    assert sorted([2, 1, 0, *rest]) == list(range(8))    # every shard once
+    with pytest.raises(RuntimeError, match="no shard left"):
+        claim(1, 8, "C")
+
+
 def test_ensemble_duplicate_after_a_member_finished_keeps_it_in_the_vote(world):
     """The reported bug: a second delivery of m0/seg-0 after member 0 stored its last
     checkpoint reset it to `running` and left it out of the vote."""

@@ -9,7 +9,7 @@ from tensorturn.errors import SpecError
 from tensorturn.spec import RunSpec
 
 
-@pytest.mark.parametrize("label", [layout.shard_label(3, 12), layout.outer_label(0),
+@pytest.mark.parametrize("label", [layout.shard_label(3, 12), layout.slot_label(2, 5), layout.outer_label(0),
                                    layout.segment_label(4, 2), layout.vote_label()])
 def test_task_labels_round_trip(label):
     assert layout.parse_label(str(label)) == label

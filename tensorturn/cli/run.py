@@ -168,9 +168,12 @@ def mode_options(fn: Callable) -> Callable:
               help="CPU torch threads per task; CPU results depend on it.")
 @click.option("--max-attempts", type=int, default=3, show_default=True,
               help="Attempts per task before the run fails (or an ensemble member drops).")
+@click.option("--eval-batches", type=int, default=None,
+              help="Validation and test figures from at most this many forward passes (of the "
+                   "recipe's eval_batch_size rows, 512 by default) [default: the whole split].")
 @follow_options("run")
 def run(broker, store, mode, recipe, recipe_options, seed, lr, batch_size, threads_per_task,
-        max_attempts, local_workers, detach, timeout_s, as_json, **mode_options):
+        max_attempts, eval_batches, local_workers, detach, timeout_s, as_json, **mode_options):
     """Train a model on the pool and print the result.
 
     \b
@@ -184,7 +187,8 @@ def run(broker, store, mode, recipe, recipe_options, seed, lr, batch_size, threa
     given = {k: v for k, v in mode_options.items() if v is not None}
     spec = RunSpec.create(mode, recipe, store, recipe_options=parse_recipe_options(recipe_options),
                           seed=seed, lr=lr, batch_size=batch_size,
-                          threads_per_task=threads_per_task, max_attempts=max_attempts, **given)
+                          threads_per_task=threads_per_task, max_attempts=max_attempts,
+                          eval_batches=eval_batches, **given)
     client.validate(spec)  # before anything starts or anything heavy is imported
     if broker is None and (local_workers is None or local_workers < 1):
         raise SpecError(f"--local-workers must be a whole number ≥ 1 (got {local_workers})")

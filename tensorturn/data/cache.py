@@ -13,6 +13,7 @@ import fcntl
 import hashlib
 import os
 import re
+import threading
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,11 @@ class ChunkCache:
         self.budget = int(budget_bytes)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.hits = self.misses = self.bytes_downloaded = 0
+        self._mine = threading.local()  # this thread's downloads (prefetching runs beside training)
+
+    def thread_bytes(self) -> int:
+        """Bytes this thread has downloaded through the cache."""
+        return getattr(self._mine, "bytes", 0)
 
     @contextmanager
     def _locked(self):
@@ -72,6 +78,7 @@ class ChunkCache:
         for _ in range(2):  # a damaged transfer is fetched once more
             data = store.get_bytes(layout.key("chunk", sha))
             self.bytes_downloaded += len(data)
+            self._mine.bytes = self.thread_bytes() + len(data)
             if hashlib.sha256(data).hexdigest() == sha:
                 return data
         raise ChunkError(f"dataset chunk {sha[:12]}… in the store does not match its sha256 "
@@ -87,6 +94,12 @@ class ChunkCache:
 
     def used_bytes(self) -> int:
         return sum(p.stat().st_size for p in self.dir.glob("*.parquet"))
+
+    def warm(self, store: Store, chunks: list[dict[str, Any]]) -> None:
+        """Download ``chunks`` into the cache unless there (prefetching: nothing is read)."""
+        for chunk in chunks:
+            with self._locked():
+                self._get(store, chunk)
 
     def read(self, store: Store, chunk: dict[str, Any]):
         """The chunk as an Arrow table, memory-mapped from the cache (opened under the lock: once

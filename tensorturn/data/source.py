@@ -2,14 +2,17 @@
 
 A split's rows are numbered in the order they were pushed (shuffled once, at push), across its
 chunks; :meth:`Dataset.read` returns rows ``[start, stop)`` and downloads only the chunks that
-hold them. A fused shard reads one contiguous range (:func:`shard_range`), so which chunks a
-shard needs is fixed by the dataset and the run's shard count — never by which machine runs it.
+hold them. A fused shard reads one contiguous range of whole chunks where the split has at least
+as many chunks as the run has shards (:func:`shard_bounds`), so which chunks a shard needs is
+fixed by the dataset and the run's shard count — never by which machine runs it — and no chunk
+is read by two shards.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from functools import lru_cache
+from itertools import accumulate
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -31,9 +34,19 @@ def machine_cache() -> ChunkCache:
                       int(settings.cache_gb * 1024 ** 3))
 
 
-def shard_range(rows: int, shards: int, k: int) -> tuple[int, int]:
-    """Shard k's rows of a split of ``rows``: one contiguous range, the shards' sizes within one."""
-    return k * rows // shards, (k + 1) * rows // shards
+def shard_bounds(chunk_rows: list[int], shards: int) -> list[int]:
+    """Where each of ``shards`` contiguous shards of a split starts (and, last, where the split
+    ends), given its chunks' row counts: at the chunk edge nearest an even split, or — with fewer
+    chunks than shards, or edges too uneven to give every shard its own — at the even split."""
+    total = sum(chunk_rows)
+    even = [k * total // shards for k in range(shards + 1)]
+    edges = list(accumulate(chunk_rows, initial=0))
+    if len(chunk_rows) < shards:
+        return even
+    bounds = [min(edges, key=lambda edge: (abs(edge - b), edge)) for b in even]
+    if any(lo >= hi for lo, hi in zip(bounds, bounds[1:])):
+        return even
+    return bounds
 
 
 class Dataset:
@@ -50,22 +63,38 @@ class Dataset:
     def rows(self, split: str) -> int:
         return int(self.index["rows"][split])
 
+    def shard_range(self, split: str, shards: int, k: int) -> tuple[int, int]:
+        """Rows ``[start, stop)`` of shard k of ``shards`` (:func:`shard_bounds`)."""
+        bounds = shard_bounds([c["rows"] for c in self.index["splits"][split]], shards)
+        return bounds[k], bounds[k + 1]
+
+    def chunks(self, split: str, start: int = 0, stop: int | None = None
+               ) -> Iterator[tuple[dict[str, Any], int, int]]:
+        """(chunk, first row of it, row after its last) of the chunks holding ``[start, stop)``."""
+        stop = self.rows(split) if stop is None else stop
+        offset = 0
+        for chunk in self.index["splits"][split]:
+            lo, hi = offset, offset + chunk["rows"]
+            offset = hi
+            if hi > start and lo < stop:
+                yield chunk, lo, hi
+
     def read(self, split: str, start: int = 0, stop: int | None = None) -> pa.Table:
         """Rows ``[start, stop)`` of ``split`` as one table, from the chunks that hold them."""
         import pyarrow as pa
 
         stop = self.rows(split) if stop is None else stop
-        parts, offset = [], 0
-        for chunk in self.index["splits"][split]:
-            lo, hi = offset, offset + chunk["rows"]
-            offset = hi
-            if hi <= start or lo >= stop:
-                continue  # not needed: not downloaded
+        parts = []
+        for chunk, lo, hi in self.chunks(split, start, stop):  # only these are downloaded
             table = self.cache.read(self.store, chunk)
             parts.append(table.slice(max(start - lo, 0), min(stop, hi) - max(start, lo)))
         if not parts:
             return pa.table({})
         return pa.concat_tables(parts)
+
+    def prefetch(self, split: str, start: int = 0, stop: int | None = None) -> None:
+        """Bring the chunks of rows ``[start, stop)`` into the cache (a task about to read them)."""
+        self.cache.warm(self.store, [chunk for chunk, _, _ in self.chunks(split, start, stop)])
 
     def batches(self, split: str) -> Iterator[pa.Table]:
         """The split chunk by chunk (what evaluation streams over)."""

@@ -45,6 +45,7 @@ class Recipe:
     lr = 1e-3           # inner AdamW learning rate
     weight_decay = 0.0
     batch_size = 32
+    eval_batch_size = 512  # rows per forward pass when evaluating (a split never goes in at once)
     input_dtype = "FP32"  # Open Inference Protocol datatype of a raw input
 
     def raw_data(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
@@ -129,19 +130,41 @@ class Recipe:
         splits = load_splits(self)
         return splits.x_train, splits.y_train, shard_rows(len(splits.y_train), shards, k, seed)
 
+    def prefetch(self, k: int, shards: int) -> None:
+        """Bring shard ``k``'s data onto this machine ahead of its task (called in a thread
+        while another shard trains). Nothing to do for data held in memory."""
+
     def eval_batches(self, split: str) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Preprocessed (x, y) batches of ``split`` ("val" or "test"); here the split at once."""
         splits = load_splits(self)
         yield getattr(splits, f"x_{split}"), getattr(splits, f"y_{split}")
 
-    def evaluate_split(self, model: nn.Module, split: str) -> dict[str, float]:
-        """:meth:`evaluate` over :meth:`eval_batches`, each metric weighted by its batch's rows."""
+    def eval_pieces(self, split: str, max_batches: int | None = None
+                    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """:meth:`eval_batches` cut into forward passes of at most :attr:`eval_batch_size` rows;
+        the first ``max_batches`` of them when that is given (``--eval-batches``)."""
+        served = 0
+        for x, y in self.eval_batches(split):
+            for lo in range(0, len(y), self.eval_batch_size):
+                if max_batches is not None and served >= max_batches:
+                    return
+                served += 1
+                yield x[lo:lo + self.eval_batch_size], y[lo:lo + self.eval_batch_size]
+
+    def evaluate_split(self, model: nn.Module, split: str, device: torch.device | None = None,
+                       max_batches: int | None = None) -> dict[str, float]:
+        """:meth:`evaluate` over :meth:`eval_pieces` on ``device`` (the model's, by default),
+        each metric weighted by its piece's rows."""
+        if device is not None:
+            model.to(device)
+        else:
+            device = next(model.parameters(), torch.empty(0)).device
         sums: dict[str, float] = {}
         rows = 0
-        for x, y in self.eval_batches(split):
+        for x, y in self.eval_pieces(split, max_batches):
             if len(y) == 0:
                 continue
-            for name, value in self.evaluate(model, x, y).items():
+            for name, value in self.evaluate(model, x.to(device), y.to(device)).items():
                 sums[name] = sums.get(name, 0.0) + value * len(y)
             rows += len(y)
         return {name: total / rows for name, total in sums.items()} if rows else {}

@@ -2,9 +2,9 @@
 
 A subclass says how a table of rows becomes (raw inputs, targets) — :meth:`PushedRecipe.tensors` —
 and everything else follows: a fused shard reads only its own rows' chunks
-(:meth:`shard_data`), evaluation streams the split chunk by chunk (:meth:`eval_batches`), and
-other uses (an ensemble, ``check-recipe``) read the whole dataset (:meth:`raw_data`), which
-must then fit in memory.
+(:meth:`shard_data`), which can be fetched ahead (:meth:`prefetch`); evaluation streams the split
+chunk by chunk (:meth:`eval_batches`); other uses (an ensemble, ``check-recipe``) read the whole
+dataset (:meth:`raw_data`), which must then fit in memory.
 """
 
 from __future__ import annotations
@@ -51,11 +51,12 @@ class PushedRecipe(Recipe):
         return tuple(out)
 
     def shard_data(self, k: int, shards: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        from ..data.source import shard_range
-
-        start, stop = shard_range(self._data.rows("train"), shards, k)
+        start, stop = self._data.shard_range("train", shards, k)
         x, y = self.tensors(self._data.read("train", start, stop))
         return self.preprocess(x), y, torch.arange(len(y))
+
+    def prefetch(self, k: int, shards: int) -> None:
+        self._data.prefetch("train", *self._data.shard_range("train", shards, k))
 
     def eval_batches(self, split: str) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         for table in self._data.batches(split):

@@ -28,6 +28,7 @@ import json
 import logging
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
@@ -166,10 +167,13 @@ def _spec_here(store: Store, run_id: str) -> RunSpec:
                          f"agent's --store the pool's?") from None
 
 
-def execute(task: Task, run_id: str, label: Label, unit_class: type[Unit],
-            sig: str | None) -> dict[str, Any]:
+def execute(task: Task, run_id: str, label: Label, unit_class: type[Unit], sig: str | None,
+            resolve: Callable[[RunBoard, RunSpec, str], Label] | None = None) -> dict[str, Any]:
     """Run ``label``'s unit through the protocol; returns a small deterministic receipt (chords
-    count receipts, and a duplicate must return exactly what the first attempt returned)."""
+    count receipts, and a duplicate must return exactly what the first attempt returned).
+
+    ``resolve`` (board, spec, worker) → the label of the unit a message for ``label`` works on,
+    when the message names a slot bound to a unit on first delivery (a fused round's shards)."""
     receipt = {"run_id": run_id, "task": str(label)}
     if not authentic(task, run_id, str(label), sig):
         return receipt
@@ -186,6 +190,8 @@ def execute(task: Task, run_id: str, label: Label, unit_class: type[Unit],
         store = agent_store()
         spec = _spec_here(store, run_id)
         max_attempts = spec.max_attempts
+        if resolve is not None:
+            label = resolve(board, spec, worker)
         attempt = Attempt(task, board, store, spec, label, worker)
         unit = unit_class(attempt)
         if unit.done():

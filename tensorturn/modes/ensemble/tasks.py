@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import random
 import time
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -218,11 +219,11 @@ class SegmentUnit(Unit):
     def _finish_member(self, m: int) -> None:
         spec, store = self.spec, self.store
         recipe = recipe_of(spec)
-        splits = load_splits(recipe)
         last = options(spec).segments - 1
         state = from_bytes(store.get_bytes(layout.key("segment", spec.run_id, m, last)))
-        model = load_model(recipe, state, member_plan(spec, recipe)[m]["model"], torch.device("cpu"))
-        test = recipe.evaluate(model, splits.x_test, splits.y_test)
+        device = pick_device()
+        model = load_model(recipe, state, member_plan(spec, recipe)[m]["model"], device)
+        test = recipe.evaluate_split(model, "test", device, spec.eval_batches)
         self.board.update_member(spec.run_id, m, state="succeeded",
                                  metrics={f"test_{k}": v for k, v in test.items()})
         self.board.member_done(spec.run_id, m)
@@ -249,24 +250,42 @@ def vote(self, run_id: str, sig: str | None = None) -> dict[str, Any]:
     return execute(self, run_id, layout.vote_label(), VoteUnit, sig)
 
 
-def vote_metrics(predictor: Predictor, x: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
+def vote_metrics(predictor: Predictor, pieces: Iterable[tuple[torch.Tensor, torch.Tensor]]
+                 ) -> dict[str, float]:
     """The combined model's test metrics (the recipe's kind: accuracy and NLL, or MSE and MAE)
-    beside the members' mean and best; for classification, how often members disagree."""
-    combined, per_member = predictor.predict(x)
+    beside the members' mean and best; for classification, how often members disagree. The test
+    split comes in ``pieces`` (one forward pass each); every figure is a mean over rows."""
     kind = predictor.recipe.kind
-    # classification: NLL of the mean probability for both rules (hard votes are not calibrated)
-    out = {f"test_{k}": v for k, v in kind.metrics(combined, y, per_member.mean(0)).items()}
-    members = [kind.metrics(p, y) for p in per_member]
+    sums: dict[str, float] = {}
+    per_member_sums: list[dict[str, float]] = []
+    rows = 0
+
+    def add(into: dict[str, float], figures: dict[str, float], n: int) -> None:
+        for name, value in figures.items():
+            into[name] = into.get(name, 0.0) + value * n
+
+    for x, y in pieces:
+        combined, per_member = predictor.predict(x)
+        n = len(y)
+        # classification: NLL of the mean probability for both rules (hard votes are not calibrated)
+        add(sums, {f"test_{k}": v for k, v in kind.metrics(combined, y, per_member.mean(0)).items()}, n)
+        per_member_sums += [{} for _ in range(len(per_member) - len(per_member_sums))]
+        for into, p in zip(per_member_sums, per_member):
+            add(into, kind.metrics(p, y), n)
+        if kind.name != "regression":
+            preds = per_member.argmax(-1)
+            pairs = [(a, b) for a in range(len(preds)) for b in range(a + 1, len(preds))]
+            add(sums, {"disagreement": sum(float((preds[a] != preds[b]).float().mean())
+                                           for a, b in pairs) / len(pairs) if pairs else 0.0}, n)
+        rows += n
+    if not rows:
+        return {}
+    out = {name: total / rows for name, total in sums.items()}
+    members = [{name: total / rows for name, total in m.items()} for m in per_member_sums]
     for name in members[0]:
         values = [m[name] for m in members]
         out[f"member_mean_test_{name}"] = sum(values) / len(values)
-        best = max(values) if name == "accuracy" else min(values)
-        out[f"best_member_test_{name}"] = best
-    if kind.name != "regression":
-        preds = per_member.argmax(-1)
-        pairs = [(a, b) for a in range(len(preds)) for b in range(a + 1, len(preds))]
-        out["disagreement"] = (sum(float((preds[a] != preds[b]).float().mean()) for a, b in pairs)
-                               / len(pairs) if pairs else 0.0)
+        out[f"best_member_test_{name}"] = max(values) if name == "accuracy" else min(values)
     return out
 
 
@@ -297,8 +316,8 @@ class VoteUnit(Unit):
         blob = ensemble_bytes(entries, spec.recipe, opts.vote, spec.recipe_options)
         final = layout.key("final_ensemble", run_id)
         sha = store.put_bytes(final, blob)
-        splits = load_splits(recipe_of(spec))
-        metrics = vote_metrics(Predictor.from_bytes(blob), splits.x_test, splits.y_test)
+        pieces = recipe_of(spec).eval_pieces("test", spec.eval_batches)
+        metrics = vote_metrics(Predictor.from_bytes(blob), pieces)
         metrics.update(members_succeeded=len(done), members_dropped=len(dropped))
         board.finish(run_id, "succeeded", metrics=metrics, model_uri=store.uri(final),
                      model_sha256=sha)

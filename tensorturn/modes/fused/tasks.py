@@ -9,10 +9,10 @@ from __future__ import annotations
 import json
 import logging
 import math
+import threading
 from collections import OrderedDict
 from typing import Any
 
-import torch
 from celery import chord
 
 from ... import layout
@@ -86,12 +86,12 @@ def start(spec: RunSpec, store: Store, board: RunBoard) -> None:
 
 
 def data_bytes() -> int:
-    """Dataset bytes this process has downloaded so far (pushed datasets only)."""
+    """Dataset bytes this thread has downloaded so far (pushed datasets only)."""
     from ...data.source import machine_cache
 
     if machine_cache.cache_info().currsize == 0:  # no dataset read in this process yet
         return 0
-    return machine_cache().bytes_downloaded
+    return machine_cache().thread_bytes()
 
 
 def epochs_per_round(spec: RunSpec, recipe: Recipe) -> float:
@@ -116,11 +116,13 @@ def small_data_warning(spec: RunSpec, recipe: Recipe, epochs: float) -> str | No
 
 
 def dispatch_round(spec: RunSpec, r: int) -> None:
-    """Queue round r: its shards, then the outer step, on machines that can hold the model."""
+    """Queue round r: a slot per shard, then the outer step, on machines that can hold the model.
+    A slot trains the shard its first worker claims (:meth:`RunBoard.claim_shard`): one it
+    trained before where it can, so its cached chunks are read again rather than downloaded."""
     queue = queue_for(spec.memory_needed_bytes)
     run_id = spec.run_id
-    header = [train_shard.s(run_id, r, k, **signed(run_id, str(layout.shard_label(r, k)))).set(queue=queue)
-              for k in range(options(spec).shards)]
+    header = [train_slot.s(run_id, r, i, **signed(run_id, str(layout.slot_label(r, i)))).set(queue=queue)
+              for i in range(options(spec).shards)]
     body = outer_step.s(run_id, r, **signed(run_id, str(layout.outer_label(r)))).set(queue=queue)
     what = f"the outer step of round {r}"
     body.on_error(chord_failed.s(run_id, what, r=r, **signed(run_id, f"chord_failed:{what}")))
@@ -145,6 +147,16 @@ def resume(spec: RunSpec, store: Store, board: RunBoard) -> str:
 
 # ---- the shard ---------------------------------------------------------------------------------
 
+@app.task(bind=True, name="tensorturn.fused.train_slot", max_retries=None)
+def train_slot(self, run_id: str, r: int, i: int, sig: str | None = None) -> dict[str, Any]:
+    """What a round queues: train the shard slot i of round r is bound to (claimed on its first
+    delivery, preferring a shard whose data this machine holds)."""
+    def claim(board: RunBoard, spec: RunSpec, worker: str) -> layout.Label:
+        return layout.shard_label(r, board.claim_shard(run_id, r, i, worker, options(spec).shards))
+
+    return execute(self, run_id, layout.slot_label(r, i), ShardUnit, sig, resolve=claim)
+
+
 @app.task(bind=True, name="tensorturn.fused.train_shard", max_retries=None)
 def train_shard(self, run_id: str, r: int, k: int, sig: str | None = None) -> dict[str, Any]:
     """Train shard k for one round from θ_r and upload its pseudo-gradient."""
@@ -167,6 +179,7 @@ class ShardUnit(Unit):
         data_before = data_bytes()
         x, y, rows = recipe.shard_data(k, opts.shards, spec.seed)
         self.board.add_data_bytes(spec.run_id, self.a.worker, data_bytes() - data_before)
+        prefetch_next(spec, recipe, self.board, r, k, self.a.worker)
         theta, self.a.bytes_down = fetch_global(spec, recipe, self.store, r)
         try:
             delta, loss, samples = train_replica(
@@ -189,6 +202,41 @@ class ShardUnit(Unit):
         self.a.bytes_up = len(blob)
         reporter.done()
         return SUCCEEDED
+
+
+def next_shard_here(board: RunBoard, spec: RunSpec, r: int, k: int, worker: str) -> int | None:
+    """The shard this worker will most likely train next: its next own shard of round r not yet
+    claimed, else its first own shard (the next round starts there); None when that is ``k``."""
+    shards = options(spec).shards
+    mine = sorted(s for s, w in board.shard_owners(spec.run_id).items() if w == worker)
+    left = set(board.unclaimed_shards(spec.run_id, r, shards))
+    later = [s for s in mine if s in left]
+    if later:
+        return later[0]
+    if r + 1 < options(spec).rounds and mine and mine[0] != k:
+        return mine[0]
+    return None
+
+
+def prefetch_next(spec: RunSpec, recipe: Recipe, board: RunBoard, r: int, k: int, worker: str) -> None:
+    """Download the chunks of this worker's next shard in a thread while this one trains; its
+    bytes count as this worker's. A failure here is only logged: the task that reads the chunks
+    reports it."""
+    if type(recipe).prefetch is Recipe.prefetch:  # data in memory: nothing to fetch
+        return
+    nxt = next_shard_here(board, spec, r, k, worker)
+    if nxt is None:
+        return
+
+    def fetch() -> None:
+        try:
+            before = data_bytes()
+            recipe.prefetch(nxt, options(spec).shards)
+            board.add_data_bytes(spec.run_id, worker, data_bytes() - before)
+        except Exception as exc:  # noqa: BLE001 - only an optimisation
+            log.info("run %s: prefetching shard %d failed (%s)", spec.run_id, nxt, exc)
+
+    threading.Thread(target=fetch, name=f"prefetch-{spec.run_id}-{nxt}", daemon=True).start()
 
 
 # This process's latest global weights per run: (round, sha256 of the model file, θ).
@@ -263,6 +311,7 @@ class OuterUnit(Unit):
 
     def run(self) -> str:
         spec, store, r = self.spec, self.store, self.a.label.numbers[0]
+        data_before = data_bytes()  # evaluation data this machine had to download
         info = outer_round(spec, store, r)
         store.put_json(layout.key("round", spec.run_id, r), info)  # before the board: done() reads it
         self.board.record_round(spec.run_id, r, info)
@@ -270,6 +319,7 @@ class OuterUnit(Unit):
             finalize(spec, store, self.board)
         else:
             write_manifest(store, self.board, spec.run_id)
+        self.board.add_data_bytes(spec.run_id, self.a.worker, data_bytes() - data_before)
         return SUCCEEDED
 
     def then(self) -> None:
@@ -301,8 +351,9 @@ def outer_round(spec: RunSpec, store: Store, r: int) -> dict[str, Any]:
     else:
         new_theta = step_global(spec, recipe, store, r, weighted_average(deltas, samples))
     set_threads(spec.threads_per_task)
-    model = load_model(recipe, new_theta, recipe.default_config(), torch.device("cpu"))
-    val = recipe.evaluate_split(model, "val")
+    device = pick_device()
+    model = load_model(recipe, new_theta, recipe.default_config(), device)
+    val = recipe.evaluate_split(model, "val", device, spec.eval_batches)
     return round_figures(losses, samples, val, bytes_up, bytes_down, r)
 
 
@@ -357,8 +408,9 @@ def finalize(spec: RunSpec, store: Store, board: RunBoard) -> None:
     data = store.get_bytes(layout.key("global", run_id, kept + 1))  # θ after round `kept`
     sha = store.put_bytes(layout.key("final_model", run_id), data)
     recipe = recipe_of(spec)
-    model = load_model(recipe, from_bytes(data), recipe.default_config(), torch.device("cpu"))
-    test = recipe.evaluate_split(model, "test")
+    device = pick_device()
+    model = load_model(recipe, from_bytes(data), recipe.default_config(), device)
+    test = recipe.evaluate_split(model, "test", device, spec.eval_batches)
     board.finish(run_id, "succeeded", metrics={**{f"test_{k}": v for k, v in test.items()},
                                                "kept_round": kept},
                  model_uri=store.uri(layout.key("final_model", run_id)), model_sha256=sha)
