@@ -118,23 +118,34 @@ def main() -> None:
             shards = [a for a in doc["attempts"] if "/shard-" in a["task"] and a["outcome"] == "succeeded"]
             busy = sum(a["finished_at"] - a["started_at"] for a in shards)
             samples = sum(r["samples"] for r in doc["rounds"])
-            per_agent = {w.split("@")[0]: n for w, n in sorted(doc.get("data_bytes", {}).items())}
-            read = sum(per_agent.values())
+            downloaded = {w.split("@")[0]: n for w, n in sorted(doc.get("data_bytes", {}).items())}
+            read_by = {w.split("@")[0]: n for w, n in sorted(doc.get("data_read_bytes", {}).items())}
+            tasks_by = {w.split("@")[0]: sum(a["worker"] == w for a in shards)
+                        for w in {a["worker"] for a in shards}}
+            per_agent = {a: {"shard_tasks": tasks_by.get(a, 0), "read": read_by.get(a, 0),
+                             "downloaded": downloaded.get(a, 0)}
+                         for a in sorted(set(downloaded) | set(tasks_by))}
+            total = sum(downloaded.values())
+            read_total = sum(read_by.values())
             rows.append({
                 "case": name, "state": doc["state"], "model_sha256": doc["model_sha256"],
                 "test_accuracy": doc["metrics"].get("test_accuracy"), "wall_s": round(wall, 2),
                 "shard_task_s": round(busy, 2), "samples_per_task_s": round(samples / busy, 1),
-                "data_bytes_per_agent": per_agent, "data_bytes": read,
-                "shard_reads_saved_by_cache": (round(1 - read / (train_bytes * args.rounds), 3)
-                                               if recipe == "tabular" else None),
+                "per_agent": per_agent, "data_bytes": total, "data_read_bytes": read_total,
+                "cache_hit_rate": round(1 - total / read_total, 3) if read_total and total <= read_total else None,
+                "downloaded_of_train_x_rounds": (round(total / (train_bytes * args.rounds), 3)
+                                                 if recipe == "tabular" else None),
                 "cache_budget_bytes": int(gb * 1024 ** 3) if gb < 100 else None,
                 "peak_rss_bytes_per_agent": dict(sorted(peaks.items())),
             })
             print(f"{name:22s} {doc['state']:9s} wall {wall:6.1f}s  shard tasks {busy:6.1f}s  "
-                  f"{samples / busy:9.0f} samples/task-s  read {read / 1e6:7.2f} MB "
-                  f"({', '.join(f'{a} {n / 1e6:.2f}' for a, n in per_agent.items()) or '-'})  "
-                  f"acc {doc['metrics'].get('test_accuracy', 0):.4f}  sha {doc['model_sha256'][:12]}  "
-                  f"peak RSS {max(peaks.values(), default=0) / 1e6:.0f} MB")
+                  f"{samples / busy:9.0f} samples/task-s  downloaded {total / 1e6:7.2f} MB of "
+                  f"{read_total / 1e6:7.2f} MB read  acc {doc['metrics'].get('test_accuracy', 0):.4f}  "
+                  f"sha {doc['model_sha256'][:12]}  peak RSS {max(peaks.values(), default=0) / 1e6:.0f} MB")
+            for a, f in per_agent.items():
+                print(f"    {a}: {f['shard_tasks']:2d} of {len(shards)} shard tasks "
+                      f"({f['shard_tasks'] / max(len(shards), 1):.0%}), read {f['read'] / 1e6:6.2f} MB, "
+                      f"downloaded {f['downloaded'] / 1e6:6.2f} MB ({f['downloaded'] / max(total, 1):.0%} of all)")
         out = {"machine": machine(), "args": vars(args), "dataset": {
                    "rows": pushed["rows"], "chunks": pushed["chunks"], "bytes": pushed["bytes"],
                    "train_bytes": train_bytes, "push_s": round(push_s, 2)},

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import redis
@@ -23,8 +23,9 @@ _FINISH_ONCE = ("local s = redis.call('hget', KEYS[1], 'state') "
                 "if s == 'succeeded' or s == 'failed' then return 0 end "
                 "redis.call('hset', KEYS[1], unpack(ARGV)) return 1")
 # A round's slot → the shard it trains (see RunBoard.claim_shard). KEYS: the round's slots, the run's
-# owners; ARGV: slot, worker, shards. Preference: a shard this worker trained before (lowest
-# first), else one nobody has, else the last one of the owner with the most left (work stealing).
+# owners; ARGV: slot, worker, shards, then the shards whose data this worker holds. Preference: a
+# shard it trained before (lowest first), else one nobody has whose data it holds, else one nobody
+# has, else the last one of the owner with the most left (work stealing).
 _CLAIM_SHARD = """
 local got = redis.call('hget', KEYS[1], ARGV[1])
 if got then
@@ -37,6 +38,8 @@ for _, v in ipairs(redis.call('hvals', KEYS[1])) do taken[tonumber(v)] = true en
 local owner = {}
 local flat = redis.call('hgetall', KEYS[2])
 for i = 1, #flat, 2 do owner[tonumber(flat[i])] = flat[i + 1] end
+local held = {}
+for i = 4, #ARGV do held[tonumber(ARGV[i])] = true end
 local left = {}
 for k = 0, n - 1 do
   local o = owner[k]
@@ -46,7 +49,8 @@ local best, score = -1, -1
 for k = 0, n - 1 do
   if not taken[k] then
     local o, s = owner[k], 0
-    if o == ARGV[2] then s = 3 * n * n - k
+    if o == ARGV[2] then s = 4 * n * n - k
+    elseif not o and held[k] then s = 3 * n * n - k
     elseif not o then s = 2 * n * n - k
     else s = n * left[o] + k end
     if s > score then best, score = k, s end
@@ -131,14 +135,16 @@ class RunBoard:
             raise
         return True
 
-    def claim_shard(self, run_id: str, r: int, slot: int, worker: str, shards: int) -> int:
+    def claim_shard(self, run_id: str, r: int, slot: int, worker: str, shards: int,
+                    held: Iterable[int] = ()) -> int:
         """The shard that slot ``slot`` of round ``r`` trains, decided by the first worker to run
         the slot and fixed from then on (a redelivered or duplicate slot trains the same shard).
         A worker takes the shards it trained before first — their chunks are in its cache — then
-        shards nobody had, then steals from the worker with the most shards left. Which machine
-        trains a shard never changes the result, only what it downloads."""
+        shards nobody had, those whose data it ``held`` (cached from an earlier run) first, then
+        steals from the worker with the most shards left. Which machine trains a shard never
+        changes the result, only what it downloads."""
         k = int(self.r.eval(_CLAIM_SHARD, 2, layout.run_key(run_id, f"slots-r{r}"),
-                            layout.run_key(run_id, "owners"), slot, worker, shards))
+                            layout.run_key(run_id, "owners"), slot, worker, shards, *held))
         if k < 0:
             raise RuntimeError(f"round {r} of run {run_id} has no shard left for slot {slot}")
         return k
@@ -248,13 +254,17 @@ class RunBoard:
             "kind": kind, "task": task, "worker": worker, "at": time.time(),
             "detail": mask_text(detail)}))
 
-    def add_data_bytes(self, run_id: str, worker: str, n: int) -> None:
-        """Dataset bytes ``worker`` downloaded for the run (chunks not already in its cache)."""
-        if n:
-            self.r.hincrby(layout.run_key(run_id, "data_bytes"), worker, n)
+    def add_data_bytes(self, run_id: str, worker: str, downloaded: int, read: int = 0) -> None:
+        """Dataset bytes ``worker`` downloaded for the run (chunks not already in its cache), and
+        the bytes of the chunks its tasks read (from its cache or not)."""
+        if downloaded:
+            self.r.hincrby(layout.run_key(run_id, "data_bytes"), worker, downloaded)
+        if read:
+            self.r.hincrby(layout.run_key(run_id, "data_read"), worker, read)
 
-    def data_bytes(self, run_id: str) -> dict[str, int]:
-        return {w: int(n) for w, n in self.r.hgetall(layout.run_key(run_id, "data_bytes")).items()}
+    def data_bytes(self, run_id: str, part: str = "data_bytes") -> dict[str, int]:
+        """Per worker: bytes downloaded (``data_bytes``) or read by its tasks (``data_read``)."""
+        return {w: int(n) for w, n in self.r.hgetall(layout.run_key(run_id, part)).items()}
 
     def warn(self, run_id: str, text: str) -> None:
         """A warning about how the run was set up (not a fault): `run` prints it at the start."""
@@ -338,6 +348,7 @@ class RunBoard:
             "incidents": self.incidents(run_id),
             "warnings": self.warnings(run_id),
             "data_bytes": self.data_bytes(run_id),
+            "data_read_bytes": self.data_bytes(run_id, "data_read"),
             "bytes_up": bytes_up,
             "bytes_down": bytes_down,
             "created_at": float(h["created_at"]),

@@ -26,7 +26,8 @@ Redis (besides Celery's and kombu's own keys)::
     tt:run:<id>                   hash: state, mode, spec, metrics, error, times
     tt:run:<id>:<part>            rounds, members, members_done, attempts, attempt_n,
                                   attempt_base, bytes, claims, incidents and warnings (lists),
-                                  started (an agent's answer to `run`, a list), data_bytes,
+                                  started (an agent's answer to `run`, a list), data_bytes and data_read
+                                  (per worker: dataset bytes downloaded, read by its tasks),
                                   owners (fused: shard → the worker that last trained it),
                                   slots-r<r> (fused: round r's slot → the shard it trains)
     tt:worker:<name>              hash: an agent's inventory, live figures and current task

@@ -176,6 +176,8 @@ def test_a_worker_claims_its_own_shards_first_then_new_ones_then_steals(world):
     assert sorted([2, 1, 0, *rest]) == list(range(8))    # every shard once
     with pytest.raises(RuntimeError, match="no shard left"):
         claim(1, 8, "C")
+    # a new run: a worker holding some shards' data (an earlier run's cache) takes those first
+    assert [board.claim_shard("again", 0, i, "A", 8, held=[5, 2]) for i in range(3)] == [2, 5, 0]
 
 
 def test_ensemble_duplicate_after_a_member_finished_keeps_it_in_the_vote(world):

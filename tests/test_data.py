@@ -28,6 +28,27 @@ def table_csv(tmp_path):
     return path
 
 
+def shard_chunk_bytes(chunks, shards):
+    """The bytes of the chunks each fused shard reads (its rows' chunks)."""
+    from tensorturn.data.source import shard_bounds
+
+    bounds, edges = shard_bounds([c["rows"] for c in chunks], shards), [0]
+    for c in chunks:
+        edges.append(edges[-1] + c["rows"])
+    return [sum(c["bytes"] for c, lo, hi in zip(chunks, edges, edges[1:]) if hi > start and lo < stop)
+            for start, stop in zip(bounds, bounds[1:])]
+
+
+def test_shards_are_whole_chunks_when_there_are_enough():
+    from tensorturn.data.source import shard_bounds
+
+    assert shard_bounds([100] * 8, 4) == [0, 200, 400, 600, 800]
+    assert shard_bounds([100] * 9, 4) == [0, 200, 400, 700, 900]    # sizes within a chunk
+    assert shard_bounds([100, 100, 50], 2) == [0, 100, 250]
+    assert shard_bounds([100] * 3, 4) == [0, 75, 150, 225, 300]      # too few chunks: rows
+    assert shard_bounds([1000, 1, 1, 1], 3) == [0, 334, 668, 1003]   # no edge for each: rows
+
+
 def chunk_files(store_dir):
     return sorted(p.name for p in (store_dir / "datasets" / "chunks").glob("*.parquet"))
 
@@ -181,11 +202,25 @@ def test_a_dataset_larger_than_the_cache_trains_fused_with_the_same_result_on_1_
     assert one["state"] == three["state"] == "succeeded"
     assert one["model_sha256"] == three["model_sha256"]           # the math ignores where shards ran
     assert one["metrics"]["test_accuracy"] > 0.8                    # and it learned something
-    # every agent read only chunks of its own shards; none could have held the whole split
+    # each agent's tasks read the chunks of the shards it trained (and of the splits it
+    # evaluated), nothing else; it downloaded what its cache lacked of those, plus at most one
+    # shard ahead per task (prefetching); none could have held the whole split
+    index = tt_json("data", "show", "lean", "--store", store)
+    shard_bytes = shard_chunk_bytes(index["splits"]["train"], 8)
+    eval_bytes = {s: sum(c["bytes"] for c in index["splits"][s]) for s in ("val", "test")}
     for doc in (one, three):
-        assert doc["data_bytes"] and all(n > 0 for n in doc["data_bytes"].values())
+        read, downloaded = doc["data_read_bytes"], doc["data_bytes"]
         workers = {a["worker"] for a in doc["attempts"] if "/shard-" in a["task"]}
-        assert set(doc["data_bytes"]) == workers
+        assert set(read) == workers and set(downloaded) == workers
+        for w in workers:
+            ran = [a["task"] for a in doc["attempts"] if a["worker"] == w]
+            trained = sum(shard_bytes[int(t.split("-")[1])] for t in ran if "/shard-" in t)
+            outer = [int(t[1:].split("/")[0]) for t in ran if t.endswith("/outer")]
+            evaluated = len(outer) * eval_bytes["val"] + (1 in outer) * eval_bytes["test"]
+            assert read[w] == trained + evaluated, (w, ran)
+            shard_tasks = sum("/shard-" in t for t in ran)
+            assert 0 < downloaded[w] <= read[w] + shard_tasks * max(shard_bytes)
+    assert len(set(shard_bytes)) > 1 or len(index["splits"]["train"]) % 8 == 0  # whole chunks
     for cache, agents in (("cache-1", 1), ("cache-3", 3)):  # each local agent has its own folder
         folders = sorted(p for p in (tmp_path / cache).iterdir() if p.is_dir())
         assert [p.name for p in folders] == [f"local{i + 1}" for i in range(agents)]

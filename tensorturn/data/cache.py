@@ -36,11 +36,12 @@ class ChunkCache:
         self.budget = int(budget_bytes)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.hits = self.misses = self.bytes_downloaded = 0
-        self._mine = threading.local()  # this thread's downloads (prefetching runs beside training)
+        self._mine = threading.local()  # this thread's figures (prefetching runs beside training)
 
-    def thread_bytes(self) -> int:
-        """Bytes this thread has downloaded through the cache."""
-        return getattr(self._mine, "bytes", 0)
+    def thread_bytes(self) -> tuple[int, int]:
+        """(downloaded, read): bytes this thread has downloaded into the cache, and bytes of
+        chunks it has read from it (cached or not)."""
+        return getattr(self._mine, "downloaded", 0), getattr(self._mine, "read", 0)
 
     @contextmanager
     def _locked(self):
@@ -78,7 +79,7 @@ class ChunkCache:
         for _ in range(2):  # a damaged transfer is fetched once more
             data = store.get_bytes(layout.key("chunk", sha))
             self.bytes_downloaded += len(data)
-            self._mine.bytes = self.thread_bytes() + len(data)
+            self._mine.downloaded = self.thread_bytes()[0] + len(data)
             if hashlib.sha256(data).hexdigest() == sha:
                 return data
         raise ChunkError(f"dataset chunk {sha[:12]}… in the store does not match its sha256 "
@@ -95,6 +96,12 @@ class ChunkCache:
     def used_bytes(self) -> int:
         return sum(p.stat().st_size for p in self.dir.glob("*.parquet"))
 
+    def has(self, chunk: dict[str, Any]) -> bool:
+        """Whether ``chunk`` is in the cache now (another process may evict it later)."""
+        sha = chunk.get("sha256")
+        return isinstance(sha, str) and SHA256.fullmatch(sha) is not None and \
+            (self.dir / f"{sha}.parquet").exists()
+
     def warm(self, store: Store, chunks: list[dict[str, Any]]) -> None:
         """Download ``chunks`` into the cache unless there (prefetching: nothing is read)."""
         for chunk in chunks:
@@ -107,4 +114,6 @@ class ChunkCache:
         import pyarrow.parquet as pq
 
         with self._locked():
-            return pq.read_table(self._get(store, chunk), memory_map=True)
+            path = self._get(store, chunk)
+            self._mine.read = self.thread_bytes()[1] + path.stat().st_size
+            return pq.read_table(path, memory_map=True)

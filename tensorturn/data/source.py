@@ -92,6 +92,10 @@ class Dataset:
             return pa.table({})
         return pa.concat_tables(parts)
 
+    def cached(self, split: str, start: int = 0, stop: int | None = None) -> bool:
+        """Whether every chunk of rows ``[start, stop)`` is in this machine's cache."""
+        return all(self.cache.has(chunk) for chunk, _, _ in self.chunks(split, start, stop))
+
     def prefetch(self, split: str, start: int = 0, stop: int | None = None) -> None:
         """Bring the chunks of rows ``[start, stop)`` into the cache (a task about to read them)."""
         self.cache.warm(self.store, [chunk for chunk, _, _ in self.chunks(split, start, stop)])

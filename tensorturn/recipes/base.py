@@ -134,6 +134,11 @@ class Recipe:
         """Bring shard ``k``'s data onto this machine ahead of its task (called in a thread
         while another shard trains). Nothing to do for data held in memory."""
 
+    def cached_shards(self, shards: int) -> list[int]:
+        """The shards of ``shards`` whose data this machine already holds (a fused round's
+        first claims prefer them). None for data held in memory: every machine reads it all."""
+        return []
+
     def eval_batches(self, split: str) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Preprocessed (x, y) batches of ``split`` ("val" or "test"); here the split at once."""
         splits = load_splits(self)

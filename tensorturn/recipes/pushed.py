@@ -55,6 +55,10 @@ class PushedRecipe(Recipe):
         x, y = self.tensors(self._data.read("train", start, stop))
         return self.preprocess(x), y, torch.arange(len(y))
 
+    def cached_shards(self, shards: int) -> list[int]:
+        return [k for k in range(shards)
+                if self._data.cached("train", *self._data.shard_range("train", shards, k))]
+
     def prefetch(self, k: int, shards: int) -> None:
         self._data.prefetch("train", *self._data.shard_range("train", shards, k))
 

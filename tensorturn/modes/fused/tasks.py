@@ -85,13 +85,20 @@ def start(spec: RunSpec, store: Store, board: RunBoard) -> None:
     dispatch_round(spec, 0)
 
 
-def data_bytes() -> int:
-    """Dataset bytes this thread has downloaded so far (pushed datasets only)."""
+def data_bytes() -> tuple[int, int]:
+    """(downloaded, read): dataset bytes this thread has downloaded so far, and read from its
+    cache (pushed datasets only)."""
     from ...data.source import machine_cache
 
     if machine_cache.cache_info().currsize == 0:  # no dataset read in this process yet
-        return 0
+        return 0, 0
     return machine_cache().thread_bytes()
+
+
+def count_data(board: RunBoard, run_id: str, worker: str, before: tuple[int, int]) -> None:
+    """Add what this thread downloaded and read since ``before`` to the worker's figures."""
+    now = data_bytes()
+    board.add_data_bytes(run_id, worker, now[0] - before[0], now[1] - before[1])
 
 
 def epochs_per_round(spec: RunSpec, recipe: Recipe) -> float:
@@ -152,7 +159,9 @@ def train_slot(self, run_id: str, r: int, i: int, sig: str | None = None) -> dic
     """What a round queues: train the shard slot i of round r is bound to (claimed on its first
     delivery, preferring a shard whose data this machine holds)."""
     def claim(board: RunBoard, spec: RunSpec, worker: str) -> layout.Label:
-        return layout.shard_label(r, board.claim_shard(run_id, r, i, worker, options(spec).shards))
+        shards = options(spec).shards
+        held = recipe_of(spec).cached_shards(shards) if r == 0 else ()  # later: ownership says
+        return layout.shard_label(r, board.claim_shard(run_id, r, i, worker, shards, held))
 
     return execute(self, run_id, layout.slot_label(r, i), ShardUnit, sig, resolve=claim)
 
@@ -178,8 +187,8 @@ class ShardUnit(Unit):
         reporter = TaskReporter(self.a.task, self.board.r, str(self.a.label), opts.sync_every, batch)
         data_before = data_bytes()
         x, y, rows = recipe.shard_data(k, opts.shards, spec.seed)
-        self.board.add_data_bytes(spec.run_id, self.a.worker, data_bytes() - data_before)
-        prefetch_next(spec, recipe, self.board, r, k, self.a.worker)
+        count_data(self.board, spec.run_id, self.a.worker, data_before)
+        prefetch_next(spec, recipe, self.board, r, self.a.worker)
         theta, self.a.bytes_down = fetch_global(spec, recipe, self.store, r)
         try:
             delta, loss, samples = train_replica(
@@ -204,27 +213,23 @@ class ShardUnit(Unit):
         return SUCCEEDED
 
 
-def next_shard_here(board: RunBoard, spec: RunSpec, r: int, k: int, worker: str) -> int | None:
-    """The shard this worker will most likely train next: its next own shard of round r not yet
-    claimed, else its first own shard (the next round starts there); None when that is ``k``."""
+def next_shard_here(board: RunBoard, spec: RunSpec, r: int, worker: str) -> int | None:
+    """The shard this worker will most likely train next in round r: its next own shard not yet
+    claimed. (Not the next round's: an outer step's evaluation, or a thief, would often take its
+    place in the cache first.)"""
     shards = options(spec).shards
-    mine = sorted(s for s, w in board.shard_owners(spec.run_id).items() if w == worker)
     left = set(board.unclaimed_shards(spec.run_id, r, shards))
-    later = [s for s in mine if s in left]
-    if later:
-        return later[0]
-    if r + 1 < options(spec).rounds and mine and mine[0] != k:
-        return mine[0]
-    return None
+    mine = sorted(s for s, w in board.shard_owners(spec.run_id).items() if w == worker and s in left)
+    return mine[0] if mine else None
 
 
-def prefetch_next(spec: RunSpec, recipe: Recipe, board: RunBoard, r: int, k: int, worker: str) -> None:
+def prefetch_next(spec: RunSpec, recipe: Recipe, board: RunBoard, r: int, worker: str) -> None:
     """Download the chunks of this worker's next shard in a thread while this one trains; its
     bytes count as this worker's. A failure here is only logged: the task that reads the chunks
     reports it."""
     if type(recipe).prefetch is Recipe.prefetch:  # data in memory: nothing to fetch
         return
-    nxt = next_shard_here(board, spec, r, k, worker)
+    nxt = next_shard_here(board, spec, r, worker)
     if nxt is None:
         return
 
@@ -232,7 +237,7 @@ def prefetch_next(spec: RunSpec, recipe: Recipe, board: RunBoard, r: int, k: int
         try:
             before = data_bytes()
             recipe.prefetch(nxt, options(spec).shards)
-            board.add_data_bytes(spec.run_id, worker, data_bytes() - before)
+            count_data(board, spec.run_id, worker, before)
         except Exception as exc:  # noqa: BLE001 - only an optimisation
             log.info("run %s: prefetching shard %d failed (%s)", spec.run_id, nxt, exc)
 
@@ -319,7 +324,7 @@ class OuterUnit(Unit):
             finalize(spec, store, self.board)
         else:
             write_manifest(store, self.board, spec.run_id)
-        self.board.add_data_bytes(spec.run_id, self.a.worker, data_bytes() - data_before)
+        count_data(self.board, spec.run_id, self.a.worker, data_before)
         return SUCCEEDED
 
     def then(self) -> None:
