@@ -25,7 +25,8 @@ _FINISH_ONCE = ("local s = redis.call('hget', KEYS[1], 'state') "
 # A round's slot → the shard it trains (see RunBoard.claim_shard). KEYS: the round's slots, the run's
 # owners; ARGV: slot, worker, shards, then the shards whose data this worker holds. Preference: a
 # shard it trained before (lowest first), else one nobody has whose data it holds, else one nobody
-# has, else the last one of the owner with the most left (work stealing).
+# has, else — work stealing — the last one of the owner with the most left, one whose data it holds
+# first. Tiers are B apart, B above any score within a tier.
 _CLAIM_SHARD = """
 local got = redis.call('hget', KEYS[1], ARGV[1])
 if got then
@@ -45,14 +46,17 @@ for k = 0, n - 1 do
   local o = owner[k]
   if not taken[k] and o then left[o] = (left[o] or 0) + 1 end
 end
-local best, score = -1, -1
+local best, score, B = -1, -1, 2 * n * n + 1
 for k = 0, n - 1 do
   if not taken[k] then
     local o, s = owner[k], 0
-    if o == ARGV[2] then s = 4 * n * n - k
-    elseif not o and held[k] then s = 3 * n * n - k
-    elseif not o then s = 2 * n * n - k
-    else s = n * left[o] + k end
+    if o == ARGV[2] then s = 4 * B - k
+    elseif not o and held[k] then s = 3 * B - k
+    elseif not o then s = 2 * B - k
+    else
+      s = n * left[o] + k
+      if held[k] then s = s + B end
+    end
     if s > score then best, score = k, s end
   end
 end
@@ -140,8 +144,9 @@ class RunBoard:
         """The shard that slot ``slot`` of round ``r`` trains, decided by the first worker to run
         the slot and fixed from then on (a redelivered or duplicate slot trains the same shard).
         A worker takes the shards it trained before first — their chunks are in its cache — then
-        shards nobody had, those whose data it ``held`` (cached from an earlier run) first, then
-        steals from the worker with the most shards left. Which machine trains a shard never
+        shards nobody had, then steals from the worker with the most shards left; among new or
+        stolen shards, those whose data it ``held`` (in its cache: an earlier run's, or one it
+        stole before) first. Which machine trains a shard never
         changes the result, only what it downloads."""
         k = int(self.r.eval(_CLAIM_SHARD, 2, layout.run_key(run_id, f"slots-r{r}"),
                             layout.run_key(run_id, "owners"), slot, worker, shards, *held))

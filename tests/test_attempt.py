@@ -178,6 +178,10 @@ def test_a_worker_claims_its_own_shards_first_then_new_ones_then_steals(world):
         claim(1, 8, "C")
     # a new run: a worker holding some shards' data (an earlier run's cache) takes those first
     assert [board.claim_shard("again", 0, i, "A", 8, held=[5, 2]) for i in range(3)] == [2, 5, 0]
+    # and a thief takes a shard whose data it holds before the busiest owner's last
+    for i, w in enumerate("BBBBB", start=3):
+        board.claim_shard("again", 0, i, w, 8)           # B: 1, 3, 4, 6, 7
+    assert [board.claim_shard("again", 1, i, "C", 8, held=[4]) for i in range(3)] == [4, 7, 6]
 
 
 def test_ensemble_duplicate_after_a_member_finished_keeps_it_in_the_vote(world):

@@ -133,7 +133,18 @@ def test_text_folders_and_saved_hugging_face_datasets(tmp_path):
             writer.write_table(table)
     hf = datasets.push(st, str(saved), "hf", label="label", val_fraction=0.25, test_fraction=0.25)
     assert hf["kind"] == "table" and hf["rows"] == {"train": 2, "val": 1, "test": 1}
-    assert datasets.names(st) == ["books", "hf"]
+    # a DatasetDict: dataset_dict.json names the splits, each a saved dataset in its own folder
+    both = tmp_path / "hfdict"
+    for split in ("train", "test"):
+        (both / split).mkdir(parents=True)
+        (both / split / "state.json").write_text("{}")
+        with pa.OSFile(str(both / split / "data-00000-of-00001.arrow"), "wb") as sink:
+            with pa.ipc.new_stream(sink, table.schema) as writer:
+                writer.write_table(table)
+    (both / "dataset_dict.json").write_text(json.dumps({"splits": ["train", "test"]}))
+    merged = datasets.push(st, str(both), "hfdict", label="label", val_fraction=0.25, test_fraction=0.25)
+    assert merged["kind"] == "table" and sum(merged["rows"].values()) == 8
+    assert datasets.names(st) == ["books", "hf", "hfdict"]
 
 
 def test_the_cache_keeps_to_its_budget_and_refuses_a_damaged_chunk(table_csv, tmp_path):

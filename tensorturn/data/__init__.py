@@ -66,8 +66,8 @@ def read_source(source: str, label: str | None = None, image_size: tuple[int, in
         else:
             raise SpecError(f"{source}: a file source must be .csv or .parquet")
         return _table(table, label, source)
-    if (path / "dataset_info.json").exists() or (path / "state.json").exists():
-        return _hf_saved(path, label)
+    if any((path / name).exists() for name in ("dataset_info.json", "state.json", "dataset_dict.json")):
+        return _hf_saved(path, label)  # a Dataset or a DatasetDict (its splits merged, split again)
     files = sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))
     if any(p.suffix.lower() in IMAGE_SUFFIXES for p in files):
         return _images(path, [p for p in files if p.suffix.lower() in IMAGE_SUFFIXES], image_size)

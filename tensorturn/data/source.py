@@ -10,6 +10,7 @@ is read by two shards.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Iterator
 from functools import lru_cache
 from itertools import accumulate
@@ -43,7 +44,11 @@ def shard_bounds(chunk_rows: list[int], shards: int) -> list[int]:
     edges = list(accumulate(chunk_rows, initial=0))
     if len(chunk_rows) < shards:
         return even
-    bounds = [min(edges, key=lambda edge: (abs(edge - b), edge)) for b in even]
+    def nearest(b: int) -> int:  # the edge nearest b, the lower one on a tie
+        i = bisect_left(edges, b)
+        return edges[i] if i == 0 or (i < len(edges) and edges[i] - b < b - edges[i - 1]) else edges[i - 1]
+
+    bounds = [nearest(b) for b in even]
     if any(lo >= hi for lo, hi in zip(bounds, bounds[1:])):
         return even
     return bounds
@@ -59,14 +64,17 @@ class Dataset:
         self.store = store or open_store(config.current().resolved_store_url())
         self.cache = cache or machine_cache()
         self.index: dict[str, Any] = show(self.store, name, version)
+        self._bounds: dict[tuple[str, int], list[int]] = {}
 
     def rows(self, split: str) -> int:
         return int(self.index["rows"][split])
 
     def shard_range(self, split: str, shards: int, k: int) -> tuple[int, int]:
         """Rows ``[start, stop)`` of shard k of ``shards`` (:func:`shard_bounds`)."""
-        bounds = shard_bounds([c["rows"] for c in self.index["splits"][split]], shards)
-        return bounds[k], bounds[k + 1]
+        key = (split, shards)
+        if key not in self._bounds:
+            self._bounds[key] = shard_bounds([c["rows"] for c in self.index["splits"][split]], shards)
+        return self._bounds[key][k], self._bounds[key][k + 1]
 
     def chunks(self, split: str, start: int = 0, stop: int | None = None
                ) -> Iterator[tuple[dict[str, Any], int, int]]:

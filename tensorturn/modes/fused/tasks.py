@@ -160,7 +160,7 @@ def train_slot(self, run_id: str, r: int, i: int, sig: str | None = None) -> dic
     delivery, preferring a shard whose data this machine holds)."""
     def claim(board: RunBoard, spec: RunSpec, worker: str) -> layout.Label:
         shards = options(spec).shards
-        held = recipe_of(spec).cached_shards(shards) if r == 0 else ()  # later: ownership says
+        held = recipe_of(spec).cached_shards(shards)
         return layout.shard_label(r, board.claim_shard(run_id, r, i, worker, shards, held))
 
     return execute(self, run_id, layout.slot_label(r, i), ShardUnit, sig, resolve=claim)
