@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 
 import numpy as np
 import pytest
@@ -145,6 +146,20 @@ def test_text_folders_and_saved_hugging_face_datasets(tmp_path):
     merged = datasets.push(st, str(both), "hfdict", label="label", val_fraction=0.25, test_fraction=0.25)
     assert merged["kind"] == "table" and sum(merged["rows"].values()) == 8
     assert datasets.names(st) == ["books", "hf", "hfdict"]
+
+
+def test_a_partial_download_of_a_dead_process_is_removed(tmp_path):
+    import subprocess
+    import sys
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    (tmp_path / "c").mkdir()
+    orphan, live = tmp_path / "c" / f".{'a' * 64}.{dead}", tmp_path / "c" / f".{'b' * 64}.{os.getpid()}"
+    orphan.write_bytes(b"x")
+    live.write_bytes(b"y")
+    ChunkCache(tmp_path / "c", 10 ** 6)
+    assert not orphan.exists() and live.exists()       # a download in progress is left alone
 
 
 def test_the_cache_keeps_to_its_budget_and_refuses_a_damaged_chunk(table_csv, tmp_path):

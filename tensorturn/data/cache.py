@@ -37,6 +37,20 @@ class ChunkCache:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.hits = self.misses = self.bytes_downloaded = 0
         self._mine = threading.local()  # this thread's figures (prefetching runs beside training)
+        self._remove_orphans()
+
+    def _remove_orphans(self) -> None:
+        """Remove partial downloads (``.<sha>.<pid>``) of processes that died writing them."""
+        for tmp in self.dir.glob(".*.*"):
+            pid = tmp.name.rpartition(".")[2]
+            if not pid.isdigit():
+                continue
+            try:
+                os.kill(int(pid), 0)
+            except ProcessLookupError:
+                tmp.unlink(missing_ok=True)
+            except PermissionError:  # alive, another user's
+                pass
 
     def thread_bytes(self) -> tuple[int, int]:
         """(downloaded, read): bytes this thread has downloaded into the cache, and bytes of

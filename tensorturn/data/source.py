@@ -105,8 +105,12 @@ class Dataset:
         return all(self.cache.has(chunk) for chunk, _, _ in self.chunks(split, start, stop))
 
     def prefetch(self, split: str, start: int = 0, stop: int | None = None) -> None:
-        """Bring the chunks of rows ``[start, stop)`` into the cache (a task about to read them)."""
-        self.cache.warm(self.store, [chunk for chunk, _, _ in self.chunks(split, start, stop)])
+        """Bring the chunks of rows ``[start, stop)`` into the cache (a task about to read them);
+        nothing when the cache cannot hold twice as much — the shard just read and this one —
+        since fetching then evicts what the round still reads, and costs bytes instead of saving them."""
+        wanted = [chunk for chunk, _, _ in self.chunks(split, start, stop)]
+        if 2 * sum(int(c.get("bytes", 0)) for c in wanted) <= self.cache.budget:
+            self.cache.warm(self.store, wanted)
 
     def batches(self, split: str) -> Iterator[pa.Table]:
         """The split chunk by chunk (what evaluation streams over)."""
