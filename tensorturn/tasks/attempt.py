@@ -6,7 +6,8 @@ the vote — and :func:`execute` runs it in this order:
 0. **Signed?** A message whose signature (:func:`signed`, an HMAC of the run and unit under the
    pool key) does not verify is refused before anything is read: someone with access to the
    broker but not the key queued it. The agent's own store is used, never one named in a message.
-1. **Finished run?** A task of a succeeded or failed run returns at once.
+1. **Finished run?** A task of a succeeded or failed run returns at once. A message that names
+   a *slot* (a fused round's) is then bound to its unit, once (:meth:`RunBoard.claim_shard`).
 2. **Already done?** A unit whose output is stored (a duplicate or late delivery, a retry of work
    another attempt finished) writes *no* state: it only makes sure its follow-up is queued
    (:meth:`Unit.then`, guarded by one-time claims), and records a ``duplicate_ignored`` incident.

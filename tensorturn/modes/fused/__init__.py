@@ -7,7 +7,9 @@ Guarantees:
 
 * Shards are *virtual replicas*: the result depends on (S, H, seed, threads) only — not on which
   machines, or how many, ran the shards.
-* A round is a Celery chord: header = one task per shard, body = the outer step. Every task goes
+* A round is a Celery chord: header = one task per shard — a *slot*, bound to a shard by the
+  first worker that runs it, which takes a shard it trained before where it can (its chunks are
+  cached there) — body = the outer step. Every task goes
   through the attempt protocol (:mod:`tensorturn.tasks.attempt`): outputs sit at fixed keys, a
   duplicate or late attempt changes nothing, the outer step checks completeness in the store
   (the chord counter alone is not proof), and the next round is queued once.

@@ -168,7 +168,8 @@ def train_slot(self, run_id: str, r: int, i: int, sig: str | None = None) -> dic
 
 @app.task(bind=True, name="tensorturn.fused.train_shard", max_retries=None)
 def train_shard(self, run_id: str, r: int, k: int, sig: str | None = None) -> dict[str, Any]:
-    """Train shard k for one round from θ_r and upload its pseudo-gradient."""
+    """Train shard k for one round from θ_r and upload its pseudo-gradient (a named shard: what
+    a slot becomes once bound; rounds queue slots)."""
     return execute(self, run_id, layout.shard_label(r, k), ShardUnit, sig)
 
 
