@@ -68,10 +68,15 @@ def weighted_average(deltas: list[StateDict], samples: list[int]) -> StateDict:
     total = float(sum(samples))
     out: StateDict = {}
     for delta, n in zip(deltas, samples):
-        w = n / total
-        for name, value in delta.items():
-            out[name] = out[name] + w * value if name in out else w * value
+        accumulate(out, delta, n / total)
     return out
+
+
+def accumulate(into: StateDict, delta: StateDict, w: float) -> None:
+    """``into += w·delta`` in place, key by key — one step of :func:`weighted_average`, so a
+    streaming average (one shard in memory at a time) is bit-identical to the list's."""
+    for name, value in delta.items():
+        into[name] = into[name] + w * value if name in into else w * value
 
 
 def outer_update(theta: StateDict, delta: StateDict, momentum_buf: StateDict | None,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors.torch import load as st_load
@@ -20,6 +21,9 @@ BROADCAST_FORMAT = "tensorturn-broadcast/1"  # θ_{r+1} − θ_r for the downloa
 ENSEMBLE_FORMAT = "tensorturn-ensemble/1"
 CODECS = ("fp32", "fp16", "int8")
 INT8_BLOCK = 256
+
+if TYPE_CHECKING:
+    from .store import Store
 
 StateDict = dict[str, torch.Tensor]
 
@@ -48,6 +52,14 @@ def metadata_of(data: bytes) -> dict[str, str]:
     n = int.from_bytes(data[:8], "little")
     header = json.loads(data[8:8 + n])
     return header.get("__metadata__", {})
+
+
+def stored_metadata(store: Store, key: str) -> dict[str, str]:
+    """The metadata of a stored safetensors file, from its header alone (two range reads)."""
+    n = int.from_bytes(store.get_range(key, 0, 8), "little")
+    if not 0 < n < 100 * 1024 ** 2:
+        raise ValueError(f"{key}: not a safetensors file (header length {n})")
+    return json.loads(store.get_range(key, 8, 8 + n)).get("__metadata__", {})
 
 
 def model_bytes(state: StateDict, recipe: str, config: dict,

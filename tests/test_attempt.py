@@ -159,6 +159,32 @@ def test_slots_bind_to_shards_once_and_give_the_model_shards_give(world):
     assert kinds(doc).count("duplicate_ignored") == 2
 
 
+def test_the_streaming_outer_step_gives_the_list_averages_bits(world):
+    """The outer step reads one shard at a time; θ_{r+1} must be what averaging the list of all
+    shards' deltas (the arithmetic before streaming) and stepping gives, to the bit."""
+    from tensorturn import layout
+    from tensorturn.diloco import outer_update
+    from tensorturn.recipes import recipe_of
+    from tensorturn.store import open_store, sha256_hex
+    from tensorturn.tensors import delta_from_bytes, from_bytes
+
+    spec = submit(world, "stream", **{**FUSED, "shards": 3, "outer": "sgd"})
+    drive_fused(spec)
+    store, recipe = open_store(spec.store_url), recipe_of(spec)
+    for r in range(2):
+        decoded = [delta_from_bytes(store.get_bytes(layout.key("shard", spec.run_id, r, k))) for k in range(3)]
+        total = float(sum(int(meta["samples"]) for _, meta in decoded))
+        listed: dict = {}
+        for delta, meta in decoded:  # the list-based average, as it was written
+            w = int(meta["samples"]) / total
+            for name, value in delta.items():
+                listed[name] = listed[name] + w * value if name in listed else w * value
+        theta = from_bytes(store.get_bytes(layout.key("global", spec.run_id, r)))
+        stepped, _ = outer_update(theta, listed, None, 1.0, 0.0, nesterov=False)
+        expected = sha256_hex(fused.global_bytes(spec, recipe, stepped))
+        assert expected == sha256_hex(store.get_bytes(layout.key("global", spec.run_id, r + 1)))
+
+
 def test_a_worker_claims_its_own_shards_first_then_new_ones_then_steals(world):
     board, run = world.board, "affinity"
     claim = lambda r, i, w: board.claim_shard(run, r, i, w, 8)  # noqa: E731

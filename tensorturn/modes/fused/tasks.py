@@ -22,6 +22,7 @@ from ...celery_app import app, forget_results
 from ...device import pick_device
 from ...diloco import (
     UpdateRejected,
+    accumulate,
     apply_step,
     check_update,
     compress_broadcast,
@@ -29,7 +30,6 @@ from ...diloco import (
     outer_update,
     round_figures,
     train_replica,
-    weighted_average,
 )
 from ...manifest import save_spec, write_manifest
 from ...recipes import Recipe, recipe_of, resolve
@@ -46,6 +46,7 @@ from ...tensors import (
     from_bytes,
     metadata_of,
     model_bytes,
+    stored_metadata,
     to_bytes,
 )
 from ...training import derive_seed, load_model, set_threads
@@ -336,26 +337,38 @@ class OuterUnit(Unit):
 
 def outer_round(spec: RunSpec, store: Store, r: int) -> dict[str, Any]:
     """Average round r's stored pseudo-gradients into θ_{r+1} (or reuse it, when a previous
-    attempt stored it) and evaluate it; returns the round's record."""
+    attempt stored it) and evaluate it; returns the round's record.
+
+    The average streams: each shard's weight comes from its file's header first, then the shards
+    are read and added one at a time in shard order — the same arithmetic as averaging a list, so
+    the same bits — and at most one shard's delta is in memory beside the sum, whatever S."""
     run_id, shards = spec.run_id, options(spec).shards
-    missing = [k for k in range(shards) if not store.exists(layout.key("shard", run_id, r, k))]
+    keys = [layout.key("shard", run_id, r, k) for k in range(shards)]
+    missing = [k for k, key in enumerate(keys) if not store.exists(key)]
     if missing:
         raise RuntimeError(f"round {r}: shard outputs missing for shards {missing}")
-    deltas, samples, losses, bytes_up, bytes_down = [], [], [], 0, 0
-    for k in range(shards):
-        blob = store.get_bytes(layout.key("shard", run_id, r, k))
-        delta, meta = delta_from_bytes(blob)
-        deltas.append(delta)
-        samples.append(int(meta["samples"]))
+    samples = [int(stored_metadata(store, key)["samples"]) for key in keys]
+    next_key = layout.key("global", run_id, r + 1)
+    decided = store.exists(next_key)  # a previous attempt decided θ_{r+1} already
+    avg: StateDict = {}
+    losses, bytes_up, bytes_down = [], 0, 0
+    for k, key in enumerate(keys):
+        blob = store.get_bytes(key)
+        meta = metadata_of(blob)
+        if int(meta["samples"]) != samples[k]:  # shard outputs are never overwritten
+            raise RuntimeError(f"round {r}: shard {k}'s output changed while it was averaged")
         losses.append(float(meta["loss"]))
         bytes_up += len(blob)
         bytes_down += int(meta["bytes_down"])
+        if not decided:
+            accumulate(avg, delta_from_bytes(blob)[0], samples[k] / float(sum(samples)))
+        del blob
     recipe = recipe_of(spec)
-    next_key = layout.key("global", run_id, r + 1)
-    if store.exists(next_key):  # a previous attempt decided θ_{r+1} already
+    if decided:
         new_theta = from_bytes(store.get_bytes(next_key))
     else:
-        new_theta = step_global(spec, recipe, store, r, weighted_average(deltas, samples))
+        new_theta = step_global(spec, recipe, store, r, avg)
+    del avg
     set_threads(spec.threads_per_task)
     device = pick_device()
     model = load_model(recipe, new_theta, recipe.default_config(), device)
