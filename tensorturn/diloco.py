@@ -80,27 +80,36 @@ def accumulate(into: StateDict, delta: StateDict, w: float) -> None:
 
 
 def outer_update(theta: StateDict, delta: StateDict, momentum_buf: StateDict | None,
-                 lr: float, momentum: float, nesterov: bool) -> tuple[StateDict, StateDict]:
+                 lr: float, momentum: float, nesterov: bool,
+                 consume: bool = False) -> tuple[StateDict, StateDict]:
     """One outer step on the averaged pseudo-gradient ``delta`` (the "gradient" is θ_r − θ_avg).
 
     Same update as ``torch.optim.SGD(lr, momentum, nesterov)``:
     ``b ← μ·b + Δ``;  ``θ ← θ − lr·(Δ + μ·b)`` with Nesterov, ``θ ← θ − lr·b`` without.
     Entries without a delta (integer buffers) are copied through. Returns (θ_new, b_new).
+
+    With ``consume`` the inputs' entries are removed as they are used, so memory holds about one
+    copy of each of θ, Δ and b at any time rather than old and new side by side (big models).
     """
     new_theta, new_buf = {}, {}
-    for name, value in theta.items():
-        if name not in delta:
-            new_theta[name] = value.clone()
+    take = (lambda d, k: d.pop(k, None)) if consume else (lambda d, k: d.get(k))
+    for name in list(theta):
+        value = take(theta, name)
+        d = take(delta, name)
+        if d is None:
+            new_theta[name] = value if consume else value.clone()
             continue
-        d = delta[name].to(torch.float32)
+        d = d.to(torch.float32)
         if momentum:
-            prev = momentum_buf.get(name) if momentum_buf else None
+            prev = take(momentum_buf, name) if momentum_buf else None
             buf = d.clone() if prev is None else prev * momentum + d
+            del prev
             new_buf[name] = buf
             step = d + momentum * buf if nesterov else buf
         else:
             step = d
         new_theta[name] = (value.to(torch.float32) - lr * step).to(value.dtype)
+        del value, d, step
     return new_theta, new_buf
 
 

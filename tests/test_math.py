@@ -42,6 +42,20 @@ def test_outer_step_equals_torch_sgd_nesterov():
         assert torch.allclose(ours[k], params[k].detach(), atol=1e-6)
 
 
+@pytest.mark.parametrize("momentum,nesterov", [(0.9, True), (0.9, False), (0.0, False)])
+def test_a_consuming_outer_step_gives_the_same_bits_and_empties_its_inputs(momentum, nesterov):
+    torch.manual_seed(1)
+    theta = {"a": torch.randn(7, 3), "b": torch.randn(3), "n": torch.tensor(4)}
+    delta = {k: torch.randn_like(v) for k, v in theta.items() if v.is_floating_point()}
+    buf = {k: torch.randn_like(v) for k, v in delta.items()}
+    kept = outer_update(theta, delta, buf, 0.7, momentum, nesterov)
+    copies = [{k: v.clone() for k, v in d.items()} for d in (theta, delta, buf)]
+    used = outer_update(*copies, 0.7, momentum, nesterov, consume=True)
+    for want, got in zip(kept, used):
+        assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    assert not copies[0] and not copies[1] and len(copies[2]) == (0 if momentum else len(buf))
+
+
 def test_sgd_lr1_is_fedavg():
     theta = {"w": torch.tensor([1.0, 1.0])}
     trained = [torch.tensor([0.0, 2.0]), torch.tensor([2.0, 4.0])]

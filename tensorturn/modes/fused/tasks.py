@@ -161,7 +161,10 @@ def train_slot(self, run_id: str, r: int, i: int, sig: str | None = None) -> dic
     delivery, preferring a shard whose data this machine holds)."""
     def claim(board: RunBoard, spec: RunSpec, worker: str) -> layout.Label:
         shards = options(spec).shards
-        held = recipe_of(spec).cached_shards(shards)
+        try:
+            held = recipe_of(spec).cached_shards(shards)
+        except Exception:  # noqa: BLE001 - the shard's own attempt meets it again, and records it
+            held = []
         return layout.shard_label(r, board.claim_shard(run_id, r, i, worker, shards, held))
 
     return execute(self, run_id, layout.slot_label(r, i), ShardUnit, sig, resolve=claim)
@@ -380,10 +383,11 @@ def step_global(spec: RunSpec, recipe: Recipe, store: Store, r: int, avg: StateD
     """θ_{r+1} from θ_r and the averaged pseudo-gradient; stores the outer state, the broadcast
     delta (compressed runs) and then θ_{r+1}, whose existence decides the round."""
     run_id, opts = spec.run_id, options(spec)
-    theta_bytes = store.get_bytes(layout.key("global", run_id, r))
-    theta = from_bytes(theta_bytes)
     if opts.outer == "auto":  # start decides it before the spec is stored
         raise RuntimeError(f"run {run_id}: its spec never decided --outer auto")
+    theta_bytes = store.get_bytes(layout.key("global", run_id, r))
+    theta, theta_sha = from_bytes(theta_bytes), sha256_hex(theta_bytes)
+    del theta_bytes  # (big models: one copy of each state at a time; avg is used up below)
     use_momentum = opts.outer == "nesterov" and opts.outer_momentum > 0
     compress = opts.codec != "fp32" and r + 1 < opts.rounds  # the final θ is kept exact
     state: StateDict = {}
@@ -392,23 +396,27 @@ def step_global(spec: RunSpec, recipe: Recipe, store: Store, r: int, avg: StateD
         state = from_bytes(store.get_bytes(state_key))  # (no residual yet: a run from before)
     buf = {k: v for k, v in state.items() if not k.startswith(RESIDUAL)}
     residual = {k[len(RESIDUAL):]: v for k, v in state.items() if k.startswith(RESIDUAL)}
+    del state
+    shapes = {k: list(theta[k].shape) for k in float_keys(theta)}
     new_theta, new_buf = outer_update(
         theta, avg, buf or None, float(opts.outer_lr or 0),
-        opts.outer_momentum if use_momentum else 0.0, nesterov=use_momentum)
+        opts.outer_momentum if use_momentum else 0.0, nesterov=use_momentum,
+        consume=not compress)  # compressing needs θ_r still
     packed: dict = {}
     if compress:
         packed, new_theta, new_residual = compress_broadcast(theta, new_theta, residual or None,
                                                              opts.codec)
         new_buf.update({RESIDUAL + k: v for k, v in new_residual.items()})
+    del theta
     if new_buf:  # the outer state of r+1 is stored before θ_{r+1} decides the round
         store.put_bytes(layout.key("outer", run_id, r + 1), to_bytes(new_buf))
+    del new_buf
     new_bytes = global_bytes(spec, recipe, new_theta)
     if compress:
-        shapes = {k: list(theta[k].shape) for k in float_keys(theta)}
         store.put_bytes(layout.key("broadcast", run_id, r + 1), to_bytes(packed, {
             "format": BROADCAST_FORMAT, "codec": opts.codec,
             "shapes": json.dumps(shapes, sort_keys=True),
-            "base_sha256": sha256_hex(theta_bytes), "sha256": sha256_hex(new_bytes)}))
+            "base_sha256": theta_sha, "sha256": sha256_hex(new_bytes)}))
     store.put_bytes(layout.key("global", run_id, r + 1), new_bytes)
     return new_theta
 
