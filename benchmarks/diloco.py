@@ -85,7 +85,7 @@ from tensorturn.modes.fused import tasks as fused
 from tensorturn.recipes import load_splits, resolve
 from tensorturn.spec import RunSpec
 from tensorturn.store import open_store, sha256_hex
-from tensorturn.tensors import delta_bytes, delta_from_bytes
+from tensorturn.tensors import delta_bytes, delta_from_bytes, from_bytes
 from tensorturn.training import derive_seed, set_threads, train_steps
 
 RECIPE = "charlm"
@@ -141,7 +141,8 @@ def fused_inprocess(spec: RunSpec) -> dict[str, Any]:
                 samples.append(n)
                 losses.append(loss)
                 up += len(blob)
-            theta = fused.step_global(spec, recipe, store, r, diloco.weighted_average(deltas, samples))
+            fused.step_global(spec, recipe, store, r, diloco.weighted_average(deltas, samples))
+            theta = from_bytes(store.get_bytes(layout.key("global", spec.run_id, r + 1)))
             model = fresh_model(recipe, config, theta, torch.device("cpu"))
             val = recipe.evaluate(model, splits.x_val, splits.y_val)
             rounds.append(diloco.round_figures(losses, samples, val, up,

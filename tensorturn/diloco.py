@@ -76,7 +76,10 @@ def accumulate(into: StateDict, delta: StateDict, w: float) -> None:
     """``into += w·delta`` in place, key by key — one step of :func:`weighted_average`, so a
     streaming average (one shard in memory at a time) is bit-identical to the list's."""
     for name, value in delta.items():
-        into[name] = into[name] + w * value if name in into else w * value
+        if name in into:
+            into[name].add_(w * value)  # the same rounding as into + w·value, without a new sum
+        else:
+            into[name] = w * value
 
 
 def outer_update(theta: StateDict, delta: StateDict, momentum_buf: StateDict | None,

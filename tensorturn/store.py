@@ -14,12 +14,13 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import tempfile
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, BinaryIO, TypeVar
 from urllib.parse import unquote, urlsplit
 
 from . import config
@@ -45,6 +46,15 @@ def sha256_hex(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+def file_sha256(path: Path) -> str:
+    """The sha256 of a file, read in 1 MiB pieces."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while piece := f.read(1 << 20):
+            digest.update(piece)
+    return digest.hexdigest()
+
+
 class Store(ABC):
     """A flat key → bytes map with atomic puts."""
 
@@ -60,6 +70,12 @@ class Store(ABC):
 
     @abstractmethod
     def _get_range(self, key: str, start: int, stop: int) -> bytes: ...
+
+    @abstractmethod
+    def _put_file(self, key: str, path: Path, sha256: str) -> None: ...
+
+    @abstractmethod
+    def _get_file(self, key: str, path: Path) -> None: ...
 
     @abstractmethod
     def _exists(self, key: str) -> bool: ...
@@ -103,6 +119,18 @@ class Store(ABC):
     def get_bytes(self, key: str) -> bytes:
         return self._retrying("read", key, lambda: self._get(key))
 
+    def put_file(self, key: str, path: Path | str) -> str:
+        """Store a local file's bytes without reading them into memory (S3: a multipart upload,
+        its parts retried; the object appears whole or not at all). Returns their sha256."""
+        path = Path(path)
+        digest = file_sha256(path)
+        self._retrying("write", key, lambda: self._put_file(key, path, digest))
+        return digest
+
+    def get_file(self, key: str, path: Path | str) -> None:
+        """Write an object to a local file without holding it in memory (S3: ranged parts)."""
+        self._retrying("read", key, lambda: self._get_file(key, Path(path)))
+
     def get_range(self, key: str, start: int, stop: int) -> bytes:
         """Bytes ``[start, stop)`` of an object (unverified: its sha256 covers the whole)."""
         return self._retrying("read", key, lambda: self._get_range(key, start, stop))
@@ -143,18 +171,35 @@ class FileStore(Store):
         return self.root / check_key(key)
 
     def _put(self, key: str, data: bytes, sha256: str) -> None:
+        self._write(key, lambda f: f.write(data))
+
+    def _put_file(self, key: str, path: Path, sha256: str) -> None:
+        def copy(f: BinaryIO) -> None:
+            with open(path, "rb") as source:
+                shutil.copyfileobj(source, f, 1 << 20)
+
+        self._write(key, copy)
+
+    def _write(self, key: str, fill: Callable[[BinaryIO], Any]) -> None:
+        """Write an object through a temporary file renamed into place: it appears whole."""
         path = self._path(key)
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
         try:
             with os.fdopen(fd, "wb") as f:
-                f.write(data)
+                fill(f)
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, path)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
+
+    def _get_file(self, key: str, path: Path) -> None:
+        try:
+            shutil.copyfile(self._path(key), path)
+        except FileNotFoundError:
+            raise ObjectMissing(f"store {self.url}: no object {key}") from None
 
     def _get(self, key: str) -> bytes:
         try:
@@ -236,6 +281,20 @@ class S3Store(Store):
                 raise ObjectMissing(f"store {self.url}: no object {key}") from None
             raise
 
+    def _put_file(self, key: str, path: Path, sha256: str) -> None:
+        self.client.upload_file(str(path), self.bucket, self._key(key), Config=transfer_config(),
+                                ExtraArgs={"Metadata": {"sha256": sha256}})
+
+    def _get_file(self, key: str, path: Path) -> None:
+        from botocore.exceptions import ClientError
+
+        try:
+            self.client.download_file(self.bucket, self._key(key), str(path), Config=transfer_config())
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") in {"NoSuchKey", "404", "NotFound"}:
+                raise ObjectMissing(f"store {self.url}: no object {key}") from None
+            raise
+
     def _get_range(self, key: str, start: int, stop: int) -> bytes:
         from botocore.exceptions import ClientError
 
@@ -275,6 +334,15 @@ class S3Store(Store):
 
 
 _BACKENDS: dict[str, Callable[[str], Store]] = {"file": FileStore, "s3": S3Store}
+
+
+def transfer_config() -> Any:
+    """boto3's transfer manager: objects over 64 MiB move in 16 MiB parts, 4 at a time, each
+    part retried on its own; memory holds a few parts, never the object."""
+    from boto3.s3.transfer import TransferConfig
+
+    return TransferConfig(multipart_threshold=64 * 1024 ** 2, multipart_chunksize=16 * 1024 ** 2,
+                          max_concurrency=4, use_threads=True)
 
 
 def open_store(url: str, settings: config.Settings | None = None) -> Store:

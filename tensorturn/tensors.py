@@ -65,11 +65,15 @@ def stored_metadata(store: Store, key: str) -> dict[str, str]:
 def model_bytes(state: StateDict, recipe: str, config: dict,
                 options: dict | None = None) -> bytes:
     """A model file: weights plus the recipe name, options and model config to rebuild it."""
-    meta = {"format": MODEL_FORMAT, "recipe": recipe,
-            "config": json.dumps(config, sort_keys=True)}
+    return to_bytes(state, model_metadata(recipe, config, options))
+
+
+def model_metadata(recipe: str, config: dict, options: dict | None = None) -> dict[str, str]:
+    """What a model file says of itself beside its weights."""
+    meta = {"format": MODEL_FORMAT, "recipe": recipe, "config": json.dumps(config, sort_keys=True)}
     if options:
         meta["recipe_options"] = json.dumps(options, sort_keys=True)
-    return to_bytes(state, meta)
+    return meta
 
 
 def ensemble_bytes(members: list[tuple[int, StateDict, dict]], recipe: str, vote: str,

@@ -159,19 +159,26 @@ def test_slots_bind_to_shards_once_and_give_the_model_shards_give(world):
     assert kinds(doc).count("duplicate_ignored") == 2
 
 
-def test_the_streaming_outer_step_gives_the_list_averages_bits(world):
-    """The outer step reads one shard at a time; θ_{r+1} must be what averaging the list of all
-    shards' deltas (the arithmetic before streaming) and stepping gives, to the bit."""
+@pytest.mark.parametrize("outer,codec", [("sgd", "fp32"), ("nesterov", "fp32"), ("nesterov", "int8")])
+def test_the_streaming_outer_step_gives_the_list_averages_bits(world, outer, codec):
+    """The outer step reads one shard and one tensor at a time and writes θ_{r+1} the same way;
+    θ_{r+1} must be what averaging the list of all shards' deltas (the arithmetic before
+    streaming) and stepping in memory gives, to the bit. (A compressed round's θ is the
+    broadcast's, stepped in memory: only uncompressed rounds stream.)"""
     from tensorturn import layout
     from tensorturn.diloco import outer_update
     from tensorturn.recipes import recipe_of
     from tensorturn.store import open_store, sha256_hex
     from tensorturn.tensors import delta_from_bytes, from_bytes
 
-    spec = submit(world, "stream", **{**FUSED, "shards": 3, "outer": "sgd"})
+    spec = submit(world, f"stream-{outer}-{codec}", **{**FUSED, "rounds": 3, "shards": 3,
+                                                        "outer": outer, "codec": codec})
     drive_fused(spec)
-    store, recipe = open_store(spec.store_url), recipe_of(spec)
-    for r in range(2):
+    store, recipe, opts = open_store(spec.store_url), recipe_of(spec), spec.options
+    compared = 0
+    for r in range(3):
+        if codec != "fp32" and r + 1 < 3:
+            continue
         decoded = [delta_from_bytes(store.get_bytes(layout.key("shard", spec.run_id, r, k))) for k in range(3)]
         total = float(sum(int(meta["samples"]) for _, meta in decoded))
         listed: dict = {}
@@ -180,9 +187,17 @@ def test_the_streaming_outer_step_gives_the_list_averages_bits(world):
             for name, value in delta.items():
                 listed[name] = listed[name] + w * value if name in listed else w * value
         theta = from_bytes(store.get_bytes(layout.key("global", spec.run_id, r)))
-        stepped, _ = outer_update(theta, listed, None, 1.0, 0.0, nesterov=False)
+        buf = None
+        if r > 0 and outer == "nesterov":
+            buf = {k: v for k, v in from_bytes(store.get_bytes(layout.key("outer", spec.run_id, r))).items()
+                   if not k.startswith("residual::")}
+        nesterov = outer == "nesterov"
+        stepped, _ = outer_update(theta, listed, buf, opts.outer_lr, opts.outer_momentum if nesterov else 0.0,
+                                  nesterov=nesterov)
         expected = sha256_hex(fused.global_bytes(spec, recipe, stepped))
-        assert expected == sha256_hex(store.get_bytes(layout.key("global", spec.run_id, r + 1)))
+        assert expected == sha256_hex(store.get_bytes(layout.key("global", spec.run_id, r + 1))), r
+        compared += 1
+    assert compared == (3 if codec == "fp32" else 1)
 
 
 def test_a_worker_claims_its_own_shards_first_then_new_ones_then_steals(world):

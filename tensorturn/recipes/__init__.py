@@ -28,6 +28,7 @@ BUILTIN: dict[str, str] = {
     "charlm": "tensorturn.recipes.charlm:CharLM",
     "tabular": "tensorturn.recipes.tabular:Tabular",
     "textlm": "tensorturn.recipes.textlm:TextLM",
+    "gpt2-small": "tensorturn.recipes.gpt2:GPT2Small",
     "image-folder": "tensorturn.recipes.imagefolder:ImageFolder",
 }
 

@@ -6,13 +6,17 @@ units say when their output exists, how to make it, and what follows.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
+import tempfile
 import threading
 from collections import OrderedDict
+from pathlib import Path
 from typing import Any
 
+import torch
 from celery import chord
 
 from ... import layout
@@ -37,6 +41,7 @@ from ...spec import RunSpec
 from ...store import ObjectMissing, Store, sha256_hex
 from ...tasks.attempt import LATE, SUCCEEDED, Unit, chord_failed, execute, signed
 from ...telemetry import TaskReporter
+from ...tensorfile import DTYPES, TensorReader, TensorWriter, delta_tensors
 from ...tensors import (
     BROADCAST_FORMAT,
     StateDict,
@@ -46,6 +51,7 @@ from ...tensors import (
     from_bytes,
     metadata_of,
     model_bytes,
+    model_metadata,
     stored_metadata,
     to_bytes,
 )
@@ -342,66 +348,138 @@ def outer_round(spec: RunSpec, store: Store, r: int) -> dict[str, Any]:
     """Average round r's stored pseudo-gradients into θ_{r+1} (or reuse it, when a previous
     attempt stored it) and evaluate it; returns the round's record.
 
-    The average streams: each shard's weight comes from its file's header first, then the shards
-    are read and added one at a time in shard order — the same arithmetic as averaging a list, so
-    the same bits — and at most one shard's delta is in memory beside the sum, whatever S."""
+    Everything streams through local files, tensor by tensor, so memory holds one model-sized
+    sum and one tensor at a time, whatever S: each shard's weight comes from its file's header
+    first, then each shard is downloaded (multipart on S3), read one tensor at a time and added
+    in shard order — the list average's arithmetic, so the same bits — then θ_{r+1} is written
+    (:func:`step_global`) and read back to be evaluated."""
+    with tempfile.TemporaryDirectory(prefix="tt-outer-") as tmp:
+        losses, samples, bytes_up, bytes_down = average_and_step(spec, store, r, Path(tmp))
+        path = Path(tmp) / "next"
+        store.get_file(layout.key("global", spec.run_id, r + 1), path)
+        with TensorReader(path) as f:
+            new_theta = f.all()
+    recipe = recipe_of(spec)
+    set_threads(spec.threads_per_task)
+    device = pick_device()
+    model = load_model(recipe, new_theta, recipe.default_config(), device)
+    del new_theta
+    val = recipe.evaluate_split(model, "val", device, spec.eval_batches)
+    return round_figures(losses, samples, val, bytes_up, bytes_down, r)
+
+
+def average_and_step(spec: RunSpec, store: Store, r: int, scratch: Path
+                     ) -> tuple[list[float], list[int], int, int]:
+    """Round r's average and outer step (unless θ_{r+1} is stored already), through files in
+    ``scratch``; returns the shards' (losses, samples, bytes up, bytes down)."""
     run_id, shards = spec.run_id, options(spec).shards
     keys = [layout.key("shard", run_id, r, k) for k in range(shards)]
     missing = [k for k, key in enumerate(keys) if not store.exists(key)]
     if missing:
         raise RuntimeError(f"round {r}: shard outputs missing for shards {missing}")
     samples = [int(stored_metadata(store, key)["samples"]) for key in keys]
-    next_key = layout.key("global", run_id, r + 1)
-    decided = store.exists(next_key)  # a previous attempt decided θ_{r+1} already
+    decided = store.exists(layout.key("global", run_id, r + 1))  # by a previous attempt
     avg: StateDict = {}
     losses, bytes_up, bytes_down = [], 0, 0
     for k, key in enumerate(keys):
-        blob = store.get_bytes(key)
-        meta = metadata_of(blob)
-        if int(meta["samples"]) != samples[k]:  # shard outputs are never overwritten
-            raise RuntimeError(f"round {r}: shard {k}'s output changed while it was averaged")
-        losses.append(float(meta["loss"]))
-        bytes_up += len(blob)
-        bytes_down += int(meta["bytes_down"])
-        if not decided:
-            accumulate(avg, delta_from_bytes(blob)[0], samples[k] / float(sum(samples)))
-        del blob
-    recipe = recipe_of(spec)
-    if decided:
-        new_theta = from_bytes(store.get_bytes(next_key))
-    else:
-        new_theta = step_global(spec, recipe, store, r, avg)
-    del avg
-    set_threads(spec.threads_per_task)
-    device = pick_device()
-    model = load_model(recipe, new_theta, recipe.default_config(), device)
-    val = recipe.evaluate_split(model, "val", device, spec.eval_batches)
-    return round_figures(losses, samples, val, bytes_up, bytes_down, r)
+        path = scratch / f"shard-{k}"
+        store.get_file(key, path)
+        with TensorReader(path) as shard:
+            meta = shard.metadata
+            if int(meta["samples"]) != samples[k]:  # shard outputs are never overwritten
+                raise RuntimeError(f"round {r}: shard {k}'s output changed while it was averaged")
+            losses.append(float(meta["loss"]))
+            bytes_up += path.stat().st_size
+            bytes_down += int(meta["bytes_down"])
+            if not decided:
+                w = samples[k] / float(sum(samples))
+                for name, value in delta_tensors(shard):
+                    accumulate(avg, {name: value}, w)
+        path.unlink()
+    if not decided:
+        step_global(spec, recipe_of(spec), store, r, avg, scratch)
+    return losses, samples, bytes_up, bytes_down
 
 
-def step_global(spec: RunSpec, recipe: Recipe, store: Store, r: int, avg: StateDict) -> StateDict:
-    """θ_{r+1} from θ_r and the averaged pseudo-gradient; stores the outer state, the broadcast
-    delta (compressed runs) and then θ_{r+1}, whose existence decides the round."""
-    run_id, opts = spec.run_id, options(spec)
+def step_global(spec: RunSpec, recipe: Recipe, store: Store, r: int, avg: StateDict,
+                scratch: Path | None = None) -> None:
+    """Store θ_{r+1} from θ_r and the averaged pseudo-gradient ``avg`` (used up): first the outer
+    state and, in compressed runs, the broadcast delta, then θ_{r+1}, whose existence decides
+    the round. With a ``scratch`` folder and an uncompressed broadcast it streams (see
+    :func:`_step_streaming`); compressing the broadcast needs the whole θ in memory."""
+    opts = options(spec)
     if opts.outer == "auto":  # start decides it before the spec is stored
-        raise RuntimeError(f"run {run_id}: its spec never decided --outer auto")
+        raise RuntimeError(f"run {spec.run_id}: its spec never decided --outer auto")
+    compress = opts.codec != "fp32" and r + 1 < opts.rounds  # the final θ is kept exact
+    if scratch is not None and not compress:
+        _step_streaming(spec, recipe, store, r, avg, scratch)
+    else:
+        _step_in_memory(spec, recipe, store, r, avg, compress)
+
+
+def _outer_args(spec: RunSpec) -> tuple[float, float, bool]:
+    opts = options(spec)
+    use_momentum = opts.outer == "nesterov" and opts.outer_momentum > 0
+    return float(opts.outer_lr or 0), opts.outer_momentum if use_momentum else 0.0, use_momentum
+
+
+def _step_streaming(spec: RunSpec, recipe: Recipe, store: Store, r: int, avg: StateDict,
+                    scratch: Path) -> None:
+    """The outer step tensor by tensor: θ_r and the momentum are read from files one tensor at
+    a time, θ_{r+1} and the new momentum written the same way, each in its file's order (the
+    momentum's pass recomputes its values: the same arithmetic, so the same bits)."""
+    run_id, opts = spec.run_id, options(spec)
+    lr, momentum, nesterov = _outer_args(spec)
+    theta_path, state_path = scratch / "theta", scratch / "state"
+    store.get_file(layout.key("global", run_id, r), theta_path)
+    state_key = layout.key("outer", run_id, r)
+    has_state = r > 0 and (bool(momentum) or (opts.codec != "fp32" and store.exists(state_key)))
+    if has_state:
+        store.get_file(state_key, state_path)
+    with TensorReader(theta_path) as theta, \
+            (TensorReader(state_path) if has_state else contextlib.nullcontext()) as state:
+        def step(name: str) -> tuple[StateDict, StateDict]:
+            prev = state.get(name) if momentum and state is not None and name in state.entries else None
+            d = {name: avg[name]} if name in avg else {}
+            return outer_update({name: theta.get(name)}, d, {name: prev} if prev is not None else None,
+                                lr, momentum, nesterov)
+
+        specs = {name: (DTYPES[e["dtype"]], e["shape"]) for name, e in theta.entries.items()}
+        new_theta_path = scratch / "theta-next"
+        with TensorWriter(new_theta_path, specs, model_metadata(
+                spec.recipe, recipe.default_config(), spec.recipe_options)) as out:
+            for name in out.order:
+                out.write(name, step(name)[0][name])
+            out.close()
+        if momentum:  # stored before θ_{r+1}, which decides the round
+            buf_specs = {name: (torch.float32, specs[name][1]) for name in avg}
+            with TensorWriter(scratch / "state-next", buf_specs) as out:
+                for name in out.order:
+                    out.write(name, step(name)[1][name])
+                    del avg[name]
+                out.close()
+            store.put_file(layout.key("outer", run_id, r + 1), scratch / "state-next")
+    avg.clear()
+    store.put_file(layout.key("global", run_id, r + 1), new_theta_path)
+
+
+def _step_in_memory(spec: RunSpec, recipe: Recipe, store: Store, r: int, avg: StateDict,
+                    compress: bool) -> None:
+    run_id, opts = spec.run_id, options(spec)
+    lr, momentum, nesterov = _outer_args(spec)
     theta_bytes = store.get_bytes(layout.key("global", run_id, r))
     theta, theta_sha = from_bytes(theta_bytes), sha256_hex(theta_bytes)
-    del theta_bytes  # (big models: one copy of each state at a time; avg is used up below)
-    use_momentum = opts.outer == "nesterov" and opts.outer_momentum > 0
-    compress = opts.codec != "fp32" and r + 1 < opts.rounds  # the final θ is kept exact
+    del theta_bytes
     state: StateDict = {}
     state_key = layout.key("outer", run_id, r)
-    if r > 0 and (use_momentum or (opts.codec != "fp32" and store.exists(state_key))):
+    if r > 0 and (momentum or (opts.codec != "fp32" and store.exists(state_key))):
         state = from_bytes(store.get_bytes(state_key))  # (no residual yet: a run from before)
     buf = {k: v for k, v in state.items() if not k.startswith(RESIDUAL)}
     residual = {k[len(RESIDUAL):]: v for k, v in state.items() if k.startswith(RESIDUAL)}
     del state
     shapes = {k: list(theta[k].shape) for k in float_keys(theta)}
-    new_theta, new_buf = outer_update(
-        theta, avg, buf or None, float(opts.outer_lr or 0),
-        opts.outer_momentum if use_momentum else 0.0, nesterov=use_momentum,
-        consume=not compress)  # compressing needs θ_r still
+    new_theta, new_buf = outer_update(theta, avg, buf or None, lr, momentum, nesterov,
+                                      consume=not compress)  # compressing needs θ_r still
     packed: dict = {}
     if compress:
         packed, new_theta, new_residual = compress_broadcast(theta, new_theta, residual or None,
@@ -418,7 +496,6 @@ def step_global(spec: RunSpec, recipe: Recipe, store: Store, r: int, avg: StateD
             "shapes": json.dumps(shapes, sort_keys=True),
             "base_sha256": theta_sha, "sha256": sha256_hex(new_bytes)}))
     store.put_bytes(layout.key("global", run_id, r + 1), new_bytes)
-    return new_theta
 
 
 def finalize(spec: RunSpec, store: Store, board: RunBoard) -> None:
