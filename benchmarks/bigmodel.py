@@ -197,7 +197,8 @@ def part_runs(work: Path, stores: list[str]) -> list[dict]:
                 wall = time.monotonic() - t0
                 doc = json.loads(proc.stdout) if proc.stdout.strip().startswith("{") else {}
                 row = {"store": kind, "codec": codec, "state": doc.get("state", f"exit {proc.returncode}"),
-                       "error": doc.get("error") or (proc.stderr.strip().splitlines() or [""])[-1][:300],
+                       "error": None if doc.get("state") == "succeeded" else
+                       (doc.get("error") or (proc.stderr.strip().splitlines() or [""])[-1][:300]),
                        "wall_s": round(wall, 1), "bytes_up": doc.get("bytes_up"),
                        "bytes_down": doc.get("bytes_down"),
                        "bytes": (doc.get("bytes_up") or 0) + (doc.get("bytes_down") or 0),
@@ -256,6 +257,9 @@ def main() -> None:
 
         os.environ["TENSORTURN_POOL_KEY"] = PoolKey.generate().text()
     summary: dict = {"machine": machine()}
+    previous = HERE / "bigmodel.json"
+    if args.part != "all" and previous.exists():  # keep the other part's figures
+        summary = {**json.loads(previous.read_text()), **summary}
     with tempfile.TemporaryDirectory(prefix="tt-bigmodel-") as tmp:
         work = Path(tmp)
         if args.part in ("outer", "all"):

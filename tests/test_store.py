@@ -256,3 +256,87 @@ def test_mask_text_hides_every_password_in_a_message():
     assert "redis://admin:***@10.0.0.2:6379/1" in masked
     assert "s3://bucket/x is fine" in masked
     assert config.mask_text("no urls here: a:b@c") == "no urls here: a:b@c"
+
+
+# ---- files: streamed transfers, and uploads killed half way ------------------------------------
+
+SMALL_PARTS = """
+from boto3.s3.transfer import TransferConfig
+import tensorturn.store as st
+st.transfer_config = lambda: TransferConfig(multipart_threshold=5 * 2 ** 20,
+                                            multipart_chunksize=5 * 2 ** 20, max_concurrency=1)
+"""
+
+
+def test_s3_files_move_in_parts_and_round_trip(s3store, s3_bucket, tmp_path, monkeypatch):
+    from boto3.s3.transfer import TransferConfig
+
+    import tensorturn.store as st
+
+    monkeypatch.setattr(st, "transfer_config", lambda: TransferConfig(  # 5 MiB parts, as below
+        multipart_threshold=5 * 2 ** 20, multipart_chunksize=5 * 2 ** 20, max_concurrency=1))
+    data = bytes(range(256)) * (12 * 4096 + 7)  # 12 MiB and a bit: three parts
+    (tmp_path / "big").write_bytes(data)
+    digest = s3store.put_file("runs/x/global/r0001.safetensors", tmp_path / "big")
+    head = boto3.client("s3").head_object(Bucket=s3_bucket, Key="pre/fix/runs/x/global/r0001.safetensors")
+    assert digest == sha256_hex(data) == head["Metadata"]["sha256"]
+    assert head["ETag"].strip('"').endswith("-3")  # a multipart upload of three parts
+    s3store.get_file("runs/x/global/r0001.safetensors", tmp_path / "back")
+    assert (tmp_path / "back").read_bytes() == data
+    with pytest.raises(ObjectMissing):
+        s3store.get_file("runs/x/global/r0002.safetensors", tmp_path / "none")
+
+
+def _kill_mid_upload(tmp_path, url: str, key: str, patch: str) -> None:
+    """Run put_file of a 12 MiB file in a child that stops after its first piece is written, and
+    SIGKILL it there."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    (tmp_path / "big").write_bytes(os.urandom(12 * 2 ** 20))
+    script = SMALL_PARTS + patch + f"""
+st.open_store({url!r}).put_file({key!r}, {str(tmp_path / "big")!r})
+"""
+    child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    assert child.stdout is not None
+    assert child.stdout.readline().strip() == "one piece written"
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+
+
+def test_an_upload_killed_half_way_leaves_no_object_on_s3(s3store, s3_bucket, tmp_path):
+    patch = """
+import time
+real = st.S3Store._put_file
+def slow(self, key, path, sha256):
+    upload_part = self.client.upload_part
+    def part(**kw):
+        out = upload_part(**kw)
+        print("one piece written", flush=True)
+        time.sleep(600)
+        return out
+    self.client.upload_part = part
+    return real(self, key, path, sha256)
+st.S3Store._put_file = slow
+"""
+    _kill_mid_upload(tmp_path, s3store.url, "runs/x/r0000/shard-000.safetensors", patch)
+    assert not s3store.exists("runs/x/r0000/shard-000.safetensors")  # nothing a round could read
+    pending = boto3.client("s3").list_multipart_uploads(Bucket=s3_bucket).get("Uploads", [])
+    assert [u["Key"] for u in pending] == ["pre/fix/runs/x/r0000/shard-000.safetensors"]
+
+
+def test_an_upload_killed_half_way_leaves_no_object_on_disk(fstore, tmp_path):
+    patch = """
+import shutil, time
+def copy(source, target, length=0):
+    target.write(source.read(2 ** 20))
+    target.flush()
+    print("one piece written", flush=True)
+    time.sleep(600)
+shutil.copyfileobj = copy
+"""
+    _kill_mid_upload(tmp_path, fstore.url, "runs/x/r0000/shard-000.safetensors", patch)
+    assert not fstore.exists("runs/x/r0000/shard-000.safetensors")
+    assert fstore.list("runs/x/") == []
