@@ -1,8 +1,10 @@
 """Will the model fit? TensorTurn's honest limit, enforced before anything is queued.
 
 Every machine must hold the whole model: weights, gradients, AdamW's two moments and one batch's
-activations. The estimate builds the model on PyTorch's ``meta`` device (no memory is allocated,
-so a model far too big for this machine can still be measured) and runs one forward pass there.
+activations — or, for an outer step, the running average of the pseudo-gradients and one
+evaluation batch's activations, whichever is more. The estimate builds the model on PyTorch's
+``meta`` device (no memory is allocated, so a model far too big for this machine can still be
+measured) and runs forward passes there.
 """
 
 from __future__ import annotations
@@ -24,34 +26,44 @@ class DoesNotFit(TensorTurnError):
 
 
 def estimate(recipe: Recipe, config: dict[str, Any], batch_size: int) -> dict[str, Any]:
-    """Bytes one training task needs, by part; measured on the meta device."""
+    """Bytes one task needs, by part; measured on the meta device. A training task holds the
+    weights, their gradients, AdamW's two moments and one minibatch's activations; an outer step
+    (streaming) the running average and one tensor at a time, then the new weights and one
+    evaluation batch's activations. The larger decides."""
     import torch
 
     sample = recipe.sample_input()
     with torch.device("meta"):
         model = recipe.model(config)
         params = sum(p.numel() * p.element_size() for p in model.parameters())
-        activations = 0
 
-        def count(_module, _inputs, output):
-            nonlocal activations
-            for t in output if isinstance(output, (tuple, list)) else (output,):
-                if torch.is_tensor(t):
-                    activations += t.numel() * t.element_size()
+        def activations(rows: int) -> int:
+            total = 0
 
-        hooks = [m.register_forward_hook(count) for m in model.modules()]
-        try:
-            x = torch.empty((batch_size, *sample.shape[1:]), dtype=sample.dtype, device="meta")
-            model(x)
-        except Exception:  # noqa: BLE001 - a model that cannot run on meta: count weights only
-            activations = 0
-        finally:
-            for h in hooks:
-                h.remove()
-    # weights + gradients + AdamW's exp_avg and exp_avg_sq, all the parameters' size
-    total = int((params * 4 + activations) * OVERHEAD)
-    return {"parameters_bytes": params, "activations_bytes": activations, "total_bytes": total,
-            "total_gb": round(total / GB, 3)}
+            def count(_module, _inputs, output):
+                nonlocal total
+                for t in output if isinstance(output, (tuple, list)) else (output,):
+                    if torch.is_tensor(t):
+                        total += t.numel() * t.element_size()
+
+            hooks = [m.register_forward_hook(count) for m in model.modules()]
+            try:
+                model(torch.empty((rows, *sample.shape[1:]), dtype=sample.dtype, device="meta"))
+            except Exception:  # noqa: BLE001 - a model that cannot run on meta: count weights only
+                total = 0
+            finally:
+                for h in hooks:
+                    h.remove()
+            return total
+
+        train_activations = activations(batch_size)
+        eval_activations = activations(recipe.eval_batch_size)
+    training = params * 4 + train_activations
+    outer = params * 2 + eval_activations
+    total = int(max(training, outer) * OVERHEAD)
+    return {"parameters_bytes": params, "activations_bytes": train_activations,
+            "eval_activations_bytes": eval_activations, "training_bytes": training,
+            "outer_step_bytes": outer, "total_bytes": total, "total_gb": round(total / GB, 3)}
 
 
 def check_fits(need: dict[str, Any], workers: list[dict[str, Any]]) -> None:

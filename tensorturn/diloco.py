@@ -36,7 +36,8 @@ def initial_state(recipe: Recipe, seed: int) -> StateDict:
 
 def train_replica(recipe: Recipe, theta: StateDict, x: torch.Tensor, y: torch.Tensor,
                   rows: torch.Tensor, steps: int, lr: float, batch_size: int, seed: int,
-                  device: torch.device, on_step=None) -> tuple[StateDict, float, int]:
+                  device: torch.device, on_step=None, precision: str = "auto",
+                  accumulate: int = 1) -> tuple[StateDict, float, int]:
     """One replica's round: H AdamW steps from θ_r on ``rows`` (a fresh inner optimizer: its
     state is reset every round, so only weights move); returns (Δ = θ_r − θ_k, mean loss,
     samples)."""
@@ -44,7 +45,8 @@ def train_replica(recipe: Recipe, theta: StateDict, x: torch.Tensor, y: torch.Te
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=recipe.weight_decay)
     try:
         loss, samples = train_steps(recipe, model, opt, x, y, rows, steps, batch_size, seed,
-                                    device, on_step=on_step)
+                                    device, on_step=on_step, precision=precision,
+                                    accumulate=accumulate)
     except FloatingPointError as exc:
         raise UpdateRejected(str(exc)) from None
     trained = {name: v.detach().cpu() for name, v in model.state_dict().items()}

@@ -16,6 +16,7 @@ from .errors import SpecError
 from .modes.registry import get_mode, mode_names, option_owner
 
 STATES = ("queued", "running", "succeeded", "failed")
+PRECISIONS = ("auto", "fp32", "bf16", "fp16")  # device.autocast's (this module imports no torch)
 FINISHED = ("succeeded", "failed")
 
 
@@ -79,6 +80,8 @@ class RunSpec:
     threads_per_task: int = 1
     max_attempts: int = 3
     eval_batches: int | None = None  # evaluate on at most this many forward passes (None: all)
+    precision: str = "auto"          # auto (bf16 on CUDA, fp32 elsewhere), fp32, bf16, fp16
+    accumulate: int = 1              # minibatches per optimizer step (gradient accumulation)
     # derived when the run starts: bytes one task needs on a machine (capacity.estimate)
     memory_needed_bytes: int | None = None
     created_at: float = 0.0
@@ -123,7 +126,9 @@ class RunSpec:
             raise SpecError("--recipe is required")
         check_positive({"threads_per_task": self.threads_per_task,
                         "max_attempts": self.max_attempts, "batch_size": self.batch_size,
-                        "eval_batches": self.eval_batches})
+                        "eval_batches": self.eval_batches, "accumulate": self.accumulate})
+        if self.precision not in PRECISIONS:
+            raise SpecError(f"--precision {self.precision!r} is not one of {', '.join(PRECISIONS)}")
         if self.lr is not None and not (0 < self.lr < 10):
             raise SpecError(f"--lr must be in (0, 10) (got {self.lr})")
         self.options.validate()

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from . import config
-from .device import autocast
+from .device import autocast, grad_scaler
 from .recipes import Recipe
 from .seeding import derive_seed as derive_seed  # where the tasks and benchmarks take it from
 
@@ -54,37 +54,49 @@ class Throttle:
 def train_steps(recipe: Recipe, model: nn.Module, optimizer: torch.optim.Optimizer,
                 x: torch.Tensor, y: torch.Tensor, rows: torch.Tensor, steps: int,
                 batch_size: int, seed: int, device: torch.device,
-                on_step=None) -> tuple[float, int]:
-    """Train ``steps`` minibatches drawn epoch by epoch (reshuffled) from ``rows`` of (x, y).
+                on_step=None, precision: str = "auto", accumulate: int = 1) -> tuple[float, int]:
+    """Train ``steps`` optimizer steps, each on ``accumulate`` minibatches of ``batch_size``
+    drawn epoch by epoch (reshuffled) from ``rows`` of (x, y), in ``precision``
+    (:func:`device.autocast`; fp16 with a gradient scaler).
 
-    Deterministic for a given seed, thread count and device. Returns (mean loss, samples seen).
+    Deterministic for a given seed, thread count, device and precision. Returns (mean loss,
+    samples seen).
     """
     gen = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)  # dropout and other in-model randomness
     model.train()
     order = rows[torch.randperm(len(rows), generator=gen)]
     pos, total, samples = 0, 0.0, 0
+    scaler = grad_scaler(device, precision)
     # benchmarks/tests only: TENSORTURN_SLOWDOWN emulates a slower machine on the same host
     slowdown = config.current().slowdown
     throttle = Throttle(slowdown) if slowdown > 1 else None
     for step in range(steps):
         t0 = time.perf_counter()
-        if pos + batch_size > len(order):
-            order = rows[torch.randperm(len(rows), generator=gen)]
-            pos = 0
-        batch = order[pos:pos + batch_size]
-        pos += batch_size
-        xb, yb = x[batch].to(device), y[batch].to(device)
-        with autocast(device):
-            loss = recipe.loss(model, xb, yb)
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        value = float(loss.detach())
+        value = 0.0
+        for _ in range(accumulate):
+            if pos + batch_size > len(order):
+                order = rows[torch.randperm(len(rows), generator=gen)]
+                pos = 0
+            batch = order[pos:pos + batch_size]
+            pos += batch_size
+            xb, yb = x[batch].to(device), y[batch].to(device)
+            with autocast(device, precision):
+                loss = recipe.loss(model, xb, yb)
+            if accumulate > 1:  # the mean over the micro-batches (exactly today's loss at 1)
+                loss = loss / accumulate
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+            value += float(loss.detach())
+            samples += len(batch)
+        if scaler is not None:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
         if not math.isfinite(value):
             raise FloatingPointError(f"non-finite training loss ({value} at step {step})")
         total += value
-        samples += len(batch)
         if throttle is not None:
             throttle.step(time.perf_counter() - t0)
         if on_step is not None:

@@ -115,6 +115,19 @@ def test_memory_estimate_runs_the_model_on_meta_with_int64_input(recipe):
     need = estimate(recipe, recipe.default_config(), recipe.batch_size)
     assert need["parameters_bytes"] == 4 * sum(p.numel() for p in recipe.model(recipe.default_config()).parameters())
     assert need["activations_bytes"] > 0      # the forward pass ran (it counts 0 when it fails)
+    # the outer step's share: the running average, then the new weights and an evaluation batch
+    assert need["outer_step_bytes"] == 2 * need["parameters_bytes"] + need["eval_activations_bytes"]
+    assert need["total_bytes"] >= max(need["training_bytes"], need["outer_step_bytes"])
+
+
+def test_gpt2_small_is_gpt2_smalls_shape_over_bytes():
+    big = resolve("gpt2-small")
+    need = estimate(big, big.default_config(), big.batch_size)  # on meta: nothing allocated
+    d, layers, vocab, context = 768, 12, 256, 256
+    per_block = 12 * d * d + 13 * d  # attention 4d² + 4d, MLP 8d² + 5d, two LayerNorms 4d
+    expected = layers * per_block + vocab * d + context * d + 2 * d + d * vocab + vocab
+    assert need["parameters_bytes"] == 4 * expected and len(big.vocab()) == 256
+    assert big.default_config() == {"n_layer": 12, "n_head": 12, "n_embd": 768, "dropout": 0.0}
 
 
 def test_custom_data_file_and_options(tmp_path):

@@ -144,3 +144,45 @@ def test_a_delta_from_another_version_is_one_clear_error():
                     {"format": "tensorturn-delta/1", "codec": "int8", "shapes": '{"w": [256]}'})
     with pytest.raises(ValueError, match="another TensorTurn version"):
         delta_from_bytes(blob)
+
+
+def test_gradient_accumulation_takes_the_step_of_the_whole_batch():
+    """Two minibatches of 4 accumulated: the step one minibatch of the same 8 rows takes."""
+    from tensorturn.recipes import resolve
+    from tensorturn.recipes.base import load_splits
+    from tensorturn.training import train_steps
+
+    recipe = resolve("digits-mlp")
+    splits = load_splits(recipe)
+    rows = torch.arange(8)  # one epoch of 8 rows: both draw the same 8, in the same order
+    after = []
+    for batch, accumulate in ((8, 1), (4, 2)):
+        torch.manual_seed(0)
+        model = recipe.model(recipe.default_config())
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        _, samples = train_steps(recipe, model, opt, splits.x_train, splits.y_train, rows, 1, batch,
+                                 seed=3, device=torch.device("cpu"), accumulate=accumulate)
+        assert samples == 8
+        after.append([p.detach().clone() for p in model.parameters()])
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(*after))
+
+
+def test_bf16_and_fp16_train_on_the_cpu():
+    from tensorturn.recipes import resolve
+    from tensorturn.recipes.base import load_splits
+    from tensorturn.training import train_steps
+
+    recipe = resolve("digits-mlp")
+    splits = load_splits(recipe)
+    losses = {}
+    for precision in ("fp32", "bf16", "fp16"):
+        torch.manual_seed(0)
+        model = recipe.model(recipe.default_config())
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        losses[precision], _ = train_steps(recipe, model, opt, splits.x_train, splits.y_train,
+                                           torch.arange(len(splits.y_train)), 30, 32, seed=1,
+                                           device=torch.device("cpu"), precision=precision)
+    with torch.no_grad():
+        first = recipe.loss(recipe.model(recipe.default_config()), splits.x_train[:256], splits.y_train[:256])
+    assert all(loss < float(first) for loss in losses.values())   # each learned
+    assert losses["bf16"] != losses["fp32"]                        # and bf16 did run in bf16

@@ -171,9 +171,15 @@ def mode_options(fn: Callable) -> Callable:
 @click.option("--eval-batches", type=int, default=None,
               help="Validation and test figures from at most this many forward passes (of the "
                    "recipe's eval_batch_size rows, 512 by default) [default: the whole split].")
+@click.option("--precision", type=click.Choice(["auto", "fp32", "bf16", "fp16"]), default="auto",
+              show_default=True, help="Training precision: auto is bf16 on CUDA GPUs that support "
+              "it and fp32 elsewhere; bf16/fp16 autocast anywhere (fp16 with a gradient scaler).")
+@click.option("--accumulate", type=int, default=1, show_default=True,
+              help="Minibatches per optimizer step (gradient accumulation: a batch of "
+                   "--batch-size × N in the memory of one).")
 @follow_options("run")
 def run(broker, store, mode, recipe, recipe_options, seed, lr, batch_size, threads_per_task,
-        max_attempts, eval_batches, local_workers, detach, timeout_s, as_json, **mode_options):
+        max_attempts, eval_batches, precision, accumulate, local_workers, detach, timeout_s, as_json, **mode_options):
     """Train a model on the pool and print the result.
 
     \b
@@ -188,7 +194,8 @@ def run(broker, store, mode, recipe, recipe_options, seed, lr, batch_size, threa
     spec = RunSpec.create(mode, recipe, store, recipe_options=parse_recipe_options(recipe_options),
                           seed=seed, lr=lr, batch_size=batch_size,
                           threads_per_task=threads_per_task, max_attempts=max_attempts,
-                          eval_batches=eval_batches, **given)
+                          eval_batches=eval_batches, precision=precision, accumulate=accumulate,
+                          **given)
     client.validate(spec)  # before anything starts or anything heavy is imported
     if broker is None and (local_workers is None or local_workers < 1):
         raise SpecError(f"--local-workers must be a whole number ≥ 1 (got {local_workers})")

@@ -205,7 +205,7 @@ class ShardUnit(Unit):
             delta, loss, samples = train_replica(
                 recipe, theta, x, y, rows, opts.sync_every,
                 spec.lr or recipe.lr, batch, derive_seed(spec.seed, r, k), pick_device(),
-                on_step=reporter)
+                on_step=reporter, precision=spec.precision, accumulate=spec.accumulate)
             check_update(delta, theta, opts.max_update_ratio)
         except UpdateRejected as exc:  # recorded apart: the shard is trained again
             self.board.incident(spec.run_id, "update_rejected", str(self.a.label), self.a.worker,
