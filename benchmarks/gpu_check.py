@@ -1,0 +1,101 @@
+"""One fused round on this machine's GPU: which device a task picks, the precision it trains in,
+samples/s and peak device memory — a quick check that the device path works where a GPU exists.
+
+    python benchmarks/gpu_check.py [--recipe charlm] [--precision auto] [--steps 20]
+
+It runs the real pieces in this process, as an agent would: the device an agent picks
+(``device.pick_device``), one shard's inner steps (``diloco.train_replica``, autocast in
+``--precision``), and the round's streaming outer step and validation on a file store, with
+``torch.cuda.max_memory_allocated`` read after each. Without CUDA it says so and exits 0 (on a
+CPU it can still run with ``--cpu``, to try the script).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--recipe", default="charlm")
+    ap.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                    help="a recipe option (JSON values), e.g. n_layer=8")
+    ap.add_argument("--precision", default="auto", choices=("auto", "fp32", "bf16", "fp16"))
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--batch-size", type=int, default=None)
+    ap.add_argument("--cpu", action="store_true", help="run on the CPU when there is no CUDA device")
+    args = ap.parse_args()
+
+    import torch
+
+    if not torch.cuda.is_available() and not args.cpu:
+        print(json.dumps({"cuda": False, "note": "no CUDA device here; nothing to check (--cpu runs it anyway)"}))
+        return
+    from tensorturn.trust import PoolKey
+
+    os.environ.setdefault("TENSORTURN_POOL_KEY", PoolKey.generate().text())  # before settings are read
+    from tensorturn import layout
+    from tensorturn.device import pick_device
+    from tensorturn.diloco import initial_state, train_replica
+    from tensorturn.manifest import save_spec
+    from tensorturn.modes.fused import tasks as fused
+    from tensorturn.recipes import resolve
+    from tensorturn.recipes.base import load_splits
+    from tensorturn.spec import RunSpec
+    from tensorturn.store import open_store
+    from tensorturn.tensors import delta_bytes
+    options = {k: json.loads(v) if v[:1] in "0123456789[{-tfn" else v
+               for k, v in (o.split("=", 1) for o in args.option)}
+    device = pick_device()
+    recipe = resolve(args.recipe, options)
+    batch = args.batch_size or recipe.batch_size
+    splits = load_splits(recipe)
+    theta = initial_state(recipe, 0)
+    params = sum(v.numel() for v in theta.values())
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    delta, loss, samples = train_replica(recipe, theta, splits.x_train, splits.y_train,
+                                         torch.arange(len(splits.y_train)), args.steps, recipe.lr, batch,
+                                         seed=1, device=device, precision=args.precision)
+    if cuda:
+        torch.cuda.synchronize()
+    train_s = time.perf_counter() - t0
+    train_peak = torch.cuda.max_memory_allocated() if cuda else None
+    with tempfile.TemporaryDirectory() as tmp:
+        store = open_store(Path(tmp).as_uri())
+        spec = RunSpec.create(mode="fused", recipe=args.recipe, store_url=store.url, recipe_options=options,
+                              rounds=1, shards=1, outer="sgd", eval_batches=4, precision=args.precision)
+        save_spec(store, spec)
+        store.put_bytes(layout.key("global", spec.run_id, 0), fused.global_bytes(spec, recipe, theta))
+        store.put_bytes(layout.key("shard", spec.run_id, 0, 0), delta_bytes(
+            delta, "fp32", {"samples": str(samples), "loss": repr(loss), "bytes_down": f"{0:015d}"}))
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        figures = fused.outer_round(spec, store, 0)
+        outer_s = time.perf_counter() - t0
+    report = {
+        "device": str(device),
+        "device_name": torch.cuda.get_device_name(device) if cuda else None,
+        "precision": args.precision, "recipe": args.recipe, "parameters": params, "batch_size": batch,
+        "steps": args.steps, "samples_per_s": round(samples / train_s, 1), "train_loss": round(loss, 4),
+        "train_peak_vram_bytes": train_peak,
+        "outer_step_s": round(outer_s, 2), "val_loss": figures["val_loss"],
+        "outer_peak_vram_bytes": torch.cuda.max_memory_allocated() if cuda else None,
+    }
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
