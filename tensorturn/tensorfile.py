@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from safetensors.torch import save as st_save
 
-from .tensors import BROADCAST_FORMAT, DELTA_FORMAT, INT8_BLOCK, StateDict
+from .tensors import BROADCAST_FORMAT, DELTA_FORMAT, INT8_BLOCK, StateDict, encode_delta
 
 DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
@@ -163,3 +163,23 @@ def delta_tensors(reader: TensorReader) -> Iterator[tuple[str, torch.Tensor]]:
         start = pos - first * INT8_BLOCK
         yield name, blocks.flatten()[start:start + n].view(shapes[name]).clone()
         pos += n
+
+
+def write_delta(path: Path | str, delta: StateDict, codec: str, extra: dict[str, str]) -> None:
+    """A pseudo-gradient file, byte for byte :func:`tensors.delta_bytes`'s, written tensor by
+    tensor (fp32/fp16: each encoded as it is written, so no second copy of the model is made;
+    int8 packs every tensor into one vector first, a quarter of the model)."""
+    shapes = {k: list(v.shape) for k, v in delta.items()}
+    meta = {"format": DELTA_FORMAT, "codec": codec, "shapes": json.dumps(shapes, sort_keys=True), **extra}
+    if codec in ("fp32", "fp16"):
+        dtype = torch.float32 if codec == "fp32" else torch.float16
+        with TensorWriter(path, {k: (dtype, shape) for k, shape in shapes.items()}, meta) as out:
+            for name in out.order:
+                out.write(name, delta[name].to(dtype))
+            out.close()
+        return
+    packed = encode_delta(delta, codec)
+    with TensorWriter(path, {k: (v.dtype, list(v.shape)) for k, v in packed.items()}, meta) as out:
+        for name in out.order:
+            out.write(name, packed[name])
+        out.close()

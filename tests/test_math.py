@@ -186,3 +186,18 @@ def test_bf16_and_fp16_train_on_the_cpu():
         first = recipe.loss(recipe.model(recipe.default_config()), splits.x_train[:256], splits.y_train[:256])
     assert all(loss < float(first) for loss in losses.values())   # each learned
     assert losses["bf16"] != losses["fp32"]                        # and bf16 did run in bf16
+
+
+@pytest.mark.parametrize("codec", ["fp32", "fp16", "int8"])
+def test_a_delta_written_tensor_by_tensor_is_delta_bytes_and_reads_back_alike(tmp_path, codec):
+    from tensorturn.tensorfile import TensorReader, delta_tensors, write_delta
+
+    torch.manual_seed(2)
+    delta = {"w": torch.randn(300, 7), "b": torch.randn(7), "e": torch.randn(2, 3, 4)}
+    extra = {"samples": "64", "loss": "0.5", "bytes_down": f"{12:015d}"}
+    write_delta(tmp_path / "d", delta, codec, extra)
+    assert (tmp_path / "d").read_bytes() == delta_bytes(delta, codec, extra)
+    whole, _ = delta_from_bytes(delta_bytes(delta, codec, extra))
+    with TensorReader(tmp_path / "d") as f:
+        streamed = dict(delta_tensors(f))
+    assert streamed.keys() == whole.keys() and all(torch.equal(streamed[k], whole[k]) for k in whole)

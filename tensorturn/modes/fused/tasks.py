@@ -38,14 +38,13 @@ from ...diloco import (
 from ...manifest import save_spec, write_manifest
 from ...recipes import Recipe, recipe_of, resolve
 from ...spec import RunSpec
-from ...store import ObjectMissing, Store, sha256_hex
+from ...store import ObjectMissing, Store, file_sha256, sha256_hex
 from ...tasks.attempt import LATE, SUCCEEDED, Unit, chord_failed, execute, signed
 from ...telemetry import TaskReporter
-from ...tensorfile import DTYPES, TensorReader, TensorWriter, delta_tensors
+from ...tensorfile import DTYPES, TensorReader, TensorWriter, delta_tensors, write_delta
 from ...tensors import (
     BROADCAST_FORMAT,
     StateDict,
-    delta_bytes,
     delta_from_bytes,
     float_keys,
     from_bytes,
@@ -211,15 +210,19 @@ class ShardUnit(Unit):
             self.board.incident(spec.run_id, "update_rejected", str(self.a.label), self.a.worker,
                                 str(exc))
             raise
-        # bytes_down is written at a fixed width: it depends on where the shard ran (what that
-        # machine held), and the upload's size must not
-        blob = delta_bytes(delta, opts.codec, {"samples": str(samples), "loss": repr(loss),
-                                               "bytes_down": f"{self.a.bytes_down:015d}"})
         out_key = layout.key("shard", spec.run_id, r, k)
         if self.store.exists(out_key):  # never overwrite: the round may already have used it
             return LATE
-        self.store.put_bytes(out_key, blob)
-        self.a.bytes_up = len(blob)
+        with tempfile.TemporaryDirectory(prefix="tt-shard-") as tmp:
+            # written to a file and uploaded from it (S3: in parts), so the model is never in
+            # memory twice; bytes_down is written at a fixed width: it depends on where the shard
+            # ran (what that machine held), and the upload's size must not
+            path = Path(tmp) / "delta"
+            write_delta(path, delta, opts.codec, {"samples": str(samples), "loss": repr(loss),
+                                                  "bytes_down": f"{self.a.bytes_down:015d}"})
+            del delta
+            self.store.put_file(out_key, path)
+            self.a.bytes_up = path.stat().st_size
         reporter.done()
         return SUCCEEDED
 
@@ -283,9 +286,13 @@ def fetch_global(spec: RunSpec, recipe: Recipe, store: Store, r: int) -> tuple[S
                         "(another torch version?); downloading it", spec.run_id)
     elif held and held[0] == r - 1 and opts.codec != "fp32":
         theta, sha, moved = _rebuild_from_broadcast(spec, recipe, store, r, held)
-    if theta is None:
-        data = store.get_bytes(layout.key("global", spec.run_id, r))
-        theta, sha, moved = from_bytes(data), sha256_hex(data), moved + len(data)
+    if theta is None:  # through a file: the model is never in memory twice (bytes and tensors)
+        with tempfile.TemporaryDirectory(prefix="tt-global-") as tmp:
+            path = Path(tmp) / "theta"
+            store.get_file(layout.key("global", spec.run_id, r), path)
+            with TensorReader(path) as f:
+                theta = f.all()
+            sha, moved = file_sha256(path), moved + path.stat().st_size
     assert sha is not None
     _held[spec.run_id] = (r, sha, theta)
     _held.move_to_end(spec.run_id)
