@@ -9,11 +9,15 @@ replaced (every shard's delta decoded into a list, then averaged) — and report
 resident memory (``VmHWM``, reset just before the step) and its time. The validation pass that
 follows in a real outer step is not included: its memory is the recipe's eval batch's.
 
-Part 2 (``--part runs``): ``tensorturn run --recipe gpt2-small`` on an embedded pool of 2 agents,
-2 rounds × 2 shards × 1 inner step of batch 2, with ``--codec fp32`` and ``int8``, on a file store
-and on moto's S3 server: bytes moved per run, wall time, and whether it succeeded.
+Part 2 (``--part transfers``): one model-sized file (343 MB) up and down with the store's
+``put_file``/``get_file`` (S3: boto3's transfer manager, 16 MiB parts), file store and moto.
 
-    python benchmarks/bigmodel.py [--part outer|runs|all]
+Part 3 (``--part runs``): ``tensorturn run --recipe gpt2-small`` on an embedded pool of 2 agents,
+2 rounds × 2 shards × 1 inner step of batch 2, with ``--codec fp32`` and ``int8``, on a file store
+and on moto's S3 server: bytes moved per run, wall time, each agent's peak resident memory
+(training in a shard task, or the outer step), and whether it succeeded.
+
+    python benchmarks/bigmodel.py [--part outer|transfers|runs|all]
 """
 
 from __future__ import annotations
@@ -171,6 +175,25 @@ def moto() -> tuple[subprocess.Popen, dict[str, str]]:
     return proc, env
 
 
+def sample_agents(peaks: dict[str, int], done) -> None:
+    """Keep each agent's largest peak resident set (VmHWM of any of its processes) until done."""
+    import psutil
+
+    while not done.wait(0.5):
+        for p in psutil.process_iter(["cmdline"]):
+            title = " ".join(p.info["cmdline"] or [])
+            agent = next((w for w in ("local1", "local2") if f"{w}@" in title), None)
+            if agent is None:
+                continue
+            try:
+                status = Path(f"/proc/{p.pid}/status").read_text()
+            except OSError:
+                continue
+            hwm = next((int(line.split()[1]) * 1024 for line in status.splitlines()
+                        if line.startswith("VmHWM:")), 0)
+            peaks[agent] = max(peaks.get(agent, 0), hwm)
+
+
 def part_runs(work: Path, stores: list[str]) -> list[dict]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TENSORTURN_", "AWS_"))}
     env["TENSORTURN_CACHE_DIR"] = str(work / "cache")
@@ -188,6 +211,12 @@ def part_runs(work: Path, stores: list[str]) -> list[dict]:
                              region_name="us-east-1").create_bucket(Bucket="big")
                 store = "s3://big/runs"
             for codec in ("fp32", "int8"):
+                import threading
+
+                peaks: dict[str, int] = {}
+                done = threading.Event()
+                sampler = threading.Thread(target=sample_agents, args=(peaks, done), daemon=True)
+                sampler.start()
                 t0 = time.monotonic()
                 proc = subprocess.run(
                     [sys.executable, "-m", "tensorturn", "run", "--recipe", "gpt2-small", "--local-workers", "2",
@@ -195,6 +224,8 @@ def part_runs(work: Path, stores: list[str]) -> list[dict]:
                      "--eval-batches", "2", "--codec", codec, "--store", store, "--json"],
                     env=run_env, cwd=work, capture_output=True, text=True, stdin=subprocess.DEVNULL)
                 wall = time.monotonic() - t0
+                done.set()
+                sampler.join()
                 doc = json.loads(proc.stdout) if proc.stdout.strip().startswith("{") else {}
                 row = {"store": kind, "codec": codec, "state": doc.get("state", f"exit {proc.returncode}"),
                        "error": None if doc.get("state") == "succeeded" else
@@ -202,15 +233,58 @@ def part_runs(work: Path, stores: list[str]) -> list[dict]:
                        "wall_s": round(wall, 1), "bytes_up": doc.get("bytes_up"),
                        "bytes_down": doc.get("bytes_down"),
                        "bytes": (doc.get("bytes_up") or 0) + (doc.get("bytes_down") or 0),
-                       "test_loss": (doc.get("metrics") or {}).get("test_loss")}
+                       "test_loss": (doc.get("metrics") or {}).get("test_loss"),
+                       "agent_peak_rss_bytes": dict(sorted(peaks.items()))}
                 rows.append(row)
                 print(f"{kind:4s} {codec}  {row['state']:9s}  {wall:6.1f} s  bytes moved "
                       f"{row['bytes'] / 1e6:8.1f} MB (up {(row['bytes_up'] or 0) / 1e6:.1f}, down "
-                      f"{(row['bytes_down'] or 0) / 1e6:.1f})  {row['error'] or ''}", flush=True)
+                      f"{(row['bytes_down'] or 0) / 1e6:.1f})  agents' peak RSS "
+                      f"{', '.join(f'{v / 1e9:.2f}' for v in peaks.values())} GB  {row['error'] or ''}", flush=True)
             if server is not None:
                 server.terminate()
                 server.wait(10)
                 server = None
+    finally:
+        if server is not None:
+            server.kill()
+    return rows
+
+
+def part_transfers(work: Path, stores: list[str], mb: int = 343) -> list[dict]:
+    """put_file / get_file of one model-sized file (the 86M model in fp32: 343 MB), timed."""
+    from tensorturn.store import open_store
+
+    (work / "blob").write_bytes(os.urandom(mb * 10 ** 6))
+    rows, server = [], None
+    try:
+        for kind in stores:
+            if kind == "s3":
+                import boto3
+
+                server, aws = moto()
+                os.environ.update(aws)
+                boto3.client("s3").create_bucket(Bucket="xfer")
+                store = open_store("s3://xfer/t")
+            else:
+                store = open_store((work / "xfer-store").as_uri())
+            t0 = time.perf_counter()
+            store.put_file("bench/blob", work / "blob")
+            up = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            store.get_file("bench/blob", work / "back")
+            down = time.perf_counter() - t0
+            (work / "back").unlink()
+            rows.append({"store": kind, "bytes": mb * 10 ** 6, "upload_s": round(up, 2),
+                         "download_s": round(down, 2), "upload_mb_s": round(mb / up, 1),
+                         "download_mb_s": round(mb / down, 1)})
+            print(f"{kind:4s}  {mb} MB up {up:6.2f} s ({mb / up:7.1f} MB/s)  down {down:6.2f} s "
+                  f"({mb / down:7.1f} MB/s)", flush=True)
+            if server is not None:
+                server.terminate()
+                server.wait(10)
+                server = None
+                for k in aws:
+                    os.environ.pop(k, None)
     finally:
         if server is not None:
             server.kill()
@@ -247,7 +321,7 @@ def main() -> None:
         child(*sys.argv[2:5])
         return
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--part", choices=("outer", "runs", "all"), default="all")
+    ap.add_argument("--part", choices=("outer", "runs", "transfers", "all"), default="all")
     ap.add_argument("--sizes", default=",".join(SIZES))
     ap.add_argument("--shards", default="2,4,8")
     ap.add_argument("--stores", default="file,s3")
@@ -267,6 +341,8 @@ def main() -> None:
             print(table(["size", "S", "how", "peak MB", "× model", "s"],
                         [[r["size"], r["shards"], r["how"], round(r["peak_bytes"] / 1e6),
                           r["peak_over_model"], r["seconds"]] for r in summary["outer"]]))
+        if args.part in ("transfers", "all"):
+            summary["transfers"] = part_transfers(work, args.stores.split(","))
         if args.part in ("runs", "all"):
             summary["runs"] = part_runs(work, args.stores.split(","))
     write_outputs("bigmodel", summary, draw(summary))

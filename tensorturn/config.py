@@ -37,6 +37,7 @@ shutdown_grace_s      seconds a stopping agent gives its running task before req
 heartbeat_s           seconds between an agent's telemetry heartbeats (offline after 3 missed)
 store_retries         retries of a failing store call, with exponential backoff, before it is an error
 store_backoff_s       the first of those backoffs; it doubles each time (at most 8 s)
+part_mb               S3 objects over 4 parts move in parts of this many MiB, each retried on its own (min 5)
 stall_s               seconds without progress after which `status` and `run` say a run looks stalled and why
 device                force a torch device: `cpu`, `cuda:1`, `mps`
 cache_dir             where an agent keeps dataset chunks (default `~/.cache/tensorturn/chunks`)
@@ -72,6 +73,7 @@ class Settings:
     heartbeat_s: float = 3.0
     store_retries: int = 6
     store_backoff_s: float = 0.5
+    part_mb: float = 16.0
     stall_s: float = 120.0
     device: str | None = None
     cache_dir: str | None = None

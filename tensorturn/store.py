@@ -337,11 +337,13 @@ _BACKENDS: dict[str, Callable[[str], Store]] = {"file": FileStore, "s3": S3Store
 
 
 def transfer_config() -> Any:
-    """boto3's transfer manager: objects over 64 MiB move in 16 MiB parts, 4 at a time, each
-    part retried on its own; memory holds a few parts, never the object."""
+    """boto3's transfer manager: objects over 4 parts move in parts of ``TENSORTURN_PART_MB``
+    (16 MiB), 4 at a time, each part retried on its own; memory holds a few parts, never the
+    object. An upload interrupted half way leaves no object (S3 assembles it only at the end)."""
     from boto3.s3.transfer import TransferConfig
 
-    return TransferConfig(multipart_threshold=64 * 1024 ** 2, multipart_chunksize=16 * 1024 ** 2,
+    part = int(max(config.current().part_mb, 5) * 1024 ** 2)  # S3's smallest part is 5 MiB
+    return TransferConfig(multipart_threshold=4 * part, multipart_chunksize=part,
                           max_concurrency=4, use_threads=True)
 
 

@@ -6,6 +6,7 @@ count nothing twice.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import signal
 import socket
@@ -327,6 +328,7 @@ def test_a_task_that_always_kills_its_worker_does_not_loop(tmp_path, monkeypatch
 
 
 NAN_ONCE = '''
+import hashlib
 import os
 import torch
 from tensorturn.recipes.digits import DigitsMLP
@@ -355,3 +357,59 @@ def test_non_finite_update_is_rejected_and_retried(tmp_path, monkeypatch):
     rejected = [i for i in doc["incidents"] if i["kind"] == "update_rejected"]
     assert len(rejected) == 1 and "non-finite" in rejected[0]["detail"]
     assert sum(1 for a in doc["attempts"] if a["outcome"].startswith("failed")) == 1
+
+
+def test_an_agent_killed_mid_multipart_upload_leaves_no_object_and_the_task_is_retried(
+        s3_bucket, tmp_path, monkeypatch):
+    """An upload in parts, frozen half way (SIGSTOP: the parts so far are on S3, the object is
+    not), then the agent killed: no object a round could read, and the task runs again on the
+    other agent."""
+    import boto3
+
+    monkeypatch.setenv("TENSORTURN_PART_MB", "5")  # a 28 MB pseudo-gradient goes in 6 parts
+    s3, store = boto3.client("s3"), f"s3://{s3_bucket}/parts"
+    with LocalPool(2, store, workdir=tmp_path / "pool") as s3pool:
+        spec = RunSpec.create(store_url=store, mode="fused", recipe="charlm", rounds=2, shards=2,
+                              recipe_options={"n_layer": 4, "n_head": 6, "n_embd": 384, "context": 32},
+                              sync_every=2, batch_size=4, eval_batches=1, outer="sgd")
+        client.submit(spec, s3pool.broker_url)
+        killed = None
+        deadline = time.monotonic() + 300
+        while killed is None:
+            assert time.monotonic() < deadline, "no upload in parts was caught half way"
+            assert not board(s3pool).is_finished(spec.run_id), "the run ended before an upload was caught"
+            for upload in s3.list_multipart_uploads(Bucket=s3_bucket).get("Uploads", []):
+                task = task_of(upload["Key"])
+                running = [a for a in board(s3pool).attempts(spec.run_id)
+                           if a["task"] == task and a["outcome"] == "running"]
+                if not running:
+                    continue
+                group = s3pool.agents[agent_index(running[0])].pid
+                os.killpg(group, signal.SIGSTOP)
+                pending = [u["Key"] for u in s3.list_multipart_uploads(Bucket=s3_bucket).get("Uploads", [])]
+                exists = s3.list_objects_v2(Bucket=s3_bucket, Prefix=upload["Key"])["KeyCount"] > 0
+                if upload["Key"] in pending and not exists:  # caught half way: kill it there
+                    os.killpg(group, signal.SIGKILL)
+                    killed = (running[0], upload["Key"])
+                    break
+                os.killpg(group, signal.SIGCONT)  # it finished meanwhile: watch the next one
+            time.sleep(0.01)
+        attempt, key = killed
+        assert s3.list_objects_v2(Bucket=s3_bucket, Prefix=key)["KeyCount"] == 0  # nothing to read
+        doc = client.wait(s3pool.broker_url, spec.run_id, timeout_s=300)
+    assert doc["state"] == "succeeded", doc.get("error")
+    tries = attempts_of(doc, attempt["task"])
+    assert tries[0]["outcome"].startswith("lost")
+    assert tries[-1]["outcome"] == "succeeded" and tries[-1]["worker"] != attempt["worker"]
+    body = s3.get_object(Bucket=s3_bucket, Key=key)  # the retry's upload, whole
+    assert hashlib.sha256(body["Body"].read()).hexdigest() == body["Metadata"]["sha256"]
+
+
+def task_of(key: str) -> str | None:
+    """The task whose upload ``key`` is: a shard's pseudo-gradient, or an outer step's θ/state."""
+    parts = key.split("/")
+    if parts[-1].startswith("shard-"):
+        return f"r{int(parts[-2][1:])}/shard-{int(parts[-1][6:9])}"
+    if parts[-2] in ("global", "outer"):
+        return f"r{int(parts[-1][1:5]) - 1}/outer"
+    return None
