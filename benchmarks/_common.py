@@ -42,6 +42,26 @@ def machine() -> dict[str, Any]:
             "torch": torch.__version__, "platform": platform.platform(terse=True)}
 
 
+def sample_agent_peaks(peaks: dict[str, int], done, every_s: float = 0.2) -> None:
+    """Until ``done`` (an Event) is set, keep in ``peaks`` each local agent's largest peak
+    resident set (``VmHWM``) of any of its processes, found by their Celery titles."""
+    import psutil
+
+    while not done.wait(every_s):
+        for p in psutil.process_iter(["cmdline"]):
+            title = " ".join(p.info["cmdline"] or [])
+            agent = next((f"local{i}" for i in range(1, 17) if f"local{i}@" in title), None)
+            if agent is None:
+                continue
+            try:
+                status = Path(f"/proc/{p.pid}/status").read_text()
+            except OSError:
+                continue
+            hwm = next((int(line.split()[1]) * 1024 for line in status.splitlines()
+                        if line.startswith("VmHWM:")), 0)
+            peaks[agent] = max(peaks.get(agent, 0), hwm)
+
+
 def short(worker: str) -> str:
     return worker.split("@", 1)[0]
 

@@ -35,7 +35,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from _common import figure, machine, table, write_outputs  # noqa: E402
+from _common import figure, machine, sample_agent_peaks, table, write_outputs  # noqa: E402
 
 SIZES = {  # name: (recipe, options)
     "10M": ("charlm", {"n_layer": 4, "n_head": 8, "n_embd": 448, "context": 64}),
@@ -175,25 +175,6 @@ def moto() -> tuple[subprocess.Popen, dict[str, str]]:
     return proc, env
 
 
-def sample_agents(peaks: dict[str, int], done) -> None:
-    """Keep each agent's largest peak resident set (VmHWM of any of its processes) until done."""
-    import psutil
-
-    while not done.wait(0.5):
-        for p in psutil.process_iter(["cmdline"]):
-            title = " ".join(p.info["cmdline"] or [])
-            agent = next((w for w in ("local1", "local2") if f"{w}@" in title), None)
-            if agent is None:
-                continue
-            try:
-                status = Path(f"/proc/{p.pid}/status").read_text()
-            except OSError:
-                continue
-            hwm = next((int(line.split()[1]) * 1024 for line in status.splitlines()
-                        if line.startswith("VmHWM:")), 0)
-            peaks[agent] = max(peaks.get(agent, 0), hwm)
-
-
 def part_runs(work: Path, stores: list[str]) -> list[dict]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TENSORTURN_", "AWS_"))}
     env["TENSORTURN_CACHE_DIR"] = str(work / "cache")
@@ -215,7 +196,7 @@ def part_runs(work: Path, stores: list[str]) -> list[dict]:
 
                 peaks: dict[str, int] = {}
                 done = threading.Event()
-                sampler = threading.Thread(target=sample_agents, args=(peaks, done), daemon=True)
+                sampler = threading.Thread(target=sample_agent_peaks, args=(peaks, done, 0.5), daemon=True)
                 sampler.start()
                 t0 = time.monotonic()
                 proc = subprocess.run(

@@ -25,12 +25,11 @@ import time
 from pathlib import Path
 
 import numpy as np
-import psutil
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from _common import machine  # noqa: E402
+from _common import machine, sample_agent_peaks  # noqa: E402
 
 
 def tt(args: list[str], env: dict[str, str], cwd: Path, peaks: dict[str, int] | None = None) -> dict:
@@ -39,24 +38,8 @@ def tt(args: list[str], env: dict[str, str], cwd: Path, peaks: dict[str, int] | 
     proc = subprocess.Popen([sys.executable, "-m", "tensorturn", *args, "--json"], env=env, cwd=cwd,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
     done = threading.Event()
-
-    def sample() -> None:
-        while not done.wait(0.2):
-            for p in psutil.process_iter(["cmdline"]):
-                title = " ".join(p.info["cmdline"] or [])
-                agent = next((w for w in ("local1", "local2", "local3", "local4") if f"{w}@" in title), None)
-                if agent is None:
-                    continue
-                try:
-                    status = Path(f"/proc/{p.pid}/status").read_text()
-                except OSError:
-                    continue
-                hwm = next((int(line.split()[1]) * 1024 for line in status.splitlines()
-                            if line.startswith("VmHWM:")), 0)
-                assert peaks is not None
-                peaks[agent] = max(peaks.get(agent, 0), hwm)
-
-    watcher = threading.Thread(target=sample, daemon=True) if peaks is not None else None
+    watcher = (threading.Thread(target=sample_agent_peaks, args=(peaks, done), daemon=True)
+               if peaks is not None else None)
     if watcher:
         watcher.start()
     out, err = proc.communicate()

@@ -148,6 +148,19 @@ class GPT(nn.Module):
 
 # ---- the recipe -------------------------------------------------------------------------------
 
+class ByteVocabulary:
+    """A language model over UTF-8 bytes: the vocabulary is the 256 byte values, whatever the text."""
+
+    def vocab(self) -> list[str]:
+        return [chr(i) for i in range(256)]
+
+    def encode(self, s: str) -> torch.Tensor:
+        return torch.tensor(list(s.encode("utf-8")), dtype=torch.int64)
+
+    def decode(self, ids) -> str:
+        return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
+
+
 class CharLM(Recipe):
     name = "charlm"
     task = "language_model"

@@ -18,10 +18,18 @@ from __future__ import annotations
 
 import torch
 
-from .charlm import MAX_EVAL_WINDOWS, TRAIN_FRACTION, VAL_FRACTION, CharLM, load_text, windows
+from .charlm import (
+    MAX_EVAL_WINDOWS,
+    TRAIN_FRACTION,
+    VAL_FRACTION,
+    ByteVocabulary,
+    CharLM,
+    load_text,
+    windows,
+)
 
 
-class GPT2Small(CharLM):
+class GPT2Small(ByteVocabulary, CharLM):
     name = "gpt2-small"
     lr = 3e-4         # GPT-2 small's peak learning rate (AdamW)
     batch_size = 8
@@ -30,15 +38,6 @@ class GPT2Small(CharLM):
     def __init__(self, data: str | None = None, context: int = 256, n_layer: int = 12,
                  n_head: int = 12, n_embd: int = 768, dropout: float = 0.0):
         super().__init__(data, context, n_layer, n_head, n_embd, dropout)
-
-    def vocab(self) -> list[str]:
-        return [chr(i) for i in range(256)]  # byte values
-
-    def encode(self, s: str) -> torch.Tensor:
-        return torch.tensor(list(s.encode("utf-8")), dtype=torch.int64)
-
-    def decode(self, ids) -> str:
-        return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
 
     def raw_data(self):
         ids = torch.frombuffer(bytearray(load_text(self.data).encode("utf-8")), dtype=torch.uint8).long()

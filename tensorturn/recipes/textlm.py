@@ -17,10 +17,10 @@ from typing import Any
 import torch
 
 from ..errors import RecipeError
-from .charlm import MAX_EVAL_WINDOWS, CharLM, windows
+from .charlm import MAX_EVAL_WINDOWS, ByteVocabulary, CharLM, windows
 
 
-class TextLM(CharLM):
+class TextLM(ByteVocabulary, CharLM):
     name = "textlm"
 
     def __init__(self, dataset: str, version: int | None = None, context: int = 64, n_layer: int = 2,
@@ -39,15 +39,6 @@ class TextLM(CharLM):
 
     def pinned_options(self) -> dict[str, Any]:
         return {"version": self._data.index["version"]}
-
-    def vocab(self) -> list[str]:
-        return [chr(i) for i in range(256)]  # byte values
-
-    def encode(self, s: str) -> torch.Tensor:
-        return torch.tensor(list(s.encode("utf-8")), dtype=torch.int64)
-
-    def decode(self, ids) -> str:
-        return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
 
     def _ids(self, split: str) -> torch.Tensor:
         docs = [t for table in self._data.batches(split) for t in table.column("text").to_pylist()]
