@@ -17,10 +17,10 @@ import psutil
 import pytest
 import redis
 
-from tensorturn import client
+from tensorturn import client, layout
 from tensorturn.board import RunBoard
 from tensorturn.local import LocalPool
-from tensorturn.modes.fused.tasks import train_shard
+from tensorturn.modes.fused.tasks import train_slot
 from tensorturn.spec import RunSpec
 from tensorturn.tasks.attempt import signed
 
@@ -173,10 +173,12 @@ def test_duplicate_delivery_is_ignored(pool, reference, tmp_path):
     while not board(pool).rounds(spec.run_id):
         assert time.monotonic() < deadline
         time.sleep(0.1)
-    train_shard.apply_async(args=(spec.run_id, 0, 1), kwargs=signed(spec.run_id, "r0/shard-1"))  # again
+    # round 0's slot 1 delivered again: it is bound to the shard it trained, which is done
+    train_slot.apply_async(args=(spec.run_id, 0, 1), kwargs=signed(spec.run_id, "r0/slot-1"))
     doc = finish(pool, spec, reference)
+    bound = board(pool).r.hget(layout.run_key(spec.run_id, "slots-r0"), "1")
     dup = [i for i in doc["incidents"] if i["kind"] == "duplicate_ignored"]
-    assert [i["task"] for i in dup] == ["r0/shard-1"]
+    assert [i["task"] for i in dup] == [f"r0/shard-{bound}"]
 
 
 class FlakyProxy:

@@ -147,7 +147,7 @@ def test_sigterm_puts_the_running_task_back_in_the_queue(tmp_path, monkeypatch):
         assert agent.wait(60) is not None
         # the long shard did not finish; its message is back in the queue for another machine
         r = redis.Redis.from_url(pool.broker_url)
-        queued = [m for m in queued_messages(r) if b"train_shard" in m]
+        queued = [m for m in queued_messages(r) if b"tensorturn.fused.train_slot" in m]
         assert len(queued) == 1
         assert r.hlen("unacked") == 0
         assert not (store / "runs" / doc["run_id"] / "r0000" / "shard-000.safetensors").exists()
