@@ -175,6 +175,11 @@ class LocalPool:
         settings = config.current().with_(broker_url=self.broker_url, store_url=self.store_url,
                                           loglevel=self.loglevel,
                                           pool_key=trust.pool_key_or_create().text())
+        if "TENSORTURN_SHUTDOWN_GRACE_S" not in os.environ:
+            # Celery's soft shutdown runs even on an idle agent (so retries held with a countdown
+            # are requeued), so every stop waits out the grace; a private pool stops with its run,
+            # where 1 s is plenty — and `run` returns 4 s sooner
+            settings = settings.with_(shutdown_grace_s=1.0)
         if settings.cache_dir:  # a cache folder of its own, as a separate machine would have
             settings = settings.with_(cache_dir=str(Path(settings.cache_dir) / f"local{i + 1}"))
         env = {**os.environ, **settings.environ()}

@@ -371,7 +371,7 @@ def test_an_agent_killed_mid_multipart_upload_leaves_no_object_and_the_task_is_r
     monkeypatch.setenv("TENSORTURN_PART_MB", "5")  # a 28 MB pseudo-gradient goes in 6 parts
     s3, store = boto3.client("s3"), f"s3://{s3_bucket}/parts"
     with LocalPool(2, store, workdir=tmp_path / "pool") as s3pool:
-        spec = RunSpec.create(store_url=store, mode="fused", recipe="charlm", rounds=2, shards=2,
+        spec = RunSpec.create(store_url=store, mode="fused", recipe="charlm", rounds=1, shards=2,
                               recipe_options={"n_layer": 4, "n_head": 6, "n_embd": 384, "context": 32},
                               sync_every=2, batch_size=4, eval_batches=1, outer="sgd")
         client.submit(spec, s3pool.broker_url)
