@@ -90,7 +90,7 @@ class Store(ABC):
     def uri(self, key: str) -> str:
         """Where an ordinary client finds the object (``s3://bucket/key`` or ``file:///path``)."""
 
-    def _transient(self, exc: Exception) -> bool:
+    def _transient(self, exc: BaseException) -> bool:
         return False
 
     def _retrying(self, what: str, key: str, fn: Callable[[], T]) -> T:
@@ -256,11 +256,15 @@ class S3Store(Store):
         check_key(key)
         return f"{self.prefix}/{key}" if self.prefix else key
 
-    def _transient(self, exc: Exception) -> bool:
+    def _transient(self, exc: BaseException) -> bool:
+        from boto3.exceptions import RetriesExceededError, S3UploadFailedError
         from botocore.exceptions import ClientError, ConnectionError, HTTPClientError
 
-        if isinstance(exc, (ConnectionError, HTTPClientError)):
+        if isinstance(exc, (ConnectionError, HTTPClientError, RetriesExceededError)):
             return True
+        if isinstance(exc, S3UploadFailedError):  # the transfer manager wraps the part's error
+            inner = exc.__cause__ or exc.__context__
+            return inner is None or self._transient(inner)
         if isinstance(exc, ClientError):
             status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
             code = exc.response.get("Error", {}).get("Code", "")

@@ -156,10 +156,14 @@ def test_a_partial_download_of_a_dead_process_is_removed(tmp_path):
                           capture_output=True, text=True, check=True).stdout.strip()
     (tmp_path / "c").mkdir()
     orphan, live = tmp_path / "c" / f".{'a' * 64}.{dead}", tmp_path / "c" / f".{'b' * 64}.{os.getpid()}"
-    orphan.write_bytes(b"x")
-    live.write_bytes(b"y")
+    fresh = tmp_path / "c" / f".{'c' * 64}.{dead}"
+    for path in (orphan, live, fresh):
+        path.write_bytes(b"x")
+    for path in (orphan, live):
+        os.utime(path, (1, 1))                          # written long ago
     ChunkCache(tmp_path / "c", 10 ** 6)
     assert not orphan.exists() and live.exists()       # a download in progress is left alone
+    assert fresh.exists()                               # and so is a recent one (another container's?)
 
 
 def test_the_cache_keeps_to_its_budget_and_refuses_a_damaged_chunk(table_csv, tmp_path):

@@ -340,3 +340,36 @@ shutil.copyfileobj = copy
     _kill_mid_upload(tmp_path, fstore.url, "runs/x/r0000/shard-000.safetensors", patch)
     assert not fstore.exists("runs/x/r0000/shard-000.safetensors")
     assert fstore.list("runs/x/") == []
+
+
+def test_a_failed_part_is_a_transient_error_and_the_upload_is_retried(s3store, tmp_path):
+    """boto3's transfer manager wraps a part's 500 in S3UploadFailedError: still transient."""
+    from boto3.exceptions import S3UploadFailedError
+    from botocore.exceptions import ClientError
+
+    (tmp_path / "f").write_bytes(PAYLOAD)
+    real, calls = s3store.client.upload_file, []
+
+    def flaky(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            try:
+                raise ClientError({"Error": {"Code": "InternalError"},
+                                   "ResponseMetadata": {"HTTPStatusCode": 500}}, "UploadPart")
+            except ClientError:
+                raise S3UploadFailedError("Failed to upload: InternalError") from None
+        return real(*args, **kwargs)
+
+    s3store.client.upload_file = flaky
+    s3store.backoff_s = 0.01
+    assert s3store.put_file("runs/x/r0000/shard-000.safetensors", tmp_path / "f") == sha256_hex(PAYLOAD)
+    assert len(calls) == 2 and s3store.get_bytes("runs/x/r0000/shard-000.safetensors") == PAYLOAD
+    # a part refused for good (wrong credentials) stays an error at once
+    try:
+        try:
+            raise ClientError({"Error": {"Code": "AccessDenied"}, "ResponseMetadata": {"HTTPStatusCode": 403}},
+                              "UploadPart")
+        except ClientError:
+            raise S3UploadFailedError("Failed to upload: AccessDenied")  # noqa: B904 - as boto3 does
+    except S3UploadFailedError as denied:
+        assert not s3store._transient(denied)

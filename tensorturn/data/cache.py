@@ -14,6 +14,7 @@ import hashlib
 import os
 import re
 import threading
+import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ from .. import layout
 from ..errors import StoreError
 from ..store import Store
 
+ORPHAN_AGE_S = 3600
 DEFAULT_DIR = Path.home() / ".cache" / "tensorturn" / "chunks"
 SHA256 = re.compile(r"[0-9a-f]{64}")
 
@@ -40,10 +42,14 @@ class ChunkCache:
         self._remove_orphans()
 
     def _remove_orphans(self) -> None:
-        """Remove partial downloads (``.<sha>.<pid>``) of processes that died writing them."""
+        """Remove partial downloads (``.<sha>.<pid>``) of processes that died writing them — an
+        hour old at least, since a cache folder shared between containers sees other PIDs."""
         for tmp in self.dir.glob(".*.*"):
             pid = tmp.name.rpartition(".")[2]
-            if not pid.isdigit():
+            try:
+                if not pid.isdigit() or time.time() - tmp.stat().st_mtime < ORPHAN_AGE_S:
+                    continue
+            except FileNotFoundError:
                 continue
             try:
                 os.kill(int(pid), 0)
