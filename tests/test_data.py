@@ -48,6 +48,7 @@ def test_shards_are_whole_chunks_when_there_are_enough():
     assert shard_bounds([100, 100, 50], 2) == [0, 100, 250]
     assert shard_bounds([100] * 3, 4) == [0, 75, 150, 225, 300]      # too few chunks: rows
     assert shard_bounds([1000, 1, 1, 1], 3) == [0, 334, 668, 1003]   # no edge for each: rows
+    assert shard_bounds([1000, 1, 1, 1], 2) == [0, 501, 1003]        # 1000 and 3 rows: too uneven
 
 
 def chunk_files(store_dir):

@@ -38,7 +38,8 @@ def machine_cache() -> ChunkCache:
 def shard_bounds(chunk_rows: list[int], shards: int) -> list[int]:
     """Where each of ``shards`` contiguous shards of a split starts (and, last, where the split
     ends), given its chunks' row counts: at the chunk edge nearest an even split, or — with fewer
-    chunks than shards, or edges too uneven to give every shard its own — at the even split."""
+    chunks than shards, or edges so uneven that a shard would get less than half its share — at
+    the even split."""
     total = sum(chunk_rows)
     even = [k * total // shards for k in range(shards + 1)]
     edges = list(accumulate(chunk_rows, initial=0))
@@ -49,8 +50,8 @@ def shard_bounds(chunk_rows: list[int], shards: int) -> list[int]:
         return edges[i] if i == 0 or (i < len(edges) and edges[i] - b < b - edges[i - 1]) else edges[i - 1]
 
     bounds = [nearest(b) for b in even]
-    if any(lo >= hi for lo, hi in zip(bounds, bounds[1:])):
-        return even
+    if any(hi - lo < max(total / shards / 2, 1) for lo, hi in zip(bounds, bounds[1:])):
+        return even  # a shard would get less than half its share: uneven chunks
     return bounds
 
 
