@@ -53,6 +53,18 @@ def test_commands_that_train_nothing_import_no_torch(tmp_path, args, code):
     assert not (tmp_path / "tensorturn-store" / "runs").exists()
 
 
+@pytest.mark.parametrize("flag,value,line", [
+    ("--accumulate", "0", "error: --accumulate must be a whole number ≥ 1 (got 0)"),
+    ("--eval-batches", "-1", "error: --eval-batches must be a whole number ≥ 1 (got -1)"),
+])
+def test_bad_training_options_are_one_line_before_anything_starts(tmp_path, flag, value, line):
+    proc = tt("run", "--recipe", "digits-mlp", flag, value, cwd=tmp_path)
+    assert proc.returncode == 2 and proc.stderr.strip() == line
+    assert not (tmp_path / "tensorturn-store").exists()
+    proc = tt("run", "--recipe", "digits-mlp", "--precision", "fp8", cwd=tmp_path)
+    assert proc.returncode == 2 and "'fp8' is not one of" in proc.stderr
+
+
 def test_an_option_of_the_other_mode_is_refused_by_name(tmp_path):
     proc = tt("run", "--mode", "fused", "--recipe", "digits-mlp", "--segments", "2", cwd=tmp_path)
     assert proc.returncode == 2
