@@ -365,4 +365,7 @@ class RunBoard:
         }
         if h["mode"] == "ensemble":
             out["members"] = self.members(run_id)
+        applied = self.r.hvals(layout.run_key(run_id, "applied"))
+        if applied:  # an asynchronous fused run: every update, with its staleness
+            out["updates"] = sorted((json.loads(v) for v in applied), key=lambda u: u["version"])
         return out

@@ -118,6 +118,36 @@ def outer_update(theta: StateDict, delta: StateDict, momentum_buf: StateDict | N
     return new_theta, new_buf
 
 
+def async_update(value: torch.Tensor, d: torch.Tensor | None, buf: torch.Tensor | None,
+                 acc: torch.Tensor | None, weight: float, lr: float, momentum: float,
+                 momentum_due: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """One pseudo-gradient of an asynchronous fused run applied to one tensor, as it arrives —
+    *delayed Nesterov* (after Async Local-SGD, Liu et al. 2024, arXiv 2401.09135): the
+    momentum moves only once every S updates, with their sum, so stale updates do not each
+    push it; in between, each update's own term is applied at once.
+
+    Returns (θ', b', a') from θ, the update ``d`` (weight ``w``: its share of a round, 1/S for
+    a full shard), the momentum ``buf`` and the sum ``acc`` of weighted updates since it last
+    moved: ``θ ← θ − lr·w·Δ``; ``a ← a + w·Δ``; every S-th update (``momentum_due``)
+    ``b ← μ·b + a``, ``θ ← θ − lr·μ·b``, ``a ← 0``. Over S updates from the same θ this is
+    exactly the synchronous Nesterov step ``θ − lr·(g + μ·(μ·b + g))`` with g their weighted
+    sum; with ``momentum`` 0 it is FedAvg one update at a time (``θ − lr·w·Δ``).
+    A tensor without an update (an integer buffer) is returned as it is.
+    """
+    if d is None:
+        return value, buf, acc
+    step = weight * d.to(torch.float32)
+    new = value.to(torch.float32) - lr * step
+    if not momentum:
+        return new.to(value.dtype), None, None
+    acc = step if acc is None else acc + step
+    if momentum_due:
+        buf = acc.clone() if buf is None else buf * momentum + acc
+        new = new - lr * momentum * buf
+        acc = torch.zeros_like(acc)
+    return new.to(value.dtype), buf, acc
+
+
 def apply_step(theta: StateDict, step: StateDict) -> StateDict:
     """θ + step for the entries in ``step`` (float32 arithmetic, CPU); the rest copied through.
     The coordinator and every worker rebuild θ_{r+1} with this very function, so bit for bit."""

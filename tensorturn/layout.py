@@ -11,6 +11,10 @@ Object store (one folder per run)::
     runs/<id>/broadcast/r<RRRR>.safetensors           fused: θ_r − θ_{r−1} in the run's codec
     runs/<id>/r<RRRR>/shard-<KKK>.safetensors         fused: shard k's pseudo-gradient of round r
     runs/<id>/rounds/r<RRRR>.json                     fused: round r's figures
+    runs/<id>/async/updates/u<JJJJJ>.safetensors      async: update j's pseudo-gradient
+    runs/<id>/async/versions/v<VVVVV>-<token>.safetensors   async: θ after v updates (+ .state:
+                                                      outer state); the token fences a stale applier
+    runs/<id>/async/log/v<VVVVV>.json                 async: which update made version v, and its key
     runs/<id>/members/m<MM>/seg-<JJJ>.safetensors     ensemble: member m's weights after segment j
     runs/<id>/members/m<MM>/seg-<JJJ>.optim.safetensors   … and its AdamW state
     runs/<id>/final/model.safetensors                 fused: the result
@@ -29,12 +33,16 @@ Redis (besides Celery's and kombu's own keys)::
                                   started (an agent's answer to `run`, a list), data_bytes and data_read
                                   (per worker: dataset bytes downloaded, read by its tasks),
                                   owners (fused: shard → the worker that last trained it),
-                                  slots-r<r> (fused: round r's slot → the shard it trains)
+                                  slots-r<r> (fused: round r's slot → the shard it trains),
+                                  async (pointer: latest version, its keys), versions (v → key),
+                                  applied (update → its record), pending (sorted set of updates
+                                  stored, not yet applied), apply_lock (who applies now)
     tt:worker:<name>              hash: an agent's inventory, live figures and current task
     tt:refused                    list: the last 100 messages agents refused (JSON: why, who)
     celery, tt.fits.<N>MB         task queues: the default one and one per memory class
 
 Task labels (``attempts[].task`` in the JSON): ``r<r>/shard-<k>``, ``r<r>/outer``,
+``r<r>/backup-<k>`` (a backup copy of a straggling shard), ``u<j>`` (async updates),
 ``m<m>/seg-<j>``, ``vote``; a round's messages name slots (``r<r>/slot-<i>``), each bound to a
 shard by the first worker that runs it. Claims (one-time dispatches, per run): ``dispatch-r<r>``,
 ``m<m>/seg-<j>``, ``vote``.
@@ -62,6 +70,10 @@ outer           runs/{run_id}/outer/r{round:04d}.safetensors
 broadcast       runs/{run_id}/broadcast/r{round:04d}.safetensors
 shard           runs/{run_id}/r{round:04d}/shard-{shard:03d}.safetensors
 round           runs/{run_id}/rounds/r{round:04d}.json
+update          runs/{run_id}/async/updates/u{update:05d}.safetensors
+version         runs/{run_id}/async/versions/v{version:05d}-{token}.safetensors
+version_state   runs/{run_id}/async/versions/v{version:05d}-{token}.state.safetensors
+version_log     runs/{run_id}/async/log/v{version:05d}.json
 segment         runs/{run_id}/members/m{member:02d}/seg-{segment:03d}.safetensors
 optim           runs/{run_id}/members/m{member:02d}/seg-{segment:03d}.optim.safetensors
 final_model     runs/{run_id}/final/model.safetensors
@@ -157,24 +169,30 @@ def memory_queue(size_mb: int) -> str:
 class Label:
     """What one task works on. ``str(label)`` is its name in attempts and incidents."""
 
-    kind: str                 # shard | slot | outer | segment | vote
+    kind: str                 # shard | slot | backup | outer | update | segment | vote
     round: int | None = None
     shard: int | None = None
     member: int | None = None
     segment: int | None = None
+    update: int | None = None
 
     @property
     def numbers(self) -> tuple[int, ...]:
-        """(round, shard), (round,), (member, segment) or () — what the label names."""
-        return tuple(v for v in (self.round, self.shard, self.member, self.segment) if v is not None)
+        """(round, shard), (round,), (member, segment), (update,) or () — what the label names."""
+        return tuple(v for v in (self.round, self.shard, self.member, self.segment, self.update)
+                     if v is not None)
 
     def __str__(self) -> str:
         if self.kind == "shard":
             return f"r{self.round}/shard-{self.shard}"
         if self.kind == "slot":
             return f"r{self.round}/slot-{self.shard}"
+        if self.kind == "backup":
+            return f"r{self.round}/backup-{self.shard}"
         if self.kind == "outer":
             return f"r{self.round}/outer"
+        if self.kind == "update":
+            return f"u{self.update}"
         if self.kind == "segment":
             return f"m{self.member}/seg-{self.segment}"
         return self.kind
@@ -187,6 +205,16 @@ def shard_label(r: int, k: int) -> Label:
 def slot_label(r: int, i: int) -> Label:
     """Slot i of round r: a message that trains whichever shard its first worker claims."""
     return Label("slot", round=r, shard=i)
+
+
+def backup_label(r: int, k: int) -> Label:
+    """A backup copy of shard k of round r, run when the round waits only for stragglers."""
+    return Label("backup", round=r, shard=k)
+
+
+def update_label(j: int) -> Label:
+    """Update j of an asynchronous fused run (shard j mod S, trained from the latest weights)."""
+    return Label("update", update=j)
 
 
 def outer_label(r: int) -> Label:
@@ -204,7 +232,9 @@ def vote_label() -> Label:
 _LABELS = (
     (re.compile(r"^r(\d+)/shard-(\d+)$"), lambda g: shard_label(int(g[0]), int(g[1]))),
     (re.compile(r"^r(\d+)/slot-(\d+)$"), lambda g: slot_label(int(g[0]), int(g[1]))),
+    (re.compile(r"^r(\d+)/backup-(\d+)$"), lambda g: backup_label(int(g[0]), int(g[1]))),
     (re.compile(r"^r(\d+)/outer$"), lambda g: outer_label(int(g[0]))),
+    (re.compile(r"^u(\d+)$"), lambda g: update_label(int(g[0]))),
     (re.compile(r"^m(\d+)/seg-(\d+)$"), lambda g: segment_label(int(g[0]), int(g[1]))),
     (re.compile(r"^(vote)$"), lambda g: Label(g[0])),
 )

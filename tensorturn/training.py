@@ -51,6 +51,28 @@ class Throttle:
             time.sleep(ahead)
 
 
+class SimulatedStep:
+    """Make every step of a loop take ``seconds`` of wall time, sleeping out what its compute
+    did not use (benchmarks and tests: ``TENSORTURN_SIM_STEP_S`` gives an agent a speed of its
+    own, so many agents of different speeds share two cores without competing for them).
+
+    Paced against a deadline from the loop's start — step i ends at start + i × seconds — so a
+    sleep's overshoot is paid back by the next one; a step whose compute takes longer than
+    ``seconds`` simply runs late (the figure is then the compute's, not the emulated one).
+    """
+
+    def __init__(self, seconds: float, clock=time.perf_counter, sleep=time.sleep):
+        self.seconds, self.clock, self.sleep = seconds, clock, sleep
+        self.start = clock()
+        self.steps = 0
+
+    def step(self) -> None:
+        self.steps += 1
+        ahead = self.start + self.steps * self.seconds - self.clock()
+        if ahead > 0:
+            self.sleep(ahead)
+
+
 def train_steps(recipe: Recipe, model: nn.Module, optimizer: torch.optim.Optimizer,
                 x: torch.Tensor, y: torch.Tensor, rows: torch.Tensor, steps: int,
                 batch_size: int, seed: int, device: torch.device,
@@ -71,6 +93,8 @@ def train_steps(recipe: Recipe, model: nn.Module, optimizer: torch.optim.Optimiz
     # benchmarks/tests only: TENSORTURN_SLOWDOWN emulates a slower machine on the same host
     slowdown = config.current().slowdown
     throttle = Throttle(slowdown) if slowdown > 1 else None
+    sim_step = config.current().sim_step_s
+    simulated = SimulatedStep(sim_step) if sim_step > 0 else None
     for step in range(steps):
         t0 = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
@@ -99,6 +123,8 @@ def train_steps(recipe: Recipe, model: nn.Module, optimizer: torch.optim.Optimiz
         total += value
         if throttle is not None:
             throttle.step(time.perf_counter() - t0)
+        if simulated is not None:
+            simulated.step()
         if on_step is not None:
             on_step(step + 1, value)
     return total / max(steps, 1), samples

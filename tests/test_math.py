@@ -139,6 +139,28 @@ def test_throttle_paces_short_steps_to_the_factor(monkeypatch):
     assert clock["sleeps"] < 1000 / 10    # sleeps are batched, not one per step
 
 
+def test_a_simulated_step_takes_its_emulated_time_whatever_the_compute_and_oversleep():
+    """TENSORTURN_SIM_STEP_S, on a fake clock: steps of 0.3 ms compute under a 50 ms emulated
+    step, every sleep 2 ms late, end at n × 50 ms (the overshoot is paid back); a step whose
+    compute outlasts the emulated time is not slowed further."""
+    from tensorturn.training import SimulatedStep
+
+    clock = {"now": 0.0}
+
+    def sleep(seconds):
+        clock["now"] += seconds + 0.002
+
+    sim = SimulatedStep(0.05, clock=lambda: clock["now"], sleep=sleep)
+    for _ in range(200):
+        clock["now"] += 0.0003
+        sim.step()
+    assert 200 * 0.05 <= clock["now"] <= 200 * 0.05 + 0.0021
+    before = clock["now"]
+    clock["now"] += 0.08                  # one slow step: 80 ms of compute
+    sim.step()
+    assert clock["now"] == pytest.approx(before + 0.08)
+
+
 def test_a_delta_from_another_version_is_one_clear_error():
     blob = to_bytes({"w::q": torch.zeros(256, dtype=torch.int8)},
                     {"format": "tensorturn-delta/1", "codec": "int8", "shapes": '{"w": [256]}'})

@@ -37,6 +37,7 @@ if TYPE_CHECKING:
 OUTERS = ("auto", "nesterov", "sgd")
 CODECS = ("fp32", "fp16", "int8")
 KEEPS = ("last", "best")
+SYNCS = ("rounds", "backup", "async")
 AUTO_NESTEROV_EPOCHS = 1.0  # --outer auto: Nesterov when a shard's round covers its rows at most this often
 # a shard going over its rows more often than this per round is warned about (little data)
 EPOCHS_PER_ROUND_WARNING = 4.0
@@ -53,8 +54,9 @@ class FusedOptions(ModeOptions):
     outer_momentum  outer momentum
     codec           encoding of pseudo-gradients up and weight updates down (int8: ~3.9× fewer bytes)
     keep            the result: the last round's weights, or those of the round with the lowest validation loss
+    sync            rounds: a barrier per round (the same weights on any pool); backup: rounds, plus backup copies of a round's last shards on idle machines; async: no barrier, updates applied as they arrive (faster on mixed speeds; the result depends on timing)
     """
-    CHOICES = {"outer": OUTERS, "codec": CODECS, "keep": KEEPS}
+    CHOICES = {"outer": OUTERS, "codec": CODECS, "keep": KEEPS, "sync": SYNCS}
 
     rounds: int = 8
     sync_every: int = 25
@@ -64,6 +66,7 @@ class FusedOptions(ModeOptions):
     outer_momentum: float = 0.9
     codec: str = "fp32"
     keep: str = "last"
+    sync: str = "rounds"
     # a pseudo-gradient whose norm exceeds this multiple of the weights' norm is rejected
     max_update_ratio: float = 10.0
     # derived at start: sha256 of θ_0's model file, so machines can rebuild θ_0 from the seed

@@ -13,6 +13,7 @@ import math
 import tempfile
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -87,8 +88,17 @@ def start(spec: RunSpec, store: Store, board: RunBoard) -> None:
         if warning:
             board.warn(spec.run_id, warning)
     write_manifest(store, board, spec.run_id)
+    if opts_sync(spec) == "async":
+        from . import asynchronous
+
+        asynchronous.start(spec, store, board)
+        return
     board.claim(spec.run_id, layout.dispatch_claim(0))
     dispatch_round(spec, 0)
+
+
+def opts_sync(spec: RunSpec) -> str:
+    return options(spec).sync
 
 
 def data_bytes() -> tuple[int, int]:
@@ -145,6 +155,10 @@ def dispatch_round(spec: RunSpec, r: int) -> None:
 
 def resume(spec: RunSpec, store: Store, board: RunBoard) -> str:
     """Continue from the last round whose global weights are in the store; says what it did."""
+    if opts_sync(spec) == "async":
+        from . import asynchronous
+
+        return asynchronous.resume(spec, store, board)
     stored = [layout.parse("global", key) for key in store.list(layout.prefix("global", spec.run_id))]
     r = max((parts["round"] for parts in stored if parts), default=0)
     for past in range(r):  # rounds the broker forgot are rebuilt from the store
@@ -505,8 +519,10 @@ def _step_in_memory(spec: RunSpec, recipe: Recipe, store: Store, r: int, avg: St
     store.put_bytes(layout.key("global", run_id, r + 1), new_bytes)
 
 
-def finalize(spec: RunSpec, store: Store, board: RunBoard) -> None:
-    """Store the final model, evaluate it on the test split, and finish the run."""
+def finalize(spec: RunSpec, store: Store, board: RunBoard,
+             weights_key: Callable[[int], str] | None = None) -> None:
+    """Store the final model, evaluate it on the test split, and finish the run. The weights
+    after round r are at ``weights_key(r)`` (θ_{r+1}'s key, unless said otherwise)."""
     run_id, opts = spec.run_id, options(spec)
     kept = opts.rounds - 1
     if opts.keep == "best":  # the round whose weights had the lowest validation loss
@@ -516,7 +532,8 @@ def finalize(spec: RunSpec, store: Store, board: RunBoard) -> None:
             return value if value is not None and math.isfinite(value) else math.inf
 
         kept = min(rounds, key=lambda rec: (loss(rec), -rec["round"]))["round"] if rounds else kept
-    data = store.get_bytes(layout.key("global", run_id, kept + 1))  # θ after round `kept`
+    key = weights_key(kept) if weights_key else layout.key("global", run_id, kept + 1)
+    data = store.get_bytes(key)  # θ after round `kept`
     sha = store.put_bytes(layout.key("final_model", run_id), data)
     recipe = recipe_of(spec)
     device = pick_device()
@@ -526,3 +543,6 @@ def finalize(spec: RunSpec, store: Store, board: RunBoard) -> None:
                                                "kept_round": kept},
                  model_uri=store.uri(layout.key("final_model", run_id)), model_sha256=sha)
     write_manifest(store, board, run_id)
+
+
+from . import asynchronous as asynchronous  # noqa: E402 - its task registers with this module's

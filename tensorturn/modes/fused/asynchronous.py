@@ -1,0 +1,350 @@
+"""Asynchronous fused runs (``--sync async``): no round barrier.
+
+A run of R rounds × S shards queues R·S *updates* at once (label ``u<j>``: shard j mod S, the
+seed of round j div S — the synchronous run's work, the same samples). Each worker trains its
+update from the **latest** weights it can get, stores the pseudo-gradient, and queues it to be
+applied (:class:`~.ledger.AsyncLedger`). Whoever holds the apply lock applies the stored updates
+one at a time, in arrival order, with *delayed Nesterov* (:func:`tensorturn.diloco.async_update`:
+each update's own term at once, the momentum once per S updates), so a fast machine never waits
+for a slow one. Every S versions the weights are evaluated and recorded as a round; at R·S the
+run finishes like a synchronous one.
+
+What it gives up: the result depends on timing — which version each update started from (its
+*staleness*, recorded for every update) — so two runs with the same seed differ. ``--sync rounds``
+stays the default and keeps its guarantee (the same weights on 1 or N machines).
+
+Safety: an update is applied at most once and never lost. Its pseudo-gradient is stored before
+it is queued for applying; the applier commits each new version in one Redis script that checks
+it still holds the lock (:meth:`~.ledger.AsyncLedger.commit`), so an applier stopped past its
+lock's time to live cannot commit (its objects carry its own token and are never pointed at);
+and the task that queued an update stays unacknowledged until the queue it saw is drained, so a
+machine killed while applying has its task redelivered, and the next worker drains what it left.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import tempfile
+import time
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ... import config, layout
+from ...board import RunBoard
+from ...capacity import queue_for
+from ...celery_app import app, forget_results
+from ...device import pick_device
+from ...diloco import UpdateRejected, async_update, check_update, round_figures, train_replica
+from ...recipes import Recipe, recipe_of
+from ...spec import RunSpec
+from ...store import Store, file_sha256
+from ...tasks.attempt import SUCCEEDED, Unit, execute, signed
+from ...telemetry import TaskReporter
+from ...tensorfile import DTYPES, TensorReader, TensorWriter, delta_tensors, write_delta
+from ...tensors import StateDict, model_metadata
+from ...training import derive_seed, load_model, set_threads
+from .ledger import AsyncLedger, Fenced
+
+log = logging.getLogger(__name__)
+
+MOMENTUM, ACCUMULATED = "m::", "a::"  # the outer state's two parts, per tensor
+
+
+def ledger(board: RunBoard, run_id: str) -> AsyncLedger:
+    return AsyncLedger(board.r, run_id)
+
+
+def total_updates(spec: RunSpec) -> int:
+    from .tasks import options
+
+    return options(spec).rounds * options(spec).shards
+
+
+def start(spec: RunSpec, store: Store, board: RunBoard) -> None:
+    """Version 0 is θ_0 (stored by the fused start); queue every update."""
+    from .tasks import options
+
+    ledger(board, spec.run_id).init(layout.key("global", spec.run_id, 0), options(spec).init_sha256)
+    queue_updates(spec, range(total_updates(spec)))
+
+
+def queue_updates(spec: RunSpec, updates: Any) -> None:
+    queue = queue_for(spec.memory_needed_bytes)
+    run_id = spec.run_id
+    sent = [async_step.s(run_id, j, **signed(run_id, str(layout.update_label(j))))
+            .set(queue=queue).apply_async() for j in updates]
+    forget_results(sent)
+
+
+def resume(spec: RunSpec, store: Store, board: RunBoard) -> str:
+    """Rebuild the ledger from the store's log (the versions committed, in order), then queue
+    every update not applied yet (those already stored are applied without training again)."""
+    from .tasks import options
+
+    entries = {}
+    for key in store.list(layout.prefix("version_log", spec.run_id)):
+        parts = layout.parse("version_log", key)
+        if parts:
+            entries[parts["version"]] = store.get_json(key)
+    versions = {0: layout.key("global", spec.run_id, 0)}
+    applied: dict[int, dict[str, Any]] = {}
+    latest = {"version": 0, "key": versions[0], "state_key": "", "sha256": options(spec).init_sha256}
+    v = 1
+    while v in entries:  # the log is read up to its first gap
+        entry = entries[v]
+        versions[v] = entry["key"]
+        applied[entry["record"]["update"]] = entry["record"]
+        latest = {"version": v, "key": entry["key"], "state_key": entry["state_key"],
+                  "sha256": entry["sha256"]}
+        v += 1
+    book = ledger(board, spec.run_id)
+    book.restore(latest, versions, applied)
+    for key in store.list(layout.prefix("round", spec.run_id)):
+        parts = layout.parse("round", key)
+        if parts and (parts["round"] + 1) * options(spec).shards <= latest["version"]:
+            board.record_round(spec.run_id, parts["round"], store.get_json(key))
+    left = [j for j in range(total_updates(spec)) if j not in applied]
+    queue_updates(spec, left or [total_updates(spec) - 1])  # none left: one task finishes the run
+    return f"resumed asynchronously at version {latest['version']} of {total_updates(spec)}"
+
+
+# ---- an update ---------------------------------------------------------------------------------
+
+@app.task(bind=True, name="tensorturn.fused.async_update", max_retries=None)
+def async_step(self, run_id: str, j: int, sig: str | None = None) -> dict[str, Any]:
+    """Train update j from the latest weights, store it, and apply what is stored."""
+    return execute(self, run_id, layout.update_label(j), UpdateUnit, sig)
+
+
+class UpdateUnit(Unit):
+    def done(self) -> bool:
+        book = ledger(self.board, self.spec.run_id)
+        return (book.is_applied(self.j) and not book.pending()
+                and book.latest()["version"] < total_updates(self.spec))
+
+    @property
+    def j(self) -> int:
+        return self.a.label.numbers[0]
+
+    def run(self) -> str:
+        book = ledger(self.board, self.spec.run_id)
+        if not book.is_applied(self.j):
+            if not self.store.exists(layout.key("update", self.spec.run_id, self.j)):
+                self.train(book)
+            book.push(self.j, self.a.worker, time.time())
+        drain(self.spec, self.store, self.board, self.a.worker)
+        return SUCCEEDED
+
+    def train(self, book: AsyncLedger) -> None:
+        from .tasks import count_data, data_bytes, options
+
+        spec, opts = self.spec, options(self.spec)
+        r, k = divmod(self.j, opts.shards)
+        set_threads(spec.threads_per_task)
+        recipe = recipe_of(spec)
+        batch = spec.batch_size or recipe.batch_size
+        reporter = TaskReporter(self.a.task, self.board.r, str(self.a.label), opts.sync_every, batch)
+        before = data_bytes()
+        x, y, rows = recipe.shard_data(k, opts.shards, spec.seed)
+        count_data(self.board, spec.run_id, self.a.worker, before)
+        latest = book.latest()
+        theta, self.a.bytes_down = fetch_version(spec, recipe, self.store, latest)
+        try:
+            delta, loss, samples = train_replica(
+                recipe, theta, x, y, rows, opts.sync_every, spec.lr or recipe.lr, batch,
+                derive_seed(spec.seed, r, k), pick_device(), on_step=reporter,
+                precision=spec.precision, accumulate=spec.accumulate)
+            check_update(delta, theta, opts.max_update_ratio)
+        except UpdateRejected as exc:
+            self.board.incident(spec.run_id, "update_rejected", str(self.a.label), self.a.worker,
+                                str(exc))
+            raise
+        out_key = layout.key("update", spec.run_id, self.j)
+        if self.store.exists(out_key):  # another attempt stored it first: that one is applied
+            return
+        with tempfile.TemporaryDirectory(prefix="tt-update-") as tmp:
+            path = Path(tmp) / "delta"
+            write_delta(path, delta, opts.codec, {
+                "samples": str(samples), "loss": repr(loss), "base_version": f"{latest['version']:010d}",
+                "bytes_down": f"{self.a.bytes_down:015d}"})
+            del delta
+            self.store.put_file(out_key, path)
+            self.a.bytes_up = path.stat().st_size
+        reporter.done()
+
+
+# This process's latest weights per run: (version, sha256, θ).
+_held: OrderedDict[str, tuple[int, str, StateDict]] = OrderedDict()
+
+
+def fetch_version(spec: RunSpec, recipe: Recipe, store: Store, latest: dict[str, Any]
+                  ) -> tuple[StateDict, int]:
+    """The weights of ``latest`` (a version), reusing those this process holds; (θ, bytes)."""
+    from .tasks import fetch_global
+
+    held = _held.get(spec.run_id)
+    if held and held[1] == latest["sha256"]:
+        return held[2], 0
+    if latest["version"] == 0:  # θ_0: rebuilt from the seed where it can be
+        theta, moved = fetch_global(spec, recipe, store, 0)
+    else:
+        with tempfile.TemporaryDirectory(prefix="tt-version-") as tmp:
+            path = Path(tmp) / "theta"
+            store.get_file(latest["key"], path)
+            with TensorReader(path) as f:
+                theta = f.all()
+            moved = path.stat().st_size
+    _held[spec.run_id] = (latest["version"], latest["sha256"], theta)
+    _held.move_to_end(spec.run_id)
+    while len(_held) > 2:
+        _held.popitem(last=False)
+    return theta, moved
+
+
+# ---- applying ----------------------------------------------------------------------------------
+
+def drain(spec: RunSpec, store: Store, board: RunBoard, worker: str) -> None:
+    """Apply every stored update, one at a time, while this worker holds the apply lock; then
+    record the rounds due and finish the run when every update is in. Another worker holding
+    the lock applies them instead (it looks again after letting go, so none is stranded)."""
+    settings = config.current()
+    book = ledger(board, spec.run_id)
+    while True:
+        with book.lock(worker, settings.visibility_timeout_s, settings.lease_refresh_s) as token:
+            if token is None:
+                return
+            try:
+                while (j := book.next_pending()) is not None:
+                    apply_one(spec, store, board, book, j, token, worker)
+                catch_up(spec, store, board, book)
+            except Fenced as exc:  # another applier took over: it carries on from the ledger
+                board.incident(spec.run_id, "apply_fenced", f"u{exc.j}", worker, str(exc))
+                return
+        if not book.pending():
+            return
+
+
+def apply_one(spec: RunSpec, store: Store, board: RunBoard, book: AsyncLedger, j: int,
+              token: str, worker: str) -> None:
+    """Step the latest weights by update j, tensor by tensor through files, and commit the
+    result as the next version."""
+    from .tasks import _outer_args, options
+
+    opts = options(spec)
+    recipe = recipe_of(spec)
+    set_threads(spec.threads_per_task)
+    latest = book.latest()
+    v = latest["version"]
+    lr, momentum, _ = _outer_args(spec)
+    nominal = opts.sync_every * (spec.batch_size or recipe.batch_size) * spec.accumulate
+    with tempfile.TemporaryDirectory(prefix="tt-apply-") as tmp:
+        scratch = Path(tmp)
+        store.get_file(layout.key("update", spec.run_id, j), scratch / "update")
+        store.get_file(latest["key"], scratch / "theta")
+        if latest["state_key"]:
+            store.get_file(latest["state_key"], scratch / "state")
+        with TensorReader(scratch / "update") as upd:
+            meta = upd.metadata
+            delta = dict(delta_tensors(upd))
+        samples, base = int(meta["samples"]), int(meta["base_version"])
+        weight = samples / (opts.shards * nominal)
+        due = (v + 1) % opts.shards == 0
+        with TensorReader(scratch / "theta") as theta, \
+                (TensorReader(scratch / "state") if latest["state_key"]
+                 else contextlib.nullcontext()) as state:
+            def step(name: str) -> tuple[torch.Tensor, Any, Any]:
+                def part(prefix: str) -> torch.Tensor | None:
+                    if state is None or prefix + name not in state.entries:
+                        return None
+                    return state.get(prefix + name)
+                return async_update(theta.get(name), delta.get(name), part(MOMENTUM),
+                                    part(ACCUMULATED), weight, lr, momentum, due)
+
+            specs = {name: (DTYPES[e["dtype"]], e["shape"]) for name, e in theta.entries.items()}
+            with TensorWriter(scratch / "next", specs, model_metadata(
+                    spec.recipe, recipe.default_config(), spec.recipe_options)) as out:
+                for name in out.order:
+                    out.write(name, step(name)[0])
+                out.close()
+            if momentum:
+                state_specs = {prefix + name: (torch.float32, specs[name][1])
+                               for name in delta for prefix in (MOMENTUM, ACCUMULATED)}
+                with TensorWriter(scratch / "next-state", state_specs) as out:
+                    for entry in out.order:
+                        prefix, name = entry[:3], entry[3:]
+                        _, buf, acc = step(name)
+                        value = buf if prefix == MOMENTUM else acc
+                        out.write(entry, value if value is not None
+                                  else torch.zeros(specs[name][1], dtype=torch.float32))
+                    out.close()
+        suffix = token.rpartition(":")[2]
+        key = layout.key("version", spec.run_id, v + 1, suffix)
+        state_key = layout.key("version_state", spec.run_id, v + 1, suffix) if momentum else ""
+        if state_key:
+            store.put_file(state_key, scratch / "next-state")
+        sha = file_sha256(scratch / "next")
+        store.put_file(key, scratch / "next")
+        record = {"update": j, "version": v + 1, "base_version": base, "staleness": v - base,
+                  "samples": samples, "loss": float(meta["loss"]), "weight": weight,
+                  "trained_by": book.trainer(j), "applied_by": worker, "at": time.time(),
+                  "bytes_up": (scratch / "update").stat().st_size,
+                  "bytes_down": int(meta["bytes_down"])}
+    try:
+        book.commit(token, v, key, state_key, sha, j, record)
+    except Fenced:
+        for stale in (key, state_key):
+            if stale:
+                with contextlib.suppress(Exception):
+                    store.delete(stale)
+        raise
+    store.put_json(layout.key("version_log", spec.run_id, v + 1), {
+        "key": key, "state_key": state_key, "sha256": sha, "record": record})
+
+
+def catch_up(spec: RunSpec, store: Store, board: RunBoard, book: AsyncLedger) -> None:
+    """Evaluate every S-th version not recorded yet as a round; finish the run at R·S."""
+    from .tasks import finalize, options
+
+    opts = options(spec)
+    version = book.latest()["version"]
+    recorded = {rec["round"] for rec in board.rounds(spec.run_id)}
+    records = None
+    for r in range(version // opts.shards):
+        if r in recorded:
+            continue
+        records = records or book.applied()
+        info = evaluate_round(spec, store, book, r, records)
+        store.put_json(layout.key("round", spec.run_id, r), info)
+        board.record_round(spec.run_id, r, info)
+    if version >= total_updates(spec) and not board.is_finished(spec.run_id):
+        finalize(spec, store, board, weights_key=lambda kept: book.version_key((kept + 1) * opts.shards))
+
+
+def evaluate_round(spec: RunSpec, store: Store, book: AsyncLedger, r: int,
+                   records: list[dict[str, Any]]) -> dict[str, Any]:
+    """Round r of an asynchronous run: the S updates that made versions rS+1 .. (r+1)S, and the
+    weights after them on the validation split."""
+    from .tasks import options
+
+    shards = options(spec).shards
+    mine = [rec for rec in records if r * shards < rec["version"] <= (r + 1) * shards]
+    recipe = recipe_of(spec)
+    set_threads(spec.threads_per_task)
+    with tempfile.TemporaryDirectory(prefix="tt-eval-") as tmp:
+        path = Path(tmp) / "theta"
+        store.get_file(book.version_key((r + 1) * shards), path)
+        with TensorReader(path) as f:
+            theta = f.all()
+    device = pick_device()
+    model = load_model(recipe, theta, recipe.default_config(), device)
+    val = recipe.evaluate_split(model, "val", device, spec.eval_batches)
+    info = round_figures([rec["loss"] for rec in mine], [rec["samples"] for rec in mine], val,
+                         sum(rec["bytes_up"] for rec in mine), sum(rec["bytes_down"] for rec in mine), r)
+    staleness = [rec["staleness"] for rec in mine]
+    info.update(at=time.time(), staleness=staleness, max_staleness=max(staleness, default=0),
+                mean_staleness=sum(staleness) / max(len(staleness), 1))
+    return info
