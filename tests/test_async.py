@@ -1,0 +1,125 @@
+"""Asynchronous fused runs (``--sync async``): the delayed-Nesterov math, the applier's fencing,
+and a real pool whose applier is killed mid-update."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import redis
+import torch
+
+from tensorturn import client, layout
+from tensorturn.diloco import async_update, outer_update
+from tensorturn.local import LocalPool
+from tensorturn.modes.fused.ledger import AsyncLedger, Fenced
+from tensorturn.spec import RunSpec
+from tensorturn.store import open_store
+
+
+@pytest.mark.parametrize("momentum", [0.9, 0.0])
+def test_s_fresh_updates_applied_one_by_one_equal_the_synchronous_outer_step(momentum):
+    """With no staleness (every update from the same θ), S updates applied as they arrive —
+    the momentum moved once, on the S-th — give the synchronous round's Nesterov (or FedAvg)
+    step on their average, two rounds running."""
+    gen = torch.Generator().manual_seed(0)
+    shards, lr = 4, 0.7
+    theta_sync = theta_async = torch.randn(64, generator=gen)
+    buf_sync = buf = acc = None
+    for _ in range(2):
+        deltas = [torch.randn(64, generator=gen) * 0.1 for _ in range(shards)]
+        avg = {"w": sum(deltas) / shards}
+        new, bufs = outer_update({"w": theta_sync}, avg, {"w": buf_sync} if buf_sync is not None else None,
+                                 lr, momentum, nesterov=True)
+        theta_sync, buf_sync = new["w"], bufs.get("w")
+        for i, d in enumerate(deltas):
+            theta_async, buf, acc = async_update(theta_async, d, buf, acc, 1 / shards, lr, momentum,
+                                                 momentum_due=i == shards - 1)
+        assert torch.allclose(theta_async, theta_sync, atol=1e-6)
+    if momentum:
+        assert torch.allclose(buf, buf_sync, atol=1e-6) and not acc.any()
+
+
+def test_an_integer_buffer_has_no_update_and_passes_through():
+    steps = torch.arange(3)
+    assert async_update(steps, None, None, None, 0.25, 0.7, 0.9, True)[0] is steps
+
+
+def test_only_the_lock_holder_commits_each_version_once(redis_server):
+    """The applier's commit is fenced: a token that lost the lock, a base version that moved on,
+    and an update applied already are each refused, and nothing changes."""
+    r = redis.Redis.from_url(redis_server.url, decode_responses=True)
+    book = AsyncLedger(r, "run-x")
+    book.init("theta0", "sha0")
+    book.push(0, "w1", 1.0)
+    book.push(1, "w2", 2.0)
+    book.push(0, "w1", 3.0)  # a second push of update 0 changes nothing
+    assert book.pending() == [0, 1] and book.trainer(1) == "w2"
+    with book.lock("w1", ttl_s=30, refresh_s=10) as token:
+        assert token and book.holder() == "w1"
+        with book.lock("w2", ttl_s=30, refresh_s=10) as other:
+            assert other is None  # one applier at a time
+        with pytest.raises(Fenced, match="no longer holds"):
+            book.commit("w2:stale", 0, "v1-x", "", "sha1", 0, {"version": 1})
+        book.commit(token, 0, "v1", "", "sha1", 0, {"version": 1})
+        with pytest.raises(Fenced, match="moved on"):
+            book.commit(token, 0, "v1-again", "", "sha1b", 1, {"version": 1})
+        with pytest.raises(Fenced, match="applied already"):
+            book.commit(token, 1, "v2", "", "sha2", 0, {"version": 2})
+        assert book.next_pending() == 1
+    assert book.holder() is None
+    assert book.latest() == {"version": 1, "key": "v1", "state_key": "", "sha256": "sha1"}
+    assert book.version_key(1) == "v1" and [a["version"] for a in book.applied()] == [1]
+
+
+@pytest.mark.e2e
+def test_an_applier_killed_mid_update_loses_nothing_and_counts_nothing_twice(tmp_path, monkeypatch):
+    """Two agents; the one holding the apply lock is frozen there (SIGSTOP, checked to still
+    hold it), then killed. The lock runs out, its task is redelivered, and the other agent
+    applies what was left: every update is applied exactly once, versions 1..R·S each made by
+    one update, the rounds' samples add up to R·S·H·batch, and the result is the last version."""
+    monkeypatch.setenv("TENSORTURN_VISIBILITY_TIMEOUT_S", "8")  # the lock's time to live too
+    rounds, shards, steps = 3, 4, 40
+    store_url = (tmp_path / "store").as_uri()
+    with LocalPool(2, store_url, workdir=tmp_path / "pool", loglevel="INFO") as pool:
+        spec = RunSpec.create(store_url=store_url, mode="fused", recipe="digits-mlp", sync="async",
+                              rounds=rounds, shards=shards, sync_every=steps, outer="nesterov")
+        client.submit(spec, pool.broker_url)
+        r = redis.Redis.from_url(pool.broker_url, decode_responses=True)
+        book = AsyncLedger(r, spec.run_id)
+        lock_key = layout.run_key(spec.run_id, "apply_lock")
+        victim = None
+        deadline = time.monotonic() + 240
+        while victim is None:
+            assert time.monotonic() < deadline, "nobody was caught applying an update"
+            assert book.r.hget(layout.run_key(spec.run_id), "state") not in ("succeeded", "failed")
+            token = r.get(lock_key)
+            if not token:
+                continue
+            index = int(token.split("@")[0].removeprefix("local")) - 1
+            group = pool.agents[index].pid
+            os.killpg(group, signal.SIGSTOP)
+            if r.get(lock_key) == token:  # frozen while applying: kill it there
+                os.killpg(group, signal.SIGKILL)
+                victim = token.rpartition(":")[0]
+            else:
+                os.killpg(group, signal.SIGCONT)  # it let go meanwhile: watch the next one
+        doc = client.wait(pool.broker_url, spec.run_id, timeout_s=300)
+        latest = book.latest()
+    assert doc["state"] == "succeeded", doc.get("error")
+    total = rounds * shards
+    updates = doc["updates"]
+    assert sorted(u["update"] for u in updates) == list(range(total))
+    assert [u["version"] for u in updates] == list(range(1, total + 1))
+    assert all(u["staleness"] == u["version"] - 1 - u["base_version"] >= 0 for u in updates)
+    assert sum(rec["samples"] for rec in doc["rounds"]) == total * steps * 32
+    assert [rec["round"] for rec in doc["rounds"]] == list(range(rounds))
+    assert any(a["worker"] == victim and a["outcome"].startswith("lost") for a in doc["attempts"])
+    store = open_store(store_url)
+    logged = store.list(layout.prefix("version_log", spec.run_id))
+    assert len(logged) == total
+    assert latest["version"] == total and doc["model_sha256"] == latest["sha256"]
+    assert all(store.get_json(layout.key("version_log", spec.run_id, u["version"]))["record"]["update"]
+               == u["update"] for u in updates)
