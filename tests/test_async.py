@@ -123,3 +123,22 @@ def test_an_applier_killed_mid_update_loses_nothing_and_counts_nothing_twice(tmp
     assert latest["version"] == total and doc["model_sha256"] == latest["sha256"]
     assert all(store.get_json(layout.key("version_log", spec.run_id, u["version"]))["record"]["update"]
                == u["update"] for u in updates)
+
+
+@pytest.mark.e2e
+def test_backup_copies_of_a_rounds_last_shards_give_the_same_model(pool):
+    """``--sync backup`` on two agents and three shards: each round the agent left without a
+    shard runs a backup copy of the last one; whichever copy stores it first counts, and the
+    model is bit for bit the one ``--sync rounds`` trains (copies are the same computation)."""
+    docs = {}
+    for sync in ("rounds", "backup"):
+        spec = RunSpec.create(store_url=pool.store_url, mode="fused", recipe="digits-mlp", sync=sync,
+                              rounds=2, shards=3, sync_every=150, threads_per_task=1)
+        client.submit(spec, pool.broker_url)
+        docs[sync] = client.wait(pool.broker_url, spec.run_id, timeout_s=300)
+        assert docs[sync]["state"] == "succeeded", docs[sync].get("error")
+    assert docs["backup"]["model_sha256"] == docs["rounds"]["model_sha256"]
+    queued = [i["task"] for i in docs["backup"]["incidents"] if i["kind"] == "backup_queued"]
+    assert queued and all(layout.parse_label(t).kind == "backup" for t in queued)
+    assert any(a["task"] in queued for a in docs["backup"]["attempts"])  # and they ran
+    assert not [i for i in docs["rounds"]["incidents"] if i["kind"] == "backup_queued"]

@@ -12,6 +12,7 @@ import logging
 import math
 import tempfile
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
@@ -189,6 +190,14 @@ def train_slot(self, run_id: str, r: int, i: int, sig: str | None = None) -> dic
     return execute(self, run_id, layout.slot_label(r, i), ShardUnit, sig, resolve=claim)
 
 
+@app.task(bind=True, name="tensorturn.fused.train_backup", max_retries=None)
+def train_backup(self, run_id: str, r: int, k: int, sig: str | None = None) -> dict[str, Any]:
+    """A backup copy of shard k of round r (``--sync backup``): queued when a round has no
+    shard left to hand out and waits for stragglers; whichever copy stores the shard first
+    counts, the other stops at its next look (:class:`Superseded`) or is discarded as late."""
+    return execute(self, run_id, layout.backup_label(r, k), ShardUnit, sig)
+
+
 @app.task(bind=True, name="tensorturn.fused.train_shard", max_retries=None)
 def train_shard(self, run_id: str, r: int, k: int, sig: str | None = None) -> dict[str, Any]:
     """Train shard k for one round from θ_r and upload its pseudo-gradient (a named shard: what
@@ -214,12 +223,17 @@ class ShardUnit(Unit):
         count_data(self.board, spec.run_id, self.a.worker, data_before)
         prefetch_next(spec, recipe, self.board, r, self.a.worker)
         theta, self.a.bytes_down = fetch_global(spec, recipe, self.store, r)
+        on_step = reporter if opts.sync != "backup" else watch_superseded(self.board, spec.run_id, r, k, reporter)
         try:
             delta, loss, samples = train_replica(
                 recipe, theta, x, y, rows, opts.sync_every,
                 spec.lr or recipe.lr, batch, derive_seed(spec.seed, r, k), pick_device(),
-                on_step=reporter, precision=spec.precision, accumulate=spec.accumulate)
+                on_step=on_step, precision=spec.precision, accumulate=spec.accumulate)
             check_update(delta, theta, opts.max_update_ratio)
+        except Superseded:
+            self.board.incident(spec.run_id, "superseded", str(self.a.label), self.a.worker,
+                                "another copy of the shard stored it first; this one stopped")
+            return LATE
         except UpdateRejected as exc:  # recorded apart: the shard is trained again
             self.board.incident(spec.run_id, "update_rejected", str(self.a.label), self.a.worker,
                                 str(exc))
@@ -237,8 +251,63 @@ class ShardUnit(Unit):
             del delta
             self.store.put_file(out_key, path)
             self.a.bytes_up = path.stat().st_size
+        if opts.sync == "backup":  # other copies of the shard stop at their next look
+            self.board.r.hset(layout.run_key(spec.run_id, f"stored-r{r}"), str(k), self.a.worker)
         reporter.done()
         return SUCCEEDED
+
+    def then(self) -> None:
+        if options(self.spec).sync == "backup":
+            queue_backup(self.spec, self.store, self.board, self.a.label.numbers[0])
+
+
+class Superseded(Exception):
+    """Another copy of this shard stored it first: the rest of this copy's training is moot."""
+
+
+BACKUP_LOOK_S = 0.5  # how often a copy of a shard looks whether another stored it first
+
+
+def watch_superseded(board: RunBoard, run_id: str, r: int, k: int,
+                     on_step: Callable[[int, float], None]) -> Callable[[int, float], None]:
+    """``on_step``, and every BACKUP_LOOK_S a look (one Redis HEXISTS) whether another copy of
+    shard k stored it: then :class:`Superseded` stops the training here."""
+    key, last = layout.run_key(run_id, f"stored-r{r}"), [time.monotonic()]
+
+    def step(n: int, loss: float) -> None:
+        on_step(n, loss)
+        now = time.monotonic()
+        if now - last[0] >= BACKUP_LOOK_S:
+            last[0] = now
+            if board.r.hexists(key, str(k)):
+                raise Superseded(f"shard {k} of round {r} was stored by another copy")
+
+    return step
+
+
+def queue_backup(spec: RunSpec, store: Store, board: RunBoard, r: int) -> None:
+    """When round r has no shard left to hand out but some still training, queue one backup
+    copy of the straggler that started first (once per shard): the machine that just finished
+    would otherwise wait idle for it. The copies train the same shard from the same θ and seed,
+    so the first stored is the round's, whichever it is."""
+    run_id, shards = spec.run_id, options(spec).shards
+    if board.unclaimed_shards(run_id, r, shards) or store.exists(layout.key("global", run_id, r + 1)):
+        return
+    stored = {int(k) for k in board.r.hkeys(layout.run_key(run_id, f"stored-r{r}"))}
+    started: dict[int, float] = {}
+    for a in board.attempts(run_id):
+        label = layout.parse_label(a["task"])
+        if (label is not None and label.kind in ("shard", "backup") and label.round == r
+                and a["outcome"] == "running"):
+            started[label.shard] = min(started.get(label.shard, a["started_at"]), a["started_at"])
+    queue = queue_for(spec.memory_needed_bytes)
+    for k in sorted(set(started) - stored, key=started.__getitem__):
+        if board.claim(run_id, f"backup-r{r}-{k}"):
+            label = str(layout.backup_label(r, k))
+            forget_results([train_backup.s(run_id, r, k, **signed(run_id, label)).set(queue=queue).apply_async()])
+            board.incident(run_id, "backup_queued", label, None,
+                           f"round {r} waits for shard {k}: a backup copy is queued for an idle machine")
+            return
 
 
 def next_shard_here(board: RunBoard, spec: RunSpec, r: int, worker: str) -> int | None:
