@@ -45,7 +45,7 @@ cache_gb              the most disk the chunk cache may use; least recently used
 device_memory_gb      cap on the device memory an agent offers to the pool (`agent --memory-gb`)
 loglevel              an agent's Celery log level
 slowdown              benchmarks and tests only: train this many times slower, to emulate a slow machine
-sim_step_s            benchmarks and tests only: every training step takes this many seconds (sleeping), to emulate a machine's speed
+sim_step_s            benchmarks and tests only: each training step lasts this many seconds (sleeping): emulated speed
 serve_run             the run the `Procfile`'s `api` line serves (read by the Procfile, not by TensorTurn)
 """
 

@@ -36,13 +36,16 @@ Redis (besides Celery's and kombu's own keys)::
                                   slots-r<r> (fused: round r's slot → the shard it trains),
                                   async (pointer: latest version, its keys), versions (v → key),
                                   applied (update → its record), pending (sorted set of updates
-                                  stored, not yet applied), apply_lock (who applies now)
+                                  stored, not yet applied), trainers, begun, apply_lock (who
+                                  applies now)
     tt:worker:<name>              hash: an agent's inventory, live figures and current task
     tt:refused                    list: the last 100 messages agents refused (JSON: why, who)
     celery, tt.fits.<N>MB         task queues: the default one and one per memory class
+    tt.agent.<name@host>          an agent's own queue (backup copies it queued for itself)
 
 Task labels (``attempts[].task`` in the JSON): ``r<r>/shard-<k>``, ``r<r>/outer``,
-``r<r>/backup-<k>`` (a backup copy of a straggling shard), ``u<j>`` (async updates),
+``r<r>/backup-<k>`` (a backup copy of a straggling shard), ``u<j>`` (async updates) and
+``u<j>/backup``,
 ``m<m>/seg-<j>``, ``vote``; a round's messages name slots (``r<r>/slot-<i>``), each bound to a
 shard by the first worker that runs it. Claims (one-time dispatches, per run): ``dispatch-r<r>``,
 ``m<m>/seg-<j>``, ``vote``.
@@ -158,6 +161,11 @@ DEFAULT_QUEUE = "celery"
 QUEUE_PATTERN = "tt.fits.*"
 
 
+def agent_queue(worker: str) -> str:
+    """The queue only ``worker`` (``name@host``) consumes: backup copies it judged it would win."""
+    return f"tt.agent.{worker}"
+
+
 def memory_queue(size_mb: int) -> str:
     """The queue of tasks that need at most ``size_mb`` MB of device memory."""
     return f"tt.fits.{size_mb}MB"
@@ -193,6 +201,8 @@ class Label:
             return f"r{self.round}/outer"
         if self.kind == "update":
             return f"u{self.update}"
+        if self.kind == "update_backup":
+            return f"u{self.update}/backup"
         if self.kind == "segment":
             return f"m{self.member}/seg-{self.segment}"
         return self.kind
@@ -217,6 +227,11 @@ def update_label(j: int) -> Label:
     return Label("update", update=j)
 
 
+def update_backup_label(j: int) -> Label:
+    """A backup copy of async update j, run when every update is handed out and some straggle."""
+    return Label("update_backup", update=j)
+
+
 def outer_label(r: int) -> Label:
     return Label("outer", round=r)
 
@@ -235,6 +250,7 @@ _LABELS = (
     (re.compile(r"^r(\d+)/backup-(\d+)$"), lambda g: backup_label(int(g[0]), int(g[1]))),
     (re.compile(r"^r(\d+)/outer$"), lambda g: outer_label(int(g[0]))),
     (re.compile(r"^u(\d+)$"), lambda g: update_label(int(g[0]))),
+    (re.compile(r"^u(\d+)/backup$"), lambda g: update_backup_label(int(g[0]))),
     (re.compile(r"^m(\d+)/seg-(\d+)$"), lambda g: segment_label(int(g[0]), int(g[1]))),
     (re.compile(r"^(vote)$"), lambda g: Label(g[0])),
 )

@@ -175,6 +175,9 @@ class TaskReporter:
             pipe = self.client.pipeline()
             pipe.hdel(worker_key(self.worker), "task")
             pipe.hincrby(worker_key(self.worker), "tasks_done", 1)
+            # this machine's training rate over its last whole task (backup copies weigh it)
+            elapsed = max(time.monotonic() - self.t0, 1e-9)
+            pipe.hset(worker_key(self.worker), "last_rate", round(self.steps * self.batch_size / elapsed, 1))
             pipe.execute()
         except Exception as exc:  # noqa: BLE001
             log.debug("progress report failed: %s", exc)

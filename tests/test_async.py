@@ -126,19 +126,29 @@ def test_an_applier_killed_mid_update_loses_nothing_and_counts_nothing_twice(tmp
 
 
 @pytest.mark.e2e
-def test_backup_copies_of_a_rounds_last_shards_give_the_same_model(pool):
-    """``--sync backup`` on two agents and three shards: each round the agent left without a
-    shard runs a backup copy of the last one; whichever copy stores it first counts, and the
-    model is bit for bit the one ``--sync rounds`` trains (copies are the same computation)."""
-    docs = {}
-    for sync in ("rounds", "backup"):
-        spec = RunSpec.create(store_url=pool.store_url, mode="fused", recipe="digits-mlp", sync=sync,
-                              rounds=2, shards=3, sync_every=150, threads_per_task=1)
-        client.submit(spec, pool.broker_url)
-        docs[sync] = client.wait(pool.broker_url, spec.run_id, timeout_s=300)
-        assert docs[sync]["state"] == "succeeded", docs[sync].get("error")
+def test_backup_copies_of_a_rounds_last_shards_give_the_same_model(tmp_path, monkeypatch):
+    """``--sync backup`` on a fast and a 10× slower agent (emulated step times), three shards:
+    when the fast one has nothing left and, by the two rates, would finish the slow one's shard
+    sooner, it trains a backup copy; whichever copy stores the shard first counts, and the model
+    is bit for bit the one ``--sync rounds`` trains (the copies are the same computation)."""
+    store_url = (tmp_path / "store").as_uri()
+    with LocalPool(0, store_url, workdir=tmp_path / "pool") as pool:
+        for i, step_s in enumerate(("0.005", "0.05")):
+            monkeypatch.setenv("TENSORTURN_SIM_STEP_S", step_s)
+            pool.start_agent(i)
+        monkeypatch.delenv("TENSORTURN_SIM_STEP_S")
+        pool.wait_ready()
+        docs = {}
+        for sync in ("rounds", "backup"):
+            spec = RunSpec.create(store_url=store_url, mode="fused", recipe="digits-mlp", sync=sync,
+                                  rounds=2, shards=3, sync_every=60, threads_per_task=1)
+            client.submit(spec, pool.broker_url)
+            docs[sync] = client.wait(pool.broker_url, spec.run_id, timeout_s=300)
+            assert docs[sync]["state"] == "succeeded", docs[sync].get("error")
     assert docs["backup"]["model_sha256"] == docs["rounds"]["model_sha256"]
-    queued = [i["task"] for i in docs["backup"]["incidents"] if i["kind"] == "backup_queued"]
-    assert queued and all(layout.parse_label(t).kind == "backup" for t in queued)
-    assert any(a["task"] in queued for a in docs["backup"]["attempts"])  # and they ran
+    queued = [i for i in docs["backup"]["incidents"] if i["kind"] == "backup_queued"]
+    assert queued and all(i["worker"].startswith("local1@") for i in queued)  # the fast one
+    assert all(layout.parse_label(i["task"]).kind == "backup" for i in queued)
+    ran = [a for a in docs["backup"]["attempts"] if a["task"] in {i["task"] for i in queued}]
+    assert ran and all(a["worker"].startswith("local1@") for a in ran)
     assert not [i for i in docs["rounds"]["incidents"] if i["kind"] == "backup_queued"]

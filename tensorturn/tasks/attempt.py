@@ -301,7 +301,7 @@ def quarantine(task: Task, board: RunBoard, run_id: str, label: str, worker: str
 
     board.r.hset(worker_key(worker), "quarantined", mask_text(reason))
     board.incident(run_id, "worker_quarantined", label, worker, reason)
-    for queue in queues_for(inventory()["device_memory_gb"]):
+    for queue in [*queues_for(inventory()["device_memory_gb"]), layout.agent_queue(worker)]:
         task.app.control.cancel_consumer(queue, destination=[worker])
 
 

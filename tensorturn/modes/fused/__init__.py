@@ -54,7 +54,7 @@ class FusedOptions(ModeOptions):
     outer_momentum  outer momentum
     codec           encoding of pseudo-gradients up and weight updates down (int8: ~3.9× fewer bytes)
     keep            the result: the last round's weights, or those of the round with the lowest validation loss
-    sync            rounds: a barrier per round (the same weights on any pool); backup: rounds, plus backup copies of a round's last shards on idle machines; async: no barrier, updates applied as they arrive (faster on mixed speeds; the result depends on timing)
+    sync            rounds: a barrier per round; backup: and copies of its stragglers; async: no barrier (see README)
     """
     CHOICES = {"outer": OUTERS, "codec": CODECS, "keep": KEEPS, "sync": SYNCS}
 

@@ -42,11 +42,12 @@ from ...diloco import UpdateRejected, async_update, check_update, round_figures,
 from ...recipes import Recipe, recipe_of
 from ...spec import RunSpec
 from ...store import Store, file_sha256
-from ...tasks.attempt import SUCCEEDED, Unit, execute, signed
+from ...tasks.attempt import LATE, SUCCEEDED, Unit, execute, signed
 from ...telemetry import TaskReporter
 from ...tensorfile import DTYPES, TensorReader, TensorWriter, delta_tensors, write_delta
 from ...tensors import StateDict, model_metadata
 from ...training import derive_seed, load_model, set_threads
+from . import backups
 from .ledger import AsyncLedger, Fenced
 
 log = logging.getLogger(__name__)
@@ -120,6 +121,13 @@ def async_step(self, run_id: str, j: int, sig: str | None = None) -> dict[str, A
     return execute(self, run_id, layout.update_label(j), UpdateUnit, sig)
 
 
+@app.task(bind=True, name="tensorturn.fused.async_backup", max_retries=None)
+def async_backup(self, run_id: str, j: int, sig: str | None = None) -> dict[str, Any]:
+    """A backup copy of update j, queued when every update is handed out and j straggles: the
+    first copy stored is applied, the other stops at its next look."""
+    return execute(self, run_id, layout.update_backup_label(j), UpdateUnit, sig)
+
+
 class UpdateUnit(Unit):
     def done(self) -> bool:
         book = ledger(self.board, self.spec.run_id)
@@ -131,16 +139,25 @@ class UpdateUnit(Unit):
         return self.a.label.numbers[0]
 
     def run(self) -> str:
+        from .tasks import Superseded
+
         book = ledger(self.board, self.spec.run_id)
-        if not book.is_applied(self.j):
-            if not self.store.exists(layout.key("update", self.spec.run_id, self.j)):
-                self.train(book)
-            book.push(self.j, self.a.worker, time.time())
+        outcome = SUCCEEDED
+        if not book.is_applied(self.j) and not book.stored(self.j):
+            try:
+                if not self.store.exists(layout.key("update", self.spec.run_id, self.j)):
+                    self.train(book)
+                book.push(self.j, self.a.worker, time.time())
+            except Superseded:
+                self.board.incident(self.spec.run_id, "superseded", str(self.a.label), self.a.worker,
+                                    "another copy of the update stored it first; this one stopped")
+                outcome = LATE
         drain(self.spec, self.store, self.board, self.a.worker)
-        return SUCCEEDED
+        queue_backup(self.spec, self.board, book, self.a.worker)
+        return outcome
 
     def train(self, book: AsyncLedger) -> None:
-        from .tasks import count_data, data_bytes, options
+        from .tasks import count_data, data_bytes, options, watch_superseded
 
         spec, opts = self.spec, options(self.spec)
         r, k = divmod(self.j, opts.shards)
@@ -151,12 +168,14 @@ class UpdateUnit(Unit):
         before = data_bytes()
         x, y, rows = recipe.shard_data(k, opts.shards, spec.seed)
         count_data(self.board, spec.run_id, self.a.worker, before)
+        book.start(self.j)
         latest = book.latest()
         theta, self.a.bytes_down = fetch_version(spec, recipe, self.store, latest)
         try:
             delta, loss, samples = train_replica(
                 recipe, theta, x, y, rows, opts.sync_every, spec.lr or recipe.lr, batch,
-                derive_seed(spec.seed, r, k), pick_device(), on_step=reporter,
+                derive_seed(spec.seed, r, k), pick_device(),
+                on_step=watch_superseded(reporter, lambda: book.stored(self.j), str(self.a.label)),
                 precision=spec.precision, accumulate=spec.accumulate)
             check_update(delta, theta, opts.max_update_ratio)
         except UpdateRejected as exc:
@@ -175,6 +194,33 @@ class UpdateUnit(Unit):
             self.store.put_file(out_key, path)
             self.a.bytes_up = path.stat().st_size
         reporter.done()
+
+
+def queue_backup(spec: RunSpec, board: RunBoard, book: AsyncLedger, worker: str) -> None:
+    """When every update is handed out and some still train, queue on this worker's own queue a
+    backup copy of the update it would beat by most (:mod:`.backups`), once per update: it
+    would otherwise idle until the run's slowest update is in. The copy trains from the latest
+    weights (a different pseudo-gradient); whichever copy is stored first is the one applied."""
+    from .tasks import options
+
+    if book.begun() < total_updates(spec):
+        return
+    running = []
+    for a in board.attempts(spec.run_id):
+        label = layout.parse_label(a["task"])
+        if (label is not None and label.kind == "update" and a["outcome"] == "running"
+                and not book.stored(label.numbers[0])):
+            running.append(backups.Running(label.numbers[0], a["started_at"], a["worker"]))
+    samples = options(spec).sync_every * (spec.batch_size or recipe_of(spec).batch_size)
+    j = backups.pick(board, running, worker, samples)
+    if j is None or not board.claim(spec.run_id, f"backup-u{j}"):
+        return
+    label = str(layout.update_backup_label(j))
+    forget_results([async_backup.s(spec.run_id, j, **signed(spec.run_id, label))
+                    .set(queue=layout.agent_queue(worker)).apply_async()])
+    board.incident(spec.run_id, "backup_queued", label, worker,
+                   f"every update is handed out and u{j} is still training: {worker} trains a "
+                   f"backup copy, by its rate sooner")
 
 
 # This process's latest weights per run: (version, sha256, θ).

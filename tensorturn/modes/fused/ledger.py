@@ -3,9 +3,9 @@ updates stored and not yet applied, the one applier at a time, and what each upd
 
 Keys (``tt:run:<id>:<part>``): ``async`` (hash: version, key, state_key, sha256 of the latest
 weights), ``versions`` (version → its key), ``pending`` (sorted set: updates stored, not yet
-applied, by arrival), ``trainers`` (update → the worker that trained it), ``applied`` (update →
-its record: the version it made, its base, its staleness ...), ``apply_lock`` (the applier's
-token, with a time to live the applier keeps refreshing).
+applied, by arrival), ``trainers`` (update → the worker that trained it), ``begun`` (updates
+handed out), ``applied`` (update → its record: the version it made, its base, its staleness
+...), ``apply_lock`` (the applier's token, with a time to live the applier keeps refreshing).
 
 An applier commits a version with :meth:`AsyncLedger.commit`, one Redis script that checks that
 it still holds the lock, that the latest version is the one it stepped from and that the update
@@ -57,7 +57,8 @@ class AsyncLedger:
     def __init__(self, client: redis.Redis, run_id: str):
         self.r, self.run_id = client, run_id
         self.k = {part: layout.run_key(run_id, part)
-                  for part in ("async", "versions", "pending", "trainers", "applied", "apply_lock")}
+                  for part in ("async", "versions", "pending", "trainers", "applied", "apply_lock",
+                               "begun")}
 
     # -- the latest weights --
     def init(self, key: str, sha256: str) -> None:
@@ -97,6 +98,20 @@ class AsyncLedger:
         pipe.hsetnx(self.k["trainers"], str(j), worker)
         pipe.zadd(self.k["pending"], {str(j): at}, nx=True)
         pipe.execute()
+
+    def start(self, j: int) -> int:
+        """Update j began training somewhere; returns how many updates have begun."""
+        pipe = self.r.pipeline()
+        pipe.hsetnx(self.k["begun"], str(j), 1)
+        pipe.hlen(self.k["begun"])
+        return int(pipe.execute()[1])
+
+    def begun(self) -> int:
+        return int(self.r.hlen(self.k["begun"]))
+
+    def stored(self, j: int) -> bool:
+        """Whether some copy of update j has stored and queued it."""
+        return bool(self.r.hexists(self.k["trainers"], str(j)))
 
     def trainer(self, j: int) -> str | None:
         return self.r.hget(self.k["trainers"], str(j))

@@ -57,7 +57,7 @@ from ...tensors import (
     to_bytes,
 )
 from ...training import derive_seed, load_model, set_threads
-from . import EPOCHS_PER_ROUND_WARNING, FusedOptions
+from . import EPOCHS_PER_ROUND_WARNING, FusedOptions, backups
 
 log = logging.getLogger(__name__)
 
@@ -223,7 +223,9 @@ class ShardUnit(Unit):
         count_data(self.board, spec.run_id, self.a.worker, data_before)
         prefetch_next(spec, recipe, self.board, r, self.a.worker)
         theta, self.a.bytes_down = fetch_global(spec, recipe, self.store, r)
-        on_step = reporter if opts.sync != "backup" else watch_superseded(self.board, spec.run_id, r, k, reporter)
+        stored_key = layout.run_key(spec.run_id, f"stored-r{r}")
+        on_step = reporter if opts.sync != "backup" else watch_superseded(
+            reporter, lambda: bool(self.board.r.hexists(stored_key, str(k))), str(self.a.label))
         try:
             delta, loss, samples = train_replica(
                 recipe, theta, x, y, rows, opts.sync_every,
@@ -258,56 +260,56 @@ class ShardUnit(Unit):
 
     def then(self) -> None:
         if options(self.spec).sync == "backup":
-            queue_backup(self.spec, self.store, self.board, self.a.label.numbers[0])
+            queue_backup(self.spec, self.store, self.board, self.a.label.numbers[0], self.a.worker)
 
 
 class Superseded(Exception):
     """Another copy of this shard stored it first: the rest of this copy's training is moot."""
 
 
-BACKUP_LOOK_S = 0.5  # how often a copy of a shard looks whether another stored it first
+BACKUP_LOOK_S = 0.05  # how often (at most) a copy of a unit looks whether another stored it first
 
 
-def watch_superseded(board: RunBoard, run_id: str, r: int, k: int,
-                     on_step: Callable[[int, float], None]) -> Callable[[int, float], None]:
-    """``on_step``, and every BACKUP_LOOK_S a look (one Redis HEXISTS) whether another copy of
-    shard k stored it: then :class:`Superseded` stops the training here."""
-    key, last = layout.run_key(run_id, f"stored-r{r}"), [time.monotonic()]
+def watch_superseded(on_step: Callable[[int, float], None], stored: Callable[[], bool],
+                     what: str) -> Callable[[int, float], None]:
+    """``on_step``, and every BACKUP_LOOK_S a look (``stored``: one Redis call) whether another
+    copy of the unit stored it already: then :class:`Superseded` stops the training there."""
+    last = [time.monotonic()]
 
     def step(n: int, loss: float) -> None:
         on_step(n, loss)
         now = time.monotonic()
         if now - last[0] >= BACKUP_LOOK_S:
             last[0] = now
-            if board.r.hexists(key, str(k)):
-                raise Superseded(f"shard {k} of round {r} was stored by another copy")
+            if stored():
+                raise Superseded(f"{what} was stored by another copy")
 
     return step
 
 
-def queue_backup(spec: RunSpec, store: Store, board: RunBoard, r: int) -> None:
-    """When round r has no shard left to hand out but some still training, queue one backup
-    copy of the straggler that started first (once per shard): the machine that just finished
-    would otherwise wait idle for it. The copies train the same shard from the same θ and seed,
-    so the first stored is the round's, whichever it is."""
-    run_id, shards = spec.run_id, options(spec).shards
-    if board.unclaimed_shards(run_id, r, shards) or store.exists(layout.key("global", run_id, r + 1)):
+def queue_backup(spec: RunSpec, store: Store, board: RunBoard, r: int, worker: str) -> None:
+    """When round r has no shard left to hand out but some still training, queue on this
+    worker's own queue a backup copy of the straggler it would beat by most (:mod:`.backups`),
+    once per shard. The copies train the same shard from the same θ and seed, so the first one
+    stored is the round's, whichever it is."""
+    run_id, opts = spec.run_id, options(spec)
+    if board.unclaimed_shards(run_id, r, opts.shards) or store.exists(layout.key("global", run_id, r + 1)):
         return
     stored = {int(k) for k in board.r.hkeys(layout.run_key(run_id, f"stored-r{r}"))}
-    started: dict[int, float] = {}
+    running = []
     for a in board.attempts(run_id):
         label = layout.parse_label(a["task"])
-        if (label is not None and label.kind in ("shard", "backup") and label.round == r
-                and a["outcome"] == "running"):
-            started[label.shard] = min(started.get(label.shard, a["started_at"]), a["started_at"])
-    queue = queue_for(spec.memory_needed_bytes)
-    for k in sorted(set(started) - stored, key=started.__getitem__):
-        if board.claim(run_id, f"backup-r{r}-{k}"):
-            label = str(layout.backup_label(r, k))
-            forget_results([train_backup.s(run_id, r, k, **signed(run_id, label)).set(queue=queue).apply_async()])
-            board.incident(run_id, "backup_queued", label, None,
-                           f"round {r} waits for shard {k}: a backup copy is queued for an idle machine")
-            return
+        if (label is not None and label.kind == "shard" and label.round == r
+                and a["outcome"] == "running" and label.shard not in stored):
+            running.append(backups.Running(label.shard, a["started_at"], a["worker"]))
+    k = backups.pick(board, running, worker, opts.sync_every * (spec.batch_size or recipe_of(spec).batch_size))
+    if k is None or not board.claim(run_id, f"backup-r{r}-{k}"):
+        return
+    label = str(layout.backup_label(r, k))
+    forget_results([train_backup.s(run_id, r, k, **signed(run_id, label))
+                    .set(queue=layout.agent_queue(worker)).apply_async()])
+    board.incident(run_id, "backup_queued", label, worker,
+                   f"round {r} waits for shard {k}: {worker} trains a backup copy, by its rate sooner")
 
 
 def next_shard_here(board: RunBoard, spec: RunSpec, r: int, worker: str) -> int | None:
@@ -419,6 +421,7 @@ class OuterUnit(Unit):
         spec, store, r = self.spec, self.store, self.a.label.numbers[0]
         data_before = data_bytes()  # evaluation data this machine had to download
         info = outer_round(spec, store, r)
+        info["at"] = time.time()  # when the round's weights were evaluated (loss against wall time)
         store.put_json(layout.key("round", spec.run_id, r), info)  # before the board: done() reads it
         self.board.record_round(spec.run_id, r, info)
         if r + 1 == options(spec).rounds:
