@@ -17,18 +17,21 @@ from tensorturn.local import LocalPool
 from tensorturn.modes.fused.ledger import AsyncLedger, Fenced
 from tensorturn.spec import RunSpec
 from tensorturn.store import open_store
+from tensorturn.tasks.attempt import signed
+
+from test_attempt import world  # noqa: F401 - the in-process world fixture (a redis-server, no agents)
 
 
 @pytest.mark.parametrize("momentum", [0.9, 0.0])
 def test_s_fresh_updates_applied_one_by_one_equal_the_synchronous_outer_step(momentum):
     """With no staleness (every update from the same θ), S updates applied as they arrive —
-    the momentum moved once, on the S-th — give the synchronous round's Nesterov (or FedAvg)
-    step on their average, two rounds running."""
+    the momentum moved once, on the S-th, its movement spread over all S — give the
+    synchronous round's Nesterov (or FedAvg) step on their average, three rounds running."""
     gen = torch.Generator().manual_seed(0)
     shards, lr = 4, 0.7
     theta_sync = theta_async = torch.randn(64, generator=gen)
     buf_sync = buf = acc = None
-    for _ in range(2):
+    for _ in range(3):
         deltas = [torch.randn(64, generator=gen) * 0.1 for _ in range(shards)]
         avg = {"w": sum(deltas) / shards}
         new, bufs = outer_update({"w": theta_sync}, avg, {"w": buf_sync} if buf_sync is not None else None,
@@ -36,7 +39,7 @@ def test_s_fresh_updates_applied_one_by_one_equal_the_synchronous_outer_step(mom
         theta_sync, buf_sync = new["w"], bufs.get("w")
         for i, d in enumerate(deltas):
             theta_async, buf, acc = async_update(theta_async, d, buf, acc, 1 / shards, lr, momentum,
-                                                 momentum_due=i == shards - 1)
+                                                 momentum_due=i == shards - 1, share=1 / shards)
         assert torch.allclose(theta_async, theta_sync, atol=1e-6)
     if momentum:
         assert torch.allclose(buf, buf_sync, atol=1e-6) and not acc.any()
@@ -44,7 +47,7 @@ def test_s_fresh_updates_applied_one_by_one_equal_the_synchronous_outer_step(mom
 
 def test_an_integer_buffer_has_no_update_and_passes_through():
     steps = torch.arange(3)
-    assert async_update(steps, None, None, None, 0.25, 0.7, 0.9, True)[0] is steps
+    assert async_update(steps, None, None, None, 0.25, 0.7, 0.9, True, 0.25)[0] is steps
 
 
 def test_only_the_lock_holder_commits_each_version_once(redis_server):
@@ -152,3 +155,33 @@ def test_backup_copies_of_a_rounds_last_shards_give_the_same_model(tmp_path, mon
     ran = [a for a in docs["backup"]["attempts"] if a["task"] in {i["task"] for i in queued}]
     assert ran and all(a["worker"].startswith("local1@") for a in ran)
     assert not [i for i in docs["rounds"]["incidents"] if i["kind"] == "backup_queued"]
+
+
+def test_an_async_run_resumes_from_the_stores_log_after_redis_lost_it(world):
+    """Updates driven in-process: two of four applied (round 0 recorded), then Redis loses
+    everything; `resume` rebuilds the latest version and the applied updates from the store's
+    log, and the other two finish the run — four versions, each made by one update."""
+    from test_attempt import as_agent_of, submit
+
+    from tensorturn.modes.fused import asynchronous
+
+    def update(j: int) -> None:
+        as_agent_of(spec)
+        asynchronous.async_step.apply(args=(spec.run_id, j),
+                                      kwargs=signed(spec.run_id, f"u{j}")).get()
+
+    asynchronous._held.clear()
+    spec = submit(world, mode="fused", recipe="digits-mlp", sync="async", rounds=2, shards=2,
+                  sync_every=10)
+    update(0)
+    update(1)
+    assert [r["round"] for r in world.board.rounds(spec.run_id)] == [0]
+    world.board.r.flushall()
+    _, what = client.resume(spec.run_id, world.broker, spec.store_url)
+    assert what == "resumed asynchronously at version 2 of 4"
+    update(2)
+    update(3)
+    doc = world.board.describe(spec.run_id)
+    assert doc["state"] == "succeeded", doc.get("error")
+    assert [(u["version"], u["update"]) for u in doc["updates"]] == [(1, 0), (2, 1), (3, 2), (4, 3)]
+    assert [r["round"] for r in doc["rounds"]] == [0, 1]

@@ -116,6 +116,8 @@ class Fused(ModeBase):
                 line += f"  val_loss {r['val_loss']:.4f}"
             if r.get("val_accuracy") is not None:
                 line += f"  val_acc {r['val_accuracy']:.3f}"
+            if r.get("max_staleness") is not None:  # --sync async: how stale its updates were
+                line += f"  staleness ≤{r['max_staleness']}"
             events.append((f"r{r['round']}", line))
         return len(events), total, events
 

@@ -4,9 +4,9 @@ A run of R rounds × S shards queues R·S *updates* at once (label ``u<j>``: sha
 seed of round j div S — the synchronous run's work, the same samples). Each worker trains its
 update from the **latest** weights it can get, stores the pseudo-gradient, and queues it to be
 applied (:class:`~.ledger.AsyncLedger`). Whoever holds the apply lock applies the stored updates
-one at a time, in arrival order, with *delayed Nesterov* (:func:`tensorturn.diloco.async_update`:
-each update's own term at once, the momentum once per S updates), so a fast machine never waits
-for a slow one. Every S versions the weights are evaluated and recorded as a round; at R·S the
+one at a time, in arrival order, with *delayed Nesterov, spread*
+(:func:`tensorturn.diloco.async_update`: the momentum moves once per S updates, its movement
+spread over the next S), so a fast machine never waits for a slow one. Every S versions the weights are evaluated and recorded as a round; at R·S the
 run finishes like a synchronous one.
 
 What it gives up: the result depends on timing — which version each update started from (its
@@ -308,7 +308,7 @@ def apply_one(spec: RunSpec, store: Store, board: RunBoard, book: AsyncLedger, j
                         return None
                     return state.get(prefix + name)
                 return async_update(theta.get(name), delta.get(name), part(MOMENTUM),
-                                    part(ACCUMULATED), weight, lr, momentum, due)
+                                    part(ACCUMULATED), weight, lr, momentum, due, 1 / opts.shards)
 
             specs = {name: (DTYPES[e["dtype"]], e["shape"]) for name, e in theta.entries.items()}
             with TensorWriter(scratch / "next", specs, model_metadata(

@@ -71,7 +71,8 @@ class AsyncLedger:
                 applied: dict[int, dict[str, Any]]) -> None:
         """Put back what the store's log says (``tensorturn resume`` after Redis lost it)."""
         pipe = self.r.pipeline()
-        pipe.delete(self.k["async"], self.k["versions"], self.k["applied"], self.k["pending"])
+        pipe.delete(*(self.k[part] for part in ("async", "versions", "applied", "pending",
+                                                "trainers", "begun")))
         pipe.hset(self.k["async"], mapping={k: latest[k] for k in ("version", "key", "state_key", "sha256")})
         pipe.hset(self.k["versions"], mapping={str(v): key for v, key in versions.items()})
         if applied:
