@@ -34,6 +34,7 @@ Redis (besides Celery's and kombu's own keys)::
                                   (per worker: dataset bytes downloaded, read by its tasks),
                                   owners (fused: shard → the worker that last trained it),
                                   slots-r<r> (fused: round r's slot → the shard it trains),
+                                  stored-r<r> (--sync backup: shards stored, so copies stop),
                                   async (pointer: latest version, its keys), versions (v → key),
                                   applied (update → its record), pending (sorted set of updates
                                   stored, not yet applied), trainers, begun, apply_lock (who

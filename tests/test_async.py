@@ -10,6 +10,7 @@ import time
 import pytest
 import redis
 import torch
+from test_attempt import world  # noqa: F401 - the in-process world fixture (a redis-server, no agents)
 
 from tensorturn import client, layout
 from tensorturn.diloco import async_update, outer_update
@@ -18,8 +19,6 @@ from tensorturn.modes.fused.ledger import AsyncLedger, Fenced
 from tensorturn.spec import RunSpec
 from tensorturn.store import open_store
 from tensorturn.tasks.attempt import signed
-
-from test_attempt import world  # noqa: F401 - the in-process world fixture (a redis-server, no agents)
 
 
 @pytest.mark.parametrize("momentum", [0.9, 0.0])
@@ -157,7 +156,7 @@ def test_backup_copies_of_a_rounds_last_shards_give_the_same_model(tmp_path, mon
     assert not [i for i in docs["rounds"]["incidents"] if i["kind"] == "backup_queued"]
 
 
-def test_an_async_run_resumes_from_the_stores_log_after_redis_lost_it(world):
+def test_an_async_run_resumes_from_the_stores_log_after_redis_lost_it(world):  # noqa: F811
     """Updates driven in-process: two of four applied (round 0 recorded), then Redis loses
     everything; `resume` rebuilds the latest version and the applied updates from the store's
     log, and the other two finish the run — four versions, each made by one update."""

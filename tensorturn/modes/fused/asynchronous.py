@@ -6,8 +6,8 @@ update from the **latest** weights it can get, stores the pseudo-gradient, and q
 applied (:class:`~.ledger.AsyncLedger`). Whoever holds the apply lock applies the stored updates
 one at a time, in arrival order, with *delayed Nesterov, spread*
 (:func:`tensorturn.diloco.async_update`: the momentum moves once per S updates, its movement
-spread over the next S), so a fast machine never waits for a slow one. Every S versions the weights are evaluated and recorded as a round; at R·S the
-run finishes like a synchronous one.
+spread over the next S), so a fast machine never waits for a slow one. Every S versions the
+weights are evaluated and recorded as a round; at R·S the run finishes like a synchronous one.
 
 What it gives up: the result depends on timing — which version each update started from (its
 *staleness*, recorded for every update) — so two runs with the same seed differ. ``--sync rounds``
@@ -38,15 +38,14 @@ from ...board import RunBoard
 from ...capacity import queue_for
 from ...celery_app import app, forget_results
 from ...device import pick_device
-from ...diloco import UpdateRejected, async_update, check_update, round_figures, train_replica
+from ...diloco import async_update, round_figures
 from ...recipes import Recipe, recipe_of
 from ...spec import RunSpec
 from ...store import Store, file_sha256
-from ...tasks.attempt import LATE, SUCCEEDED, Unit, execute, signed
-from ...telemetry import TaskReporter
-from ...tensorfile import DTYPES, TensorReader, TensorWriter, delta_tensors, write_delta
+from ...tasks.attempt import SUCCEEDED, Unit, execute, signed
+from ...tensorfile import DTYPES, TensorReader, TensorWriter, delta_tensors
 from ...tensors import StateDict, model_metadata
-from ...training import derive_seed, load_model, set_threads
+from ...training import load_model, set_threads
 from . import backups
 from .ledger import AsyncLedger, Fenced
 
@@ -59,16 +58,18 @@ def ledger(board: RunBoard, run_id: str) -> AsyncLedger:
     return AsyncLedger(board.r, run_id)
 
 
-def total_updates(spec: RunSpec) -> int:
-    from .tasks import options
+def options(spec: RunSpec) -> Any:
+    from .tasks import options as fused_options
 
+    return fused_options(spec)
+
+
+def total_updates(spec: RunSpec) -> int:
     return options(spec).rounds * options(spec).shards
 
 
 def start(spec: RunSpec, store: Store, board: RunBoard) -> None:
     """Version 0 is θ_0 (stored by the fused start); queue every update."""
-    from .tasks import options
-
     ledger(board, spec.run_id).init(layout.key("global", spec.run_id, 0), options(spec).init_sha256)
     queue_updates(spec, range(total_updates(spec)))
 
@@ -84,8 +85,6 @@ def queue_updates(spec: RunSpec, updates: Any) -> None:
 def resume(spec: RunSpec, store: Store, board: RunBoard) -> str:
     """Rebuild the ledger from the store's log (the versions committed, in order), then queue
     every update not applied yet (those already stored are applied without training again)."""
-    from .tasks import options
-
     entries = {}
     for key in store.list(layout.prefix("version_log", spec.run_id)):
         parts = layout.parse("version_log", key)
@@ -139,61 +138,27 @@ class UpdateUnit(Unit):
         return self.a.label.numbers[0]
 
     def run(self) -> str:
-        from .tasks import Superseded
+        from .tasks import train_and_store
 
-        book = ledger(self.board, self.spec.run_id)
+        spec, book = self.spec, ledger(self.board, self.spec.run_id)
+        out_key = layout.key("update", spec.run_id, self.j)
         outcome = SUCCEEDED
         if not book.is_applied(self.j) and not book.stored(self.j):
-            try:
-                if not self.store.exists(layout.key("update", self.spec.run_id, self.j)):
-                    self.train(book)
+            if not self.store.exists(out_key):
+                r, k = divmod(self.j, options(spec).shards)
+
+                def theta_of(recipe: Recipe) -> tuple[StateDict, int, dict[str, str]]:
+                    book.start(self.j)
+                    latest = book.latest()
+                    theta, moved = fetch_version(spec, recipe, self.store, latest)
+                    return theta, moved, {"base_version": f"{latest['version']:010d}"}
+
+                outcome = train_and_store(self, r, k, theta_of, out_key, lambda: book.stored(self.j))
+            if self.store.exists(out_key):  # this copy's, or another's: queued to be applied once
                 book.push(self.j, self.a.worker, time.time())
-            except Superseded:
-                self.board.incident(self.spec.run_id, "superseded", str(self.a.label), self.a.worker,
-                                    "another copy of the update stored it first; this one stopped")
-                outcome = LATE
-        drain(self.spec, self.store, self.board, self.a.worker)
-        queue_backup(self.spec, self.board, book, self.a.worker)
+        drain(spec, self.store, self.board, self.a.worker)
+        queue_backup(spec, self.board, book, self.a.worker)
         return outcome
-
-    def train(self, book: AsyncLedger) -> None:
-        from .tasks import count_data, data_bytes, options, watch_superseded
-
-        spec, opts = self.spec, options(self.spec)
-        r, k = divmod(self.j, opts.shards)
-        set_threads(spec.threads_per_task)
-        recipe = recipe_of(spec)
-        batch = spec.batch_size or recipe.batch_size
-        reporter = TaskReporter(self.a.task, self.board.r, str(self.a.label), opts.sync_every, batch)
-        before = data_bytes()
-        x, y, rows = recipe.shard_data(k, opts.shards, spec.seed)
-        count_data(self.board, spec.run_id, self.a.worker, before)
-        book.start(self.j)
-        latest = book.latest()
-        theta, self.a.bytes_down = fetch_version(spec, recipe, self.store, latest)
-        try:
-            delta, loss, samples = train_replica(
-                recipe, theta, x, y, rows, opts.sync_every, spec.lr or recipe.lr, batch,
-                derive_seed(spec.seed, r, k), pick_device(),
-                on_step=watch_superseded(reporter, lambda: book.stored(self.j), str(self.a.label)),
-                precision=spec.precision, accumulate=spec.accumulate)
-            check_update(delta, theta, opts.max_update_ratio)
-        except UpdateRejected as exc:
-            self.board.incident(spec.run_id, "update_rejected", str(self.a.label), self.a.worker,
-                                str(exc))
-            raise
-        out_key = layout.key("update", spec.run_id, self.j)
-        if self.store.exists(out_key):  # another attempt stored it first: that one is applied
-            return
-        with tempfile.TemporaryDirectory(prefix="tt-update-") as tmp:
-            path = Path(tmp) / "delta"
-            write_delta(path, delta, opts.codec, {
-                "samples": str(samples), "loss": repr(loss), "base_version": f"{latest['version']:010d}",
-                "bytes_down": f"{self.a.bytes_down:015d}"})
-            del delta
-            self.store.put_file(out_key, path)
-            self.a.bytes_up = path.stat().st_size
-        reporter.done()
 
 
 def queue_backup(spec: RunSpec, board: RunBoard, book: AsyncLedger, worker: str) -> None:
@@ -201,16 +166,14 @@ def queue_backup(spec: RunSpec, board: RunBoard, book: AsyncLedger, worker: str)
     backup copy of the update it would beat by most (:mod:`.backups`), once per update: it
     would otherwise idle until the run's slowest update is in. The copy trains from the latest
     weights (a different pseudo-gradient); whichever copy is stored first is the one applied."""
-    from .tasks import options
-
     if book.begun() < total_updates(spec):
         return
     running = []
     for a in board.attempts(spec.run_id):
-        label = layout.parse_label(a["task"])
-        if (label is not None and label.kind == "update" and a["outcome"] == "running"
-                and not book.stored(label.numbers[0])):
-            running.append(backups.Running(label.numbers[0], a["started_at"], a["worker"]))
+        named = layout.parse_label(a["task"])
+        if (named is not None and named.kind == "update" and a["outcome"] == "running"
+                and not book.stored(named.numbers[0])):
+            running.append(backups.Running(named.numbers[0], a["started_at"], a["worker"]))
     samples = options(spec).sync_every * (spec.batch_size or recipe_of(spec).batch_size)
     j = backups.pick(board, running, worker, samples)
     if j is None or not board.claim(spec.run_id, f"backup-u{j}"):
@@ -278,7 +241,7 @@ def apply_one(spec: RunSpec, store: Store, board: RunBoard, book: AsyncLedger, j
               token: str, worker: str) -> None:
     """Step the latest weights by update j, tensor by tensor through files, and commit the
     result as the next version."""
-    from .tasks import _outer_args, options
+    from .tasks import _outer_args
 
     opts = options(spec)
     recipe = recipe_of(spec)
@@ -353,7 +316,7 @@ def apply_one(spec: RunSpec, store: Store, board: RunBoard, book: AsyncLedger, j
 
 def catch_up(spec: RunSpec, store: Store, board: RunBoard, book: AsyncLedger) -> None:
     """Evaluate every S-th version not recorded yet as a round; finish the run at R·S."""
-    from .tasks import finalize, options
+    from .tasks import finalize
 
     opts = options(spec)
     version = book.latest()["version"]
@@ -374,8 +337,6 @@ def evaluate_round(spec: RunSpec, store: Store, book: AsyncLedger, r: int,
                    records: list[dict[str, Any]]) -> dict[str, Any]:
     """Round r of an asynchronous run: the S updates that made versions rS+1 .. (r+1)S, and the
     weights after them on the validation split."""
-    from .tasks import options
-
     shards = options(spec).shards
     mine = [rec for rec in records if r * shards < rec["version"] <= (r + 1) * shards]
     recipe = recipe_of(spec)

@@ -55,7 +55,8 @@ class Fenced(Exception):
 
 class AsyncLedger:
     def __init__(self, client: redis.Redis, run_id: str):
-        self.r, self.run_id = client, run_id
+        self.r: Any = client  # decode_responses=True: strings come back
+        self.run_id = run_id
         self.k = {part: layout.run_key(run_id, part)
                   for part in ("async", "versions", "pending", "trainers", "applied", "apply_lock",
                                "begun")}

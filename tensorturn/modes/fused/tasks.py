@@ -213,54 +213,71 @@ class ShardUnit(Unit):
 
     def run(self) -> str:
         r, k = self.a.label.numbers
-        spec, opts = self.spec, options(self.spec)
-        set_threads(spec.threads_per_task)
-        recipe = recipe_of(spec)
-        batch = spec.batch_size or recipe.batch_size
-        reporter = TaskReporter(self.a.task, self.board.r, str(self.a.label), opts.sync_every, batch)
-        data_before = data_bytes()
-        x, y, rows = recipe.shard_data(k, opts.shards, spec.seed)
-        count_data(self.board, spec.run_id, self.a.worker, data_before)
-        prefetch_next(spec, recipe, self.board, r, self.a.worker)
-        theta, self.a.bytes_down = fetch_global(spec, recipe, self.store, r)
-        stored_key = layout.run_key(spec.run_id, f"stored-r{r}")
-        on_step = reporter if opts.sync != "backup" else watch_superseded(
-            reporter, lambda: bool(self.board.r.hexists(stored_key, str(k))), str(self.a.label))
-        try:
-            delta, loss, samples = train_replica(
-                recipe, theta, x, y, rows, opts.sync_every,
-                spec.lr or recipe.lr, batch, derive_seed(spec.seed, r, k), pick_device(),
-                on_step=on_step, precision=spec.precision, accumulate=spec.accumulate)
-            check_update(delta, theta, opts.max_update_ratio)
-        except Superseded:
-            self.board.incident(spec.run_id, "superseded", str(self.a.label), self.a.worker,
-                                "another copy of the shard stored it first; this one stopped")
-            return LATE
-        except UpdateRejected as exc:  # recorded apart: the shard is trained again
-            self.board.incident(spec.run_id, "update_rejected", str(self.a.label), self.a.worker,
-                                str(exc))
-            raise
-        out_key = layout.key("shard", spec.run_id, r, k)
-        if self.store.exists(out_key):  # never overwrite: the round may already have used it
-            return LATE
-        with tempfile.TemporaryDirectory(prefix="tt-shard-") as tmp:
-            # written to a file and uploaded from it (S3: in parts), so the model is never in
-            # memory twice; bytes_down is written at a fixed width: it depends on where the shard
-            # ran (what that machine held), and the upload's size must not
-            path = Path(tmp) / "delta"
-            write_delta(path, delta, opts.codec, {"samples": str(samples), "loss": repr(loss),
-                                                  "bytes_down": f"{self.a.bytes_down:015d}"})
-            del delta
-            self.store.put_file(out_key, path)
-            self.a.bytes_up = path.stat().st_size
-        if opts.sync == "backup":  # other copies of the shard stop at their next look
+        spec = self.spec
+
+        def theta_of(recipe: Recipe) -> tuple[StateDict, int, dict[str, str]]:
+            prefetch_next(spec, recipe, self.board, r, self.a.worker)
+            return (*fetch_global(spec, recipe, self.store, r), {})
+
+        watch = None
+        if options(spec).sync == "backup":
+            stored_key = layout.run_key(spec.run_id, f"stored-r{r}")
+            watch = lambda: bool(self.board.r.hexists(stored_key, str(k)))  # noqa: E731
+        outcome = train_and_store(self, r, k, theta_of, layout.key("shard", spec.run_id, r, k), watch)
+        if outcome == SUCCEEDED and watch is not None:  # other copies of the shard stop at their next look
             self.board.r.hset(layout.run_key(spec.run_id, f"stored-r{r}"), str(k), self.a.worker)
-        reporter.done()
-        return SUCCEEDED
+        return outcome
 
     def then(self) -> None:
         if options(self.spec).sync == "backup":
             queue_backup(self.spec, self.store, self.board, self.a.label.numbers[0], self.a.worker)
+
+
+def train_and_store(unit: Unit, r: int, k: int,
+                    theta_of: Callable[[Recipe], tuple[StateDict, int, dict[str, str]]],
+                    out_key: str, watch: Callable[[], bool] | None = None) -> str:
+    """Train shard k with round r's seed from the weights ``theta_of(recipe)`` gives (θ, bytes
+    downloaded, metadata to store with the output), and store the pseudo-gradient at
+    ``out_key`` — never over one stored already. With ``watch`` (does another copy's output
+    exist?) the training stops as soon as another copy stored it. Returns SUCCEEDED, or LATE
+    when another copy or attempt stored it first."""
+    spec, opts, a = unit.spec, options(unit.spec), unit.a
+    set_threads(spec.threads_per_task)
+    recipe = recipe_of(spec)
+    batch = spec.batch_size or recipe.batch_size
+    reporter = TaskReporter(a.task, unit.board.r, str(a.label), opts.sync_every, batch)
+    data_before = data_bytes()
+    x, y, rows = recipe.shard_data(k, opts.shards, spec.seed)
+    count_data(unit.board, spec.run_id, a.worker, data_before)
+    theta, a.bytes_down, meta = theta_of(recipe)
+    on_step = reporter if watch is None else watch_superseded(reporter, watch, str(a.label))
+    try:
+        delta, loss, samples = train_replica(
+            recipe, theta, x, y, rows, opts.sync_every,
+            spec.lr or recipe.lr, batch, derive_seed(spec.seed, r, k), pick_device(),
+            on_step=on_step, precision=spec.precision, accumulate=spec.accumulate)
+        check_update(delta, theta, opts.max_update_ratio)
+    except Superseded:
+        unit.board.incident(spec.run_id, "superseded", str(a.label), a.worker,
+                            "another copy stored its output first; this one stopped")
+        return LATE
+    except UpdateRejected as exc:  # recorded apart: the unit is trained again
+        unit.board.incident(spec.run_id, "update_rejected", str(a.label), a.worker, str(exc))
+        raise
+    if unit.store.exists(out_key):  # never overwrite: it may be in use already
+        return LATE
+    with tempfile.TemporaryDirectory(prefix="tt-shard-") as tmp:
+        # written to a file and uploaded from it (S3: in parts), so the model is never in
+        # memory twice; bytes_down is written at a fixed width: it depends on where the shard
+        # ran (what that machine held), and the upload's size must not
+        path = Path(tmp) / "delta"
+        write_delta(path, delta, opts.codec, {"samples": str(samples), "loss": repr(loss), **meta,
+                                              "bytes_down": f"{a.bytes_down:015d}"})
+        del delta
+        unit.store.put_file(out_key, path)
+        a.bytes_up = path.stat().st_size
+    reporter.done()
+    return SUCCEEDED
 
 
 class Superseded(Exception):
@@ -298,10 +315,10 @@ def queue_backup(spec: RunSpec, store: Store, board: RunBoard, r: int, worker: s
     stored = {int(k) for k in board.r.hkeys(layout.run_key(run_id, f"stored-r{r}"))}
     running = []
     for a in board.attempts(run_id):
-        label = layout.parse_label(a["task"])
-        if (label is not None and label.kind == "shard" and label.round == r
-                and a["outcome"] == "running" and label.shard not in stored):
-            running.append(backups.Running(label.shard, a["started_at"], a["worker"]))
+        named = layout.parse_label(a["task"])
+        if (named is not None and named.kind == "shard" and named.round == r and named.shard is not None
+                and a["outcome"] == "running" and named.shard not in stored):
+            running.append(backups.Running(named.shard, a["started_at"], a["worker"]))
     k = backups.pick(board, running, worker, opts.sync_every * (spec.batch_size or recipe_of(spec).batch_size))
     if k is None or not board.claim(run_id, f"backup-r{r}-{k}"):
         return
