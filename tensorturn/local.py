@@ -169,12 +169,23 @@ class LocalPool:
             self.start_agent(i)
         self.wait_ready(timeout)
 
+    def agent_settings(self, i: int) -> config.Settings:
+        """The settings agent ``local<i+1>`` starts with (a pool whose agents reach Redis by
+        other routes — :mod:`tensorturn.netlab` — changes the URLs here)."""
+        return config.current().with_(broker_url=self.broker_url, store_url=self.store_url,
+                                      loglevel=self.loglevel,
+                                      pool_key=trust.pool_key_or_create().text())
+
+    def agent_argv(self, i: int) -> list[str]:
+        return agent_command(f"local{i + 1}")
+
+    def agent_environ(self, i: int) -> dict[str, str]:
+        return dict(os.environ)
+
     def start_agent(self, i: int) -> subprocess.Popen:
         """(Re)start agent ``local<i+1>`` as its own process group, logging to the workdir."""
         # secrets reach the agents in their environment (readable by this user only), never argv
-        settings = config.current().with_(broker_url=self.broker_url, store_url=self.store_url,
-                                          loglevel=self.loglevel,
-                                          pool_key=trust.pool_key_or_create().text())
+        settings = self.agent_settings(i)
         if "TENSORTURN_SHUTDOWN_GRACE_S" not in os.environ:
             # Celery's soft shutdown runs even on an idle agent (so retries held with a countdown
             # are requeued), so every stop waits out the grace; a private pool stops with its run,
@@ -182,10 +193,10 @@ class LocalPool:
             settings = settings.with_(shutdown_grace_s=1.0)
         if settings.cache_dir:  # a cache folder of its own, as a separate machine would have
             settings = settings.with_(cache_dir=str(Path(settings.cache_dir) / f"local{i + 1}"))
-        env = {**os.environ, **settings.environ()}
+        env = {**self.agent_environ(i), **settings.environ()}
         log_path = self.workdir / f"agent-{i + 1}.log"
         with open(log_path, "ab") as out:
-            proc = subprocess.Popen(agent_command(f"local{i + 1}"), env=env, stdout=out,
+            proc = subprocess.Popen(self.agent_argv(i), env=env, stdout=out,
                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     start_new_session=True)
         if i < len(self.agents):
