@@ -28,7 +28,7 @@ from .telemetry import Heartbeat
 
 log = logging.getLogger(__name__)
 
-RESTORE_INTERVAL_S = 2
+RESTORE_INTERVAL_S = 1
 DEFAULT_BROKER = "redis://127.0.0.1:6379/0"
 
 app = Celery("tensorturn", include=["tensorturn.tasks.attempt", "tensorturn.tasks.start", *task_modules()])

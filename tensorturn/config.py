@@ -69,7 +69,7 @@ class Settings:
     pool_key: str | None = None
     pool_key_file: str | None = None
     allow_recipes: str | None = None
-    visibility_timeout_s: int = 20
+    visibility_timeout_s: int = 8
     shutdown_grace_s: float = 5.0
     heartbeat_s: float = 3.0
     store_retries: int = 6
