@@ -8,6 +8,7 @@ import time
 
 import boto3
 import pytest
+from conftest import wait_for
 
 from tensorturn import client, netlab
 from tensorturn.board import RunBoard
@@ -92,3 +93,36 @@ def test_a_link_down_past_the_lease_requeues_the_shard_and_the_healed_machine_re
                             timeout_s=300)
         assert any(a["worker"] == victim["worker"] and a["outcome"] == "succeeded"
                    for a in after["attempts"]), "the healed machine took no new work"
+
+
+def test_on_a_1_mbit_link_an_upload_longer_than_the_lease_is_never_handed_out_twice(linked):
+    """Both links at 1 Mbit/s up: each shard's pseudo-gradient (a 1.8 MB charlm one) takes longer
+    to upload than the 8 s lease, and so does the outer step's new θ. The agents keep their
+    leases alive over the same slow link: every task runs once — no requeue, no duplicate, no
+    late attempt — and the run succeeds."""
+    pool, store = linked
+    for link in pool.links:
+        link.shape(up_mbit=1, down_mbit=10)
+    try:
+        spec = run(pool, store, recipe="charlm", rounds=1, shards=2, sync_every=2, batch_size=4,
+                   eval_batches=1, outer="sgd",
+                   recipe_options={"n_layer": 2, "n_head": 4, "n_embd": 128, "context": 32})
+        client.wait(pool.broker_url, spec.run_id, timeout_s=600)
+        board = RunBoard(redis_client(pool.broker_url))
+        # the last attempt is recorded just after the run finishes
+        wait_for(lambda: all(a["outcome"] != "running" for a in board.attempts(spec.run_id)),
+                 "the last attempt's record")
+        doc = board.describe(spec.run_id)
+    finally:
+        for link in pool.links:
+            link.shape(up_mbit=20, down_mbit=100)
+    assert doc["state"] == "succeeded", doc.get("error")
+    lease_bytes = 1e6 / 8 * 8  # what 1 Mbit/s carries in one 8 s lease
+    per_shard = doc["bytes_up"] / 2
+    assert per_shard > 1.5 * lease_bytes  # each upload outlasted the lease (by its size, not a clock)
+    tasks = [a["task"] for a in doc["attempts"]]
+    assert sorted(tasks) == sorted(set(tasks)), f"a task ran twice: {tasks}"
+    assert all(a["outcome"] == "succeeded" for a in doc["attempts"]), [
+        (a["task"], a["outcome"]) for a in doc["attempts"]]
+    kinds = {i["kind"] for i in doc["incidents"]}
+    assert not kinds & {"requeued", "duplicate_ignored", "late_ignored"}, doc["incidents"]
