@@ -41,6 +41,15 @@ def linked(s3_endpoint, tmp_path_factory):
         os.environ.pop("TENSORTURN_VISIBILITY_TIMEOUT_S", None)
 
 
+@pytest.fixture(scope="module")
+def reference(linked) -> dict:
+    """The fault-free run of SPEC on the linked pool."""
+    pool, store = linked
+    doc = client.wait(pool.broker_url, run(pool, store).run_id, timeout_s=300)
+    assert doc["state"] == "succeeded", doc.get("error")
+    return doc
+
+
 def run(pool, store, **extra) -> RunSpec:
     spec = RunSpec.create(store_url=store, **{**SPEC, **extra})
     client.submit(spec, pool.broker_url)
@@ -58,14 +67,11 @@ def running_on(pool, run_id: str, worker_prefix: str, timeout: float = 120) -> d
         time.sleep(0.1)
 
 
-def test_a_link_down_past_the_lease_requeues_the_shard_and_the_healed_machine_rejoins(linked):
+def test_a_link_down_past_the_lease_requeues_the_shard_and_the_healed_machine_rejoins(linked, reference):
     """local1's link goes down mid-shard (its process keeps running) for longer than the lease:
     the shard is handed to local2; the link comes back: local1's late result is ignored, it
     takes new work, and the model is the fault-free run's, bit for bit."""
     pool, store = linked
-    reference = client.wait(pool.broker_url, run(pool, store).run_id, timeout_s=300)
-    assert reference["state"] == "succeeded", reference.get("error")
-
     spec = run(pool, store)
     victim = running_on(pool, spec.run_id, "local1@")
     link = pool.links[0]
@@ -93,6 +99,32 @@ def test_a_link_down_past_the_lease_requeues_the_shard_and_the_healed_machine_re
                             timeout_s=300)
         assert any(a["worker"] == victim["worker"] and a["outcome"] == "succeeded"
                    for a in after["attempts"]), "the healed machine took no new work"
+
+
+def test_a_flapping_link_loses_nothing_and_counts_nothing_twice(linked, reference):
+    """local1's link goes down and up every two seconds while the run trains (its leases may or
+    may not survive each gap): the run succeeds with the fault-free model, each shard of each
+    round stored once and counted once."""
+    pool, store = linked
+    spec = run(pool, store)
+    running_on(pool, spec.run_id, "local1@")
+    board = RunBoard(redis_client(pool.broker_url))
+    flaps = 0
+    try:
+        while not board.is_finished(spec.run_id) and flaps < 30:
+            pool.links[0].down()
+            time.sleep(2)   # the fault's own rhythm, not a wait for anything
+            pool.links[0].up()
+            time.sleep(2)
+            flaps += 1
+    finally:
+        pool.links[0].up()
+    doc = client.wait(pool.broker_url, spec.run_id, timeout_s=300)
+    assert doc["state"] == "succeeded", doc.get("error")
+    assert flaps >= 1 and doc["model_sha256"] == reference["model_sha256"]
+    succeeded = [a["task"] for a in doc["attempts"] if a["outcome"] == "succeeded"]
+    assert sorted(succeeded) == sorted(set(succeeded))  # every unit counted once
+    assert sum(r["samples"] for r in doc["rounds"]) == sum(r["samples"] for r in reference["rounds"])
 
 
 def test_on_a_1_mbit_link_an_upload_longer_than_the_lease_is_never_handed_out_twice(linked):
