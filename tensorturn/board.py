@@ -202,6 +202,18 @@ class RunBoard:
     def add_bytes(self, run_id: str, task: str, up: int, down: int) -> None:
         self.r.hsetnx(layout.run_key(run_id, "bytes"), task, f"{up},{down}")
 
+    def add_store_bytes(self, run_id: str, up: int, down: int) -> None:
+        """Add what one attempt (or a run's start) stored and fetched, every object included."""
+        if up or down:
+            pipe = self.r.pipeline()
+            pipe.hincrby(layout.run_key(run_id, "store_bytes"), "up", up)
+            pipe.hincrby(layout.run_key(run_id, "store_bytes"), "down", down)
+            pipe.execute()
+
+    def store_bytes(self, run_id: str) -> tuple[int, int]:
+        h = self.r.hgetall(layout.run_key(run_id, "store_bytes"))
+        return int(h.get("up", 0)), int(h.get("down", 0))
+
     def bytes_moved(self, run_id: str) -> tuple[int, int]:
         up = down = 0
         for v in self.r.hvals(layout.run_key(run_id, "bytes")):
@@ -356,6 +368,10 @@ class RunBoard:
             "data_read_bytes": self.data_bytes(run_id, "data_read"),
             "bytes_up": bytes_up,
             "bytes_down": bytes_down,
+            # every object body the run's tasks stored and fetched (θ, outer state, evaluation
+            # and dataset reads, retries, its start): what its agents moved through the store
+            "store_bytes_up": self.store_bytes(run_id)[0],
+            "store_bytes_down": self.store_bytes(run_id)[1],
             "created_at": float(h["created_at"]),
             "started_at": float(h["started_at"]) if "started_at" in h else None,
             "finished_at": float(h["finished_at"]) if "finished_at" in h else None,

@@ -108,6 +108,14 @@ class Link:
             sh("tc", "qdisc", "replace", "dev", dev, "root", "tbf", "rate", f"{rate}mbit",
                "burst", str(burst), "latency", "100ms", ns=ns)
 
+    def route(self) -> None:
+        """Let this agent reach the other agents' namespaces through the coordinator's (as a
+        VPN relay would): for peer-to-peer baselines such as a per-step all-reduce. Traffic to
+        a peer crosses both links: this one's uplink, the peer's downlink."""
+        with open("/proc/sys/net/ipv4/ip_forward", "w") as f:
+            f.write("1")
+        sh("ip", "route", "replace", "default", "via", self.host_ip, ns=self.ns)
+
     def down(self) -> None:
         sh("ip", "link", "set", self.host_if, "down")
 

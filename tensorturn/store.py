@@ -16,6 +16,7 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -53,6 +54,23 @@ def file_sha256(path: Path) -> str:
         while piece := f.read(1 << 20):
             digest.update(piece)
     return digest.hexdigest()
+
+
+_moved = [0, 0]            # bytes this process stored and fetched (object bodies), all stores
+_moved_lock = threading.Lock()
+
+
+def _count(up: int, down: int) -> None:
+    with _moved_lock:
+        _moved[0] += up
+        _moved[1] += down
+
+
+def moved() -> tuple[int, int]:
+    """(bytes stored, bytes fetched) by this process so far: every object body through any
+    store, whatever the task (a task's share is the difference across it)."""
+    with _moved_lock:
+        return _moved[0], _moved[1]
 
 
 class Store(ABC):
@@ -114,10 +132,13 @@ class Store(ABC):
     def put_bytes(self, key: str, data: bytes) -> str:
         digest = sha256_hex(data)
         self._retrying("write", key, lambda: self._put(key, data, digest))
+        _count(len(data), 0)
         return digest
 
     def get_bytes(self, key: str) -> bytes:
-        return self._retrying("read", key, lambda: self._get(key))
+        data = self._retrying("read", key, lambda: self._get(key))
+        _count(0, len(data))
+        return data
 
     def put_file(self, key: str, path: Path | str) -> str:
         """Store a local file's bytes without reading them into memory (S3: a multipart upload,
@@ -125,15 +146,19 @@ class Store(ABC):
         path = Path(path)
         digest = file_sha256(path)
         self._retrying("write", key, lambda: self._put_file(key, path, digest))
+        _count(path.stat().st_size, 0)
         return digest
 
     def get_file(self, key: str, path: Path | str) -> None:
         """Write an object to a local file without holding it in memory (S3: ranged parts)."""
         self._retrying("read", key, lambda: self._get_file(key, Path(path)))
+        _count(0, Path(path).stat().st_size)
 
     def get_range(self, key: str, start: int, stop: int) -> bytes:
         """Bytes ``[start, stop)`` of an object (unverified: its sha256 covers the whole)."""
-        return self._retrying("read", key, lambda: self._get_range(key, start, stop))
+        data = self._retrying("read", key, lambda: self._get_range(key, start, stop))
+        _count(0, len(data))
+        return data
 
     def exists(self, key: str) -> bool:
         return self._retrying("look up", key, lambda: self._exists(key))

@@ -47,6 +47,7 @@ from ..layout import Label, worker_key
 from ..manifest import load_spec, try_write_manifest
 from ..spec import RunSpec
 from ..store import ObjectMissing, Store, open_store
+from ..store import moved as store_moved
 
 log = logging.getLogger(__name__)
 
@@ -181,6 +182,20 @@ def execute(task: Task, run_id: str, label: Label, unit_class: type[Unit], sig: 
     board = board_for(task.app.conf.broker_url)
     if board.is_finished(run_id):
         return receipt
+    before = store_moved()
+    try:
+        return _execute(task, board, run_id, label, unit_class, resolve, receipt)
+    finally:  # every byte the attempt moved through the store, whatever became of it
+        after = store_moved()
+        try:
+            board.add_store_bytes(run_id, after[0] - before[0], after[1] - before[1])
+        except Exception as exc:  # noqa: BLE001 - a figure; the broker may be down
+            log.debug("store bytes not recorded: %s", exc)
+
+
+def _execute(task: Task, board: RunBoard, run_id: str, label: Label, unit_class: type[Unit],
+             resolve: Callable[[RunBoard, RunSpec, str], Label] | None,
+             receipt: dict[str, Any]) -> dict[str, Any]:
     worker = task.request.hostname or "?"
     if board.r.hget(worker_key(worker), "quarantined"):  # a task it held when taken out of rotation
         raise task.retry(countdown=1, max_retries=None)   # back to the queue, for another machine

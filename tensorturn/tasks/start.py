@@ -15,6 +15,7 @@ from ..errors import RecipeError, SpecError, TensorTurnError
 from ..recipes import BUILTIN
 from ..roster import list_workers
 from ..spec import RunSpec
+from ..store import moved as store_moved
 from ..trust import check_recipe_allowed
 from .attempt import agent_store, board_for, refuse
 
@@ -45,6 +46,7 @@ def start_run(self: Task, spec_json: Any, sig: str | None = None) -> None:
     if board.exists(spec.run_id):  # a replayed request: a run starts once
         refuse(board.r, worker, self.name, run_id, "this run exists already (a replayed request?)")
         return
+    before = store_moved()
     try:
         store = agent_store()
         if config.normalize_store_url(spec.store_url).rstrip("/") != store.url.rstrip("/"):
@@ -61,6 +63,9 @@ def start_run(self: Task, spec_json: Any, sig: str | None = None) -> None:
         reply = {"error": mask_text(f"starting run {spec.run_id} failed on {worker}: "
                                     f"{type(exc).__name__}: {' '.join(str(exc).split())}"),
                  "exit_code": 2}
+    if "error" not in reply:  # what starting moved (θ_0, the spec, the manifest), for the run
+        after = store_moved()
+        board.add_store_bytes(spec.run_id, after[0] - before[0], after[1] - before[1])
     _answer(board, spec.run_id, reply)
 
 
