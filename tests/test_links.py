@@ -25,20 +25,22 @@ SPEC = dict(mode="fused", recipe="digits-mlp", rounds=2, shards=3, sync_every=15
 
 @pytest.fixture(scope="module")
 def linked(s3_endpoint, tmp_path_factory):
-    """Two agents behind home-like links (20 Mbit/s up, 100 down, 40 ms RTT), leases of 8 s."""
+    """Two agents behind home-like links (20 Mbit/s up, 100 down, 40 ms RTT), default leases
+    (8 s)."""
     import os
 
     bucket = f"tt-links-{time.time_ns()}"
-    os.environ.update(s3_endpoint)
+    saved = dict(os.environ)
+    os.environ.update(s3_endpoint)  # this process reads and writes the bucket too
     boto3.client("s3").create_bucket(Bucket=bucket)
-    os.environ["TENSORTURN_VISIBILITY_TIMEOUT_S"] = "8"
     store = f"s3://{bucket}/runs"
     try:
         with netlab.LinkPool(2, store, s3_endpoint, rtt_ms=40, up_mbit=20, down_mbit=100,
                              workdir=tmp_path_factory.mktemp("links"), loglevel="INFO") as pool:
             yield pool, store
-    finally:
-        os.environ.pop("TENSORTURN_VISIBILITY_TIMEOUT_S", None)
+    finally:  # later tests see the environment they would have seen without this module
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 @pytest.fixture(scope="module")
