@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -36,23 +35,6 @@ from tensorturn.local import free_port, stop_process_group
 
 HERE = Path(__file__).resolve().parent
 AGENTS = 3
-
-
-def start_moto() -> tuple[subprocess.Popen, dict[str, str]]:
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-            break
-        except OSError:
-            if time.monotonic() > deadline:
-                raise RuntimeError("moto server did not start") from None
-            time.sleep(0.1)
-    return proc, {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "testing",
-                  "AWS_SECRET_ACCESS_KEY": "testing-secret", "AWS_DEFAULT_REGION": "us-east-1"}
 
 
 def wire(pool) -> tuple[int, int]:
@@ -172,7 +154,7 @@ def main() -> None:
     why = netlab.unavailable()
     if why:
         sys.exit(f"wan.py: {why}")
-    moto, store_env = start_moto()
+    moto, store_env = netlab.start_moto()
     os.environ.update(store_env)
     try:
         import boto3

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -12,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from tensorturn.local import LocalPool, RedisServer, free_port, stop_process_group
+from tensorturn.local import LocalPool, RedisServer, stop_process_group
+from tensorturn.netlab import start_moto
 
 ROOT = Path(__file__).resolve().parent.parent
 # The test recipes (tests/failing.py, tests/huge.py) import in every process the tests start,
@@ -96,21 +96,8 @@ def pool(tmp_path_factory):
 @pytest.fixture(scope="session")
 def s3_endpoint(tmp_path_factory):
     """moto's S3 server on a free loopback port; yields the env a client needs."""
-    port = free_port()
     log = open(tmp_path_factory.mktemp("moto") / "moto.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-            break
-        except OSError:
-            if time.monotonic() > deadline or proc.poll() is not None:
-                raise RuntimeError("moto server did not start") from None
-            time.sleep(0.1)
-    env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "testing",
-           "AWS_SECRET_ACCESS_KEY": "testing-secret", "AWS_DEFAULT_REGION": "us-east-1"}
+    proc, env = start_moto(log)
     yield env
     stop_process_group(proc, grace=5)
 
