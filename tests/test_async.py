@@ -79,8 +79,8 @@ def test_only_the_lock_holder_commits_each_version_once(redis_server):
 @pytest.mark.e2e
 def test_an_applier_killed_mid_update_loses_nothing_and_counts_nothing_twice(tmp_path, monkeypatch):
     """Two agents; the one holding the apply lock is frozen there (SIGSTOP, checked to still
-    hold it), then killed. The lock runs out, its task is redelivered, and the other agent
-    applies what was left: every update is applied exactly once, versions 1..R·S each made by
+    hold it), then killed. The lock runs out and the other agent's tasks, waiting for their
+    updates to be applied, take over: every update is applied exactly once, versions 1..R·S each made by
     one update, the rounds' samples add up to R·S·H·batch, and the result is the last version."""
     monkeypatch.setenv("TENSORTURN_VISIBILITY_TIMEOUT_S", "8")  # the lock's time to live too
     rounds, shards, steps = 3, 4, 40
@@ -118,7 +118,10 @@ def test_an_applier_killed_mid_update_loses_nothing_and_counts_nothing_twice(tmp
     assert all(u["staleness"] == u["version"] - 1 - u["base_version"] >= 0 for u in updates)
     assert sum(rec["samples"] for rec in doc["rounds"]) == total * steps * 32
     assert [rec["round"] for rec in doc["rounds"]] == list(range(rounds))
-    assert any(a["worker"] == victim and a["outcome"].startswith("lost") for a in doc["attempts"])
+    # the victim's attempt never finished: lost if its message came back before the run ended,
+    # else still marked running (the waiting tasks on the other agent had taken over)
+    assert any(a["worker"] == victim and (a["outcome"] == "running" or a["outcome"].startswith("lost"))
+               for a in doc["attempts"])
     store = open_store(store_url)
     logged = store.list(layout.prefix("version_log", spec.run_id))
     assert len(logged) == total

@@ -17,8 +17,9 @@ Safety: an update is applied at most once and never lost. Its pseudo-gradient is
 it is queued for applying; the applier commits each new version in one Redis script that checks
 it still holds the lock (:meth:`~.ledger.AsyncLedger.commit`), so an applier stopped past its
 lock's time to live cannot commit (its objects carry its own token and are never pointed at);
-and the task that queued an update stays unacknowledged until the queue it saw is drained, so a
-machine killed while applying has its task redelivered, and the next worker drains what it left.
+and the task that queued an update returns only once it is applied (the run's last ones: once the
+run is finished), trying for the lock meanwhile — so a machine killed while applying leaves tasks
+waiting that take over when its lock runs out, and its own task is redelivered.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ from .ledger import AsyncLedger, Fenced
 log = logging.getLogger(__name__)
 
 MOMENTUM, ACCUMULATED = "m::", "a::"  # the outer state's two parts, per tensor
+APPLY_WAIT_S = 0.1  # how often a task whose update waits to be applied looks again
 
 
 def ledger(board: RunBoard, run_id: str) -> AsyncLedger:
@@ -156,7 +158,16 @@ class UpdateUnit(Unit):
                 outcome = train_and_store(self, r, k, theta_of, out_key, lambda: book.stored(self.j))
             if self.store.exists(out_key):  # this copy's, or another's: queued to be applied once
                 book.push(self.j, self.a.worker, time.time())
-        drain(spec, self.store, self.board, self.a.worker)
+        # Returns only once its update is applied (and, for the run's last, the run finished):
+        # if the machine applying dies, its lock runs out and a waiting task takes over — with
+        # no task left waiting, stored updates could stay unapplied and the run would hang.
+        total = total_updates(spec)
+        while True:
+            drain(spec, self.store, self.board, self.a.worker)
+            if self.board.is_finished(spec.run_id) or (
+                    book.is_applied(self.j) and book.latest()["version"] < total):
+                break
+            time.sleep(APPLY_WAIT_S)
         queue_backup(spec, self.board, book, self.a.worker)
         return outcome
 
