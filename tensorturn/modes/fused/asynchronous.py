@@ -228,24 +228,28 @@ def fetch_version(spec: RunSpec, recipe: Recipe, store: Store, latest: dict[str,
 # ---- applying ----------------------------------------------------------------------------------
 
 def drain(spec: RunSpec, store: Store, board: RunBoard, worker: str) -> None:
-    """Apply every stored update, one at a time, while this worker holds the apply lock; then
-    record the rounds due and finish the run when every update is in. Another worker holding
-    the lock applies them instead (it looks again after letting go, so none is stranded)."""
+    """Apply every stored update, one at a time, while this worker holds the apply lock (another
+    worker holding it applies them instead, and looks again after letting go); then, under a
+    lock of their own, evaluate the rounds due and finish the run when every update is in."""
     settings = config.current()
     book = ledger(board, spec.run_id)
+    ttl, refresh = settings.visibility_timeout_s, settings.lease_refresh_s
     while True:
-        with book.lock(worker, settings.visibility_timeout_s, settings.lease_refresh_s) as token:
+        with book.lock(worker, ttl, refresh) as token:
             if token is None:
-                return
+                break
             try:
                 while (j := book.next_pending()) is not None:
                     apply_one(spec, store, board, book, j, token, worker)
-                catch_up(spec, store, board, book)
             except Fenced as exc:  # another applier took over: it carries on from the ledger
                 board.incident(spec.run_id, "apply_fenced", f"u{exc.j}", worker, str(exc))
-                return
+                break
         if not book.pending():
-            return
+            break
+    # evaluation outside the apply lock: updates keep being applied meanwhile
+    with book.lock(worker, ttl, refresh, part="eval_lock") as token:
+        if token is not None:
+            catch_up(spec, store, board, book)
 
 
 def apply_one(spec: RunSpec, store: Store, board: RunBoard, book: AsyncLedger, j: int,

@@ -59,7 +59,7 @@ class AsyncLedger:
         self.run_id = run_id
         self.k = {part: layout.run_key(run_id, part)
                   for part in ("async", "versions", "pending", "trainers", "applied", "apply_lock",
-                               "begun")}
+                               "begun", "eval_lock")}
 
     # -- the latest weights --
     def init(self, key: str, sha256: str) -> None:
@@ -141,12 +141,16 @@ class AsyncLedger:
 
     # -- the applier --
     @contextlib.contextmanager
-    def lock(self, worker: str, ttl_s: float, refresh_s: float) -> Iterator[str | None]:
-        """Be the one applier: yields a token (``<worker>:<random>``) while this process holds
-        the lock, kept alive by a thread every ``refresh_s``, or None when another holds it."""
+    def lock(self, worker: str, ttl_s: float, refresh_s: float,
+             part: str = "apply_lock") -> Iterator[str | None]:
+        """Be the one applier (or, with ``part="eval_lock"``, the one evaluating the rounds due):
+        yields a token (``<worker>:<random>``) while this process holds the lock, kept alive by
+        a thread every ``refresh_s``, or None when another holds it. A holder that dies lets go
+        when the time to live runs out."""
         token = f"{worker}:{secrets.token_hex(6)}"
         ttl_ms = max(1000, int(ttl_s * 1000))
-        if not self.r.set(self.k["apply_lock"], token, nx=True, px=ttl_ms):
+        key = self.k[part]
+        if not self.r.set(key, token, nx=True, px=ttl_ms):
             yield None
             return
         stop = threading.Event()
@@ -154,12 +158,12 @@ class AsyncLedger:
         def keep() -> None:
             while not stop.wait(refresh_s):
                 try:
-                    if not self.r.eval(_REFRESH, 1, self.k["apply_lock"], token, ttl_ms):
+                    if not self.r.eval(_REFRESH, 1, key, token, ttl_ms):
                         return  # lost (expired while this process was stopped): commits will say so
                 except redis.RedisError:
                     continue  # the next refresh tries again; the time to live covers a few misses
 
-        keeper = threading.Thread(target=keep, name=f"apply-lock-{self.run_id}", daemon=True)
+        keeper = threading.Thread(target=keep, name=f"{part}-{self.run_id}", daemon=True)
         keeper.start()
         try:
             yield token
@@ -167,7 +171,7 @@ class AsyncLedger:
             stop.set()
             keeper.join()
             with contextlib.suppress(redis.RedisError):  # it expires on its own
-                self.r.eval(_RELEASE, 1, self.k["apply_lock"], token)
+                self.r.eval(_RELEASE, 1, key, token)
 
     def holder(self) -> str | None:
         """The worker applying updates now, if any."""
