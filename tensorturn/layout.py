@@ -38,7 +38,7 @@ Redis (besides Celery's and kombu's own keys)::
                                   async (pointer: latest version, its keys), versions (v → key),
                                   applied (update → its record), pending (sorted set of updates
                                   stored, not yet applied), trainers, begun, apply_lock (who
-                                  applies now)
+                                  applies now), eval_lock (who evaluates the rounds due)
     tt:worker:<name>              hash: an agent's inventory, live figures and current task
     tt:refused                    list: the last 100 messages agents refused (JSON: why, who)
     celery, tt.fits.<N>MB         task queues: the default one and one per memory class

@@ -168,8 +168,18 @@ class UpdateUnit(Unit):
                     book.is_applied(self.j) and book.latest()["version"] < total):
                 break
             time.sleep(APPLY_WAIT_S)
-        queue_backup(spec, self.board, book, self.a.worker)
+        try:  # only an optimisation: a failure here must not fail an update that is applied
+            queue_backup(spec, self.board, book, self.a.worker)
+        except Exception as exc:  # noqa: BLE001
+            log.warning("run %s: no backup copy queued (%s)", spec.run_id, exc)
         return outcome
+
+    def give_up(self, message: str) -> None:
+        if self.a.label.kind == "update_backup":  # the original copy still trains the update
+            self.board.incident(self.spec.run_id, "backup_dropped", str(self.a.label), self.a.worker,
+                                message)
+            return
+        super().give_up(message)
 
 
 def queue_backup(spec: RunSpec, board: RunBoard, book: AsyncLedger, worker: str) -> None:

@@ -230,7 +230,17 @@ class ShardUnit(Unit):
 
     def then(self) -> None:
         if options(self.spec).sync == "backup":
-            queue_backup(self.spec, self.store, self.board, self.a.label.numbers[0], self.a.worker)
+            try:  # only an optimisation: a failure here must not fail a shard that is done
+                queue_backup(self.spec, self.store, self.board, self.a.label.numbers[0], self.a.worker)
+            except Exception as exc:  # noqa: BLE001
+                log.warning("run %s: no backup copy queued (%s)", self.spec.run_id, exc)
+
+    def give_up(self, message: str) -> None:
+        if self.a.label.kind == "backup":  # the original copy still trains the shard
+            self.board.incident(self.spec.run_id, "backup_dropped", str(self.a.label), self.a.worker,
+                                message)
+            return
+        super().give_up(message)
 
 
 def train_and_store(unit: Unit, r: int, k: int,
