@@ -60,13 +60,9 @@ def run(pool, store, **extra) -> RunSpec:
 
 def running_on(pool, run_id: str, worker_prefix: str, timeout: float = 120) -> dict:
     board = RunBoard(redis_client(pool.broker_url))
-    deadline = time.monotonic() + timeout
-    while True:
-        for a in board.attempts(run_id):
-            if a["outcome"] == "running" and a["worker"].startswith(worker_prefix) and "/outer" not in a["task"]:
-                return a
-        assert time.monotonic() < deadline, f"no task of run {run_id} ran on {worker_prefix}"
-        time.sleep(0.1)
+    return wait_for(lambda: next((a for a in board.attempts(run_id) if a["outcome"] == "running"
+                                  and a["worker"].startswith(worker_prefix) and "/outer" not in a["task"]),
+                                 None), f"a task of run {run_id} on {worker_prefix}", timeout=timeout)
 
 
 def test_a_link_down_past_the_lease_requeues_the_shard_and_the_healed_machine_rejoins(linked, reference):
@@ -80,11 +76,9 @@ def test_a_link_down_past_the_lease_requeues_the_shard_and_the_healed_machine_re
     board = RunBoard(redis_client(pool.broker_url))
     link.down()
     try:
-        deadline = time.monotonic() + 120
-        while not [a for a in board.attempts(spec.run_id)
-                   if a["task"] == victim["task"] and a["worker"].startswith("local2@")]:
-            assert time.monotonic() < deadline, "the partitioned machine's shard was never requeued"
-            time.sleep(0.1)
+        wait_for(lambda: [a for a in board.attempts(spec.run_id)
+                          if a["task"] == victim["task"] and a["worker"].startswith("local2@")],
+                 "the partitioned machine's shard requeued to local2")
     finally:
         link.up()
     healed_at = time.time()

@@ -43,7 +43,7 @@ from ...diloco import async_update, round_figures
 from ...recipes import Recipe, recipe_of
 from ...spec import RunSpec
 from ...store import Store, file_sha256
-from ...tasks.attempt import SUCCEEDED, Unit, execute, signed
+from ...tasks.attempt import SUCCEEDED, execute, signed
 from ...tensorfile import DTYPES, TensorReader, TensorWriter, delta_tensors
 from ...tensors import StateDict, model_metadata
 from ...training import load_model, set_threads
@@ -129,7 +129,7 @@ def async_backup(self, run_id: str, j: int, sig: str | None = None) -> dict[str,
     return execute(self, run_id, layout.update_backup_label(j), UpdateUnit, sig)
 
 
-class UpdateUnit(Unit):
+class UpdateUnit(backups.CopyAwareUnit):
     def done(self) -> bool:
         book = ledger(self.board, self.spec.run_id)
         return (book.is_applied(self.j) and not book.pending()
@@ -174,12 +174,6 @@ class UpdateUnit(Unit):
             log.warning("run %s: no backup copy queued (%s)", spec.run_id, exc)
         return outcome
 
-    def give_up(self, message: str) -> None:
-        if self.a.label.kind == "update_backup":  # the original copy still trains the update
-            self.board.incident(self.spec.run_id, "backup_dropped", str(self.a.label), self.a.worker,
-                                message)
-            return
-        super().give_up(message)
 
 
 def queue_backup(spec: RunSpec, board: RunBoard, book: AsyncLedger, worker: str) -> None:

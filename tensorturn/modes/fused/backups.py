@@ -13,6 +13,21 @@ from dataclasses import dataclass
 
 from ... import layout
 from ...board import RunBoard
+from ...tasks.attempt import Unit
+
+COPY_KINDS = ("backup", "update_backup")  # labels of backup copies (r<r>/backup-<k>, u<j>/backup)
+
+
+class CopyAwareUnit(Unit):
+    """A unit that may run as a backup copy: a copy that runs out of attempts is dropped with an
+    incident — the original still trains the unit — while the original's failure fails the run."""
+
+    def give_up(self, message: str) -> None:
+        if self.a.label.kind in COPY_KINDS:
+            self.board.incident(self.spec.run_id, "backup_dropped", str(self.a.label), self.a.worker,
+                                message)
+            return
+        super().give_up(message)
 
 
 @dataclass

@@ -205,7 +205,7 @@ def train_shard(self, run_id: str, r: int, k: int, sig: str | None = None) -> di
     return execute(self, run_id, layout.shard_label(r, k), ShardUnit, sig)
 
 
-class ShardUnit(Unit):
+class ShardUnit(backups.CopyAwareUnit):
     def done(self) -> bool:
         r, k = self.a.label.numbers
         return (self.store.exists(layout.key("shard", self.spec.run_id, r, k))
@@ -235,12 +235,6 @@ class ShardUnit(Unit):
             except Exception as exc:  # noqa: BLE001
                 log.warning("run %s: no backup copy queued (%s)", self.spec.run_id, exc)
 
-    def give_up(self, message: str) -> None:
-        if self.a.label.kind == "backup":  # the original copy still trains the shard
-            self.board.incident(self.spec.run_id, "backup_dropped", str(self.a.label), self.a.worker,
-                                message)
-            return
-        super().give_up(message)
 
 
 def train_and_store(unit: Unit, r: int, k: int,
