@@ -63,6 +63,9 @@ def test_bad_training_options_are_one_line_before_anything_starts(tmp_path, flag
     assert not (tmp_path / "tensorturn-store").exists()
     proc = tt("run", "--recipe", "digits-mlp", "--precision", "fp8", cwd=tmp_path)
     assert proc.returncode == 2 and "'fp8' is not one of" in proc.stderr
+    proc = tt("run", "--recipe", "digits-mlp", "--sync", "eventually", cwd=tmp_path)
+    assert proc.returncode == 2 and "'eventually' is not one of 'rounds', 'backup', 'async'" in proc.stderr
+    assert not (tmp_path / "tensorturn-store").exists()
 
 
 def test_an_option_of_the_other_mode_is_refused_by_name(tmp_path):
