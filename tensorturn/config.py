@@ -44,6 +44,7 @@ cache_dir             where an agent keeps dataset chunks (default `~/.cache/ten
 cache_gb              the most disk the chunk cache may use; least recently used chunks go first (`agent --cache-gb`)
 device_memory_gb      cap on the device memory an agent offers to the pool (`agent --memory-gb`)
 loglevel              an agent's Celery log level
+role                  what an agent takes: `train`, `outer` (outer steps, beside the store) or `both` (`agent --role`)
 slowdown              benchmarks and tests only: train this many times slower, to emulate a slow machine
 sim_step_s            benchmarks and tests only: each training step lasts this many seconds (sleeping): emulated speed
 serve_run             the run the `Procfile`'s `api` line serves (read by the Procfile, not by TensorTurn)
@@ -81,6 +82,7 @@ class Settings:
     cache_gb: float = 4.0
     device_memory_gb: float | None = None
     loglevel: str = "INFO"
+    role: str = "train"
     slowdown: float = 1.0
     sim_step_s: float = 0.0
     serve_run: str | None = None

@@ -134,11 +134,14 @@ def stop_process_group(proc: subprocess.Popen, grace: float = 10.0, term: bool =
 
 
 class LocalPool:
-    """Private redis-server + ``workers`` agent processes (named local1, local2, ...)."""
+    """Private redis-server + ``workers`` agent processes (named local1, local2, ...), each with
+    its role (``roles[i]``; default: every agent trains)."""
 
     def __init__(self, workers: int, store_url: str, workdir: Path | None = None,
-                 loglevel: str = "WARNING", appendonly: bool = False):
+                 loglevel: str = "WARNING", appendonly: bool = False,
+                 roles: list[str] | None = None):
         self.workers = workers
+        self.roles = roles or ["train"] * workers
         self.store_url = store_url
         self.loglevel = loglevel
         self._tmp = None if workdir else tempfile.TemporaryDirectory(prefix="tensorturn-")
@@ -173,7 +176,7 @@ class LocalPool:
         """The settings agent ``local<i+1>`` starts with (a pool whose agents reach Redis by
         other routes — :mod:`tensorturn.netlab` — changes the URLs here)."""
         return config.current().with_(broker_url=self.broker_url, store_url=self.store_url,
-                                      loglevel=self.loglevel,
+                                      loglevel=self.loglevel, role=self.roles[i],
                                       pool_key=trust.pool_key_or_create().text())
 
     def agent_argv(self, i: int) -> list[str]:

@@ -228,12 +228,16 @@ def start_moto(log: Any = subprocess.DEVNULL, timeout: float = 30) -> tuple[subp
 class LinkPool(LocalPool):
     """An embedded pool whose agents each sit behind an emulated link (:class:`Link`): Redis and
     an S3 endpoint (``store_env``: the ``AWS_*`` variables of, say, moto's server on loopback) are
-    reached through a :class:`DelayProxy` on the coordinator's end of each link."""
+    reached through a :class:`DelayProxy` on the coordinator's end of each link. With
+    ``outer_agent`` one more agent, ``--role outer``, runs on the coordinator itself (no link),
+    beside the store, as `tensorturn agent --role outer` would on a user's coordinator."""
 
     def __init__(self, workers: int, store_url: str, store_env: dict[str, str], rtt_ms: float = 0.0,
                  up_mbit: float | None = None, down_mbit: float | None = None,
-                 workdir: Path | None = None, loglevel: str = "WARNING"):
-        super().__init__(workers, store_url, workdir=workdir, loglevel=loglevel)
+                 workdir: Path | None = None, loglevel: str = "WARNING", outer_agent: bool = False):
+        super().__init__(workers + outer_agent, store_url, workdir=workdir, loglevel=loglevel,
+                         roles=["train"] * workers + ["outer"] * outer_agent)
+        self.trainers = workers
         self.store_env, self.rtt_ms = store_env, rtt_ms
         self.up_mbit, self.down_mbit = up_mbit, down_mbit
         self.tag = f"{os.getpid() % 1000}{next(_indexes) % 100}"
@@ -248,7 +252,8 @@ class LinkPool(LocalPool):
         s3 = urlsplit(self.store_env["AWS_ENDPOINT_URL"])
         self.s3_target = (s3.hostname or "127.0.0.1", s3.port or 80)
         for i in range(self.workers):
-            self.add_link(i)
+            if i < self.trainers:
+                self.add_link(i)
             self.start_agent(i)
         self.wait_ready(timeout)
 
@@ -263,16 +268,22 @@ class LinkPool(LocalPool):
         return link
 
     def agent_settings(self, i: int) -> Settings:
+        if i >= self.trainers:  # the coordinator's own agent: no link
+            return super().agent_settings(i)
         link = self.links[i]
         return super().agent_settings(i).with_(
             broker_url=f"redis://default:{self.redis.password}@{link.host_ip}:{self.redis.port}/0")
 
     def agent_environ(self, i: int) -> dict[str, str]:
+        if i >= self.trainers:
+            return {**os.environ, **self.store_env}
         link = self.links[i]
         return {**os.environ, **self.store_env,
                 "AWS_ENDPOINT_URL": f"http://{link.host_ip}:{self.s3_target[1]}"}
 
     def agent_argv(self, i: int) -> list[str]:
+        if i >= self.trainers:
+            return super().agent_argv(i)
         return ["ip", "netns", "exec", self.links[i].ns, *super().agent_argv(i)]
 
     def stop(self, grace: float = 30.0) -> None:

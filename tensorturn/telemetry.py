@@ -22,7 +22,7 @@ import psutil
 from celery import bootsteps
 from celery.worker import state as worker_state
 
-from . import config
+from . import config, routing
 from .broker import redis_client
 from .layout import worker_key
 
@@ -73,6 +73,7 @@ def inventory() -> dict[str, Any]:
     if cap:
         offered = min(offered, cap)
     info["device_memory_gb"] = offered
+    info["role"] = config.current().role
     return info
 
 
@@ -94,6 +95,14 @@ def live_figures() -> dict[str, Any]:
     return out
 
 
+def outer_queues() -> list[str]:
+    """The outer queues this agent serves (its role and device memory decide; :mod:`.routing`)."""
+    from .capacity import queues_for
+
+    return [q for q in routing.consumed(config.current().role, queues_for(inventory()["device_memory_gb"]))
+            if q.startswith(routing.OUTER_PREFIX)]
+
+
 class Heartbeat(bootsteps.StartStopStep):
     """Worker bootstep: publish inventory once and live figures every heartbeat."""
 
@@ -104,10 +113,12 @@ class Heartbeat(bootsteps.StartStopStep):
         self.tref = None
         self.client: Any = None
         self.node = ""
+        self.outer: list[str] = []
 
     def start(self, worker):
         self.node = worker.hostname
         self.client = redis_client(worker.app.conf.broker_url)
+        self.outer = outer_queues()
         psutil.cpu_percent(interval=None)  # prime the counter
         self.beat(first=True)
         self.tref = worker.timer.call_repeatedly(config.current().heartbeat_s, self.beat,
@@ -128,7 +139,11 @@ class Heartbeat(bootsteps.StartStopStep):
             if not worker_state.active_requests:  # a killed pool child leaves its progress behind
                 pipe.hdel(key, "task", "progress")
             pipe.expire(key, 7 * 24 * 3600)
-            pipe.execute()
+            pipe.hget(key, "quarantined")
+            quarantined = pipe.execute()[-1]
+            if self.outer and not quarantined:
+                routing.advertise(self.client, self.node, self.outer)
+            routing.reroute(self.client)
         except Exception as exc:  # noqa: BLE001 - the broker may be restarting
             log.warning("heartbeat failed: %s", exc)
 
@@ -138,6 +153,7 @@ class Heartbeat(bootsteps.StartStopStep):
             self.tref = None
         try:  # a clean stop is offline at once, not after three missed heartbeats
             self.client.hset(worker_key(self.node), "last_seen", 0)
+            routing.withdraw(self.client, self.node, self.outer)
         except Exception:  # noqa: BLE001
             pass
 

@@ -23,9 +23,14 @@ from . import cli, pool_options, stop_on_signals
 @click.option("--cache-gb", type=click.FloatRange(min=0, min_open=True), default=None,
               help="Disk for cached dataset chunks (least recently used go first) "
                    "[default: TENSORTURN_CACHE_GB or 4].")
+@click.option("--role", type=click.Choice(["train", "outer", "both"]), default=None,
+              help="What this machine takes: training tasks (train), the runs' outer steps "
+                   "(outer: averaging, the outer optimizer, evaluation — they move whole models "
+                   "through the store, so run one on the machine that holds it), or both "
+                   "[default: TENSORTURN_ROLE or train].")
 @click.option("--loglevel", default=None, help="Celery log level [default: INFO].")
 @pool_options()
-def agent(broker, store, name, concurrency, memory_gb, cache_gb, loglevel):
+def agent(broker, store, name, concurrency, memory_gb, cache_gb, role, loglevel):
     """Run this machine's agent: a Celery worker that trains what the pool queues.
 
     \b
@@ -37,6 +42,11 @@ def agent(broker, store, name, concurrency, memory_gb, cache_gb, loglevel):
     network drops, and on SIGTERM puts its running task back in the queue within a few seconds.
     It runs only work signed with the pool key, from its own store, and imports only built-in
     recipes and those allowed with --allow-recipe.
+
+    \b
+    On the coordinator (beside the store), take the outer steps off the home links:
+      tensorturn agent --join-file .tensorturn/join --name coordinator --role outer
+    If that agent goes away, the trainers take the outer steps again within a few heartbeats.
     """
     import os
 
@@ -51,13 +61,17 @@ def agent(broker, store, name, concurrency, memory_gb, cache_gb, loglevel):
     if not broker:
         raise TensorTurnError("the agent needs a pool: pass --join-file JOIN (from `tensorturn up`), "
                               "or --broker URL / TENSORTURN_BROKER_URL")
+    from ..routing import check_role
+
+    check_role(role or config.current().role)  # TENSORTURN_ROLE may say anything
     trust.pool_key()  # one clear error now rather than every task refused later
     check_broker(broker)
     open_store(store).check()
     # what this command was told overrides the environment, for this process and its pool
     config.use(config.current().with_(broker_url=broker, store_url=store,
                                       device_memory_gb=memory_gb or config.current().device_memory_gb,
-                                      cache_gb=cache_gb or config.current().cache_gb))
+                                      cache_gb=cache_gb or config.current().cache_gb,
+                                      role=role or config.current().role))
     from ..agent import run_agent
     from ..celery_app import configure
 

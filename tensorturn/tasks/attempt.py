@@ -312,11 +312,14 @@ def quarantine(task: Task, board: RunBoard, run_id: str, label: str, worker: str
                reason: str) -> None:
     """Take ``worker`` out of rotation: it stops consuming every queue, and says why."""
     from ..capacity import queues_for
+    from ..routing import consumed, withdraw
     from ..telemetry import inventory
 
     board.r.hset(worker_key(worker), "quarantined", mask_text(reason))
     board.incident(run_id, "worker_quarantined", label, worker, reason)
-    for queue in [*queues_for(inventory()["device_memory_gb"]), layout.agent_queue(worker)]:
+    queues = consumed(config.current().role, queues_for(inventory()["device_memory_gb"]))
+    withdraw(board.r, worker, queues)  # the outer steps waiting for it go to the trainers
+    for queue in [*queues, layout.agent_queue(worker)]:
         task.app.control.cancel_consumer(queue, destination=[worker])
 
 

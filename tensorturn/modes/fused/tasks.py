@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from celery import chord
 
-from ... import layout
+from ... import layout, routing
 from ...board import RunBoard
 from ...capacity import queue_for
 from ...celery_app import app, forget_results
@@ -95,7 +95,7 @@ def start(spec: RunSpec, store: Store, board: RunBoard) -> None:
         asynchronous.start(spec, store, board)
         return
     board.claim(spec.run_id, layout.dispatch_claim(0))
-    dispatch_round(spec, 0)
+    dispatch_round(spec, 0, board)
 
 
 def opts_sync(spec: RunSpec) -> str:
@@ -139,15 +139,17 @@ def small_data_warning(spec: RunSpec, recipe: Recipe, epochs: float) -> str | No
             f"round with the lowest validation loss")
 
 
-def dispatch_round(spec: RunSpec, r: int) -> None:
-    """Queue round r: a slot per shard, then the outer step, on machines that can hold the model.
+def dispatch_round(spec: RunSpec, r: int, board: RunBoard) -> None:
+    """Queue round r: a slot per shard, then the outer step, on machines that can hold the model
+    — the outer step beside the store while an agent there serves it (:mod:`tensorturn.routing`).
     A slot trains the shard its first worker claims (:meth:`RunBoard.claim_shard`): one it
     trained before where it can, so its cached chunks are read again rather than downloaded."""
     queue = queue_for(spec.memory_needed_bytes)
     run_id = spec.run_id
     header = [train_slot.s(run_id, r, i, **signed(run_id, str(layout.slot_label(r, i)))).set(queue=queue)
               for i in range(options(spec).shards)]
-    body = outer_step.s(run_id, r, **signed(run_id, str(layout.outer_label(r)))).set(queue=queue)
+    body = outer_step.s(run_id, r, **signed(run_id, str(layout.outer_label(r)))).set(
+        queue=routing.queue_for_outer(board.r, queue))
     what = f"the outer step of round {r}"
     body.on_error(chord_failed.s(run_id, what, r=r, **signed(run_id, f"chord_failed:{what}")))
     result = chord(header)(body)
@@ -169,7 +171,7 @@ def resume(spec: RunSpec, store: Store, board: RunBoard) -> str:
     if r >= rounds:  # every round is stored: the outer step of the last one finalizes again
         r = rounds - 1
     board.claim(spec.run_id, layout.dispatch_claim(r))
-    dispatch_round(spec, r)
+    dispatch_round(spec, r, board)
     return f"resumed at round {r} of 0..{rounds - 1}"
 
 
@@ -441,38 +443,45 @@ class OuterUnit(Unit):
     def run(self) -> str:
         spec, store, r = self.spec, self.store, self.a.label.numbers[0]
         data_before = data_bytes()  # evaluation data this machine had to download
-        info = outer_round(spec, store, r)
-        info["at"] = time.time()  # when the round's weights were evaluated (loss against wall time)
-        store.put_json(layout.key("round", spec.run_id, r), info)  # before the board: done() reads it
-        self.board.record_round(spec.run_id, r, info)
-        if r + 1 == options(spec).rounds:
-            finalize(spec, store, self.board)
-        else:
-            write_manifest(store, self.board, spec.run_id)
+        last = r + 1 == options(spec).rounds
+        with tempfile.TemporaryDirectory(prefix="tt-outer-") as tmp:
+            # the machines train round r+1 (then() queues it once) while this one evaluates r
+            info = outer_round(spec, store, r, Path(tmp), None if last else self.then)
+            info["at"] = time.time()  # when the round's weights were evaluated (loss against wall time)
+            store.put_json(layout.key("round", spec.run_id, r), info)  # before the board: done() reads it
+            self.board.record_round(spec.run_id, r, info)
+            if last:
+                finalize(spec, store, self.board, local=Path(tmp) / "next")
+            else:
+                write_manifest(store, self.board, spec.run_id)
         count_data(self.board, spec.run_id, self.a.worker, data_before)
         return SUCCEEDED
 
     def then(self) -> None:
         spec, r = self.spec, self.a.label.numbers[0]
         if r + 1 < options(spec).rounds:
-            self.board.once(spec.run_id, layout.dispatch_claim(r + 1), lambda: dispatch_round(spec, r + 1))
+            self.board.once(spec.run_id, layout.dispatch_claim(r + 1), lambda: dispatch_round(spec, r + 1, self.board))
 
 
-def outer_round(spec: RunSpec, store: Store, r: int) -> dict[str, Any]:
+def outer_round(spec: RunSpec, store: Store, r: int, scratch: Path,
+                stored: Callable[[], None] | None = None) -> dict[str, Any]:
     """Average round r's stored pseudo-gradients into θ_{r+1} (or reuse it, when a previous
-    attempt stored it) and evaluate it; returns the round's record.
+    attempt stored it), call ``stored()`` once it is in the store, and evaluate it; returns the
+    round's record. θ_{r+1} is left in ``scratch/next``.
 
     Everything streams through local files, tensor by tensor, so memory holds one model-sized
     sum and one tensor at a time, whatever S: each shard's weight comes from its file's header
     first, then each shard is downloaded (multipart on S3), read one tensor at a time and added
     in shard order — the list average's arithmetic, so the same bits — then θ_{r+1} is written
-    (:func:`step_global`) and read back to be evaluated."""
-    with tempfile.TemporaryDirectory(prefix="tt-outer-") as tmp:
-        losses, samples, bytes_up, bytes_down = average_and_step(spec, store, r, Path(tmp))
-        path = Path(tmp) / "next"
+    (:func:`step_global`, also to ``scratch/next``) and read back to be evaluated."""
+    losses, samples, bytes_up, bytes_down = average_and_step(spec, store, r, scratch)
+    path = scratch / "next"
+    if not path.exists():  # a previous attempt stored θ_{r+1}
         store.get_file(layout.key("global", spec.run_id, r + 1), path)
-        with TensorReader(path) as f:
-            new_theta = f.all()
+    if stored is not None:
+        stored()
+    with TensorReader(path) as f:
+        new_theta = f.all()
     recipe = recipe_of(spec)
     set_threads(spec.threads_per_task)
     device = pick_device()
@@ -520,7 +529,8 @@ def step_global(spec: RunSpec, recipe: Recipe, store: Store, r: int, avg: StateD
     """Store θ_{r+1} from θ_r and the averaged pseudo-gradient ``avg`` (used up): first the outer
     state and, in compressed runs, the broadcast delta, then θ_{r+1}, whose existence decides
     the round. With a ``scratch`` folder and an uncompressed broadcast it streams (see
-    :func:`_step_streaming`); compressing the broadcast needs the whole θ in memory."""
+    :func:`_step_streaming`); compressing the broadcast needs the whole θ in memory. θ_{r+1}
+    is also left at ``scratch/next``."""
     opts = options(spec)
     if opts.outer == "auto":  # start decides it before the spec is stored
         raise RuntimeError(f"run {spec.run_id}: its spec never decided --outer auto")
@@ -528,7 +538,7 @@ def step_global(spec: RunSpec, recipe: Recipe, store: Store, r: int, avg: StateD
     if scratch is not None and not compress:
         _step_streaming(spec, recipe, store, r, avg, scratch)
     else:
-        _step_in_memory(spec, recipe, store, r, avg, compress)
+        _step_in_memory(spec, recipe, store, r, avg, compress, scratch)
 
 
 def _outer_args(spec: RunSpec) -> tuple[float, float, bool]:
@@ -559,7 +569,7 @@ def _step_streaming(spec: RunSpec, recipe: Recipe, store: Store, r: int, avg: St
                                 lr, momentum, nesterov)
 
         specs = {name: (DTYPES[e["dtype"]], e["shape"]) for name, e in theta.entries.items()}
-        new_theta_path = scratch / "theta-next"
+        new_theta_path = scratch / "next"
         with TensorWriter(new_theta_path, specs, model_metadata(
                 spec.recipe, recipe.default_config(), spec.recipe_options)) as out:
             for name in out.order:
@@ -578,7 +588,7 @@ def _step_streaming(spec: RunSpec, recipe: Recipe, store: Store, r: int, avg: St
 
 
 def _step_in_memory(spec: RunSpec, recipe: Recipe, store: Store, r: int, avg: StateDict,
-                    compress: bool) -> None:
+                    compress: bool, scratch: Path | None = None) -> None:
     run_id, opts = spec.run_id, options(spec)
     lr, momentum, nesterov = _outer_args(spec)
     theta_bytes = store.get_bytes(layout.key("global", run_id, r))
@@ -610,23 +620,30 @@ def _step_in_memory(spec: RunSpec, recipe: Recipe, store: Store, r: int, avg: St
             "shapes": json.dumps(shapes, sort_keys=True),
             "base_sha256": theta_sha, "sha256": sha256_hex(new_bytes)}))
     store.put_bytes(layout.key("global", run_id, r + 1), new_bytes)
+    if scratch is not None:
+        (scratch / "next").write_bytes(new_bytes)
 
 
 def finalize(spec: RunSpec, store: Store, board: RunBoard,
-             weights_key: Callable[[int], str] | None = None) -> None:
+             weights_key: Callable[[int], str] | None = None, local: Path | None = None) -> None:
     """Store the final model, evaluate it on the test split, and finish the run. The weights
-    after round r are at ``weights_key(r)`` (θ_{r+1}'s key, unless said otherwise)."""
+    after round r are at ``weights_key(r)`` (θ_{r+1}'s key, unless said otherwise); ``local``
+    is a file holding the last round's, when this machine has them."""
     run_id, opts = spec.run_id, options(spec)
     kept = opts.rounds - 1
     if opts.keep == "best":  # the round whose weights had the lowest validation loss
         rounds = board.rounds(run_id)
+        if len(rounds) < opts.rounds:  # an earlier round's evaluation is still being retried
+            raise RuntimeError(f"rounds {sorted(set(range(opts.rounds)) - {r['round'] for r in rounds})} "
+                               f"are not evaluated yet; --keep best waits for them")
         def loss(rec: dict[str, Any]) -> float:  # no figure, or not a number: never the best
             value = rec.get("val_loss")
             return value if value is not None and math.isfinite(value) else math.inf
 
         kept = min(rounds, key=lambda rec: (loss(rec), -rec["round"]))["round"] if rounds else kept
     key = weights_key(kept) if weights_key else layout.key("global", run_id, kept + 1)
-    data = store.get_bytes(key)  # θ after round `kept`
+    # θ after round `kept`
+    data = local.read_bytes() if local is not None and kept == opts.rounds - 1 else store.get_bytes(key)
     sha = store.put_bytes(layout.key("final_model", run_id), data)
     recipe = recipe_of(spec)
     device = pick_device()

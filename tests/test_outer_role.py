@@ -1,0 +1,62 @@
+"""Outer steps beside the store (``agent --role outer``): a round's outer step goes to the agent
+that serves the outer queue; when that agent is gone, the trainers take it, and the model is
+the same either way."""
+
+from __future__ import annotations
+
+import redis
+from conftest import wait_for
+
+from tensorturn import client, layout, routing
+from tensorturn.local import LocalPool, stop_process_group
+from tensorturn.spec import RunSpec
+
+
+def outer_workers(doc: dict) -> set[str]:
+    return {a["worker"] for a in doc["attempts"]
+            if getattr(layout.parse_label(a["task"]), "kind", None) == "outer"}
+
+
+def test_outer_steps_run_beside_the_store_and_move_to_the_trainers_when_it_is_gone(tmp_path):
+    store_url = f"file://{tmp_path / 'store'}"
+    fields = dict(recipe="digits-mlp", store_url=store_url, mode="fused", rounds=3, shards=2,
+                  sync_every=5, codec="int8", seed=3)
+    with LocalPool(3, store_url, workdir=tmp_path / "pool", roles=["train", "train", "outer"]) as pool:
+        r = redis.Redis.from_url(pool.broker_url, decode_responses=True)
+        wait_for(lambda: routing.queue_for_outer(r, "celery") == routing.outer_queue("celery"),
+                 "the outer agent to say it serves the outer queue")
+        first = RunSpec.create(**fields)
+        client.submit(first, pool.broker_url)
+        beside = client.wait(pool.broker_url, first.run_id, timeout_s=300)
+        assert beside["state"] == "succeeded", beside.get("error")
+        assert {w.split("@")[0] for w in outer_workers(beside)} == {"local3"}
+        shard_workers = {a["worker"].split("@")[0] for a in beside["attempts"]
+                         if getattr(layout.parse_label(a["task"]), "kind", None) == "shard"}
+        assert shard_workers <= {"local1", "local2"}
+
+        # the outer agent dies without a word: its advertisement is still fresh, so the next
+        # run's first outer step is queued for it, and must reach the trainers all the same
+        stop_process_group(pool.agents[2], grace=0, term=False)
+        assert routing.queue_for_outer(r, "celery") == routing.outer_queue("celery")
+        second = RunSpec.create(**fields)
+        client.submit(second, pool.broker_url)
+        without = client.wait(pool.broker_url, second.run_id, timeout_s=300)
+    assert without["state"] == "succeeded", without.get("error")
+    assert {w.split("@")[0] for w in outer_workers(without)} <= {"local1", "local2"}
+    assert without["model_sha256"] == beside["model_sha256"]
+
+
+def test_roles_decide_the_queues_an_agent_consumes():
+    assert routing.consumed("train", ["celery", "tt.fits.64MB"]) == ["celery", "tt.fits.64MB"]
+    assert routing.consumed("outer", ["celery"]) == ["tt.outer.celery"]
+    assert routing.consumed("both", ["celery"]) == ["celery", "tt.outer.celery"]
+
+
+def test_an_unknown_role_is_one_clear_line(tmp_path):
+    from conftest import clean_env, tt
+
+    out = tt("agent", "--broker", "redis://127.0.0.1:1/0", "--store", str(tmp_path),
+             env=clean_env(TENSORTURN_ROLE="trainer"))
+    assert out.returncode != 0
+    assert out.stderr.strip().splitlines() == [
+        "error: unknown agent role 'trainer': choose one of train, outer, both"]
