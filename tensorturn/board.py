@@ -102,6 +102,14 @@ class RunBoard:
     def is_finished(self, run_id: str) -> bool:
         return self.state(run_id) in FINISHED
 
+    def state_and_quarantine(self, run_id: str, worker: str) -> tuple[str | None, bool]:
+        """The run's state and whether ``worker`` is out of rotation, in one round trip."""
+        pipe = self.r.pipeline(transaction=False)
+        pipe.hget(layout.run_key(run_id), "state")
+        pipe.hget(layout.worker_key(worker), "quarantined")
+        state, quarantined = pipe.execute()
+        return state, bool(quarantined)
+
     def mark_running(self, run_id: str) -> None:
         """queued → running only; never overwrites a finished state."""
         self.r.eval(_QUEUED_TO_RUNNING, 1, layout.run_key(run_id), time.time())
@@ -199,8 +207,8 @@ class RunBoard:
         return int(self.r.hlen(layout.run_key(run_id, "members_done")))
 
     # -- bytes moved, counted once per task --
-    def add_bytes(self, run_id: str, task: str, up: int, down: int) -> None:
-        self.r.hsetnx(layout.run_key(run_id, "bytes"), task, f"{up},{down}")
+    def add_bytes(self, run_id: str, task: str, up: int, down: int, pipe: Any = None) -> None:
+        (pipe or self.r).hsetnx(layout.run_key(run_id, "bytes"), task, f"{up},{down}")
 
     def add_store_bytes(self, run_id: str, up: int, down: int) -> None:
         """Add what one attempt (or a run's start) stored and fetched, every object included."""
@@ -230,21 +238,28 @@ class RunBoard:
         keeps killing its worker is redelivered without end) the attempt is recorded as refused,
         with an incident, and None is returned.
         """
-        n = int(self.r.hincrby(layout.run_key(run_id, "attempt_n"), task, 1))
-        base = int(self.r.hget(layout.run_key(run_id, "attempt_base"), task) or 0)
+        # three round trips whatever the history: on a home link each one costs the RTT
+        pipe = self.r.pipeline(transaction=False)
+        pipe.hincrby(layout.run_key(run_id, "attempt_n"), task, 1)
+        pipe.hget(layout.run_key(run_id, "attempt_base"), task)
+        n, base = (int(v or 0) for v in pipe.execute())
         key = f"{task}#{n}"
-        for i in range(base + 1, n):  # an earlier attempt still "running" was lost with its machine
-            raw = self.r.hget(layout.run_key(run_id, "attempts"), f"{task}#{i}")
+        earlier = [f"{task}#{i}" for i in range(base + 1, n)]
+        for i, raw in zip(range(base + 1, n), self.r.hmget(layout.run_key(run_id, "attempts"), earlier)
+                          if earlier else []):
+            # an earlier attempt still "running" was lost with its machine
             if raw and json.loads(raw)["outcome"] == "running":
                 self.finish_attempt(run_id, f"{task}#{i}", "lost: requeued to another attempt")
                 self.incident(run_id, "requeued", task, json.loads(raw)["worker"],
                               f"attempt {i} was lost (its worker stopped answering); attempt {n} "
                               f"started on {worker}")
-        self.r.hset(layout.run_key(run_id, "attempts"), key, json.dumps({
+        pipe = self.r.pipeline(transaction=False)
+        pipe.hset(layout.run_key(run_id, "attempts"), key, json.dumps({
             "task": task, "attempt": n, "worker": worker, "started_at": time.time(),
             "finished_at": None, "outcome": "running"}))
-        self.mark_running(run_id)
-        self.touch(run_id)
+        pipe.eval(_QUEUED_TO_RUNNING, 1, layout.run_key(run_id), time.time())  # mark_running
+        pipe.hset(layout.run_key(run_id), "progress_at", time.time())  # touch
+        pipe.execute()
         if n - base <= max_attempts:
             return key, n - base
         self.finish_attempt(run_id, key, "refused: attempt limit reached")
@@ -252,14 +267,20 @@ class RunBoard:
                       f"attempt {n - base} refused: the task already had {max_attempts}")
         return None
 
-    def finish_attempt(self, run_id: str, key: str, outcome: str) -> None:
+    def finish_attempt(self, run_id: str, key: str, outcome: str,
+                       also: Callable[[Any], None] | None = None) -> None:
+        """Record the attempt's outcome; ``also(pipeline)`` adds writes that go with it, in the
+        same round trip."""
         raw = self.r.hget(layout.run_key(run_id, "attempts"), key)
-        if raw is None:
-            return
-        entry = json.loads(raw)
-        entry.update(finished_at=time.time(), outcome=mask_text(outcome))
-        self.r.hset(layout.run_key(run_id, "attempts"), key, json.dumps(entry))
-        self.touch(run_id)
+        pipe = self.r.pipeline(transaction=False)
+        if raw is not None:
+            entry = json.loads(raw)
+            entry.update(finished_at=time.time(), outcome=mask_text(outcome))
+            pipe.hset(layout.run_key(run_id, "attempts"), key, json.dumps(entry))
+            pipe.hset(layout.run_key(run_id), "progress_at", time.time())  # touch
+        if also is not None:
+            also(pipe)
+        pipe.execute()
 
     def attempts(self, run_id: str) -> list[dict[str, Any]]:
         entries = [json.loads(v) for v in self.r.hgetall(layout.run_key(run_id, "attempts")).values()]

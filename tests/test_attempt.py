@@ -392,11 +392,11 @@ def test_a_follow_up_that_fails_to_queue_is_queued_by_the_retry(world, monkeypat
     real_dispatch = fused.dispatch_round
     calls = []
 
-    def flaky_dispatch(spec_, r):
+    def flaky_dispatch(spec_, r, board):
         calls.append(r)
         if len(calls) == 1:
             raise ConnectionError("broker went away for a moment")
-        real_dispatch(spec_, r)
+        real_dispatch(spec_, r, board)
 
     monkeypatch.setattr(fused, "dispatch_round", flaky_dispatch)
     shard(spec, 0, 0)
@@ -414,7 +414,7 @@ def test_an_agent_is_listed_again_at_its_next_heartbeat_after_redis_lost_its_dat
     from tensorturn.telemetry import Heartbeat
 
     beat = Heartbeat.__new__(Heartbeat)          # the bootstep's beat, without a worker around it
-    beat.client, beat.node, beat.tref = redis_client(world.broker), "w1@host", None
+    beat.client, beat.node, beat.tref, beat.outer = redis_client(world.broker), "w1@host", None, []
     beat.beat(first=True)
     assert [w["name"] for w in list_workers(beat.client)] == ["w1@host"]
     beat.client.flushall()

@@ -45,7 +45,7 @@ from ..config import mask_text, mask_url
 from ..errors import RecipeError, StoreError, TensorTurnError
 from ..layout import Label, worker_key
 from ..manifest import load_spec, try_write_manifest
-from ..spec import RunSpec
+from ..spec import FINISHED, RunSpec
 from ..store import ObjectMissing, Store, open_store
 from ..store import moved as store_moved
 
@@ -180,8 +180,11 @@ def execute(task: Task, run_id: str, label: Label, unit_class: type[Unit], sig: 
     if not authentic(task, run_id, str(label), sig):
         return receipt
     board = board_for(task.app.conf.broker_url)
-    if board.is_finished(run_id):
+    state, quarantined = board.state_and_quarantine(run_id, task.request.hostname or "?")
+    if state in FINISHED:
         return receipt
+    if quarantined:  # a task it held when taken out of rotation
+        raise task.retry(countdown=1, max_retries=None)   # back to the queue, for another machine
     before = store_moved()
     try:
         return _execute(task, board, run_id, label, unit_class, resolve, receipt)
@@ -197,8 +200,6 @@ def _execute(task: Task, board: RunBoard, run_id: str, label: Label, unit_class:
              resolve: Callable[[RunBoard, RunSpec, str], Label] | None,
              receipt: dict[str, Any]) -> dict[str, Any]:
     worker = task.request.hostname or "?"
-    if board.r.hget(worker_key(worker), "quarantined"):  # a task it held when taken out of rotation
-        raise task.retry(countdown=1, max_retries=None)   # back to the queue, for another machine
     store: Store | None = None
     unit: Unit | None = None
     key, number, max_attempts = "", 0, DEFAULT_MAX_ATTEMPTS
@@ -227,13 +228,16 @@ def _execute(task: Task, board: RunBoard, run_id: str, label: Label, unit_class:
         key, number = begun
         attempt.key, attempt.number = key, number
         outcome = unit.run()
-        if outcome == SUCCEEDED:
-            board.add_bytes(run_id, str(label), attempt.bytes_up, attempt.bytes_down)
-        elif outcome == LATE:
+        if outcome == LATE:
             board.incident(run_id, "late_ignored", str(label), worker,
                            "a late attempt finished after another stored the output; discarded")
-        board.finish_attempt(run_id, key, outcome)
-        _worker_succeeded(board, worker)
+
+        def also(pipe: Any) -> None:  # in the attempt's last round trip
+            if outcome == SUCCEEDED:
+                board.add_bytes(run_id, str(label), attempt.bytes_up, attempt.bytes_down, pipe)
+            _worker_succeeded(board, worker, pipe)
+
+        board.finish_attempt(run_id, key, outcome, also)
         unit.then()
         return receipt
     except Retry:
@@ -276,8 +280,8 @@ def _machine_fault(exc: BaseException) -> str | None:
     return None
 
 
-def _worker_succeeded(board: RunBoard, worker: str) -> None:
-    board.r.hdel(worker_key(worker), "store_failures", "store_failing_since")
+def _worker_succeeded(board: RunBoard, worker: str, pipe: Any = None) -> None:
+    (pipe or board.r).hdel(worker_key(worker), "store_failures", "store_failing_since")
 
 
 def _worker_store_failed(task: Task, board: RunBoard, run_id: str, label: str, worker: str,
