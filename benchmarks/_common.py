@@ -129,6 +129,7 @@ def figure(width: float = 7.0, height: float = 4.0):
 def write_outputs(name: str, summary: dict[str, Any], fig, out_dir: Path | None = None) -> None:
     """``<name>.json`` and ``<name>.png`` beside the scripts (or in ``out_dir``)."""
     out_dir = Path(out_dir or HERE)
+    out_dir.mkdir(parents=True, exist_ok=True)
     summary.setdefault("finished_at", time.strftime("%Y-%m-%d %H:%M:%S"))
     (out_dir / f"{name}.json").write_text(json.dumps(summary, indent=2) + "\n")
     fig.savefig(out_dir / f"{name}.png", format="png", metadata={"Software": None})

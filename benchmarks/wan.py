@@ -1,19 +1,25 @@
-"""Home links: TensorTurn fused (fp32, int8; rounds and async) against a per-step all-reduce
-(PyTorch DDP over gloo) on the same emulated links, the same data and the same samples.
+"""Home links: TensorTurn fused (fp32, int8; rounds and async; outer steps beside the store or on
+the trainers) against a per-step all-reduce (PyTorch DDP over gloo) on the same emulated links,
+the same data and the same samples.
 
 Needs root (network namespaces; see ``tensorturn/netlab.py``). Three agents, each in its own
 namespace behind a veth link shaped by ``tc tbf`` (default 20 Mbit/s up, 100 down) with ~40 ms
-RTT from a delay proxy in front of Redis and the S3 endpoint (moto's server). Compute is emulated:
-every training step takes ``--sim-step`` seconds (``TENSORTURN_SIM_STEP_S`` for the agents, a
-sleep per step for the DDP ranks), so the 2 cores here do not decide the figures and *compute
-utilisation* = emulated compute ÷ (agents × wall) is exact. The DDP ranks run in the same
-namespaces, routed through the coordinator's (a relay: a peer's bytes cross two links).
+RTT from a delay proxy in front of Redis and the S3 endpoint (moto's server), and one agent with
+``--role outer`` on the coordinator itself, beside the store. Compute is emulated: every training
+step takes ``--sim-step`` seconds (``TENSORTURN_SIM_STEP_S`` for the agents; for the DDP ranks a
+sleep of what their own compute leaves), so the 2 cores here do not decide the figures and
+*compute utilisation* = emulated compute ÷ (3 × wall) is exact, as long as the emulated step is
+longer than a real one with 3 agents on 2 cores (checked first). Wall: from the first task's
+start to the last one's end (fused), from the first step to the last (DDP; evaluations off the
+clock). The DDP ranks run in the same namespaces, routed through the coordinator's (a relay: a
+peer's bytes cross two links).
 Bytes on the wire are read from the links' interface counters (Redis and HTTP included), set
 beside TensorTurn's own accounting: ``store_bytes_up`` + ``store_bytes_down`` (every object body
 its tasks moved through the store) and, apart, ``bytes_up`` + ``bytes_down`` (shard tasks'
 pseudo-gradients and weights only).
 
-    python benchmarks/wan.py [--rates 20/100,1000/1000] [--rtt-ms 40] [--rounds 2] [--sync-every 40]
+    python benchmarks/wan.py [--rates 20/100,1000/1000] [--rtt-ms 40] [--rounds 2] [--sync-every 100]
+                             [--long-sync-every 500] [--sim-step 0.3] [--batch 16]
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from tensorturn.local import free_port, stop_process_group
 
 HERE = Path(__file__).resolve().parent
 AGENTS = 3
+TRAINERS = {f"local{i + 1}" for i in range(AGENTS)}  # the LinkPool's agents behind links
 
 
 def wire(pool) -> tuple[int, int]:
@@ -59,23 +66,35 @@ def settled(pool, run_id: str) -> dict[str, Any]:
         time.sleep(0.5)
 
 
-def fused(pool, store: str, args, codec: str, sync: str) -> dict[str, Any]:
-    before = wire(pool)
-    doc = run_job(pool, store, timeout_s=1800, recipe="charlm", mode="fused", rounds=args.rounds,
-                  shards=AGENTS, sync_every=args.sync_every, codec=codec, sync=sync,
+def fused(pool, store: str, args, codec: str, sync: str, outer: str, h: int | None = None) -> dict[str, Any]:
+    h = h or args.sync_every
+    before, before_store, before_redis = wire(pool), pool.carried("store"), pool.carried("redis")
+    doc = run_job(pool, store, timeout_s=3600, recipe="charlm", mode="fused", rounds=args.rounds,
+                  shards=AGENTS, sync_every=h, codec=codec, sync=sync, batch_size=args.batch,
                   threads_per_task=1, eval_batches=8, seed=args.seed)
     doc = settled(pool, doc["run_id"])
-    after = wire(pool)
+    after, after_store, after_redis = wire(pool), pool.carried("store"), pool.carried("redis")
+    store_carried = sum(after_store) - sum(before_store)
+    broker = sum(after_redis) - sum(before_redis)
     ats = [a for a in doc["attempts"] if a["finished_at"]]
-    span = max(a["finished_at"] for a in ats) - min(a["started_at"] for a in ats)
-    steps = args.rounds * AGENTS * args.sync_every
+    start = min(a["started_at"] for a in ats)
+    span = max(a["finished_at"] for a in ats) - start
+    steps = args.rounds * AGENTS * h
     up, down = after[0] - before[0], after[1] - before[1]
-    return {"system": f"TensorTurn fused {codec}, {sync}", "wall_s": span,
+    return {"system": f"TensorTurn fused {codec}, {sync}, outer steps {outer}", "H": h, "wall_s": span,
             "utilisation": steps * args.sim_step / (AGENTS * span),
             "val_loss": doc["rounds"][-1]["val_loss"], "wire_up": up, "wire_down": down,
+            "to_own_loss_s": doc["rounds"][-1]["at"] - start,
             "model_bytes": doc["bytes_up"] + doc["bytes_down"],
-            "accounted": doc["store_bytes_up"] + doc["store_bytes_down"],
-            "wire_vs_accounted": (up + down) / max(doc["store_bytes_up"] + doc["store_bytes_down"], 1)}
+            # what the three trainers' tasks moved through the store: their links carry it (the
+            # outer agent's traffic stays on the coordinator)
+            "accounted": (accounted := sum(v["up"] + v["down"] for w, v in doc["store_bytes_by_worker"].items()
+                                           if w.split("@")[0] in TRAINERS)),
+            "wire_vs_accounted": (up + down) / max(accounted, 1),
+            # what the links' proxies carried: S3 (bodies and HTTP headers) and Redis
+            "store_carried": store_carried, "broker_carried": broker,
+            "store_vs_accounted": store_carried / max(accounted, 1),
+            "wire_vs_carried": (up + down) / max(store_carried + broker, 1)}
 
 
 def ddp(pool, args) -> dict[str, Any]:
@@ -93,7 +112,8 @@ def ddp(pool, args) -> dict[str, Any]:
                 ["ip", "netns", "exec", link.ns, sys.executable, str(HERE / "_ddp_worker.py"),
                  "--rank", str(rank), "--world", str(AGENTS), "--master", master,
                  "--steps", str(steps), "--sim-step", str(args.sim_step), "--seed", str(args.seed),
-                 "--recipe", "charlm", "--out", f"{tmp}/rank{rank}.json"], env=env,
+                 "--recipe", "charlm", "--out", f"{tmp}/rank{rank}.json", "--batch", str(args.batch),
+                 "--eval-every", str(max(1, args.sync_every // 10))], env=env,
                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
         for p in procs:
             _, err = p.communicate(timeout=3600)
@@ -102,10 +122,12 @@ def ddp(pool, args) -> dict[str, Any]:
         outs = [json.loads(Path(f"{tmp}/rank{r}.json").read_text()) for r in range(AGENTS)]
     after = wire(pool)
     wall = max(o["wall_s"] for o in outs)
-    return {"system": "DDP (gloo), per-step all-reduce", "wall_s": wall,
+    return {"system": "DDP (gloo), per-step all-reduce", "H": 1, "wall_s": wall,
             "utilisation": steps * args.sim_step / wall, "val_loss": outs[0]["val"]["loss"],
+            "curve": outs[0]["curve"],
             "wire_up": after[0] - before[0], "wire_down": after[1] - before[1],
-            "model_bytes": None, "accounted": None, "wire_vs_accounted": None}
+            "model_bytes": None, "accounted": None, "wire_vs_accounted": None,
+            "store_carried": None, "broker_carried": None, "store_vs_accounted": None, "wire_vs_carried": None}
 
 
 def measure(rate: str, store: str, store_env: dict[str, str], args) -> list[dict[str, Any]]:
@@ -115,18 +137,62 @@ def measure(rate: str, store: str, store_env: dict[str, str], args) -> list[dict
     try:
         with tempfile.TemporaryDirectory(prefix="tt-wan-") as tmp, \
                 netlab.LinkPool(AGENTS, store, store_env, rtt_ms=args.rtt_ms, up_mbit=up,
-                                down_mbit=down, workdir=Path(tmp)) as pool:
+                                down_mbit=down, workdir=Path(tmp), outer_agent=True) as pool:
             rows = []
+
+            def add(row: dict[str, Any]) -> None:
+                rows.append(row)
+                print({k: v for k, v in row.items() if k != "curve"}, flush=True)
+
+            beside = "beside the store"
             for codec, sync in (("fp32", "rounds"), ("int8", "rounds"), ("int8", "async")):
-                rows.append(fused(pool, store, args, codec, sync))
-                print(rows[-1], flush=True)
-            rows.append(ddp(pool, args))
-            print(rows[-1], flush=True)
+                add(fused(pool, store, args, codec, sync, beside if sync == "rounds" else "on the trainers"))
+            if args.long_sync_every and rate == args.rates.split(",")[0]:
+                add(fused(pool, store, args, "int8", "rounds", beside, h=args.long_sync_every))
+            outer = pool.agents[-1]  # a clean stop: the trainers take the outer steps at once
+            outer.terminate()
+            outer.wait(timeout=120)
+            add(fused(pool, store, args, "int8", "rounds", "on the trainers"))
+            add(ddp(pool, args))
+            mark = next(r for r in rows if r["system"].startswith("TensorTurn fused int8, rounds, outer steps beside")
+                        and r["H"] == args.sync_every)
+            target = mark["val_loss"]
+            mark["to_fused_loss_s"] = mark["to_own_loss_s"]  # its own final loss, by definition
+            reached = [p for p in rows[-1]["curve"] if p["val_loss"] <= target]
+            rows[-1]["to_fused_loss_s"] = reached[0]["wall_s"] if reached else None
+            rows[-1]["fused_loss"] = target
+            print(f"DDP reached fused int8's val loss {target:.4f} after "
+                  f"{rows[-1]['to_fused_loss_s'] if reached else 'never'} s", flush=True)
     finally:
         os.environ.pop("TENSORTURN_SIM_STEP_S", None)
     for row in rows:
         row.update(rate=rate)
     return rows
+
+
+def real_step_s(batch_size: int) -> float:
+    """Seconds one charlm training step takes here on one thread (the median of 10, after one
+    that pays for first-time imports)."""
+    import torch
+
+    from tensorturn.diloco import initial_state
+    from tensorturn.recipes import resolve
+    from tensorturn.training import load_model
+
+    torch.set_num_threads(1)
+    recipe = resolve("charlm", {})
+    model = load_model(recipe, initial_state(recipe, 0), recipe.default_config(), torch.device("cpu"))
+    opt = torch.optim.AdamW(model.parameters(), lr=recipe.lr)
+    x, y, rows = recipe.shard_data(0, AGENTS, 0)
+    times = []
+    for _ in range(11):
+        t = time.perf_counter()
+        batch = rows[torch.randint(len(rows), (batch_size,))]
+        opt.zero_grad()
+        recipe.loss(model, x[batch], y[batch]).backward()
+        opt.step()
+        times.append(time.perf_counter() - t)
+    return sorted(times[1:])[5]
 
 
 def draw(summary: dict) -> Any:
@@ -141,19 +207,36 @@ def draw(summary: dict) -> Any:
     return fig
 
 
+def to_loss(row: dict[str, Any]) -> str:
+    """Seconds to the fused int8 run's final validation loss (at H): its own wall for that run,
+    the first evaluation at or below it for DDP."""
+    if "to_fused_loss_s" not in row:
+        return "—"
+    return f"{row['to_fused_loss_s']:.1f}" if row["to_fused_loss_s"] is not None else "not reached"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rates", default="20/100,1000/1000", help="up/down Mbit/s per link, comma-separated")
     parser.add_argument("--rtt-ms", type=float, default=40)
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--sync-every", type=int, default=40, help="H (DDP takes rounds × H steps per rank)")
-    parser.add_argument("--sim-step", type=float, default=0.1, help="emulated compute per step, seconds")
+    parser.add_argument("--sync-every", type=int, default=100, help="H (DDP takes rounds × H steps per rank)")
+    parser.add_argument("--long-sync-every", type=int, default=500,
+                        help="one more fused int8 row at this H (DiLoCo's), first rate only; 0: none")
+    parser.add_argument("--sim-step", type=float, default=0.3, help="emulated compute per step, seconds")
+    parser.add_argument("--batch", type=int, default=16, help="rows per step (fused and DDP)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out-dir", default=None)
     args = parser.parse_args()
     why = netlab.unavailable()
     if why:
         sys.exit(f"wan.py: {why}")
+    real = real_step_s(args.batch) * max(1.0, AGENTS / (os.cpu_count() or 1))
+    print(f"a real charlm step here: {real:.3f} s with {AGENTS} agents sharing the cores", flush=True)
+    if real * 1.2 > args.sim_step:
+        sys.exit(f"wan.py: the emulated step ({args.sim_step} s) is not longer than a real one here "
+                 f"({real:.3f} s, +20 %): the figures would measure this machine's cores; pass "
+                 f"--sim-step {real * 1.5:.2f} or a smaller --batch")
     moto, store_env = netlab.start_moto()
     os.environ.update(store_env)
     try:
@@ -165,15 +248,19 @@ def main() -> None:
             results += measure(rate, "s3://tt-wan/runs", store_env, args)
     finally:
         stop_process_group(moto, grace=5)
-    print(f"\ncharlm ({args.rounds} rounds × {AGENTS} shards × H={args.sync_every}; DDP "
-          f"{args.rounds * args.sync_every} steps per rank: the same samples), emulated compute "
-          f"{args.sim_step} s/step, RTT {args.rtt_ms:g} ms\n")
-    print(table(["links Mbit/s", "system", "wall s", "compute utilisation", "val loss",
-                 "wire up MB", "wire down MB", "accounted MB", "wire ÷ accounted"],
-                [[r["rate"], r["system"], f"{r['wall_s']:.1f}", f"{r['utilisation']:.3f}",
-                  f"{r['val_loss']:.4f}", f"{r['wire_up'] / 1e6:.1f}", f"{r['wire_down'] / 1e6:.1f}",
-                  f"{r['accounted'] / 1e6:.1f}" if r["accounted"] else "—",
-                  f"{r['wire_vs_accounted']:.3f}" if r["wire_vs_accounted"] else "—"] for r in results]))
+    print(f"\ncharlm ({args.rounds} rounds × {AGENTS} shards × H; DDP {args.rounds} × H steps per "
+          f"rank: the same samples), batch {args.batch}, emulated compute {args.sim_step} s/step, "
+          f"RTT {args.rtt_ms:g} ms\n")
+    print(table(["links Mbit/s", "system", "H", "wall s", "compute utilisation", "val loss",
+                 "time to fused int8's loss s", "wire up MB", "wire down MB", "store accounted MB",
+                 "S3 carried ÷ accounted", "Redis carried MB", "wire ÷ carried"],
+                [[r["rate"], r["system"], r["H"], f"{r['wall_s']:.1f}", f"{r['utilisation']:.3f}",
+                  f"{r['val_loss']:.4f}", to_loss(r), f"{r['wire_up'] / 1e6:.1f}",
+                  f"{r['wire_down'] / 1e6:.1f}",
+                  f"{r['accounted'] / 1e6:.2f}" if r["accounted"] else "—",
+                  f"{r['store_vs_accounted']:.3f}" if r["store_vs_accounted"] else "—",
+                  f"{r['broker_carried'] / 1e6:.2f}" if r["broker_carried"] is not None else "—",
+                  f"{r['wire_vs_carried']:.3f}" if r["wire_vs_carried"] else "—"] for r in results]))
     summary = {"machine": machine(), "args": vars(args), "results": results}
     write_outputs("wan", summary, draw(summary), Path(args.out_dir) if args.out_dir else None)
 

@@ -210,17 +210,30 @@ class RunBoard:
     def add_bytes(self, run_id: str, task: str, up: int, down: int, pipe: Any = None) -> None:
         (pipe or self.r).hsetnx(layout.run_key(run_id, "bytes"), task, f"{up},{down}")
 
-    def add_store_bytes(self, run_id: str, up: int, down: int) -> None:
-        """Add what one attempt (or a run's start) stored and fetched, every object included."""
+    def add_store_bytes(self, run_id: str, up: int, down: int, worker: str, pipe: Any = None) -> None:
+        """Add what one attempt (or a run's start) on ``worker`` stored and fetched, every object
+        included (in ``pipe``, when given): for the run, and for that machine."""
         if up or down:
-            pipe = self.r.pipeline()
-            pipe.hincrby(layout.run_key(run_id, "store_bytes"), "up", up)
-            pipe.hincrby(layout.run_key(run_id, "store_bytes"), "down", down)
-            pipe.execute()
+            own = pipe is None
+            pipe = self.r.pipeline() if own else pipe
+            key = layout.run_key(run_id, "store_bytes")
+            for field, value in (("up", up), ("down", down), (f"up@{worker}", up), (f"down@{worker}", down)):
+                pipe.hincrby(key, field, value)
+            if own:
+                pipe.execute()
 
     def store_bytes(self, run_id: str) -> tuple[int, int]:
         h = self.r.hgetall(layout.run_key(run_id, "store_bytes"))
         return int(h.get("up", 0)), int(h.get("down", 0))
+
+    def store_bytes_by_worker(self, run_id: str) -> dict[str, dict[str, int]]:
+        """What each machine's tasks moved through the store for the run: {worker: {up, down}}."""
+        out: dict[str, dict[str, int]] = {}
+        for field, value in self.r.hgetall(layout.run_key(run_id, "store_bytes")).items():
+            way, at, worker = field.partition("@")
+            if at:
+                out.setdefault(worker, {"up": 0, "down": 0})[way] = int(value)
+        return out
 
     def bytes_moved(self, run_id: str) -> tuple[int, int]:
         up = down = 0
@@ -393,6 +406,7 @@ class RunBoard:
             # and dataset reads, retries, its start): what its agents moved through the store
             "store_bytes_up": self.store_bytes(run_id)[0],
             "store_bytes_down": self.store_bytes(run_id)[1],
+            "store_bytes_by_worker": self.store_bytes_by_worker(run_id),
             "created_at": float(h["created_at"]),
             "started_at": float(h["started_at"]) if "started_at" in h else None,
             "finished_at": float(h["finished_at"]) if "finished_at" in h else None,

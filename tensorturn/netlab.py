@@ -135,11 +135,13 @@ class Link:
 
 class DelayProxy:
     """TCP forwarders that hold every chunk ``delay_s`` in each direction (latency without
-    ``netem``), on an event loop in a thread of their own."""
+    ``netem``), on an event loop in a thread of their own. ``moved[listen]`` counts the payload
+    bytes each forwarder carried: [towards its target, back]."""
 
     def __init__(self) -> None:
         self.loop = asyncio.new_event_loop()
         self.servers: list[Any] = []
+        self.moved: dict[tuple[str, int], list[int]] = {}
         self.thread = threading.Thread(target=self.loop.run_forever, name="delay-proxy", daemon=True)
         self.thread.start()
 
@@ -147,19 +149,21 @@ class DelayProxy:
         asyncio.run_coroutine_threadsafe(self._serve(listen, target, delay_s), self.loop).result(10)
 
     async def _serve(self, listen: tuple[str, int], target: tuple[str, int], delay_s: float) -> None:
+        counts = self.moved.setdefault(listen, [0, 0])
+
         async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             try:
                 up_reader, up_writer = await asyncio.open_connection(*target)
             except OSError:
                 writer.close()
                 return
-            await asyncio.gather(self._pump(reader, up_writer, delay_s),
-                                 self._pump(up_reader, writer, delay_s))
+            await asyncio.gather(self._pump(reader, up_writer, delay_s, counts, 0),
+                                 self._pump(up_reader, writer, delay_s, counts, 1))
 
         self.servers.append(await asyncio.start_server(handle, *listen))
 
     async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                    delay_s: float) -> None:
+                    delay_s: float, counts: list[int], way: int) -> None:
         queue: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue()
 
         async def read() -> None:
@@ -184,6 +188,7 @@ class DelayProxy:
                             writer.write_eof()
                         return
                     writer.write(data)
+                    counts[way] += len(data)
                     await writer.drain()
             except OSError:
                 writer.close()
@@ -266,6 +271,14 @@ class LinkPool(LocalPool):
         self.proxy.forward((link.host_ip, self.redis.port), ("127.0.0.1", self.redis.port), delay)
         self.proxy.forward((link.host_ip, self.s3_target[1]), self.s3_target, delay)
         return link
+
+    def carried(self, what: str) -> tuple[int, int]:
+        """Payload bytes the links' proxies carried to ``what`` (``redis`` or ``store``) and
+        back, summed over the links."""
+        assert self.proxy is not None
+        port = self.redis.port if what == "redis" else self.s3_target[1]
+        counts = [self.proxy.moved.get((link.host_ip, port), [0, 0]) for link in self.links]
+        return sum(c[0] for c in counts), sum(c[1] for c in counts)
 
     def agent_settings(self, i: int) -> Settings:
         if i >= self.trainers:  # the coordinator's own agent: no link

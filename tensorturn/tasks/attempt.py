@@ -185,20 +185,33 @@ def execute(task: Task, run_id: str, label: Label, unit_class: type[Unit], sig: 
         return receipt
     if quarantined:  # a task it held when taken out of rotation
         raise task.retry(countdown=1, max_retries=None)   # back to the queue, for another machine
-    before = store_moved()
+    tally = Tally()
     try:
-        return _execute(task, board, run_id, label, unit_class, resolve, receipt)
+        return _execute(task, board, run_id, label, unit_class, resolve, receipt, tally)
     finally:  # every byte the attempt moved through the store, whatever became of it
-        after = store_moved()
         try:
-            board.add_store_bytes(run_id, after[0] - before[0], after[1] - before[1])
+            board.add_store_bytes(run_id, *tally.take(), task.request.hostname or "?")
         except Exception as exc:  # noqa: BLE001 - a figure; the broker may be down
             log.debug("store bytes not recorded: %s", exc)
 
 
+class Tally:
+    """The bytes this process moved through the store since the last :meth:`take`: an attempt's
+    are added to the run's figures with its outcome (so an attempt seen finished is counted),
+    and what it moves after that, once it ends."""
+
+    def __init__(self) -> None:
+        self.mark = store_moved()
+
+    def take(self) -> tuple[int, int]:
+        now = store_moved()
+        moved, self.mark = (now[0] - self.mark[0], now[1] - self.mark[1]), now
+        return moved
+
+
 def _execute(task: Task, board: RunBoard, run_id: str, label: Label, unit_class: type[Unit],
              resolve: Callable[[RunBoard, RunSpec, str], Label] | None,
-             receipt: dict[str, Any]) -> dict[str, Any]:
+             receipt: dict[str, Any], tally: Tally) -> dict[str, Any]:
     worker = task.request.hostname or "?"
     store: Store | None = None
     unit: Unit | None = None
@@ -236,6 +249,7 @@ def _execute(task: Task, board: RunBoard, run_id: str, label: Label, unit_class:
             if outcome == SUCCEEDED:
                 board.add_bytes(run_id, str(label), attempt.bytes_up, attempt.bytes_down, pipe)
             _worker_succeeded(board, worker, pipe)
+            board.add_store_bytes(run_id, *tally.take(), worker, pipe)
 
         board.finish_attempt(run_id, key, outcome, also)
         unit.then()

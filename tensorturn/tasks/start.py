@@ -65,7 +65,7 @@ def start_run(self: Task, spec_json: Any, sig: str | None = None) -> None:
                  "exit_code": 2}
     if "error" not in reply:  # what starting moved (θ_0, the spec, the manifest), for the run
         after = store_moved()
-        board.add_store_bytes(spec.run_id, after[0] - before[0], after[1] - before[1])
+        board.add_store_bytes(spec.run_id, after[0] - before[0], after[1] - before[1], worker)
     _answer(board, spec.run_id, reply)
 
 
