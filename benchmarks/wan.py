@@ -199,7 +199,7 @@ def draw(summary: dict) -> Any:
     rows = summary["results"]
     fig = figure(8, 4)
     ax = fig.subplots()
-    labels = [f"{r['system']}\n{r['rate']} Mbit/s" for r in rows]
+    labels = [f"{r['system']}\n{r['rate']} Mbit/s, H = {r['H']}" for r in rows]
     ax.barh(range(len(rows)), [r["utilisation"] for r in rows], color="C0")
     ax.set_yticks(range(len(rows)), labels, fontsize=7)
     ax.set_xlabel("compute utilisation (emulated compute ÷ agents × wall)")

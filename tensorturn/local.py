@@ -135,7 +135,7 @@ def stop_process_group(proc: subprocess.Popen, grace: float = 10.0, term: bool =
 
 class LocalPool:
     """Private redis-server + ``workers`` agent processes (named local1, local2, ...), each with
-    its role (``roles[i]``; default: every agent trains)."""
+    its role (``roles[i]``; agents without one, or added later, train)."""
 
     def __init__(self, workers: int, store_url: str, workdir: Path | None = None,
                  loglevel: str = "WARNING", appendonly: bool = False,
@@ -176,7 +176,8 @@ class LocalPool:
         """The settings agent ``local<i+1>`` starts with (a pool whose agents reach Redis by
         other routes — :mod:`tensorturn.netlab` — changes the URLs here)."""
         return config.current().with_(broker_url=self.broker_url, store_url=self.store_url,
-                                      loglevel=self.loglevel, role=self.roles[i],
+                                      loglevel=self.loglevel,
+                                      role=self.roles[i] if i < len(self.roles) else "train",
                                       pool_key=trust.pool_key_or_create().text())
 
     def agent_argv(self, i: int) -> list[str]:

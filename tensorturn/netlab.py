@@ -88,14 +88,19 @@ class Link:
         return f"10.77.{self.index}.2"
 
     def create(self) -> "Link":
-        sh("ip", "netns", "add", self.ns)
-        sh("ip", "link", "add", self.host_if, "type", "veth", "peer", "name", self.agent_if)
-        sh("ip", "link", "set", self.agent_if, "netns", self.ns)
-        sh("ip", "addr", "add", f"{self.host_ip}/24", "dev", self.host_if)
-        sh("ip", "link", "set", self.host_if, "up")
-        sh("ip", "addr", "add", f"{self.agent_ip}/24", "dev", self.agent_if, ns=self.ns)
-        sh("ip", "link", "set", self.agent_if, "up", ns=self.ns)
-        sh("ip", "link", "set", "lo", "up", ns=self.ns)
+        """Make the namespace and the veth pair; a step that fails removes what the others made."""
+        try:
+            sh("ip", "netns", "add", self.ns)
+            sh("ip", "link", "add", self.host_if, "type", "veth", "peer", "name", self.agent_if)
+            sh("ip", "link", "set", self.agent_if, "netns", self.ns)
+            sh("ip", "addr", "add", f"{self.host_ip}/24", "dev", self.host_if)
+            sh("ip", "link", "set", self.host_if, "up")
+            sh("ip", "addr", "add", f"{self.agent_ip}/24", "dev", self.agent_if, ns=self.ns)
+            sh("ip", "link", "set", self.agent_if, "up", ns=self.ns)
+            sh("ip", "link", "set", "lo", "up", ns=self.ns)
+        except BaseException:
+            self.destroy()
+            raise
         return self
 
     def shape(self, up_mbit: float | None = None, down_mbit: float | None = None) -> None:

@@ -33,6 +33,20 @@ def test_outer_steps_run_beside_the_store_and_move_to_the_trainers_when_it_is_go
         shard_workers = {a["worker"].split("@")[0] for a in beside["attempts"]
                          if getattr(layout.parse_label(a["task"]), "kind", None) == "shard"}
         assert shard_workers <= {"local1", "local2"}
+        # what each machine moved through the store is recorded with each attempt's outcome:
+        # once no attempt runs, the per-machine figures add up to the run's
+        def settled() -> dict | None:
+            doc = client.describe(first.run_id, pool.broker_url, store_url)
+            return doc if all(a["outcome"] != "running" for a in doc["attempts"]) else None
+
+        beside = wait_for(settled, "the last attempt's outcome")
+        by = beside["store_bytes_by_worker"]
+        assert sum(v["up"] for v in by.values()) == beside["store_bytes_up"]
+        assert sum(v["down"] for v in by.values()) == beside["store_bytes_down"]
+        trainers_up = sum(v["up"] for w, v in by.items() if not w.startswith("local3@"))
+        assert trainers_up >= beside["bytes_up"] > 0  # their pseudo-gradients, at least
+        outer_up = next(v["up"] for w, v in by.items() if w.startswith("local3@"))
+        assert outer_up > 0  # θ, the outer state and the broadcasts: stored beside the store
 
         # the outer agent dies without a word: its advertisement is still fresh, so the next
         # run's first outer step is queued for it, and must reach the trainers all the same

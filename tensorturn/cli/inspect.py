@@ -97,6 +97,8 @@ def workers(broker, store, as_json):
         mem = f"{w['device_memory_gb']:.1f} GB"
         line = (f"{w['name']:28s} {w['state']:11s} {w['device']:4s} {w['device_name'][:32]:32s} "
                 f"{w['cpu_count']:>3} cpus  {mem:>9s}  done {w['tasks_done']}")
+        if w.get("role", "train") != "train":  # beside the store: takes the outer steps
+            line += f"  role {w['role']}"
         if w["task"]:
             rate = w.get("samples_per_s")
             line += f"  {w['task']}" + (f" {rate:.0f} samples/s" if rate else "")
