@@ -9,9 +9,10 @@ for each capacity queue it can serve, and says so with every heartbeat; a round 
 outer step there while one does (:func:`queue_for_outer`).
 
 Nothing may wait there for an agent that is gone: every agent's heartbeat moves the messages of
-an outer queue whose agents have all missed three heartbeats back to its capacity queue
-(:func:`reroute`), where any trainer takes them — a message a dead outer agent held comes back
-to its outer queue when its lease expires, and is moved on the same way. The times are Redis's
+an outer queue whose agents have all missed three heartbeats (or stopped, or were quarantined:
+:func:`withdraw`) back to its capacity queue (:func:`reroute`), where any trainer takes them — a
+message that comes back to an outer queue later (a dead outer agent's lease restored, a retry,
+a chord body queued there when its round began) is moved on the same way. The times are Redis's
 own (``TIME``), so the machines' clocks do not matter.
 """
 
@@ -36,6 +37,13 @@ for i = 2, #ARGV do redis.call('ZADD', KEYS[1], now, ARGV[i] .. '|' .. ARGV[1]) 
 return now
 """
 
+# KEYS[1] = ADVERTISED; ARGV[1] = seconds, ARGV[2..] = entries: dated that long before Redis's time
+_WITHDRAW = """
+local when = tonumber(redis.call('TIME')[1]) - tonumber(ARGV[1])
+for i = 2, #ARGV do redis.call('ZADD', KEYS[1], 'XX', when, ARGV[i]) end
+return when
+"""
+
 # The outer queues some agent serves, by Redis's time: a table queue → true. ARGV[1] = seconds
 # after which an agent that has not beaten counts as gone.
 _FRESH = """
@@ -43,15 +51,19 @@ local now = tonumber(redis.call('TIME')[1])
 local fresh, all = {}, {}
 local entries = redis.call('ZRANGE', KEYS[1], 0, -1, 'WITHSCORES')
 for i = 1, #entries, 2 do
-  local queue = string.match(entries[i], '^(.*)|')
-  all[queue] = true
-  if now - tonumber(entries[i + 1]) <= tonumber(ARGV[1]) then fresh[queue] = true end
+  local queue = string.match(entries[i], '^([^|]+)|')
+  if queue then
+    all[queue] = true
+    if now - tonumber(entries[i + 1]) <= tonumber(ARGV[1]) then fresh[queue] = true end
+  end
 end
 """
 
 # KEYS[1] = ADVERTISED; ARGV[1] as above, ARGV[2] = OUTER_PREFIX. Moves every message of an outer
 # queue that no live agent serves to the front of its capacity queue (kombu pushes left and
-# pops right), unchanged; returns how many.
+# pops right), unchanged; returns how many. An entry is never removed while its queue may still
+# receive messages (a late chord body, a retry, a restored lease): only a day after its agent's
+# last beat, its queue empty.
 _REROUTE = _FRESH + """
 local moved = 0
 for queue, _ in pairs(all) do
@@ -65,6 +77,12 @@ for queue, _ in pairs(all) do
     end
   end
 end
+for i = 1, #entries, 2 do
+  local queue = string.match(entries[i], '^([^|]+)|')
+  if now - tonumber(entries[i + 1]) > 86400 and (not queue or redis.call('LLEN', queue) == 0) then
+    redis.call('ZREM', KEYS[1], entries[i])
+  end
+end
 return moved
 """
 
@@ -72,6 +90,17 @@ return moved
 _SERVED = _FRESH + """
 return fresh[ARGV[2]] and 1 or 0
 """
+
+
+_scripts: dict[str, Any] = {}
+
+
+def _run(client: Any, script: str, *args: Any) -> Any:
+    """Run one of the scripts above on KEYS[1] = ADVERTISED by its sha (EVALSHA: every agent
+    runs one each heartbeat, and on a home link its text would be most of the beat's bytes)."""
+    if script not in _scripts:
+        _scripts[script] = client.register_script(script)
+    return _scripts[script](keys=[ADVERTISED], args=list(args), client=client)
 
 
 def outer_queue(queue: str) -> str:
@@ -105,21 +134,23 @@ def advertise(client: Any, agent: str, queues: list[str]) -> None:
     """Say (with Redis's time) that ``agent`` serves the outer queues among ``queues``."""
     outer = [q for q in queues if q.startswith(OUTER_PREFIX)]
     if outer:
-        client.eval(_ADVERTISE, 1, ADVERTISED, agent, *outer)
+        _run(client, _ADVERTISE, agent, *outer)
 
 
 def withdraw(client: Any, agent: str, queues: list[str]) -> None:
-    """``agent`` stops serving its outer queues (a clean stop): their messages move on at the
-    next heartbeat of any agent, unless another agent serves them."""
+    """``agent`` stops serving its outer queues (a clean stop, quarantine): its entries are
+    dated as if it had missed its heartbeats, so the next heartbeat of any agent moves their
+    messages — those queued already, and those that come back later (a lease restored, a
+    retry) — unless another agent serves them."""
     outer = [f"{q}|{agent}" for q in queues if q.startswith(OUTER_PREFIX)]
     if outer:
-        client.zrem(ADVERTISED, *outer)
+        _run(client, _WITHDRAW, gone_after_s() + 1, *outer)
 
 
 def reroute(client: Any) -> int:
     """Move outer steps whose outer queue no live agent serves to their capacity queue; returns
     how many moved (every agent calls this with its heartbeat)."""
-    moved = int(client.eval(_REROUTE, 1, ADVERTISED, gone_after_s(), OUTER_PREFIX))
+    moved = int(_run(client, _REROUTE, gone_after_s(), OUTER_PREFIX))
     if moved:
         log.warning("moved %d outer step(s) to the trainers' queues: no agent beside the store "
                     "has answered for %.0f s", moved, gone_after_s())
@@ -130,7 +161,7 @@ def queue_for_outer(client: Any, queue: str) -> str:
     """Where to queue an outer step that fits capacity queue ``queue``: its outer queue while an
     agent beside the store serves it, else ``queue`` itself."""
     try:
-        served = bool(client.eval(_SERVED, 1, ADVERTISED, gone_after_s(), outer_queue(queue)))
+        served = bool(_run(client, _SERVED, gone_after_s(), outer_queue(queue)))
     except Exception as exc:  # noqa: BLE001 - the trainers can always take it
         log.debug("outer queue not checked: %s", exc)
         served = False

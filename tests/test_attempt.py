@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tensorturn import client, config
+from tensorturn import client, config, layout
 from tensorturn.board import RunBoard
 from tensorturn.broker import redis_client
 from tensorturn.celery_app import configure
@@ -25,6 +25,7 @@ from tensorturn.modes.ensemble import tasks as ensemble
 from tensorturn.modes.fused import tasks as fused
 from tensorturn.recipes import base as recipe_base
 from tensorturn.spec import RunSpec
+from tensorturn.store import open_store
 from tensorturn.tasks.attempt import chord_failed, signed
 
 sys.path.insert(0, str(Path(__file__).parent))  # the `failing` recipe module
@@ -456,3 +457,25 @@ def test_a_shard_with_little_data_for_its_steps_is_warned_about(world):
     chosen = {s.run_id: load_spec(open_store(s.store_url), s.run_id).options for s in (spec, quiet)}
     assert (chosen[spec.run_id].outer, chosen[spec.run_id].outer_lr) == ("sgd", 1.0)
     assert (chosen[quiet.run_id].outer, chosen[quiet.run_id].outer_lr) == ("nesterov", 0.7)
+
+
+def test_a_round_whose_record_was_lost_is_evaluated_again_before_the_run_finishes(world):
+    """The outer step queues the next round before it evaluates; if round 0's evaluation never
+    got recorded (its machine died, the broker lost it), the last outer step evaluates it again
+    from the store, so --keep best chooses among every round and the records are whole."""
+    spec = submit(world, **{**FUSED, "rounds": 3}, keep="best")
+    drive_fused(spec)
+    reference = {rec["round"]: rec["val_loss"] for rec in world.board.rounds(spec.run_id)}
+    assert sorted(reference) == [0, 1, 2]
+
+    lost = submit(world, "store2", **{**FUSED, "rounds": 3}, keep="best")
+    for k in range(2):
+        shard(lost, 0, k)
+    outer(lost, 0)
+    world.board.r.hdel(f"tt:run:{lost.run_id}:rounds", "0")   # the record, in Redis and the store
+    open_store(lost.store_url).delete(layout.key("round", lost.run_id, 0))
+    drive_fused(lost, start=1)
+    doc = world.board.describe(lost.run_id)
+    assert doc["state"] == "succeeded"
+    assert {rec["round"]: rec["val_loss"] for rec in doc["rounds"]} == reference
+    assert doc["model_sha256"] == world.board.describe(spec.run_id)["model_sha256"]

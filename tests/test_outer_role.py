@@ -48,16 +48,55 @@ def test_outer_steps_run_beside_the_store_and_move_to_the_trainers_when_it_is_go
         outer_up = next(v["up"] for w, v in by.items() if w.startswith("local3@"))
         assert outer_up > 0  # θ, the outer state and the broadcasts: stored beside the store
 
-        # the outer agent dies without a word: its advertisement is still fresh, so the next
-        # run's first outer step is queued for it, and must reach the trainers all the same
-        stop_process_group(pool.agents[2], grace=0, term=False)
-        assert routing.queue_for_outer(r, "celery") == routing.outer_queue("celery")
+        # a clean stop mid-round: round 0's outer step was queued for the outer agent when the
+        # round began and reaches its queue only after the agent withdrew — it must go on
         second = RunSpec.create(**fields)
         client.submit(second, pool.broker_url)
-        without = client.wait(pool.broker_url, second.run_id, timeout_s=300)
-    assert without["state"] == "succeeded", without.get("error")
-    assert {w.split("@")[0] for w in outer_workers(without)} <= {"local1", "local2"}
-    assert without["model_sha256"] == beside["model_sha256"]
+        wait_for(lambda: any(a["task"].startswith("r0/") for a in
+                             client.describe(second.run_id, pool.broker_url, store_url)["attempts"]),
+                 "round 0 to begin")
+        pool.agents[2].terminate()
+        assert pool.agents[2].wait(timeout=120) is not None
+        stopped = client.wait(pool.broker_url, second.run_id, timeout_s=300)
+        assert stopped["state"] == "succeeded", stopped.get("error")
+        assert stopped["model_sha256"] == beside["model_sha256"]
+
+        # the outer agent back, then dead without a word: its advertisement is still fresh, so
+        # the next run's outer step is queued for it, and must reach the trainers all the same
+        pool.start_agent(2)
+        wait_for(lambda: routing.queue_for_outer(r, "celery") == routing.outer_queue("celery"),
+                 "the restarted outer agent to serve the outer queue")
+        stop_process_group(pool.agents[2], grace=0, term=False)
+        third = RunSpec.create(**fields)
+        client.submit(third, pool.broker_url)
+        killed = client.wait(pool.broker_url, third.run_id, timeout_s=300)
+    assert killed["state"] == "succeeded", killed.get("error")
+    assert {w.split("@")[0] for w in outer_workers(killed)} <= {"local1", "local2"}
+    assert killed["model_sha256"] == beside["model_sha256"]
+
+
+def test_the_mover_sends_waiting_outer_steps_to_the_trainers_once_no_agent_serves_them(redis_server):
+    """Messages move unchanged, in one script, only while no live agent serves their queue; an
+    agent that withdrew (a clean stop, quarantine) counts as gone at once, and its queue keeps
+    being watched: a message that comes back to it later moves too."""
+    r = redis.Redis.from_url(redis_server.url, decode_responses=True)
+    outer = routing.outer_queue("tt.fits.512MB")
+    r.zadd(routing.ADVERTISED, {"not-a-member": 0})  # a malformed entry is skipped
+    routing.advertise(r, "a@h", [outer, "celery"])
+    r.lpush(outer, "m1")
+    assert routing.reroute(r) == 0 and r.lrange(outer, 0, -1) == ["m1"]
+    assert routing.queue_for_outer(r, "tt.fits.512MB") == outer
+    assert routing.queue_for_outer(r, "celery") == "celery"  # nobody serves tt.outer.celery
+
+    routing.withdraw(r, "a@h", [outer])
+    assert routing.queue_for_outer(r, "tt.fits.512MB") == "tt.fits.512MB"
+    r.lpush("tt.fits.512MB", "older")
+    r.lpush(outer, "m2")
+    assert routing.reroute(r) == 2
+    assert r.llen(outer) == 0
+    assert r.lrange("tt.fits.512MB", 0, -1) == ["older", "m1", "m2"]  # moved ones are taken first (right)
+    r.lpush(outer, "m3")  # e.g. a lease restored to the outer queue later
+    assert routing.reroute(r) == 1 and r.rpop("tt.fits.512MB") == "m3"
 
 
 def test_roles_decide_the_queues_an_agent_consumes():

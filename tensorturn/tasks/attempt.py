@@ -201,12 +201,20 @@ class Tally:
     and what it moves after that, once it ends."""
 
     def __init__(self) -> None:
-        self.mark = store_moved()
+        self.mark = self.next = store_moved()
 
     def take(self) -> tuple[int, int]:
-        now = store_moved()
-        moved, self.mark = (now[0] - self.mark[0], now[1] - self.mark[1]), now
+        moved = self.pending()
+        self.settle()
         return moved
+
+    def pending(self) -> tuple[int, int]:
+        """What was moved since the last take, counted once :meth:`settle` says it is recorded."""
+        self.next = store_moved()
+        return self.next[0] - self.mark[0], self.next[1] - self.mark[1]
+
+    def settle(self) -> None:
+        self.mark = self.next
 
 
 def _execute(task: Task, board: RunBoard, run_id: str, label: Label, unit_class: type[Unit],
@@ -249,9 +257,10 @@ def _execute(task: Task, board: RunBoard, run_id: str, label: Label, unit_class:
             if outcome == SUCCEEDED:
                 board.add_bytes(run_id, str(label), attempt.bytes_up, attempt.bytes_down, pipe)
             _worker_succeeded(board, worker, pipe)
-            board.add_store_bytes(run_id, *tally.take(), worker, pipe)
+            board.add_store_bytes(run_id, *tally.pending(), worker, pipe)
 
         board.finish_attempt(run_id, key, outcome, also)
+        tally.settle()  # recorded with the outcome (were it not, the end of execute() adds them)
         unit.then()
         return receipt
     except Retry:

@@ -451,6 +451,7 @@ class OuterUnit(Unit):
             store.put_json(layout.key("round", spec.run_id, r), info)  # before the board: done() reads it
             self.board.record_round(spec.run_id, r, info)
             if last:
+                record_missing_rounds(spec, store, self.board, r, Path(tmp))
                 finalize(spec, store, self.board, local=Path(tmp) / "next")
             else:
                 write_manifest(store, self.board, spec.run_id)
@@ -461,6 +462,26 @@ class OuterUnit(Unit):
         spec, r = self.spec, self.a.label.numbers[0]
         if r + 1 < options(spec).rounds:
             self.board.once(spec.run_id, layout.dispatch_claim(r + 1), lambda: dispatch_round(spec, r + 1, self.board))
+
+
+def record_missing_rounds(spec: RunSpec, store: Store, board: RunBoard, last: int, scratch: Path) -> None:
+    """Before the run finishes, every round before ``last`` in its records: an outer step queues
+    the next round before it evaluates, so one whose evaluation failed (or a broker that lost
+    the record) can leave a round unrecorded; it is read from the store, or evaluated again."""
+    recorded = {rec["round"] for rec in board.rounds(spec.run_id)}
+    for k in range(last):
+        if k in recorded:
+            continue
+        key = layout.key("round", spec.run_id, k)
+        if store.exists(key):
+            info = store.get_json(key)
+        else:
+            folder = scratch / f"round-{k}"
+            folder.mkdir()
+            info = outer_round(spec, store, k, folder)
+            info["at"] = time.time()
+            store.put_json(key, info)
+        board.record_round(spec.run_id, k, info)
 
 
 def outer_round(spec: RunSpec, store: Store, r: int, scratch: Path,
@@ -633,9 +654,6 @@ def finalize(spec: RunSpec, store: Store, board: RunBoard,
     kept = opts.rounds - 1
     if opts.keep == "best":  # the round whose weights had the lowest validation loss
         rounds = board.rounds(run_id)
-        if len(rounds) < opts.rounds:  # an earlier round's evaluation is still being retried
-            raise RuntimeError(f"rounds {sorted(set(range(opts.rounds)) - {r['round'] for r in rounds})} "
-                               f"are not evaluated yet; --keep best waits for them")
         def loss(rec: dict[str, Any]) -> float:  # no figure, or not a number: never the best
             value = rec.get("val_loss")
             return value if value is not None and math.isfinite(value) else math.inf
