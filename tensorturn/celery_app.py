@@ -12,7 +12,8 @@ Choices, each against a known hazard of Celery on Redis (DESIGN.md, "Known hazar
   machine comes back for the next task sooner.
 * A short visibility timeout with a fast restore sweep, so a dead machine's task is back in the
   queue within seconds; a live task keeps its lease through :mod:`tensorturn.lease`, so it is never
-  handed to a second machine however long it runs.
+  handed to a second machine however long it runs. The sweep's lock expires in 2 s, not kombu's
+  300: a machine cut off while holding it must not stop every requeue.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from .telemetry import Heartbeat
 log = logging.getLogger(__name__)
 
 RESTORE_INTERVAL_S = 1
+UNACKED_MUTEX_EXPIRE_S = 2
 DEFAULT_BROKER = "redis://127.0.0.1:6379/0"
 
 app = Celery("tensorturn", include=["tensorturn.tasks.attempt", "tensorturn.tasks.start", *task_modules()])
@@ -41,6 +43,11 @@ def transport_options(settings: config.Settings) -> dict:
         "visibility_timeout": settings.visibility_timeout_s,
         "unacked_restore_interval": RESTORE_INTERVAL_S,
         "unacked_restore_throttle": 1,
+        # the sweep's lock: kombu's default (300 s) let a machine whose link went down while it
+        # held the lock stop every requeue for five minutes (seen on the emulated links); a sweep
+        # takes a few round trips, and two overlapping ones cannot restore a message twice (each
+        # restore is a transaction watching the unacked hash)
+        "unacked_mutex_expire": UNACKED_MUTEX_EXPIRE_S,
         "socket_connect_timeout": 5,
         "socket_keepalive": True,
         "health_check_interval": 10,

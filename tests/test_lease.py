@@ -19,6 +19,21 @@ def test_refresh_moves_only_leases_still_held(redis_server):
     assert r.zscore(UNACKED_INDEX, "gone") is None  # acked meanwhile: never re-created
 
 
+def test_the_restore_sweeps_lock_lasts_seconds_not_minutes(redis_server):
+    """kombu takes a lock for each restore sweep; with its default (300 s), a machine whose link
+    went down while it held the lock stopped every requeue for five minutes. The broker
+    connection TensorTurn configures takes it for 2 s."""
+    from tensorturn.celery_app import app, configure
+
+    configure(redis_server.url)
+    with app.connection_for_write() as conn:
+        channel = conn.default_channel
+        assert channel.unacked_mutex_expire == 2
+        lock = channel.client.lock(channel.unacked_mutex_key, timeout=channel.unacked_mutex_expire)
+        assert lock.acquire(blocking=False)  # as kombu's sweep does; the holder then vanishes
+        assert 0 < channel.client.pttl(channel.unacked_mutex_key) <= 2000
+
+
 @pytest.mark.e2e
 def test_a_task_far_longer_than_the_visibility_timeout_runs_once(tmp_path, monkeypatch):
     # A 3 s visibility timeout; one shard that trains for ~10x that. Without the lease keeper
