@@ -19,7 +19,7 @@ def outer_workers(doc: dict) -> set[str]:
 
 def test_outer_steps_run_beside_the_store_and_move_to_the_trainers_when_it_is_gone(tmp_path):
     store_url = f"file://{tmp_path / 'store'}"
-    fields = dict(recipe="digits-mlp", store_url=store_url, mode="fused", rounds=3, shards=2,
+    fields = dict(recipe="digits-mlp", store_url=store_url, mode="fused", rounds=2, shards=2,
                   sync_every=5, codec="int8", seed=3)
     with LocalPool(3, store_url, workdir=tmp_path / "pool", roles=["train", "train", "outer"]) as pool:
         r = redis.Redis.from_url(pool.broker_url, decode_responses=True)
