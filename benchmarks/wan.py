@@ -171,28 +171,21 @@ def measure(rate: str, store: str, store_env: dict[str, str], args) -> list[dict
 
 
 def real_step_s(batch_size: int) -> float:
-    """Seconds one charlm training step takes here on one thread (the median of 10, after one
-    that pays for first-time imports)."""
+    """Seconds one charlm training step takes here on one thread: the median of 10 steps of a
+    shard task's own training loop, after one that pays for first-time imports."""
     import torch
 
-    from tensorturn.diloco import initial_state
+    from tensorturn.diloco import initial_state, train_replica
     from tensorturn.recipes import resolve
-    from tensorturn.training import load_model
 
     torch.set_num_threads(1)
     recipe = resolve("charlm", {})
-    model = load_model(recipe, initial_state(recipe, 0), recipe.default_config(), torch.device("cpu"))
-    opt = torch.optim.AdamW(model.parameters(), lr=recipe.lr)
     x, y, rows = recipe.shard_data(0, AGENTS, 0)
-    times = []
-    for _ in range(11):
-        t = time.perf_counter()
-        batch = rows[torch.randint(len(rows), (batch_size,))]
-        opt.zero_grad()
-        recipe.loss(model, x[batch], y[batch]).backward()
-        opt.step()
-        times.append(time.perf_counter() - t)
-    return sorted(times[1:])[5]
+    marks = [time.perf_counter()]
+    train_replica(recipe, initial_state(recipe, 0), x, y, rows, 11, recipe.lr, batch_size, 0,
+                  torch.device("cpu"), on_step=lambda _step, _loss: marks.append(time.perf_counter()))
+    times = [b - a for a, b in zip(marks[1:], marks[2:])]
+    return sorted(times)[len(times) // 2]
 
 
 def draw(summary: dict) -> Any:

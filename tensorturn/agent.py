@@ -15,14 +15,11 @@ def worker_argv(name: str | None, concurrency: int, loglevel: str) -> list[str]:
     """Arguments for ``celery worker``: hostname ``NAME@host``, prefork pool, task events on, and
     the queues of every model size this machine's device memory can hold — for training, for
     outer steps (:mod:`.routing`), or both, by its role — and its own queue."""
-    from .capacity import queues_for
     from .layout import agent_queue
-    from .routing import consumed
-    from .telemetry import inventory
+    from .routing import agent_queues
 
     node = f"{name or 'agent'}@{socket.gethostname()}"
-    capacity = queues_for(inventory()["device_memory_gb"])
-    queues = ",".join([*consumed(config.current().role, capacity), agent_queue(node)])
+    queues = ",".join([*agent_queues(), agent_queue(node)])
     return ["worker", "--hostname", node, "--concurrency", str(concurrency), "--pool", "prefork",
             "--loglevel", loglevel, "--task-events", "--without-mingle", "--without-gossip",
             "--queues", queues]

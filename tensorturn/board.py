@@ -110,13 +110,13 @@ class RunBoard:
         state, quarantined = pipe.execute()
         return state, bool(quarantined)
 
-    def mark_running(self, run_id: str) -> None:
-        """queued → running only; never overwrites a finished state."""
-        self.r.eval(_QUEUED_TO_RUNNING, 1, layout.run_key(run_id), time.time())
+    def mark_running(self, run_id: str, pipe: Any = None) -> None:
+        """queued → running only; never overwrites a finished state (in ``pipe``, when given)."""
+        (pipe or self.r).eval(_QUEUED_TO_RUNNING, 1, layout.run_key(run_id), time.time())
 
-    def touch(self, run_id: str) -> None:
+    def touch(self, run_id: str, pipe: Any = None) -> None:
         """Note that the run made progress now (``status`` reports runs that stop doing so)."""
-        self.r.hset(layout.run_key(run_id), "progress_at", time.time())
+        (pipe or self.r).hset(layout.run_key(run_id), "progress_at", time.time())
 
     def finish(self, run_id: str, state: str, **fields: Any) -> bool:
         """Move to a finished state once; later calls (a duplicate task) change nothing."""
@@ -270,8 +270,8 @@ class RunBoard:
         pipe.hset(layout.run_key(run_id, "attempts"), key, json.dumps({
             "task": task, "attempt": n, "worker": worker, "started_at": time.time(),
             "finished_at": None, "outcome": "running"}))
-        pipe.eval(_QUEUED_TO_RUNNING, 1, layout.run_key(run_id), time.time())  # mark_running
-        pipe.hset(layout.run_key(run_id), "progress_at", time.time())  # touch
+        self.mark_running(run_id, pipe)
+        self.touch(run_id, pipe)
         pipe.execute()
         if n - base <= max_attempts:
             return key, n - base
@@ -290,7 +290,7 @@ class RunBoard:
             entry = json.loads(raw)
             entry.update(finished_at=time.time(), outcome=mask_text(outcome))
             pipe.hset(layout.run_key(run_id, "attempts"), key, json.dumps(entry))
-            pipe.hset(layout.run_key(run_id), "progress_at", time.time())  # touch
+            self.touch(run_id, pipe)
         if also is not None:
             also(pipe)
         pipe.execute()

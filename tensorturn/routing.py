@@ -126,6 +126,15 @@ def consumed(role: str, capacity_queues: list[str]) -> list[str]:
     return [*train, *outer]
 
 
+def agent_queues(role: str | None = None) -> list[str]:
+    """The queues this machine's agent consumes (its own queue aside), by its role (default:
+    the configured one) and the device memory it offers."""
+    from .capacity import queues_for
+    from .telemetry import inventory
+
+    return consumed(role or config.current().role, queues_for(inventory()["device_memory_gb"]))
+
+
 def gone_after_s() -> float:
     return 3 * config.current().heartbeat_s
 

@@ -97,10 +97,7 @@ def live_figures() -> dict[str, Any]:
 
 def outer_queues() -> list[str]:
     """The outer queues this agent serves (its role and device memory decide; :mod:`.routing`)."""
-    from .capacity import queues_for
-
-    return [q for q in routing.consumed(config.current().role, queues_for(inventory()["device_memory_gb"]))
-            if q.startswith(routing.OUTER_PREFIX)]
+    return [q for q in routing.agent_queues() if q.startswith(routing.OUTER_PREFIX)]
 
 
 class Heartbeat(bootsteps.StartStopStep):

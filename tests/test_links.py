@@ -111,7 +111,7 @@ def test_a_flapping_link_loses_nothing_and_counts_nothing_twice(linked, referenc
             pool.links[0].down()
             time.sleep(2)   # the fault's own rhythm, not a wait for anything
             pool.links[0].up()
-            time.sleep(2)
+            time.sleep(2)   # (down 2 s, up 2 s: the flapping itself)
             flaps += 1
     finally:
         pool.links[0].up()

@@ -338,13 +338,11 @@ def _worker_store_failed(task: Task, board: RunBoard, run_id: str, label: str, w
 def quarantine(task: Task, board: RunBoard, run_id: str, label: str, worker: str,
                reason: str) -> None:
     """Take ``worker`` out of rotation: it stops consuming every queue, and says why."""
-    from ..capacity import queues_for
-    from ..routing import consumed, withdraw
-    from ..telemetry import inventory
+    from ..routing import agent_queues, withdraw
 
     board.r.hset(worker_key(worker), "quarantined", mask_text(reason))
     board.incident(run_id, "worker_quarantined", label, worker, reason)
-    queues = consumed(config.current().role, queues_for(inventory()["device_memory_gb"]))
+    queues = agent_queues()
     withdraw(board.r, worker, queues)  # the outer steps waiting for it go to the trainers
     for queue in [*queues, layout.agent_queue(worker)]:
         task.app.control.cancel_consumer(queue, destination=[worker])
