@@ -416,6 +416,12 @@ class RunBoard:
         }
         if h["mode"] == "ensemble":
             out["members"] = self.members(run_id)
+        if spec["recipe"] == "distill":  # a student of an ensemble: where it came from
+            o = spec.get("recipe_options") or {}
+            out["lineage"] = {"distilled_from": o.get("teacher"), "recipe": o.get("recipe"),
+                              "temperature": o.get("temperature"), "alpha": o.get("alpha"),
+                              "top_k": o.get("top_k"), "mixup": o.get("mixup", 0),
+                              "student": o.get("student") or {}}
         applied = self.r.hvals(layout.run_key(run_id, "applied"))
         if applied:  # an asynchronous fused run: every update, with its staleness
             out["updates"] = sorted((json.loads(v) for v in applied), key=lambda u: u["version"])

@@ -53,7 +53,8 @@ def distill_loss(student_logits: torch.Tensor, target_values: torch.Tensor,
                  target_indices: torch.Tensor, labels: torch.Tensor | None, temperature: float,
                  alpha: float) -> torch.Tensor:
     """α · T² · CE(teacher ‖ softmax(z / T)) + (1 − α) · CE(labels, softmax(z)), averaged over
-    rows. ``labels`` may be None only when α is 1 (soft targets alone)."""
+    rows (the hard term over the rows that have a label: :data:`NO_LABEL` marks those without).
+    ``labels`` may be None only when α is 1 (soft targets alone)."""
     if not 0.0 <= alpha <= 1.0:
         raise ValueError(f"alpha must be in [0, 1] (got {alpha})")
     loss = student_logits.new_zeros(())
@@ -64,8 +65,30 @@ def distill_loss(student_logits: torch.Tensor, target_values: torch.Tensor,
     if alpha < 1:
         if labels is None:
             raise ValueError("alpha < 1 mixes in the true labels: pass them")
-        loss = loss + (1 - alpha) * F.cross_entropy(student_logits.float(), labels)
+        labelled = labels >= 0  # rows without a label (NO_LABEL: a mixed transfer row) have none
+        if bool(labelled.all()):
+            loss = loss + (1 - alpha) * F.cross_entropy(student_logits.float(), labels)
+        elif bool(labelled.any()):
+            loss = loss + (1 - alpha) * F.cross_entropy(student_logits[labelled].float(), labels[labelled])
     return loss
+
+
+NO_LABEL = -1  # the label of a transfer row the teacher alone labels (see :func:`mixup_rows`)
+
+
+def mixup_rows(x: torch.Tensor, copies: int, seed: int) -> torch.Tensor:
+    """``copies × len(x)`` transfer rows, each a random convex mix λ·x_i + (1 − λ)·x_j of two
+    rows of ``x`` (λ uniform in [0, 1]; seeded, so every machine makes the same). The teacher
+    labels them; the student matches it there too — function matching on mixed inputs (Beyer et
+    al. 2022, arXiv 2106.05237), which tells the student more than rows the members have fit."""
+    n = len(x)
+    if copies < 1 or n == 0:
+        return x[:0]
+    gen = torch.Generator().manual_seed(seed)
+    i = torch.randint(n, (copies * n,), generator=gen)
+    j = torch.randint(n, (copies * n,), generator=gen)
+    lam = torch.rand((copies * n,) + (1,) * (x.dim() - 1), generator=gen)
+    return lam * x[i].float() + (1 - lam) * x[j].float()
 
 
 def check_soupable(states: Sequence[StateDict]) -> None:

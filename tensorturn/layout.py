@@ -18,6 +18,8 @@ Object store (one folder per run)::
     runs/<id>/members/m<MM>/seg-<JJJ>.safetensors     ensemble: member m's weights after segment j
     runs/<id>/members/m<MM>/seg-<JJJ>.optim.safetensors   … and its AdamW state
     runs/<id>/final/model.safetensors                 fused: the result
+    runs/<id>/teacher/<tag>/shard-<KKK>-of-<SSS>.safetensors   ensemble: its top-k soft vote on
+                                                      a distillation's shard k of S (tag: T, k, seed)
     runs/<id>/final/ensemble.safetensors              ensemble: the result (every member)
     runs/<id>/report/<name>.png                       `tensorturn report`'s plots
     auth/tokens/<token-id>.json                       API tokens (hashes only)
@@ -81,6 +83,7 @@ version_log     runs/{run_id}/async/log/v{version:05d}.json
 segment         runs/{run_id}/members/m{member:02d}/seg-{segment:03d}.safetensors
 optim           runs/{run_id}/members/m{member:02d}/seg-{segment:03d}.optim.safetensors
 final_model     runs/{run_id}/final/model.safetensors
+teacher         runs/{run_id}/teacher/{tag}/shard-{shard:03d}-of-{shards:03d}.safetensors
 final_ensemble  runs/{run_id}/final/ensemble.safetensors
 report          runs/{run_id}/report/{name}.png
 token           auth/tokens/{token_id}.json

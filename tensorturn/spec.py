@@ -25,6 +25,11 @@ def flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+def new_run_id() -> str:
+    """A fresh run id: when, then 6 random hex digits (``20261203-194501-3fa9c2``)."""
+    return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(3)
+
+
 def check_positive(values: dict[str, Any]) -> None:
     """SpecError for the first value that is not a whole number ≥ 1 (keys are field names)."""
     for name, value in values.items():
@@ -88,7 +93,7 @@ class RunSpec:
 
     def __post_init__(self) -> None:
         if not self.run_id:
-            self.run_id = time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(3)
+            self.run_id = new_run_id()
         if not self.created_at:
             self.created_at = time.time()
 

@@ -8,10 +8,12 @@ import torch
 import torch.nn.functional as F
 
 from tensorturn.distill import (
+    NO_LABEL,
     SoupRefused,
     check_soupable,
     distill_loss,
     greedy_soup,
+    mixup_rows,
     teacher_targets,
     uniform_soup,
 )
@@ -102,3 +104,28 @@ def test_the_greedy_soup_adds_members_best_first_while_the_soup_does_not_get_wor
     soup, chosen = greedy_soup([good, bad, opposite], score)
     assert chosen == [2, 0]          # opposite (0.8 away) first, then good: their mean is 0.1 away
     assert torch.allclose(soup["w"], torch.full((4, 3), 0.1))
+
+
+def test_rows_without_a_label_count_in_the_soft_term_only():
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(6, 4, generator=gen)
+    values, indices = teacher_targets(torch.randn(3, 6, 4, generator=gen), 2.0)
+    labels = torch.tensor([0, 1, NO_LABEL, NO_LABEL, 3, NO_LABEL])
+    kept = labels >= 0
+    soft = distill_loss(logits, values, indices, None, 2.0, 1.0)
+    got = distill_loss(logits, values, indices, labels, 2.0, 0.5)
+    assert torch.allclose(got, 0.5 * soft + 0.5 * F.cross_entropy(logits[kept], labels[kept]))
+    unlabelled = torch.full((6,), NO_LABEL)
+    assert torch.allclose(distill_loss(logits, values, indices, unlabelled, 2.0, 0.5), 0.5 * soft)
+
+
+def test_mixed_transfer_rows_are_seeded_convex_mixes_of_the_rows():
+    x = torch.arange(12.0).reshape(4, 3)
+    mixed = mixup_rows(x, 3, seed=7)
+    assert mixed.shape == (12, 3)
+    assert torch.equal(mixed, mixup_rows(x, 3, seed=7))  # every machine makes the same
+    assert not torch.equal(mixed, mixup_rows(x, 3, seed=8))
+    # each mix of two rows of an arithmetic table stays on its line, between its smallest and largest
+    assert torch.allclose(mixed[:, 1] - mixed[:, 0], torch.ones(12))
+    assert bool((mixed >= 0).all()) and bool((mixed <= 11).all())
+    assert mixup_rows(x, 0, seed=7).shape == (0, 3)

@@ -140,4 +140,4 @@ def scrub_argv() -> None:
     setproctitle.setproctitle(" ".join(["tensorturn", *masked[1:]]))
 
 
-from . import data, inspect, pool, run, serve  # noqa: E402,F401 - each module adds its commands
+from . import data, distill, inspect, pool, run, serve  # noqa: E402,F401 - each module adds its commands

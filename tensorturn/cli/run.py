@@ -81,7 +81,7 @@ def parse_recipe_options(pairs: tuple[str, ...]) -> dict[str, Any]:
     return options
 
 
-def print_result(doc: dict[str, Any], as_json: bool) -> None:
+def print_result(doc: dict[str, Any], as_json: bool, exit_on_failure: bool = True) -> None:
     """The run's outcome on stdout (JSON, or a few lines); a note on stderr; exit 1 if failed."""
     if as_json:
         emit_json(doc)
@@ -91,14 +91,32 @@ def print_result(doc: dict[str, Any], as_json: bool) -> None:
             click.echo(f"  error: {doc['error']}")
         for k, v in sorted((doc.get("metrics") or {}).items()):
             click.echo(f"  {k}: {v:.4f}" if isinstance(v, float) else f"  {k}: {v}")
+        if doc.get("lineage"):
+            lineage = doc["lineage"]
+            click.echo(f"  distilled from: run {lineage['distilled_from']} (T {lineage['temperature']:g}, "
+                       f"alpha {lineage['alpha']:g}, top-k {lineage['top_k']})")
         if doc.get("model_uri"):
             click.echo(f"  model: {doc['model_uri']}")
             click.echo(f"  sha256: {doc['model_sha256']}")
     if doc.get("note"):
         click.echo(f"warning: {doc['note']}", err=True)
-    if doc["state"] == "failed":
+    if doc["state"] == "failed" and exit_on_failure:
         click.echo(f"error: {config.mask_text(doc.get('error') or 'the run failed')}", err=True)
         sys.exit(1)
+
+
+def print_results(docs: list[dict[str, Any]], as_json: bool) -> None:
+    """The outcome of one run, or of an ensemble and the student distilled from it (``--merge
+    distill``): with ``--json`` one object, the student's, holding the ensemble's as ``ensemble``."""
+    if len(docs) == 1:
+        print_result(docs[0], as_json)
+        return
+    if as_json:
+        print_result({**docs[-1], "ensemble": docs[0]}, True)
+        return
+    for doc in docs[:-1]:
+        print_result(doc, False, exit_on_failure=False)
+    print_result(docs[-1], False)
 
 
 def follow_options(command: str) -> Callable:
@@ -123,29 +141,96 @@ def follow_options(command: str) -> Callable:
     return decorate
 
 
-def mode_options(fn: Callable) -> Callable:
-    """A flag for every option of every mode in the registry, from the mode's options class."""
+def mode_options(*modes: str, defaults: dict[str, str] | None = None) -> Callable:
+    """A flag for every option of ``modes`` (every mode in the registry when none is named),
+    from the mode's options class; ``defaults`` shows a command's own defaults instead."""
     from dataclasses import MISSING, fields
 
     types = {"int": int, "float": float, "str": str}
-    for name in reversed(mode_names()):
-        options = get_mode(name).Options
-        by_name = {f.name: f for f in fields(options)}
-        for field_name, text in reversed(options.flags()):
-            f = by_name[field_name]
-            kind = str(f.type).split(" | ")[0]
-            shown = ("on" if f.default else "off") if kind == "bool" else f.default
-            default = "" if f.default in (MISSING, None) else f" [default: {shown}]"
-            help_text = f"{name.capitalize()}: {text}.{default}"
-            flag = "--" + field_name.replace("_", "-")
-            if kind == "bool":
-                fn = click.option(f"{flag}/--no-{flag[2:]}", field_name, default=None, help=help_text)(fn)
-            elif field_name in options.CHOICES:
-                fn = click.option(flag, field_name, type=click.Choice(options.CHOICES[field_name]),
-                                  default=None, help=help_text)(fn)
-            else:
-                fn = click.option(flag, field_name, type=types[kind], default=None, help=help_text)(fn)
+
+    def decorate(fn: Callable) -> Callable:
+        for name in reversed(modes or mode_names()):
+            options = get_mode(name).Options
+            by_name = {f.name: f for f in fields(options)}
+            for field_name, text in reversed(options.flags()):
+                f = by_name[field_name]
+                kind = str(f.type).split(" | ")[0]
+                shown = ("on" if f.default else "off") if kind == "bool" else f.default
+                default = "" if f.default in (MISSING, None) else f" [default: {shown}]"
+                if defaults and field_name in defaults:
+                    default = f" [default: {defaults[field_name]}]"
+                help_text = f"{name.capitalize()}: {text}.{default}"
+                flag = "--" + field_name.replace("_", "-")
+                if kind == "bool":
+                    fn = click.option(f"{flag}/--no-{flag[2:]}", field_name, default=None, help=help_text)(fn)
+                elif field_name in options.CHOICES:
+                    fn = click.option(flag, field_name, type=click.Choice(options.CHOICES[field_name]),
+                                      default=None, help=help_text)(fn)
+                else:
+                    fn = click.option(flag, field_name, type=types[kind], default=None, help=help_text)(fn)
+        return fn
+
+    return decorate
+
+
+def training_options(fn: Callable) -> Callable:
+    """The inner training's options every run has (``RunSpec``'s common fields)."""
+    for option in reversed([
+        click.option("--lr", type=float, default=None, help="Inner learning rate [default: the recipe's]."),
+        click.option("--batch-size", type=int, default=None, help="[default: the recipe's]"),
+        click.option("--seed", type=int, default=0, show_default=True),
+        click.option("--threads-per-task", type=int, default=1, show_default=True,
+                     help="CPU torch threads per task; CPU results depend on it."),
+        click.option("--max-attempts", type=int, default=3, show_default=True,
+                     help="Attempts per task before the run fails (or an ensemble member drops)."),
+        click.option("--eval-batches", type=int, default=None,
+                     help="Validation and test figures from at most this many forward passes (of the "
+                          "recipe's eval_batch_size rows, 512 by default) [default: the whole split]."),
+        click.option("--precision", type=click.Choice(["auto", "fp32", "bf16", "fp16"]), default="auto",
+                     show_default=True, help="Training precision: auto is bf16 on CUDA GPUs that "
+                     "support it and fp32 elsewhere; bf16/fp16 autocast anywhere (fp16 with a "
+                     "gradient scaler)."),
+        click.option("--accumulate", type=int, default=1, show_default=True,
+                     help="Minibatches per optimizer step (gradient accumulation: a batch of "
+                          "--batch-size × N in the memory of one)."),
+    ]):
+        fn = option(fn)
     return fn
+
+
+TRAINING = ("seed", "lr", "batch_size", "threads_per_task", "max_attempts", "eval_batches",
+            "precision", "accumulate")
+
+# A stage of a command: (run id, start(broker URL) — queue the run on that pool)
+Stage = tuple[str, Callable[[str], Any]]
+
+
+def launch(stages: list[Stage], broker: str | None, store: str, local_workers: int | None,
+           detach: bool, timeout_s: float | None, recipes: list[str]) -> list[dict[str, Any]]:
+    """Start each stage's run and follow it to its end, on the pool at ``broker`` or on a
+    private embedded one; a stage starts only once the one before it succeeded. Returns the
+    runs' last descriptions (with ``detach``, the first run's as queued)."""
+    from .. import client
+
+    if broker is None and (local_workers is None or local_workers < 1):
+        raise SpecError(f"--local-workers must be a whole number ≥ 1 (got {local_workers})")
+    if detach and broker is None:
+        raise SpecError("--detach needs a pool (--broker): an embedded pool stops when the command exits")
+    if detach and len(stages) > 1:
+        raise SpecError("--merge waits for the ensemble to distill it: drop --detach, or run "
+                        "`tensorturn distill RUN` once the ensemble has finished")
+    if not broker:
+        return embedded(stages, store, local_workers or 1, timeout_s, recipes)
+    docs: list[dict[str, Any]] = []
+    for run_id, start in stages:
+        doc = start(broker)
+        if detach:
+            return [doc if isinstance(doc, dict) else client.describe(run_id, broker, store)]
+        click.echo(f"run {run_id} queued on {config.mask_url(broker)}", err=True)
+        docs.append(follow_pool(broker, run_id, timeout_s))
+        if docs[-1]["state"] != "succeeded":
+            break
+    return docs
 
 
 # Options of one mode default to None here: only what the user gave reaches the spec, so an
@@ -160,56 +245,41 @@ def mode_options(fn: Callable) -> Callable:
 @click.option("--recipe-option", "recipe_options", multiple=True, metavar="KEY=VALUE",
               help="An option for the recipe (repeatable), e.g. --recipe-option data=book.txt. "
                    "Values are parsed as JSON when they can be (numbers, lists), else strings.")
-@mode_options
-@click.option("--lr", type=float, default=None, help="Inner learning rate [default: the recipe's].")
-@click.option("--batch-size", type=int, default=None, help="[default: the recipe's]")
-@click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--threads-per-task", type=int, default=1, show_default=True,
-              help="CPU torch threads per task; CPU results depend on it.")
-@click.option("--max-attempts", type=int, default=3, show_default=True,
-              help="Attempts per task before the run fails (or an ensemble member drops).")
-@click.option("--eval-batches", type=int, default=None,
-              help="Validation and test figures from at most this many forward passes (of the "
-                   "recipe's eval_batch_size rows, 512 by default) [default: the whole split].")
-@click.option("--precision", type=click.Choice(["auto", "fp32", "bf16", "fp16"]), default="auto",
-              show_default=True, help="Training precision: auto is bf16 on CUDA GPUs that support "
-              "it and fp32 elsewhere; bf16/fp16 autocast anywhere (fp16 with a gradient scaler).")
-@click.option("--accumulate", type=int, default=1, show_default=True,
-              help="Minibatches per optimizer step (gradient accumulation: a batch of "
-                   "--batch-size × N in the memory of one).")
+@mode_options()
+@click.option("--merge", type=click.Choice(["none", "distill"]), default="none", show_default=True,
+              help="Ensemble: then distill the finished ensemble into one model on the same pool "
+                   "(`tensorturn distill RUN` with its defaults; the result is the student's run).")
+@training_options
 @follow_options("run")
-def run(broker, store, mode, recipe, recipe_options, seed, lr, batch_size, threads_per_task,
-        max_attempts, eval_batches, precision, accumulate, local_workers, detach, timeout_s, as_json, **mode_options):
+def run(broker, store, mode, recipe, recipe_options, merge, local_workers, detach, timeout_s,
+        as_json, **options):
     """Train a model on the pool and print the result.
 
     \b
     Examples (no setup; a private pool on this machine):
       tensorturn run --mode fused --recipe digits-mlp --local-workers 3 --json
       tensorturn run --mode ensemble --recipe digits-mlp --members 4 --local-workers 2
+      tensorturn run --mode ensemble --recipe digits-mlp --members 4 --merge distill
     """
     from .. import client
     from ..spec import RunSpec
 
-    given = {k: v for k, v in mode_options.items() if v is not None}
+    training = {k: options.pop(k) for k in TRAINING}
+    given = {k: v for k, v in options.items() if v is not None}
     spec = RunSpec.create(mode, recipe, store, recipe_options=parse_recipe_options(recipe_options),
-                          seed=seed, lr=lr, batch_size=batch_size,
-                          threads_per_task=threads_per_task, max_attempts=max_attempts,
-                          eval_batches=eval_batches, precision=precision, accumulate=accumulate,
-                          **given)
+                          **training, **given)
     client.validate(spec)  # before anything starts or anything heavy is imported
-    if broker is None and (local_workers is None or local_workers < 1):
-        raise SpecError(f"--local-workers must be a whole number ≥ 1 (got {local_workers})")
-    if detach and broker is None:
-        raise SpecError("--detach needs a pool (--broker): an embedded pool stops when `run` exits")
-    if broker:
-        doc = client.submit(spec, broker)
-        if not detach:
-            click.echo(f"run {spec.run_id} queued on {config.mask_url(broker)}", err=True)
-            doc = follow_pool(broker, spec.run_id, timeout_s)
-    else:
-        doc = embedded(spec.run_id, store, local_workers, timeout_s,
-                       lambda broker_url: client.submit(spec, broker_url), recipe)
-    print_result(doc, as_json)
+    if merge != "none" and mode != "ensemble":
+        raise SpecError(f"--merge {merge} merges an ensemble's members into one model: it needs "
+                        f"--mode ensemble (a {mode} run is one model already)")
+    stages: list[Stage] = [(spec.run_id, lambda broker_url: client.submit(spec, broker_url))]
+    recipes = [recipe]
+    if merge == "distill":
+        from .distill import distill_stage
+
+        stages.append(distill_stage(spec.run_id, store, training))
+        recipes.append("distill")
+    print_results(launch(stages, broker, store, local_workers, detach, timeout_s, recipes), as_json)
 
 
 def follow(broker: str, run_id: str, timeout_s: float | None) -> dict[str, Any]:
@@ -238,12 +308,13 @@ def follow_pool(broker: str, run_id: str, timeout_s: float | None) -> dict[str, 
         sys.exit(130)
 
 
-def embedded(run_id: str, store_url: str, local_workers: int, timeout_s: float | None,
-             start: Callable[[str], Any], recipe: str) -> dict[str, Any]:
-    """Start a private pool, call ``start(broker_url)``, follow the run, stop the pool.
+def embedded(stages: list[Stage], store_url: str, local_workers: int, timeout_s: float | None,
+             recipes: list[str]) -> list[dict[str, Any]]:
+    """Start a private pool; for each stage, ``start(broker_url)`` its run and follow it (the
+    next only once it succeeded); stop the pool. Returns the runs' last descriptions.
 
-    The pool's agents import ``recipe`` (the user named it on this machine's command line) and
-    share this machine's pool key (made on first use, ``.tensorturn/pool-key``)."""
+    The pool's agents import ``recipes`` (the user named them on this machine's command line)
+    and share this machine's pool key (made on first use, ``.tensorturn/pool-key``)."""
     from .. import trust
     from ..board import RunBoard
     from ..broker import check_broker
@@ -253,31 +324,36 @@ def embedded(run_id: str, store_url: str, local_workers: int, timeout_s: float |
 
     click.echo(f"starting an embedded pool: redis-server + {local_workers} local agents; "
                f"store {config.mask_url(store_url)}", err=True)
-    config.use(trust.with_allowed(config.current(), [glob.escape(recipe)]))  # exactly this one
+    config.use(trust.with_allowed(config.current(), [glob.escape(r) for r in recipes]))  # exactly these
     trust.pool_key_or_create()
     t0 = time.monotonic()
     stop_on_signals()  # SIGTERM too: the pool's processes must not outlive this command
-    queued = False
+    queued, run_id = False, stages[0][0]
+    docs: list[dict[str, Any]] = []
     try:
         with LocalPool(local_workers, store_url) as pool:
             click.echo(f"pool ready in {time.monotonic() - t0:.1f}s; run {run_id}", err=True)
             board = RunBoard(check_broker(pool.broker_url))
-            try:
-                start(pool.broker_url)
-                doc = follow(pool.broker_url, run_id, timeout_s)
-            except KeyboardInterrupt:
-                queued = board.exists(run_id)
-                if queued:
-                    board.fail(run_id, f"interrupted; the embedded pool was stopped. "
-                                       f"Continue with: tensorturn resume {run_id}")
-                    write_manifest(open_store(store_url), board, run_id)
-                raise
-            if doc["state"] not in FINISHED:
-                board.fail(run_id, f"did not finish within --timeout {timeout_s}s; "
-                                   f"continue with: tensorturn resume {run_id}")
-            # the manifest must hold the final state before this pool (and its Redis) goes away
-            doc = write_manifest(open_store(store_url), board, run_id)
-            ignore_signals()  # the run is over: let the pool stop whatever arrives now
+            for run_id, start in stages:
+                queued = False
+                try:
+                    start(pool.broker_url)
+                    doc = follow(pool.broker_url, run_id, timeout_s)
+                except KeyboardInterrupt:
+                    queued = board.exists(run_id)
+                    if queued:
+                        board.fail(run_id, f"interrupted; the embedded pool was stopped. "
+                                           f"Continue with: tensorturn resume {run_id}")
+                        write_manifest(open_store(store_url), board, run_id)
+                    raise
+                if doc["state"] not in FINISHED:
+                    board.fail(run_id, f"did not finish within --timeout {timeout_s}s; "
+                                       f"continue with: tensorturn resume {run_id}")
+                # the manifest must hold the final state before this pool (and its Redis) goes away
+                docs.append(write_manifest(open_store(store_url), board, run_id))
+                if docs[-1]["state"] != "succeeded":
+                    break
+            ignore_signals()  # the runs are over: let the pool stop whatever arrives now
     except KeyboardInterrupt:
         if queued:
             click.echo(f"error: interrupted; the embedded pool was stopped and the finished work "
@@ -286,7 +362,7 @@ def embedded(run_id: str, store_url: str, local_workers: int, timeout_s: float |
             click.echo(f"error: interrupted before run {run_id} was queued; nothing to resume",
                        err=True)
         sys.exit(130)
-    return doc
+    return docs
 
 
 @cli.command()
@@ -301,23 +377,17 @@ def resume(broker, store, run_id, local_workers, detach, timeout_s, as_json):
     """
     from .. import client
 
-    if broker is None and local_workers < 1:
-        raise SpecError(f"--local-workers must be a whole number ≥ 1 (got {local_workers})")
-    if detach and broker is None:
-        raise SpecError("--detach needs a pool (--broker): an embedded pool stops when `resume` exits")
     known = client.describe(run_id, None, store)  # an unknown run is refused before any pool starts
 
     def start(broker_url: str) -> None:
         _, what = client.resume(run_id, broker_url, store)
         click.echo(f"run {run_id}: {what}", err=True)
 
-    if broker:
-        start(broker)
-        doc = (client.describe(run_id, broker, store) if detach
-               else follow_pool(broker, run_id, timeout_s))
-    else:
-        doc = embedded(run_id, store, local_workers, timeout_s, start, known["recipe"])
-    print_result(doc, as_json)
+    recipes = [known["recipe"]]
+    if known["recipe"] == "distill":  # a student: its agents build the ensemble's recipe too
+        recipes.append(((known.get("spec") or {}).get("recipe_options") or {}).get("recipe", ""))
+    print_results(launch([(run_id, start)], broker, store, local_workers, detach, timeout_s,
+                         [r for r in recipes if r]), as_json)
 
 
 @cli.command("check-recipe")

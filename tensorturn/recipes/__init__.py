@@ -30,6 +30,8 @@ BUILTIN: dict[str, str] = {
     "textlm": "tensorturn.recipes.textlm:TextLM",
     "gpt2-small": "tensorturn.recipes.gpt2:GPT2Small",
     "image-folder": "tensorturn.recipes.imagefolder:ImageFolder",
+    # a student trained against a finished ensemble's vote (`tensorturn distill`)
+    "distill": "tensorturn.recipes.distilled:Distilled",
 }
 
 

@@ -1,0 +1,132 @@
+"""``tensorturn distill``: one student model trained on the pool against a finished ensemble's vote."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import click
+
+from ..errors import SpecError
+from . import cli
+from .run import TRAINING, Stage, follow_options, launch, mode_options, print_results, training_options
+
+TEMPERATURE, ALPHA, TOP_K, MIXUP = 2.0, 0.5, 16, 0
+# the fused run's defaults for a student (FusedOptions' own suit training from scratch on
+# many machines): about the ensemble's own training budget, in few long rounds
+ROUNDS, SYNC_EVERY = 24, 100
+
+
+def parse_student(text: str | None) -> dict[str, Any]:
+    """``--student``: a JSON object of model settings, or ``@path`` to a file holding one."""
+    if text is None:
+        return {}
+    source = "--student"
+    if text.startswith("@"):
+        path = Path(text[1:])
+        try:
+            text = path.read_text()
+        except OSError as exc:
+            raise SpecError(f"--student {text}: cannot read {path}: {exc.strerror}") from None
+        source = f"--student file {path}"
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise SpecError(f"{source} is not JSON ({exc}); give an object such as '{{\"hidden\": 64}}'") from None
+    if not isinstance(value, dict):
+        raise SpecError(f"{source} must be a JSON object of model settings (got {type(value).__name__})")
+    return value
+
+
+def distill_spec(teacher: str, store: str, run_id: str = "", student: dict[str, Any] | None = None,
+                 temperature: float = TEMPERATURE, alpha: float = ALPHA, top_k: int = TOP_K,
+                 mixup: int = MIXUP, **options: Any) -> Any:
+    """The fused run that distills ensemble ``teacher``: its recipe is ``distill`` over the
+    ensemble's (checked now: a finished ensemble, a student that fits the data). Fused options
+    not given take the student's defaults (ROUNDS, SYNC_EVERY, :func:`default_shards`)."""
+    from .. import client
+    from ..recipes import resolve
+    from ..recipes.distilled import default_shards, plan
+    from ..spec import RunSpec
+    from ..store import open_store
+
+    recipe_options = plan(open_store(store), teacher, student, temperature, alpha, top_k, mixup)
+    options = {k: v for k, v in options.items() if v is not None}
+    options.setdefault("rounds", ROUNDS)
+    options.setdefault("sync_every", SYNC_EVERY)
+    if "shards" not in options:
+        options["shards"] = default_shards(resolve("distill", recipe_options).train_rows())
+    spec = RunSpec.create("fused", "distill", store, recipe_options=recipe_options,
+                          **({"run_id": run_id} if run_id else {}), **options)
+    client.validate(spec)
+    return spec
+
+
+def distill_stage(teacher: str, store: str, training: dict[str, Any], **settings: Any) -> Stage:
+    """A stage of ``launch`` that distills ``teacher`` once it has finished (``run --merge``):
+    its run id is chosen now, its spec built when the ensemble is done."""
+    from .. import client
+    from ..spec import new_run_id
+
+    run_id = new_run_id()
+
+    def start(broker_url: str) -> dict[str, Any]:
+        spec = distill_spec(teacher, store, run_id=run_id, **settings, **training)
+        click.echo(f"distilling ensemble {teacher} into one model: run {run_id}", err=True)
+        return client.submit(spec, broker_url)
+
+    return run_id, start
+
+
+@cli.command()
+@click.argument("teacher", metavar="RUN")
+@click.option("--student", default=None, metavar="JSON|@FILE",
+              help="The student's model settings, over the recipe's defaults: a JSON object "
+                   "(e.g. '{\"hidden\": 64}') or @path to a file holding one [default: the "
+                   "recipe's default model, one member's inference cost].")
+@click.option("--temperature", type=float, default=TEMPERATURE, show_default=True,
+              help="Softens the members' distributions before they are averaged and matched "
+                   "(Hinton et al. 2015); higher keeps more of what the vote says about wrong classes.")
+@click.option("--alpha", type=float, default=ALPHA, show_default=True,
+              help="Weight of the teacher's soft targets; 1 − alpha goes to the true labels.")
+@click.option("--top-k", type=int, default=TOP_K, show_default=True,
+              help="Classes (tokens) of the teacher's distribution kept per row, renormalised: "
+                   "bounds the stored targets for large vocabularies.")
+@click.option("--mixup", type=int, default=MIXUP, show_default=True,
+              help="Mixed transfer rows per training row, real-valued inputs only: each a random "
+                   "mix of two rows of its shard, labelled by the teacher alone.")
+@mode_options("fused", defaults={"rounds": str(ROUNDS), "sync_every": str(SYNC_EVERY),
+                                 "shards": "one per 700 training rows, 2 to 8"})
+@training_options
+@follow_options("distill")
+def distill(broker, store, teacher, student, temperature, alpha, top_k, mixup, local_workers, detach,
+            timeout_s, as_json, **options):
+    """Distill a finished ensemble into one model, trained on the pool.
+
+    RUN is an ensemble run that has succeeded. The student — the ensemble's recipe with its
+    default model, or --student settings — trains as a fused run (sharded, averaged every
+    --sync-every steps, requeued when a machine drops) to match the members' soft vote at
+    --temperature, mixed with the true labels by --alpha. Each shard's teacher targets are
+    computed once, by the first machine that trains it, and kept in the store. The result is an
+    ordinary one-model run: `tensorturn serve` serves it, its manifest names the ensemble.
+
+    \b
+    Examples:
+      tensorturn run --mode ensemble --recipe digits-mlp --members 4 --json   # → RUN
+      tensorturn distill RUN --local-workers 2
+      tensorturn distill RUN --student '{"hidden": 32}' --temperature 4 --rounds 12
+    """
+    training = {k: options.pop(k) for k in TRAINING}
+    given = {k: v for k, v in options.items() if v is not None}
+    spec = distill_spec(teacher, store, student=parse_student(student), temperature=temperature,
+                        alpha=alpha, top_k=top_k, mixup=mixup, **training, **given)
+
+    def start(broker_url: str) -> dict[str, Any]:
+        from .. import client
+
+        return client.submit(spec, broker_url)
+
+    recipes = ["distill", spec.recipe_options["recipe"]]
+    print_results(launch([(spec.run_id, start)], broker, store, local_workers, detach, timeout_s,
+                         recipes), as_json)

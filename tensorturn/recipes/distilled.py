@@ -1,0 +1,283 @@
+"""The ``distill`` recipe: a student of an ensemble's recipe, trained against the ensemble's vote.
+
+``tensorturn distill RUN`` starts an ordinary fused run of this recipe. It is its *base* recipe
+(the ensemble's, with the options the ensemble ran with) in everything — data, model, evaluation,
+what the API serves — but two things:
+
+* :meth:`Distilled.shard_data` returns each training row's label together with the teacher's
+  target: the ensemble's soft vote at temperature T, kept as its ``top_k`` most likely classes
+  (:func:`tensorturn.distill.teacher_targets`). A shard's targets are computed once, by the first
+  machine that trains the shard — it loads the finished ensemble from the store, checked against
+  its signed manifest — and stored beside the ensemble
+  (``runs/<ensemble>/teacher/<tag>/shard-<k>-of-<S>.safetensors``); every later round, and every
+  other machine, reads them from there. Targets never travel through the broker.
+* :meth:`Distilled.loss` is Hinton's distillation loss on them (:func:`tensorturn.distill.distill_loss`).
+
+So a distillation is sharded, averaged, checkpointed and requeued like any fused run, and its
+result is a one-model file that any machine serves with the base recipe's code; the recipe
+options (the ensemble's run id, T, α, top-k, the student's configuration) are its lineage.
+
+The models' outputs must be logits: ``[rows, classes]`` for classification, ``[rows, positions,
+vocabulary]`` for a language model — what the default loss assumes. Regression ensembles are
+refused (their mean is already the teacher; nothing soft to match).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import RecipeError
+from .base import Recipe
+
+log = logging.getLogger(__name__)
+
+DISTILLABLE = ("classification", "language_model")
+ROWS_PER_SHARD = 700  # distill's default shards: one per this many training rows, 2 to 8
+
+
+class Distilled(Recipe):
+    name = "distill"
+
+    def __init__(self, teacher: str, recipe: str, recipe_options: dict[str, Any] | None = None,
+                 student: dict[str, Any] | None = None, temperature: float = 2.0,
+                 alpha: float = 0.9, top_k: int = 16, mixup: int = 0):
+        from . import resolve
+
+        if not isinstance(teacher, str) or not teacher:
+            raise RecipeError("the distill recipe needs teacher=<ensemble run id>")
+        if not float(temperature) > 0:
+            raise RecipeError(f"--temperature must be positive (got {temperature})")
+        if not 0.0 <= float(alpha) <= 1.0:
+            raise RecipeError(f"--alpha must be in [0, 1] (got {alpha})")
+        if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1:
+            raise RecipeError(f"--top-k must be a whole number ≥ 1 (got {top_k})")
+        if not isinstance(mixup, int) or isinstance(mixup, bool) or mixup < 0:
+            raise RecipeError(f"--mixup must be a whole number ≥ 0 (got {mixup})")
+        if student is not None and not isinstance(student, dict):
+            raise RecipeError(f"--student must be a JSON object of model settings (got {student!r})")
+        self.teacher, self.temperature, self.alpha, self.top_k = teacher, float(temperature), float(alpha), top_k
+        self.student, self.mixup = dict(student or {}), mixup
+        self.base_ref, self.base_options = recipe, dict(recipe_options or {})
+        self.base = resolve(recipe, self.base_options)
+        if self.base.task not in DISTILLABLE:
+            raise RecipeError(f"recipe {recipe!r} is a {self.base.task} recipe: distillation needs "
+                              f"a classification or language-model ensemble")
+        # the base's training defaults are the student's
+        self.task = self.base.task
+        for attr in ("lr", "weight_decay", "batch_size", "eval_batch_size", "input_dtype"):
+            setattr(self, attr, getattr(self.base, attr))
+        self._targets: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return (f"Distilled(teacher={self.teacher!r}, base={self.base_ref!r}, T={self.temperature:g}, "
+                f"alpha={self.alpha:g}, top_k={self.top_k})")
+
+    @property
+    def tag(self) -> str:
+        """What the stored targets depend on besides the shard: T, top-k and the mixed rows (the
+        rows themselves: the seed)."""
+        return f"T{self.temperature:g}-k{self.top_k}" + (f"-mix{self.mixup}" if self.mixup else "")
+
+    # ---- the base recipe, unchanged ------------------------------------------------------------
+    def raw_data(self):
+        return self.base.raw_data()
+
+    def model(self, config: dict[str, Any]) -> nn.Module:
+        return self.base.model(config)
+
+    def default_config(self) -> dict[str, Any]:
+        return {**self.base.default_config(), **self.student}
+
+    def input_shape(self) -> list[int]:
+        return self.base.input_shape()
+
+    def preprocess(self, raw: torch.Tensor) -> torch.Tensor:
+        return self.base.preprocess(raw)
+
+    def check_input(self, raw: Any) -> str | None:
+        return self.base.check_input(raw)
+
+    def predict_proba(self, model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return self.base.predict_proba(model, x)
+
+    def predict(self, model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return self.base.predict(model, x)
+
+    def evaluate(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
+        return self.base.evaluate(model, x, y)
+
+    def eval_batches(self, split: str) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        return self.base.eval_batches(split)
+
+    def prefetch(self, k: int, shards: int) -> None:
+        self.base.prefetch(k, shards)
+
+    def cached_shards(self, shards: int) -> list[int]:
+        return self.base.cached_shards(shards)
+
+    def train_rows(self) -> int:
+        return self.base.train_rows()
+
+    def sample_input(self) -> torch.Tensor:
+        return self.base.sample_input()
+
+    # ---- what distillation changes -------------------------------------------------------------
+    def shard_data(self, k: int, shards: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Shard k's rows (and ``mixup`` mixed rows per row, without a label), each target = its
+        label followed by the teacher's top-k probabilities and their class indices (one float
+        tensor, so batches slice it like any target)."""
+        from ..distill import NO_LABEL, mixup_rows
+        from ..training import derive_seed
+
+        x, y, rows = self.base.shard_data(k, shards, seed)
+        x, y = x[rows], y[rows]
+        if self.mixup:
+            mixed = mixup_rows(x, self.mixup, derive_seed(seed, "mixup", k)).to(x.dtype)
+            x = torch.cat([x, mixed])
+            y = torch.cat([y, torch.full((len(mixed),) + tuple(y.shape[1:]), NO_LABEL, dtype=y.dtype)])
+        values, indices = self.targets(k, shards, seed, x)
+        packed = torch.cat([y.unsqueeze(-1).float(), values.float(), indices.float()], dim=-1)
+        return x, packed, torch.arange(len(y))
+
+    def loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        from ..distill import distill_loss
+
+        k = (y.shape[-1] - 1) // 2
+        labels, values, indices = y[..., 0].long(), y[..., 1:1 + k], y[..., 1 + k:].long()
+        logits = model(x)
+        classes = logits.shape[-1]
+        return distill_loss(logits.reshape(-1, classes), values.reshape(-1, k),
+                            indices.reshape(-1, k), labels.reshape(-1), self.temperature, self.alpha)
+
+    def targets(self, k: int, shards: int, seed: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The teacher's (top-k probabilities fp16, class indices int32) for shard k's rows ``x``:
+        from this process's memory, else the store, else computed here and stored."""
+        with self._lock:
+            if (k, shards, seed) not in self._targets:
+                self._targets[(k, shards, seed)] = self._load_or_compute(k, shards, seed, x)
+            return self._targets[(k, shards, seed)]
+
+    def _load_or_compute(self, k: int, shards: int, seed: int, x: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+        from .. import config, layout
+        from ..store import open_store
+        from ..tensors import from_bytes, to_bytes
+
+        store = open_store(config.current().resolved_store_url())
+        key = layout.key("teacher", self.teacher, f"{self.tag}-s{seed}", k, shards)
+        if not store.exists(key):
+            values, indices = self.compute_targets(store, x)
+            if not store.exists(key):  # the first stored is everyone's (the same bytes on a CPU)
+                store.put_bytes(key, to_bytes({"values": values, "indices": indices},
+                                              {"teacher": self.teacher, "tag": self.tag,
+                                               "rows": str(len(x))}))
+                return values, indices
+        stored = from_bytes(store.get_bytes(key))
+        if len(stored["values"]) != len(x):
+            raise RecipeError(f"the stored teacher targets {key} hold {len(stored['values'])} rows, "
+                              f"shard {k} has {len(x)}: the ensemble's data changed")
+        return stored["values"], stored["indices"]
+
+    @torch.no_grad()
+    def compute_targets(self, store: Any, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ensemble's soft vote on ``x`` (preprocessed rows), a forward pass per piece of
+        ``eval_batch_size`` rows and member."""
+        from ..artifact import load_result
+        from ..device import pick_device
+        from ..distill import teacher_targets
+
+        predictor, _ = load_result(store, self.teacher)
+        device = pick_device()
+        models = [m.to(device).eval() for m in predictor.models]
+        values, indices = [], []
+        for lo in range(0, len(x), self.eval_batch_size):
+            piece = x[lo:lo + self.eval_batch_size].to(device)
+            logits = torch.stack([m(piece).float() for m in models])
+            v, i = teacher_targets(logits, self.temperature, self.top_k)
+            values.append(v.half().cpu())
+            indices.append(i.int().cpu())
+        log.info("teacher targets of %d rows from %d members of run %s", len(x), len(models), self.teacher)
+        return torch.cat(values), torch.cat(indices)
+
+    def check_student(self, member_configs: list[dict[str, Any]]) -> None:
+        """RecipeError in one line unless the student builds and answers a row of the data the
+        way the ensemble's members do (the same output shape: the same classes or vocabulary)."""
+        sample = self.base.sample_input()
+        config = self.default_config()
+        try:
+            with torch.no_grad():
+                out = self.base.model(config).eval()(sample)
+        except Exception as exc:  # noqa: BLE001 - any failure of the user's config, in one line
+            raise RecipeError(f"the student config {json_text(self.student)} does not fit recipe "
+                              f"{self.base_ref!r}'s data: {type(exc).__name__}: {exc}") from None
+        with torch.no_grad():
+            want = self.base.model(member_configs[0]).eval()(sample) if member_configs else out
+        if not isinstance(out, torch.Tensor) or tuple(out.shape) != tuple(want.shape):
+            got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+            raise RecipeError(f"the student config {json_text(self.student)} does not fit the data: "
+                              f"its output for one row is {got}, the ensemble's members give "
+                              f"{tuple(want.shape)}")
+
+
+def json_text(value: Any) -> str:
+    import json
+
+    return json.dumps(value, sort_keys=True)
+
+
+def plan(store: Any, teacher: str, student: dict[str, Any] | None, temperature: float,
+         alpha: float, top_k: int, mixup: int = 0) -> dict[str, Any]:
+    """The ``distill`` recipe's options for ensemble run ``teacher``, checked before anything is
+    queued: a finished ensemble (its signed manifest) of a classification or language-model
+    recipe, T, α and top-k in range, and a student that fits the data. One-line errors.
+    ``mixup``: mixed transfer rows per row (real-valued inputs only)."""
+    from ..errors import NotFound, SpecError
+    from ..manifest import read_manifest
+    from ..store import ObjectMissing
+    from . import resolve
+
+    if not temperature > 0:
+        raise SpecError(f"--temperature must be positive (got {temperature:g})")
+    if not 0.0 <= alpha <= 1.0:
+        raise SpecError(f"--alpha must be in [0, 1] (got {alpha:g})")
+    if top_k < 1:
+        raise SpecError(f"--top-k must be a whole number ≥ 1 (got {top_k})")
+    try:
+        manifest = read_manifest(store, teacher, verify=True)
+    except ObjectMissing:
+        raise NotFound(f"no run {teacher!r} in the store (see `tensorturn runs`)") from None
+    if manifest.get("mode") != "ensemble":
+        raise SpecError(f"run {teacher} is a {manifest.get('mode')} run, not an ensemble: it is one "
+                        f"model already (distillation turns an ensemble's vote into one model)")
+    if manifest.get("state") != "succeeded" or not manifest.get("model_uri"):
+        raise SpecError(f"run {teacher} is {manifest.get('state')}, not a finished ensemble: distill "
+                        f"it once it has succeeded (`tensorturn status {teacher}`)")
+    spec = manifest["spec"]
+    options = {"teacher": teacher, "recipe": spec["recipe"],
+               "recipe_options": spec.get("recipe_options") or {}, "student": dict(student or {}),
+               "temperature": float(temperature), "alpha": float(alpha), "top_k": top_k,
+               "mixup": 0}
+    recipe = resolve("distill", options)
+    if mixup < 0:
+        raise SpecError(f"--mixup must be a whole number ≥ 0 (got {mixup})")
+    if mixup and not recipe.sample_input().is_floating_point():
+        raise SpecError(f"--mixup mixes real-valued inputs; recipe {spec['recipe']!r} takes "
+                        f"{recipe.sample_input().dtype} inputs (token ids): use --mixup 0")
+    options["mixup"] = mixup
+    members = [m["config"]["model"] for m in manifest.get("members", []) if m.get("state") == "succeeded"]
+    recipe.check_student(members)  # type: ignore[attr-defined]
+    return options
+
+
+def default_shards(train_rows: int) -> int:
+    """Shards of a distillation when the user gives none: one per ~700 training rows, 2 to 8.
+    The student trains on the ensemble's own rows; on little data, averaging many small shards
+    each gone over many times costs accuracy (benchmarks/distill.py: digits' 1,437 rows)."""
+    return max(2, min(8, train_rows // ROWS_PER_SHARD))

@@ -1,0 +1,198 @@
+"""Distillation on a real pool: an ensemble's vote → one student model (``tensorturn distill``).
+
+The student is a fused run of the ``distill`` recipe; its teacher targets are computed by the
+shards' machines and stored beside the ensemble. These tests check what a user relies on: the
+targets are the members' vote, the result serves like any model and names its ensemble, an agent
+killed mid-distillation changes nothing, and every mistake is one line with nothing started.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import redis
+import torch
+from conftest import tt, tt_json, wait_for
+
+from tensorturn import client, config, layout, trust
+from tensorturn.artifact import load_result
+from tensorturn.board import RunBoard
+from tensorturn.cli.distill import distill_spec
+from tensorturn.distill import teacher_targets
+from tensorturn.errors import RecipeError
+from tensorturn.recipes import Recipe, resolve
+from tensorturn.recipes.distilled import Distilled
+from tensorturn.seeding import shard_rows
+from tensorturn.spec import RunSpec
+from tensorturn.store import open_store
+
+pytestmark = pytest.mark.e2e
+
+# small, and long enough per shard (≈ 1.5k steps) for a kill to land mid-training
+STUDENT = dict(rounds=2, shards=3, sync_every=1500)
+
+
+@pytest.fixture(scope="module")
+def ensemble(pool):
+    spec = RunSpec.create("ensemble", "digits-mlp", pool.store_url, members=2, segments=1,
+                          segment_steps=150, seed=0)
+    client.submit(spec, pool.broker_url)
+    doc = client.wait(pool.broker_url, spec.run_id, timeout_s=600)
+    assert doc["state"] == "succeeded", doc.get("error")
+    return doc
+
+
+@pytest.fixture(scope="module")
+def student(pool, ensemble):
+    """``tensorturn distill`` through the CLI, fault-free: the reference run."""
+    return tt_json("distill", ensemble["run_id"], "--broker", pool.broker_url, "--store",
+                   pool.store_url, *(f"--{k.replace('_', '-')}={v}" for k, v in STUDENT.items()),
+                   "--json")
+
+
+def test_the_student_learns_the_vote_and_serves_as_one_model_with_its_lineage(pool, ensemble, student):
+    assert student["state"] == "succeeded", student.get("error")
+    assert student["recipe"] == "distill" and student["mode"] == "fused"
+    assert student["lineage"] == {"distilled_from": ensemble["run_id"], "recipe": "digits-mlp",
+                                  "temperature": 2.0, "alpha": 0.5, "top_k": 16, "mixup": 0,
+                                  "student": {}}
+    store = open_store(pool.store_url)
+    # each shard's targets once, beside the ensemble; they are the members' soft vote at T
+    keys = sorted(store.list(f"runs/{ensemble['run_id']}/teacher/"))
+    assert keys == [layout.key("teacher", ensemble["run_id"], "T2-k16-s0", k, 3) for k in range(3)]
+    vote, _ = load_result(store, ensemble["run_id"])
+    base = resolve("digits-mlp")
+    x, _, rows = base.shard_data(1, 3, 0)
+    with torch.no_grad():
+        want_values, want_indices = teacher_targets(torch.stack([m(x[rows]) for m in vote.models]), 2.0, 16)
+    from tensorturn.tensors import from_bytes
+
+    stored = from_bytes(store.get_bytes(keys[1]))
+    assert torch.equal(stored["indices"], want_indices.int())
+    assert torch.allclose(stored["values"].float(), want_values, atol=1e-3)
+    # the result is one model, served by the base recipe's code with no teacher in reach
+    predictor, manifest = load_result(store, student["run_id"])
+    assert len(predictor.models) == 1 and manifest["lineage"]["distilled_from"] == ensemble["run_id"]
+    answer, _ = predictor.predict(base.preprocess(base.raw_data()[4][:5]))
+    assert answer.shape == (5, 10)
+    assert student["metrics"]["test_accuracy"] == pytest.approx(
+        base.evaluate_split(predictor.models[0], "test")["accuracy"])
+
+
+def test_an_agent_killed_mid_distillation_loses_nothing(pool, ensemble, student):
+    spec = distill_spec(ensemble["run_id"], pool.store_url, **STUDENT)
+    client.submit(spec, pool.broker_url)
+    board = RunBoard(redis.Redis.from_url(pool.broker_url, decode_responses=True))
+    victim = wait_for(lambda: next((a for a in board.attempts(spec.run_id)
+                                    if a["task"].startswith("r0/") and a["outcome"] == "running"), None),
+                      "a shard of round 0 training")
+    index = int(victim["worker"].split("@")[0].removeprefix("local")) - 1
+    os.killpg(pool.agents[index].pid, signal.SIGKILL)
+    pool.agents[index].wait()
+    pool.start_agent(index)
+    doc = client.wait(pool.broker_url, spec.run_id, timeout_s=600)
+    assert doc["state"] == "succeeded", doc.get("error")
+    assert doc["model_sha256"] == student["model_sha256"]  # the fault-free student, bit for bit
+    assert [r["samples"] for r in doc["rounds"]] == [r["samples"] for r in student["rounds"]]
+    tries = [a for a in doc["attempts"] if a["task"] == victim["task"]]
+    assert tries[0]["outcome"].startswith("lost") and tries[-1]["outcome"] == "succeeded"
+
+
+def test_merge_distill_runs_the_ensemble_then_its_student_in_one_command(tmp_path):
+    doc = tt_json("run", "--mode", "ensemble", "--recipe", "digits-mlp", "--members", "2",
+                  "--segments", "1", "--segment-steps", "50", "--merge", "distill",
+                  "--local-workers", "2", "--json", cwd=tmp_path, timeout=900)
+    assert doc["ensemble"]["state"] == "succeeded" and doc["ensemble"]["mode"] == "ensemble"
+    assert doc["state"] == "succeeded" and doc["lineage"]["distilled_from"] == doc["ensemble"]["run_id"]
+    store = open_store((tmp_path / "tensorturn-store").as_uri())
+    predictor, _ = load_result(store, doc["run_id"])
+    assert len(predictor.models) == 1
+
+
+# ---- mistakes: one line, nothing queued -------------------------------------------------------
+
+def fake_manifest(store, run_id: str, **fields) -> None:
+    doc = {"run_id": run_id, "mode": "ensemble", "state": "running", "recipe": "digits-mlp",
+           "model_uri": None, "spec": {"recipe": "digits-mlp"}, **fields}
+    store.put_json(layout.key("manifest", run_id), trust.pool_key().sign_doc("manifest", doc))
+
+
+@pytest.mark.parametrize("args,expected", [
+    (("nosuchrun",), "no run 'nosuchrun' in the store"),
+    (("STUDENT",), "is a fused run, not an ensemble: it is one model already"),
+    (("UNFINISHED",), "is running, not a finished ensemble"),
+    (("ENSEMBLE", "--student", '{"hidden": "wide"}'), "the student config {\"hidden\": \"wide\"} "
+                                                      "does not fit recipe 'digits-mlp'"),
+    (("ENSEMBLE", "--student", "wide"), "--student is not JSON"),
+    (("ENSEMBLE", "--student", "[64]"), "--student must be a JSON object"),
+    (("ENSEMBLE", "--student", "@/nonexistent.json"), "cannot read /nonexistent.json"),
+    (("ENSEMBLE", "--temperature", "0"), "--temperature must be positive (got 0)"),
+    (("ENSEMBLE", "--alpha", "1.5"), "--alpha must be in [0, 1] (got 1.5)"),
+    (("ENSEMBLE", "--top-k", "0"), "--top-k must be a whole number ≥ 1 (got 0)"),
+    (("ENSEMBLE", "--rounds", "0"), "--rounds must be a whole number ≥ 1 (got 0)"),
+])
+def test_bad_distillations_are_one_line_and_start_nothing(pool, ensemble, student, redis_server,
+                                                          args, expected):
+    store = open_store(pool.store_url)
+    fake_manifest(store, "unfinished-ensemble")
+    names = {"STUDENT": student["run_id"], "ENSEMBLE": ensemble["run_id"],
+             "UNFINISHED": "unfinished-ensemble"}
+    before = sorted(store.list("runs/"))
+    proc = tt("distill", *(names.get(a, a) for a in args), "--broker", redis_server.url,
+              "--store", pool.store_url)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and expected in errors[0], proc.stderr
+    assert proc.stdout == ""
+    assert sorted(store.list("runs/")) == before
+    assert redis.Redis.from_url(redis_server.url).keys("*") == []
+
+
+def test_merge_is_refused_where_it_cannot_work(tmp_path, redis_server):
+    proc = tt("run", "--mode", "fused", "--recipe", "digits-mlp", "--merge", "distill",
+              "--store", str(tmp_path / "store"), cwd=tmp_path)
+    assert proc.returncode == 2 and "--merge distill merges an ensemble's members" in proc.stderr
+    proc = tt("run", "--mode", "ensemble", "--recipe", "digits-mlp", "--merge", "distill",
+              "--detach", "--broker", redis_server.url, "--store", str(tmp_path / "store"), cwd=tmp_path)
+    assert proc.returncode == 2 and "--merge waits for the ensemble" in proc.stderr
+    assert not (tmp_path / "store").exists() and redis.Redis.from_url(redis_server.url).keys("*") == []
+
+
+class Wide(Recipe):
+    """A recipe whose output width is a setting: a student can be built with the wrong one."""
+
+    def raw_data(self):
+        x = torch.randn(40, 3, generator=torch.Generator().manual_seed(0))
+        y = torch.randint(4, (40,), generator=torch.Generator().manual_seed(1))
+        return x[:20], y[:20], x[20:30], y[20:30], x[30:], y[30:]
+
+    def default_config(self):
+        return {"classes": 4}
+
+    def model(self, config):
+        return torch.nn.Linear(3, config["classes"])
+
+
+def test_a_student_with_other_outputs_than_the_members_is_refused():
+    config.use(trust.with_allowed(config.current(), ["test_distill:*"]))
+    recipe = Distilled(teacher="some-ensemble", recipe="test_distill:Wide", student={"classes": 5})
+    with pytest.raises(RecipeError, match=r"its output for one row is \(1, 5\), the ensemble's "
+                                          r"members give \(1, 4\)"):
+        recipe.check_student([{"classes": 4}])
+    Distilled(teacher="some-ensemble", recipe="test_distill:Wide").check_student([{"classes": 4}])
+
+
+def test_shard_rows_of_the_student_are_the_base_recipes_rows_with_their_labels():
+    """The packed target of a row: its label, then the teacher's top-k values and classes."""
+    config.use(trust.with_allowed(config.current(), ["test_distill:*"]))
+    recipe = Distilled(teacher="t", recipe="test_distill:Wide", top_k=2)
+    base_x, base_y, rows = recipe.base.shard_data(0, 2, 0)
+    values, indices = torch.rand(len(rows), 2).half(), torch.randint(4, (len(rows), 2)).int()
+    recipe._targets[(0, 2, 0)] = (values, indices)  # as if read from the store
+    x, y, order = recipe.shard_data(0, 2, 0)
+    assert torch.equal(x, base_x[rows]) and torch.equal(order, torch.arange(len(rows)))
+    assert torch.equal(y[:, 0].long(), base_y[rows])
+    assert torch.equal(y[:, 1:3], values.float()) and torch.equal(y[:, 3:].long(), indices.long())
+    assert shard_rows(20, 2, 0, 0).tolist() == rows.tolist()
