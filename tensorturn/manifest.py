@@ -60,3 +60,22 @@ def try_write_manifest(store: Store | None, board: RunBoard, run_id: str) -> Non
         write_manifest(store, board, run_id)
     except StoreError as exc:
         log.warning("run %s: manifest not saved (%s); the broker has the run's state", run_id, exc)
+
+
+def finished_ensemble(store: Store, run_id: str, merge: str) -> dict[str, Any]:
+    """The signed manifest of ensemble ``run_id``, refused in one line unless it is a finished
+    ensemble (what ``merge`` — distill, soup — turns into one model)."""
+    from .errors import NotFound, SpecError
+    from .store import ObjectMissing
+
+    try:
+        manifest = read_manifest(store, run_id, verify=True)
+    except ObjectMissing:
+        raise NotFound(f"no run {run_id!r} in the store (see `tensorturn runs`)") from None
+    if manifest.get("mode") != "ensemble":
+        raise SpecError(f"run {run_id} is a {manifest.get('mode')} run, not an ensemble: it is one "
+                        f"model already ({merge} turns an ensemble into one model)")
+    if manifest.get("state") != "succeeded" or not manifest.get("model_uri"):
+        raise SpecError(f"run {run_id} is {manifest.get('state')}, not a finished ensemble: {merge} "
+                        f"it once it has succeeded (`tensorturn status {run_id}`)")
+    return manifest

@@ -196,3 +196,27 @@ def test_shard_rows_of_the_student_are_the_base_recipes_rows_with_their_labels()
     assert torch.equal(y[:, 0].long(), base_y[rows])
     assert torch.equal(y[:, 1:3], values.float()) and torch.equal(y[:, 3:].long(), indices.long())
     assert shard_rows(20, 2, 0, 0).tolist() == rows.tolist()
+
+
+def test_a_language_model_is_distilled_position_by_position(pool, tmp_path):
+    """charlm: the teacher's targets are a top-k distribution per position of each window."""
+    text = tmp_path / "text.txt"
+    text.write_text("".join(f"line {i}: the quick brown fox jumps over the lazy dog\n" for i in range(400)))
+    options = {"data": str(text), "context": 16, "n_layer": 1, "n_embd": 32, "n_head": 2}
+    spec = RunSpec.create("ensemble", "charlm", pool.store_url, recipe_options=options, members=2,
+                          segments=1, segment_steps=20, diversity="seed", seed=0)
+    client.submit(spec, pool.broker_url)
+    ens = client.wait(pool.broker_url, spec.run_id, timeout_s=600)
+    assert ens["state"] == "succeeded", ens.get("error")
+    student_spec = distill_spec(spec.run_id, pool.store_url, top_k=4, rounds=1, shards=2, sync_every=10)
+    client.submit(student_spec, pool.broker_url)
+    doc = client.wait(pool.broker_url, student_spec.run_id, timeout_s=600)
+    assert doc["state"] == "succeeded", doc.get("error")
+    assert doc["rounds"][0]["val_loss"] is not None
+    from tensorturn.tensors import from_bytes
+
+    store = open_store(pool.store_url)
+    stored = from_bytes(store.get_bytes(layout.key("teacher", spec.run_id, "T2-k4-s0", 0, 2)))
+    windows = len(resolve("charlm", options).shard_data(0, 2, 0)[2])
+    assert stored["values"].shape == stored["indices"].shape == (windows, 16, 4)
+    assert torch.allclose(stored["values"].float().sum(-1), torch.ones(windows, 16), atol=1e-2)

@@ -1,4 +1,5 @@
-"""``tensorturn distill``: one student model trained on the pool against a finished ensemble's vote."""
+"""From an ensemble to one model: ``tensorturn distill`` (a student trained on the pool against the
+vote) and ``tensorturn soup`` (members fine-tuned from one model, averaged)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import Any
 import click
 
 from ..errors import SpecError
-from . import cli
+from . import cli, pool_options
 from .run import TRAINING, Stage, follow_options, launch, mode_options, print_results, training_options
 
 TEMPERATURE, ALPHA, TOP_K, MIXUP = 2.0, 0.5, 16, 0
@@ -130,3 +131,37 @@ def distill(broker, store, teacher, student, temperature, alpha, top_k, mixup, l
     recipes = ["distill", spec.recipe_options["recipe"]]
     print_results(launch([(spec.run_id, start)], broker, store, local_workers, detach, timeout_s,
                          recipes), as_json)
+
+
+@cli.command()
+@click.argument("ensemble", metavar="RUN")
+@click.option("--rule", type=click.Choice(["greedy", "uniform"]), default="greedy", show_default=True,
+              help="greedy: members join, best first, while the soup's validation score does not "
+                   "drop (Wortsman et al. 2022); uniform: the mean of every member's weights.")
+@click.option("--eval-batches", type=int, default=None,
+              help="Validation and test figures from at most this many forward passes "
+                   "[default: the whole split].")
+@click.option("--json", "as_json", is_flag=True, help="Print the soup's run as one JSON object.")
+@pool_options("Unused: a soup is made here, from the store alone.")
+def soup(broker, store, ensemble, rule, eval_batches, as_json):
+    """Average an ensemble's members into one model (a weight soup), here, from the store.
+
+    RUN must be a finished ensemble whose members were fine-tuned from one model
+    (`run --mode ensemble --init-from MODEL_RUN`): only then is the average of their weights a
+    model. The soup is stored as a new one-model run, served like a fused model; its manifest
+    names the ensemble, the rule and the members in it. Other ensembles are refused with the
+    reason (`tensorturn distill RUN` merges any ensemble, on the pool).
+
+    \b
+    Example:
+      tensorturn run --mode fused --recipe digits-mlp --json                       # → BASE
+      tensorturn run --mode ensemble --recipe digits-mlp --init-from BASE --json   # → RUN
+      tensorturn soup RUN
+    """
+    from ..soup import soup as make_soup
+    from ..store import open_store
+
+    if eval_batches is not None and eval_batches < 1:
+        raise SpecError(f"--eval-batches must be a whole number ≥ 1 (got {eval_batches})")
+    doc = make_soup(open_store(store), ensemble, rule, eval_batches)
+    print_results([doc], as_json)

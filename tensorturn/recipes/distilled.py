@@ -238,9 +238,8 @@ def plan(store: Any, teacher: str, student: dict[str, Any] | None, temperature: 
     queued: a finished ensemble (its signed manifest) of a classification or language-model
     recipe, T, α and top-k in range, and a student that fits the data. One-line errors.
     ``mixup``: mixed transfer rows per row (real-valued inputs only)."""
-    from ..errors import NotFound, SpecError
-    from ..manifest import read_manifest
-    from ..store import ObjectMissing
+    from ..errors import SpecError
+    from ..manifest import finished_ensemble
     from . import resolve
 
     if not temperature > 0:
@@ -249,16 +248,7 @@ def plan(store: Any, teacher: str, student: dict[str, Any] | None, temperature: 
         raise SpecError(f"--alpha must be in [0, 1] (got {alpha:g})")
     if top_k < 1:
         raise SpecError(f"--top-k must be a whole number ≥ 1 (got {top_k})")
-    try:
-        manifest = read_manifest(store, teacher, verify=True)
-    except ObjectMissing:
-        raise NotFound(f"no run {teacher!r} in the store (see `tensorturn runs`)") from None
-    if manifest.get("mode") != "ensemble":
-        raise SpecError(f"run {teacher} is a {manifest.get('mode')} run, not an ensemble: it is one "
-                        f"model already (distillation turns an ensemble's vote into one model)")
-    if manifest.get("state") != "succeeded" or not manifest.get("model_uri"):
-        raise SpecError(f"run {teacher} is {manifest.get('state')}, not a finished ensemble: distill "
-                        f"it once it has succeeded (`tensorturn status {teacher}`)")
+    manifest = finished_ensemble(store, teacher, "distillation")
     spec = manifest["spec"]
     options = {"teacher": teacher, "recipe": spec["recipe"],
                "recipe_options": spec.get("recipe_options") or {}, "student": dict(student or {}),

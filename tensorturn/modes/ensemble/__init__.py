@@ -47,6 +47,7 @@ class EnsembleOptions(ModeOptions):
     bootstrap       train each member on its own bootstrap sample of the data
     diversity       full = seed + a draw from the recipe's config space; seed = seed only
     deadline        seconds after submission; members still training then drop out
+    init_from       start every member from this finished one-model run (members keep its architecture; a soup needs it)
     """
     CHOICES = {"vote": VOTES, "diversity": DIVERSITY}
 
@@ -58,6 +59,10 @@ class EnsembleOptions(ModeOptions):
     bootstrap: bool = True
     diversity: str = "full"             # full: seed + config draw; seed: seed (+ bootstrap) only
     deadline: float | None = None       # seconds after creation; later segments drop their member
+    init_from: str | None = None        # a finished one-model run every member starts from
+    # derived at start from init_from: its model's configuration and its file's sha256
+    init_config: dict[str, Any] | None = None
+    init_sha256: str = ""
 
     def validate(self) -> None:
         super().validate()
@@ -80,6 +85,10 @@ class Ensemble(ModeBase):
         opts = spec.opts(EnsembleOptions)
         if opts.members is None:
             opts.members = max(2, opts.min_members, online_workers)
+        if opts.init_from:
+            from .tasks import pin_init
+
+            pin_init(spec)
 
     def model_configs(self, spec: "RunSpec", recipe: "Recipe") -> list[dict[str, Any]]:
         from .tasks import member_plan

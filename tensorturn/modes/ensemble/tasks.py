@@ -7,6 +7,7 @@ evaluated, and a recipe that fails there drops the member with its reason.
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 import time
@@ -21,10 +22,11 @@ from ...board import RunBoard
 from ...capacity import queue_for
 from ...celery_app import app, forget_results
 from ...device import pick_device
+from ...errors import SpecError
 from ...manifest import save_spec, try_write_manifest, write_manifest
 from ...recipes import Recipe, load_splits, recipe_of, resolve
 from ...spec import RunSpec
-from ...store import Store
+from ...store import Store, sha256_hex
 from ...tasks.attempt import LATE, SUCCEEDED, Unit, execute, signed
 from ...telemetry import TaskReporter
 from ...tensors import (
@@ -54,10 +56,43 @@ def member_plan(spec: RunSpec, recipe: Recipe) -> list[dict[str, Any]]:
         seed = derive_seed(spec.seed, "member", m)
         variation = recipe.member_config(m, random.Random(seed)) if opts.diversity == "full" else {}
         lr_scale = float(variation.pop("lr_scale", 1.0))
+        # fine-tuned from one model (--init-from): its architecture, whatever the draw says
+        model = dict(opts.init_config) if opts.init_config is not None else {**recipe.default_config(), **variation}
         plan.append({"member": m, "seed": seed, "lr": base_lr * lr_scale,
-                     "bootstrap": opts.bootstrap,
-                     "model": {**recipe.default_config(), **variation}})
+                     "bootstrap": opts.bootstrap, "model": model})
     return plan
+
+
+def pin_init(spec: RunSpec) -> None:
+    """``--init-from RUN``: check RUN is a finished one-model run of this recipe, and write its
+    model's configuration and sha256 into the spec (every member starts from those weights)."""
+    from ...errors import NotFound, SpecError
+    from ...manifest import read_manifest
+    from ...store import ObjectMissing, open_store
+    from ...tensors import stored_metadata
+
+    opts = options(spec)
+    source = opts.init_from
+    if not source or opts.init_sha256:
+        return
+    store = open_store(spec.store_url)
+    try:
+        manifest = read_manifest(store, source, verify=True)
+    except ObjectMissing:
+        raise NotFound(f"--init-from {source}: no such run in the store (see `tensorturn runs`)") from None
+    if manifest.get("mode") != "fused" or manifest.get("state") != "succeeded":
+        raise SpecError(f"--init-from {source}: members start from one finished model, and run "
+                        f"{source} is a {manifest.get('state')} {manifest.get('mode')} run")
+    source_spec = manifest.get("spec") or {}
+    recipe, recipe_options = source_spec.get("recipe"), source_spec.get("recipe_options") or {}
+    if recipe == "distill":  # a distilled student is a model of its ensemble's recipe
+        recipe, recipe_options = recipe_options.get("recipe"), recipe_options.get("recipe_options") or {}
+    if (recipe, recipe_options) != (spec.recipe, spec.recipe_options):
+        raise SpecError(f"--init-from {source}: that run trained recipe {recipe!r} with options "
+                        f"{recipe_options}, this ensemble {spec.recipe!r} with {spec.recipe_options}")
+    meta = stored_metadata(store, layout.key("final_model", source))
+    opts.init_config = json.loads(meta["config"])
+    opts.init_sha256 = manifest["model_sha256"]
 
 
 def _new_member(entry: dict[str, Any]) -> dict[str, Any]:
@@ -185,7 +220,15 @@ class SegmentUnit(Unit):
         reporter = TaskReporter(self.a.task, self.board.r, str(self.a.label), opts.segment_steps, batch)
         device = pick_device()
         splits = load_splits(recipe)
-        if j == 0:
+        if j == 0 and opts.init_from:
+            blob = store.get_bytes(layout.key("final_model", opts.init_from))
+            self.a.bytes_down += len(blob)
+            if sha256_hex(blob) != opts.init_sha256:
+                raise SpecError(f"the model of run {opts.init_from} changed since this ensemble "
+                                f"started from it (sha256 {sha256_hex(blob)[:12]}…, not "
+                                f"{opts.init_sha256[:12]}…)")
+            model = load_model(recipe, from_bytes(blob), plan["model"], device)
+        elif j == 0:
             torch.manual_seed(plan["seed"])
             model = recipe.model(plan["model"]).to(device)
         else:
