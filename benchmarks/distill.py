@@ -2,7 +2,9 @@
 
 For each seed: an ensemble run (``--members`` diverse members, the run's defaults) on an embedded
 pool, then ``tensorturn distill`` of it on the same pool — a fused run of the student (the
-recipe's default model) against the members' soft vote. From the runs' own test figures:
+recipe's default model) against the members' soft vote. Then, from the stored models, on one
+basis (every output position, the same test rows; ``--finetune``: also the greedy and uniform
+soups of members fine-tuned from one fused run):
 
 * mean member, best member, the vote, the student: test accuracy and NLL (or loss);
 * the share of the vote's gain the student keeps, (student − mean member) ÷ (vote − mean member),
@@ -32,7 +34,6 @@ from tensorturn import client, layout
 from tensorturn.artifact import Predictor
 from tensorturn.cli.distill import ALPHA, MIXUP, TEMPERATURE, distill_spec
 from tensorturn.local import LocalPool
-from tensorturn.recipes import load_splits, resolve
 from tensorturn.store import open_store
 from tensorturn.training import set_threads
 
@@ -49,6 +50,40 @@ def forward_ms(predictor: Predictor, x: torch.Tensor) -> float:
 
 def parameters(predictor: Predictor) -> int:
     return sum(p.numel() for m in predictor.models for p in m.parameters())
+
+
+@torch.no_grad()
+def evaluate(recipe, members: list, others: dict[str, Any], eval_batches: int | None) -> dict[str, float]:
+    """Test accuracy and NLL of each member, the vote (mean of the members' probabilities) and
+    each other model, on one basis: every output position (a language model's every character),
+    the same test rows (``--eval-batches`` pieces at most)."""
+    sums: dict[str, list[float]] = {}
+    n = 0
+
+    def add(name: str, p: torch.Tensor, y: torch.Tensor) -> None:
+        p = p.reshape(-1, p.shape[-1])
+        y = y.reshape(-1)
+        acc = float((p.argmax(-1) == y).float().sum())
+        nll = float(-torch.log(p.gather(-1, y[:, None]).clamp_min(1e-12)).sum())
+        total = sums.setdefault(name, [0.0, 0.0])
+        total[0] += acc
+        total[1] += nll
+
+    for x, y in recipe.eval_pieces("test", eval_batches):
+        probs = [torch.softmax(m.eval()(x).float(), -1) for m in members]
+        for i, p in enumerate(probs):
+            add(f"m{i}", p, y)
+        add("vote", torch.stack(probs).mean(0), y)
+        for name, model in others.items():
+            add(name, torch.softmax(model.eval()(x).float(), -1), y)
+        n += y.numel()
+    out = {f"{name}_{metric}": value / n for name, (hits, nats) in sums.items()
+           for metric, value in (("accuracy", hits), ("loss", nats))}
+    accs = [out.pop(f"m{i}_accuracy") for i in range(len(members))]
+    losses = [out.pop(f"m{i}_loss") for i in range(len(members))]
+    out.update(mean_member_accuracy=sum(accs) / len(accs), best_member_accuracy=max(accs),
+               mean_member_loss=sum(losses) / len(losses), best_member_loss=min(losses))
+    return out
 
 
 def share(student: float, mean: float, vote: float) -> float | None:
@@ -71,6 +106,8 @@ def main() -> None:
     parser.add_argument("--mixup", type=int, default=MIXUP)
     parser.add_argument("--eval-batches", type=int, default=None)
     parser.add_argument("--recipe-option", action="append", default=[], metavar="KEY=JSON")
+    parser.add_argument("--finetune", action="store_true",
+                        help="members fine-tuned from one fused run (--init-from): soups are valid too")
     parser.add_argument("--out-dir", default=None)
     args = parser.parse_args()
     import json
@@ -84,11 +121,19 @@ def main() -> None:
         store_url = (Path(tmp) / "store").as_uri()
         store = open_store(store_url)
         with LocalPool(args.agents, store_url, workdir=Path(tmp) / "pool") as pool:
+            init = {}
+            if args.finetune:  # one base model every ensemble's members start from
+                base = run_job(pool, store_url, timeout_s=3600, mode="fused", recipe=args.recipe,
+                               recipe_options=recipe_options, threads_per_task=1, seed=1000,
+                               eval_batches=args.eval_batches)
+                init = {"init_from": base["run_id"]}
+                print(f"base model {base['run_id']}: test accuracy "
+                      f"{base['metrics'].get('test_accuracy', float('nan')):.4f}", flush=True)
             for seed in seeds:
                 ens = run_job(pool, store_url, timeout_s=3600, mode="ensemble", recipe=args.recipe,
                               recipe_options=recipe_options, members=args.members,
                               segments=args.segments, segment_steps=args.segment_steps,
-                              threads_per_task=1, seed=seed, eval_batches=args.eval_batches)
+                              threads_per_task=1, seed=seed, eval_batches=args.eval_batches, **init)
                 t0 = time.monotonic()
                 spec = distill_spec(ens["run_id"], store_url, temperature=args.temperature,
                                     alpha=args.alpha, mixup=args.mixup, rounds=args.rounds,
@@ -102,18 +147,22 @@ def main() -> None:
                 seconds = time.monotonic() - t0
                 vote = Predictor.from_bytes(store.get_bytes(layout.key("final_ensemble", ens["run_id"])))
                 one = Predictor.from_bytes(store.get_bytes(layout.key("final_model", spec.run_id)))
-                x = load_splits(resolve(args.recipe, recipe_options)).x_test[:1000]
-                e, s = ens["metrics"], student["metrics"]
+                recipe = vote.recipe
+                models = {"student": one.models[0]}
+                if args.finetune:
+                    from tensorturn.soup import soup
+
+                    for rule in ("greedy", "uniform"):
+                        made = soup(store, ens["run_id"], rule, args.eval_batches)
+                        models[f"soup_{rule}"] = Predictor.from_bytes(
+                            store.get_bytes(layout.key("final_model", made["run_id"]))).models[0]
+                figures = evaluate(recipe, vote.models, models, args.eval_batches)
+                x = next(recipe.eval_pieces("test", 1))[0]
                 rows.append({
                     "seed": seed, "ensemble_run": ens["run_id"], "student_run": spec.run_id,
                     "mixup": spec.recipe_options["mixup"],
                     "student_options": {k: getattr(spec.options, k) for k in ("rounds", "sync_every", "shards")},
-                    "mean_member_accuracy": e["member_mean_test_accuracy"],
-                    "best_member_accuracy": e["best_member_test_accuracy"],
-                    "vote_accuracy": e["test_accuracy"], "student_accuracy": s["test_accuracy"],
-                    "mean_member_loss": e["member_mean_test_loss"],
-                    "best_member_loss": e["best_member_test_loss"],
-                    "vote_loss": e["test_loss"], "student_loss": s["test_loss"],
+                    **figures,
                     "vote_parameters": parameters(vote), "student_parameters": parameters(one),
                     "vote_ms_per_1000": forward_ms(vote, x), "student_ms_per_1000": forward_ms(one, x),
                     "distill_seconds": seconds,
@@ -142,6 +191,14 @@ def main() -> None:
                  for r in rows]))
     print(f"\npooled over seeds: the student keeps {_fmt(pooled('accuracy'))} of the vote's accuracy "
           f"gain and {_fmt(pooled('loss'))} of its NLL gain")
+    if args.finetune:
+        print("\nsoups (members fine-tuned from one model):\n")
+        print(table(["seed", "vote", "student", "greedy soup", "uniform soup",
+                     "NLL vote/student/greedy/uniform"],
+                    [[r["seed"], round(r["vote_accuracy"], 4), round(r["student_accuracy"], 4),
+                      round(r["soup_greedy_accuracy"], 4), round(r["soup_uniform_accuracy"], 4),
+                      f"{r['vote_loss']:.4f} / {r['student_loss']:.4f} / {r['soup_greedy_loss']:.4f} / "
+                      f"{r['soup_uniform_loss']:.4f}"] for r in rows]))
     r = rows[-1]
     print(f"inference: vote {r['vote_parameters']:,} parameters, {r['vote_ms_per_1000']:.2f} ms per "
           f"1,000 rows; student {r['student_parameters']:,} parameters, "
@@ -165,12 +222,13 @@ def main() -> None:
     fig.suptitle(f"{args.recipe}: ensemble of {args.members} vs one distilled student "
                  f"(gain kept, pooled: accuracy {_fmt(pooled('accuracy'))}, NLL {_fmt(pooled('loss'))})",
                  fontsize=9)
-    write_outputs("distill" if args.recipe == "digits-mlp" else f"distill_{args.recipe}", {
+    name = "distill" if args.recipe == "digits-mlp" else f"distill_{args.recipe}"
+    write_outputs(name + ("_finetuned" if args.finetune else ""), {
         "question": "share of the ensemble vote's gain over its mean member that one distilled "
                     "student keeps, and its inference cost",
         "command": "python benchmarks/distill.py " + " ".join(
             f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
-            if v is not None and k not in ("out_dir", "recipe_option")),
+            if v not in (None, False) and k not in ("out_dir", "recipe_option")).replace(" True", ""),
         "machine": info, "rows": rows,
         "pooled_share_accuracy": pooled("accuracy"), "pooled_share_loss": pooled("loss"),
     }, fig, out_dir=args.out_dir)

@@ -8,6 +8,7 @@ killed mid-distillation changes nothing, and every mistake is one line with noth
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 
@@ -100,14 +101,15 @@ def test_an_agent_killed_mid_distillation_loses_nothing(pool, ensemble, student)
     assert tries[0]["outcome"].startswith("lost") and tries[-1]["outcome"] == "succeeded"
 
 
-def test_merge_distill_runs_the_ensemble_then_its_student_in_one_command(tmp_path):
+def test_merge_distill_runs_the_ensemble_then_its_student_in_one_command(pool):
+    """On a standing pool (the embedded pool runs the same stages): the student starts from the
+    ensemble's manifest, saved as finished before it is read."""
     doc = tt_json("run", "--mode", "ensemble", "--recipe", "digits-mlp", "--members", "2",
                   "--segments", "1", "--segment-steps", "50", "--merge", "distill",
-                  "--local-workers", "2", "--json", cwd=tmp_path, timeout=900)
+                  "--broker", pool.broker_url, "--store", pool.store_url, "--json")
     assert doc["ensemble"]["state"] == "succeeded" and doc["ensemble"]["mode"] == "ensemble"
     assert doc["state"] == "succeeded" and doc["lineage"]["distilled_from"] == doc["ensemble"]["run_id"]
-    store = open_store((tmp_path / "tensorturn-store").as_uri())
-    predictor, _ = load_result(store, doc["run_id"])
+    predictor, _ = load_result(open_store(pool.store_url), doc["run_id"])
     assert len(predictor.models) == 1
 
 
@@ -220,3 +222,22 @@ def test_a_language_model_is_distilled_position_by_position(pool, tmp_path):
     windows = len(resolve("charlm", options).shard_data(0, 2, 0)[2])
     assert stored["values"].shape == stored["indices"].shape == (windows, 16, 4)
     assert torch.allclose(stored["values"].float().sum(-1), torch.ones(windows, 16), atol=1e-2)
+
+
+def test_a_merged_models_lineage_is_printed(capsys):
+    from tensorturn.cli.run import print_results
+
+    base = {"run_id": "r2", "state": "succeeded", "metrics": {"test_accuracy": 0.97},
+            "model_uri": "file:///s/runs/r2/final/model.safetensors", "model_sha256": "ab"}
+    ensemble = {**base, "run_id": "r1", "model_uri": None}
+    print_results([ensemble, {**base, "lineage": {"distilled_from": "r1", "temperature": 2.0,
+                                                  "alpha": 0.5, "top_k": 16}}], as_json=False)
+    out = capsys.readouterr().out
+    assert out.startswith("run r1: succeeded\n") and "run r2: succeeded" in out
+    assert "  distilled from: run r1 (T 2, alpha 0.5, top-k 16)" in out
+    print_results([{**base, "lineage": {"souped_from": "r1", "rule": "greedy", "members": [2, 0]}}],
+                  as_json=False)
+    assert "  souped from: run r1 (greedy soup of members 2, 0)" in capsys.readouterr().out
+    print_results([ensemble, {**base, "lineage": {}}], as_json=True)
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["run_id"] == "r2" and doc["ensemble"]["run_id"] == "r1"

@@ -70,6 +70,11 @@ def test_soup_of_a_finetuned_ensemble_is_one_served_model_with_its_lineage(pool,
     stored = from_bytes(store.get_bytes(layout.key("final_model", uniform["run_id"])))
     for name, value in uniform_soup(states).items():
         assert torch.allclose(stored[name], value)
+    # what a person reads
+    proc = tt("soup", finetuned["run_id"], "--store", pool.store_url)
+    assert proc.returncode == 0, proc.stderr
+    assert f"souped from: run {finetuned['run_id']} (greedy soup of members " in proc.stdout
+    assert "test_accuracy: " in proc.stdout and "model: " in proc.stdout
 
 
 def test_soups_and_starts_that_cannot_work_are_refused_in_one_line(pool, base, finetuned, redis_server):

@@ -91,10 +91,13 @@ def print_result(doc: dict[str, Any], as_json: bool, exit_on_failure: bool = Tru
             click.echo(f"  error: {doc['error']}")
         for k, v in sorted((doc.get("metrics") or {}).items()):
             click.echo(f"  {k}: {v:.4f}" if isinstance(v, float) else f"  {k}: {v}")
-        if doc.get("lineage"):
-            lineage = doc["lineage"]
+        lineage = doc.get("lineage") or {}
+        if "distilled_from" in lineage:
             click.echo(f"  distilled from: run {lineage['distilled_from']} (T {lineage['temperature']:g}, "
                        f"alpha {lineage['alpha']:g}, top-k {lineage['top_k']})")
+        if "souped_from" in lineage:
+            click.echo(f"  souped from: run {lineage['souped_from']} ({lineage['rule']} soup of "
+                       f"members {', '.join(map(str, lineage['members']))})")
         if doc.get("model_uri"):
             click.echo(f"  model: {doc['model_uri']}")
             click.echo(f"  sha256: {doc['model_sha256']}")
@@ -230,6 +233,13 @@ def launch(stages: list[Stage], broker: str | None, store: str, local_workers: i
         docs.append(follow_pool(broker, run_id, timeout_s))
         if docs[-1]["state"] != "succeeded":
             break
+        if len(docs) < len(stages):  # the next stage reads this run's manifest: saved, finished
+            from ..board import RunBoard
+            from ..broker import check_broker
+            from ..manifest import write_manifest
+            from ..store import open_store
+
+            write_manifest(open_store(store), RunBoard(check_broker(broker)), run_id)
     return docs
 
 

@@ -66,7 +66,7 @@ def member_plan(spec: RunSpec, recipe: Recipe) -> list[dict[str, Any]]:
 def pin_init(spec: RunSpec) -> None:
     """``--init-from RUN``: check RUN is a finished one-model run of this recipe, and write its
     model's configuration and sha256 into the spec (every member starts from those weights)."""
-    from ...errors import NotFound, SpecError
+    from ...errors import NotFound
     from ...manifest import read_manifest
     from ...store import ObjectMissing, open_store
     from ...tensors import stored_metadata
