@@ -149,6 +149,7 @@ PREFIX = "tt:"
 RUN_INDEX = f"{PREFIX}runs"
 WORKER_PATTERN = f"{PREFIX}worker:*"
 REFUSED = f"{PREFIX}refused"   # list: the last task messages agents refused (bad signature, ...)
+UNACKED = "unacked"  # kombu's default ``unacked_key``: messages delivered, not yet acknowledged
 UNACKED_INDEX = "unacked_index"  # kombu's default ``unacked_index_key``: the leases
 
 

@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from . import config, trust
+from . import config, layout, trust
 from .errors import TensorTurnError
 
 log = logging.getLogger(__name__)
@@ -166,6 +166,16 @@ class LocalPool:
         # on Ctrl-C do not wait for running tasks: their outputs are idempotent anyway
         self.stop(grace=3.0 if exc_type is KeyboardInterrupt else 30.0)
 
+    def _in_flight(self) -> bool:
+        """Whether any message is delivered and not acknowledged (a task running, or prefetched:
+        kombu's ``unacked`` hash; acknowledgements are late). True when Redis does not answer."""
+        from .broker import redis_client
+
+        try:
+            return bool(redis_client(self.broker_url, patient=False).hlen(layout.UNACKED))
+        except Exception:  # noqa: BLE001 - unknown: stop the careful way
+            return True
+
     def start(self, timeout: float = 90) -> None:
         self.redis.start()
         for i in range(self.workers):
@@ -233,6 +243,23 @@ class LocalPool:
                                       f"came up within {timeout:.0f}s (logs in {self.workdir})")
 
     def stop(self, grace: float = 30.0) -> None:
+        """Stop the agents, then Redis. With a task in flight (a message delivered and not yet
+        acknowledged), each agent's warm shutdown lets it finish for up to ``grace`` seconds;
+        with none, the agents are killed at once — this pool's Redis goes with them, so there is
+        nothing a clean shutdown would hand back, and Celery's takes ~4 s per agent."""
+        if not self._in_flight():
+            for proc in self.agents:
+                if proc.poll() is None:
+                    try:
+                        os.killpg(proc.pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+            for proc in self.agents:
+                proc.wait()
+            self.redis.stop()
+            if self._tmp is not None:
+                self._tmp.cleanup()
+            return
         for proc in self.agents:
             if proc.poll() is None:
                 try:

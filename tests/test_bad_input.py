@@ -53,6 +53,7 @@ def assert_nothing_queued(broker_url: str, store_dir) -> None:
 
 @pytest.mark.parametrize("args,expected", [
     (("--recipe", "nope"), "unknown recipe 'nope'"),
+    (("--recipe", "distill"), "recipe 'distill': the distill recipe is what `tensorturn distill RUN` trains"),
     (("--recipe", "nosuchmod:thing"), "recipe 'nosuchmod:thing' failed to import: ModuleNotFoundError"),
     (("--recipe", "digits-mlp", "--rounds", "0"), "--rounds must be a whole number ≥ 1 (got 0)"),
     (("--recipe", "digits-mlp", "--shards", "-1"), "--shards must be a whole number ≥ 1 (got -1)"),

@@ -44,13 +44,14 @@ ROWS_PER_SHARD = 700  # distill's default shards: one per this many training row
 class Distilled(Recipe):
     name = "distill"
 
-    def __init__(self, teacher: str, recipe: str, recipe_options: dict[str, Any] | None = None,
+    def __init__(self, teacher: str = "", recipe: str = "", recipe_options: dict[str, Any] | None = None,
                  student: dict[str, Any] | None = None, temperature: float = 2.0,
                  alpha: float = 0.9, top_k: int = 16, mixup: int = 0):
         from . import resolve
 
-        if not isinstance(teacher, str) or not teacher:
-            raise RecipeError("the distill recipe needs teacher=<ensemble run id>")
+        if not isinstance(teacher, str) or not teacher or not isinstance(recipe, str) or not recipe:
+            raise RecipeError("the distill recipe is what `tensorturn distill RUN` trains; it is "
+                              "not named with --recipe (it needs a finished ensemble)")
         if not float(temperature) > 0:
             raise RecipeError(f"--temperature must be positive (got {temperature})")
         if not 0.0 <= float(alpha) <= 1.0:
