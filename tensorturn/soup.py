@@ -28,14 +28,15 @@ from .spec import new_run_id
 from .store import Store
 from .tensors import model_bytes
 
-RULES = ("greedy", "uniform")
+RULES = ("best", "greedy", "uniform")
 
 
-def soup(store: Store, run_id: str, rule: str = "greedy", eval_batches: int | None = None
+def soup(store: Store, run_id: str, rule: str = "best", eval_batches: int | None = None
          ) -> dict[str, Any]:
-    """Make the soup of ensemble ``run_id`` by ``rule``, store it as a new one-model run and
-    return that run's manifest (its metrics: test and validation figures of the soup, and the
-    validation score of every member and of both rules)."""
+    """Make the soup of ensemble ``run_id`` by ``rule`` (``best``: the greedy or the uniform
+    soup, whichever scores higher on validation; greedy on a tie), store it as a new one-model
+    run and return that run's manifest (its metrics: test figures of the soup, and the
+    validation score of every member and of both soups)."""
     if rule not in RULES:
         raise SoupRefused(f"--rule {rule!r} is not one of {', '.join(RULES)}")
     manifest = finished_ensemble(store, run_id, "a soup")
@@ -63,6 +64,8 @@ def soup(store: Store, run_id: str, rule: str = "greedy", eval_batches: int | No
     uniform = uniform_soup(states)
     greedy, chosen = greedy_soup(states, score)
     scores = {"uniform": score(uniform), "greedy": score(greedy)}
+    if rule == "best":
+        rule = "greedy" if scores["greedy"] >= scores["uniform"] else "uniform"
     state = greedy if rule == "greedy" else uniform
     in_soup = [predictor.members[m]["member"] for m in (chosen if rule == "greedy" else range(len(states)))]
     model.load_state_dict(state)

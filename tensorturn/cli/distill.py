@@ -135,9 +135,10 @@ def distill(broker, store, teacher, student, temperature, alpha, top_k, mixup, l
 
 @cli.command()
 @click.argument("ensemble", metavar="RUN")
-@click.option("--rule", type=click.Choice(["greedy", "uniform"]), default="greedy", show_default=True,
+@click.option("--rule", type=click.Choice(["best", "greedy", "uniform"]), default="best", show_default=True,
               help="greedy: members join, best first, while the soup's validation score does not "
-                   "drop (Wortsman et al. 2022); uniform: the mean of every member's weights.")
+                   "drop (Wortsman et al. 2022); uniform: the mean of every member's weights; "
+                   "best: whichever of the two scores higher on validation.")
 @click.option("--eval-batches", type=int, default=None,
               help="Validation and test figures from at most this many forward passes "
                    "[default: the whole split].")
