@@ -46,7 +46,7 @@ class Distilled(Recipe):
 
     def __init__(self, teacher: str = "", recipe: str = "", recipe_options: dict[str, Any] | None = None,
                  student: dict[str, Any] | None = None, temperature: float = 2.0,
-                 alpha: float = 0.9, top_k: int = 16, mixup: int = 0):
+                 alpha: float = 0.5, top_k: int = 16, mixup: int = 0):
         from . import resolve
 
         if not isinstance(teacher, str) or not teacher or not isinstance(recipe, str) or not recipe:
