@@ -19,7 +19,7 @@ Object store (one folder per run)::
     runs/<id>/members/m<MM>/seg-<JJJ>.optim.safetensors   … and its AdamW state
     runs/<id>/final/model.safetensors                 fused: the result
     runs/<id>/teacher/<tag>/shard-<KKK>-of-<SSS>.safetensors   ensemble: its top-k soft vote on
-                                                      a distillation's shard k of S (tag: T, k, seed)
+                                                      a distillation's shard k of S (tag: T, k, mixup, seed, threads)
     runs/<id>/final/ensemble.safetensors              ensemble: the result (every member)
     runs/<id>/report/<name>.png                       `tensorturn report`'s plots
     auth/tokens/<token-id>.json                       API tokens (hashes only)

@@ -54,10 +54,8 @@ def soup(store: Store, run_id: str, rule: str = "best", eval_batches: int | None
     model = recipe.model(config)
 
     def score(state: dict[str, torch.Tensor]) -> float:
-        """Validation accuracy (classification), or minus the validation loss."""
         model.load_state_dict(state)
-        val = recipe.evaluate_split(model.eval(), "val", max_batches=eval_batches)
-        return val["accuracy"] if "accuracy" in val else -val["loss"]
+        return validation_score(recipe, model, eval_batches)
 
     t0 = time.time()
     member_scores = [score(s) for s in states]
@@ -78,6 +76,16 @@ def soup(store: Store, run_id: str, rule: str = "best", eval_batches: int | None
         "souped_from": run_id, "rule": rule, "members": in_soup,
         "member_val_scores": dict(zip((m["member"] for m in predictor.members), member_scores)),
         "init_from": opts["init_from"]})
+
+
+def validation_score(recipe: Recipe, model: torch.nn.Module, eval_batches: int | None) -> float:
+    """Validation accuracy (classification), or minus the validation loss; SoupRefused when the
+    recipe has no validation rows (a soup is chosen on them)."""
+    val = recipe.evaluate_split(model.eval(), "val", max_batches=eval_batches)
+    if not val:
+        raise SoupRefused("the recipe's data has no validation rows: a soup is chosen on "
+                          "validation (push the dataset with a validation fraction)")
+    return val["accuracy"] if "accuracy" in val else -val["loss"]
 
 
 def store_soup(store: Store, ensemble: dict[str, Any], recipe: Recipe, state: dict[str, torch.Tensor],

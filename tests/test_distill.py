@@ -62,7 +62,7 @@ def test_the_student_learns_the_vote_and_serves_as_one_model_with_its_lineage(po
     store = open_store(pool.store_url)
     # each shard's targets once, beside the ensemble; they are the members' soft vote at T
     keys = sorted(store.list(f"runs/{ensemble['run_id']}/teacher/"))
-    assert keys == [layout.key("teacher", ensemble["run_id"], "T2-k16-s0", k, 3) for k in range(3)]
+    assert keys == [layout.key("teacher", ensemble["run_id"], "T2-k16-s0-t1", k, 3) for k in range(3)]
     vote, _ = load_result(store, ensemble["run_id"])
     base = resolve("digits-mlp")
     x, _, rows = base.shard_data(1, 3, 0)
@@ -218,7 +218,7 @@ def test_a_language_model_is_distilled_position_by_position(pool, tmp_path):
     from tensorturn.tensors import from_bytes
 
     store = open_store(pool.store_url)
-    stored = from_bytes(store.get_bytes(layout.key("teacher", spec.run_id, "T2-k4-s0", 0, 2)))
+    stored = from_bytes(store.get_bytes(layout.key("teacher", spec.run_id, "T2-k4-s0-t1", 0, 2)))
     windows = len(resolve("charlm", options).shard_data(0, 2, 0)[2])
     assert stored["values"].shape == stored["indices"].shape == (windows, 16, 4)
     assert torch.allclose(stored["values"].float().sum(-1), torch.ones(windows, 16), atol=1e-2)
@@ -241,3 +241,37 @@ def test_a_merged_models_lineage_is_printed(capsys):
     print_results([ensemble, {**base, "lineage": {}}], as_json=True)
     doc = json.loads(capsys.readouterr().out)
     assert doc["run_id"] == "r2" and doc["ensemble"]["run_id"] == "r1"
+
+
+class NoValidation(Wide):
+    def raw_data(self):
+        x_tr, y_tr, _, _, x_te, y_te = super().raw_data()
+        return x_tr, y_tr, x_tr[:0], y_tr[:0], x_te, y_te
+
+
+def test_a_soup_needs_validation_rows():
+    from tensorturn.distill import SoupRefused
+    from tensorturn.soup import validation_score
+
+    recipe = NoValidation()
+    with pytest.raises(SoupRefused, match="no validation rows: a soup is chosen on validation"):
+        validation_score(recipe, recipe.model({"classes": 4}), None)
+    assert 0 <= validation_score(Wide(), Wide().model({"classes": 4}), None) <= 1
+
+
+def test_merge_distill_of_a_regression_recipe_is_refused_before_the_ensemble(redis_server, tmp_path):
+    proc = tt("run", "--mode", "ensemble", "--recipe", "regress:Diabetes", "--merge", "distill",
+              "--broker", redis_server.url, "--store", str(tmp_path / "store"))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert ("error: --merge distill: recipe 'regress:Diabetes' is a regression recipe; distillation "
+            "needs a classification or language-model ensemble") in proc.stderr
+    assert not (tmp_path / "store" / "runs").exists()
+    assert redis.Redis.from_url(redis_server.url).keys("*") == []
+
+
+def test_a_student_file_that_is_not_text_is_one_line(ensemble, pool, tmp_path):
+    path = tmp_path / "student.json"
+    path.write_bytes(b"\xff\xfe\x00binary")
+    proc = tt("distill", ensemble["run_id"], "--student", f"@{path}", "--store", pool.store_url)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert f"error: --student @{path}: {path} is not UTF-8 text" in proc.stderr

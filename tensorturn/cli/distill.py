@@ -30,11 +30,14 @@ def parse_student(text: str | None) -> dict[str, Any]:
             text = path.read_text()
         except OSError as exc:
             raise SpecError(f"--student {text}: cannot read {path}: {exc.strerror}") from None
+        except UnicodeDecodeError:
+            raise SpecError(f"--student {text}: {path} is not UTF-8 text (a JSON object of model "
+                            f"settings)") from None
         source = f"--student file {path}"
     try:
         value = json.loads(text)
     except ValueError as exc:
-        raise SpecError(f"{source} is not JSON ({exc}); give an object such as '{{\"hidden\": 64}}'") from None
+        raise SpecError(f"{source} is not JSON ({exc}); give an object such as '{{\"hidden\": [64]}}'") from None
     if not isinstance(value, dict):
         raise SpecError(f"{source} must be a JSON object of model settings (got {type(value).__name__})")
     return value
@@ -64,6 +67,21 @@ def distill_spec(teacher: str, store: str, run_id: str = "", student: dict[str, 
     return spec
 
 
+def check_distillable(recipe: str, recipe_options: dict[str, Any]) -> None:
+    """``run --merge distill``: refuse, before the ensemble trains, a recipe whose ensemble
+    could not be distilled (its kind), building it here — the user named it on this command."""
+    from .. import config, trust
+    from ..recipes import resolve
+    from ..recipes.distilled import DISTILLABLE
+
+    config.use(trust.with_allowed(config.current(), [recipe]))
+    task = resolve(recipe, recipe_options).task
+    if task not in DISTILLABLE:
+        raise SpecError(f"--merge distill: recipe {recipe!r} is a {task} recipe; distillation needs "
+                        f"a classification or language-model ensemble (its vote is already the "
+                        f"members' mean)")
+
+
 def distill_stage(teacher: str, store: str, training: dict[str, Any], **settings: Any) -> Stage:
     """A stage of ``launch`` that distills ``teacher`` once it has finished (``run --merge``):
     its run id is chosen now, its spec built when the ensemble is done."""
@@ -84,7 +102,7 @@ def distill_stage(teacher: str, store: str, training: dict[str, Any], **settings
 @click.argument("teacher", metavar="RUN")
 @click.option("--student", default=None, metavar="JSON|@FILE",
               help="The student's model settings, over the recipe's defaults: a JSON object "
-                   "(e.g. '{\"hidden\": 64}') or @path to a file holding one [default: the "
+                   "(e.g. '{\"hidden\": [64]}') or @path to a file holding one [default: the "
                    "recipe's default model, one member's inference cost].")
 @click.option("--temperature", type=float, default=TEMPERATURE, show_default=True,
               help="Softens the members' distributions before they are averaged and matched "
@@ -116,7 +134,7 @@ def distill(broker, store, teacher, student, temperature, alpha, top_k, mixup, l
     Examples:
       tensorturn run --mode ensemble --recipe digits-mlp --members 4 --json   # → RUN
       tensorturn distill RUN --local-workers 2
-      tensorturn distill RUN --student '{"hidden": 32}' --temperature 4 --rounds 12
+      tensorturn distill RUN --student '{"hidden": [64]}' --temperature 4 --rounds 12
     """
     training = {k: options.pop(k) for k in TRAINING}
     given = {k: v for k, v in options.items() if v is not None}

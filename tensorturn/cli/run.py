@@ -11,7 +11,7 @@ from typing import Any
 import click
 
 from .. import config
-from ..errors import SpecError
+from ..errors import SpecError, TensorTurnError
 from ..modes import get_mode, mode_names
 from ..spec import FINISHED
 from . import cli, emit_json, fail, ignore_signals, pool_options, stop_on_signals
@@ -209,10 +209,12 @@ Stage = tuple[str, Callable[[str], Any]]
 
 
 def launch(stages: list[Stage], broker: str | None, store: str, local_workers: int | None,
-           detach: bool, timeout_s: float | None, recipes: list[str]) -> list[dict[str, Any]]:
+           detach: bool, timeout_s: float | None, recipes: list[str],
+           docs: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
     """Start each stage's run and follow it to its end, on the pool at ``broker`` or on a
     private embedded one; a stage starts only once the one before it succeeded. Returns the
-    runs' last descriptions (with ``detach``, the first run's as queued)."""
+    runs' last descriptions (with ``detach``, the first run's as queued), appended to ``docs``
+    as they finish (so a caller has them when a later stage is refused)."""
     from .. import client
 
     if broker is None and (local_workers is None or local_workers < 1):
@@ -222,13 +224,14 @@ def launch(stages: list[Stage], broker: str | None, store: str, local_workers: i
     if detach and len(stages) > 1:
         raise SpecError("--merge waits for the ensemble to distill it: drop --detach, or run "
                         "`tensorturn distill RUN` once the ensemble has finished")
+    docs = [] if docs is None else docs
     if not broker:
-        return embedded(stages, store, local_workers or 1, timeout_s, recipes)
-    docs: list[dict[str, Any]] = []
+        return embedded(stages, store, local_workers or 1, timeout_s, recipes, docs)
     for run_id, start in stages:
         doc = start(broker)
         if detach:
-            return [doc if isinstance(doc, dict) else client.describe(run_id, broker, store)]
+            docs.append(doc if isinstance(doc, dict) else client.describe(run_id, broker, store))
+            return docs
         click.echo(f"run {run_id} queued on {config.mask_url(broker)}", err=True)
         docs.append(follow_pool(broker, run_id, timeout_s))
         if docs[-1]["state"] != "succeeded":
@@ -258,7 +261,9 @@ def launch(stages: list[Stage], broker: str | None, store: str, local_workers: i
 @mode_options()
 @click.option("--merge", type=click.Choice(["none", "distill"]), default="none", show_default=True,
               help="Ensemble: then distill the finished ensemble into one model on the same pool "
-                   "(`tensorturn distill RUN` with its defaults; the result is the student's run).")
+                   "(`tensorturn distill RUN` with its defaults; --seed, --lr and the other "
+                   "training options given here apply to the student too; the result is the "
+                   "student's run).")
 @training_options
 @follow_options("run")
 def run(broker, store, mode, recipe, recipe_options, merge, local_workers, detach, timeout_s,
@@ -285,11 +290,19 @@ def run(broker, store, mode, recipe, recipe_options, merge, local_workers, detac
     stages: list[Stage] = [(spec.run_id, lambda broker_url: client.submit(spec, broker_url))]
     recipes = [recipe]
     if merge == "distill":
-        from .distill import distill_stage
+        from .distill import check_distillable, distill_stage
 
+        check_distillable(recipe, spec.recipe_options)  # before the ensemble, not after it
         stages.append(distill_stage(spec.run_id, store, training))
         recipes.append("distill")
-    print_results(launch(stages, broker, store, local_workers, detach, timeout_s, recipes), as_json)
+    docs: list[dict[str, Any]] = []
+    try:
+        launch(stages, broker, store, local_workers, detach, timeout_s, recipes, docs)
+    except TensorTurnError:
+        if docs:  # a later stage was refused: what finished is still the user's to see
+            print_result(docs[-1], as_json, exit_on_failure=False)
+        raise
+    print_results(docs, as_json)
 
 
 def follow(broker: str, run_id: str, timeout_s: float | None) -> dict[str, Any]:
@@ -319,7 +332,7 @@ def follow_pool(broker: str, run_id: str, timeout_s: float | None) -> dict[str, 
 
 
 def embedded(stages: list[Stage], store_url: str, local_workers: int, timeout_s: float | None,
-             recipes: list[str]) -> list[dict[str, Any]]:
+             recipes: list[str], docs: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
     """Start a private pool; for each stage, ``start(broker_url)`` its run and follow it (the
     next only once it succeeded); stop the pool. Returns the runs' last descriptions.
 
@@ -339,7 +352,7 @@ def embedded(stages: list[Stage], store_url: str, local_workers: int, timeout_s:
     t0 = time.monotonic()
     stop_on_signals()  # SIGTERM too: the pool's processes must not outlive this command
     queued, run_id = False, stages[0][0]
-    docs: list[dict[str, Any]] = []
+    docs = [] if docs is None else docs
     try:
         with LocalPool(local_workers, store_url) as pool:
             click.echo(f"pool ready in {time.monotonic() - t0:.1f}s; run {run_id}", err=True)
@@ -388,6 +401,9 @@ def resume(broker, store, run_id, local_workers, detach, timeout_s, as_json):
     from .. import client
 
     known = client.describe(run_id, None, store)  # an unknown run is refused before any pool starts
+    if (known.get("lineage") or {}).get("souped_from"):
+        raise SpecError(f"run {run_id} is a weight soup made by `tensorturn soup`: it is finished, "
+                        f"there is nothing to resume")
 
     def start(broker_url: str) -> None:
         _, what = client.resume(run_id, broker_url, store)

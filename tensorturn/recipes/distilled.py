@@ -84,7 +84,7 @@ class Distilled(Recipe):
     def tag(self) -> str:
         """What the stored targets depend on besides the shard: T, top-k and the mixed rows (the
         rows themselves: the seed)."""
-        return f"T{self.temperature:g}-k{self.top_k}" + (f"-mix{self.mixup}" if self.mixup else "")
+        return f"T{self.temperature:.12g}-k{self.top_k}" + (f"-mix{self.mixup}" if self.mixup else "")
 
     # ---- the base recipe, unchanged ------------------------------------------------------------
     def raw_data(self):
@@ -172,10 +172,15 @@ class Distilled(Recipe):
         from ..tensors import from_bytes, to_bytes
 
         store = open_store(config.current().resolved_store_url())
-        key = layout.key("teacher", self.teacher, f"{self.tag}-s{seed}", k, shards)
+        # CPU results depend on the thread count (the task set it: the run's --threads-per-task)
+        key = layout.key("teacher", self.teacher, f"{self.tag}-s{seed}-t{torch.get_num_threads()}",
+                         k, shards)
         if not store.exists(key):
             values, indices = self.compute_targets(store, x)
-            if not store.exists(key):  # the first stored is everyone's (the same bytes on a CPU)
+            # Not a conditional put: two machines computing one shard at once both write (the
+            # later stays) and each trains on its own — the same bytes on CPUs with the same
+            # threads; a GPU's may differ in the last bits (see the README).
+            if not store.exists(key):
                 store.put_bytes(key, to_bytes({"values": values, "indices": indices},
                                               {"teacher": self.teacher, "tag": self.tag,
                                                "rows": str(len(x))}))
