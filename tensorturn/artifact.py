@@ -56,11 +56,40 @@ class Predictor:
 
     @torch.no_grad()
     def predict(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(combined output, member outputs) for preprocessed inputs ``x``: the recipe's kind
-        combines the members (classification: mean probability, or hard-vote shares; regression:
-        the mean); one model's output is itself."""
+        """(combined output, member outputs) for preprocessed inputs ``x``, as served: the
+        recipe's kind combines the members (classification: mean probability, or hard-vote
+        shares; regression: the mean, in the user's units — ``Recipe.unscale_targets``); one
+        model's output is itself."""
         per_member = self.member_outputs(x)
-        return self.recipe.combine(per_member, self.vote), per_member
+        combined = self.recipe.combine(per_member, self.vote)
+        if self.recipe.kind.scaled:
+            unscale = self.recipe.unscale_targets
+            return unscale(combined), torch.stack([unscale(p) for p in per_member])
+        return combined, per_member
+
+    def as_model(self, vote: str | None = None) -> nn.Module:
+        """The result as one model for ``Recipe.evaluate``: the fused model, or the ensemble
+        (:class:`EnsembleModel`) voting by ``vote`` (default: its own rule)."""
+        if self.vote == "single":
+            return self.models[0]
+        return EnsembleModel(self.recipe, self.models, vote or self.vote)
+
+
+class EnsembleModel(nn.Module):
+    """An ensemble as one model, so that a recipe's ``evaluate`` measures its vote the way it
+    measures a fused model: the forward pass returns what one member's would, with the vote in
+    it (the recipe's kind says how: ``Kind.ensemble_forward`` — for classification, logits whose
+    softmax is the combined probability; for regression, the combined values). Members' outputs
+    are combined by ``Recipe.combine``, as when served."""
+
+    def __init__(self, recipe: Recipe, models: list[nn.Module], vote: str):
+        super().__init__()
+        self.members = nn.ModuleList(models)
+        self.recipe, self.vote = recipe, vote
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raw = torch.stack([m(x) for m in self.members])
+        return self.recipe.kind.ensemble_forward(raw, lambda p: self.recipe.combine(p, self.vote))
 
 
 def load_result(store: Store, run_id: str) -> tuple[Predictor, dict[str, Any]]:

@@ -17,10 +17,11 @@ import redis
 from . import layout
 from .config import mask_text
 from .errors import NotFound
+from .live import view as live_view
 from .spec import FINISHED, RunSpec
 
 _FINISH_ONCE = ("local s = redis.call('hget', KEYS[1], 'state') "
-                "if s == 'succeeded' or s == 'failed' then return 0 end "
+                "if s == 'succeeded' or s == 'failed' or s == 'cancelled' then return 0 end "
                 "redis.call('hset', KEYS[1], unpack(ARGV)) return 1")
 # A round's slot → the shard it trains (see RunBoard.claim_shard). KEYS: the round's slots, the run's
 # owners; ARGV: slot, worker, shards, then the shards whose data this worker holds. Preference: a
@@ -118,15 +119,22 @@ class RunBoard:
         """Note that the run made progress now (``status`` reports runs that stop doing so)."""
         (pipe or self.r).hset(layout.run_key(run_id), "progress_at", time.time())
 
-    def finish(self, run_id: str, state: str, **fields: Any) -> bool:
-        """Move to a finished state once; later calls (a duplicate task) change nothing."""
+    def finish(self, run_id: str, state: str, pipe: Any = None, **fields: Any) -> bool:
+        """Move to a finished state once; later calls (a duplicate task) change nothing. In
+        ``pipe``, when given (then the answer is not known here: True)."""
         mapping = _encode(fields)
         mapping.update(state=state, finished_at=time.time())
         args = [x for kv in mapping.items() for x in kv]
-        return bool(self.r.eval(_FINISH_ONCE, 1, layout.run_key(run_id), *args))
+        return bool((pipe or self.r).eval(_FINISH_ONCE, 1, layout.run_key(run_id), *args))
 
     def fail(self, run_id: str, error: str) -> bool:
         return self.finish(run_id, "failed", error=mask_text(error))
+
+    def cancel(self, run_id: str, by: str) -> bool:
+        """Cancel a live run (``by``: who asked, for ``status``); False if it had finished. No
+        task of it starts afterwards, and running ones stop at their next look
+        (:func:`tensorturn.tasks.attempt.cancelled`)."""
+        return self.finish(run_id, "cancelled", cancelled_by=mask_text(by))
 
     def claim(self, run_id: str, what: str) -> bool:
         """True the first time ``what`` is claimed for this run (guards one-time dispatches)."""
@@ -172,8 +180,21 @@ class RunBoard:
 
     # -- rounds --
     def record_round(self, run_id: str, round_: int, info: dict[str, Any]) -> None:
-        self.r.hset(layout.run_key(run_id, "rounds"), str(round_), json.dumps(info))
-        self.touch(run_id)
+        """Record round ``round_``; its outer step's live phase goes with it (one round trip)."""
+        pipe = self.r.pipeline(transaction=False)
+        pipe.hset(layout.run_key(run_id, "rounds"), str(round_), json.dumps(info))
+        pipe.hdel(layout.live_key(run_id), str(layout.outer_label(round_)))
+        self.touch(run_id, pipe)
+        pipe.execute()
+
+    # -- what running tasks report (tensorturn.live reads it) --
+    def mark_phase(self, run_id: str, label: str, phase: str, worker: str) -> None:
+        """Say what the task ``label`` is doing now (an outer step: averaging, evaluating)."""
+        self.r.hset(layout.live_key(run_id), label, json.dumps(
+            {"label": label, "phase": phase, "worker": worker, "at": time.time()}))
+
+    def live(self, run_id: str) -> dict[str, dict[str, Any]]:
+        return {k: json.loads(v) for k, v in self.r.hgetall(layout.live_key(run_id)).items()}
 
     def has_round(self, run_id: str, round_: int) -> bool:
         return bool(self.r.hexists(layout.run_key(run_id, "rounds"), str(round_)))
@@ -281,14 +302,18 @@ class RunBoard:
         return None
 
     def finish_attempt(self, run_id: str, key: str, outcome: str,
-                       also: Callable[[Any], None] | None = None) -> None:
-        """Record the attempt's outcome; ``also(pipeline)`` adds writes that go with it, in the
-        same round trip."""
+                       also: Callable[[Any], None] | None = None,
+                       traceback: str | None = None) -> None:
+        """Record the attempt's outcome (a failure's ``traceback`` with it: its last frames,
+        bounded — :func:`tensorturn.tracebacks.tail`); ``also(pipeline)`` adds writes that go
+        with it, in the same round trip."""
         raw = self.r.hget(layout.run_key(run_id, "attempts"), key)
         pipe = self.r.pipeline(transaction=False)
         if raw is not None:
             entry = json.loads(raw)
             entry.update(finished_at=time.time(), outcome=mask_text(outcome))
+            if traceback:
+                entry["traceback"] = mask_text(traceback)
             pipe.hset(layout.run_key(run_id, "attempts"), key, json.dumps(entry))
             self.touch(run_id, pipe)
         if also is not None:
@@ -356,7 +381,7 @@ class RunBoard:
         if counts:
             pipe.hset(layout.run_key(run_id, "attempt_base"), mapping=counts)
         pipe.hset(layout.run_key(run_id), mapping={"state": "running", "progress_at": time.time()})
-        pipe.hdel(layout.run_key(run_id), "error", "finished_at")
+        pipe.hdel(layout.run_key(run_id), "error", "finished_at", "cancelled_by")
         pipe.execute()
 
     # -- reading --
@@ -414,8 +439,12 @@ class RunBoard:
             "error": h.get("error"),
             "spec": spec,
         }
+        if h["state"] == "cancelled":
+            out["cancelled"] = {"at": out["finished_at"], "by": h.get("cancelled_by")}
         if h["mode"] == "ensemble":
             out["members"] = self.members(run_id)
+        if h["state"] not in FINISHED:  # what its running tasks are doing now
+            out.update(live_view(out, self.live(run_id)))
         if spec["recipe"] == "distill":  # a student of an ensemble: where it came from
             o = spec.get("recipe_options") or {}
             out["lineage"] = {"distilled_from": o.get("teacher"), "recipe": o.get("recipe"),

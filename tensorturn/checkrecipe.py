@@ -4,6 +4,14 @@ Each step runs what a pool would, on a handful of rows: the data and its splits,
 the model, the loss and its gradients, a few optimizer steps, ``evaluate``, two ensemble members
 combined by the recipe's kind, and the answer ``tensorturn serve`` would send. The first problem
 is one line naming the step; nothing is queued or stored.
+
+Part of it, :func:`contract`, is what a run's results depend on — the task kind, the targets, the
+hooks the kind calls, the targets' units, class names and the shapes the model gives — and runs
+wherever a recipe is about to be used (:func:`check_contract`): when a run starts (``run``,
+``distill``), and in ``serve`` and ``soup``. It trains nothing, builds the model on the meta
+device (nothing allocated, any size) and reads a few rows: milliseconds once the data is loaded.
+Submit does not run the rest: it trains (seconds to minutes for a large model; 53 s for
+gpt2-small on 2 CPU cores), and a recipe's ``loss`` may have effects of its own.
 """
 
 from __future__ import annotations
@@ -42,20 +50,128 @@ def _require(ok: bool, message: str) -> None:
         raise CheckFailed(message)
 
 
+def _overrides(recipe: Any, hook: str) -> bool:
+    from .recipes.base import Recipe
+
+    return getattr(type(recipe), hook, None) is not getattr(Recipe, hook, None)
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 1] + "…"
+
+
+def contract(recipe: Any, x: Any, y: Any) -> None:
+    """CheckFailed naming the first broken promise a run's results rest on, checked on a few
+    preprocessed training rows ``x``, ``y``: a known task kind; no override its kind never calls;
+    targets of the kind's type; ``input_shape``; sound ``classes`` and ``unscale_targets``; and
+    the model's outputs (built on the meta device) shaped as the kind and the targets need."""
+    import torch
+
+    from .recipes.kinds import KINDS
+
+    _require(recipe.task in KINDS, f"task: unknown kind {recipe.task!r}; use one of {', '.join(KINDS)}")
+    kind = recipe.kind
+    for (hook, caller), advice in kind.ignores.items():
+        if _overrides(recipe, hook) and not (caller and _overrides(recipe, caller)):
+            raise CheckFailed(f"hooks: {hook} is not used for task {recipe.task!r}: {advice}")
+    if kind.scaled:
+        _require(y.is_floating_point(), f"data: task {recipe.task!r} needs float targets, got {y.dtype}")
+    else:
+        _require(not y.is_floating_point(),
+                 f"data: task {recipe.task!r} needs integer class targets, got "
+                 f"{y.dtype} (a regression recipe sets task = 'regression')")
+        _require(y.numel() == 0 or int(y.min()) >= 0,
+                 f"data: class targets are class numbers from 0, got {int(y.min()) if y.numel() else 0}")
+    input_shape = _step("input_shape", recipe.input_shape)
+    _require(list(x.shape[1:]) == list(input_shape),
+             f"input_shape: {input_shape} but preprocessed rows are {list(x.shape[1:])}")
+    classes = recipe.classes
+    if classes is not None:
+        _require(not kind.scaled, f"classes: task {recipe.task!r} has no classes (a classifier "
+                                  f"sets task = 'classification')")
+        _require(isinstance(classes, (list, tuple)) and len(classes) > 0
+                 and all(isinstance(c, str) for c in classes),
+                 f"classes: must be a list of class names (strings), got {_short(classes)}")
+    if kind.scaled and len(y):
+        back = _step("unscale_targets", lambda: recipe.unscale_targets(y.float()))
+        _require(isinstance(back, torch.Tensor) and tuple(back.shape) == tuple(y.shape),
+                 f"unscale_targets: must return a tensor shaped like its input {list(y.shape)}, got "
+                 f"{list(back.shape) if isinstance(back, torch.Tensor) else type(back).__name__}")
+        _require(bool(torch.isfinite(back).all()), "unscale_targets: returned values that are not finite")
+    out = _meta_outputs(recipe, x)
+    if out is None or len(x) == 0:
+        return
+    _require(out.ndim >= 1 and out.shape[0] == len(x),
+             f"predict: {out.shape[0] if out.ndim else 0} outputs for {len(x)} rows (rows must come first)")
+    if kind.scaled:
+        per_row, wanted = out[0].numel(), (y[0].numel() if len(y) else out[0].numel())
+        _require(per_row == wanted,
+                 f"predict: {per_row} values per row, but the targets have {wanted} (task "
+                 f"{recipe.task!r} compares them one to one)")
+        return
+    n_classes = int(out.shape[-1]) if out.ndim >= 2 else 1
+    _require(n_classes >= 2, f"predict: {n_classes} class per row; a classifier needs at least 2 "
+                             f"(a regression recipe sets task = 'regression')")
+    if classes is not None:
+        _require(len(classes) == n_classes,
+                 f"classes: {len(classes)} names for the model's {n_classes} classes")
+    _require(y.numel() == 0 or int(y.max()) < n_classes,
+             f"data: class target {int(y.max()) if y.numel() else 0} but the model gives "
+             f"{n_classes} classes")
+
+
+def _meta_outputs(recipe: Any, x: Any) -> Any:
+    """``predict`` of the default model on the meta device (shapes only; nothing allocated),
+    or None for a model that cannot run there."""
+    import torch
+
+    try:
+        with torch.random.fork_rng(devices=[]), torch.device("meta"):
+            model = recipe.model(recipe.default_config())
+            out = recipe.predict(model, x[:ROWS].to("meta"))
+    except Exception:  # noqa: BLE001 - a model meta cannot run: training checks it instead
+        return None
+    return out if isinstance(out, torch.Tensor) else None
+
+
+def check_contract(name: str, recipe: Any, consequence: str) -> None:
+    """:func:`contract` on a few training rows of ``recipe`` (of a distillation: of the
+    ensemble's recipe): RecipeError in one line — "recipe NAME failed at STEP: what; consequence"."""
+    from .recipes.distilled import Distilled
+
+    target = recipe.base if isinstance(recipe, Distilled) else recipe
+    try:
+        x, y = _step("data", lambda: target.sample_rows("train", ROWS))
+        contract(target, x, y)
+    except CheckFailed as exc:
+        raise CheckFailed(f"recipe {name!r} failed at {exc}; {consequence}") from exc
+
+
+def notes(recipe: Any, y_train: Any) -> list[str]:
+    """What looks unintended but may not be: targets that look standardised with no
+    ``unscale_targets`` to bring predictions back to the user's units."""
+    if not recipe.kind.scaled or _overrides(recipe, "unscale_targets") or len(y_train) < 2:
+        return []
+    mean, std = float(y_train.float().mean()), float(y_train.float().std())
+    if abs(mean) < 0.1 and 0.8 < std < 1.2:
+        return [f"the targets have mean {mean:.2f} and std {std:.2f}: if raw_data standardised "
+                f"them, define unscale_targets so served predictions and metrics are in your units"]
+    return []
+
+
 def check(name: str, options: dict[str, Any] | None = None) -> dict[str, Any]:
     """Run every check; the summary of what was found, or CheckFailed naming the first problem."""
     import orjson
     import torch
 
+    from .artifact import EnsembleModel
     from .recipes import load_splits, resolve
-    from .recipes.kinds import KINDS
     from .serve import Prediction, encode_answer
     from .training import train_steps
 
     t0 = time.perf_counter()
     recipe = _step("build", lambda: resolve(name, options or {}))
-    _require(recipe.task in KINDS, f"task: unknown kind {recipe.task!r}; use one of {', '.join(KINDS)}")
-    kind = recipe.kind
     splits = _step("data", lambda: load_splits(recipe))
     sizes = {}
     for split in ("train", "val", "test"):
@@ -63,17 +179,10 @@ def check(name: str, options: dict[str, Any] | None = None) -> dict[str, Any]:
         _require(len(x) > 0, f"data: the {split} split is empty")
         _require(len(x) == len(y), f"data: the {split} split has {len(x)} inputs but {len(y)} targets")
         sizes[split] = len(x)
-    if kind.name == "regression":
-        _require(splits.y_train.is_floating_point(),
-                 f"data: task 'regression' needs float targets, got {splits.y_train.dtype}")
-    else:
-        _require(not splits.y_train.is_floating_point(),
-                 f"data: task {recipe.task!r} needs integer class targets, got "
-                 f"{splits.y_train.dtype} (a regression recipe sets task = 'regression')")
-    input_shape = _step("input_shape", recipe.input_shape)
     x = splits.x_train[:ROWS]
-    _require(list(x.shape[1:]) == list(input_shape),
-             f"input_shape: {input_shape} but preprocessed rows are {list(x.shape[1:])}")
+    contract(recipe, x, splits.y_train[:ROWS])
+    kind = recipe.kind
+    input_shape = recipe.input_shape()
     config = _step("default_config", recipe.default_config)
     model = _step("model", lambda: recipe.model(config))
     params = sum(p.numel() for p in model.parameters())
@@ -90,25 +199,31 @@ def check(name: str, options: dict[str, Any] | None = None) -> dict[str, Any]:
     trained, _ = _step("training steps", lambda: train_steps(
         recipe, model, opt, splits.x_train, splits.y_train, rows, STEPS,
         min(recipe.batch_size, ROWS), 0, torch.device("cpu")))
-    metrics = _step("evaluate", lambda: recipe.evaluate(model, splits.x_val[:ROWS], splits.y_val[:ROWS]))
-    _require(isinstance(metrics, dict) and "loss" in metrics,
-             f"evaluate: must return a dict with 'loss', got {metrics!r}")
-    _require(all(isinstance(v, float) and math.isfinite(v) for v in metrics.values()),
-             f"evaluate: values must be finite floats, got {metrics!r}")
+    x_val, y_val = splits.x_val[:ROWS], splits.y_val[:ROWS]
+    metrics = _step("evaluate", lambda: recipe.evaluate(model, x_val, y_val))
+    _finite_metrics("evaluate", metrics)
     member = _step("member_config", lambda: recipe.member_config(1, random.Random(0)))
     other = _step("model (an ensemble member's config)", lambda: recipe.model({**config, **{
         k: v for k, v in member.items() if k != "lr_scale"}}))
-    x_val = splits.x_val[:ROWS]
     per_member = _step("predict", lambda: torch.stack([recipe.predict(m, x_val) for m in (model, other)]))
     _require(per_member.shape[1] == len(x_val),
              f"predict: {per_member.shape[1]} outputs for {len(x_val)} rows (rows must come first)")
     vote = "soft"
     combined = _step("combine", lambda: recipe.combine(per_member, vote))
     _require(combined.shape[0] == len(x_val), f"combine: {combined.shape[0]} outputs for {len(x_val)} rows")
-    _step("ensemble metrics", lambda: kind.metrics(combined, splits.y_val[:ROWS], per_member.mean(0)))
+    # an ensemble is measured by the recipe's evaluate too, as one model (see Recipe's docstring)
+    ensemble = EnsembleModel(recipe, [model, other], vote)
+    voted = _step("evaluate (an ensemble)", lambda: recipe.evaluate(ensemble, x_val, y_val))
+    _finite_metrics("evaluate (an ensemble)", voted)
+    _require(set(voted) == set(metrics), f"evaluate (an ensemble): metrics {sorted(voted)}, but "
+                                         f"{sorted(metrics)} for one model")
+    if kind.scaled:
+        combined, per_member = recipe.unscale_targets(combined), torch.stack(
+            [recipe.unscale_targets(p) for p in per_member])
     pred = Prediction(combined.float().numpy(), per_member.float().numpy())
     members = [{"member": 0}, {"member": 1}]
-    answer = _step("serve", lambda: orjson.loads(encode_answer("check", "v", "id", pred, members, kind)))
+    answer = _step("serve", lambda: orjson.loads(encode_answer("check", "v", "id", pred, members, kind,
+                                                               recipe.classes)))
     outputs = {o["name"]: o for o in answer["outputs"]}
     for o in outputs.values():
         _require(o["shape"][0] == len(x_val) and len(o["data"]) == math.prod(o["shape"]),
@@ -118,5 +233,13 @@ def check(name: str, options: dict[str, Any] | None = None) -> dict[str, Any]:
         "parameters": params, "train_loss": trained, "val_metrics": metrics,
         "outputs": {n: {"datatype": o["datatype"], "shape": ["N", *o["shape"][1:]]}
                     for n, o in outputs.items() if not n.startswith("member_")},
+        "notes": notes(recipe, splits.y_train),
         "seconds": round(time.perf_counter() - t0, 2),
     }
+
+
+def _finite_metrics(step: str, metrics: Any) -> None:
+    _require(isinstance(metrics, dict) and "loss" in metrics,
+             f"{step}: must return a dict with 'loss', got {metrics!r}")
+    _require(all(isinstance(v, float) and math.isfinite(v) for v in metrics.values()),
+             f"{step}: values must be finite floats, got {metrics!r}")

@@ -61,10 +61,12 @@ def submit(spec: RunSpec, broker_url: str, here: bool = False) -> dict[str, Any]
 
 
 def start(spec: RunSpec, broker_url: str, store: Any, pool: list[dict[str, Any]]) -> None:
-    """Build the recipe, fill what depends on the pool, check the model fits, store what the run
-    starts from and queue its first work (on an agent, or in the submitting process)."""
+    """Build the recipe, fill what depends on the pool, check the model fits and the recipe keeps
+    its contract (:func:`tensorturn.checkrecipe.check_contract`), store what the run starts
+    from and queue its first work (on an agent, or in the submitting process)."""
     from .capacity import check_fits
     from .celery_app import configure
+    from .checkrecipe import check_contract
     from .modes import get_mode
     from .recipes import resolve
 
@@ -75,7 +77,8 @@ def start(spec: RunSpec, broker_url: str, store: Any, pool: list[dict[str, Any]]
     mode.prepare(spec, len([w for w in pool if w["state"] in ("idle", "busy")]))
     spec.validate()
     need = memory_needed(spec, recipe)
-    check_fits(need, pool)
+    check_fits(need, pool)  # first: a model too big for every machine is told so, whatever else
+    check_contract(spec.recipe, recipe, "nothing was queued")
     spec.memory_needed_bytes = need["total_bytes"]
     mode.start(spec, store, RunBoard(check_broker(broker_url)))
 
@@ -164,6 +167,69 @@ def resume(run_id: str, broker_url: str, store_url: str) -> tuple[dict[str, Any]
     return board.describe(run_id), what
 
 
+CANCEL_WAIT_S = 30.0  # how long `cancel` waits for running attempts to stop before it answers
+
+
+def cancel(run_id: str, broker_url: str, store_url: str, by: str,
+           wait_s: float = CANCEL_WAIT_S) -> tuple[dict[str, Any], str]:
+    """Cancel a live run: it is ``cancelled`` at once, its queued task messages are dropped, and
+    its running attempts stop at their next look (about a second) and store nothing; then
+    its manifest is saved. Returns the run's description and a sentence on what happened.
+
+    ``resume`` continues a cancelled run from its last complete round or checkpoints."""
+    from .manifest import try_write_manifest
+    from .store import open_store
+
+    client = check_broker(broker_url)
+    board = RunBoard(client)
+    if not board.exists(run_id):
+        raise NotFound(f"no run {run_id!r} on this broker (see `tensorturn runs`)")
+    if not board.cancel(run_id, by):
+        state = board.state(run_id)
+        if state == "cancelled":
+            return board.describe(run_id), f"run {run_id} was cancelled already"
+        raise SpecError(f"run {run_id} has {state}: there is nothing to cancel")
+    dropped = drop_queued(client, run_id)
+    deadline = time.monotonic() + wait_s
+    running = _running_attempts(board, run_id)
+    while running and time.monotonic() < deadline:
+        time.sleep(0.25)
+        running = _running_attempts(board, run_id)
+    try_write_manifest(open_store(store_url), board, run_id)
+    what = f"run {run_id} cancelled; {dropped} queued task{'s' * (dropped != 1)} dropped"
+    if running:  # their machines stopped answering: those attempts end when the machine does
+        what += (f"; {len(running)} attempt{'s' * (len(running) != 1)} still marked running "
+                 f"({', '.join(a['task'] + ' on ' + a['worker'] for a in running)}): "
+                 f"nothing they finish is used")
+    return board.describe(run_id), what
+
+
+def _running_attempts(board: RunBoard, run_id: str) -> list[dict[str, Any]]:
+    return [a for a in board.attempts(run_id) if a["outcome"] == "running"]
+
+
+def drop_queued(client: Any, run_id: str) -> int:
+    """Remove the run's task messages waiting in any TensorTurn queue; returns how many. Those
+    already handed to an agent are dropped by the agent (a finished run's task does nothing)."""
+    import base64
+    import json
+
+    dropped = 0
+    queues = [layout.DEFAULT_QUEUE, *client.scan_iter(match="tt.*")]
+    for queue in queues:
+        if client.type(queue) != "list":
+            continue
+        for raw in client.lrange(queue, 0, -1):
+            try:
+                body = base64.b64decode(json.loads(raw)["body"])
+                args = json.loads(body)[0]
+            except (ValueError, KeyError, TypeError, IndexError):
+                continue  # not a Celery message of ours
+            if run_id in args:
+                dropped += int(client.lrem(queue, 1, raw))
+    return dropped
+
+
 def _manifest(store: Any, run_id: str) -> dict[str, Any] | None:
     from .manifest import read_manifest
     from .store import ObjectMissing
@@ -188,11 +254,20 @@ def workers(broker_url: str) -> list[dict[str, Any]]:
     return list_workers(check_broker(broker_url))
 
 
+SETTLE_S = 10.0  # how long a finished run's attempts still running on live machines are awaited
+
+
 def wait(broker_url: str, run_id: str, on_update: Update | None = None,
          poll_s: float = 0.5, timeout_s: float | None = None) -> dict[str, Any]:
-    """Poll the run until it finishes (or ``timeout_s`` passes); returns its description."""
+    """Poll the run until it finishes (or ``timeout_s`` passes); returns its description.
+
+    A finished run is returned once its records are complete: the task that finishes a run
+    records its own attempt and figures with the state, but others can still be running then
+    (a backup copy stopping, an asynchronous update's task, a cancelled run's attempts), and
+    are awaited up to SETTLE_S while their machines are live."""
     board = RunBoard(check_broker(broker_url))
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    settle_by = None
     while True:
         try:
             doc = annotate(board.describe(run_id), board)
@@ -202,23 +277,50 @@ def wait(broker_url: str, run_id: str, on_update: Update | None = None,
                               f"store: continue with `tensorturn resume {run_id}`") from None
         if on_update:
             on_update(doc)
-        if doc["state"] in FINISHED or (deadline and time.monotonic() > deadline):
+        if doc["state"] in FINISHED:
+            settle_by = settle_by or time.monotonic() + SETTLE_S
+            if time.monotonic() >= settle_by or not running_on_live_workers(doc, board):
+                return doc
+        elif deadline and time.monotonic() > deadline:
             return doc
         time.sleep(poll_s)
 
 
+def running_on_live_workers(doc: dict[str, Any], board: RunBoard) -> list[dict[str, Any]]:
+    """The run's attempts still running on an agent that is online (one on a machine that
+    stopped answering was lost with it)."""
+    from .roster import list_workers
+
+    running = [a for a in doc.get("attempts", []) if a["outcome"] == "running"]
+    if not running:
+        return []
+    live = {w["name"] for w in list_workers(board.r) if w["state"] in ("idle", "busy")}
+    return [a for a in running if a["worker"] in live]
+
+
 def annotate(doc: dict[str, Any], board: RunBoard | None = None) -> dict[str, Any]:
     """Add ``note`` to a live run that has made no progress for ``TENSORTURN_STALL_S``
-    seconds, saying what it waits for."""
+    seconds, saying what it waits for. A run with an attempt running on a live agent is not
+    stalled: the note then says which outer step (or the vote) is doing what, and for how long."""
     from .roster import list_workers
 
     if doc.get("state") in FINISHED or not doc.get("progress_at"):
         return doc
-    idle = time.time() - float(doc["progress_at"])
+    now = time.time()
+    idle = now - float(doc["progress_at"])
     if idle < config.current().stall_s:
         return doc
     why = "its tasks are queued but no attempt started or finished"
     if board is not None:
+        running = running_on_live_workers(doc, board)
+        if running:  # work goes on, only nothing started or finished lately: say what runs
+            for o in doc.get("outer_steps") or []:
+                doc["note"] = (f"round {o['round']}'s outer step is {o['phase']} on {o['worker']} "
+                               f"({now - o['since']:.0f}s)")
+            for a in running:
+                if a["task"] == str(layout.vote_label()):
+                    doc["note"] = f"the vote is running on {a['worker']} ({now - a['started_at']:.0f}s)"
+            return doc
         pool = list_workers(board.r)
         usable = [w for w in pool if w["state"] in ("idle", "busy")]
         if not usable:
@@ -231,40 +333,73 @@ def annotate(doc: dict[str, Any], board: RunBoard | None = None) -> dict[str, An
     return doc
 
 
-def describe(run_id: str, broker_url: str | None, store_url: str) -> dict[str, Any]:
+BrokerDown = Callable[[BrokerError], None]
+
+
+def _board(broker_url: str | None, on_broker_down: BrokerDown | None) -> RunBoard | None:
+    """The broker's runs; None without a broker, or when it does not answer and the caller
+    reads the store instead (``on_broker_down`` is told why; without it, BrokerError)."""
+    if not broker_url:
+        return None
+    try:
+        return RunBoard(check_broker(broker_url))
+    except BrokerError as exc:
+        if on_broker_down is None:
+            raise
+        on_broker_down(exc)
+        return None
+
+
+def describe(run_id: str, broker_url: str | None, store_url: str,
+             on_broker_down: BrokerDown | None = None) -> dict[str, Any]:
     """A run's description from the broker, or from its manifest in the store when the broker
     has no record of it (after an embedded run, whose Redis is gone, or a Redis that lost its
-    data — then ``note`` says so and how to continue)."""
+    data — then ``note`` says so and how to continue). With ``on_broker_down``, a broker that
+    does not answer is reported to it and the store is read too."""
     from .store import open_store
 
-    board = None
-    if broker_url:
-        board = RunBoard(check_broker(broker_url))
-        if board.exists(run_id):
-            return annotate(board.describe(run_id), board)
+    down: list[BrokerError] = []
+
+    def broker_down(exc: BrokerError) -> None:
+        down.append(exc)
+        if on_broker_down is not None:
+            on_broker_down(exc)
+
+    board = _board(broker_url, broker_down if on_broker_down else None)
+    if board is not None and board.exists(run_id):
+        return annotate(board.describe(run_id), board)
     doc = _manifest(open_store(store_url), run_id)
+    if doc is None and down:  # it may well be on the broker: that is what went wrong
+        raise BrokerError(f"{down[0]}; and the store has no run {run_id!r}")
     if doc is None:
-        where = "on the broker or in the store" if broker_url else "in the store"
+        where = "on the broker or in the store" if board is not None else "in the store"
         raise NotFound(f"no run {run_id!r} {where} (see `tensorturn runs`)")
     if doc.get("state") not in FINISHED:
-        doc["note"] = (f"the last saved state is '{doc.get('state')}', but "
-                       + ("the broker has no record of the run (Redis lost its data?)"
-                          if broker_url else "no broker is following it")
-                       + f"; continue it with `tensorturn resume {run_id}`")
+        if board is not None:
+            why = "the broker has no record of the run (Redis lost its data?)"
+        elif broker_url:
+            why = "the broker does not answer (start the coordinator again to follow it)"
+        else:
+            why = "no broker is following it"
+        doc["note"] = (f"the last saved state is '{doc.get('state')}', but {why}; "
+                       f"continue it with `tensorturn resume {run_id}`")
     return doc
 
 
 SUMMARY = ("run_id", "mode", "state", "recipe", "created_at", "finished_at", "metrics", "error")
 
 
-def list_runs(broker_url: str | None, store_url: str) -> list[dict[str, Any]]:
+def list_runs(broker_url: str | None, store_url: str,
+              on_broker_down: BrokerDown | None = None) -> list[dict[str, Any]]:
     """Runs known to the broker and the manifests in the store, newest first; a run the store
-    knows but the broker lost says so in ``note``."""
+    knows but the broker lost says so in ``note``. With ``on_broker_down``, a broker that does
+    not answer is reported to it and the store's runs are listed."""
     from .store import open_store
 
     runs: dict[str, dict[str, Any]] = {}
-    if broker_url:
-        runs = {m["run_id"]: m for m in RunBoard(check_broker(broker_url)).list_runs()}
+    board = _board(broker_url, on_broker_down)
+    if board is not None:
+        runs = {m["run_id"]: m for m in board.list_runs()}
     store = open_store(store_url)
     for key in store.list(layout.RUNS):
         parts = layout.parse("manifest", key)
@@ -276,7 +411,7 @@ def list_runs(broker_url: str | None, store_url: str) -> list[dict[str, Any]]:
         except StoreError:
             continue
         summary = {k: m.get(k) for k in SUMMARY}  # the signature is not among them
-        if broker_url and summary["state"] not in FINISHED:
+        if board is not None and summary["state"] not in FINISHED:
             summary["note"] = f"not on this broker; `tensorturn resume {run_id}` continues it"
         runs[run_id] = summary
     return sorted(runs.values(), key=lambda m: m.get("created_at") or 0, reverse=True)

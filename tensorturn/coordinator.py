@@ -123,3 +123,7 @@ class CoordinatorConfig:
         cfg = cls(password=secrets.token_urlsafe(24), port=port or 6379)
         trust.write_secret(path, json.dumps({"password": cfg.password, "port": cfg.port}))
         return cfg
+
+    def save(self, directory: Path) -> None:
+        trust.replace_secret(directory / "coordinator.json",
+                             json.dumps({"password": self.password, "port": self.port}))

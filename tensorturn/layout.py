@@ -158,6 +158,12 @@ def run_key(run_id: str, part: str = "") -> str:
     return f"{PREFIX}run:{run_id}" + (f":{part}" if part else "")
 
 
+def live_key(run_id: str) -> str:
+    """The run's live progress: {task label: JSON of its step, loss or phase, worker, time},
+    written by running tasks at most once a second (:mod:`tensorturn.live`)."""
+    return run_key(run_id, "live")
+
+
 def worker_key(name: str) -> str:
     return f"{PREFIX}worker:{name}"
 

@@ -2,13 +2,16 @@
 
 It is the multi-machine pool in miniature: the agents are the very ``tensorturn agent`` command a
 remote machine runs, talking to Redis over TCP, so a run here takes the same code paths as a run
-across machines. Everything it starts is stopped on exit, on Ctrl-C and on error.
+across machines. Everything it starts is stopped on exit, on Ctrl-C and on error; its logs can
+be kept (:func:`keep_logs`, which ``tensorturn run`` does: one folder per run).
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -64,8 +67,13 @@ class RedisServer:
         return f"redis://default:{self.password}@127.0.0.1:{self.port}/0"
 
     def start(self, timeout: float = 20) -> "RedisServer":
+        """Start redis-server and return once it answers; PortInUse when another program holds
+        the port, TensorTurnError (with the cause from Redis's log) when it fails otherwise."""
         import redis
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
 
+        check_port_free(self.bind, self.port)  # the common case, before anything starts
         self.workdir.mkdir(mode=0o700, parents=True, exist_ok=True)
         # every setting in a config file (mode 600): a password on the command line would show
         # in `ps` and /proc/<pid>/cmdline to every user of the machine
@@ -78,22 +86,35 @@ class RedisServer:
         conf = self.workdir / "redis.conf"
         conf.unlink(missing_ok=True)
         trust.write_secret(conf, "\n".join(lines) + "\n")
+        log_file = self.workdir / "redis.log"
+        logged = log_file.stat().st_size if log_file.exists() else 0  # AOF restarts append to it
         args = [redis_server_binary(), str(conf)]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                      start_new_session=True)
-        client = redis.Redis(host="127.0.0.1", port=self.port, password=self.password or None,
-                             socket_connect_timeout=1)
+        # one try per probe, bounded: a program on the port may accept and never answer
+        client = redis.Redis(host=_dial_host(self.bind), port=self.port,
+                             password=self.password or None, socket_connect_timeout=1,
+                             socket_timeout=1, retry=Retry(NoBackoff(), 0))
         deadline = time.monotonic() + timeout
         while True:
             try:
-                client.ping()
-                return self
+                # A Redis that answers is not proof that ours started: another one may hold the
+                # port (one without a password takes any password), and ours then exits with
+                # "Address already in use". Only our own process id counts.
+                if client.info("server").get("process_id") == self.proc.pid:
+                    return self
             except redis.RedisError:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    self.stop()
-                    raise TensorTurnError(f"redis-server did not start on port {self.port} "
-                                          f"(log: {self.workdir / 'redis.log'})") from None
-                time.sleep(0.05)
+                pass
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                logged_errors = _logged_errors(log_file, logged)
+                if any("address already in use" in e.lower() for e in logged_errors):
+                    raise PortInUse(port_taken(self.bind, self.port)) from None
+                cause = logged_errors[-1] if logged_errors else ""
+                raise TensorTurnError(f"redis-server did not start on port {self.port}"
+                                      + (f": {cause}" if cause else "")
+                                      + f" (log: {log_file})") from None
+            time.sleep(0.05)
 
     def stop(self) -> None:
         if self.proc and self.proc.poll() is None:
@@ -105,10 +126,107 @@ class RedisServer:
                 self.proc.wait()
 
 
+class PortInUse(TensorTurnError):
+    """The port a Redis should listen on is held by another program."""
+
+
+def _dial_host(bind: str) -> str:
+    """Where this machine reaches a server bound to ``bind`` (its first address; a wildcard
+    is reached on loopback)."""
+    first = (bind.split() or ["127.0.0.1"])[0].lstrip("-")
+    return "127.0.0.1" if first in ("0.0.0.0", "*", "") else "::1" if first in ("::", "::*") else first
+
+
+def check_port_free(bind: str, port: int) -> None:
+    """PortInUse (one line naming the port and, when it can tell, what holds it) unless a
+    server could listen on ``port`` at every address of ``bind``."""
+    for host in bind.split():
+        host = host.lstrip("-")
+        host = "0.0.0.0" if host == "*" else "::" if host == "::*" else host
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+            # as redis-server binds: a TIME_WAIT left by the last Redis here is no conflict
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((host, port))
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    raise PortInUse(port_taken(bind, port)) from None
+                raise TensorTurnError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+
+
+def port_taken(bind: str, port: int) -> str:
+    """The sentence for a port another program holds; says whether that program is a Redis."""
+    holder = "another program"
+    try:
+        with socket.create_connection((_dial_host(bind), port), timeout=1) as s:
+            s.settimeout(1)
+            s.sendall(b"PING\r\n")
+            if s.recv(16).startswith((b"+PONG", b"-NOAUTH", b"-ERR")):
+                holder = "another Redis"
+    except OSError:
+        pass
+    return f"port {port} is already in use by {holder}"
+
+
+def _logged_errors(log_file: Path, offset: int) -> list[str]:
+    """The warnings and errors redis-server logged after ``offset`` (its lines marked #)."""
+    try:
+        with open(log_file, "rb") as f:
+            f.seek(offset)
+            lines = f.read().decode(errors="replace").splitlines()
+    except OSError:
+        return []
+    return [ln.split(" # ", 1)[1].strip() for ln in lines if " # " in ln]
+
+
 def _quoted(value: object) -> str:
     """A value as a redis.conf string (double-quoted, escapes for quote and backslash)."""
     text = str(value).replace("\\", "\\\\").replace('"', '\\"')
     return f'"{text}"'
+
+
+LOGS_DIR = Path(".tensorturn") / "logs"  # an embedded pool's logs: a folder per run
+KEEP_RUNS = 20                           # folders kept there, the most recent
+LOG_TAIL_BYTES = 1 << 20                 # of each log, what a pool adds at most (its end)
+
+
+def logs_dir(run_id: str) -> Path:
+    """Where an embedded pool that ran ``run_id`` keeps its logs."""
+    return LOGS_DIR / (re.sub(r"[^A-Za-z0-9._-]", "_", run_id).lstrip(".") or "_")
+
+
+def keep_logs(files: list[Path], dest: Path, hidden: list[str]) -> Path:
+    """Append the end of each log in ``files`` to its namesake in ``dest`` (a pool run again
+    for the same run — ``resume`` — adds to it), with ``hidden`` and every URL password,
+    pool key or join string masked; then remove all but the :data:`KEEP_RUNS` most recent
+    folders beside ``dest``."""
+    from .tracebacks import mask_secrets
+
+    dest.mkdir(mode=0o700, parents=True, exist_ok=True)
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+    for path in files:
+        try:
+            with open(path, "rb") as f:
+                size = f.seek(0, os.SEEK_END)
+                f.seek(max(0, size - LOG_TAIL_BYTES))
+                text = f.read().decode(errors="replace")
+        except FileNotFoundError:
+            continue
+        if size > LOG_TAIL_BYTES:
+            text = f"[its first {size - LOG_TAIL_BYTES} bytes left out]\n" + text.partition("\n")[2]
+        for secret in hidden:
+            if secret:
+                text = text.replace(secret, "***")
+        fd = os.open(dest / path.name, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        with os.fdopen(fd, "w") as out:
+            out.write(f"==== {path.name} of the pool stopped at {stamp} ====\n{mask_secrets(text)}")
+    os.utime(dest)  # most recent, whether its files were new or appended to
+    folders = sorted((d for d in dest.parent.iterdir() if d.is_dir() and not d.is_symlink()),
+                     key=lambda d: d.stat().st_mtime, reverse=True)
+    for old in folders[KEEP_RUNS:]:
+        if old != dest:
+            shutil.rmtree(old, ignore_errors=True)
+    return dest
 
 
 def agent_command(name: str, concurrency: int = 1) -> list[str]:
@@ -139,8 +257,9 @@ class LocalPool:
 
     def __init__(self, workers: int, store_url: str, workdir: Path | None = None,
                  loglevel: str = "WARNING", appendonly: bool = False,
-                 roles: list[str] | None = None):
+                 roles: list[str] | None = None, keep_logs: Path | None = None):
         self.workers = workers
+        self.keep_logs = keep_logs  # where the agents' logs are kept once the pool stops
         self.roles = roles or ["train"] * workers
         self.store_url = store_url
         self.loglevel = loglevel
@@ -240,7 +359,8 @@ class LocalPool:
                 return
             if time.monotonic() > deadline:
                 raise TensorTurnError(f"only {len(replies)} of {len(self.agents)} local agents "
-                                      f"came up within {timeout:.0f}s (logs in {self.workdir})")
+                                      f"came up within {timeout:.0f}s (logs in "
+                                      f"{self.keep_logs or self.workdir})")
 
     def stop(self, grace: float = 30.0) -> None:
         """Stop the agents, then Redis. With a task in flight (a message delivered and not yet
@@ -256,9 +376,7 @@ class LocalPool:
                         pass
             for proc in self.agents:
                 proc.wait()
-            self.redis.stop()
-            if self._tmp is not None:
-                self._tmp.cleanup()
+            self._close()
             return
         for proc in self.agents:
             if proc.poll() is None:
@@ -270,6 +388,17 @@ class LocalPool:
         deadline = time.monotonic() + grace
         for proc in self.agents:
             stop_process_group(proc, grace=max(0.1, deadline - time.monotonic()), term=False)
+        self._close()
+
+    def _close(self) -> None:
+        """Stop Redis; keep the logs (``keep_logs``) before the workdir goes."""
         self.redis.stop()
+        if self.keep_logs is not None:
+            key = trust.find_key()
+            try:
+                keep_logs([*self.logs, self.redis.workdir / "redis.log"], self.keep_logs,
+                          [self.redis.password, key.text() if key else ""])
+            except OSError as exc:  # the run's outcome matters more than its logs
+                log.warning("the agents' logs were not kept in %s: %s", self.keep_logs, exc)
         if self._tmp is not None:
             self._tmp.cleanup()

@@ -18,7 +18,9 @@ OFFLINE_AFTER = 3  # heartbeats
 def list_workers(client, now: float | None = None,
                  heartbeat_s: float | None = None) -> list[dict[str, Any]]:
     """Every agent that ever sent a heartbeat to this broker, with its state: ``idle``, ``busy``,
-    ``offline`` (silent for three heartbeats) or ``quarantined`` (taken out of rotation)."""
+    ``offline`` (stopped, or silent for three heartbeats) or ``quarantined`` (taken out of
+    rotation). ``stopped_s`` is the time since a clean stop, None for a machine that did not
+    stop cleanly (its ``last_seen_s`` says when it was last heard of)."""
     now = time.time() if now is None else now
     heartbeat_s = config.current().heartbeat_s if heartbeat_s is None else heartbeat_s
     out = []
@@ -29,7 +31,11 @@ def list_workers(client, now: float | None = None,
         inv, live = json.loads(h["inventory"]), json.loads(h.get("live", "{}"))
         progress = json.loads(h["progress"]) if h.get("progress") else {}
         last_seen = now - float(h.get("last_seen", 0))
-        if last_seen > OFFLINE_AFTER * heartbeat_s:
+        # the first heartbeat of a restarted agent clears its stop; an agent from before
+        # `stopped_at` marked a clean stop with last_seen 0 (its stop time is unknown)
+        stopped = "stopped_at" in h or float(h.get("last_seen", 0)) == 0
+        stopped_s = now - float(h["stopped_at"]) if "stopped_at" in h else None
+        if stopped or last_seen > OFFLINE_AFTER * heartbeat_s:
             state = "offline"
         elif h.get("quarantined"):
             state = "quarantined"
@@ -37,6 +43,7 @@ def list_workers(client, now: float | None = None,
             state = "busy" if h.get("task") else "idle"
         out.append({
             "name": h["name"], "state": state, "last_seen_s": round(last_seen, 1),
+            "stopped": stopped, "stopped_s": None if stopped_s is None else round(stopped_s, 1),
             "task": h.get("task") if state == "busy" else None,
             "samples_per_s": progress.get("samples_per_s") if state == "busy" else None,
             "tasks_done": int(h.get("tasks_done", 0)),

@@ -45,6 +45,7 @@ from . import tokens
 from .apiauth import Authenticator, AuthError, FailureCounter, TokenCache
 from .artifact import load_result
 from .batching import Batcher
+from .checkrecipe import check_contract
 from .recipes.kinds import Kind
 from .store import Store
 
@@ -212,14 +213,17 @@ def _share(result: Prediction, start: int, stop: int) -> Prediction:
 
 def _tensor(name: str, datatype: str, data: np.ndarray) -> dict[str, Any]:
     data = np.ascontiguousarray(data)
-    return {"name": name, "datatype": datatype, "shape": list(data.shape), "data": data.reshape(-1)}
+    flat = data.reshape(-1)  # BYTES (class names) as a list of strings: orjson writes no object arrays
+    return {"name": name, "datatype": datatype, "shape": list(data.shape),
+            "data": flat.tolist() if flat.dtype == object else flat}
 
 
 def encode_answer(name: str, version: str, request_id: str | None, pred: Prediction,
-                  members: list[dict] | None, kind: Kind) -> bytes:
-    """The Open Inference Protocol answer: the outputs the recipe's kind serves (``label`` and
-    ``probabilities``, or ``prediction``), and each member's when asked."""
-    outputs = [_tensor(o.name, o.datatype, o.data) for o in kind.served(pred.combined)]
+                  members: list[dict] | None, kind: Kind, classes: list[str] | None = None) -> bytes:
+    """The Open Inference Protocol answer: the outputs the recipe's kind serves (``label``,
+    ``probabilities`` and ``class_name`` where the recipe names its ``classes``; or
+    ``prediction``), and each member's when asked."""
+    outputs = [_tensor(o.name, o.datatype, o.data) for o in kind.served(pred.combined, classes)]
     for entry, p in zip(members or [], pred.per_member):
         outputs.append(_tensor(kind.member_output(entry["member"]), "FP32", p))
     return orjson.dumps({"model_name": name, "model_version": version,
@@ -253,7 +257,7 @@ def _infer_openapi(input_shape: list[int], served: list[tuple[str, str, list[int
     output = {"type": "object", "properties": {
         "name": {"type": "string"}, "datatype": {"type": "string"},
         "shape": {"type": "array", "items": {"type": "integer"}},
-        "data": {"type": "array", "items": {"type": "number"}}}}
+        "data": {"type": "array", "items": {"type": ["number", "string"]}}}}
     answer = {"type": "object", "properties": {
         "model_name": {"type": "string"}, "model_version": {"type": "string"},
         "id": {"type": "string"},
@@ -284,6 +288,7 @@ def create_app(store: Store, run_id: str, alias: str | None = None,
         opts.max_body_bytes = max_body_bytes
     predictor, manifest = load_result(store, run_id)
     recipe = predictor.recipe
+    check_contract(manifest["recipe"], recipe, f"run {run_id} is not served")
     input_shape = recipe.input_shape()
     names = {run_id} | ({alias} if alias else set())
     version = manifest["model_sha256"][:12]
@@ -297,7 +302,9 @@ def create_app(store: Store, run_id: str, alias: str | None = None,
             return Prediction(combined.float().numpy(), per_member.float().numpy())
 
     probe = run_model(np.zeros([1, *input_shape], np.float32))
-    served = [(o.name, o.datatype, [-1, *np.asarray(o.data).shape[1:]]) for o in kind.served(probe.combined)]
+    classes = recipe.classes
+    served = [(o.name, o.datatype, [-1, *np.asarray(o.data).shape[1:]])
+              for o in kind.served(probe.combined, classes)]
     batcher: Batcher[Prediction, Prediction] = Batcher(
         run_model, _share, max_rows=opts.max_batch_rows, window_s=opts.batch_window_ms / 1000,
         thread_init=lambda: torch.set_num_threads(opts.model_threads))
@@ -398,9 +405,9 @@ def create_app(store: Store, run_id: str, alias: str | None = None,
         wanted = members_meta if parsed.members else None
         values = pred.combined.size * (1 + (len(wanted) if wanted else 0))
         if values <= INLINE_OUTPUT_VALUES:
-            content = encode_answer(name, version, parsed.id, pred, wanted, kind)
+            content = encode_answer(name, version, parsed.id, pred, wanted, kind, classes)
         else:
-            content = await off_loop(encode_answer, name, version, parsed.id, pred, wanted, kind)
+            content = await off_loop(encode_answer, name, version, parsed.id, pred, wanted, kind, classes)
         return Response(content, media_type=JSON)
 
     @app.post("/v2/models/{name}/infer", tags=["models"], response_class=Response,

@@ -15,9 +15,9 @@ from typing import Any, ClassVar, TypeVar
 from .errors import SpecError
 from .modes.registry import get_mode, mode_names, option_owner
 
-STATES = ("queued", "running", "succeeded", "failed")
+STATES = ("queued", "running", "succeeded", "failed", "cancelled")
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")  # device.autocast's (this module imports no torch)
-FINISHED = ("succeeded", "failed")
+FINISHED = ("succeeded", "failed", "cancelled")  # no task of such a run starts
 
 
 def flag(name: str) -> str:

@@ -24,7 +24,7 @@ from celery.worker import state as worker_state
 
 from . import config, routing
 from .broker import redis_client
-from .layout import worker_key
+from .layout import live_key, worker_key
 
 log = logging.getLogger(__name__)
 
@@ -149,27 +149,44 @@ class Heartbeat(bootsteps.StartStopStep):
             self.tref.cancel()
             self.tref = None
         try:  # a clean stop is offline at once, not after three missed heartbeats
-            self.client.hset(worker_key(self.node), "last_seen", 0)
+            self.client.hset(worker_key(self.node), "stopped_at", time.time())
             routing.withdraw(self.client, self.node, self.outer)
         except Exception:  # noqa: BLE001
             pass
 
+    def terminate(self, worker):
+        # a cold shutdown (the agent's SIGTERM) calls terminate, not stop: the base class's
+        # would do nothing here, and the stop would look like a crash for three heartbeats
+        self.stop(worker)
+
 
 class TaskReporter:
     """Progress of the task a pool process is training: Redis for ``tensorturn workers``, and
-    Celery ``task-progress`` events for Flower. Reports at most once per PROGRESS_EVERY_S."""
+    Celery ``task-progress`` events for Flower. Reports at most once per PROGRESS_EVERY_S.
 
-    def __init__(self, task, client, label: str, steps: int, batch_size: int):
+    With ``live`` (run id, field) the same report goes to the run's live progress
+    (:func:`tensorturn.layout.live_key`), in the same round trip, for ``run`` to show inside a
+    round; the field is the task's place (``shard-3``, ``m1``), so the hash stays that small."""
+
+    def __init__(self, task, client, label: str, steps: int, batch_size: int,
+                 live: tuple[str, str] | None = None):
         self.task, self.client, self.label = task, client, label
-        self.steps, self.batch_size = steps, batch_size
+        self.steps, self.batch_size, self.live = steps, batch_size, live
         self.worker = task.request.hostname or "?"
         self.t0 = self.last = time.monotonic()
         self._write({"task": label, "step": 0, "steps": steps, "samples_per_s": None})
 
     def _write(self, progress: dict[str, Any]) -> None:
         try:
-            self.client.hset(worker_key(self.worker), mapping={
+            pipe = self.client.pipeline(transaction=False)
+            pipe.hset(worker_key(self.worker), mapping={
                 "task": self.label, "progress": json.dumps(progress)})
+            if self.live is not None:
+                run_id, field = self.live
+                pipe.hset(live_key(run_id), field, json.dumps({
+                    "label": self.label, "step": progress["step"], "steps": self.steps,
+                    "loss": progress.get("loss"), "worker": self.worker, "at": time.time()}))
+            pipe.execute()
             self.task.send_event("task-progress", **progress)
         except Exception as exc:  # noqa: BLE001 - progress is best effort
             log.debug("progress report failed: %s", exc)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 
+import torch
+
 from tensorturn.recipes.digits import DigitsMLP
 
 
@@ -35,3 +37,15 @@ class Failing(DigitsMLP):
     def predict_proba(self, model, x):
         maybe_fail("predict_proba")
         return super().predict_proba(model, x)
+
+
+class ShapeBug(DigitsMLP):
+    """digits-mlp with a shape bug that shows only on batches of more than ``TT_BUG_ROWS`` rows
+    (16 by default): check-recipe's 16 rows pass, a run's batches of 32 fail inside torch."""
+
+    name = "shapebug"
+
+    def loss(self, model, x, y):
+        if len(x) > int(os.environ.get("TT_BUG_ROWS", "16")):
+            x = torch.cat([x, x[:, :1]], dim=1)  # one feature too many: the first layer refuses it
+        return super().loss(model, x, y)

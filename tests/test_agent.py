@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
+import socket
 import subprocess
 import sys
+import time
 
 import psutil
 import pytest
@@ -79,9 +82,22 @@ def test_up_and_join_connect_two_agents_with_telemetry(coordinator, tmp_path):
         wait_for(lambda: workers(broker)["w1"]["state"] == "offline", "w1 offline")
         assert workers(broker)["w2"]["state"] == "idle"
         # secrets stay out of what the agent prints
+        stopping = time.time()
         os.killpg(agents[1].pid, signal.SIGTERM)
         out, err = agents[1].communicate(timeout=60)
         assert password not in out + err
+        # a clean stop is offline at once and says when; a killed machine says when it was seen
+        w = workers(broker)
+        assert w["w2"]["state"] == "offline" and w["w2"]["stopped"]
+        assert 0 <= w["w2"]["stopped_s"] <= time.time() - stopping
+        assert not w["w1"]["stopped"] and w["w1"]["stopped_s"] is None
+        shown = tt("workers", "--broker", broker)
+        assert shown.returncode == 0, shown.stderr
+        header, *rows = shown.stdout.splitlines()
+        assert header.split()[:3] == ["NAME", "STATE", "DEV"]
+        row = {r.split("@")[0]: r for r in rows}
+        assert re.search(r"  stopped \d+s ago \(clean stop\)$", row["w2"]), row["w2"]
+        assert re.search(r"  last seen \d+[sm] ago \(no clean stop\)$", row["w1"]), row["w1"]
     finally:
         for proc in agents:
             stop_process_group(proc, grace=5)
@@ -161,3 +177,70 @@ def test_an_agent_without_the_pool_key_is_one_clear_error(redis_server, tmp_path
     assert proc.returncode == 2
     assert proc.stderr.strip().startswith("error: no pool key: pass --join-file JOIN")
     assert redis_server.password not in proc.stderr
+
+
+def test_up_on_a_port_another_redis_holds_is_one_line_and_starts_nothing(redis_server, tmp_path):
+    """The machine's own Redis on `up`'s port (6379 by default): one line naming the port, no
+    banner, no join file written, and the one an earlier `up` wrote left as it was."""
+    coord = tmp_path / "coord"
+    coord.mkdir()
+    (coord / "join").write_text("tt1.earlier\n")
+    # every interface (`up`'s default) against a Redis on loopback, as with the machine's own
+    proc = tt("up", "--port", str(redis_server.port), "--dir", str(coord), "--store",
+              str(tmp_path / "store"), cwd=tmp_path, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stdout == ""
+    assert proc.stderr.splitlines() == [
+        f"error: port {redis_server.port} is already in use by another Redis: stop it, or start "
+        f"the coordinator on another port with --port PORT"]
+    assert (coord / "join").read_text() == "tt1.earlier\n"
+    assert not (coord / "broker-url").exists()
+    assert redis.Redis.from_url(redis_server.url).ping()  # the other Redis is untouched
+
+
+def test_up_on_a_port_another_program_holds_is_one_line_and_starts_nothing(tmp_path):
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        proc = tt("up", "--port", str(port), "--bind", "127.0.0.1", "--dir", str(tmp_path / "coord"),
+                  "--store", str(tmp_path / "store"), cwd=tmp_path, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stdout == ""
+    assert proc.stderr.splitlines() == [
+        f"error: port {port} is already in use by another program: stop it, or start the "
+        f"coordinator on another port with --port PORT"]
+    assert not (tmp_path / "coord" / "join").exists()
+    assert not (tmp_path / "coord" / "broker-url").exists()
+
+
+def test_workers_have_a_header_and_say_when_a_machine_stopped(redis_server):
+    """The roster from heartbeats as the agents write them: a clean stop (``stopped_at``, what
+    the Heartbeat bootstep writes on stop), one from before it (``last_seen`` 0), a silent one."""
+    from tensorturn.layout import worker_key
+    from tensorturn.roster import list_workers
+
+    r = redis.Redis.from_url(redis_server.url, decode_responses=True)
+    now = time.time()
+    inventory = json.dumps({"device": "cpu", "device_name": "Test CPU", "cpu_count": 2,
+                            "device_memory_gb": 4.0, "role": "train"})
+    beats = {"stopped@h": {"last_seen": now - 3 * 3600 - 5, "stopped_at": now - 3 * 3600},
+             "older@h": {"last_seen": 0},
+             "silent@h": {"last_seen": now - 2 * 86400}}
+    for name, fields in beats.items():
+        r.hset(worker_key(name), mapping={"name": name, "inventory": inventory, **fields})
+    w = {x["name"]: x for x in list_workers(r, now=now, heartbeat_s=3.0)}
+    assert {x["state"] for x in w.values()} == {"offline"}
+    assert w["stopped@h"]["stopped"] and w["stopped@h"]["stopped_s"] == 3 * 3600
+    assert w["older@h"]["stopped"] and w["older@h"]["stopped_s"] is None
+    assert not w["silent@h"]["stopped"] and w["silent@h"]["last_seen_s"] == 2 * 86400
+    shown = tt("workers", "--broker", redis_server.url)
+    assert shown.returncode == 0, shown.stderr
+    header, *rows = shown.stdout.splitlines()
+    assert header.split() == ["NAME", "STATE", "DEV", "DEVICE", "CPUS", "MEMORY", "DONE", "DETAIL"]
+    row = {line.split()[0]: line for line in rows}
+    assert row["stopped@h"].endswith("  stopped 3h ago (clean stop)")
+    assert row["older@h"].endswith("  stopped (clean stop)")
+    assert row["silent@h"].endswith("  last seen 2d ago (no clean stop)")
+    assert all(line.split()[1:4] == ["offline", "cpu", "Test"] for line in rows)
+

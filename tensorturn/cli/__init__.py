@@ -76,6 +76,27 @@ def pool_options(broker_help: str = BROKER_HELP) -> Callable:
     return decorate
 
 
+def debug_option(fn: Callable) -> Callable:
+    """``--debug`` for a command without :func:`pool_options` (which has its own): debug logs,
+    and whatever tracebacks the command can show (:func:`debugging`)."""
+
+    @click.option("--debug", is_flag=True, help="Show tracebacks and debug logs.")
+    @functools.wraps(fn)
+    def wrapper(*args: Any, debug: bool, **kwargs: Any):
+        logging.basicConfig(level=logging.DEBUG if debug else logging.WARNING,
+                            format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+        click.get_current_context().meta["debug"] = debug
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
+def debugging() -> bool:
+    """Whether the command at hand was given ``--debug``."""
+    ctx = click.get_current_context(silent=True)
+    return bool(ctx is not None and ctx.meta.get("debug"))
+
+
 def fail(message: str, code: int) -> None:
     """One line on stderr (secrets masked), then exit ``code``."""
     click.echo(f"error: {config.mask_text(' '.join(message.split()))}", err=True)

@@ -20,7 +20,8 @@ def data():
     \b
       tensorturn data push table.csv --name housing --label price
       tensorturn data push photos/ --name pets            (photos/<class>/*.png|jpg)
-      tensorturn data push books/ --name books            (a folder of .txt files)
+      tensorturn data push books/ --name books            (a folder of UTF-8 text files)
+      tensorturn data push src/ --name code --include '*.py'
       tensorturn data list / show NAME / rm NAME
     """
 
@@ -44,16 +45,26 @@ def _size(text: str | None) -> tuple[int, int] | None:
                    "values: classification; other numbers: regression].")
 @click.option("--resize", default=None, metavar="WxH", help="Resize every image to this size.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the one shuffle of rows.")
-@click.option("--val-fraction", type=float, default=0.1, show_default=True)
-@click.option("--test-fraction", type=float, default=0.1, show_default=True)
+@click.option("--val-fraction", type=float, default=0.1, show_default=True,
+              help="The validation split's share of the rows (of the characters, for text).")
+@click.option("--test-fraction", type=float, default=0.1, show_default=True,
+              help="The test split's share of the rows (of the characters, for text).")
+@click.option("--include", "include", multiple=True, metavar="GLOB",
+              help="Only a folder's files that match (repeatable): '*.py' matches names at any depth, "
+                   "'src/*.py' paths under the folder [default: every file].")
 @click.option("--chunk-mb", type=click.FloatRange(min=0, min_open=True), default=16.0, show_default=True,
               help="About this much data per chunk (before compression).")
 @click.option("--json", "as_json", is_flag=True, help="Print the new version's index summary as JSON.")
 @pool_options()
-def data_push(broker, store, source, name, label, task, resize, seed, val_fraction, test_fraction, chunk_mb,
-              as_json):
+def data_push(broker, store, source, name, label, task, resize, seed, val_fraction, test_fraction, include,
+              chunk_mb, as_json):
     """Push SOURCE (a .csv/.parquet table, a folder of images by class, a folder of text files,
-    or a Hugging Face dataset saved to disk) as the next version of dataset NAME."""
+    or a Hugging Face dataset saved to disk) as the next version of dataset NAME.
+
+    A folder of text is every UTF-8 file in it (binary and non-UTF-8 files are skipped and counted,
+    hidden ones never read). It is split by file when whole files can give validation and test
+    about their share of the characters, otherwise by position: the files joined and cut at line
+    ends. A split whose fraction is above zero is never stored empty: too little data is refused."""
     from .. import data as datasets
     from ..store import open_store
 
@@ -71,7 +82,7 @@ def data_push(broker, store, source, name, label, task, resize, seed, val_fracti
 
         index = datasets.push(open_store(store), source, name, label=label, task=task, seed=seed,
                               val_fraction=val_fraction, test_fraction=test_fraction, chunk_mb=chunk_mb,
-                              image_size=_size(resize), on_chunk=progress)
+                              image_size=_size(resize), include=include, on_chunk=progress)
     doc = datasets.summary(index)
     if as_json:
         emit_json(doc)
@@ -80,6 +91,26 @@ def data_push(broker, store, source, name, label, task, resize, seed, val_fracti
     click.echo(f"dataset {name} v{index['version']} ({index['kind']}): {rows['train']} train / "
                f"{rows['val']} validation / {rows['test']} test rows in {doc['chunks']} chunks, "
                f"{index['bytes'] / 1e6:.1f} MB, in {time.monotonic() - t0:.1f}s")
+    if index.get("files"):
+        click.echo(f"  {_files_line(index)}")
+
+
+def _files_line(index: dict[str, Any]) -> str:
+    """What a text folder's push read, skipped, and how it split it."""
+    files = index["files"]
+    line = f"{files['text']} text file{'s' if files['text'] != 1 else ''}"
+    if files["skipped"]:
+        names = ", ".join(files["skipped_names"]) + (", ..." if files["skipped"] > len(files["skipped_names"])
+                                                      else "")
+        line += f"; skipped {files['skipped']} binary or not UTF-8 ({names})"
+    if files["empty"]:
+        line += f"; skipped {files['empty']} empty"
+    if index.get("split_by") == "position":
+        line += ("; too few or too uneven to hold whole files out, so split by position: the files "
+                 "joined and cut at line ends, validation and test taking their share of the characters")
+    elif index.get("split_by") == "file":
+        line += "; split by file (whole files held out, by share of the characters)"
+    return line
 
 
 @data.command("list")

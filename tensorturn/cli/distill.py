@@ -48,19 +48,26 @@ def distill_spec(teacher: str, store: str, run_id: str = "", student: dict[str, 
                  mixup: int = MIXUP, **options: Any) -> Any:
     """The fused run that distills ensemble ``teacher``: its recipe is ``distill`` over the
     ensemble's (checked now: a finished ensemble, a student that fits the data). Fused options
-    not given take the student's defaults (ROUNDS, SYNC_EVERY, :func:`default_shards`)."""
+    not given take the student's defaults (ROUNDS, SYNC_EVERY, and the shards any fused run gets:
+    :func:`tensorturn.modes.fused.default_shards`)."""
     from .. import client
+    from ..checkrecipe import check_contract
+    from ..modes.fused import default_shards
     from ..recipes import resolve
-    from ..recipes.distilled import default_shards, plan
+    from ..recipes.distilled import plan
     from ..spec import RunSpec
     from ..store import open_store
 
     recipe_options = plan(open_store(store), teacher, student, temperature, alpha, top_k, mixup)
+    recipe = resolve("distill", recipe_options)
+    check_contract(recipe_options["recipe"], recipe, "nothing was queued")  # the ensemble's, as it is now
     options = {k: v for k, v in options.items() if v is not None}
     options.setdefault("rounds", ROUNDS)
+    # the command's choices, not the user's: the run warns about its shards' passes only for the user's
+    options["chosen"] = [name for name in ("sync_every", "shards") if name not in options]
     options.setdefault("sync_every", SYNC_EVERY)
     if "shards" not in options:
-        options["shards"] = default_shards(resolve("distill", recipe_options).train_rows())
+        options["shards"] = default_shards(recipe.train_rows())
     spec = RunSpec.create("fused", "distill", store, recipe_options=recipe_options,
                           **({"run_id": run_id} if run_id else {}), **options)
     client.validate(spec)
@@ -115,7 +122,7 @@ def distill_stage(teacher: str, store: str, training: dict[str, Any], **settings
 @click.option("--mixup", type=int, default=MIXUP, show_default=True,
               help="Mixed transfer rows per training row, real-valued inputs only: each a random "
                    "mix of two rows of its shard, labelled by the teacher alone.")
-@mode_options("fused", defaults={"rounds": str(ROUNDS), "sync_every": str(SYNC_EVERY),
+@mode_options("fused", defaults={"rounds": str(ROUNDS), "sync_every": f"{SYNC_EVERY} for a distillation",
                                  "shards": "one per 700 training rows, 2 to 8"})
 @training_options
 @follow_options("distill")

@@ -4,8 +4,23 @@ from __future__ import annotations
 
 import click
 
-from ..errors import TensorTurnError
+from .. import config
+from ..errors import BrokerError, TensorTurnError
 from . import cli, emit_json, pool_options
+
+
+class BrokerDownWarning:
+    """What looking at runs does when the broker does not answer (the coordinator is stopped):
+    one warning line, then the store is read, which holds every run's last saved state."""
+
+    def __init__(self, store: str):
+        self.store = store
+        self.seen = False
+
+    def __call__(self, exc: BrokerError) -> None:
+        self.seen = True
+        click.echo(config.mask_text(f"warning: {str(exc).rstrip('. ')}; reading the store "
+                                    f"{config.mask_url(self.store)} instead"), err=True)
 
 
 @cli.command()
@@ -16,14 +31,16 @@ from . import cli, emit_json, pool_options
 def status(broker, store, run_id, as_json, watch):
     """Show a run: state, metrics, rounds, attempts (from the broker, else the store).
 
-    Exits 1 when the run failed. A run that made no progress for a while says why.
+    Exits 1 when the run failed. A run that made no progress for a while says why. With --debug,
+    the traceback each failed task's last attempt recorded on its agent.
     """
     from .. import client
     from ..spec import FINISHED
     from .run import print_result
 
-    doc = client.describe(run_id, broker, store)
-    if watch and broker and doc["state"] not in FINISHED:
+    down = BrokerDownWarning(store)
+    doc = client.describe(run_id, broker, store, on_broker_down=down)
+    if watch and broker and not down.seen and doc["state"] not in FINISHED:
         from .run import follow_pool
 
         doc = follow_pool(broker, run_id, None)
@@ -44,7 +61,7 @@ def runs(broker, store, as_json):
     """List runs, newest first (the broker's, and the manifests in the store)."""
     from .. import client
 
-    items = client.list_runs(broker, store)
+    items = client.list_runs(broker, store, on_broker_down=BrokerDownWarning(store))
     if as_json:
         emit_json(items)
         return
@@ -66,7 +83,8 @@ def report(broker, store, run_id, as_json):
     saved beside its manifest; prints where they are."""
     from .. import client
 
-    doc = client.describe(run_id, broker, store)  # an unknown run fails before matplotlib loads
+    # an unknown run fails before matplotlib loads
+    doc = client.describe(run_id, broker, store, on_broker_down=BrokerDownWarning(store))
     from ..report import save_report
     from ..store import open_store
 
@@ -93,17 +111,22 @@ def workers(broker, store, as_json):
         return
     if not items:
         click.echo("no workers have connected to this broker")
+    else:
+        click.echo(_worker_row("NAME", "STATE", "DEV", "DEVICE", "CPUS", "MEMORY", "DONE")
+                   + "  DETAIL")
     for w in items:
-        mem = f"{w['device_memory_gb']:.1f} GB"
-        line = (f"{w['name']:28s} {w['state']:11s} {w['device']:4s} {w['device_name'][:32]:32s} "
-                f"{w['cpu_count']:>3} cpus  {mem:>9s}  done {w['tasks_done']}")
+        line = _worker_row(w["name"], w["state"], w["device"], w["device_name"], w["cpu_count"],
+                           f"{w['device_memory_gb']:.1f} GB", w["tasks_done"])
         if w.get("role", "train") != "train":  # beside the store: takes the outer steps
             line += f"  role {w['role']}"
         if w["task"]:
             rate = w.get("samples_per_s")
             line += f"  {w['task']}" + (f" {rate:.0f} samples/s" if rate else "")
-        if w["state"] == "offline":
-            line += f"  (last seen {w['last_seen_s']:.0f}s ago)"
+        if w.get("stopped"):
+            ago = w.get("stopped_s")
+            line += "  stopped" + (f" {_ago(ago)} ago" if ago is not None else "") + " (clean stop)"
+        elif w["state"] == "offline":
+            line += f"  last seen {_ago(w['last_seen_s'])} ago (no clean stop)"
         if w["state"] == "quarantined":
             line += f"  ({w['quarantined']})"
         click.echo(line)
@@ -112,3 +135,17 @@ def workers(broker, store, as_json):
         last = refused[0]
         click.echo(f"{len(refused)} task message(s) refused by the agents (see README, \"Trust model\"); "
                    f"last: {last['task']} on {last['worker']}: {last['reason']}", err=True)
+
+
+def _worker_row(name: object, state: object, device: object, device_name: object, cpus: object,
+                memory: object, done: object) -> str:
+    return (f"{str(name):28s} {str(state):11s} {str(device):4s} {str(device_name)[:32]:32s} "
+            f"{str(cpus):>4s}  {str(memory):>9s}  {str(done):>5s}")
+
+
+def _ago(seconds: float) -> str:
+    """``seconds`` as a person reads an age: 42s, 7m, 3h, 2d."""
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{int(seconds // size)}{unit}"
+    return f"{seconds:.0f}s"

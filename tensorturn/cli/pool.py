@@ -101,7 +101,7 @@ def up(broker, store, port, bind, advertise, directory):
 
     from .. import trust
     from ..coordinator import CoordinatorConfig, advertised_host, make_join
-    from ..local import RedisServer
+    from ..local import PortInUse, RedisServer
     from ..store import open_store
 
     if broker:
@@ -113,10 +113,14 @@ def up(broker, store, port, bind, advertise, directory):
     open_store(store).check()
     server = RedisServer(home / "redis", port=cfg.port, appendonly=True, password=cfg.password,
                          bind=bind)
+    # Nothing below is printed or written until our own Redis answers: a failed start leaves
+    # no banner, and any join file an earlier `up` wrote here as it was.
     try:
         server.start()
-    except TensorTurnError as exc:
-        raise TensorTurnError(f"{exc}; is port {cfg.port} in use? try --port") from None
+    except PortInUse as exc:
+        raise PortInUse(f"{exc}: stop it, or start the coordinator on another port with "
+                        f"--port PORT") from None
+    cfg.save(home)  # the port that worked is the default next time
     host = advertise or (advertised_host() if bind == "0.0.0.0" else bind)
     broker_url = f"redis://default:{cfg.password}@{host}:{cfg.port}/0"  # the form redis-cli takes
     join = make_join(broker_url, store, key.text(), trust.allowed_patterns())  # --allow-recipe

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import glob
+import re
 import sys
 import time
 from collections.abc import Callable
@@ -12,18 +13,30 @@ import click
 
 from .. import config
 from ..errors import SpecError, TensorTurnError
+from ..live import WIDTH, fit
 from ..modes import get_mode, mode_names
 from ..spec import FINISHED
-from . import cli, emit_json, fail, ignore_signals, pool_options, stop_on_signals
+from . import cli, debug_option, debugging, emit_json, fail, ignore_signals, pool_options, stop_on_signals
+
+LIVE_EVERY_S = 2.0  # without a terminal, what a run does now is printed at most this often
+
+
+def _shape(note: str | None) -> str | None:
+    """A line without its durations: "no progress for 130s" is not news after "… for 120s"."""
+    return re.sub(r"\d+(\.\d+)?s\b", "Ns", note) if note else note
 
 
 class RunProgress:
-    """Live progress on stderr: a bar on a terminal, one line per finished unit otherwise.
-    What a unit is (a round, a member's segment) is the mode's to say."""
+    """Live progress on stderr: a bar on a terminal, with what the run does now beside it;
+    otherwise a line per finished unit, in order, and — indented, when it changed, at most
+    every LIVE_EVERY_S — what the run does now. What a unit is (a round, a member's segment)
+    and what "now" says are the mode's (``progress``, ``live_line``). Lines fit 80 columns."""
 
-    def __init__(self, doc: dict[str, Any], quiet: bool = False):
+    def __init__(self, doc: dict[str, Any], quiet: bool = False,
+                 clock: Callable[[], float] = time.monotonic):
         self.mode = get_mode(doc["mode"])
         self.quiet, self.info, self.note = quiet, "", None
+        self.clock, self.live, self.live_at = clock, "", float("-inf")
         self.lines_seen: set[str] = set()
         _, self.total, _ = self.mode.progress(doc)
         self.bar = None
@@ -31,8 +44,8 @@ class RunProgress:
             from rich.console import Console
             from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-            self.bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(),
-                                TextColumn("{task.completed}/{task.total} " + self.mode.unit),
+            # state, a short bar and the time leave the info column about 50 of 80 columns
+            self.bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(bar_width=10),
                                 TimeElapsedColumn(), TextColumn("{task.fields[info]}"),
                                 console=Console(stderr=True), transient=False)
             self.task = self.bar.add_task("queued", total=self.total, info="")
@@ -46,13 +59,21 @@ class RunProgress:
             self.lines_seen.add(key)
             self.info = line
             self._say(line)
-        if doc.get("note") != self.note:  # a stalled run says why, once per change
+        if _shape(doc.get("note")) != _shape(self.note):  # a stalled run says why, once per change
             self.note = doc.get("note")
             if self.note:
                 self._say(f"warning: {self.note}")
         if self.bar is not None:
+            width = max(self.bar.console.width - len(str(doc["state"])) - 10 - 7 - 3, 20)
+            live = self.mode.live_line(doc, width)
             self.bar.update(self.task, completed=done, total=self.total, description=doc["state"],
-                            info=self.info)
+                            info=live or fit(self.info, width))
+            return
+        live = self.mode.live_line(doc, WIDTH - 2)
+        # a line that only counts seconds (an outer step evaluating) is not printed again
+        if live and _shape(live) != _shape(self.live) and self.clock() - self.live_at >= LIVE_EVERY_S:
+            self.live, self.live_at = live, self.clock()
+            self._say("  " + live)
 
     def _say(self, line: str) -> None:
         if self.bar is not None:
@@ -81,14 +102,22 @@ def parse_recipe_options(pairs: tuple[str, ...]) -> dict[str, Any]:
     return options
 
 
-def print_result(doc: dict[str, Any], as_json: bool, exit_on_failure: bool = True) -> None:
-    """The run's outcome on stdout (JSON, or a few lines); a note on stderr; exit 1 if failed."""
+def print_result(doc: dict[str, Any], as_json: bool, exit_on_failure: bool = True,
+                 finished_only: bool = False) -> None:
+    """The run's outcome on stdout (JSON, or a few lines); a note on stderr; exit 1 if failed
+    (and, with ``finished_only`` — a command that waited for a result — if cancelled)."""
     if as_json:
         emit_json(doc)
     else:
         click.echo(f"run {doc['run_id']}: {doc['state']}")
         if doc.get("error"):
             click.echo(f"  error: {doc['error']}")
+        if doc["state"] == "cancelled":
+            cancelled = doc.get("cancelled") or {}
+            at = cancelled.get("at") or doc.get("finished_at")
+            when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(at)) if at else "?"
+            click.echo(f"  cancelled at {when}" + (f" by {cancelled['by']}" if cancelled.get("by") else "")
+                       + f"; `tensorturn resume {doc['run_id']}` continues it")
         for k, v in sorted((doc.get("metrics") or {}).items()):
             click.echo(f"  {k}: {v:.4f}" if isinstance(v, float) else f"  {k}: {v}")
         lineage = doc.get("lineage") or {}
@@ -103,8 +132,18 @@ def print_result(doc: dict[str, Any], as_json: bool, exit_on_failure: bool = Tru
             click.echo(f"  sha256: {doc['model_sha256']}")
     if doc.get("note"):
         click.echo(f"warning: {doc['note']}", err=True)
+    if debugging() and not as_json:  # where each failed task broke, as its agent recorded it
+        from ..tracebacks import failed_attempts
+
+        for line in failed_attempts(doc.get("attempts") or []):
+            click.echo(line, err=True)
     if doc["state"] == "failed" and exit_on_failure:
-        click.echo(f"error: {config.mask_text(doc.get('error') or 'the run failed')}", err=True)
+        logs = f" (agent logs: {doc['agent_logs']})" if doc.get("agent_logs") else ""
+        click.echo(f"error: {config.mask_text(doc.get('error') or 'the run failed')}{logs}", err=True)
+        sys.exit(1)
+    if doc["state"] == "cancelled" and exit_on_failure and finished_only:
+        click.echo(f"error: run {doc['run_id']} was cancelled; `tensorturn resume {doc['run_id']}` "
+                   f"continues it", err=True)
         sys.exit(1)
 
 
@@ -112,14 +151,14 @@ def print_results(docs: list[dict[str, Any]], as_json: bool) -> None:
     """The outcome of one run, or of an ensemble and the student distilled from it (``--merge
     distill``): with ``--json`` one object, the student's, holding the ensemble's as ``ensemble``."""
     if len(docs) == 1:
-        print_result(docs[0], as_json)
+        print_result(docs[0], as_json, finished_only=True)
         return
     if as_json:
-        print_result({**docs[-1], "ensemble": docs[0]}, True)
+        print_result({**docs[-1], "ensemble": docs[0]}, True, finished_only=True)
         return
     for doc in docs[:-1]:
         print_result(doc, False, exit_on_failure=False)
-    print_result(docs[-1], False)
+    print_result(docs[-1], False, finished_only=True)
 
 
 def follow_options(command: str) -> Callable:
@@ -341,7 +380,7 @@ def embedded(stages: list[Stage], store_url: str, local_workers: int, timeout_s:
     from .. import trust
     from ..board import RunBoard
     from ..broker import check_broker
-    from ..local import LocalPool
+    from ..local import LocalPool, logs_dir
     from ..manifest import write_manifest
     from ..store import open_store
 
@@ -354,7 +393,8 @@ def embedded(stages: list[Stage], store_url: str, local_workers: int, timeout_s:
     queued, run_id = False, stages[0][0]
     docs = [] if docs is None else docs
     try:
-        with LocalPool(local_workers, store_url) as pool:
+        logs = logs_dir(run_id)  # kept once the pool stops: a failure is explained there too
+        with LocalPool(local_workers, store_url, keep_logs=logs) as pool:
             click.echo(f"pool ready in {time.monotonic() - t0:.1f}s; run {run_id}", err=True)
             board = RunBoard(check_broker(pool.broker_url))
             for run_id, start in stages:
@@ -364,23 +404,28 @@ def embedded(stages: list[Stage], store_url: str, local_workers: int, timeout_s:
                     doc = follow(pool.broker_url, run_id, timeout_s)
                 except KeyboardInterrupt:
                     queued = board.exists(run_id)
-                    if queued:
-                        board.fail(run_id, f"interrupted; the embedded pool was stopped. "
-                                           f"Continue with: tensorturn resume {run_id}")
-                        write_manifest(open_store(store_url), board, run_id)
+                    if queued:  # cancelled as `tensorturn cancel` would, then the pool stops
+                        from .. import client
+
+                        _, what = client.cancel(run_id, pool.broker_url, store_url,
+                                                by="interrupting its `tensorturn run` (embedded pool)",
+                                                wait_s=10.0)
+                        click.echo(what, err=True)
                     raise
                 if doc["state"] not in FINISHED:
                     board.fail(run_id, f"did not finish within --timeout {timeout_s}s; "
                                        f"continue with: tensorturn resume {run_id}")
                 # the manifest must hold the final state before this pool (and its Redis) goes away
-                docs.append(write_manifest(open_store(store_url), board, run_id))
+                docs.append({**write_manifest(open_store(store_url), board, run_id),
+                             "agent_logs": str(logs)})
                 if docs[-1]["state"] != "succeeded":
                     break
             ignore_signals()  # the runs are over: let the pool stop whatever arrives now
     except KeyboardInterrupt:
         if queued:
-            click.echo(f"error: interrupted; the embedded pool was stopped and the finished work "
-                       f"is in the store. Continue with: tensorturn resume {run_id}", err=True)
+            click.echo(f"error: interrupted: run {run_id} was cancelled and the embedded pool "
+                       f"stopped; the finished work is in the store. Continue with: "
+                       f"tensorturn resume {run_id}", err=True)
         else:
             click.echo(f"error: interrupted before run {run_id} was queued; nothing to resume",
                        err=True)
@@ -416,17 +461,44 @@ def resume(broker, store, run_id, local_workers, detach, timeout_s, as_json):
                          [r for r in recipes if r]), as_json)
 
 
+@cli.command()
+@click.argument("run_id")
+@click.option("--json", "as_json", is_flag=True, help="Print the run as one JSON object.")
+@pool_options()
+def cancel(broker, store, run_id, as_json):
+    """Stop a run on the pool: it ends as `cancelled`.
+
+    Its queued tasks are dropped and running ones stop within about a second, storing nothing;
+    no attempt starts afterwards. `tensorturn resume RUN` continues it later from its last
+    complete round (fused) or checkpoints (ensemble). Needs the pool (--join-file or --broker);
+    Ctrl-C on a `tensorturn run` with an embedded pool cancels its run the same way.
+    """
+    import socket
+
+    from .. import client
+
+    if not broker:
+        raise SpecError("cancel needs the pool the run is on: --join-file (from `tensorturn up`) "
+                        "or --broker; a run of an embedded pool is cancelled by Ctrl-C on its "
+                        "`tensorturn run`")
+    doc, what = client.cancel(run_id, broker, store, by=f"tensorturn cancel on {socket.gethostname()}")
+    click.echo(what, err=True)
+    print_result(doc, as_json)
+
+
 @cli.command("check-recipe")
 @click.argument("recipe", metavar="NAME|module:attr")
 @click.option("--recipe-option", "recipe_options", multiple=True, metavar="KEY=VALUE",
               help="An option for the recipe (repeatable), as `run` takes it.")
 @click.option("--json", "as_json", is_flag=True, help="Print the findings as one JSON object.")
+@debug_option
 def check_recipe(recipe, recipe_options, as_json):
     """Run every hook of a recipe on a few rows, in seconds, before a long run.
 
     Data and splits, preprocess, the model, the loss and its gradient, a few training steps,
     evaluate, two ensemble members combined by the recipe's task kind, and the answer the API
-    would serve. The first problem is one line naming the step (exit 2); nothing is queued.
+    would serve. The first problem is one line naming the step and, when the recipe raised, its
+    file and line (exit 2; --debug adds the traceback); nothing is queued.
     """
     from .. import trust
     from ..errors import TensorTurnError
@@ -437,7 +509,12 @@ def check_recipe(recipe, recipe_options, as_json):
 
         found = check(recipe, parse_recipe_options(recipe_options))
     except TensorTurnError as exc:
-        fail(f"recipe {recipe!r} failed at {exc}", exc.exit_code)
+        from ..tracebacks import root_cause, tail, user_site
+
+        if debugging() and root_cause(exc) is not exc:  # the recipe's own failure: where, in full
+            click.echo(tail(exc), err=True)
+        site = user_site(exc)
+        fail(f"recipe {recipe!r} failed at {exc}" + (f" (at {site})" if site else ""), exc.exit_code)
         return
     if as_json:
         emit_json(found)
@@ -451,3 +528,5 @@ def check_recipe(recipe, recipe_options, as_json):
                f"  model: {found['parameters']:,} parameters; train loss {found['train_loss']:.4g} "
                f"after a few steps; validation {metrics}\n"
                f"  served: {outputs}")
+    for note in found.get("notes", []):
+        click.echo(f"  note: {note}")

@@ -8,8 +8,13 @@ every chunk with its sha256, rows and bytes. Why Parquet through TensorTurn's ow
 cache, rather than a streaming library: docs/data-plane.md (measured side by side).
 
 Sources (:func:`read_source`): a CSV or Parquet table (``--label COLUMN``), a folder of images by
-class (``root/<class>/*.png|jpg``), a folder of text files (one document per file), and a Hugging
-Face ``datasets`` dataset saved with ``save_to_disk`` (read with pyarrow, no ``datasets`` needed).
+class (``root/<class>/*.png|jpg``), a folder of text files — every UTF-8 file in it, one document
+per file, binary ones skipped and counted, ``--include GLOB`` to choose — and a Hugging Face
+``datasets`` dataset saved with ``save_to_disk`` (read with pyarrow, no ``datasets`` needed).
+
+No split whose fraction is above zero is stored empty: a table or images too small to give it a
+row is refused; a text folder is split by file when whole files can give each split about its
+share of the characters, and otherwise by position (:func:`_split_text`).
 
 Machines read datasets through :mod:`.cache`: only the chunks asked for, verified against their
 sha256, kept under a byte budget.
@@ -17,6 +22,7 @@ sha256, kept under a byte budget.
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import io
 import re
@@ -36,8 +42,8 @@ if TYPE_CHECKING:
 FORMAT = "tensorturn-dataset-1"
 NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,62}")
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg"}
-TEXT_SUFFIXES = {".txt", ".md", ".text"}
 SPLITS = ("train", "val", "test")
+SPLIT_NAMES = {"train": "train", "val": "validation", "test": "test"}
 
 
 def check_name(name: str) -> None:
@@ -48,12 +54,15 @@ def check_name(name: str) -> None:
 
 # ---- sources -------------------------------------------------------------------------------------
 
-def read_source(source: str, label: str | None = None, image_size: tuple[int, int] | None = None
-                ) -> tuple[pa.Table, dict[str, Any]]:
-    """The source as one Arrow table and what the index says of it (kind, label, classes)."""
+def read_source(source: str, label: str | None = None, image_size: tuple[int, int] | None = None,
+                include: tuple[str, ...] = ()) -> tuple[pa.Table, dict[str, Any]]:
+    """The source as one Arrow table and what the index says of it (kind, label, classes);
+    ``include`` (globs) chooses a folder's files."""
     path = Path(source).expanduser()
     if not path.exists():
         raise SpecError(f"no such file or folder: {source}")
+    if include and path.is_file():
+        raise SpecError(f"--include chooses files in a folder; {source} is a file")
     if path.is_file():
         if path.suffix.lower() == ".csv":
             import pyarrow.csv as pcsv
@@ -67,15 +76,38 @@ def read_source(source: str, label: str | None = None, image_size: tuple[int, in
             raise SpecError(f"{source}: a file source must be .csv or .parquet")
         return _table(table, label, source)
     if any((path / name).exists() for name in ("dataset_info.json", "state.json", "dataset_dict.json")):
+        if include:
+            raise SpecError(f"{source} is a saved Hugging Face dataset: --include chooses files of a "
+                            f"folder of images or text")
         return _hf_saved(path, label)  # a Dataset or a DatasetDict (its splits merged, split again)
-    files = sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))
-    if any(p.suffix.lower() in IMAGE_SUFFIXES for p in files):
-        return _images(path, [p for p in files if p.suffix.lower() in IMAGE_SUFFIXES], image_size)
-    texts = [p for p in files if p.suffix.lower() in TEXT_SUFFIXES]
-    if texts:
-        return _texts(path, texts)
+    files = _folder_files(path, include)
+    images = [p for p in files if p.suffix.lower() in IMAGE_SUFFIXES]
+    # a picture or two in a folder of source files does not make it an image folder
+    if images and 2 * len(images) >= len(files):
+        return _images(path, images, image_size)
+    if files:
+        return _texts(path, files)
     raise SpecError(f"{source}: no CSV/Parquet table, images (root/<class>/*.png|jpg), text files "
-                    f"(*.txt, *.md) or saved Hugging Face dataset found there")
+                    f"or saved Hugging Face dataset found there")
+
+
+def _folder_files(root: Path, include: tuple[str, ...]) -> list[Path]:
+    """The folder's files, hidden ones (and those in hidden folders, such as .git) left out;
+    with ``include``, those matching a glob: one without '/' matches the file's name at any
+    depth, one with '/' its path under the folder ('*' crosses folders)."""
+    files = sorted(p for p in root.rglob("*") if p.is_file()
+                   and not any(part.startswith(".") for part in p.relative_to(root).parts))
+    if not include:
+        return files
+    def chosen(p: Path) -> bool:
+        rel = p.relative_to(root).as_posix()
+        return any(fnmatch.fnmatchcase(rel if "/" in glob else p.name, glob) for glob in include)
+
+    picked = [p for p in files if chosen(p)]
+    if not picked:
+        globs = " ".join(f"--include {g!r}" for g in include)
+        raise SpecError(f"{root}: no file matches {globs} (of {len(files)} files there)")
+    return picked
 
 
 def _table(table: pa.Table, label: str | None, source: str) -> tuple[pa.Table, dict[str, Any]]:
@@ -191,18 +223,121 @@ def _images(root: Path, files: list[Path], size: tuple[int, int] | None) -> tupl
                    "image_size": [width, height]}
 
 
+def _read_text(path: Path) -> str | None:
+    """The file's text (newlines as '\\n', no BOM), or None when it is binary or not UTF-8."""
+    with open(path, "rb") as f:
+        head = f.read(8192)
+        if b"\0" in head:  # binary: not worth reading the rest of a large file
+            return None
+        data = head + f.read()
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError:
+        return None
+    return text.replace("\r\n", "\n").replace("\r", "\n")
+
+
+SKIPPED_SHOWN = 5  # skipped files named in the index (all of them are counted)
+
+
 def _texts(root: Path, files: list[Path]) -> tuple[pa.Table, dict[str, Any]]:
     import pyarrow as pa
 
-    docs = []
+    docs, paths, skipped, empty = [], [], [], 0
     for p in files:
-        try:
-            docs.append(p.read_text(encoding="utf-8"))
-        except UnicodeDecodeError:
-            raise SpecError(f"{p}: not UTF-8 text") from None
-    table = pa.table({"text": pa.array(docs, pa.large_string()),
-                      "path": pa.array([str(p.relative_to(root)) for p in files])})
-    return table, {"kind": "text", "label": None, "features": ["text"]}
+        text = _read_text(p)
+        if text is None:
+            skipped.append(p.relative_to(root).as_posix())
+        elif not text.strip():
+            empty += 1  # no text to learn from, and a held-out split of blanks would look non-empty
+        else:
+            docs.append(text)
+            paths.append(p.relative_to(root).as_posix())
+    counts = {"text": len(docs), "skipped": len(skipped), "skipped_names": skipped[:SKIPPED_SHOWN],
+              "empty": empty}
+    if not docs:
+        raise SpecError(f"{root}: no UTF-8 text there ({len(files)} file{'s' if len(files) != 1 else ''}: "
+                        f"{len(skipped)} binary or not UTF-8, {empty} empty)")
+    table = pa.table({"text": pa.array(docs, pa.large_string()), "path": pa.array(paths, pa.string())})
+    return table, {"kind": "text", "label": None, "features": ["text"], "files": counts}
+
+
+def _split_text(table: pa.Table, seed: int, val_fraction: float, test_fraction: float, source: str
+                ) -> tuple[pa.Table, dict[str, Any], str]:
+    """A folder's documents split for a language model, where what counts is characters, not
+    files: the table to store, each split's row numbers, and how it was split.
+
+    By file when it can be: files, shuffled by ``seed``, go to test and then to validation while
+    each is short of its fraction of the characters (a file that would take it past 1.5x its share
+    is passed over), the rest to train; kept when each gets at least half its share. Otherwise
+    (too few files, or too uneven) by position, as ``charlm`` splits its text: the shuffled files
+    joined and cut so that validation and test get their fractions, at the start of a line or file
+    within a quarter of the smaller share of the exact cut (else at the character); a file cut in
+    two is a row in each split. Too little text for that: a SpecError."""
+    import numpy as np
+    import pyarrow as pa
+
+    docs = table.column("text").to_pylist()
+    paths = table.column("path").to_pylist()
+    order = [int(i) for i in np.random.default_rng(seed).permutation(len(docs))]
+    total = sum(len(d) for d in docs)
+    share = {"test": test_fraction * total, "val": val_fraction * total}
+    taken: dict[str, list[int]] = {"test": [], "val": [], "train": []}
+    used = {"test": 0, "val": 0}
+    for i in order:
+        size = len(docs[i])
+        into = next((s for s in ("test", "val") if used[s] < share[s] and used[s] + size <= 1.5 * share[s]),
+                    "train")
+        taken[into].append(i)
+        if into != "train":
+            used[into] += size
+    if taken["train"] and all(used[s] >= share[s] / 2 for s in used):
+        return table, {s: np.array(taken[s], dtype=np.int64) for s in SPLITS}, "file"
+
+    text = "".join(docs[i] for i in order)
+    starts = np.cumsum([0] + [len(docs[i]) for i in order])  # where each file begins in ``text``
+    n_test, n_val = round(total * test_fraction), round(total * val_fraction)
+    tolerance = min(n for n in (n_test, n_val, total) if n > 0) / 4
+    def cut(at: int, lo: int, hi: int) -> int:  # the line or file start nearest ``at``, if near
+        before = max(text.rfind("\n", 0, at) + 1, int(starts[np.searchsorted(starts, at, "right") - 1]))
+        after_line = text.find("\n", at)
+        after_file = int(starts[np.searchsorted(starts, at, "left")]) if at <= total else total
+        after = min(after_line + 1 if after_line >= 0 else total, after_file)
+        near = [p for p in (before, after) if lo < p < hi and abs(p - at) <= tolerance]
+        return min(near, key=lambda p: abs(p - at)) if near else at
+
+    c2 = cut(total - n_test, 0, total) if n_test else total  # a cut moved never empties a split
+    c1 = cut(c2 - n_val, 0, c2) if n_val else c2
+    bounds = {"train": (0, c1), "val": (c1, c2), "test": (c2, total)}
+    thin = [s for s, frac in (("val", val_fraction), ("test", test_fraction))
+            if frac > 0 and not text[bounds[s][0]:bounds[s][1]].strip()]
+    if thin or not text[:c1].strip():
+        which = " and ".join(SPLIT_NAMES[s] for s in thin) or "train"
+        raise SpecError(f"{source}: {total} characters of text are too few to give {which} a share of "
+                        f"their own (--val-fraction {val_fraction}, --test-fraction {test_fraction}): "
+                        f"push more text, or set the fraction to 0 for no such split")
+    rows: list[str] = []
+    row_paths: list[str] = []
+    cuts: dict[str, Any] = {}
+    for split in SPLITS:
+        lo, hi = bounds[split]
+        first = len(rows)
+        for k, i in enumerate(order):  # the part of each file inside [lo, hi)
+            s, e = int(starts[k]), int(starts[k + 1])
+            if e > lo and s < hi:
+                rows.append(docs[i][max(lo, s) - s:min(hi, e) - s])
+                row_paths.append(paths[i])
+        cuts[split] = np.arange(first, len(rows), dtype=np.int64)
+    out = pa.table({"text": pa.array(rows, pa.large_string()), "path": pa.array(row_paths, pa.string())})
+    return out, cuts, "position"
+
+
+def _empty_split(source: str, n: int, split: str, fraction: float) -> SpecError:
+    option = f"--{'val' if split == 'val' else 'test'}-fraction"
+    need = next((m for m in range(n + 1, 10 * n + 10_000) if round(m * fraction) >= 1), None)
+    more = f"push at least {need} rows, " if need else ""
+    return SpecError(f"{source}: {n} rows give the {SPLIT_NAMES[split]} split none at {option} {fraction}: "
+                     f"{more}raise {option}, or set it to 0 for no {SPLIT_NAMES[split]} split")
 
 
 # ---- push ----------------------------------------------------------------------------------------
@@ -229,16 +364,17 @@ def _chunks(table: pa.Table, chunk_bytes: int) -> list[pa.Table]:
 def push(store: Store, source: str, name: str, label: str | None = None, task: str | None = None,
          seed: int = 0,
          val_fraction: float = 0.1, test_fraction: float = 0.1, chunk_mb: float = 16.0,
-         image_size: tuple[int, int] | None = None,
+         image_size: tuple[int, int] | None = None, include: tuple[str, ...] = (),
          on_chunk: Callable[[int, int], None] | None = None) -> dict[str, Any]:
-    """Push ``source`` as the next version of dataset ``name``; returns its index."""
+    """Push ``source`` as the next version of dataset ``name``; returns its index. Nothing is
+    stored when a split whose fraction is above zero would be empty (a SpecError says why)."""
     import numpy as np
 
     check_name(name)
     if not (0 <= val_fraction < 1 and 0 <= test_fraction < 1 and val_fraction + test_fraction < 1):
         raise SpecError("--val-fraction and --test-fraction must be in [0, 1) and leave rows to train on")
     try:
-        table, about = read_source(source, label, image_size)
+        table, about = read_source(source, label, image_size, tuple(include))
     except SpecError:
         raise
     except Exception as exc:  # noqa: BLE001 - a malformed file, in one line
@@ -247,14 +383,21 @@ def push(store: Store, source: str, name: str, label: str | None = None, task: s
     n = table.num_rows
     if n == 0:
         raise SpecError(f"{source}: the dataset is empty")
-    order = np.random.default_rng(seed).permutation(n)  # rows shuffled once: chunks are iid
-    n_test, n_val = int(round(n * test_fraction)), int(round(n * val_fraction))
-    cuts = {"test": order[:n_test], "val": order[n_test:n_test + n_val], "train": order[n_test + n_val:]}
-    if len(cuts["train"]) == 0:
-        raise SpecError(f"{source}: {n} rows leave none to train on")
+    if about["kind"] == "text" and "files" in about:  # a folder: split by characters, not files
+        table, cuts, about["split_by"] = _split_text(table, seed, val_fraction, test_fraction, source)
+    else:
+        order = np.random.default_rng(seed).permutation(n)  # rows shuffled once: chunks are iid
+        n_test, n_val = int(round(n * test_fraction)), int(round(n * val_fraction))
+        cuts = {"test": order[:n_test], "val": order[n_test:n_test + n_val], "train": order[n_test + n_val:]}
+        if len(cuts["train"]) == 0:
+            raise SpecError(f"{source}: {n} rows leave none to train on")
+        about["split_by"] = "row"
     if about["kind"] == "table":
         table, labelled = _label(table, about, task)
         about.update(labelled, **_table_stats(table.take(cuts["train"]), about))
+    for split, fraction in (("val", val_fraction), ("test", test_fraction)):
+        if fraction > 0 and len(cuts[split]) == 0:  # (a text folder's split never gets here empty)
+            raise _empty_split(source, n, split, fraction)
     pieces = {split: _chunks(table.take(rows), int(chunk_mb * 1024 * 1024)) for split, rows in cuts.items()}
     total = sum(len(p) for p in pieces.values())
     done = 0
@@ -317,7 +460,8 @@ def show(store: Store, name: str, version: int | None = None) -> dict[str, Any]:
 
 def summary(index: dict[str, Any]) -> dict[str, Any]:
     return {k: index.get(k) for k in ("name", "version", "kind", "label", "rows", "bytes", "created_at",
-                                     "source")} | {"chunks": sum(len(c) for c in index["splits"].values())}
+                                     "source", "split_by", "files")} | {
+        "chunks": sum(len(c) for c in index["splits"].values())}
 
 
 def remove(store: Store, name: str, version: int | None = None) -> list[int]:

@@ -43,6 +43,10 @@ class Mode(Protocol):
     def progress(self, doc: dict[str, Any]) -> tuple[int, int, list[tuple[str, str]]]:
         """(units done, units in all, [(event key, one line)]) from a run's description."""
 
+    def live_line(self, doc: dict[str, Any], width: int = 80) -> str:
+        """What the run is doing now, in one line of at most ``width`` columns ("" if nothing
+        to say), from the live parts of its description (:mod:`tensorturn.live`)."""
+
     def final_key(self, run_id: str) -> str:
         """Where the run's result lives in the store."""
 
@@ -63,3 +67,6 @@ class ModeBase:
 
     def resume(self, spec: "RunSpec", store: "Store", board: "RunBoard") -> str:
         return importlib.import_module(self.tasks).resume(spec, store, board)
+
+    def live_line(self, doc: dict[str, Any], width: int = 80) -> str:
+        return ""

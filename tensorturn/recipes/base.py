@@ -37,6 +37,26 @@ class Recipe:
     default loss, evaluation, how an ensemble combines members and what the API serves.
 
     Class attributes give the training defaults a run uses unless the user overrides them.
+
+    Which hooks each kind calls (every kind: ``raw_data``, ``preprocess``, ``model``, ``loss``,
+    ``predict``, ``combine``, ``evaluate``, ``check_input``):
+
+    * ``classification``, ``language_model``: the default ``predict`` calls ``predict_proba``
+      (class probabilities); ``classes`` names the classes served as ``class_name``.
+      ``unscale_targets`` is never called.
+    * ``regression``: ``predict`` returns the values (the default: the model's output);
+      ``predict_proba`` is never called — override ``predict``. Served predictions, every
+      member's and every metric pass through ``unscale_targets`` (the user's units).
+
+    An override the recipe's kind never calls is refused, at submit and by ``check-recipe``.
+
+    One rule measures both modes: a fused run's model and an ensemble are both measured by
+    ``evaluate`` — an ensemble as one model whose forward pass returns its vote (the log of the
+    combined probabilities, or the combined values: ``artifact.EnsembleModel``), so a recipe's
+    own ``evaluate`` gives the same figures, of the same meaning, in both modes. (Under ``--vote
+    hard`` the ensemble's ``loss`` is that of its mean probability: vote shares are no
+    probabilities.) A recipe that overrides ``evaluate`` reports metrics in the user's units
+    itself: pass predictions and targets through ``unscale_targets``.
     """
 
     name = "recipe"
@@ -47,6 +67,7 @@ class Recipe:
     batch_size = 32
     eval_batch_size = 512  # rows per forward pass when evaluating (a split never goes in at once)
     input_dtype = "FP32"  # Open Inference Protocol datatype of a raw input
+    classes: list[str] | None = None  # names of the classes, by class number (served: class_name)
 
     def raw_data(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
                                 torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -93,6 +114,15 @@ class Recipe:
     @property
     def kind(self) -> Kind:
         return kind_of(self.task)
+
+    def unscale_targets(self, values: torch.Tensor) -> torch.Tensor:
+        """Regression: values in the units the model learns (the targets ``raw_data`` returns)
+        back in the user's units. Served predictions and reported metrics pass through it; the
+        loss is computed in the model's units. Override it when ``raw_data`` scaled the targets,
+        e.g. standardised with mean ``mu`` and std ``sigma``: ``return values * sigma + mu``
+        (``mu`` and ``sigma`` fixed when the recipe is built, the same on every machine).
+        The identity by default."""
+        return values
 
     def loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Cross-entropy for classification; mean squared error for regression."""
@@ -182,11 +212,20 @@ class Recipe:
         """One preprocessed training row (for the memory estimate)."""
         return load_splits(self).x_train[:1]
 
+    def sample_rows(self, split: str, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first ``rows`` preprocessed (x, y) of ``split`` ("train", "val" or "test"): what
+        the checks at submit read, without reading all the data where a recipe streams it."""
+        splits = load_splits(self)
+        return getattr(splits, f"x_{split}")[:rows], getattr(splits, f"y_{split}")[:rows]
+
     @torch.no_grad()
     def evaluate(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
         """The kind's metrics on preprocessed inputs: accuracy and mean NLL (nats) for
-        classification, MSE (``loss``) and MAE for regression."""
-        return self.kind.metrics(self.predict(model, x), y)
+        classification, MSE (``loss``) and MAE for regression, in the user's units."""
+        predicted = self.predict(model, x)
+        if self.kind.scaled:
+            predicted, y = self.unscale_targets(predicted), self.unscale_targets(y)
+        return self.kind.metrics(predicted, y)
 
 
 _SPLITS: dict[tuple[str, str], Splits] = {}

@@ -38,7 +38,6 @@ from .base import Recipe
 log = logging.getLogger(__name__)
 
 DISTILLABLE = ("classification", "language_model")
-ROWS_PER_SHARD = 700  # distill's default shards: one per this many training rows, 2 to 8
 
 
 class Distilled(Recipe):
@@ -71,7 +70,7 @@ class Distilled(Recipe):
                               f"a classification or language-model ensemble")
         # the base's training defaults are the student's
         self.task = self.base.task
-        for attr in ("lr", "weight_decay", "batch_size", "eval_batch_size", "input_dtype"):
+        for attr in ("lr", "weight_decay", "batch_size", "eval_batch_size", "input_dtype", "classes"):
             setattr(self, attr, getattr(self.base, attr))
         self._targets: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self._lock = threading.Lock()
@@ -128,6 +127,9 @@ class Distilled(Recipe):
 
     def sample_input(self) -> torch.Tensor:
         return self.base.sample_input()
+
+    def sample_rows(self, split: str, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.base.sample_rows(split, rows)
 
     # ---- what distillation changes -------------------------------------------------------------
     def shard_data(self, k: int, shards: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -270,10 +272,3 @@ def plan(store: Any, teacher: str, student: dict[str, Any] | None, temperature: 
     members = [m["config"]["model"] for m in manifest.get("members", []) if m.get("state") == "succeeded"]
     recipe.check_student(members)  # type: ignore[attr-defined]
     return options
-
-
-def default_shards(train_rows: int) -> int:
-    """Shards of a distillation when the user gives none: one per ~700 training rows, 2 to 8.
-    The student trains on the ensemble's own rows; on little data, averaging many small shards
-    each gone over many times costs accuracy (benchmarks/distill.py: digits' 1,437 rows)."""
-    return max(2, min(8, train_rows // ROWS_PER_SHARD))

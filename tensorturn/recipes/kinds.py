@@ -5,12 +5,14 @@ classification.
 
 * ``classification`` (and ``language_model``, whose "classes" are the next token after a window):
   outputs are class probabilities; the ensemble takes their mean (``soft``) or a majority (``hard``); metrics
-  are accuracy and NLL; the API serves ``label`` and ``probabilities``.
+  are accuracy and NLL; the API serves ``label`` and ``probabilities`` (and ``class_name`` when the
+  recipe names its ``classes``).
 * ``regression``: outputs are the predicted values; the ensemble takes their mean (the vote rule
-  does not apply); metrics are MSE (the loss) and MAE; the API serves ``prediction``.
+  does not apply); metrics are MSE (the loss) and MAE; the API serves ``prediction``. Values pass
+  through ``Recipe.unscale_targets`` before they are served or measured: the user's units.
 
-A recipe of another kind overrides :meth:`Recipe.predict`, :meth:`Recipe.combine` and
-:meth:`Recipe.evaluate` (and names a kind these tables know for serving).
+Which recipe hooks each kind calls is in :class:`tensorturn.recipes.base.Recipe`'s docstring;
+a hook a kind never calls (:attr:`Kind.ignores`) is refused at submit and by ``check-recipe``.
 """
 
 from __future__ import annotations
@@ -38,10 +40,21 @@ class Kind:
     """Classification: probabilities in, label + probabilities out."""
 
     name = "classification"
+    # recipe hooks this kind never calls → what to do instead; (hook, caller): ignored unless the
+    # recipe overrides the caller too (its own code may call the hook)
+    ignores: dict[tuple[str, str | None], str] = {
+        ("unscale_targets", None): "class targets have no units to restore"}
+    scaled = False  # whether outputs and targets pass through Recipe.unscale_targets
 
     def outputs(self, model: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """Per-row outputs of one model on preprocessed ``x`` (here: class probabilities)."""
         return torch.softmax(model(x).float(), dim=-1)
+
+    def ensemble_forward(self, raw: torch.Tensor, combine: Any) -> torch.Tensor:
+        """What an ensemble's forward pass returns, from its members' (``raw``: ``[members, ...]``
+        model outputs, logits here): the log of the combined probabilities, so that a softmax —
+        the recipe's own ``predict_proba`` or ``evaluate`` — sees the vote."""
+        return torch.log(combine(torch.softmax(raw.float(), dim=-1)).clamp_min(1e-12))
 
     def combine(self, per_member: torch.Tensor, vote: str) -> torch.Tensor:
         """One output per row from every member's (``[members, rows, ...]``).
@@ -61,8 +74,16 @@ class Kind:
         return {"accuracy": float((combined.argmax(-1) == y).float().mean()),
                 "loss": float(F.nll_loss(torch.log(p.clamp_min(1e-12)), y))}
 
-    def served(self, combined: Any) -> list[Output]:
-        return [Output("label", "INT64", combined.argmax(-1)), Output("probabilities", "FP32", combined)]
+    def served(self, combined: Any, classes: list[str] | None = None) -> list[Output]:
+        """``label`` and ``probabilities``; ``class_name`` too when the recipe names its classes."""
+        import numpy as np
+
+        label = combined.argmax(-1)
+        out = [Output("label", "INT64", label), Output("probabilities", "FP32", combined)]
+        if classes:
+            names = np.asarray(list(classes), dtype=object)
+            out.append(Output("class_name", "BYTES", names[np.asarray(label, dtype=np.int64)]))
+        return out
 
     def member_output(self, member: int) -> str:
         return f"member_{member}_probabilities"
@@ -84,9 +105,14 @@ class Regression(Kind):
     """Regression: predicted values; the ensemble's mean; MSE and MAE; ``prediction`` served."""
 
     name = "regression"
+    ignores = {("predict_proba", "predict"): "override predict"}
+    scaled = True
 
     def outputs(self, model: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return model(x).float()
+
+    def ensemble_forward(self, raw: torch.Tensor, combine: Any) -> torch.Tensor:
+        return combine(raw.float())
 
     def combine(self, per_member: torch.Tensor, vote: str) -> torch.Tensor:
         return per_member.mean(0)
@@ -97,7 +123,7 @@ class Regression(Kind):
         err = pred - y.float()
         return {"loss": float((err ** 2).mean()), "mae": float(err.abs().mean())}
 
-    def served(self, combined: Any) -> list[Output]:
+    def served(self, combined: Any, classes: list[str] | None = None) -> list[Output]:
         data = combined[..., 0] if combined.ndim == 2 and combined.shape[-1] == 1 else combined
         return [Output("prediction", "FP32", data)]
 

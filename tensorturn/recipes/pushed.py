@@ -73,3 +73,11 @@ class PushedRecipe(Recipe):
     def sample_input(self) -> torch.Tensor:
         x, _ = self.tensors(self._data.read("train", 0, 1))
         return self.preprocess(x)
+
+    def sample_rows(self, split: str, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        n = min(rows, self._data.rows(split))
+        if n == 0:  # an empty split: no chunk to read, the columns come from a training row
+            x, y = self.tensors(self._data.read("train", 0, 1))
+            return self.preprocess(x[:0]), y[:0]
+        x, y = self.tensors(self._data.read(split, 0, n))
+        return self.preprocess(x), y

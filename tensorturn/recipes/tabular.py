@@ -39,7 +39,9 @@ class Tabular(PushedRecipe):
         self._mean = torch.tensor(stats["mean"], dtype=torch.float32)
         self._std = torch.tensor(stats["std"], dtype=torch.float32)
         self.task = self.index.get("task") or ("classification" if self.index.get("classes") else "regression")
-        self.classes = self.index.get("classes") if self.task == "classification" else None
+        self.num_classes = self.index.get("classes") if self.task == "classification" else None
+        # a text (or boolean) label's values, by class number; served as class_name
+        self.classes = self.index.get("class_names") if self.task == "classification" else None
 
     def tensors(self, table: Any) -> tuple[torch.Tensor, torch.Tensor]:
         if table.num_rows:
@@ -48,7 +50,7 @@ class Tabular(PushedRecipe):
             y = table.column(self.label).to_numpy(zero_copy_only=False)
         else:
             x, y = np.zeros((0, len(self.features)), np.float32), np.zeros(0)
-        y_t = torch.from_numpy(np.array(y, np.int64 if self.classes else np.float32))  # a writable copy
+        y_t = torch.from_numpy(np.array(y, np.int64 if self.num_classes else np.float32))  # a writable copy
         return torch.from_numpy(np.ascontiguousarray(x)), y_t
 
     def input_shape(self) -> list[int]:
@@ -69,5 +71,5 @@ class Tabular(PushedRecipe):
         for h in config["hidden"]:
             layers += [nn.Linear(width, h), nn.ReLU()]
             width = h
-        layers.append(nn.Linear(width, self.classes or 1))
+        layers.append(nn.Linear(width, self.num_classes or 1))
         return nn.Sequential(*layers)

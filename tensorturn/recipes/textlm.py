@@ -3,9 +3,10 @@
     tensorturn data push books/ --name books          (a folder of UTF-8 text files)
     tensorturn run --recipe textlm --recipe-option dataset=books
 
-Each split's documents (the split was made at push, by document) are joined and read as UTF-8
-bytes, so the vocabulary is the 256 byte values whatever the text; inputs are windows of
-``context`` byte ids, and the model predicts the next byte. Options as ``charlm``'s, plus
+Each split's documents (the split was made at push: whole files, or the files cut by position
+when they are too few) are joined and read as UTF-8 bytes, so the vocabulary is the 256 byte
+values whatever the text; inputs are windows of ``context`` byte ids, and the model predicts the
+next byte. Options as ``charlm``'s, plus
 ``dataset`` and ``version``.
 """
 
@@ -51,6 +52,7 @@ class TextLM(ByteVocabulary, CharLM):
             if len(x) == 0:
                 need = math.ceil(self.context + 1)
                 raise ValueError(f"dataset {self.dataset!r}: its {split} split has fewer than {need} bytes "
-                                 f"of text, too short for windows of {self.context}")
+                                 f"of text, too short for windows of {self.context}: push more text, or "
+                                 f"pass a smaller --recipe-option context=N")
             out += [x, y]
         return tuple(out)

@@ -37,7 +37,7 @@ from typing import Any
 from celery import Task
 from celery.exceptions import Retry
 
-from .. import config, layout, trust
+from .. import config, layout, tracebacks, trust
 from ..board import RunBoard
 from ..broker import redis_client
 from ..celery_app import app
@@ -55,6 +55,8 @@ DEFAULT_MAX_ATTEMPTS = 3      # when the spec itself cannot be read
 SUCCEEDED = "succeeded"
 LATE = "late: output already stored"
 QUARANTINE_AFTER = 2          # store failures in a row on one agent while others succeed
+CANCEL_LOOK_S = 1.0           # how often (at most) a running attempt looks whether its run was cancelled
+CANCELLED = "cancelled: the run was cancelled; nothing stored"
 
 
 @lru_cache(maxsize=8)
@@ -117,9 +119,38 @@ class Attempt:
     bytes_up: int = 0
     bytes_down: int = 0
 
+    looked_at: float = 0.0
+
     @property
     def run_id(self) -> str:
         return self.spec.run_id
+
+    def check_cancelled(self, now: bool = False) -> None:
+        """Raise :class:`RunCancelled` if the run was cancelled: units call it between training
+        steps (one Redis call per CANCEL_LOOK_S at most) and, with ``now``, just before storing
+        their output — so a cancelled run's attempts stop within a second and store nothing."""
+        t = time.monotonic()
+        if not now and t - self.looked_at < CANCEL_LOOK_S:
+            return
+        self.looked_at = t
+        if self.board.state(self.spec.run_id) == "cancelled":
+            raise RunCancelled(f"run {self.spec.run_id} was cancelled")
+
+
+class RunCancelled(Exception):
+    """The run was cancelled (``tensorturn cancel``) while this attempt ran."""
+
+
+def watch_cancelled(on_step: Callable[[int, float], None], attempt: Attempt
+                    ) -> Callable[[int, float], None]:
+    """``on_step`` (a training loop's per-step callback), then a look whether the run was
+    cancelled (:meth:`Attempt.check_cancelled`)."""
+
+    def step(n: int, loss: float) -> None:
+        on_step(n, loss)
+        attempt.check_cancelled()
+
+    return step
 
 
 class Unit(ABC):
@@ -129,6 +160,13 @@ class Unit(ABC):
     def __init__(self, attempt: Attempt):
         self.a = attempt
         self.spec, self.store, self.board = attempt.spec, attempt.store, attempt.board
+        self.final: dict[str, Any] | None = None
+
+    def finish_run(self, state: str, **fields: Any) -> None:
+        """Finish the run with this attempt (``board.finish``'s arguments): the state is written
+        last, in the round trip that records the attempt's outcome and figures, and the manifest
+        after it — so whoever sees the run finished sees its records complete."""
+        self.final = {"state": state, **fields}
 
     @abstractmethod
     def done(self) -> bool:
@@ -156,6 +194,15 @@ def describe_failure(exc: BaseException, worker: str | None) -> str:
         return str(exc)
     text = " ".join(str(exc).split())  # one line, whatever the exception's message holds
     return mask_text(f"{type(exc).__name__}: {text}" if text else type(exc).__name__)
+
+
+def _tail(exc: BaseException) -> str | None:
+    """The failure's last frames for its attempt record (``status --debug`` shows them)."""
+    try:
+        return tracebacks.tail(exc)
+    except Exception as err:  # noqa: BLE001 - a traceback that cannot be formatted loses only itself
+        log.debug("traceback not recorded: %s", err)
+        return None
 
 
 def _spec_here(store: Store, run_id: str) -> RunSpec:
@@ -253,25 +300,38 @@ def _execute(task: Task, board: RunBoard, run_id: str, label: Label, unit_class:
             board.incident(run_id, "late_ignored", str(label), worker,
                            "a late attempt finished after another stored the output; discarded")
 
+        ending = unit.final  # this attempt finishes the run (Unit.finish_run)
+
         def also(pipe: Any) -> None:  # in the attempt's last round trip
             if outcome == SUCCEEDED:
                 board.add_bytes(run_id, str(label), attempt.bytes_up, attempt.bytes_down, pipe)
             _worker_succeeded(board, worker, pipe)
             board.add_store_bytes(run_id, *tally.pending(), worker, pipe)
+            if ending is not None:  # last: the run is finished only with all of the above
+                board.finish(run_id, pipe=pipe, **ending)
 
         board.finish_attempt(run_id, key, outcome, also)
         tally.settle()  # recorded with the outcome (were it not, the end of execute() adds them)
+        if ending is not None:
+            try_write_manifest(store, board, run_id)
+            tally.take()  # the manifest holds the run's figures, complete; its own bytes are not among them
         unit.then()
         return receipt
     except Retry:
         raise
+    except RunCancelled:  # not a failure: recorded, never retried; the run is finished
+        if key:
+            board.finish_attempt(run_id, key, CANCELLED)
+        if store is not None:
+            try_write_manifest(store, board, run_id)
+        return receipt
     except Exception as exc:  # noqa: BLE001 - every failure is recorded, then retried or final
         message = describe_failure(exc, worker)
         log.warning("run %s %s failed on %s: %s", run_id, label, worker, message)
         if not key:  # failed before its attempt was recorded: the spec or store was unreadable
             begun = board.begin_attempt(run_id, str(label), worker, max_attempts)
             key, number = begun if begun else (f"{label}#refused", max_attempts + 1)
-        board.finish_attempt(run_id, key, f"failed: {message}")
+        board.finish_attempt(run_id, key, f"failed: {message}", traceback=_tail(exc))
         cause = _machine_fault(exc)
         if cause:
             if _worker_store_failed(task, board, run_id, str(label), worker, key, message, cause):

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from ... import layout
 from ...errors import SpecError
+from ...live import WIDTH, fit
 from ...spec import ModeOptions, check_positive, options_json
 from .. import ModeBase
 
@@ -108,6 +109,40 @@ class Ensemble(ModeBase):
             elif m["state"] == "dropped":
                 events.append((f"m{m['member']}", f"member {m['member']} dropped: {m['reason']}"))
         return done, total, events
+
+    def live_line(self, doc: dict[str, Any], width: int = WIDTH) -> str:
+        """Every member from the start: queued, training (segments done, with the one in hand as
+        a fraction, and its latest loss), done or dropped — ``m0 1.4/3 0.412, m1 queued``; when
+        that does not fit, the losses go, then the members are counted by state."""
+        members = doc.get("members") or []
+        n = int(options_json(doc.get("spec") or {}).get("segments", 0))
+        if not members:
+            return ""
+        counts: dict[str, int] = {}
+        short, long, segments = [], [], 0.0
+        for m in members:
+            state, live = m.get("state", "queued"), m.get("live")
+            done = float(m.get("segments_done", 0))
+            if live and live["segment"] >= done and live["steps"]:
+                done = live["segment"] + min(live["step"] / live["steps"], 1.0)
+            segments += n if state == "succeeded" else done
+            counts[state] = counts.get(state, 0) + 1
+            if state == "running":
+                word = f"m{m['member']} {done:.1f}/{n}"
+                loss = live.get("loss") if live else None
+                short.append(word)
+                long.append(word + (f" {loss:.3g}" if loss is not None else ""))
+            else:
+                word = f"m{m['member']} {'done' if state == 'succeeded' else state}"
+                short.append(word)
+                long.append(word)
+        for words in (long, short):
+            line = ", ".join(words)
+            if len(line) <= width:
+                return line
+        names = {"running": "training", "succeeded": "done"}
+        states = ", ".join(f"{c} {names.get(s, s)}" for s, c in sorted(counts.items()))
+        return fit(f"{len(members)} members: {states}; {segments:.1f}/{len(members) * n} segments", width)
 
     def final_key(self, run_id: str) -> str:
         return layout.key("final_ensemble", run_id)

@@ -21,13 +21,15 @@ from ...artifact import Predictor
 from ...board import RunBoard
 from ...capacity import queue_for
 from ...celery_app import app, forget_results
+from ...config import mask_text
 from ...device import pick_device
 from ...errors import SpecError
+from ...live import live_field
 from ...manifest import save_spec, try_write_manifest, write_manifest
 from ...recipes import Recipe, load_splits, recipe_of, resolve
 from ...spec import RunSpec
 from ...store import Store, sha256_hex
-from ...tasks.attempt import LATE, SUCCEEDED, Unit, execute, signed
+from ...tasks.attempt import LATE, SUCCEEDED, Unit, execute, signed, watch_cancelled
 from ...telemetry import TaskReporter
 from ...tensors import (
     ensemble_bytes,
@@ -217,7 +219,8 @@ class SegmentUnit(Unit):
         recipe = recipe_of(spec)
         plan = member_plan(spec, recipe)[m]
         batch = spec.batch_size or recipe.batch_size
-        reporter = TaskReporter(self.a.task, self.board.r, str(self.a.label), opts.segment_steps, batch)
+        reporter = TaskReporter(self.a.task, self.board.r, str(self.a.label), opts.segment_steps, batch,
+                                live=(spec.run_id, live_field(self.a.label)))
         device = pick_device()
         splits = load_splits(recipe)
         if j == 0 and opts.init_from:
@@ -246,13 +249,14 @@ class SegmentUnit(Unit):
         else:
             rows = torch.arange(n)
         train_steps(recipe, model, opt, splits.x_train, splits.y_train, rows, opts.segment_steps,
-                    batch, derive_seed(plan["seed"], j), device, on_step=reporter,
+                    batch, derive_seed(plan["seed"], j), device, on_step=watch_cancelled(reporter, self.a),
                     precision=spec.precision, accumulate=spec.accumulate)
         optim_blob = to_bytes(optimizer_tensors(opt))
         weights = model_bytes({k: v.cpu() for k, v in model.state_dict().items()}, spec.recipe,
                               plan["model"], spec.recipe_options)
         if store.exists(layout.key("segment", spec.run_id, m, j)):
             return LATE
+        self.a.check_cancelled(now=True)
         # The optimizer state goes first: a stored checkpoint means the segment is complete.
         store.put_bytes(layout.key("optim", spec.run_id, m, j), optim_blob)
         store.put_bytes(layout.key("segment", spec.run_id, m, j), weights)
@@ -294,14 +298,24 @@ def vote(self, run_id: str, sig: str | None = None) -> dict[str, Any]:
     return execute(self, run_id, layout.vote_label(), VoteUnit, sig)
 
 
+# metrics where higher is better (the best member's is the largest); any other: the smallest
+HIGHER_IS_BETTER = ("accuracy", "r2", "f1", "auc", "precision", "recall")
+
+
 def vote_metrics(predictor: Predictor, pieces: Iterable[tuple[torch.Tensor, torch.Tensor]]
                  ) -> dict[str, float]:
-    """The combined model's test metrics (the recipe's kind: accuracy and NLL, or MSE and MAE)
-    beside the members' mean and best; for classification, how often members disagree. The test
-    split comes in ``pieces`` (one forward pass each); every figure is a mean over rows."""
-    kind = predictor.recipe.kind
+    """The ensemble's test metrics by the recipe's own ``evaluate`` — the same function, of the
+    same meaning, as a fused run's — applied to the ensemble as one model
+    (:meth:`Predictor.as_model`), beside the members' mean and best; for classification, how
+    often members disagree. Under ``--vote hard`` the ``loss`` is the mean probability's (vote
+    shares are not probabilities). The test split comes in ``pieces`` (one forward pass each);
+    every figure is a mean over rows."""
+    recipe = predictor.recipe
+    kind = recipe.kind
+    ensemble = predictor.as_model()
+    soft = predictor.as_model("soft") if predictor.vote == "hard" and not kind.scaled else None
     sums: dict[str, float] = {}
-    per_member_sums: list[dict[str, float]] = []
+    per_member_sums: list[dict[str, float]] = [{} for _ in predictor.models]
     rows = 0
 
     def add(into: dict[str, float], figures: dict[str, float], n: int) -> None:
@@ -309,15 +323,17 @@ def vote_metrics(predictor: Predictor, pieces: Iterable[tuple[torch.Tensor, torc
             into[name] = into.get(name, 0.0) + value * n
 
     for x, y in pieces:
-        combined, per_member = predictor.predict(x)
         n = len(y)
-        # classification: NLL of the mean probability for both rules (hard votes are not calibrated)
-        add(sums, {f"test_{k}": v for k, v in kind.metrics(combined, y, per_member.mean(0)).items()}, n)
-        per_member_sums += [{} for _ in range(len(per_member) - len(per_member_sums))]
-        for into, p in zip(per_member_sums, per_member):
-            add(into, kind.metrics(p, y), n)
-        if kind.name != "regression":
-            preds = per_member.argmax(-1)
+        if n == 0:
+            continue
+        figures = recipe.evaluate(ensemble, x, y)
+        if soft is not None and "loss" in figures:
+            figures["loss"] = recipe.evaluate(soft, x, y)["loss"]
+        add(sums, {f"test_{k}": v for k, v in figures.items()}, n)
+        for into, model in zip(per_member_sums, predictor.models):
+            add(into, recipe.evaluate(model, x, y), n)
+        if not kind.scaled:
+            preds = predictor.member_outputs(x).argmax(-1)
             pairs = [(a, b) for a in range(len(preds)) for b in range(a + 1, len(preds))]
             add(sums, {"disagreement": sum(float((preds[a] != preds[b]).float().mean())
                                            for a, b in pairs) / len(pairs) if pairs else 0.0}, n)
@@ -329,7 +345,7 @@ def vote_metrics(predictor: Predictor, pieces: Iterable[tuple[torch.Tensor, torc
     for name in members[0]:
         values = [m[name] for m in members]
         out[f"member_mean_test_{name}"] = sum(values) / len(values)
-        out[f"best_member_test_{name}"] = max(values) if name == "accuracy" else min(values)
+        out[f"best_member_test_{name}"] = max(values) if name in HIGHER_IS_BETTER else min(values)
     return out
 
 
@@ -348,9 +364,8 @@ class VoteUnit(Unit):
         dropped = [e for e in members if e["state"] == "dropped"]
         if len(done) < opts.min_members:
             reasons = "; ".join(f"member {e['member']}: {e['reason']}" for e in dropped)
-            board.fail(run_id, f"only {len(done)} of {opts.members} members finished "
-                               f"(--min-members {opts.min_members}): {reasons}")
-            write_manifest(store, board, run_id)
+            self.finish_run("failed", error=mask_text(f"only {len(done)} of {opts.members} members "
+                                                      f"finished (--min-members {opts.min_members}): {reasons}"))
             return SUCCEEDED
         entries = []
         for e in done:
@@ -363,7 +378,5 @@ class VoteUnit(Unit):
         pieces = recipe_of(spec).eval_pieces("test", spec.eval_batches)
         metrics = vote_metrics(Predictor.from_bytes(blob), pieces)
         metrics.update(members_succeeded=len(done), members_dropped=len(dropped))
-        board.finish(run_id, "succeeded", metrics=metrics, model_uri=store.uri(final),
-                     model_sha256=sha)
-        write_manifest(store, board, run_id)
+        self.finish_run("succeeded", metrics=metrics, model_uri=store.uri(final), model_sha256=sha)
         return SUCCEEDED

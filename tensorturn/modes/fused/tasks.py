@@ -16,7 +16,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from celery import chord
@@ -37,11 +37,12 @@ from ...diloco import (
     round_figures,
     train_replica,
 )
+from ...live import live_field
 from ...manifest import save_spec, write_manifest
 from ...recipes import Recipe, recipe_of, resolve
 from ...spec import RunSpec
 from ...store import ObjectMissing, Store, file_sha256, sha256_hex
-from ...tasks.attempt import LATE, SUCCEEDED, Unit, chord_failed, execute, signed
+from ...tasks.attempt import LATE, SUCCEEDED, Unit, chord_failed, execute, signed, watch_cancelled
 from ...telemetry import TaskReporter
 from ...tensorfile import DTYPES, TensorReader, TensorWriter, delta_tensors, write_delta
 from ...tensors import (
@@ -57,15 +58,15 @@ from ...tensors import (
     to_bytes,
 )
 from ...training import derive_seed, load_model, set_threads
-from . import EPOCHS_PER_ROUND_WARNING, FusedOptions, backups
+from . import EPOCHS_PER_ROUND_WARNING, FusedOptions, StartedOptions, backups
 
 log = logging.getLogger(__name__)
 
 RESIDUAL = "residual::"  # prefix of the broadcast's error-feedback residual in the outer state
 
 
-def options(spec: RunSpec) -> FusedOptions:
-    return spec.opts(FusedOptions)
+def options(spec: RunSpec) -> StartedOptions:
+    return cast(StartedOptions, spec.opts(FusedOptions))  # shards and H are filled at start
 
 
 def global_bytes(spec: RunSpec, recipe: Recipe, theta: StateDict) -> bytes:
@@ -78,6 +79,7 @@ def global_bytes(spec: RunSpec, recipe: Recipe, theta: StateDict) -> bytes:
 def start(spec: RunSpec, store: Store, board: RunBoard) -> None:
     """Write the spec and initial weights, record the run, dispatch round 0."""
     recipe = resolve(spec.recipe, spec.recipe_options)
+    options(spec).fill_from_data(recipe.train_rows(), samples_per_step(spec, recipe))
     epochs = epochs_per_round(spec, recipe)
     chosen = options(spec).resolve_outer(epochs)
     theta0 = global_bytes(spec, recipe, initial_state(recipe, spec.seed))
@@ -85,9 +87,8 @@ def start(spec: RunSpec, store: Store, board: RunBoard) -> None:
     save_spec(store, spec)
     store.put_bytes(layout.key("global", spec.run_id, 0), theta0)
     board.create(spec)
-    for warning in (chosen, small_data_warning(spec, recipe, epochs)):
-        if warning:
-            board.warn(spec.run_id, warning)
+    for warning in setup_warnings(spec, recipe, epochs, chosen):
+        board.warn(spec.run_id, warning)
     write_manifest(store, board, spec.run_id)
     if opts_sync(spec) == "async":
         from . import asynchronous
@@ -118,11 +119,25 @@ def count_data(board: RunBoard, run_id: str, worker: str, before: tuple[int, int
     board.add_data_bytes(run_id, worker, now[0] - before[0], now[1] - before[1])
 
 
+def samples_per_step(spec: RunSpec, recipe: Recipe) -> int:
+    """Training rows one inner step reads (the batch × ``--accumulate``)."""
+    return (spec.batch_size or recipe.batch_size) * spec.accumulate
+
+
 def epochs_per_round(spec: RunSpec, recipe: Recipe) -> float:
     """How many times a shard goes over its rows in one round (H steps × batch / its rows)."""
     opts = options(spec)
     rows = recipe.train_rows() / opts.shards
-    return opts.sync_every * (spec.batch_size or recipe.batch_size) / max(rows, 1.0)
+    return opts.sync_every * samples_per_step(spec, recipe) / max(rows, 1.0)
+
+
+def setup_warnings(spec: RunSpec, recipe: Recipe, epochs: float, chosen: str | None) -> list[str]:
+    """What ``run`` prints about the run's setup when it starts: nothing when TensorTurn chose
+    both the shards and H from the data (what it chose is in the spec); otherwise what
+    ``--outer auto`` chose (``chosen``) and :func:`small_data_warning`."""
+    if {"shards", "sync_every"} <= set(options(spec).chosen):
+        return []
+    return [w for w in (chosen, small_data_warning(spec, recipe, epochs)) if w]
 
 
 def small_data_warning(spec: RunSpec, recipe: Recipe, epochs: float) -> str | None:
@@ -133,10 +148,12 @@ def small_data_warning(spec: RunSpec, recipe: Recipe, epochs: float) -> str | No
     rows = recipe.train_rows() / opts.shards
     if epochs <= EPOCHS_PER_ROUND_WARNING:
         return None
+    accumulated = f" × {spec.accumulate} accumulated" if spec.accumulate > 1 else ""
     return (f"each shard holds about {rows:.0f} training rows but trains {opts.sync_every} steps × "
-            f"batch {spec.batch_size or recipe.batch_size} per round, going over them {epochs:.0f} "
-            f"times: fewer --sync-every or --shards suit this little data; --keep best keeps the "
-            f"round with the lowest validation loss")
+            f"batch {spec.batch_size or recipe.batch_size}{accumulated} per round, going over them "
+            f"{epochs:.0f} times: fewer --sync-every or --shards suit this little data (left out, "
+            f"both are chosen from the data); --keep best keeps the round with the lowest "
+            f"validation loss")
 
 
 def dispatch_round(spec: RunSpec, r: int, board: RunBoard) -> None:
@@ -251,12 +268,14 @@ def train_and_store(unit: Unit, r: int, k: int,
     set_threads(spec.threads_per_task)
     recipe = recipe_of(spec)
     batch = spec.batch_size or recipe.batch_size
-    reporter = TaskReporter(a.task, unit.board.r, str(a.label), opts.sync_every, batch)
+    reporter = TaskReporter(a.task, unit.board.r, str(a.label), opts.sync_every, batch,
+                            live=(spec.run_id, live_field(a.label, opts.shards or 0)))
     data_before = data_bytes()
     x, y, rows = recipe.shard_data(k, opts.shards, spec.seed)
     count_data(unit.board, spec.run_id, a.worker, data_before)
     theta, a.bytes_down, meta = theta_of(recipe)
     on_step = reporter if watch is None else watch_superseded(reporter, watch, str(a.label))
+    on_step = watch_cancelled(on_step, a)
     try:
         delta, loss, samples = train_replica(
             recipe, theta, x, y, rows, opts.sync_every,
@@ -272,6 +291,7 @@ def train_and_store(unit: Unit, r: int, k: int,
         raise
     if unit.store.exists(out_key):  # never overwrite: it may be in use already
         return LATE
+    a.check_cancelled(now=True)
     with tempfile.TemporaryDirectory(prefix="tt-shard-") as tmp:
         # written to a file and uploaded from it (S3: in parts), so the model is never in
         # memory twice; bytes_down is written at a fixed width: it depends on where the shard
@@ -442,21 +462,34 @@ class OuterUnit(Unit):
 
     def run(self) -> str:
         spec, store, r = self.spec, self.store, self.a.label.numbers[0]
+        self.a.check_cancelled(now=True)
         data_before = data_bytes()  # evaluation data this machine had to download
         last = r + 1 == options(spec).rounds
+        self.phase("averaging")
+
+        def stored() -> None:  # the machines train round r+1 (queued once) while this evaluates r
+            if not last:
+                self.then()
+            self.phase("evaluating")
+
         with tempfile.TemporaryDirectory(prefix="tt-outer-") as tmp:
-            # the machines train round r+1 (then() queues it once) while this one evaluates r
-            info = outer_round(spec, store, r, Path(tmp), None if last else self.then)
+            info = outer_round(spec, store, r, Path(tmp), stored)
             info["at"] = time.time()  # when the round's weights were evaluated (loss against wall time)
+            self.a.check_cancelled(now=True)
             store.put_json(layout.key("round", spec.run_id, r), info)  # before the board: done() reads it
             self.board.record_round(spec.run_id, r, info)
             if last:
                 record_missing_rounds(spec, store, self.board, r, Path(tmp))
-                finalize(spec, store, self.board, local=Path(tmp) / "next")
+                self.phase("testing")
+                finalize(spec, store, self.board, local=Path(tmp) / "next", finish=self.finish_run)
             else:
                 write_manifest(store, self.board, spec.run_id)
         count_data(self.board, spec.run_id, self.a.worker, data_before)
         return SUCCEEDED
+
+    def phase(self, what: str) -> None:
+        """Say what this outer step is doing (``run`` and ``status`` show it)."""
+        self.board.mark_phase(self.spec.run_id, str(self.a.label), what, self.a.worker)
 
     def then(self) -> None:
         spec, r = self.spec, self.a.label.numbers[0]
@@ -646,10 +679,13 @@ def _step_in_memory(spec: RunSpec, recipe: Recipe, store: Store, r: int, avg: St
 
 
 def finalize(spec: RunSpec, store: Store, board: RunBoard,
-             weights_key: Callable[[int], str] | None = None, local: Path | None = None) -> None:
+             weights_key: Callable[[int], str] | None = None, local: Path | None = None,
+             finish: Callable[..., None] | None = None) -> None:
     """Store the final model, evaluate it on the test split, and finish the run. The weights
     after round r are at ``weights_key(r)`` (θ_{r+1}'s key, unless said otherwise); ``local``
-    is a file holding the last round's, when this machine has them."""
+    is a file holding the last round's, when this machine has them. ``finish`` (the attempt's
+    :meth:`~tensorturn.tasks.attempt.Unit.finish_run`) finishes the run with the attempt's own
+    records; without it, the run is finished and its manifest written here."""
     run_id, opts = spec.run_id, options(spec)
     kept = opts.rounds - 1
     if opts.keep == "best":  # the round whose weights had the lowest validation loss
@@ -667,9 +703,12 @@ def finalize(spec: RunSpec, store: Store, board: RunBoard,
     device = pick_device()
     model = load_model(recipe, from_bytes(data), recipe.default_config(), device)
     test = recipe.evaluate_split(model, "test", device, spec.eval_batches)
-    board.finish(run_id, "succeeded", metrics={**{f"test_{k}": v for k, v in test.items()},
-                                               "kept_round": kept},
-                 model_uri=store.uri(layout.key("final_model", run_id)), model_sha256=sha)
+    result = {"metrics": {**{f"test_{k}": v for k, v in test.items()}, "kept_round": kept},
+              "model_uri": store.uri(layout.key("final_model", run_id)), "model_sha256": sha}
+    if finish is not None:
+        finish("succeeded", **result)
+        return
+    board.finish(run_id, "succeeded", **result)
     write_manifest(store, board, run_id)
 
 
