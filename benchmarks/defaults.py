@@ -154,10 +154,12 @@ def scaled(args: argparse.Namespace, seeds: list[int]) -> None:
     """Fixed 8 × 25 against defaults scaled to the data, each with the last and the best round."""
     from tensorturn import config, trust
     from tensorturn.local import LocalPool
+    from tensorturn.modes.fused import EPOCHS_PER_ROUND
     from tensorturn.recipes import resolve
 
     plans: dict[str, float | None] = {"fixed 8 × H 25 (before)": None}
-    plans.update({f"scaled, ≤ {e:g} passes a round": e for e in (float(x) for x in args.epochs.split(","))})
+    plans.update({f"scaled, ≤ {e:g} passes a round{' (default)' if e == EPOCHS_PER_ROUND else ''}": e
+                  for e in (float(x) for x in args.epochs.split(","))})
     rows = []
     with tempfile.TemporaryDirectory(prefix="tt-defaults-") as tmp:
         store = (Path(tmp) / "store").as_uri()
@@ -176,7 +178,7 @@ def scaled(args: argparse.Namespace, seeds: list[int]) -> None:
                         same = done.get((plan["shards"], plan["sync_every"], seed))
                         if same is not None:
                             rows.append({**same, "plan": label})
-                            print(f"{dataset:15s} {label:26s} the same as {same['plan']}", flush=True)
+                            print(f"{dataset:15s} {label:36s} the same as {same['plan']}", flush=True)
                             continue
                         t0 = time.perf_counter()
                         doc = run_job(pool, store, mode="fused", rounds=8, keep="last", **job, **plan,
@@ -196,7 +198,7 @@ def scaled(args: argparse.Namespace, seeds: list[int]) -> None:
                         rows.append(row)
                         done[plan["shards"], plan["sync_every"], seed] = row
 
-                        print(f"{dataset:15s} {label:26s} S {plan['shards']} H {plan['sync_every']:2d} seed {seed} "
+                        print(f"{dataset:15s} {label:36s} S {plan['shards']} H {plan['sync_every']:2d} seed {seed} "
                               f"{row['outer']:8s} last: {fig(row['last'])}  best r{best}: {fig(row['best'])}  "
                               f"{wall:5.1f}s", flush=True)
     (HERE / "defaults_scaled.json").write_text(json.dumps(

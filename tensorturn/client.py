@@ -264,7 +264,8 @@ def wait(broker_url: str, run_id: str, on_update: Update | None = None,
     A finished run is returned once its records are complete: the task that finishes a run
     records its own attempt and figures with the state, but others can still be running then
     (a backup copy stopping, an asynchronous update's task, a cancelled run's attempts), and
-    are awaited up to SETTLE_S while their machines are live."""
+    are awaited up to SETTLE_S while their machines are live. A failed run is returned at once:
+    its error matters more than shards that may train on for minutes."""
     board = RunBoard(check_broker(broker_url))
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     settle_by = None
@@ -279,7 +280,8 @@ def wait(broker_url: str, run_id: str, on_update: Update | None = None,
             on_update(doc)
         if doc["state"] in FINISHED:
             settle_by = settle_by or time.monotonic() + SETTLE_S
-            if time.monotonic() >= settle_by or not running_on_live_workers(doc, board):
+            if (doc["state"] == "failed" or time.monotonic() >= settle_by
+                    or not running_on_live_workers(doc, board)):
                 return doc
         elif deadline and time.monotonic() > deadline:
             return doc

@@ -71,6 +71,31 @@ def tt(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None,
                           stdin=subprocess.DEVNULL)
 
 
+def tt_here(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """The ``tensorturn`` CLI in this process (click's test runner), answered as :func:`tt`
+    answers: for commands that load torch and start nothing, where a subprocess would pay the
+    import again (seconds each). ``env`` replaces the environment while it runs."""
+    from click.testing import CliRunner
+
+    from tensorturn import config
+    from tensorturn.cli import cli
+
+    saved = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(env or clean_env())
+    config.reload()
+    try:
+        result = CliRunner().invoke(cli, list(args), prog_name="tensorturn")
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+        config.reload()
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        raise result.exception
+    return subprocess.CompletedProcess(["tensorturn", *args], result.exit_code, result.stdout,
+                                       result.stderr)
+
+
 def tt_json(*args: str, **kw) -> dict:
     proc = tt(*args, **kw)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -16,6 +16,7 @@ from tensorturn.broker import check_broker
 from tensorturn.local import LocalPool
 from tensorturn.tasks.attempt import CANCELLED
 
+
 @pytest.mark.e2e
 def test_cancel_stops_a_run_on_a_standing_pool_and_resume_continues_it(tmp_path, monkeypatch):
     # every training step lasts 20 ms on the agents: a shard of 400 steps trains for 8 s however

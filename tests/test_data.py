@@ -9,7 +9,7 @@ import os
 
 import numpy as np
 import pytest
-from conftest import tt, tt_json
+from conftest import tt, tt_here, tt_json
 
 from tensorturn import data as datasets
 from tensorturn import layout
@@ -335,11 +335,12 @@ def test_check_recipe_on_pushed_images_and_tables(tmp_path, table_csv):
     push_pictures(tmp_path, store, per_class=10)
     tt_json("data", "push", str(table_csv), "--name", "tab", "--label", "y", "--store", store, "--json")
     env = clean_env(TENSORTURN_STORE_URL=store)
-    images = tt_json("check-recipe", "image-folder", "--recipe-option", "dataset=colors", "--json", env=env)
+    images = json.loads(tt_here("check-recipe", "image-folder", "--recipe-option", "dataset=colors",
+                                "--json", env=env).stdout)
     assert images["input_shape"] == [3, 12, 12] and images["outputs"]["probabilities"]["shape"] == ["N", 2]
-    table = tt_json("check-recipe", "tabular", "--recipe-option", "dataset=tab", "--json", env=env)
+    table = json.loads(tt_here("check-recipe", "tabular", "--recipe-option", "dataset=tab", "--json", env=env).stdout)
     assert table["task"] == "classification" and table["input_shape"] == [3]
-    wrong = tt("check-recipe", "tabular", "--recipe-option", "dataset=colors", env=env)
+    wrong = tt_here("check-recipe", "tabular", "--recipe-option", "dataset=colors", env=env)
     assert wrong.returncode == 2
     assert wrong.stderr.strip() == ("error: recipe 'tabular' failed at build: recipe 'tabular': dataset "
                                     "'colors' is 'images' data, not 'table'")

@@ -4,6 +4,7 @@ the same either way."""
 
 from __future__ import annotations
 
+import pytest
 import redis
 from conftest import wait_for
 
@@ -17,6 +18,7 @@ def outer_workers(doc: dict) -> set[str]:
             if getattr(layout.parse_label(a["task"]), "kind", None) == "outer"}
 
 
+@pytest.mark.e2e
 def test_outer_steps_run_beside_the_store_and_move_to_the_trainers_when_it_is_gone(tmp_path):
     store_url = f"file://{tmp_path / 'store'}"
     fields = dict(recipe="digits-mlp", store_url=store_url, mode="fused", rounds=2, shards=2,

@@ -3,32 +3,34 @@ and is served with a `prediction` output; every hook of a recipe is checked in s
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
-from conftest import tt, tt_json
+from conftest import tt_here, tt_json
 from test_serve import Server, bearer
 
 RECIPE = "regress:Diabetes"  # tests/regress.py
 
 
 def test_check_recipe_passes_good_recipes_and_names_the_first_problem():
-    ok = tt_json("check-recipe", "regress:Diabetes", "--json")
+    ok = json.loads(tt_here("check-recipe", "regress:Diabetes", "--json").stdout)
     assert ok["task"] == "regression" and ok["outputs"] == {"prediction": {"datatype": "FP32", "shape": ["N"]}}
     assert set(ok["val_metrics"]) == {"loss", "mae"}
-    digits = tt_json("check-recipe", "digits-mlp", "--json")
+    digits = json.loads(tt_here("check-recipe", "digits-mlp", "--json").stdout)
     assert set(digits["outputs"]) == {"label", "probabilities"}
 
-    wrong = tt("check-recipe", "regress:WrongTarget")
+    wrong = tt_here("check-recipe", "regress:WrongTarget")
     assert wrong.returncode == 2
     assert wrong.stderr.strip() == (
         "error: recipe 'regress:WrongTarget' failed at data: task 'classification' needs integer "
         "class targets, got torch.float32 (a regression recipe sets task = 'regression')")
     from conftest import clean_env
 
-    broken = tt("check-recipe", "failing:Failing", env=clean_env(TT_FAIL_IN="evaluate"))
+    broken = tt_here("check-recipe", "failing:Failing", env=clean_env(TT_FAIL_IN="evaluate"))
     assert broken.returncode == 2 and len(broken.stderr.strip().splitlines()) == 1
     assert "failed at evaluate: ValueError: boom in evaluate" in broken.stderr
-    missing = tt("check-recipe", "nosuchmodule:Thing")
+    missing = tt_here("check-recipe", "nosuchmodule:Thing")
     assert missing.returncode == 2 and "failed at build" in missing.stderr
 
 

@@ -122,8 +122,7 @@ def distill_stage(teacher: str, store: str, training: dict[str, Any], **settings
 @click.option("--mixup", type=int, default=MIXUP, show_default=True,
               help="Mixed transfer rows per training row, real-valued inputs only: each a random "
                    "mix of two rows of its shard, labelled by the teacher alone.")
-@mode_options("fused", defaults={"rounds": str(ROUNDS), "sync_every": f"{SYNC_EVERY} for a distillation",
-                                 "shards": "one per 700 training rows, 2 to 8"})
+@mode_options("fused", defaults={"rounds": str(ROUNDS), "sync_every": f"{SYNC_EVERY} for a distillation"})
 @training_options
 @follow_options("distill")
 def distill(broker, store, teacher, student, temperature, alpha, top_k, mixup, local_workers, detach,

@@ -79,15 +79,13 @@ def global_bytes(spec: RunSpec, recipe: Recipe, theta: StateDict) -> bytes:
 def start(spec: RunSpec, store: Store, board: RunBoard) -> None:
     """Write the spec and initial weights, record the run, dispatch round 0."""
     recipe = resolve(spec.recipe, spec.recipe_options)
-    options(spec).fill_from_data(recipe.train_rows(), samples_per_step(spec, recipe))
-    epochs = epochs_per_round(spec, recipe)
-    chosen = options(spec).resolve_outer(epochs)
+    warnings = settle_options(spec, recipe)
     theta0 = global_bytes(spec, recipe, initial_state(recipe, spec.seed))
     options(spec).init_sha256 = sha256_hex(theta0)  # machines rebuild θ_0 from the seed, verified
     save_spec(store, spec)
     store.put_bytes(layout.key("global", spec.run_id, 0), theta0)
     board.create(spec)
-    for warning in setup_warnings(spec, recipe, epochs, chosen):
+    for warning in warnings:
         board.warn(spec.run_id, warning)
     write_manifest(store, board, spec.run_id)
     if opts_sync(spec) == "async":
@@ -131,11 +129,16 @@ def epochs_per_round(spec: RunSpec, recipe: Recipe) -> float:
     return opts.sync_every * samples_per_step(spec, recipe) / max(rows, 1.0)
 
 
-def setup_warnings(spec: RunSpec, recipe: Recipe, epochs: float, chosen: str | None) -> list[str]:
-    """What ``run`` prints about the run's setup when it starts: nothing when TensorTurn chose
-    both the shards and H from the data (what it chose is in the spec); otherwise what
-    ``--outer auto`` chose (``chosen``) and :func:`small_data_warning`."""
-    if {"shards", "sync_every"} <= set(options(spec).chosen):
+def settle_options(spec: RunSpec, recipe: Recipe) -> list[str]:
+    """Decide what the user left to the data — the shards and H (:meth:`FusedOptions.fill_from_data`),
+    then ``--outer auto`` — once, before the spec is stored: every machine and ``resume`` read
+    the same values. Returns the warnings ``run`` prints about the setup: none when TensorTurn
+    chose both the shards and H; else what ``--outer auto`` chose and :func:`small_data_warning`."""
+    opts = options(spec)
+    opts.fill_from_data(recipe.train_rows(), samples_per_step(spec, recipe))
+    epochs = epochs_per_round(spec, recipe)
+    chosen = opts.resolve_outer(epochs)
+    if {"shards", "sync_every"} <= set(opts.chosen):
         return []
     return [w for w in (chosen, small_data_warning(spec, recipe, epochs)) if w]
 

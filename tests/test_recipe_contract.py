@@ -1,0 +1,270 @@
+"""The recipe contract, enforced where it matters: what `check-recipe` refuses, `run`, `serve`,
+`distill` and `soup` refuse too, in one line; a hook a task kind never calls is refused; targets
+scaled by the recipe come back in the user's units; both modes measure by the recipe's
+`evaluate`; classification answers carry class names (recipes in tests/contract_recipes.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+
+import httpx
+import pytest
+import torch
+from click.testing import CliRunner
+from conftest import tt, tt_json
+from contract_recipes import NamedDigits
+from test_serve import Server, bearer
+
+from tensorturn import config, layout, trust
+from tensorturn.artifact import Predictor, load_result
+from tensorturn.checkrecipe import CheckFailed, check, check_contract
+from tensorturn.cli import cli
+from tensorturn.recipes import resolve
+from tensorturn.store import open_store
+from tensorturn.tensors import ensemble_bytes
+
+ALLOW = "contract_recipes:*"
+NO_TASK = "contract_recipes:NoTask"
+REFUSED_NO_TASK = ("failed at data: task 'classification' needs integer class targets, got "
+                   "torch.float32 (a regression recipe sets task = 'regression')")
+
+
+@pytest.fixture(autouse=True)
+def _allowed():
+    config.use(trust.with_allowed(config.current(), [ALLOW]))
+
+
+def refusal(name: str) -> str:
+    with pytest.raises(CheckFailed) as caught:
+        check_contract(name, resolve(name), "nothing was queued")
+    return str(caught.value)
+
+
+@pytest.mark.parametrize("name,problem", [
+    ("NoTask", REFUSED_NO_TASK),
+    ("ProbaRegression", "failed at hooks: predict_proba is not used for task 'regression': override predict"),
+    ("ScaledDigits", "failed at hooks: unscale_targets is not used for task 'classification'"),
+    ("TwoNames", "failed at classes: 2 names for the model's 10 classes"),
+    ("WideRegression", "failed at predict: 3 values per row, but the targets have 1"),
+])
+def test_a_broken_contract_is_one_line_naming_the_step(name, problem):
+    message = refusal(f"contract_recipes:{name}")
+    assert message.startswith(f"recipe 'contract_recipes:{name}' {problem}")
+    assert message.endswith("; nothing was queued") and "\n" not in message
+
+
+def test_the_contract_holds_for_the_builtin_and_test_recipes():
+    for name in ("digits-mlp", "charlm", "contract_recipes:Diabetes", "contract_recipes:DiabetesR2",
+                 "contract_recipes:NamedDigits"):
+        check_contract(name, resolve(name), "nothing was queued")
+
+
+def test_check_recipe_refuses_an_ignored_override_and_notes_unscaled_standardised_targets():
+    result = CliRunner().invoke(cli, ["check-recipe", "contract_recipes:ProbaRegression"])
+    assert result.exit_code == 2
+    assert result.stderr == ("error: recipe 'contract_recipes:ProbaRegression' failed at hooks: "
+                             "predict_proba is not used for task 'regression': override predict\n")
+    config.use(trust.with_allowed(config.current(), ["regress:*"]))
+    assert "define unscale_targets" in check("regress:Diabetes")["notes"][0]  # standardised, not said
+    assert check("contract_recipes:Diabetes")["notes"] == []
+
+
+def store_ensemble(store, run_id: str, recipe_name: str, members: int = 2, **spec_options) -> None:
+    """A finished ensemble of ``recipe_name`` in ``store`` (untrained members, from one seed: a
+    soup's average is a model), with its signed manifest."""
+    recipe = resolve(recipe_name)
+    config_ = recipe.default_config()
+    torch.manual_seed(0)
+    state = recipe.model(config_).state_dict()
+    blob = ensemble_bytes([(m, {k: v.clone() for k, v in state.items()}, config_)
+                           for m in range(members)], recipe_name, "soft")
+    key = layout.key("final_ensemble", run_id)
+    sha = store.put_bytes(key, blob)
+    doc = {"run_id": run_id, "mode": "ensemble", "state": "succeeded", "recipe": recipe_name,
+           "model_uri": store.uri(key), "model_sha256": sha, "metrics": {},
+           "members": [{"member": m, "state": "succeeded", "config": {"model": config_}}
+                       for m in range(members)],
+           "spec": {"mode": "ensemble", "recipe": recipe_name, "recipe_options": {}, "run_id": run_id,
+                    "options": spec_options}}
+    store.put_json(layout.key("manifest", run_id), trust.pool_key().sign_doc("manifest", doc))
+
+
+def test_serve_distill_and_soup_refuse_a_recipe_that_breaks_the_contract(tmp_path):
+    from tensorturn.cli.distill import distill_spec
+    from tensorturn.soup import soup
+
+    store = open_store((tmp_path / "store").as_uri())
+    store_ensemble(store, "old", NO_TASK, init_from="base")  # stored before the contract was enforced
+    keys = set(store.list(layout.RUNS))
+    served = CliRunner().invoke(cli, ["serve", "old", "--store", store.url, "--allow-recipe", ALLOW])
+    assert served.exit_code == 2
+    assert served.stderr == f"error: recipe '{NO_TASK}' {REFUSED_NO_TASK}; run old is not served\n"
+    with pytest.raises(CheckFailed, match=re.escape(f"{REFUSED_NO_TASK}; nothing was queued")):
+        distill_spec("old", store.url)
+    with pytest.raises(CheckFailed, match=re.escape(f"{REFUSED_NO_TASK}; no soup was made")):
+        soup(store, "old")
+    assert set(store.list(layout.RUNS)) == keys  # nothing stored
+
+
+def test_an_ensemble_is_measured_by_the_recipes_evaluate_as_one_model(tmp_path):
+    """vote_metrics is the recipe's evaluate of the ensemble as one model: the same function a
+    fused run's model is measured by; the default evaluate and the served values are in the
+    user's units."""
+    from tensorturn.modes.ensemble.tasks import vote_metrics
+
+    store = open_store((tmp_path / "store").as_uri())
+    for name in ("contract_recipes:Diabetes", "contract_recipes:DiabetesR2"):
+        store_ensemble(store, name.split(":")[1], name, members=3)
+        predictor = Predictor.from_bytes(store.get_bytes(layout.key("final_ensemble", name.split(":")[1])))
+        for i, m in enumerate(predictor.models):  # members that differ
+            with torch.no_grad():
+                m.get_parameter("2.bias").fill_(0.1 * i)
+        recipe = predictor.recipe
+        pieces = list(recipe.eval_pieces("test"))
+        figures = vote_metrics(predictor, pieces)
+        x, y = pieces[0]
+        assert {k: v for k, v in figures.items() if k.startswith("test_")} == pytest.approx(
+            {f"test_{k}": v for k, v in recipe.evaluate(predictor.as_model(), x, y).items()})
+        combined, per_member = predictor.predict(x)
+        # in the user's units: the score runs from 25 to 346; the model's units are near 0
+        assert combined.shape == (len(y), 1) and 100 < float(combined.mean()) < 200
+        assert torch.allclose(combined, per_member.mean(0), atol=1e-4)
+        user_y = recipe.unscale_targets(y)
+        assert figures["test_mae"] == pytest.approx(float((combined[:, 0] - user_y).abs().mean()), rel=1e-5)
+        assert set(figures) >= {"test_loss", "member_mean_test_mae", "best_member_test_loss"}
+    assert "test_r2" in figures and figures["best_member_test_r2"] == max(
+        recipe.evaluate(m, x, y)["r2"] for m in predictor.models)
+
+
+def test_a_hard_votes_figures_are_of_its_vote_and_its_loss_of_the_mean_probability():
+    from tensorturn.modes.ensemble.tasks import vote_metrics
+
+    recipe = resolve("digits-mlp")
+    models = []
+    for seed in range(3):
+        torch.manual_seed(seed)
+        models.append(recipe.model(recipe.default_config()).eval())
+    members = [{"member": m} for m in range(3)]
+    soft = vote_metrics(Predictor(recipe, models, "soft", members), recipe.eval_pieces("test"))
+    hard = vote_metrics(Predictor(recipe, models, "hard", members), recipe.eval_pieces("test"))
+    x, y = next(recipe.eval_pieces("test"))
+    served, _ = Predictor(recipe, models, "hard", members).predict(x)
+    assert hard["test_accuracy"] == pytest.approx(float((served.argmax(-1) == y).float().mean()))
+    assert hard["test_loss"] == pytest.approx(soft["test_loss"])
+
+
+def test_classification_answers_carry_class_names():
+    import numpy as np
+    import orjson
+
+    from tensorturn.serve import Prediction, encode_answer
+
+    recipe = resolve("contract_recipes:NamedDigits")
+    found = check("contract_recipes:NamedDigits")
+    assert found["outputs"]["class_name"] == {"datatype": "BYTES", "shape": ["N"]}
+    probabilities = np.eye(10, dtype=np.float32)[[3, 0, 9]]
+    answer = orjson.loads(encode_answer("m", "v", "id", Prediction(probabilities, probabilities[None]),
+                                        None, recipe.kind, recipe.classes))
+    outputs = {o["name"]: o for o in answer["outputs"]}
+    assert outputs["label"]["data"] == [3, 0, 9]
+    assert outputs["class_name"] == {"name": "class_name", "datatype": "BYTES", "shape": [3],
+                                     "data": ["three", "zero", "nine"]}
+    digits = resolve("digits-mlp")  # no names: no class_name
+    plain = orjson.loads(encode_answer("m", "v", "id", Prediction(probabilities, probabilities[None]),
+                                       None, digits.kind, digits.classes))
+    assert [o["name"] for o in plain["outputs"]] == ["label", "probabilities"]
+
+
+def test_the_api_serves_class_names_and_lists_them_in_its_metadata(tmp_path):
+    from tensorturn import tokens
+    from tensorturn.serve import create_app
+
+    store = open_store((tmp_path / "store").as_uri())
+    store_ensemble(store, "named", "contract_recipes:NamedDigits")
+    token, _ = tokens.create(store, "tests")
+    x = resolve("digits-mlp").raw_data()[4][:4]
+    body = {"inputs": [{"name": "input", "shape": [4, 64], "datatype": "FP32", "data": x.flatten().tolist()}]}
+
+    async def ask() -> tuple[dict, httpx.Response]:
+        app = create_app(store, "named")
+        async with app.router.lifespan_context(app), httpx.AsyncClient(
+                transport=httpx.ASGITransport(app=app), base_url="http://api") as api:
+            meta = (await api.get("/v2/models/named", headers=bearer(token))).json()
+            return meta, await api.post("/v2/models/named/infer", headers=bearer(token), json=body)
+
+    meta, r = asyncio.run(ask())
+    assert {"name": "class_name", "datatype": "BYTES", "shape": [-1]} in meta["outputs"]
+    assert r.status_code == 200, r.text
+    outputs = {o["name"]: o for o in r.json()["outputs"]}
+    assert outputs["class_name"]["data"] == [NamedDigits.classes[i] for i in outputs["label"]["data"]]
+
+
+def test_a_pushed_tables_text_labels_are_its_class_names(tmp_path):
+    import pyarrow as pa
+    import pyarrow.csv as pacsv
+
+    from tensorturn import data as datasets
+
+    rows = 60
+    table = pa.table({"a": [float(i % 7) for i in range(rows)], "b": [float(i % 5) for i in range(rows)],
+                      "kind": [("cat", "dog", "eel")[i % 3] for i in range(rows)]})
+    pacsv.write_csv(table, tmp_path / "pets.csv")
+    store = open_store((tmp_path / "store").as_uri())
+    config.use(config.current().with_(store_url=store.url))
+    datasets.push(store, str(tmp_path / "pets.csv"), "pets", label="kind")
+    recipe = resolve("tabular", {"dataset": "pets"})
+    assert recipe.task == "classification" and recipe.classes == ["cat", "dog", "eel"]
+    check_contract("tabular", recipe, "nothing was queued")
+    found = check("tabular", {"dataset": "pets"})
+    assert found["outputs"]["class_name"] == {"datatype": "BYTES", "shape": ["N"]}
+
+
+@pytest.mark.e2e
+def test_a_recipe_check_recipe_refuses_is_refused_by_run_with_nothing_stored(tmp_path):
+    store = tmp_path / "store"
+    proc = tt("run", "--mode", "fused", "--recipe", NO_TASK, "--local-workers", "1",
+              "--store", str(store), cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith(f"error: recipe '{NO_TASK}' {REFUSED_NO_TASK}; "
+                                                     f"nothing was queued")
+    assert not (store / layout.RUNS).exists() or not any((store / layout.RUNS).iterdir())
+
+
+@pytest.mark.e2e
+def test_standardised_targets_are_served_and_measured_in_the_users_units_in_both_modes(tmp_path):
+    name, store = "contract_recipes:DiabetesR2", str(tmp_path / "store")
+    fused = tt_json("run", "--recipe", name, "--local-workers", "2", "--rounds", "3", "--shards", "2",
+                    "--sync-every", "30", "--store", store, "--json", cwd=tmp_path)
+    ensemble = tt_json("run", "--mode", "ensemble", "--recipe", name, "--members", "2",
+                       "--segments", "1", "--segment-steps", "90", "--local-workers", "2",
+                       "--store", store, "--json", cwd=tmp_path)
+    assert fused["state"] == ensemble["state"] == "succeeded", (fused.get("error"), ensemble.get("error"))
+    tested = {k for k in fused["metrics"] if k.startswith("test_")}
+    assert tested == {"test_loss", "test_mae", "test_r2"}
+    assert tested <= set(ensemble["metrics"])  # the same figures, by the same evaluate
+    for doc in (fused, ensemble):
+        m = doc["metrics"]
+        assert 20 < m["test_mae"] < 120 and m["test_loss"] > 400  # points of the score, not std units
+        # each mode's figures are the recipe's evaluate of its result, as one model
+        predictor, _ = load_result(open_store((tmp_path / "store").as_uri()), doc["run_id"])
+        again = predictor.recipe.evaluate_split(predictor.as_model(), "test")
+        assert {f"test_{k}": v for k, v in again.items()} == pytest.approx(
+            {k: m[k] for k in tested}, rel=1e-4)
+
+    token = tt_json("token", "create", "--store", store, "--json", cwd=tmp_path)["token"]
+    server = Server(store, ensemble["run_id"], "--allow-recipe", ALLOW)
+    try:
+        x = resolve(name).raw_data()[4][:20]
+        body = {"inputs": [{"name": "input", "shape": list(x.shape), "datatype": "FP32",
+                            "data": x.flatten().tolist()}], "parameters": {"members": True}}
+        r = httpx.post(f"{server.url}/v2/models/{ensemble['run_id']}/infer", json=body,
+                       headers=bearer(token), timeout=60)
+        assert r.status_code == 200, r.text
+        outputs = {o["name"]: o["data"] for o in r.json()["outputs"]}
+        for values in (outputs["prediction"], outputs["member_0_prediction"]):
+            assert len(values) == 20 and all(0 < v < 400 for v in values)  # the score: 25 to 346
+            assert max(values) - min(values) > 20
+    finally:
+        server.stop()
