@@ -133,7 +133,7 @@ class RunBoard:
     def cancel(self, run_id: str, by: str) -> bool:
         """Cancel a live run (``by``: who asked, for ``status``); False if it had finished. No
         task of it starts afterwards, and running ones stop at their next look
-        (:func:`tensorturn.tasks.attempt.cancelled`)."""
+        (:meth:`tensorturn.tasks.attempt.Attempt.check_cancelled`)."""
         return self.finish(run_id, "cancelled", cancelled_by=mask_text(by))
 
     def claim(self, run_id: str, what: str) -> bool:

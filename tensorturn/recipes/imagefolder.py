@@ -30,7 +30,7 @@ class ImageFolder(PushedRecipe):
     def __init__(self, dataset: str, version: int | None = None, channels: list[int] | None = None):
         super().__init__(dataset, version)
         self.channels = list(channels or [16, 32])
-        self.classes = list(self.index["classes"])
+        self.classes: list[str] = list(self.index["classes"])
         self.width, self.height = self.index["image_size"]
 
     def tensors(self, table: Any) -> tuple[torch.Tensor, torch.Tensor]:
