@@ -22,7 +22,7 @@ from .spec import FINISHED, RunSpec
 
 _FINISH_ONCE = ("local s = redis.call('hget', KEYS[1], 'state') "
                 "if s == 'succeeded' or s == 'failed' or s == 'cancelled' then return 0 end "
-                "redis.call('hset', KEYS[1], unpack(ARGV)) return 1")
+                "redis.call('hset', KEYS[1], unpack(ARGV)) redis.call('del', KEYS[2]) return 1")
 # A round's slot → the shard it trains (see RunBoard.claim_shard). KEYS: the round's slots, the run's
 # owners; ARGV: slot, worker, shards, then the shards whose data this worker holds. Preference: a
 # shard it trained before (lowest first), else one nobody has whose data it holds, else one nobody
@@ -125,7 +125,8 @@ class RunBoard:
         mapping = _encode(fields)
         mapping.update(state=state, finished_at=time.time())
         args = [x for kv in mapping.items() for x in kv]
-        return bool((pipe or self.r).eval(_FINISH_ONCE, 1, layout.run_key(run_id), *args))
+        return bool((pipe or self.r).eval(_FINISH_ONCE, 2, layout.run_key(run_id),  # live: gone
+                                          layout.live_key(run_id), *args))
 
     def fail(self, run_id: str, error: str) -> bool:
         return self.finish(run_id, "failed", error=mask_text(error))
@@ -377,7 +378,7 @@ class RunBoard:
         every task a fresh allowance of attempts (the cause of the failure was fixed)."""
         counts = self.r.hgetall(layout.run_key(run_id, "attempt_n"))
         pipe = self.r.pipeline()
-        pipe.delete(layout.run_key(run_id, "claims"))
+        pipe.delete(layout.run_key(run_id, "claims"), layout.live_key(run_id))
         if counts:
             pipe.hset(layout.run_key(run_id, "attempt_base"), mapping=counts)
         pipe.hset(layout.run_key(run_id), mapping={"state": "running", "progress_at": time.time()})

@@ -92,7 +92,9 @@ def contract(recipe: Any, x: Any, y: Any) -> None:
                                   f"sets task = 'classification')")
         _require(isinstance(classes, (list, tuple)) and len(classes) > 0
                  and all(isinstance(c, str) for c in classes),
-                 f"classes: must be a list of class names (strings), got {_short(classes)}")
+                 f"classes: must be a list of class names (strings), got {_short(classes)}"
+                 + (" (a count of classes is no longer `classes`: name it num_classes)"
+                    if isinstance(classes, int) else ""))
     if kind.scaled and len(y):
         back = _step("unscale_targets", lambda: recipe.unscale_targets(y.float()))
         _require(isinstance(back, torch.Tensor) and tuple(back.shape) == tuple(y.shape),
@@ -121,31 +123,61 @@ def contract(recipe: Any, x: Any, y: Any) -> None:
              f"{n_classes} classes")
 
 
+REAL_FORWARD_BYTES = 256 * 2**20  # a model whose meta forward fails runs for real up to this size
+
+
 def _meta_outputs(recipe: Any, x: Any) -> Any:
-    """``predict`` of the default model on the meta device (shapes only; nothing allocated),
-    or None for a model that cannot run there."""
+    """``predict`` of the default model on the meta device (shapes only; nothing allocated).
+    Meta cannot run every model (data-dependent operations), so when it fails a model of up to
+    REAL_FORWARD_BYTES runs on the CPU instead — a recipe whose model does not fit its data is
+    refused either way; None only for a bigger model meta cannot run (training checks it)."""
     import torch
 
-    try:
-        with torch.random.fork_rng(devices=[]), torch.device("meta"):
-            model = recipe.model(recipe.default_config())
-            out = recipe.predict(model, x[:ROWS].to("meta"))
-    except Exception:  # noqa: BLE001 - a model meta cannot run: training checks it instead
-        return None
+    with torch.random.fork_rng(devices=[]):
+        try:
+            with torch.device("meta"):
+                model = recipe.model(recipe.default_config())
+                out = recipe.predict(model, x[:ROWS].to("meta"))
+            return out if isinstance(out, torch.Tensor) else None
+        except Exception:  # noqa: BLE001 - the real forward below says what is wrong, if anything
+            pass
+        try:
+            with torch.device("meta"):
+                size = sum(p.numel() * p.element_size() for p in
+                           recipe.model(recipe.default_config()).parameters())
+        except Exception:  # noqa: BLE001 - it cannot be built on meta: build it for real
+            size = 0
+        if size > REAL_FORWARD_BYTES:
+            return None
+        model = _step("model", lambda: recipe.model(recipe.default_config()))
+        out = _step("predict", lambda: recipe.predict(model, x[:ROWS]))
     return out if isinstance(out, torch.Tensor) else None
 
 
-def check_contract(name: str, recipe: Any, consequence: str) -> None:
+def check_contract(name: str, recipe: Any, consequence: str, data: bool = True) -> None:
     """:func:`contract` on a few training rows of ``recipe`` (of a distillation: of the
-    ensemble's recipe): RecipeError in one line — "recipe NAME failed at STEP: what; consequence"."""
+    ensemble's recipe): RecipeError in one line — "recipe NAME failed at STEP: what; consequence".
+
+    Without ``data`` (serving a model, souping members: the training data may live only on
+    the trainers), on zeros of the recipe's input shape and no targets instead."""
     from .recipes.distilled import Distilled
 
     target = recipe.base if isinstance(recipe, Distilled) else recipe
     try:
-        x, y = _step("data", lambda: target.sample_rows("train", ROWS))
+        x, y = _step("data", lambda: target.sample_rows("train", ROWS)) if data else _no_data(target)
         contract(target, x, y)
     except CheckFailed as exc:
         raise CheckFailed(f"recipe {name!r} failed at {exc}; {consequence}") from exc
+
+
+def _no_data(recipe: Any) -> tuple[Any, Any]:
+    """Two preprocessed rows of zeros of the recipe's raw input, and no targets."""
+    import torch
+
+    raw_dtype = torch.float32 if str(recipe.input_dtype).startswith("FP") else torch.int64
+    shape = _step("input_shape", recipe.input_shape)
+    x = _step("preprocess", lambda: recipe.preprocess(torch.zeros([2, *shape], dtype=raw_dtype)))
+    return x, torch.empty(0, dtype=torch.float32 if recipe.kind.scaled else torch.int64)
 
 
 def notes(recipe: Any, y_train: Any) -> list[str]:

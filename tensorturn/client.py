@@ -211,21 +211,10 @@ def _running_attempts(board: RunBoard, run_id: str) -> list[dict[str, Any]]:
 def drop_queued(client: Any, run_id: str) -> int:
     """Remove the run's task messages waiting in any TensorTurn queue; returns how many. Those
     already handed to an agent are dropped by the agent (a finished run's task does nothing)."""
-    import base64
-    import json
-
     dropped = 0
-    queues = [layout.DEFAULT_QUEUE, *client.scan_iter(match="tt.*")]
-    for queue in queues:
-        if client.type(queue) != "list":
-            continue
+    for queue in layout.task_queues(client):
         for raw in client.lrange(queue, 0, -1):
-            try:
-                body = base64.b64decode(json.loads(raw)["body"])
-                args = json.loads(body)[0]
-            except (ValueError, KeyError, TypeError, IndexError):
-                continue  # not a Celery message of ours
-            if run_id in args:
+            if run_id in (layout.task_args(raw) or []):
                 dropped += int(client.lrem(queue, 1, raw))
     return dropped
 
@@ -315,13 +304,19 @@ def annotate(doc: dict[str, Any], board: RunBoard | None = None) -> dict[str, An
     why = "its tasks are queued but no attempt started or finished"
     if board is not None:
         running = running_on_live_workers(doc, board)
-        if running:  # work goes on, only nothing started or finished lately: say what runs
+        silent = _silent_training(running, board.live(doc["run_id"]), now) if running else []
+        if running and not silent:  # work goes on, only nothing started or finished lately
             for o in doc.get("outer_steps") or []:
                 doc["note"] = (f"round {o['round']}'s outer step is {o['phase']} on {o['worker']} "
                                f"({now - o['since']:.0f}s)")
             for a in running:
                 if a["task"] == str(layout.vote_label()):
                     doc["note"] = f"the vote is running on {a['worker']} ({now - a['started_at']:.0f}s)"
+            return doc
+        if silent:
+            task, worker, quiet = silent[0]
+            doc["note"] = (f"no progress for {idle:.0f}s: {task} on {worker} has reported no "
+                           f"training step for {quiet:.0f}s (a slow download, or stuck?)")
             return doc
         pool = list_workers(board.r)
         usable = [w for w in pool if w["state"] in ("idle", "busy")]
@@ -333,6 +328,28 @@ def annotate(doc: dict[str, Any], board: RunBoard | None = None) -> dict[str, An
         why += f"; the last failure: {failed[-1]['task']} {failed[-1]['outcome']}"
     doc["note"] = f"no progress for {idle:.0f}s: {why}"
     return doc
+
+
+TRAINING_KINDS = ("shard", "backup", "update", "update_backup", "segment")  # they report steps
+
+
+def _silent_training(running: list[dict[str, Any]], entries: dict[str, dict[str, Any]],
+                     now: float) -> list[tuple[str, str, float]]:
+    """(task, worker, seconds) of the running training attempts that reported no step for
+    ``stall_s``: a training task reports at least once a second while it steps (outer steps
+    and the vote report phases, not steps, and are not judged here)."""
+    stall = config.current().stall_s
+    out = []
+    for a in running:
+        named = layout.parse_label(a["task"])
+        if named is None or named.kind not in TRAINING_KINDS:
+            continue
+        last = max([float(e.get("at") or 0) for e in entries.values()
+                    if e.get("label") == a["task"] and e.get("worker") == a["worker"]]
+                   + [float(a["started_at"])])
+        if now - last >= stall:
+            out.append((a["task"], a["worker"], now - last))
+    return out
 
 
 BrokerDown = Callable[[BrokerError], None]

@@ -202,11 +202,13 @@ def mask_url(url: str | None) -> str:
 
 
 _SECRET_IN_TEXT = re.compile(r"(\w+://[^:/@\s]*:)([^@\s]+)(@)")
+_KEY_IN_TEXT = re.compile(r"\b(tt1|ttk1)\.[A-Za-z0-9_\-]{8,}")  # join strings, pool keys
 
 
 def mask_text(text: str) -> str:
-    """Mask passwords of every URL inside a free-form message (exceptions quote URLs)."""
-    return _SECRET_IN_TEXT.sub(r"\1***\3", text)
+    """Mask the secrets inside a free-form message (exceptions quote URLs, and a recipe may quote
+    anything): every URL's password, join strings and pool keys."""
+    return _KEY_IN_TEXT.sub(r"\1.***", _SECRET_IN_TEXT.sub(r"\1***\3", text))
 
 
 if __name__ == "__main__":

@@ -56,6 +56,7 @@ shard by the first worker that runs it. Claims (one-time dispatches, per run): `
 
 from __future__ import annotations
 
+import json
 import re
 import string
 from dataclasses import dataclass
@@ -170,6 +171,25 @@ def worker_key(name: str) -> str:
 
 DEFAULT_QUEUE = "celery"
 QUEUE_PATTERN = "tt.fits.*"
+ANY_QUEUE_PATTERN = "tt.*"  # with DEFAULT_QUEUE, every task queue: memory classes, outer, agents'
+
+
+def task_queues(client: Any) -> list[str]:
+    """Every TensorTurn task queue that holds messages now (Redis lists)."""
+    names = [DEFAULT_QUEUE, *client.scan_iter(match=ANY_QUEUE_PATTERN)]
+    return [q for q in names if client.type(q) in ("list", b"list")]
+
+
+def task_args(message: str | bytes) -> list[Any] | None:
+    """The positional arguments of a queued Celery message (kombu's Redis envelope: JSON with a
+    base64 body of ``[args, kwargs, embed]``); None for anything else."""
+    import base64
+
+    try:
+        args = json.loads(base64.b64decode(json.loads(message)["body"]))[0]
+    except (ValueError, KeyError, TypeError, IndexError):
+        return None
+    return args if isinstance(args, list) else None
 
 
 def agent_queue(worker: str) -> str:

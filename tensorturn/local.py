@@ -200,7 +200,6 @@ def keep_logs(files: list[Path], dest: Path, hidden: list[str]) -> Path:
     for the same run — ``resume`` — adds to it), with ``hidden`` and every URL password,
     pool key or join string masked; then remove all but the :data:`KEEP_RUNS` most recent
     folders beside ``dest``."""
-    from .tracebacks import mask_secrets
 
     dest.mkdir(mode=0o700, parents=True, exist_ok=True)
     stamp = time.strftime("%Y-%m-%d %H:%M:%S")
@@ -219,7 +218,7 @@ def keep_logs(files: list[Path], dest: Path, hidden: list[str]) -> Path:
                 text = text.replace(secret, "***")
         fd = os.open(dest / path.name, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         with os.fdopen(fd, "w") as out:
-            out.write(f"==== {path.name} of the pool stopped at {stamp} ====\n{mask_secrets(text)}")
+            out.write(f"==== {path.name} of the pool stopped at {stamp} ====\n{config.mask_text(text)}")
     os.utime(dest)  # most recent, whether its files were new or appended to
     folders = sorted((d for d in dest.parent.iterdir() if d.is_dir() and not d.is_symlink()),
                      key=lambda d: d.stat().st_mtime, reverse=True)

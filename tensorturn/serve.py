@@ -288,7 +288,7 @@ def create_app(store: Store, run_id: str, alias: str | None = None,
         opts.max_body_bytes = max_body_bytes
     predictor, manifest = load_result(store, run_id)
     recipe = predictor.recipe
-    check_contract(manifest["recipe"], recipe, f"run {run_id} is not served")
+    check_contract(manifest["recipe"], recipe, f"run {run_id} is not served", data=False)
     input_shape = recipe.input_shape()
     names = {run_id} | ({alias} if alias else set())
     version = manifest["model_sha256"][:12]

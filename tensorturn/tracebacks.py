@@ -11,7 +11,6 @@ raised), and the runs of them in between are summarised in one line.
 from __future__ import annotations
 
 import os
-import re
 import sysconfig
 import traceback
 from pathlib import Path
@@ -27,14 +26,6 @@ _PACKAGE = Path(__file__).resolve().parent
 _RECIPES = _PACKAGE / "recipes"
 _STDLIB = Path(sysconfig.get_paths()["stdlib"]).resolve()
 # a pool key or join string quoted in a message (they are not URLs, so mask_text leaves them)
-_KEY_TEXT = re.compile(r"\b(tt1|ttk1)\.[A-Za-z0-9_\-]{8,}")
-
-
-def mask_secrets(text: str) -> str:
-    """``text`` with URL passwords, pool keys and join strings masked."""
-    return _KEY_TEXT.sub(r"\1.***", mask_text(text))
-
-
 def origin(filename: str) -> str:
     """Whose code a frame is: ``user``, ``recipes`` (a built-in recipe), ``tensorturn``, or the
     installed package's (``torch``) or ``python``'s name."""
@@ -106,7 +97,7 @@ def tail(exc: BaseException, max_frames: int = MAX_FRAMES, max_chars: int = MAX_
     room = max_frames - len(last)
     keep = sorted(last | set(theirs[-room:] if room > 0 else []))
     message = " ".join(traceback.format_exception_only(type(exc), exc)[-1].split())
-    end = mask_secrets(_clip(message))
+    end = mask_text(_clip(message))
     while True:
         lines = [f"Traceback (most recent call last; {len(keep)} of {len(frames)} frames):"]
         previous = -1
@@ -118,7 +109,7 @@ def tail(exc: BaseException, max_frames: int = MAX_FRAMES, max_chars: int = MAX_
             if f.line:
                 lines.append(f"    {_clip(f.line.strip())}")
             previous = i
-        text = mask_secrets("\n".join(lines)) + "\n" + end
+        text = mask_text("\n".join(lines)) + "\n" + end
         if len(text) <= max_chars or not keep:
             return text[-max_chars:] if len(text) > max_chars else text
         keep = keep[1:]  # the outermost kept frame goes first

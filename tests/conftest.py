@@ -140,6 +140,8 @@ def s3_bucket(s3_endpoint, monkeypatch):
 
 
 def queued_messages(client) -> list[bytes]:
-    """Every message waiting in a TensorTurn queue (the default one and the memory classes)."""
-    keys = [b"celery"] + sorted(client.scan_iter(match="tt.fits.*"))
-    return [m for key in keys if client.type(key) == b"list" for m in client.lrange(key, 0, -1)]
+    """Every message waiting in a TensorTurn queue (the default one, the memory classes, the
+    outer and the agents' own queues)."""
+    from tensorturn import layout
+
+    return [m for key in layout.task_queues(client) for m in client.lrange(key, 0, -1)]

@@ -111,3 +111,10 @@ class WideRegression(Diabetes):
 
     def model(self, config: dict[str, Any]) -> nn.Module:
         return nn.Sequential(nn.Linear(10, 8), nn.ReLU(), nn.Linear(8, 3))
+
+
+class WrongWidth(DigitsMLP):
+    """A first layer one input wider than the data (64 pixels): meta raises, the CPU names it."""
+
+    def model(self, config: dict[str, Any]) -> nn.Module:
+        return nn.Sequential(nn.Linear(65, 32), nn.ReLU(), nn.Linear(32, 10))

@@ -96,7 +96,7 @@ def test_up_and_join_connect_two_agents_with_telemetry(coordinator, tmp_path):
         header, *rows = shown.stdout.splitlines()
         assert header.split()[:3] == ["NAME", "STATE", "DEV"]
         row = {r.split("@")[0]: r for r in rows}
-        assert re.search(r"  stopped \d+s ago \(clean stop\)$", row["w2"]), row["w2"]
+        assert re.search(r"  stopped \d+[smhd] ago \(clean stop\)$", row["w2"]), row["w2"]
         assert re.search(r"  last seen \d+[sm] ago \(no clean stop\)$", row["w1"]), row["w1"]
     finally:
         for proc in agents:

@@ -5,6 +5,7 @@ finished run whose records are complete when `run --json` prints it."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -75,7 +76,7 @@ def test_the_live_view_counts_shards_and_steps_inside_the_round():
     [outer] = doc["outer_steps"]
     assert (outer["round"], outer["phase"], outer["worker"]) == (2, "evaluating", WORKER)
     line = get_mode("fused").live_line(doc)
-    assert line.startswith("round 3 (4 of 8): 5/8 shards, 173/200 steps; round 2 evaluating on local2 (1")
+    assert re.match(r"round 3 \(4 of 8\): 5/8 shards, 173/200 steps; round 2 evaluating on local2 \(\d+[smh]", line)
     assert len(line) <= 80
     assert len(get_mode("fused").live_line(doc, 40)) == 40 and get_mode("fused").live_line(doc, 40).endswith("…")
 
@@ -219,6 +220,16 @@ def test_an_outer_step_that_evaluates_is_not_a_stall(board, redis_server, tmp_pa
     assert board.live(spec.run_id) == {}
     doc = client.describe(spec.run_id, redis_server.url, spec.store_url)
     assert doc["outer_steps"] == [] and doc["note"].startswith("no progress for")
+
+
+def test_a_training_task_that_reports_no_step_is_named_in_the_stall_note(board, redis_server, tmp_path):
+    spec = live_run(board, tmp_path)
+    heartbeat(board, "w1@h")  # its machine is alive: only the task is silent
+    config.use(config.current().with_(stall_s=0.0))
+    assert board.begin_attempt(spec.run_id, "r0/shard-1", "w1@h", 3) is not None
+    doc = client.describe(spec.run_id, redis_server.url, spec.store_url)
+    assert doc["note"].startswith("no progress for")
+    assert "r0/shard-1 on w1@h has reported no training step for" in doc["note"]
 
 
 # ---- the task that finishes a run writes the state last -----------------------------------------

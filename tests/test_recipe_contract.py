@@ -28,6 +28,10 @@ ALLOW = "contract_recipes:*"
 NO_TASK = "contract_recipes:NoTask"
 REFUSED_NO_TASK = ("failed at data: task 'classification' needs integer class targets, got "
                    "torch.float32 (a regression recipe sets task = 'regression')")
+# serving and souping read no training data (it may live only on the trainers): the model's one
+# output per row gives the recipe away there
+SERVED_NO_TASK = ("failed at predict: 1 class per row; a classifier needs at least 2 (a "
+                  "regression recipe sets task = 'regression')")
 
 
 @pytest.fixture(autouse=True)
@@ -47,6 +51,7 @@ def refusal(name: str) -> str:
     ("ScaledDigits", "failed at hooks: unscale_targets is not used for task 'classification'"),
     ("TwoNames", "failed at classes: 2 names for the model's 10 classes"),
     ("WideRegression", "failed at predict: 3 values per row, but the targets have 1"),
+    ("WrongWidth", "failed at predict: RuntimeError: mat1 and mat2 shapes cannot be multiplied"),
 ])
 def test_a_broken_contract_is_one_line_naming_the_step(name, problem):
     message = refusal(f"contract_recipes:{name}")
@@ -58,6 +63,7 @@ def test_the_contract_holds_for_the_builtin_and_test_recipes():
     for name in ("digits-mlp", "charlm", "contract_recipes:Diabetes", "contract_recipes:DiabetesR2",
                  "contract_recipes:NamedDigits"):
         check_contract(name, resolve(name), "nothing was queued")
+        check_contract(name, resolve(name), "it is not served", data=False)  # as serve checks
 
 
 def test_check_recipe_refuses_an_ignored_override_and_notes_unscaled_standardised_targets():
@@ -99,10 +105,10 @@ def test_serve_distill_and_soup_refuse_a_recipe_that_breaks_the_contract(tmp_pat
     keys = set(store.list(layout.RUNS))
     served = CliRunner().invoke(cli, ["serve", "old", "--store", store.url, "--allow-recipe", ALLOW])
     assert served.exit_code == 2
-    assert served.stderr == f"error: recipe '{NO_TASK}' {REFUSED_NO_TASK}; run old is not served\n"
+    assert served.stderr == f"error: recipe '{NO_TASK}' {SERVED_NO_TASK}; run old is not served\n"
     with pytest.raises(CheckFailed, match=re.escape(f"{REFUSED_NO_TASK}; nothing was queued")):
         distill_spec("old", store.url)
-    with pytest.raises(CheckFailed, match=re.escape(f"{REFUSED_NO_TASK}; no soup was made")):
+    with pytest.raises(CheckFailed, match=re.escape(f"{SERVED_NO_TASK}; no soup was made")):
         soup(store, "old")
     assert set(store.list(layout.RUNS)) == keys  # nothing stored
 

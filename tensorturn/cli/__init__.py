@@ -9,7 +9,6 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import re
 import signal
 import sys
 from collections.abc import Callable
@@ -144,13 +143,10 @@ def main() -> None:
     cli(args=args, prog_name="tensorturn")
 
 
-_SECRET_ARG = re.compile(r"(tt1|ttk1)\.[A-Za-z0-9_\-]+")
-
-
 def scrub_argv() -> None:
     """Hide secrets given on the command line from ``ps`` and ``/proc/<pid>/cmdline`` (the
     process title is rewritten in place); the safe forms are files, stdin and variables."""
-    masked = [_SECRET_ARG.sub("***", config.mask_text(arg)) for arg in sys.argv]
+    masked = [config.mask_text(arg) for arg in sys.argv]
     if masked == sys.argv:
         return
     sys.argv[:] = masked  # what Celery shows in its process titles (the args were read before)

@@ -407,10 +407,13 @@ def embedded(stages: list[Stage], store_url: str, local_workers: int, timeout_s:
                     if queued:  # cancelled as `tensorturn cancel` would, then the pool stops
                         from .. import client
 
-                        _, what = client.cancel(run_id, pool.broker_url, store_url,
-                                                by="interrupting its `tensorturn run` (embedded pool)",
-                                                wait_s=10.0)
-                        click.echo(what, err=True)
+                        try:
+                            _, what = client.cancel(run_id, pool.broker_url, store_url,
+                                                    by="interrupting its `tensorturn run` (embedded pool)",
+                                                    wait_s=10.0)
+                            click.echo(what, err=True)
+                        except TensorTurnError:  # it finished just now: nothing to cancel
+                            write_manifest(open_store(store_url), board, run_id)
                     raise
                 if doc["state"] not in FINISHED:
                     board.fail(run_id, f"did not finish within --timeout {timeout_s}s; "

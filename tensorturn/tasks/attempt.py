@@ -295,6 +295,7 @@ def _execute(task: Task, board: RunBoard, run_id: str, label: Label, unit_class:
             return receipt
         key, number = begun
         attempt.key, attempt.number = key, number
+        attempt.check_cancelled(now=True)  # cancelled since the look above: before any download
         outcome = unit.run()
         if outcome == LATE:
             board.incident(run_id, "late_ignored", str(label), worker,

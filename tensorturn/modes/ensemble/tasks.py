@@ -374,6 +374,7 @@ class VoteUnit(Unit):
             entries.append((m, state, e["config"]["model"]))
         blob = ensemble_bytes(entries, spec.recipe, opts.vote, spec.recipe_options)
         final = layout.key("final_ensemble", run_id)
+        self.a.check_cancelled(now=True)
         sha = store.put_bytes(final, blob)
         pieces = recipe_of(spec).eval_pieces("test", spec.eval_batches)
         metrics = vote_metrics(Predictor.from_bytes(blob), pieces)

@@ -484,6 +484,7 @@ class OuterUnit(Unit):
             if last:
                 record_missing_rounds(spec, store, self.board, r, Path(tmp))
                 self.phase("testing")
+                self.a.check_cancelled(now=True)
                 finalize(spec, store, self.board, local=Path(tmp) / "next", finish=self.finish_run)
             else:
                 write_manifest(store, self.board, spec.run_id)
