@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -116,6 +117,20 @@ def pool(tmp_path_factory):
     store = (workdir / "store").as_uri()
     with LocalPool(2, store, workdir=workdir, loglevel="INFO") as p:
         yield p
+
+
+@contextlib.contextmanager
+def paced_pool(tmp_path: Path, monkeypatch, step_s: float, agents: int = 2):
+    """A pool of real agents whose every training step lasts ``step_s`` (TENSORTURN_SIM_STEP_S):
+    a task trains as long as the test needs, however loaded the machine is. Yields the pool and
+    its store's directory."""
+    from tensorturn import config
+
+    monkeypatch.setenv("TENSORTURN_SIM_STEP_S", str(step_s))
+    config.reload()
+    store = tmp_path / "store"
+    with LocalPool(agents, store.as_uri(), workdir=tmp_path / "pool") as pool:
+        yield pool, store
 
 
 @pytest.fixture(scope="session")

@@ -8,12 +8,11 @@ import json
 
 import pytest
 import redis
-from conftest import queued_messages, tt, tt_json, wait_for
+from conftest import paced_pool, queued_messages, tt, tt_json, wait_for
 
-from tensorturn import client, config
+from tensorturn import client
 from tensorturn.board import RunBoard
 from tensorturn.broker import check_broker
-from tensorturn.local import LocalPool
 from tensorturn.tasks.attempt import CANCELLED
 
 
@@ -21,10 +20,7 @@ from tensorturn.tasks.attempt import CANCELLED
 def test_cancel_stops_a_run_on_a_standing_pool_and_resume_continues_it(tmp_path, monkeypatch):
     # every training step lasts 20 ms on the agents: a shard of 400 steps trains for 8 s however
     # loaded the machine is, so the cancel lands while both agents train
-    monkeypatch.setenv("TENSORTURN_SIM_STEP_S", "0.02")
-    config.reload()
-    store = tmp_path / "store"
-    with LocalPool(2, store.as_uri(), workdir=tmp_path / "pool") as pool:
+    with paced_pool(tmp_path, monkeypatch, 0.02) as (pool, store):
         doc = tt_json("run", "--broker", pool.broker_url, "--store", str(store), "--recipe",
                       "digits-mlp", "--rounds", "1", "--shards", "4", "--sync-every", "400",
                       "--detach", "--json")

@@ -12,7 +12,7 @@ import time
 from types import SimpleNamespace
 
 import pytest
-from conftest import clean_env, tt, wait_for
+from conftest import clean_env, paced_pool, tt, wait_for
 
 from tensorturn import client, config, layout, telemetry
 from tensorturn.board import RunBoard
@@ -318,14 +318,10 @@ def test_the_vote_finishes_the_run_with_its_own_records(world, monkeypatch):
 
 @pytest.mark.e2e
 def test_run_shows_progress_inside_rounds_and_json_is_complete_when_printed(tmp_path, monkeypatch):
-    from tensorturn.local import LocalPool
 
     # every training step lasts 10 ms on the agents: a shard of 150 steps takes 1.5 s, long
     # enough to be seen inside its round however loaded the machine is
-    monkeypatch.setenv("TENSORTURN_SIM_STEP_S", "0.01")
-    config.reload()
-    store = tmp_path / "store"
-    with LocalPool(2, store.as_uri(), workdir=tmp_path / "pool") as pool:
+    with paced_pool(tmp_path, monkeypatch, 0.01) as (pool, store):
         board = RunBoard(redis_client(pool.broker_url))
         args = ("run", "--broker", pool.broker_url, "--store", str(store), "--recipe", "digits-mlp",
                 "--rounds", "3", "--shards", "4", "--sync-every", "150")
