@@ -274,3 +274,15 @@ def test_standardised_targets_are_served_and_measured_in_the_users_units_in_both
             assert max(values) - min(values) > 20
     finally:
         server.stop()
+
+
+def test_distill_allows_the_recipe_its_signed_ensemble_names(tmp_path):
+    """The user's own ensemble of the user's own recipe distills without --allow-recipe, as
+    `resume` continues a run of it: the recipe comes from the manifest signed with the pool key."""
+    store = open_store((tmp_path / "store").as_uri())
+    store_ensemble(store, "ens", "contract_recipes:NamedDigits")
+    config.reload()  # this process no longer allows contract_recipes (the test's fixture did)
+    result = CliRunner().invoke(cli, ["distill", "ens", "--store", store.url,
+                                      "--broker", "redis://127.0.0.1:1/0", "--rounds", "1"])
+    assert "not allowed" not in result.stderr
+    assert result.exit_code == 3 and "cannot reach broker" in result.stderr  # it got as far as the pool

@@ -3,6 +3,7 @@ vote) and ``tensorturn soup`` (members fine-tuned from one model, averaged)."""
 
 from __future__ import annotations
 
+import glob
 import json
 from pathlib import Path
 from typing import Any
@@ -142,8 +143,16 @@ def distill(broker, store, teacher, student, temperature, alpha, top_k, mixup, l
       tensorturn distill RUN --local-workers 2
       tensorturn distill RUN --student '{"hidden": [64]}' --temperature 4 --rounds 12
     """
+    from .. import config, trust
+    from ..manifest import finished_ensemble
+    from ..store import open_store
+
     training = {k: options.pop(k) for k in TRAINING}
     given = {k: v for k, v in options.items() if v is not None}
+    # the ensemble's recipe, as its manifest signed with the pool key names it: this user's own
+    # (as `resume` allows a run's); anything else about the run is refused in one line below
+    ensemble = finished_ensemble(open_store(store), teacher, "distillation")
+    config.use(trust.with_allowed(config.current(), [glob.escape(str(ensemble.get("recipe")))]))
     spec = distill_spec(teacher, store, student=parse_student(student), temperature=temperature,
                         alpha=alpha, top_k=top_k, mixup=mixup, **training, **given)
 
