@@ -90,7 +90,7 @@ def data_push(broker, store, source, name, label, task, resize, seed, val_fracti
     rows = index["rows"]
     click.echo(f"dataset {name} v{index['version']} ({index['kind']}): {rows['train']} train / "
                f"{rows['val']} validation / {rows['test']} test rows in {doc['chunks']} "
-               f"chunk{'s' * (doc['chunks'] != 1)}, {_size(index['bytes'])}, in "
+               f"chunk{'s' * (doc['chunks'] != 1)}, {_amount(index['bytes'])}, in "
                f"{time.monotonic() - t0:.1f}s")
     if index.get("files"):
         click.echo(f"  {_files_line(index)}")
@@ -161,6 +161,6 @@ def data_rm(broker, store, name, version):
     click.echo(f"removed dataset {name} version(s) {', '.join(map(str, gone))}")
 
 
-def _size(n: int) -> str:
+def _amount(n: int) -> str:
     """Bytes as a person reads them: 0.1 MB and up in MB, less in kB."""
     return f"{n / 1e6:.1f} MB" if n >= 1e5 else f"{n / 1e3:.1f} kB"
