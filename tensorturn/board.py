@@ -266,8 +266,9 @@ class RunBoard:
 
     # -- attempts --
     def begin_attempt(self, run_id: str, task: str, worker: str,
-                      max_attempts: int) -> tuple[str, int] | None:
-        """Record a new attempt of ``task``; returns its key and its number (1, 2, ...).
+                      max_attempts: int) -> tuple[str, int, str | None] | None:
+        """Record a new attempt of ``task``; returns its key, its number (1, 2, ...) and the
+        run's state as it began (a run cancelled meanwhile: the attempt stops at once).
 
         Past ``max_attempts`` (counted since the run was last started or resumed: a task that
         keeps killing its worker is redelivered without end) the attempt is recorded as refused,
@@ -294,9 +295,10 @@ class RunBoard:
             "finished_at": None, "outcome": "running"}))
         self.mark_running(run_id, pipe)
         self.touch(run_id, pipe)
-        pipe.execute()
+        pipe.hget(layout.run_key(run_id), "state")
+        state = pipe.execute()[-1]
         if n - base <= max_attempts:
-            return key, n - base
+            return key, n - base, state
         self.finish_attempt(run_id, key, "refused: attempt limit reached")
         self.incident(run_id, "attempt_limit", task, worker,
                       f"attempt {n - base} refused: the task already had {max_attempts}")

@@ -137,18 +137,16 @@ def _meta_outputs(recipe: Any, x: Any) -> Any:
         try:
             with torch.device("meta"):
                 model = recipe.model(recipe.default_config())
-                out = recipe.predict(model, x[:ROWS].to("meta"))
-            return out if isinstance(out, torch.Tensor) else None
-        except Exception:  # noqa: BLE001 - the real forward below says what is wrong, if anything
-            pass
-        try:
-            with torch.device("meta"):
-                size = sum(p.numel() * p.element_size() for p in
-                           recipe.model(recipe.default_config()).parameters())
-        except Exception:  # noqa: BLE001 - it cannot be built on meta: build it for real
-            size = 0
-        if size > REAL_FORWARD_BYTES:
-            return None
+        except Exception:  # noqa: BLE001 - it cannot be built on meta: build it for real below
+            model = None
+        if model is not None:
+            try:
+                with torch.device("meta"):
+                    out = recipe.predict(model, x[:ROWS].to("meta"))
+                return out if isinstance(out, torch.Tensor) else None
+            except Exception:  # noqa: BLE001 - the real forward below says what is wrong, if anything
+                if sum(p.numel() * p.element_size() for p in model.parameters()) > REAL_FORWARD_BYTES:
+                    return None
         model = _step("model", lambda: recipe.model(recipe.default_config()))
         out = _step("predict", lambda: recipe.predict(model, x[:ROWS]))
     return out if isinstance(out, torch.Tensor) else None

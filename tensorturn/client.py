@@ -355,18 +355,20 @@ def _silent_training(running: list[dict[str, Any]], entries: dict[str, dict[str,
 BrokerDown = Callable[[BrokerError], None]
 
 
-def _board(broker_url: str | None, on_broker_down: BrokerDown | None) -> RunBoard | None:
-    """The broker's runs; None without a broker, or when it does not answer and the caller
-    reads the store instead (``on_broker_down`` is told why; without it, BrokerError)."""
+def _board(broker_url: str | None, on_broker_down: BrokerDown | None
+           ) -> tuple[RunBoard | None, BrokerError | None]:
+    """The broker's runs, and why there are none: (None, None) without a broker; (None, the
+    error) when it does not answer and the caller reads the store instead (``on_broker_down``
+    is told; without it, BrokerError is raised)."""
     if not broker_url:
-        return None
+        return None, None
     try:
-        return RunBoard(check_broker(broker_url))
+        return RunBoard(check_broker(broker_url)), None
     except BrokerError as exc:
         if on_broker_down is None:
             raise
         on_broker_down(exc)
-        return None
+        return None, exc
 
 
 def describe(run_id: str, broker_url: str | None, store_url: str,
@@ -377,19 +379,12 @@ def describe(run_id: str, broker_url: str | None, store_url: str,
     does not answer is reported to it and the store is read too."""
     from .store import open_store
 
-    down: list[BrokerError] = []
-
-    def broker_down(exc: BrokerError) -> None:
-        down.append(exc)
-        if on_broker_down is not None:
-            on_broker_down(exc)
-
-    board = _board(broker_url, broker_down if on_broker_down else None)
+    board, down = _board(broker_url, on_broker_down)
     if board is not None and board.exists(run_id):
         return annotate(board.describe(run_id), board)
     doc = _manifest(open_store(store_url), run_id)
     if doc is None and down:  # it may well be on the broker: that is what went wrong
-        raise BrokerError(f"{down[0]}; and the store has no run {run_id!r}")
+        raise BrokerError(f"{down}; and the store has no run {run_id!r}")
     if doc is None:
         where = "on the broker or in the store" if board is not None else "in the store"
         raise NotFound(f"no run {run_id!r} {where} (see `tensorturn runs`)")
@@ -416,7 +411,7 @@ def list_runs(broker_url: str | None, store_url: str,
     from .store import open_store
 
     runs: dict[str, dict[str, Any]] = {}
-    board = _board(broker_url, on_broker_down)
+    board, _ = _board(broker_url, on_broker_down)
     if board is not None:
         runs = {m["run_id"]: m for m in board.list_runs()}
     store = open_store(store_url)

@@ -24,7 +24,7 @@ from celery.worker import state as worker_state
 
 from . import config, routing
 from .broker import redis_client
-from .layout import live_key, worker_key
+from .layout import live_key, run_key, worker_key
 
 log = logging.getLogger(__name__)
 
@@ -166,12 +166,15 @@ class TaskReporter:
 
     With ``live`` (run id, field) the same report goes to the run's live progress
     (:func:`tensorturn.layout.live_key`), in the same round trip, for ``run`` to show inside a
-    round; the field is the task's place (``shard-3``, ``m1``), so the hash stays that small."""
+    round; the field is the task's place (``shard-3``, ``m1``), so the hash stays that small.
+    That round trip also reads the run's state (``run_state``): a training loop learns of a
+    cancel from its progress report, with no call of its own."""
 
     def __init__(self, task, client, label: str, steps: int, batch_size: int,
                  live: tuple[str, str] | None = None):
         self.task, self.client, self.label = task, client, label
         self.steps, self.batch_size, self.live = steps, batch_size, live
+        self.run_state: str | None = None  # as the last report read it (with ``live``)
         self.worker = task.request.hostname or "?"
         self.t0 = self.last = time.monotonic()
         self._write({"task": label, "step": 0, "steps": steps, "samples_per_s": None})
@@ -186,7 +189,10 @@ class TaskReporter:
                 pipe.hset(live_key(run_id), field, json.dumps({
                     "label": self.label, "step": progress["step"], "steps": self.steps,
                     "loss": progress.get("loss"), "worker": self.worker, "at": time.time()}))
-            pipe.execute()
+                pipe.hget(run_key(run_id), "state")
+            replies = pipe.execute()
+            if self.live is not None:
+                self.run_state = replies[-1]
             self.task.send_event("task-progress", **progress)
         except Exception as exc:  # noqa: BLE001 - progress is best effort
             log.debug("progress report failed: %s", exc)

@@ -203,6 +203,20 @@ def test_training_tasks_report_steps_that_describe_shows(board, tmp_path, monkey
     assert set(board.live(spec.run_id)) == {"shard-1"}  # one field per place, not per task
 
 
+def test_a_cancel_reaches_a_training_loop_through_its_progress_report(board, tmp_path, monkeypatch):
+    from tensorturn.tasks.attempt import RunCancelled, watch_cancelled
+
+    spec = live_run(board, tmp_path)
+    monkeypatch.setattr(telemetry, "PROGRESS_EVERY_S", 0.0)
+    task = SimpleNamespace(request=SimpleNamespace(hostname="w2@h"), send_event=lambda *a, **k: None)
+    reporter = telemetry.TaskReporter(task, board.r, "r0/shard-1", 10, 32, live=(spec.run_id, "shard-1"))
+    step = watch_cancelled(reporter, SimpleNamespace(run_id=spec.run_id), reporter)
+    step(1, 0.5)  # the run goes on: so does the loop
+    assert board.cancel(spec.run_id, "a test")
+    with pytest.raises(RunCancelled):
+        step(2, 0.4)
+
+
 def test_an_outer_step_that_evaluates_is_not_a_stall(board, redis_server, tmp_path):
     spec = live_run(board, tmp_path)
     heartbeat(board, "w1@h")

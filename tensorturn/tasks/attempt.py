@@ -141,14 +141,19 @@ class RunCancelled(Exception):
     """The run was cancelled (``tensorturn cancel``) while this attempt ran."""
 
 
-def watch_cancelled(on_step: Callable[[int, float], None], attempt: Attempt
-                    ) -> Callable[[int, float], None]:
+def watch_cancelled(on_step: Callable[[int, float], None], attempt: Attempt,
+                    reporter: Any = None) -> Callable[[int, float], None]:
     """``on_step`` (a training loop's per-step callback), then a look whether the run was
-    cancelled (:meth:`Attempt.check_cancelled`)."""
+    cancelled. With a ``reporter`` (:class:`tensorturn.telemetry.TaskReporter` with a live
+    field, called by ``on_step``) the look is the run state its progress report read — no round
+    trip of its own, about once a second; else :meth:`Attempt.check_cancelled`."""
 
     def step(n: int, loss: float) -> None:
         on_step(n, loss)
-        attempt.check_cancelled()
+        if reporter is None or reporter.live is None:
+            attempt.check_cancelled()
+        elif reporter.run_state == "cancelled":
+            raise RunCancelled(f"run {attempt.run_id} was cancelled")
 
     return step
 
@@ -293,9 +298,10 @@ def _execute(task: Task, board: RunBoard, run_id: str, label: Label, unit_class:
             unit.give_up(f"{label} failed {max_attempts} attempts")
             try_write_manifest(store, board, run_id)
             return receipt
-        key, number = begun
+        key, number, state = begun
         attempt.key, attempt.number = key, number
-        attempt.check_cancelled(now=True)  # cancelled since the look above: before any download
+        if state == "cancelled":  # cancelled since the look above: stop before any download
+            raise RunCancelled(f"run {run_id} was cancelled")
         outcome = unit.run()
         if outcome == LATE:
             board.incident(run_id, "late_ignored", str(label), worker,
@@ -331,7 +337,7 @@ def _execute(task: Task, board: RunBoard, run_id: str, label: Label, unit_class:
         log.warning("run %s %s failed on %s: %s", run_id, label, worker, message)
         if not key:  # failed before its attempt was recorded: the spec or store was unreadable
             begun = board.begin_attempt(run_id, str(label), worker, max_attempts)
-            key, number = begun if begun else (f"{label}#refused", max_attempts + 1)
+            key, number = begun[:2] if begun else (f"{label}#refused", max_attempts + 1)
         board.finish_attempt(run_id, key, f"failed: {message}", traceback=_tail(exc))
         cause = _machine_fault(exc)
         if cause:

@@ -249,7 +249,7 @@ class SegmentUnit(Unit):
         else:
             rows = torch.arange(n)
         train_steps(recipe, model, opt, splits.x_train, splits.y_train, rows, opts.segment_steps,
-                    batch, derive_seed(plan["seed"], j), device, on_step=watch_cancelled(reporter, self.a),
+                    batch, derive_seed(plan["seed"], j), device, on_step=watch_cancelled(reporter, self.a, reporter),
                     precision=spec.precision, accumulate=spec.accumulate)
         optim_blob = to_bytes(optimizer_tensors(opt))
         weights = model_bytes({k: v.cpu() for k, v in model.state_dict().items()}, spec.recipe,

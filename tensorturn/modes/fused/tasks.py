@@ -278,7 +278,7 @@ def train_and_store(unit: Unit, r: int, k: int,
     count_data(unit.board, spec.run_id, a.worker, data_before)
     theta, a.bytes_down, meta = theta_of(recipe)
     on_step = reporter if watch is None else watch_superseded(reporter, watch, str(a.label))
-    on_step = watch_cancelled(on_step, a)
+    on_step = watch_cancelled(on_step, a, reporter)
     try:
         delta, loss, samples = train_replica(
             recipe, theta, x, y, rows, opts.sync_every,
