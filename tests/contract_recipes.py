@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from regress import Diabetes as StandardisedDiabetes
 from torch import nn
 
 from tensorturn.recipes import Recipe
@@ -26,13 +27,10 @@ def diabetes(standardise: bool) -> tuple[torch.Tensor, ...]:
     return tuple(torch.tensor(a, dtype=torch.float32) for a in (x_train, y_train, x_val, y_val, x_test, y_test))
 
 
-class Diabetes(Recipe):
-    """A regression on standardised targets that says how they were scaled."""
+class Diabetes(StandardisedDiabetes):
+    """tests/regress.py's regression on standardised targets, saying how they were scaled."""
 
     name = "diabetes-standardised"
-    task = "regression"
-    lr = 3e-3
-    batch_size = 32
 
     def __init__(self) -> None:
         from sklearn.datasets import load_diabetes
@@ -40,20 +38,8 @@ class Diabetes(Recipe):
         y = load_diabetes().target
         self.mu, self.sigma = float(y.mean()), float(y.std())
 
-    def raw_data(self):
-        return diabetes(standardise=True)
-
     def unscale_targets(self, values: torch.Tensor) -> torch.Tensor:
         return values * self.sigma + self.mu
-
-    def default_config(self) -> dict[str, Any]:
-        return {"hidden": 32}
-
-    def config_space(self) -> dict[str, list[Any]]:
-        return {"hidden": [16, 32, 64]}
-
-    def model(self, config: dict[str, Any]) -> nn.Module:
-        return nn.Sequential(nn.Linear(10, config["hidden"]), nn.ReLU(), nn.Linear(config["hidden"], 1))
 
 
 class DiabetesR2(Diabetes):
