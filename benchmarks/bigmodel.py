@@ -51,7 +51,7 @@ def prepare(work: Path, size: str, shards: int) -> tuple[str, str]:
     round 1, and S random pseudo-gradients. Returns (store URL, run id)."""
     import torch
 
-    from tensorturn import layout
+    from tensorturn import layout, seals
     from tensorturn.diloco import initial_state
     from tensorturn.manifest import save_spec
     from tensorturn.modes.fused.tasks import global_bytes
@@ -67,14 +67,14 @@ def prepare(work: Path, size: str, shards: int) -> tuple[str, str]:
     recipe = resolve(recipe_name, options)
     theta = initial_state(recipe, 0)
     save_spec(store, spec)
-    store.put_bytes(layout.key("global", spec.run_id, 1), global_bytes(spec, recipe, theta))
+    seals.put_bytes(store, layout.key("global", spec.run_id, 1), global_bytes(spec, recipe, theta))
     gen = torch.Generator().manual_seed(1)
     floats = {k: v for k, v in theta.items() if v.is_floating_point()}
-    store.put_bytes(layout.key("outer", spec.run_id, 1),
+    seals.put_bytes(store, layout.key("outer", spec.run_id, 1),
                     to_bytes({k: 1e-3 * torch.randn(v.shape, generator=gen) for k, v in floats.items()}))
     for k in range(shards):
         delta = {name: 1e-3 * torch.randn(v.shape, generator=gen) for name, v in floats.items()}
-        store.put_bytes(layout.key("shard", spec.run_id, 1, k),
+        seals.put_bytes(store, layout.key("shard", spec.run_id, 1, k),
                         delta_bytes(delta, "fp32", {"samples": "16", "loss": "1.0",
                                                     "bytes_down": f"{0:015d}"}))
     return store.url, spec.run_id

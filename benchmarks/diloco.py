@@ -78,7 +78,7 @@ from typing import Any
 
 import torch
 
-from tensorturn import diloco, layout
+from tensorturn import diloco, layout, seals
 from tensorturn.device import pick_device
 from tensorturn.modes.fused import FusedOptions
 from tensorturn.modes.fused import tasks as fused
@@ -87,6 +87,7 @@ from tensorturn.spec import RunSpec
 from tensorturn.store import open_store, sha256_hex
 from tensorturn.tensors import delta_bytes, delta_from_bytes, from_bytes
 from tensorturn.training import derive_seed, set_threads, train_steps
+from tensorturn.trust import PoolKey
 
 RECIPE = "charlm"
 HERE = Path(__file__).resolve().parent
@@ -119,7 +120,7 @@ def fused_inprocess(spec: RunSpec) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="tt-diloco-store-") as tmp:
         store = open_store(Path(tmp).as_uri())
         theta = diloco.initial_state(recipe, spec.seed)
-        store.put_bytes(layout.key("global", spec.run_id, 0), fused.global_bytes(spec, recipe, theta))
+        seals.put_bytes(store, layout.key("global", spec.run_id, 0), fused.global_bytes(spec, recipe, theta))
         for r in range(opts.rounds):
             if r == 0:
                 per_shard_down = 0
@@ -216,6 +217,8 @@ def fmt_bytes(n: float | None) -> str:
 
 
 def main() -> None:
+    # the rounds' objects are sealed like a pool's: a throwaway key for this script's own store
+    os.environ.setdefault("TENSORTURN_POOL_KEY", PoolKey.generate().text())
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shards", type=int, default=4, help="S: DiLoCo replicas (shards)")
     parser.add_argument("--rounds", type=int, default=8, help="R: outer rounds")

@@ -6,8 +6,10 @@ samples/s and peak device memory — a quick check that the device path works wh
 It runs the real pieces in this process, as an agent would: the device an agent picks
 (``device.pick_device``), one shard's inner steps (``diloco.train_replica``, autocast in
 ``--precision``), and the round's streaming outer step and validation on a file store, with
-``torch.cuda.max_memory_allocated`` read after each. Without CUDA it says so and exits 0 (on a
-CPU it can still run with ``--cpu``, to try the script).
+``torch.cuda.max_memory_allocated`` read after each. With ``--pool N`` it then runs one fused
+run of the recipe on an embedded pool of N real agents (``redis-server`` on the PATH): what the
+agents publish about the device (``workers``: device, VRAM) and the run's result. Without CUDA it
+says so and exits 0 (on a CPU it can still run with ``--cpu``, to try the script).
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--batch-size", type=int, default=None)
     ap.add_argument("--cpu", action="store_true", help="run on the CPU when there is no CUDA device")
+    ap.add_argument("--pool", type=int, default=0, metavar="N",
+                    help="then one fused run of 2 rounds on an embedded pool of N agents")
     args = ap.parse_args()
 
     import torch
@@ -43,7 +47,7 @@ def main() -> None:
     from tensorturn.trust import PoolKey
 
     os.environ.setdefault("TENSORTURN_POOL_KEY", PoolKey.generate().text())  # before settings are read
-    from tensorturn import layout
+    from tensorturn import layout, seals
     from tensorturn.device import pick_device
     from tensorturn.diloco import initial_state, train_replica
     from tensorturn.manifest import save_spec
@@ -75,15 +79,18 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         store = open_store(Path(tmp).as_uri())
         spec = RunSpec.create(mode="fused", recipe=args.recipe, store_url=store.url, recipe_options=options,
-                              rounds=1, shards=1, outer="sgd", eval_batches=4, precision=args.precision)
+                              rounds=1, shards=1, sync_every=args.steps, batch_size=batch, outer="sgd",
+                              eval_batches=4, precision=args.precision)
         save_spec(store, spec)
-        store.put_bytes(layout.key("global", spec.run_id, 0), fused.global_bytes(spec, recipe, theta))
-        store.put_bytes(layout.key("shard", spec.run_id, 0, 0), delta_bytes(
+        seals.put_bytes(store, layout.key("global", spec.run_id, 0), fused.global_bytes(spec, recipe, theta))
+        seals.put_bytes(store, layout.key("shard", spec.run_id, 0, 0), delta_bytes(
             delta, "fp32", {"samples": str(samples), "loss": repr(loss), "bytes_down": f"{0:015d}"}))
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
-        figures = fused.outer_round(spec, store, 0)
+        scratch = Path(tmp) / "scratch"
+        scratch.mkdir()
+        figures = fused.outer_round(spec, store, 0, scratch)
         outer_s = time.perf_counter() - t0
     report = {
         "device": str(device),
@@ -94,7 +101,40 @@ def main() -> None:
         "outer_step_s": round(outer_s, 2), "val_loss": figures["val_loss"],
         "outer_peak_vram_bytes": torch.cuda.max_memory_allocated() if cuda else None,
     }
-    print(json.dumps(report, indent=2))
+    print(json.dumps(report, indent=2), flush=True)
+    if args.pool:
+        print(json.dumps(pool_run(args, options), indent=2))
+
+
+def pool_run(args: argparse.Namespace, options: dict) -> dict:
+    """One fused run on an embedded pool of real agents: what they publish and what it gives."""
+    import subprocess
+
+    from tensorturn import client
+    from tensorturn.local import LocalPool
+
+    with tempfile.TemporaryDirectory() as tmp, LocalPool(args.pool, (Path(tmp) / "store").as_uri(),
+                                                          workdir=Path(tmp) / "pool") as pool:
+        agents = [{k: w.get(k) for k in ("name", "state", "verified", "device", "device_name", "vram_gb",
+                                         "device_memory_gb", "gpu_memory_used_gb")}
+                  for w in client.workers(pool.broker_url)]
+        t0 = time.perf_counter()
+        proc = subprocess.run(
+            [sys.executable, "-m", "tensorturn", "run", "--broker", pool.broker_url, "--store",
+             str(Path(tmp) / "store"), "--recipe", args.recipe, "--rounds", "2", "--sync-every",
+             str(args.steps), "--precision", args.precision, "--json",
+             *(f"--recipe-option={o}" for o in args.option)],
+            capture_output=True, text=True, timeout=900)
+        wall = time.perf_counter() - t0
+        if proc.returncode != 0 and not proc.stdout.strip():
+            return {"pool": args.pool, "agents": agents, "error": proc.stderr[-2000:]}
+        doc = json.loads(proc.stdout)
+        after = {w["name"]: w.get("gpu_memory_used_gb") for w in client.workers(pool.broker_url)}
+    return {"pool": args.pool, "agents": agents, "state": doc["state"], "error": doc.get("error"),
+            "wall_s": round(wall, 1), "metrics": doc.get("metrics"),
+            "rounds": [{k: r.get(k) for k in ("round", "loss", "val_loss", "samples")} for r in doc.get("rounds", [])],
+            "workers_of_attempts": sorted({a["worker"] for a in doc.get("attempts", [])}),
+            "gpu_memory_used_after_gb": after}
 
 
 if __name__ == "__main__":

@@ -55,7 +55,9 @@ from _common import (
 )
 
 from tensorturn.celery_app import app
+from tensorturn.client import workers
 from tensorturn.local import LocalPool
+from tensorturn.remote_control import send
 from tensorturn.report import worker_stats
 
 SLOW_FACTOR = 3  # the slow agent's throttle relative to the fast ones
@@ -67,13 +69,13 @@ def queues_by_worker() -> dict[str, list[str]]:
 
 
 def only(worker: str | None, queues: dict[str, list[str]]) -> None:
-    """Let only ``worker`` consume (None: every worker consumes its queues again)."""
+    """Let only ``worker`` consume (None: every worker consumes its queues again); the agents
+    take these commands signed with the pool key only, for their current start."""
+    started = {w["name"]: w["incarnation"] for w in workers(app.conf.broker_url)}
     for w, names in queues.items():
         for q in names:
-            if worker is None or w == worker:
-                app.control.add_consumer(q, destination=[w], reply=True, timeout=2.0)
-            else:
-                app.control.cancel_consumer(q, destination=[w], reply=True, timeout=2.0)
+            command = "add_consumer" if worker is None or w == worker else "cancel_consumer"
+            send(app, command, {"queue": q}, worker=w, incarnation=started[w], reply=True)
     now = queues_by_worker()
     for w in queues:
         expected = queues[w] if worker is None or w == worker else []

@@ -6,6 +6,7 @@ at a time (prefetch 1, late acks), so a faster machine simply comes back for wor
 
 from __future__ import annotations
 
+import os
 import socket
 
 from . import config
@@ -30,5 +31,8 @@ def run_agent(name: str | None, concurrency: int, loglevel: str | None = None) -
     from .recipes import warm_up
 
     level = loglevel or config.current().loglevel
+    # CUDA must not start in this process, whose forks run the tasks: torch's look for a GPU
+    # asks the driver through NVML instead (telemetry asks nvidia-smi; tasks start CUDA themselves)
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
     warm_up()  # before the pool forks: every pool process starts with torch and the recipes loaded
     app.worker_main(worker_argv(name, concurrency, level))

@@ -3,6 +3,13 @@
 Everything here can be rebuilt from the store (``runs/<id>/manifest.json`` and the outputs), which
 is what ``tensorturn resume`` does after Redis lost its data. The JSON that ``tensorturn run
 --json`` and ``status --json`` print comes from :meth:`RunBoard.describe`.
+
+A run's hash is *whole* when it holds every field :meth:`RunBoard.create` writes
+(:data:`tensorturn.layout.RECORD`). One that is not — its keys were deleted or expired while a
+task still wrote progress to it — is no record: every reader treats it as lost (``status`` reads
+the store's manifest, ``resume`` rebuilds the record from the store, a task does nothing), and no
+writer creates or completes one. A finished run's keys expire after ``TENSORTURN_RUN_TTL_S``
+(:meth:`RunBoard.expire`); its manifest in the store keeps its record.
 """
 
 from __future__ import annotations
@@ -14,13 +21,16 @@ from typing import Any
 
 import redis
 
-from . import layout
+from . import config, layout
 from .config import mask_text
 from .errors import NotFound
 from .live import view as live_view
 from .spec import FINISHED, RunSpec
 
-_FINISH_ONCE = ("local s = redis.call('hget', KEYS[1], 'state') "
+# Writers of the run's hash leave alone a hash without a spec: they must not make one up (a task
+# still running when the run's keys were deleted would otherwise leave a partial record behind).
+_FINISH_ONCE = ("if redis.call('hexists', KEYS[1], 'spec') == 0 then return 0 end "
+                "local s = redis.call('hget', KEYS[1], 'state') "
                 "if s == 'succeeded' or s == 'failed' or s == 'cancelled' then return 0 end "
                 "redis.call('hset', KEYS[1], unpack(ARGV)) redis.call('del', KEYS[2]) return 1")
 # A round's slot → the shard it trains (see RunBoard.claim_shard). KEYS: the round's slots, the run's
@@ -66,8 +76,30 @@ redis.call('hset', KEYS[1], ARGV[1], best)
 redis.call('hset', KEYS[2], best, ARGV[2])
 return best
 """
+_SET_IF_WHOLE = ("if redis.call('hexists', KEYS[1], 'spec') == 1 then "
+                 "redis.call('hset', KEYS[1], ARGV[1], ARGV[2]) end")
 _QUEUED_TO_RUNNING = ("if redis.call('hget', KEYS[1], 'state') == 'queued' then "
                       "redis.call('hset', KEYS[1], 'state', 'running', 'started_at', ARGV[1]) end")
+
+
+_SMALL = tuple(f for f in layout.RECORD if f != "spec")  # a record's fields besides the spec
+
+
+def whole(h: dict[str, str]) -> bool:
+    """Whether a run's hash holds every field of a record (:data:`tensorturn.layout.RECORD`)."""
+    return all(h.get(field) is not None for field in layout.RECORD)
+
+
+def read_state(pipe: Any, run_id: str) -> None:
+    """Queue in ``pipe`` the two replies :func:`state_of` reads: the record's fields, and of
+    the spec only whether it is there (it may be kilobytes; running attempts read this often)."""
+    pipe.hmget(layout.run_key(run_id), *_SMALL)
+    pipe.hexists(layout.run_key(run_id), "spec")
+
+
+def state_of(fields: list[str | None], has_spec: bool) -> str | None:
+    """The run's state from :func:`read_state`'s replies; None unless its record is whole."""
+    return dict(zip(_SMALL, fields))["state"] if has_spec and None not in fields else None
 
 
 def _encode(fields: dict[str, Any]) -> dict[str, Any]:
@@ -95,10 +127,14 @@ class RunBoard:
         self.r.hset(layout.run_key(spec.run_id), "spec", json.dumps(spec.to_json()))
 
     def exists(self, run_id: str) -> bool:
-        return bool(self.r.exists(layout.run_key(run_id)))
+        """Whether the broker holds the run's record, whole (a partial hash is a lost record)."""
+        return self._record(run_id) is not None
 
     def state(self, run_id: str) -> str | None:
-        return self.r.hget(layout.run_key(run_id), "state")
+        """The run's state; None when the broker has no whole record of it."""
+        pipe = self.r.pipeline(transaction=False)
+        read_state(pipe, run_id)
+        return state_of(*pipe.execute())
 
     def is_finished(self, run_id: str) -> bool:
         return self.state(run_id) in FINISHED
@@ -106,10 +142,10 @@ class RunBoard:
     def state_and_quarantine(self, run_id: str, worker: str) -> tuple[str | None, bool]:
         """The run's state and whether ``worker`` is out of rotation, in one round trip."""
         pipe = self.r.pipeline(transaction=False)
-        pipe.hget(layout.run_key(run_id), "state")
+        read_state(pipe, run_id)
         pipe.hget(layout.worker_key(worker), "quarantined")
-        state, quarantined = pipe.execute()
-        return state, bool(quarantined)
+        fields, has_spec, quarantined = pipe.execute()
+        return state_of(fields, has_spec), bool(quarantined)
 
     def mark_running(self, run_id: str, pipe: Any = None) -> None:
         """queued → running only; never overwrites a finished state (in ``pipe``, when given)."""
@@ -117,16 +153,25 @@ class RunBoard:
 
     def touch(self, run_id: str, pipe: Any = None) -> None:
         """Note that the run made progress now (``status`` reports runs that stop doing so)."""
-        (pipe or self.r).hset(layout.run_key(run_id), "progress_at", time.time())
+        (pipe or self.r).eval(_SET_IF_WHOLE, 1, layout.run_key(run_id), "progress_at", time.time())
 
     def finish(self, run_id: str, state: str, pipe: Any = None, **fields: Any) -> bool:
-        """Move to a finished state once; later calls (a duplicate task) change nothing. In
-        ``pipe``, when given (then the answer is not known here: True)."""
+        """Move to a finished state once; later calls (a duplicate task) change nothing, nor
+        does a call for a run without a whole record. Its keys then expire (:meth:`expire`).
+        In ``pipe``, when given: then the answer is not known here (True), and the keys expire
+        when the manifest holding the final state is saved
+        (:func:`tensorturn.manifest.write_manifest`)."""
         mapping = _encode(fields)
         mapping.update(state=state, finished_at=time.time())
         args = [x for kv in mapping.items() for x in kv]
-        return bool((pipe or self.r).eval(_FINISH_ONCE, 2, layout.run_key(run_id),  # live: gone
-                                          layout.live_key(run_id), *args))
+        keys = (layout.run_key(run_id), layout.live_key(run_id))  # live progress: gone
+        if pipe is not None:
+            pipe.eval(_FINISH_ONCE, 2, *keys, *args)
+            return True
+        finished = bool(self.r.eval(_FINISH_ONCE, 2, *keys, *args))
+        if finished:
+            self.expire(run_id)
+        return finished
 
     def fail(self, run_id: str, error: str) -> bool:
         return self.finish(run_id, "failed", error=mask_text(error))
@@ -136,6 +181,52 @@ class RunBoard:
         task of it starts afterwards, and running ones stop at their next look
         (:meth:`tensorturn.tasks.attempt.Attempt.check_cancelled`)."""
         return self.finish(run_id, "cancelled", cancelled_by=mask_text(by))
+
+    # -- how long the run's keys live --
+    def keys(self, run_id: str) -> list[str]:
+        """Every key of the run on the broker: its hash and its sibling records."""
+        main = layout.run_key(run_id)
+        siblings = list(self.r.scan_iter(match=layout.run_keys_pattern(run_id), count=10000))
+        return ([main] if self.r.exists(main) else []) + siblings
+
+    def expire(self, run_id: str) -> None:
+        """Let every key of the finished run expire after ``TENSORTURN_RUN_TTL_S``: its record
+        stays in the store's manifest, where ``status``, ``runs`` and ``report`` read it after.
+        A run finishing is also when the pool's other leftovers are pruned, at most once an
+        hour (:func:`tensorturn.housekeeping.maybe_prune`)."""
+        from .housekeeping import maybe_prune
+
+        ttl = max(1, int(config.current().run_ttl_s))
+        pipe = self.r.pipeline(transaction=False)
+        pipe.hdel(layout.run_key(run_id), "kept")  # the store has its record now (:meth:`keep`)
+        for key in self.keys(run_id):
+            pipe.expire(key, ttl)
+        pipe.execute()
+        maybe_prune(self.r)
+
+    def persist(self, run_id: str) -> None:
+        """Keep every key of the run (a run resumed runs again)."""
+        pipe = self.r.pipeline(transaction=False)
+        for key in self.keys(run_id):
+            pipe.persist(key)
+        pipe.execute()
+
+    def keep(self, run_id: str) -> None:
+        """Keep every key of the run, marked ``kept``: its final manifest could not be saved,
+        so the broker holds its only whole record (the prune leaves such a record alone,
+        until a manifest is saved — :func:`tensorturn.manifest.write_manifest` — or `runs rm`)."""
+        self.persist(run_id)
+        self.r.eval(_SET_IF_WHOLE, 1, layout.run_key(run_id), "kept", time.time())
+
+    def forget(self, run_id: str) -> int:
+        """Delete every key of the run, and its place in the list of runs; returns how many."""
+        keys = self.keys(run_id)
+        pipe = self.r.pipeline()
+        if keys:
+            pipe.delete(*keys)
+        pipe.zrem(layout.RUN_INDEX, run_id)
+        pipe.execute()
+        return len(keys)
 
     def claim(self, run_id: str, what: str) -> bool:
         """True the first time ``what`` is claimed for this run (guards one-time dispatches)."""
@@ -357,7 +448,9 @@ class RunBoard:
 
     # -- resuming --
     def restore(self, spec: RunSpec, doc: dict[str, Any] | None) -> None:
-        """Re-create a run's records from its last manifest (or from the spec alone)."""
+        """Re-create a run's records from its last manifest (or from the spec alone), in place
+        of whatever is left of them (the keys a task still wrote after the record was lost)."""
+        self.forget(spec.run_id)
         self.create(spec, state="running")
         if not doc:
             return
@@ -377,7 +470,9 @@ class RunBoard:
 
     def reopen(self, run_id: str) -> None:
         """Back to running for a resume: clear the one-time claims and any failure, and give
-        every task a fresh allowance of attempts (the cause of the failure was fixed)."""
+        every task a fresh allowance of attempts (the cause of the failure was fixed). Its keys
+        no longer expire."""
+        self.persist(run_id)
         counts = self.r.hgetall(layout.run_key(run_id, "attempt_n"))
         pipe = self.r.pipeline()
         pipe.delete(layout.run_key(run_id, "claims"), layout.live_key(run_id))
@@ -389,17 +484,43 @@ class RunBoard:
 
     # -- reading --
     def list_runs(self, limit: int = 50) -> list[dict[str, Any]]:
-        ids = self.r.zrevrange(layout.RUN_INDEX, 0, limit - 1)
-        return [self.summary(i) for i in ids if self.exists(i)]
+        """The newest runs with a whole record (a lost one is the store's to list)."""
+        out = []
+        for run_id in self.r.zrevrange(layout.RUN_INDEX, 0, limit - 1):
+            h = self._record(run_id)
+            if h is not None:
+                out.append(self._summary(run_id, h))
+        return out
+
+    def live_specs(self) -> dict[str, dict[str, Any]]:
+        """The spec of every run with a whole record that has not finished, by run id."""
+        out = {}
+        for run_id in self.r.zrange(layout.RUN_INDEX, 0, -1):
+            h = self._record(run_id)
+            if h is not None and h["state"] not in FINISHED:
+                out[run_id] = json.loads(h["spec"])
+        return out
+
+    def _record(self, run_id: str) -> dict[str, str] | None:
+        h = self.r.hgetall(layout.run_key(run_id))
+        return h if whole(h) else None
 
     def _hash(self, run_id: str) -> dict[str, str]:
-        h = self.r.hgetall(layout.run_key(run_id))
-        if not h:
-            raise NotFound(f"no run {run_id!r} on this broker (see `tensorturn runs`)")
+        h = self._record(run_id)
+        if h is None:
+            raise NotFound(self.absent(run_id))
         return h
 
-    def summary(self, run_id: str) -> dict[str, Any]:
-        h = self._hash(run_id)
+    def absent(self, run_id: str) -> str:
+        """Why the broker cannot describe the run, in one line."""
+        if self.r.exists(layout.run_key(run_id)):
+            return (f"the broker's record of run {run_id!r} is incomplete (its keys were deleted?); "
+                    f"`tensorturn status {run_id}` reads its manifest in the store and "
+                    f"`tensorturn resume {run_id}` rebuilds the record from the store")
+        return f"no run {run_id!r} on this broker (see `tensorturn runs`)"
+
+    @staticmethod
+    def _summary(run_id: str, h: dict[str, str]) -> dict[str, Any]:
         spec = json.loads(h["spec"])
         return {
             "run_id": run_id, "mode": h["mode"], "state": h["state"], "recipe": spec["recipe"],

@@ -14,6 +14,9 @@ Choices, each against a known hazard of Celery on Redis (DESIGN.md, "Known hazar
   queue within seconds; a live task keeps its lease through :mod:`tensorturn.lease`, so it is never
   handed to a second machine however long it runs. The sweep's lock expires in 2 s, not kombu's
   300: a machine cut off while holding it must not stop every requeue.
+* Remote control answers monitoring (ping, inspect, what Flower uses) and TensorTurn's own
+  commands signed with the pool key, nothing else (:mod:`tensorturn.remote_control`): anyone
+  with the Redis password can broadcast ``shutdown``.
 """
 
 from __future__ import annotations
@@ -21,8 +24,10 @@ from __future__ import annotations
 import logging
 
 from celery import Celery
+from celery.signals import worker_init
+from celery.worker.control import Panel
 
-from . import config
+from . import config, remote_control
 from .lease import LeaseKeeper
 from .modes import task_modules
 from .telemetry import Heartbeat
@@ -36,6 +41,12 @@ DEFAULT_BROKER = "redis://127.0.0.1:6379/0"
 app = Celery("tensorturn", include=["tensorturn.tasks.attempt", "tensorturn.tasks.start", *task_modules()])
 app.steps["worker"].add(LeaseKeeper)  # keeps running tasks' leases alive
 app.steps["worker"].add(Heartbeat)    # inventory and live figures for `tensorturn workers`
+
+
+@worker_init.connect
+def _guard_remote_control(**_: object) -> None:
+    """In an agent's main process, before it listens: remote control cut to monitoring."""
+    remote_control.guard(Panel.data)
 
 
 def transport_options(settings: config.Settings) -> dict:

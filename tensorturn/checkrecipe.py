@@ -12,12 +12,25 @@ wherever a recipe is about to be used (:func:`check_contract`): when a run start
 device (nothing allocated, any size) and reads a few rows: milliseconds once the data is loaded.
 Submit does not run the rest: it trains (seconds to minutes for a large model; 53 s for
 gpt2-small on 2 CPU cores), and a recipe's ``loss`` may have effects of its own.
+
+``tensorturn check-recipe`` runs :func:`check` in a process of its own (:func:`check_in_child`)
+that tells its parent each step it starts; a step still running after its limit (``--hook-timeout``,
+:data:`HOOK_TIMEOUT_S`) is killed with the process — a recipe's loop is stopped wherever it is,
+in Python or in C, whatever it catches — and named in one line.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import math
+import os
 import random
+import select
+import signal
+import subprocess
+import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -26,13 +39,32 @@ from .errors import RecipeError, TensorTurnError
 
 ROWS = 16       # rows each step works on
 STEPS = 3       # optimizer steps of the training check
+# what one step may take, by default (`check-recipe --hook-timeout`): room for a first download
+# of a dataset in raw_data, and for gpt2-small's training steps (165 s on 2 CPU cores shared with
+# other work; 3 optimizer steps are one step); a loop is named after it
+HOOK_TIMEOUT_S = 300.0
+START_TIMEOUT_S = 120.0  # what a check's process may take to start (Python, torch) at the least
 
 
 class CheckFailed(RecipeError):
+    """The first problem, as ``STEP: what``; from a check's own process, with the recipe's
+    ``where`` (file and line) and ``trace`` (its traceback, for ``--debug``) when it raised."""
+
+    def __init__(self, message: str, where: str | None = None, trace: str | None = None):
+        super().__init__(message)
+        self.where, self.trace = where, trace
+
+
+def _ignore(step: str) -> None:
     pass
 
 
+# told each step as it starts: nobody, except in a check's own process (:func:`in_child`)
+_started: Callable[[str], None] = _ignore
+
+
 def _step(name: str, fn: Callable[[], Any]) -> Any:
+    _started(name)
     try:
         return fn()
     except CheckFailed:
@@ -135,12 +167,14 @@ def _meta_outputs(recipe: Any, x: Any) -> Any:
 
     with torch.random.fork_rng(devices=[]):
         try:
+            _started("model")
             with torch.device("meta"):
                 model = recipe.model(recipe.default_config())
         except Exception:  # noqa: BLE001 - it cannot be built on meta: build it for real below
             model = None
         if model is not None:
             try:
+                _started("predict")
                 with torch.device("meta"):
                     out = recipe.predict(model, x[:ROWS].to("meta"))
                 return out if isinstance(out, torch.Tensor) else None
@@ -212,7 +246,7 @@ def check(name: str, options: dict[str, Any] | None = None) -> dict[str, Any]:
     x = splits.x_train[:ROWS]
     contract(recipe, x, splits.y_train[:ROWS])
     kind = recipe.kind
-    input_shape = recipe.input_shape()
+    input_shape = _step("input_shape", recipe.input_shape)
     config = _step("default_config", recipe.default_config)
     model = _step("model", lambda: recipe.model(config))
     params = sum(p.numel() for p in model.parameters())
@@ -248,8 +282,8 @@ def check(name: str, options: dict[str, Any] | None = None) -> dict[str, Any]:
     _require(set(voted) == set(metrics), f"evaluate (an ensemble): metrics {sorted(voted)}, but "
                                          f"{sorted(metrics)} for one model")
     if kind.scaled:
-        combined, per_member = recipe.unscale_targets(combined), torch.stack(
-            [recipe.unscale_targets(p) for p in per_member])
+        combined, per_member = _step("unscale_targets", lambda: (recipe.unscale_targets(combined), torch.stack(
+            [recipe.unscale_targets(p) for p in per_member])))
     pred = Prediction(combined.float().numpy(), per_member.float().numpy())
     members = [{"member": 0}, {"member": 1}]
     answer = _step("serve", lambda: orjson.loads(encode_answer("check", "v", "id", pred, members, kind,
@@ -273,3 +307,119 @@ def _finite_metrics(step: str, metrics: Any) -> None:
              f"{step}: must return a dict with 'loss', got {metrics!r}")
     _require(all(isinstance(v, float) and math.isfinite(v) for v in metrics.values()),
              f"{step}: values must be finite floats, got {metrics!r}")
+
+
+# ---- the check in a process of its own, each step within a limit ---------------------------------
+
+def check_in_child(name: str, options: dict[str, Any] | None = None,
+                   hook_timeout: float = HOOK_TIMEOUT_S, debug: bool = False) -> dict[str, Any]:
+    """:func:`check` in a child process started as agents are (``python -P``: recipes from
+    ``PYTHONPATH`` and installed packages; this process's settings in its environment, so the
+    same store), each step within ``hook_timeout`` seconds: one late is killed, with the
+    process group, and CheckFailed names it. The recipe's prints go to stderr."""
+    from . import config
+
+    request = json.dumps({"recipe": name, "options": options or {}, "debug": debug})
+    read_end, write_end = os.pipe()
+    try:
+        child = subprocess.Popen(
+            [sys.executable, "-P", "-c", "from tensorturn.checkrecipe import in_child; in_child()",
+             str(write_end), request],
+            env={**os.environ, **config.current().environ()}, pass_fds=(write_end,),
+            stdin=subprocess.PIPE, stdout=2, start_new_session=True)
+    finally:
+        os.close(write_end)
+    try:
+        return _answer(read_end, child, hook_timeout)
+    finally:
+        os.close(read_end)
+        _end(child)
+
+
+def _answer(fd: int, child: subprocess.Popen, hook_timeout: float) -> dict[str, Any]:
+    """Read the child's messages until its answer, each step within ``hook_timeout`` seconds."""
+    step, limit, pending = "start", max(hook_timeout, START_TIMEOUT_S), b""  # starting is no hook
+    deadline = time.monotonic() + limit
+    while True:
+        ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
+        if not ready:
+            raise CheckFailed(f"{step}: still running after {limit:g} s (the limit per hook, "
+                              f"--hook-timeout); stopped")
+        chunk = os.read(fd, 1 << 16)
+        if not chunk:
+            child.wait()
+            raise CheckFailed(f"{step}: the check's process ended ({_how(child.returncode)}) "
+                              f"without an answer")
+        *lines, pending = (pending + chunk).split(b"\n")
+        for line in lines:
+            message = json.loads(line)
+            if "step" in message:
+                step, limit = message["step"], hook_timeout
+                deadline = time.monotonic() + limit
+            elif "failed" in message:
+                raise CheckFailed(message["failed"], message.get("where"), message.get("trace"))
+            else:
+                return message["found"]
+
+
+def _how(returncode: int | None) -> str:
+    if returncode is None or returncode >= 0:
+        return f"exit status {returncode}"
+    try:
+        return f"killed by {signal.Signals(-returncode).name}"
+    except ValueError:
+        return f"killed by signal {-returncode}"
+
+
+def _end(child: subprocess.Popen) -> None:
+    """Kill the child's whole group (a recipe's own workers included) unless it is gone."""
+    if child.poll() is None:
+        try:
+            os.killpg(child.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    child.wait()
+    if child.stdin:
+        child.stdin.close()
+
+
+def in_child() -> None:
+    """The child's side: ``check`` with every step told to the parent (one JSON line each on
+    the pipe ``argv[1]``), then the findings or the failure. It ends with its parent (stdin
+    closes), so a parent killed meanwhile leaves no loop running."""
+    from .tracebacks import root_cause, tail, user_site
+
+    global _started
+    channel = os.fdopen(int(sys.argv[1]), "w", buffering=1)
+    request = json.loads(sys.argv[2])
+    logging.basicConfig(level=logging.DEBUG if request["debug"] else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    threading.Thread(target=_end_with_parent, daemon=True).start()
+
+    current = "start"
+
+    def tell(message: dict[str, Any]) -> None:
+        channel.write(json.dumps(message, default=str) + "\n")
+
+    def started(step: str) -> None:
+        nonlocal current
+        current = step
+        tell({"step": step})
+
+    _started = started
+    try:
+        found = check(request["recipe"], request["options"])
+    except Exception as exc:  # noqa: BLE001 - anything the recipe raised outside a named step, too
+        message = str(exc) if isinstance(exc, CheckFailed) else (
+            f"{current}: {type(exc).__name__}: {' '.join(str(exc).split())}")
+        trace = tail(exc) if root_cause(exc) is not exc or not isinstance(exc, CheckFailed) else None
+        answer: dict[str, Any] = {"failed": message, "where": user_site(exc), "trace": trace}
+    else:
+        answer = {"found": found}
+    sys.stdout.flush()  # the recipe's prints, before the parent ends this process
+    tell(answer)
+
+
+def _end_with_parent() -> None:
+    sys.stdin.buffer.read()  # returns when the parent is gone (it never writes)
+    os._exit(1)

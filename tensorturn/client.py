@@ -86,8 +86,7 @@ def start(spec: RunSpec, broker_url: str, store: Any, pool: list[dict[str, Any]]
 def start_on_an_agent(spec: RunSpec, broker_url: str) -> dict[str, Any]:
     """Have an idle agent :func:`start` the run, and wait for its answer: the run's description,
     or the error it met, raised here with its exit code (nothing is queued then)."""
-    import json
-
+    from . import remote_control
     from .celery_app import app, configure
 
     configure(broker_url)
@@ -98,17 +97,38 @@ def start_on_an_agent(spec: RunSpec, broker_url: str) -> dict[str, Any]:
     doc = spec.to_json()
     sent = app.send_task(START_TASK, args=[doc], kwargs={"sig": trust.pool_key().sign("submit", doc)},
                          queue=layout.DEFAULT_QUEUE, ignore_result=True)
-    answer = client.blpop([layout.run_key(spec.run_id, "started")], timeout=START_WAIT_S)
-    if answer is None:
-        app.control.revoke(sent.id)
+    reply = start_answer(client, spec.run_id)
+    if reply is None:
+        remote_control.send(app, "revoke", {"task_id": sent.id})  # signed: agents refuse others
         raise BrokerError(f"no agent started run {spec.run_id} within {START_WAIT_S:.0f}s (every "
                           f"agent busy?); nothing was queued, try again")
-    reply = json.loads(answer[1])
     if "error" in reply:
         error = TensorTurnError(reply["error"])
         error.exit_code = int(reply.get("exit_code", 2))
         raise error
     return RunBoard(client).describe(spec.run_id)
+
+
+def start_answer(client: Any, run_id: str) -> dict[str, Any] | None:
+    """An agent's answer to the request to start ``run_id``, or its refusal of the request's
+    signature — kept only in ``tt:refused``, as every refusal is; None after START_WAIT_S."""
+    import json
+
+    deadline = time.monotonic() + START_WAIT_S
+    while time.monotonic() < deadline:
+        answer = client.blpop([layout.run_key(run_id, "started")], timeout=1)
+        if answer is not None:
+            return json.loads(answer[1])
+        for raw in client.lrange(layout.REFUSED, 0, -1):
+            try:
+                entry = json.loads(raw)
+            except ValueError:  # not an agent's: anyone with the password can write there
+                continue
+            if isinstance(entry, dict) and entry.get("run_id") == run_id \
+                    and entry.get("task") == START_TASK:
+                return {"error": f"agent {entry.get('worker')} refused run {run_id}: "
+                                 f"{entry.get('reason')}", "exit_code": 2}
+    return None
 
 
 def memory_needed(spec: RunSpec, recipe: Any) -> dict[str, Any]:
@@ -132,7 +152,7 @@ def resume(run_id: str, broker_url: str, store_url: str) -> tuple[dict[str, Any]
     Returns the run's description and a sentence on what was resumed.
     """
     from .celery_app import configure
-    from .manifest import load_spec, save_spec
+    from .manifest import load_spec, save_spec, try_write_manifest
     from .modes import get_mode
     from .store import ObjectMissing, open_store
 
@@ -148,10 +168,11 @@ def resume(run_id: str, broker_url: str, store_url: str) -> tuple[dict[str, Any]
         if board.state(run_id) == "succeeded":
             raise SpecError(f"run {run_id} already succeeded; nothing to resume")
         board.reopen(run_id)
-    else:
+    else:  # lost, or partly: what is left of the chain (queued, or written since) goes first
         manifest = _manifest(store, run_id)
         if manifest and manifest.get("state") == "succeeded":
             raise SpecError(f"run {run_id} already succeeded; nothing to resume")
+        drop_queued(client, run_id)
         board.restore(spec, manifest)
     if spec.store_url != store.url:  # the store moved: tasks follow the one given here
         spec.store_url = store.url
@@ -163,6 +184,7 @@ def resume(run_id: str, broker_url: str, store_url: str) -> tuple[dict[str, Any]
         # reopened but nothing queued: say so on the run rather than leave it `running`
         board.fail(run_id, f"resume failed: {type(exc).__name__}: {exc}; try "
                            f"`tensorturn resume {run_id}` again once the cause is fixed")
+        try_write_manifest(store, board, run_id)
         raise
     return board.describe(run_id), what
 
@@ -183,7 +205,7 @@ def cancel(run_id: str, broker_url: str, store_url: str, by: str,
     client = check_broker(broker_url)
     board = RunBoard(client)
     if not board.exists(run_id):
-        raise NotFound(f"no run {run_id!r} on this broker (see `tensorturn runs`)")
+        raise NotFound(board.absent(run_id))
     if not board.cancel(run_id, by):
         state = board.state(run_id)
         if state == "cancelled":
@@ -229,18 +251,41 @@ def _manifest(store: Any, run_id: str) -> dict[str, Any] | None:
         return None
 
 
-def refused(broker_url: str) -> list[dict[str, Any]]:
-    """The last task messages agents refused (newest first): bad signatures, and the like."""
+def refusals(broker_url: str) -> tuple[int, list[dict[str, Any]]]:
+    """How many task messages agents refused (bad signatures, and the like) since the broker
+    started, and the last hundred of them, newest first. The count is kept apart from the list
+    so that a flood of refusals cannot hide how many there were, or that the first ones came."""
     import json
 
-    return [json.loads(x) for x in check_broker(broker_url).lrange(layout.REFUSED, 0, -1)]
+    pipe = check_broker(broker_url).pipeline(transaction=False)
+    pipe.get(layout.REFUSED_TOTAL)
+    pipe.lrange(layout.REFUSED, 0, -1)
+    total, raw = pipe.execute()
+    last = []
+    for text in raw:
+        try:
+            entry = json.loads(text)
+        except ValueError:  # not an agent's: anyone with the password can write there
+            continue
+        if isinstance(entry, dict):
+            last.append(entry)
+    return max(int(total) if str(total or "").isdigit() else 0, len(last)), last
 
 
 def workers(broker_url: str) -> list[dict[str, Any]]:
-    """The pool's agents with their inventory, live figures and state."""
+    """The pool's agents with their inventory, live figures and state; one offline for longer
+    than ``TENSORTURN_AGENT_TTL_S`` is forgotten (:mod:`tensorturn.housekeeping`), not listed."""
+    from .housekeeping import forgotten
     from .roster import list_workers
 
-    return list_workers(check_broker(broker_url))
+    return [w for w in list_workers(check_broker(broker_url)) if not forgotten(w)]
+
+
+def prune(broker_url: str) -> dict[str, Any]:
+    """Prune the broker's leftovers now (:func:`tensorturn.housekeeping.prune`)."""
+    from .housekeeping import prune as prune_now
+
+    return prune_now(check_broker(broker_url))
 
 
 SETTLE_S = 10.0  # how long a finished run's attempts still running on live machines are awaited
@@ -263,8 +308,9 @@ def wait(broker_url: str, run_id: str, on_update: Update | None = None,
             doc = annotate(board.describe(run_id), board)
         except NotFound:
             raise BrokerError(f"the broker lost run {run_id}'s records while it ran (Redis "
-                              f"restarted without its data?); the finished work is in the "
-                              f"store: continue with `tensorturn resume {run_id}`") from None
+                              f"restarted without its data, or its keys were deleted?); the "
+                              f"finished work is in the store: continue with `tensorturn "
+                              f"resume {run_id}`") from None
         if on_update:
             on_update(doc)
         if doc["state"] in FINISHED:
@@ -293,6 +339,7 @@ def annotate(doc: dict[str, Any], board: RunBoard | None = None) -> dict[str, An
     """Add ``note`` to a live run that has made no progress for ``TENSORTURN_STALL_S``
     seconds, saying what it waits for. A run with an attempt running on a live agent is not
     stalled: the note then says which outer step (or the vote) is doing what, and for how long."""
+    from .capacity import why_unheld
     from .roster import list_workers
 
     if doc.get("state") in FINISHED or not doc.get("progress_at"):
@@ -319,10 +366,10 @@ def annotate(doc: dict[str, Any], board: RunBoard | None = None) -> dict[str, An
                            f"training step for {quiet:.0f}s (a slow download, or stuck?)")
             return doc
         pool = list_workers(board.r)
-        usable = [w for w in pool if w["state"] in ("idle", "busy")]
-        if not usable:
-            why = ("no agent is online to take its tasks" if not pool else
-                   "every agent is offline or quarantined (see `tensorturn workers`)")
+        if not pool:
+            why = "no agent is online to take its tasks"
+        else:  # a machine that could hold it may join: the run waits, and says so
+            why = why_unheld((doc.get("spec") or {}).get("memory_needed_bytes"), pool) or why
     failed = [a for a in doc.get("attempts", []) if a["outcome"].startswith("failed")]
     if failed:
         why += f"; the last failure: {failed[-1]['task']} {failed[-1]['outcome']}"
@@ -390,7 +437,7 @@ def describe(run_id: str, broker_url: str | None, store_url: str,
         raise NotFound(f"no run {run_id!r} {where} (see `tensorturn runs`)")
     if doc.get("state") not in FINISHED:
         if board is not None:
-            why = "the broker has no record of the run (Redis lost its data?)"
+            why = "the broker has no record of the run (Redis lost its data, or its keys were deleted?)"
         elif broker_url:
             why = "the broker does not answer (start the coordinator again to follow it)"
         else:
@@ -429,3 +476,73 @@ def list_runs(broker_url: str | None, store_url: str,
             summary["note"] = f"not on this broker; `tensorturn resume {run_id}` continues it"
         runs[run_id] = summary
     return sorted(runs.values(), key=lambda m: m.get("created_at") or 0, reverse=True)
+
+
+Confirm = Callable[[dict[str, Any]], bool]
+
+
+def remove_run(run_id: str, broker_url: str | None, store_url: str,
+               confirm: Confirm | None = None, force: bool = False) -> dict[str, Any] | None:
+    """Delete a run: every object under ``runs/<id>/`` in the store, then its keys on the broker.
+
+    Refused (SpecError, nothing deleted) while the run may still be used: unless it finished —
+    by the broker's record, or, where the broker has none, by its manifest (an unfinished one
+    only with ``force``: the broker asked may be another pool's) — while a live run on the
+    broker reads it (its ``--init-from``, the teacher of a distillation), and while a server marks it as served
+    (:func:`tensorturn.manifest.servers`). ``confirm`` is asked last, with what would go:
+    False deletes nothing and returns None. Returns what was deleted."""
+    from .manifest import servers
+    from .store import open_store
+
+    if not layout.RUN_ID.fullmatch(run_id):
+        raise SpecError(f"{run_id!r} is not a run id (see `tensorturn runs`)")
+    store = open_store(store_url)
+    board, _ = _board(broker_url, None)  # a broker that does not answer: BrokerError, nothing deleted
+    sizes = store.sizes(f"{layout.RUNS}{run_id}/")
+    if not sizes and not (board and board.keys(run_id)):
+        where = "on the broker or in the store" if board else "in the store"
+        raise NotFound(f"no run {run_id!r} {where} (see `tensorturn runs`)")
+    plan = {"run_id": run_id, "state": _removable_state(run_id, board, store, force),
+            "objects": len(sizes), "bytes": sum(sizes.values())}
+    readers = [other for other, spec in (board.live_specs() if board else {}).items()
+               if run_id in _runs_read(spec)]
+    if readers:
+        raise SpecError(f"run {run_id} is read by run{'s' * (len(readers) > 1)} "
+                        f"{', '.join(readers)}, still running; nothing was removed")
+    serving = servers(store, run_id)
+    if serving:
+        mark = serving[0]
+        raise SpecError(f"run {run_id} is being served ({mark.get('where')} on {mark.get('host')}, "
+                        f"seen {mark['age_s']:.0f}s ago): stop that server first; nothing was removed")
+    if confirm is not None and not confirm(plan):
+        return None
+    store.delete_folder(f"{layout.RUNS}{run_id}/")
+    plan["broker_keys"] = board.forget(run_id) if board else 0
+    return plan
+
+
+def _removable_state(run_id: str, board: RunBoard | None, store: Any, force: bool = False) -> str:
+    """The state of a run ``remove_run`` may delete; SpecError for one that may be running."""
+    if board is not None and board.exists(run_id):
+        state = board.state(run_id) or "unknown"
+        if state not in FINISHED:
+            raise SpecError(f"run {run_id} is {state}: cancel it first (`tensorturn cancel {run_id}`); "
+                            f"nothing was removed")
+        return state
+    manifest = _manifest(store, run_id)
+    state = str(manifest.get("state")) if isinstance(manifest, dict) else "unknown"
+    if state in FINISHED:
+        return state
+    if not force:
+        where = ("the broker has no record of it (is it this run's pool?)" if board is not None
+                 else "without its pool's broker (--join-file or --broker) nothing says whether it still runs")
+        raise SpecError(f"run {run_id}'s last saved state is '{state}', and {where}; nothing was "
+                        f"removed (--force removes it all the same)")
+    return f"{state} (removed by --force: no broker record says it finished)"
+
+
+def _runs_read(spec: dict[str, Any]) -> set[str]:
+    """The runs whose files a run with ``spec`` reads as it trains."""
+    options = spec.get("options") or {}
+    recipe_options = spec.get("recipe_options") or {}
+    return {str(v) for v in (options.get("init_from"), recipe_options.get("teacher")) if v}

@@ -17,7 +17,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 DEFAULT_STORE_DIR = "tensorturn-store"
 
@@ -39,6 +38,8 @@ store_retries         retries of a failing store call, with exponential backoff,
 store_backoff_s       the first of those backoffs; it doubles each time (at most 8 s)
 part_mb               S3 objects over 4 parts move in parts of this many MiB, each retried on its own (min 5)
 stall_s               seconds without progress after which `status` and `run` say a run looks stalled and why
+run_ttl_s             seconds a finished run's Redis keys are kept; then `status`, `runs`, `report` read its manifest
+agent_ttl_s           seconds a stopped or silent agent stays listed (offline); then it is forgotten, its queue too
 device                force a torch device: `cpu`, `cuda:1`, `mps`
 cache_dir             where an agent keeps dataset chunks (default `~/.cache/tensorturn/chunks`)
 cache_gb              the most disk the chunk cache may use; least recently used chunks go first (`agent --cache-gb`)
@@ -77,6 +78,8 @@ class Settings:
     store_backoff_s: float = 0.5
     part_mb: float = 16.0
     stall_s: float = 120.0
+    run_ttl_s: float = 7 * 24 * 3600.0
+    agent_ttl_s: float = 24 * 3600.0
     device: str | None = None
     cache_dir: str | None = None
     cache_gb: float = 4.0
@@ -189,26 +192,47 @@ def normalize_store_url(url: str) -> str:
 
 
 def mask_url(url: str | None) -> str:
-    """The URL with any password replaced by ``***``, safe to print or log."""
+    """The URL with any password replaced by ``***``, safe to print or log (:func:`mask_text`)."""
     if not url:
         return str(url)
-    parts = urlsplit(url)
-    if parts.password is None and "@" not in parts.netloc:
-        return url
-    userinfo, _, hostport = parts.netloc.rpartition("@")
-    user = userinfo.split(":", 1)[0]
-    netloc = f"{user}:***@{hostport}" if parts.password is not None else f"***@{hostport}"
-    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+    return mask_text(url)
 
 
-_SECRET_IN_TEXT = re.compile(r"(\w+://[^:/@\s]*:)([^@\s]+)(@)")
+# What follows a URL's ``scheme://``, up to the next whitespace: a password may hold any other
+# character, so where its URL ends is decided by :func:`_mask_userinfo`, not here. (Matched from
+# the ``://`` back, never from each letter that could start a scheme: that takes quadratic time
+# on a text like "a.a.a…", and logs of a megabyte are masked.)
+_AFTER_SCHEME = re.compile(r"(?<=[A-Za-z0-9+.-]://)\S+")
+# A query parameter that holds a secret (redis-py takes ``?password=``; presigned URLs carry
+# ``X-Amz-Signature``): its name, or a name ending in ``_name``/``-name``/``.name``.
+_SECRET_PARAM = re.compile(r"(?i)([?&](?:[\w.-]*[_.-])?(?:password|passwd|pass|pwd|secret|token|key|signature|sig)=)"
+                           r"[^&\s]*")
 _KEY_IN_TEXT = re.compile(r"\b(tt1|ttk1)\.[A-Za-z0-9_\-]{8,}")  # join strings, pool keys
+
+
+def _mask_userinfo(match: re.Match) -> str:
+    """``user:***@host...`` (after ``scheme://``): the password masked up to the ``@`` that ends it.
+
+    urlsplit (and so redis-py) ends the host part at the first ``/``, ``?`` or ``#`` and takes
+    its *last* ``@`` as the end of the password, so ``:p@ss@host`` is the password ``p@ss``.
+    A password holding ``/``, ``?`` or ``#`` unencoded misleads urlsplit, yet is a secret all
+    the same: where the part before the first of those holds a ``:`` (a password follows, or a
+    port), the password runs to the last ``@`` of the whole URL — at worst a URL with a port and
+    an ``@`` in its path is masked more than needed, never less."""
+    rest = match.group(0)
+    authority = re.split(r"[/?#]", rest, maxsplit=1)[0]
+    at = rest.rfind("@") if ":" in authority else authority.rfind("@")
+    if at < 0:
+        return rest
+    user, colon, _ = rest[:at].partition(":")
+    return f"{user}:***{rest[at:]}" if colon else f"***{rest[at:]}"
 
 
 def mask_text(text: str) -> str:
     """Mask the secrets inside a free-form message (exceptions quote URLs, and a recipe may quote
-    anything): every URL's password, join strings and pool keys."""
-    return _KEY_IN_TEXT.sub(r"\1.***", _SECRET_IN_TEXT.sub(r"\1***\3", text))
+    anything): every URL's password, secret query parameters, join strings and pool keys."""
+    text = _AFTER_SCHEME.sub(_mask_userinfo, text)
+    return _KEY_IN_TEXT.sub(r"\1.***", _SECRET_PARAM.sub(r"\1***", text))
 
 
 if __name__ == "__main__":

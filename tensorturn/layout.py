@@ -22,6 +22,8 @@ Object store (one folder per run)::
                                                       a distillation's shard k of S (tag: T, k, mixup, seed, threads)
     runs/<id>/final/ensemble.safetensors              ensemble: the result (every member)
     runs/<id>/report/<name>.png                       `tensorturn report`'s plots
+    runs/<id>/serving/<server>.json                   a `tensorturn serve` of the run, while it runs
+                                                      (refreshed; `runs rm` refuses a served run)
     auth/tokens/<token-id>.json                       API tokens (hashes only)
     datasets/<name>/v<NNNN>.json                      a pushed dataset's version: its chunk index
     datasets/chunks/<sha256>.parquet                  a dataset chunk (content-addressed, shared)
@@ -29,7 +31,8 @@ Object store (one folder per run)::
 Redis (besides Celery's and kombu's own keys)::
 
     tt:runs                       sorted set of run ids by creation time
-    tt:run:<id>                   hash: state, mode, spec, metrics, error, times
+    tt:run:<id>                   hash: state, mode, spec, metrics, error, times; whole only
+                                  with every field of RECORD (else treated as lost)
     tt:run:<id>:<part>            rounds, members, members_done, attempts, attempt_n,
                                   attempt_base, bytes, claims, incidents and warnings (lists),
                                   started (an agent's answer to `run`, a list), data_bytes and data_read
@@ -42,7 +45,11 @@ Redis (besides Celery's and kombu's own keys)::
                                   stored, not yet applied), trainers, begun, apply_lock (who
                                   applies now), eval_lock (who evaluates the rounds due)
     tt:worker:<name>              hash: an agent's inventory, live figures and current task
+                                  Every key of a finished run expires after TENSORTURN_RUN_TTL_S
+                                  (its record stays in the store's manifest).
     tt:refused                    list: the last 100 messages agents refused (JSON: why, who)
+    tt:refused:total              counter: every message refused since the broker started
+    tt:pruned                     lock: held an hour by whoever prunes leftovers (tensorturn.housekeeping)
     celery, tt.fits.<N>MB         task queues: the default one and one per memory class
     tt.agent.<name@host>          an agent's own queue (backup copies it queued for itself)
 
@@ -87,6 +94,7 @@ final_model     runs/{run_id}/final/model.safetensors
 teacher         runs/{run_id}/teacher/{tag}/shard-{shard:03d}-of-{shards:03d}.safetensors
 final_ensemble  runs/{run_id}/final/ensemble.safetensors
 report          runs/{run_id}/report/{name}.png
+serving         runs/{run_id}/serving/{server}.json
 token           auth/tokens/{token_id}.json
 dataset         datasets/{name}/v{version:04d}.json
 chunk           datasets/chunks/{sha256}.parquet
@@ -150,6 +158,10 @@ PREFIX = "tt:"
 RUN_INDEX = f"{PREFIX}runs"
 WORKER_PATTERN = f"{PREFIX}worker:*"
 REFUSED = f"{PREFIX}refused"   # list: the last task messages agents refused (bad signature, ...)
+REFUSED_TOTAL = f"{REFUSED}:total"  # counter: every refusal (the list keeps only the last 100)
+PRUNE_LOCK = f"{PREFIX}pruned"
+RECORD = ("run_id", "mode", "state", "spec", "created_at")  # what makes a run's hash whole
+RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")    # what a run id may be (new_run_id's and more)
 UNACKED = "unacked"  # kombu's default ``unacked_key``: messages delivered, not yet acknowledged
 UNACKED_INDEX = "unacked_index"  # kombu's default ``unacked_index_key``: the leases
 
@@ -157,6 +169,18 @@ UNACKED_INDEX = "unacked_index"  # kombu's default ``unacked_index_key``: the le
 def run_key(run_id: str, part: str = "") -> str:
     """The run's hash, or one of its sibling records (``rounds``, ``attempts``, ...)."""
     return f"{PREFIX}run:{run_id}" + (f":{part}" if part else "")
+
+
+def run_keys_pattern(run_id: str) -> str:
+    """The SCAN pattern of the run's sibling records (``tt:run:<id>:*``; glob characters in the
+    id are escaped, so one run's pattern never matches another's keys)."""
+    return re.sub(r"([*?\[\]\\])", r"\\\1", run_key(run_id)) + ":*"
+
+
+def parse_run_key(key: str) -> str | None:
+    """The run id of a run's key (its hash or a sibling record), or None."""
+    head = f"{PREFIX}run:"
+    return key[len(head):].split(":", 1)[0] if key.startswith(head) else None
 
 
 def live_key(run_id: str) -> str:

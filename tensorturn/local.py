@@ -201,7 +201,8 @@ def keep_logs(files: list[Path], dest: Path, hidden: list[str]) -> Path:
     pool key or join string masked; then remove all but the :data:`KEEP_RUNS` most recent
     folders beside ``dest``."""
 
-    dest.mkdir(mode=0o700, parents=True, exist_ok=True)
+    for folder in (*reversed(dest.parents[:-1]), dest):  # 0700, `.tensorturn` and `logs` too when made here
+        folder.mkdir(mode=0o700, exist_ok=True)
     stamp = time.strftime("%Y-%m-%d %H:%M:%S")
     for path in files:
         try:
@@ -229,7 +230,10 @@ def keep_logs(files: list[Path], dest: Path, hidden: list[str]) -> Path:
 
 
 def agent_command(name: str, concurrency: int = 1) -> list[str]:
-    return [sys.executable, "-m", "tensorturn", "agent", "--name", name,
+    """An embedded agent, as ``tensorturn agent`` starts: ``-P`` keeps the current directory off
+    ``sys.path`` (``-m`` would put it first, so a ``celery.py`` or ``json.py`` there would be
+    imported instead of the real module); recipes come from ``PYTHONPATH``, which it keeps."""
+    return [sys.executable, "-P", "-m", "tensorturn", "agent", "--name", name,
             "--concurrency", str(concurrency)]
 
 

@@ -1,18 +1,29 @@
-"""A run in the object store: its spec and its manifest (the board's description, saved).
+"""A run in the object store: its spec, its manifest (the board's description, saved), and who
+serves it.
 
 With these and the outputs a run can be rebuilt without Redis (``tensorturn resume``).
+``tensorturn serve`` needs only the store, so the store is where a server says that it serves a
+run (:func:`serving`): ``tensorturn runs rm`` refuses to delete it meanwhile.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import secrets
+import signal
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from . import layout, trust
 from .board import RunBoard
-from .errors import StoreError
-from .spec import RunSpec
-from .store import Store
+from .errors import NotFound, StoreError
+from .spec import FINISHED, RunSpec
+from .store import ObjectMissing, Store
 
 log = logging.getLogger(__name__)
 
@@ -45,27 +56,35 @@ def read_manifest(store: Store, run_id: str, verify: bool = False) -> dict[str, 
 
 
 def write_manifest(store: Store, board: RunBoard, run_id: str) -> dict[str, Any]:
-    """Save the run's description beside its weights (rebuildable without Redis), signed."""
+    """Save the run's description beside its weights (rebuildable without Redis), signed. Once
+    it holds the run's final state, the run's keys on the broker expire (:meth:`RunBoard.expire`:
+    the store has its record). NotFound when the broker has no whole record of the run."""
     doc = board.describe(run_id)
     store.put_json(layout.key("manifest", run_id), trust.pool_key().sign_doc("manifest", doc))
+    if doc["state"] in FINISHED:
+        board.expire(run_id)
     return doc
 
 
 def try_write_manifest(store: Store | None, board: RunBoard, run_id: str) -> None:
     """Write the manifest if the store answers; a store that is down (the reason a run may be
-    failing) must not hide the failure, which the board already holds."""
+    failing) must not hide the failure, which the board already holds — and keeps, without
+    expiry. A record the broker lost leaves the store's last manifest as it is."""
     if store is None:
         return
     try:
         write_manifest(store, board, run_id)
     except StoreError as exc:
-        log.warning("run %s: manifest not saved (%s); the broker has the run's state", run_id, exc)
+        log.warning("run %s: manifest not saved (%s); the broker keeps the run's state", run_id, exc)
+        board.keep(run_id)
+    except NotFound as exc:
+        log.warning("run %s: manifest not saved: %s", run_id, exc)
 
 
 def finished_ensemble(store: Store, run_id: str, merge: str) -> dict[str, Any]:
     """The signed manifest of ensemble ``run_id``, refused in one line unless it is a finished
     ensemble (what ``merge`` — distill, soup — turns into one model)."""
-    from .errors import NotFound, SpecError
+    from .errors import SpecError
     from .store import ObjectMissing
 
     try:
@@ -79,3 +98,69 @@ def finished_ensemble(store: Store, run_id: str, merge: str) -> dict[str, Any]:
         raise SpecError(f"run {run_id} is {manifest.get('state')}, not a finished ensemble: {merge} "
                         f"it once it has succeeded (`tensorturn status {run_id}`)")
     return manifest
+
+
+SERVING_EVERY_S = 30.0    # how often a server refreshes its mark
+SERVING_STALE_S = 300.0   # an older mark is a server that stopped without removing it (SIGKILL);
+                          # generous: the machines' clocks may differ by a minute or two
+
+
+@contextmanager
+def serving(store: Store, run_id: str, where: str) -> Iterator[None]:
+    """Mark ``run_id`` as served (at ``where``, host:port) by this process while the block runs:
+    a mark in the store, refreshed every SERVING_EVERY_S, removed at the end — a SIGTERM's too
+    (it is an exception meanwhile: uvicorn raises it again, once it has shut down, to the
+    handler it found; the default one would end the process before the mark is removed)."""
+    key = layout.key("serving", run_id, f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}")
+
+    def mark() -> None:
+        store.put_json(key, {"where": where, "host": socket.gethostname(), "pid": os.getpid(),
+                             "at": time.time()})
+
+    try:
+        mark()
+    except StoreError as exc:  # a server with read-only store keys serves all the same
+        log.warning("run %s: served without a mark in the store (%s): `runs rm` cannot see that "
+                    "it is served", run_id, exc)
+    stop = threading.Event()
+
+    def refresh() -> None:
+        while not stop.wait(SERVING_EVERY_S):
+            try:
+                mark()
+            except StoreError as exc:  # the next refresh may get through; the mark is old meanwhile
+                log.warning("run %s: the mark that it is served was not refreshed (%s)", run_id, exc)
+
+    thread = threading.Thread(target=refresh, name="tt-serving-mark", daemon=True)
+    thread.start()
+    main = threading.current_thread() is threading.main_thread()  # where signals can be handled
+    previous = signal.signal(signal.SIGTERM, _terminated) if main else None
+    try:
+        yield
+    finally:
+        if main:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+        stop.set()
+        thread.join(timeout=10)
+        try:
+            store.delete(key)
+        except StoreError as exc:  # it goes stale: `runs rm` ignores it after SERVING_STALE_S
+            log.warning("run %s: the mark that it is served was not removed (%s)", run_id, exc)
+
+
+def _terminated(signum: int, _frame: Any) -> None:
+    raise SystemExit(128 + signum)
+
+
+def servers(store: Store, run_id: str) -> list[dict[str, Any]]:
+    """The servers that marked ``run_id`` as served within SERVING_STALE_S (with ``age_s``)."""
+    out = []
+    for key in store.list(layout.prefix("serving", run_id)):
+        try:
+            mark = store.get_json(key)
+            age = time.time() - float(mark["at"])
+        except (ObjectMissing, ValueError, TypeError, KeyError):  # gone meanwhile, or not a mark
+            continue
+        if age < SERVING_STALE_S:
+            out.append({**mark, "age_s": round(max(age, 0.0), 1)})
+    return out

@@ -14,6 +14,12 @@ an outer queue whose agents have all missed three heartbeats (or stopped, or wer
 message that comes back to an outer queue later (a dead outer agent's lease restored, a retry,
 a chord body queued there when its round began) is moved on the same way. The times are Redis's
 own (``TIME``), so the machines' clocks do not matter.
+
+The advertisements are in Redis, so anyone with its password can write one: the mover takes an
+entry only when it names ``tt.outer.<capacity queue>`` (:data:`OUTER_QUEUES`) and is not dated
+ahead of Redis's time (one that was would keep a queue "served" for as long as it liked). Any
+other entry — one naming a training queue would have made every heartbeat pop
+that queue's tasks into a list nobody reads — is removed, and nothing is moved from or to it.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import logging
 from typing import Any
 
 from . import config
+from .capacity import CAPACITY_QUEUES
 from .layout import PREFIX
 
 log = logging.getLogger(__name__)
@@ -29,6 +36,7 @@ log = logging.getLogger(__name__)
 ROLES = ("train", "outer", "both")
 OUTER_PREFIX = "tt.outer."
 ADVERTISED = f"{PREFIX}outer-queues"  # sorted set: "<outer queue>|<agent>" → when that agent last beat
+OUTER_QUEUES = frozenset(OUTER_PREFIX + q for q in CAPACITY_QUEUES)  # every name an outer queue has
 
 # KEYS[1] = ADVERTISED; ARGV[1] = the agent, ARGV[2..] = its outer queues: stamped with Redis's time
 _ADVERTISE = """
@@ -45,25 +53,32 @@ return when
 """
 
 # The outer queues some agent serves, by Redis's time: a table queue → true. ARGV[1] = seconds
-# after which an agent that has not beaten counts as gone.
-_FRESH = """
+# after which an agent that has not beaten counts as gone. Only entries naming one of
+# OUTER_QUEUES (``valid``, written into the script) and not dated more than that into the future
+# count; the others are listed in ``invalid``, never used.
+_FRESH = ("local valid = {" + ", ".join(f"['{q}'] = true" for q in sorted(OUTER_QUEUES)) + "}\n"
+          + """
 local now = tonumber(redis.call('TIME')[1])
-local fresh, all = {}, {}
+local gone = tonumber(ARGV[1])
+local fresh, all, invalid = {}, {}, {}
 local entries = redis.call('ZRANGE', KEYS[1], 0, -1, 'WITHSCORES')
 for i = 1, #entries, 2 do
   local queue = string.match(entries[i], '^([^|]+)|')
-  if queue then
+  local age = now - tonumber(entries[i + 1])
+  if queue and valid[queue] and age >= -gone then
     all[queue] = true
-    if now - tonumber(entries[i + 1]) <= tonumber(ARGV[1]) then fresh[queue] = true end
+    if age <= gone then fresh[queue] = true end
+  else
+    invalid[#invalid + 1] = entries[i]
   end
 end
-"""
+""")
 
 # KEYS[1] = ADVERTISED; ARGV[1] as above, ARGV[2] = OUTER_PREFIX. Moves every message of an outer
 # queue that no live agent serves to the front of its capacity queue (kombu pushes left and
-# pops right), unchanged; returns how many. An entry is never removed while its queue may still
-# receive messages (a late chord body, a retry, a restored lease): only a day after its agent's
-# last beat, its queue empty.
+# pops right), unchanged; removes the invalid entries; returns {moved, removed}. A valid entry is
+# never removed while its queue may still receive messages (a late chord body, a retry, a
+# restored lease): only a day after its agent's last beat, its queue empty.
 _REROUTE = _FRESH + """
 local moved = 0
 for queue, _ in pairs(all) do
@@ -77,13 +92,15 @@ for queue, _ in pairs(all) do
     end
   end
 end
+for _, entry in ipairs(invalid) do redis.call('ZREM', KEYS[1], entry) end
 for i = 1, #entries, 2 do
   local queue = string.match(entries[i], '^([^|]+)|')
-  if now - tonumber(entries[i + 1]) > 86400 and (not queue or redis.call('LLEN', queue) == 0) then
+  if queue and valid[queue] and now - tonumber(entries[i + 1]) > 86400
+      and redis.call('LLEN', queue) == 0 then
     redis.call('ZREM', KEYS[1], entries[i])
   end
 end
-return moved
+return {moved, #invalid}
 """
 
 # KEYS[1] = ADVERTISED; ARGV[1] as above, ARGV[2] = an outer queue: 1 while a live agent serves it
@@ -141,7 +158,7 @@ def gone_after_s() -> float:
 
 def advertise(client: Any, agent: str, queues: list[str]) -> None:
     """Say (with Redis's time) that ``agent`` serves the outer queues among ``queues``."""
-    outer = [q for q in queues if q.startswith(OUTER_PREFIX)]
+    outer = [q for q in queues if q in OUTER_QUEUES]
     if outer:
         _run(client, _ADVERTISE, agent, *outer)
 
@@ -151,7 +168,7 @@ def withdraw(client: Any, agent: str, queues: list[str]) -> None:
     dated as if it had missed its heartbeats, so the next heartbeat of any agent moves their
     messages — those queued already, and those that come back later (a lease restored, a
     retry) — unless another agent serves them."""
-    outer = [f"{q}|{agent}" for q in queues if q.startswith(OUTER_PREFIX)]
+    outer = [f"{q}|{agent}" for q in queues if q in OUTER_QUEUES]
     if outer:
         _run(client, _WITHDRAW, gone_after_s() + 1, *outer)
 
@@ -159,7 +176,11 @@ def withdraw(client: Any, agent: str, queues: list[str]) -> None:
 def reroute(client: Any) -> int:
     """Move outer steps whose outer queue no live agent serves to their capacity queue; returns
     how many moved (every agent calls this with its heartbeat)."""
-    moved = int(_run(client, _REROUTE, gone_after_s(), OUTER_PREFIX))
+    moved, removed = (int(n) for n in _run(client, _REROUTE, gone_after_s(), OUTER_PREFIX))
+    if removed:
+        log.warning("removed %d entr%s of %s that named no outer queue (or a time to come): "
+                    "written by hand or by someone with the Redis password; nothing was moved "
+                    "for them", removed, "y" if removed == 1 else "ies", ADVERTISED)
     if moved:
         log.warning("moved %d outer step(s) to the trainers' queues: no agent beside the store "
                     "has answered for %.0f s", moved, gone_after_s())
@@ -169,6 +190,8 @@ def reroute(client: Any) -> int:
 def queue_for_outer(client: Any, queue: str) -> str:
     """Where to queue an outer step that fits capacity queue ``queue``: its outer queue while an
     agent beside the store serves it, else ``queue`` itself."""
+    if outer_queue(queue) not in OUTER_QUEUES:
+        return queue
     try:
         served = bool(_run(client, _SERVED, gone_after_s(), outer_queue(queue)))
     except Exception as exc:  # noqa: BLE001 - the trainers can always take it

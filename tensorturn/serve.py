@@ -43,9 +43,11 @@ from starlette.responses import Response
 
 from . import tokens
 from .apiauth import Authenticator, AuthError, FailureCounter, TokenCache
-from .artifact import load_result
+from .artifact import Predictor, load_result
 from .batching import Batcher
 from .checkrecipe import check_contract
+from .errors import TensorTurnError
+from .manifest import serving
 from .recipes.kinds import Kind
 from .store import Store
 
@@ -56,6 +58,7 @@ DEFAULT_MAX_BODY = 8 * 1024 * 1024
 FP32_MAX = float(np.finfo(np.float32).max)
 INLINE_BODY_BYTES = 64 * 1024     # larger bodies are parsed off the event loop
 INLINE_OUTPUT_VALUES = 32 * 1024  # larger answers are encoded off the event loop
+MAX_ID_CHARS = 256                # a request's id is echoed back: a label, not a payload
 JSON = "application/json"
 
 
@@ -178,6 +181,9 @@ def parse_request(raw: bytes, input_shape: list[int], max_rows: int) -> ParsedRe
     request_id = body.get("id")
     if request_id is not None and not isinstance(request_id, str):
         raise BadRequest("'id' must be a string")
+    if request_id is not None and len(request_id) > MAX_ID_CHARS:
+        raise BadRequest(f"'id' is {len(request_id):,} characters; at most {MAX_ID_CHARS} are "
+                         f"echoed back")
     if len(body["inputs"]) != 1:
         raise BadRequest(f"expected exactly 1 input tensor, got {len(body['inputs'])}")
     spec = body["inputs"][0]
@@ -240,7 +246,8 @@ def _infer_openapi(input_shape: list[int], served: list[tuple[str, str, list[int
     request_schema = {
         "type": "object", "required": ["inputs"],
         "properties": {
-            "id": {"type": "string", "description": "echoed back (a UUID when absent)"},
+            "id": {"type": "string", "maxLength": MAX_ID_CHARS,
+                   "description": "echoed back (a UUID when absent)"},
             "parameters": {"type": "object", "properties": {"members": {
                 "type": "boolean", "description": "also return each ensemble member's "
                                                   "probabilities"}}},
@@ -281,12 +288,26 @@ def _infer_openapi(input_shape: list[int], served: list[tuple[str, str, list[int
     }
 
 
+def check_finite(predictor: Predictor, run_id: str) -> None:
+    """Refuse a model with a NaN or infinite weight: it would answer every request with
+    ``null`` probabilities (or garbage) while looking healthy."""
+    for n, model in enumerate(predictor.models):
+        tensors = chain(model.named_parameters(), model.named_buffers())
+        bad = next((name for name, t in tensors
+                    if t.is_floating_point() and not bool(torch.isfinite(t).all())), None)
+        if bad is not None:
+            where = f"member {predictor.members[n]['member']}'s " if predictor.members else ""
+            raise TensorTurnError(f"run {run_id} is not served: {where}weight {bad} holds NaN or "
+                                  f"infinite values (the run diverged)")
+
+
 def create_app(store: Store, run_id: str, alias: str | None = None,
                max_body_bytes: int | None = None, options: ServeOptions | None = None) -> FastAPI:
     opts = options or ServeOptions()
     if max_body_bytes is not None:
         opts.max_body_bytes = max_body_bytes
     predictor, manifest = load_result(store, run_id)
+    check_finite(predictor, run_id)
     recipe = predictor.recipe
     check_contract(manifest["recipe"], recipe, f"run {run_id} is not served", data=False)
     input_shape = recipe.input_shape()
@@ -587,4 +608,5 @@ def run_server(store: Store, run_id: str, host: str, port: int, alias: str | Non
             if self.started and not self.should_exit:
                 print(banner, end="", file=sys.stderr, flush=True)
 
-    Server(config).run()
+    with serving(store, run_id, f"{host}:{port}"):  # `tensorturn runs rm` refuses a served run
+        Server(config).run()

@@ -7,6 +7,7 @@ torch: the CLI validates a spec before anything heavy is loaded.
 
 from __future__ import annotations
 
+import math
 import secrets
 import time
 from dataclasses import asdict, dataclass, field, fields
@@ -30,11 +31,121 @@ def new_run_id() -> str:
     return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(3)
 
 
-def check_positive(values: dict[str, Any]) -> None:
-    """SpecError for the first value that is not a whole number ≥ 1 (keys are field names)."""
+@dataclass(frozen=True)
+class Bound:
+    """The values one option may take. The ceilings are what one machine, the broker and a
+    run's lifetime can hold: past them an option does not make a bigger run, it takes the pool
+    down (100,000 threads crashed an agent; a million shards hung the broker). ``why`` is said
+    when a value is over the ceiling."""
+
+    low: float
+    high: float
+    why: str = ""
+    low_open: bool = False   # the end itself is outside
+    high_open: bool = False
+
+    @property
+    def whole(self) -> bool:
+        return isinstance(self.low, int) and isinstance(self.high, int)
+
+    def shown(self) -> str:
+        """The range as ``--help`` shows it (click's notation): ``1<=x<=1024``, ``0<x<10``."""
+        return (f"{self.low:.15g}{'<' if self.low_open else '<='}x"
+                f"{'<' if self.high_open else '<='}{self.high:.15g}")
+
+    def check(self, name: str, value: Any) -> None:
+        """SpecError, in one line, unless ``value`` is within the bound (None: not given)."""
+        if value is None:
+            return
+        if self.whole:
+            if not isinstance(value, int) or isinstance(value, bool) or value < self.low:
+                raise SpecError(f"{flag(name)} must be a whole number ≥ {self.low} (got {value})")
+            if value > self.high:
+                raise SpecError(f"{flag(name)} must be at most {self.high:,} (got {value:,})"
+                                + (f": {self.why}" if self.why else ""))
+            return
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise SpecError(f"{flag(name)} must be a number (got {value!r})")
+        if self.low == 0 and self.low_open and value <= 0:
+            raise SpecError(f"{flag(name)} must be positive (got {value:g})")
+        above = value > self.high or (self.high_open and value == self.high)
+        below = value < self.low or (self.low_open and value == self.low)
+        if above or below or not math.isfinite(value):
+            interval = (f"{'(' if self.low_open else '['}{self.low:.15g}, {self.high:.15g}"
+                        f"{')' if self.high_open else ']'}")
+            raise SpecError(f"{flag(name)} must be in {interval} (got {value:g})"
+                            + (f": {self.why}" if above and self.why else ""))
+
+
+YEAR_S = 365 * 24 * 3600
+# Every numeric option of a run, of either mode, of `distill` and of the command that starts it:
+# one table, shown by `--help` and checked before anything is queued (tests/test_bounds.py).
+LIMITS: dict[str, Bound] = {
+    # every run (RunSpec)
+    "seed": Bound(0, 2 ** 32 - 1, "seeds are 32-bit"),
+    "lr": Bound(0.0, 10.0, low_open=True, high_open=True),
+    "batch_size": Bound(1, 2 ** 20),
+    "threads_per_task": Bound(1, 256, "one task's torch threads (an agent with fewer cores "
+                                      "uses as many as it has)"),
+    "max_attempts": Bound(1, 100),
+    "eval_batches": Bound(1, 1_000_000),
+    "accumulate": Bound(1, 1024),
+    # fused
+    "rounds": Bound(1, 10_000),
+    "sync_every": Bound(1, 1_000_000),
+    "shards": Bound(1, 1024, "each is a task on the broker every round"),
+    "outer_lr": Bound(0.0, 10.0, low_open=True),
+    "outer_momentum": Bound(0.0, 1.0, high_open=True),
+    # ensemble
+    "members": Bound(2, 64, "each is a whole model, trained, stored and run for every answer"),
+    "min_members": Bound(1, 64),
+    "segments": Bound(1, 10_000),
+    "segment_steps": Bound(1, 1_000_000),
+    "deadline": Bound(0.0, YEAR_S, "a year at most", low_open=True),
+    # distill (`tensorturn distill`, `run --merge distill`)
+    "temperature": Bound(0.0, 100.0, low_open=True),
+    "alpha": Bound(0.0, 1.0),
+    "top_k": Bound(1, 4096, "the teacher's targets are stored for every row"),
+    "mixup": Bound(0, 64, "the mixed rows are held in memory"),
+    # the command: processes on this machine, and how long it waits
+    "local_workers": Bound(1, 64, "each is an agent process on this machine"),
+    "timeout": Bound(0.0, YEAR_S, "a year at most", low_open=True),
+}
+# What a whole run may add up to, over its options together (ModeOptions.workload)
+MAX_TASKS = 100_000            # tasks over a run's life: each leaves records on the broker
+MAX_QUEUED = 10_000            # task messages on the broker at once
+MAX_MINIBATCHES = 10_000_000   # minibatches one shard or member trains (× --accumulate)
+
+
+def check_bounds(values: dict[str, Any]) -> None:
+    """SpecError for the first value outside its bound in :data:`LIMITS` (keys are field names)."""
     for name, value in values.items():
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-            raise SpecError(f"{flag(name)} must be a whole number ≥ 1 (got {value})")
+        LIMITS[name].check(name, value)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What a run's options add up to: (count, the flags whose product it is) for its tasks
+    over its life, the task messages queued at once, and the optimizer steps one shard or
+    member trains."""
+
+    tasks: tuple[int, str]
+    queued: tuple[int, str]
+    steps: tuple[int, str]
+
+    def check(self, accumulate: int) -> None:
+        """SpecError when the run as a whole is more than a pool can hold or finish."""
+        (tasks, tasks_by), (queued, queued_by), (steps, steps_by) = self.tasks, self.queued, self.steps
+        if tasks > MAX_TASKS:
+            raise SpecError(f"{tasks_by} is {tasks:,} tasks; a run has at most {MAX_TASKS:,} "
+                            f"(each leaves records on the broker)")
+        if queued > MAX_QUEUED:
+            raise SpecError(f"{queued_by} queues {queued:,} tasks at once; a run queues at most "
+                            f"{MAX_QUEUED:,} (each is a message on the broker)")
+        if steps * accumulate > MAX_MINIBATCHES:
+            by = steps_by + (" × --accumulate" if accumulate > 1 else "")
+            raise SpecError(f"{by} is {steps * accumulate:,} minibatches for each model; a run "
+                            f"trains at most {MAX_MINIBATCHES:,}")
 
 
 @dataclass
@@ -57,6 +168,11 @@ class ModeOptions:
             value = getattr(self, name)
             if value not in allowed:
                 raise SpecError(f"{flag(name)} {value!r} is not one of {', '.join(allowed)}")
+
+    def workload(self) -> Workload:
+        """What these options add up to (:class:`Workload`); an option left to the run's start
+        counts at the most it can be set to, or is checked again once set."""
+        raise NotImplementedError
 
     @classmethod
     def flags(cls) -> list[tuple[str, str]]:
@@ -129,14 +245,13 @@ class RunSpec:
             raise SpecError(f"the options of a {self.mode} run are {type(self.options).__name__}")
         if not self.recipe or not isinstance(self.recipe, str):
             raise SpecError("--recipe is required")
-        check_positive({"threads_per_task": self.threads_per_task,
-                        "max_attempts": self.max_attempts, "batch_size": self.batch_size,
-                        "eval_batches": self.eval_batches, "accumulate": self.accumulate})
+        check_bounds({"threads_per_task": self.threads_per_task, "max_attempts": self.max_attempts,
+                      "batch_size": self.batch_size, "eval_batches": self.eval_batches,
+                      "accumulate": self.accumulate, "seed": self.seed, "lr": self.lr})
         if self.precision not in PRECISIONS:
             raise SpecError(f"--precision {self.precision!r} is not one of {', '.join(PRECISIONS)}")
-        if self.lr is not None and not (0 < self.lr < 10):
-            raise SpecError(f"--lr must be in (0, 10) (got {self.lr})")
         self.options.validate()
+        self.options.workload().check(self.accumulate)
         return self
 
     def opts(self, kind: type[OptionsT]) -> OptionsT:

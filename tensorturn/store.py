@@ -105,6 +105,12 @@ class Store(ABC):
     def _delete(self, key: str) -> None: ...
 
     @abstractmethod
+    def _sizes(self, prefix: str) -> dict[str, int]: ...
+
+    @abstractmethod
+    def _delete_folder(self, prefix: str) -> None: ...
+
+    @abstractmethod
     def uri(self, key: str) -> str:
         """Where an ordinary client finds the object (``s3://bucket/key`` or ``file:///path``)."""
 
@@ -169,6 +175,16 @@ class Store(ABC):
 
     def delete(self, key: str) -> None:
         self._retrying("delete", key, lambda: self._delete(key))
+
+    def sizes(self, prefix: str) -> dict[str, int]:
+        """Keys under ``prefix`` with their sizes in bytes."""
+        return self._retrying("list", prefix, lambda: self._sizes(prefix))
+
+    def delete_folder(self, prefix: str) -> None:
+        """Delete every object under ``prefix``, a folder (``runs/<id>/``)."""
+        if not prefix.endswith("/"):  # `runs/ab` would also be the start of `runs/abc/...`
+            raise StoreError(f"invalid store folder {prefix!r}: it must end with /")
+        self._retrying("delete", prefix, lambda: self._delete_folder(check_key(prefix)))
 
     def put_json(self, key: str, obj: Any) -> str:
         return self.put_bytes(key, json.dumps(obj, indent=2, sort_keys=True).encode())
@@ -254,6 +270,14 @@ class FileStore(Store):
 
     def _delete(self, key: str) -> None:
         self._path(key).unlink(missing_ok=True)
+
+    def _sizes(self, prefix: str) -> dict[str, int]:
+        return {key: self._path(key).stat().st_size for key in self._list(prefix)}
+
+    def _delete_folder(self, prefix: str) -> None:
+        folder = self._path(prefix.rstrip("/"))
+        if folder.is_dir():  # the temporary files of an interrupted put with it
+            shutil.rmtree(folder)
 
     def uri(self, key: str) -> str:
         return self._path(key).as_uri()
@@ -347,16 +371,26 @@ class S3Store(Store):
             raise
 
     def _list(self, prefix: str) -> list[str]:
-        full = self._key(prefix)
-        strip = len(self.prefix) + 1 if self.prefix else 0
-        keys: list[str] = []
-        for page in self.client.get_paginator("list_objects_v2").paginate(
-                Bucket=self.bucket, Prefix=full):
-            keys.extend(obj["Key"][strip:] for obj in page.get("Contents", []))
-        return keys
+        return list(self._sizes(prefix))
 
     def _delete(self, key: str) -> None:
         self.client.delete_object(Bucket=self.bucket, Key=self._key(key))
+
+    def _sizes(self, prefix: str) -> dict[str, int]:
+        strip = len(self.prefix) + 1 if self.prefix else 0
+        return {obj["Key"][strip:]: int(obj["Size"])
+                for page in self.client.get_paginator("list_objects_v2").paginate(
+                    Bucket=self.bucket, Prefix=self._key(prefix))
+                for obj in page.get("Contents", [])}
+
+    def _delete_folder(self, prefix: str) -> None:
+        keys = [self._key(key) for key in self._sizes(prefix)]
+        for i in range(0, len(keys), 1000):  # S3 deletes at most 1000 keys a request
+            answer = self.client.delete_objects(Bucket=self.bucket, Delete={
+                "Objects": [{"Key": key} for key in keys[i:i + 1000]], "Quiet": True})
+            if answer.get("Errors"):
+                error = answer["Errors"][0]
+                raise RuntimeError(f"{error.get('Key')}: {error.get('Code')} {error.get('Message')}")
 
     def uri(self, key: str) -> str:
         return f"s3://{self.bucket}/{self._key(key)}"

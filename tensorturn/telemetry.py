@@ -5,15 +5,24 @@ once and its live figures (CPU, memory, GPU) every ``TENSORTURN_HEARTBEAT_S`` se
 to ``tt:worker:<name>``. The task being trained reports its own progress (current task, step,
 samples/s) into the same hash and as Celery ``task-progress`` events, which Flower shows.
 The pool's roster (:mod:`tensorturn.roster`) reads it back.
+
+What a heartbeat says about the machine is signed with the pool key, and so is a quarantine
+mark, for this start of the agent (:data:`INCARNATION`): the roster counts no machine whose
+heartbeat anyone with the Redis password could have written, and the heartbeat removes a
+quarantine mark that this agent's own tasks did not sign.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import platform
+import secrets
 import socket
+import subprocess
+import sys
 import time
 from functools import lru_cache
 from typing import Any
@@ -22,7 +31,7 @@ import psutil
 from celery import bootsteps
 from celery.worker import state as worker_state
 
-from . import config, routing
+from . import config, roster, routing, trust
 from .broker import redis_client
 from .layout import live_key, run_key, worker_key
 
@@ -30,6 +39,11 @@ log = logging.getLogger(__name__)
 
 PROGRESS_EVERY_S = 1.0     # how often a training task reports progress
 GB = 1024 ** 3
+MIB = 1024 ** 2
+# This start of the agent: made in the main process before the pool forks, so its tasks share
+# it. Signed quarantine marks and remote-control commands (:mod:`.remote_control`) name it, so a
+# copy of one replayed after a restart binds nobody.
+INCARNATION = secrets.token_hex(8)
 
 
 def _cpu_model() -> str:
@@ -63,9 +77,8 @@ def inventory() -> dict[str, Any]:
         "torch": torch.__version__,
     }
     if device.type == "cuda":
-        props = torch.cuda.get_device_properties(device)
-        info.update(device_name=props.name, vram_gb=round(props.total_memory / GB, 2),
-                    gpu_count=torch.cuda.device_count())
+        name, total_mib, count = _gpu("name,memory.total,count") or _gpu_from_torch()
+        info.update(device_name=name, vram_gb=round(float(total_mib) * MIB / GB, 2), gpu_count=int(count))
     elif device.type == "mps":
         info.update(device_name="Apple MPS")
     offered = info["vram_gb"] if info["vram_gb"] else info["memory_total_gb"]
@@ -84,15 +97,43 @@ def live_figures() -> dict[str, Any]:
                            "memory_used_gb": round((vm.total - vm.available) / GB, 2),
                            "gpu_util_percent": None, "gpu_memory_used_gb": None}
     if inventory()["device"] == "cuda":
-        import torch
-
-        try:
-            free, total = torch.cuda.mem_get_info()
-            out["gpu_memory_used_gb"] = round((total - free) / GB, 2)
-            out["gpu_util_percent"] = torch.cuda.utilization()
-        except Exception:  # noqa: BLE001 - pynvml may be missing; memory is enough
-            pass
+        used = _gpu("memory.used,utilization.gpu", timeout_s=2)  # on the heartbeat: never long
+        if used:
+            with contextlib.suppress(ValueError):  # "[N/A]" on some boards: left out
+                out["gpu_memory_used_gb"] = round(float(used[0]) * MIB / GB, 2)
+                out["gpu_util_percent"] = float(used[1])
     return out
+
+
+# The agent's main process never starts CUDA: Celery's pool processes are forked from it, and a
+# process forked after CUDA started cannot use the GPU ("Cannot re-initialize CUDA in forked
+# subprocess" — every task failed so on a GPU machine). So what the main process says about
+# the GPU it asks of the driver (``nvidia-smi``, NVML's command-line face, which comes with every
+# NVIDIA driver), and torch answers only in a process of its own.
+
+def _gpu(fields: str, timeout_s: float = 10) -> list[str] | None:
+    """``fields`` of the GPU tasks use (the first visible one), from ``nvidia-smi``; None without it."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
+    command = ["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader,nounits"]
+    if visible.isdigit():
+        command += ["-i", visible]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    lines = done.stdout.strip().splitlines() if done.returncode == 0 else []
+    values = [v.strip() for v in lines[0].split(",")] if lines else []
+    return values if len(values) == len(fields.split(",")) else None
+
+
+def _gpu_from_torch() -> list[str]:
+    """(name, MiB, count) from torch in a child process, where there is no ``nvidia-smi``."""
+    code = ("import torch; p = torch.cuda.get_device_properties(0); "
+            "print(p.name, p.total_memory // 2 ** 20, torch.cuda.device_count(), sep='\\t')")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    if done.returncode != 0:
+        return ["CUDA device", "0", "1"]  # VRAM unknown: it offers its memory, as a CPU machine does
+    return done.stdout.strip().split("\t")
 
 
 def outer_queues() -> list[str]:
@@ -130,19 +171,33 @@ class Heartbeat(bootsteps.StartStopStep):
                 pipe.hset(key, mapping={"started_at": time.time(), "tasks_done": 0})
             # the inventory goes out with every beat: a Redis that lost its data (restarted
             # without AOF) lists the machine again at the next heartbeat
-            pipe.hset(key, mapping={"name": self.node, "inventory": json.dumps(inventory()),
-                                    "live": json.dumps(live_figures()), "last_seen": time.time(),
+            pipe.hset(key, mapping={**signed_beat(self.node), "live": json.dumps(live_figures()),
                                     "pid": os.getpid()})
             if not worker_state.active_requests:  # a killed pool child leaves its progress behind
                 pipe.hdel(key, "task", "progress")
             pipe.expire(key, 7 * 24 * 3600)
-            pipe.hget(key, "quarantined")
-            quarantined = pipe.execute()[-1]
+            pipe.hmget(key, "quarantined", roster.QUARANTINE_SIGNATURE)
+            mark, sig = pipe.execute()[-1]
+            quarantined = self.quarantined(mark, sig)
             if self.outer and not quarantined:
                 routing.advertise(self.client, self.node, self.outer)
             routing.reroute(self.client)
         except Exception as exc:  # noqa: BLE001 - the broker may be restarting
             log.warning("heartbeat failed: %s", exc)
+
+    def quarantined(self, mark: str | None, sig: str | None) -> bool:
+        """Whether this agent is out of rotation: a quarantine ``mark`` signed (``sig``) for
+        this start of it. Any other mark is removed (nobody with only the Redis password takes
+        an agent out of rotation for longer than a heartbeat)."""
+        if not mark:
+            return False
+        key = trust.find_key()
+        h = {"name": self.node, "quarantined": mark, roster.QUARANTINE_SIGNATURE: sig}
+        if key is not None and roster.quarantine_verified(key, h, INCARNATION):
+            return True
+        log.warning("removed a quarantine mark this agent did not sign: %.200s", mark)
+        self.client.hdel(worker_key(self.node), "quarantined", roster.QUARANTINE_SIGNATURE)
+        return False
 
     def stop(self, worker):
         if self.tref is not None:
@@ -158,6 +213,25 @@ class Heartbeat(bootsteps.StartStopStep):
         # a cold shutdown (the agent's SIGTERM) calls terminate, not stop: the base class's
         # would do nothing here, and the stop would look like a crash for three heartbeats
         self.stop(worker)
+
+
+def signed_beat(node: str) -> dict[str, str]:
+    """This agent's heartbeat fields, signed with the pool key (unsigned without one: such an
+    agent refuses every task anyway, and the roster says ``unverified``)."""
+    fields = {"name": node, "inventory": json.dumps(inventory()),
+              "queues": json.dumps(routing.agent_queues()), "last_seen": repr(time.time()),
+              "incarnation": INCARNATION}
+    key = trust.find_key()
+    if key is not None:
+        fields[roster.SIGNATURE] = key.sign("inventory", roster.heartbeat_doc(fields))
+    return fields
+
+
+def quarantine_mark(node: str, reason: str) -> dict[str, str]:
+    """The fields that take agent ``node`` — this one, from one of its tasks — out of rotation,
+    signed for this start of it."""
+    sig = trust.pool_key().sign("quarantine", roster.quarantine_doc(node, reason, INCARNATION))
+    return {"quarantined": reason, roster.QUARANTINE_SIGNATURE: sig}
 
 
 class TaskReporter:

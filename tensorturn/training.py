@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import math
+import os
 import time
 from typing import Any
 
@@ -14,9 +16,20 @@ from .device import autocast, grad_scaler
 from .recipes import Recipe
 from .seeding import derive_seed as derive_seed  # where the tasks and benchmarks take it from
 
+log = logging.getLogger(__name__)
+
 
 def set_threads(n: int) -> None:
-    """CPU threads for torch in this process; CPU results depend on it, so runs record it."""
+    """CPU threads for torch in this process; CPU results depend on it, so runs record it.
+
+    At most this machine's cores: a run may ask for more than some machine of the pool has
+    (``--threads-per-task`` is bounded at submit by a ceiling, not by the submitter's cores),
+    and more threads than cores only slow a task down — or, by the thousand, crash it."""
+    cores = os.cpu_count() or n
+    if n > cores:
+        log.warning("--threads-per-task %d is more than this machine's %d cores: using %d "
+                    "(CPU results then match a machine of %d threads)", n, cores, cores, cores)
+        n = cores
     if torch.get_num_threads() != n:
         torch.set_num_threads(n)
 

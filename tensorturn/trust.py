@@ -185,6 +185,15 @@ def pool_key_or_create(settings: config.Settings | None = None) -> PoolKey:
 
 
 # ---- which recipes this machine imports --------------------------------------------------------
+#
+# A recipe outside the built-ins is named ``package.module:Class``: dotted Python identifiers, one
+# colon, one identifier. A pattern has the same two halves, matched separately and never across
+# the colon or a dot: each dotted part of the module is matched by the pattern's part at its place
+# (shell wildcards ``*``, ``?``, ``[...]`` within that one part), except that a part ``**`` stands
+# for any number of parts, none included; the attribute is matched by the pattern's attribute.
+# So ``mymod:*`` allows the classes of ``mymod`` only, ``team.recipes.*:*`` those of the modules
+# directly inside ``team.recipes``, ``team.**:*`` those of ``team`` and any module below it, and a
+# pattern without a colon (``pkg.*``) allows nothing. A name of any other shape is refused.
 
 def allowed_patterns(settings: config.Settings | None = None) -> tuple[str, ...]:
     settings = settings or config.current()
@@ -197,13 +206,44 @@ def with_allowed(settings: config.Settings, patterns: Iterable[str]) -> config.S
     return settings.with_(allow_recipes=",".join(merged) or None)
 
 
+def recipe_parts(name: str) -> tuple[list[str], str] | None:
+    """The module's dotted parts and the attribute of ``package.module:Class``; None for a name
+    of any other shape (two colons, an empty part, a wildcard, a space...)."""
+    module, colon, attr = name.partition(":")
+    parts = module.split(".")
+    if not colon or not attr.isidentifier() or not all(p.isidentifier() for p in parts):
+        return None
+    return parts, attr
+
+
+def pattern_allows(pattern: str, name: str) -> bool:
+    """Whether allowlist ``pattern`` covers the recipe ``name`` (the rules above)."""
+    parts = recipe_parts(name)
+    module_pattern, colon, attr_pattern = pattern.partition(":")
+    if parts is None or not colon:
+        return False
+    module, attr = parts
+    return _parts_match(module_pattern.split("."), module) and fnmatch.fnmatchcase(attr, attr_pattern)
+
+
+def _parts_match(patterns: list[str], parts: list[str]) -> bool:
+    if not patterns:
+        return not parts
+    first, rest = patterns[0], patterns[1:]
+    if first == "**":
+        return any(_parts_match(rest, parts[i:]) for i in range(len(parts) + 1))
+    return bool(parts) and fnmatch.fnmatchcase(parts[0], first) and _parts_match(rest, parts[1:])
+
+
 def check_recipe_allowed(name: str, builtin: Iterable[str],
                          settings: config.Settings | None = None) -> None:
-    """UntrustedError unless ``name`` is built in or matches a pattern this machine allows."""
+    """UntrustedError unless ``name`` is built in or matches a pattern this machine allows;
+    decided on the name alone, before anything is imported."""
     if name in builtin:
         return
-    if any(fnmatch.fnmatchcase(name, p) for p in allowed_patterns(settings)):
+    if any(pattern_allows(p, name) for p in allowed_patterns(settings)):
         return
     raise UntrustedError(
         f"recipe {name!r} is not allowed on this machine: only built-in recipes and those "
-        f"allowed with --allow-recipe PATTERN (or TENSORTURN_ALLOW_RECIPES) are imported")
+        f"allowed with --allow-recipe 'package.module:Class' patterns (or TENSORTURN_ALLOW_RECIPES) "
+        f"are imported")

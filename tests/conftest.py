@@ -27,7 +27,7 @@ os.environ["TENSORTURN_POOL_KEY"] = TEST_POOL_KEY
 # The test recipes, allowed on the pools the tests start themselves (a run's own CLI allows the
 # recipe it names on its embedded pool; a test of an unallowed recipe names another module).
 os.environ["TENSORTURN_ALLOW_RECIPES"] = ",".join(
-    f"{m}:*" for m in ("failing", "huge", "crasher", "nan_once", "myrecipe", "flaky_recipe", "badinit"))
+    f"{m}:*" for m in ("failing", "huge", "crasher", "nan_once", "myrecipe", "flaky_recipe", "badinit", "gated"))
 
 
 @pytest.fixture(autouse=True)
@@ -81,9 +81,10 @@ def tt_here(*args: str, env: dict[str, str] | None = None) -> subprocess.Complet
     from tensorturn import config
     from tensorturn.cli import cli
 
+    env = env or clean_env()  # of this environment, before it is cleared
     saved = dict(os.environ)
     os.environ.clear()
-    os.environ.update(env or clean_env())
+    os.environ.update(env)
     config.reload()
     try:
         result = CliRunner().invoke(cli, list(args), prog_name="tensorturn")

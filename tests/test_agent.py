@@ -216,7 +216,8 @@ def test_up_on_a_port_another_program_holds_is_one_line_and_starts_nothing(tmp_p
 
 def test_workers_have_a_header_and_say_when_a_machine_stopped(redis_server):
     """The roster from heartbeats as the agents write them: a clean stop (``stopped_at``, what
-    the Heartbeat bootstep writes on stop), one from before it (``last_seen`` 0), a silent one."""
+    the Heartbeat bootstep writes on stop), a silent one, and one silent for longer than
+    TENSORTURN_AGENT_TTL_S (a day), which is forgotten."""
     from tensorturn.layout import worker_key
     from tensorturn.roster import list_workers
 
@@ -225,22 +226,51 @@ def test_workers_have_a_header_and_say_when_a_machine_stopped(redis_server):
     inventory = json.dumps({"device": "cpu", "device_name": "Test CPU", "cpu_count": 2,
                             "device_memory_gb": 4.0, "role": "train"})
     beats = {"stopped@h": {"last_seen": now - 3 * 3600 - 5, "stopped_at": now - 3 * 3600},
-             "older@h": {"last_seen": 0},
-             "silent@h": {"last_seen": now - 2 * 86400}}
+             "silent@h": {"last_seen": now - 2 * 3600},
+             "gone@h": {"last_seen": now - 2 * 86400}}
     for name, fields in beats.items():
         r.hset(worker_key(name), mapping={"name": name, "inventory": inventory, **fields})
     w = {x["name"]: x for x in list_workers(r, now=now, heartbeat_s=3.0)}
     assert {x["state"] for x in w.values()} == {"offline"}
     assert w["stopped@h"]["stopped"] and w["stopped@h"]["stopped_s"] == 3 * 3600
-    assert w["older@h"]["stopped"] and w["older@h"]["stopped_s"] is None
-    assert not w["silent@h"]["stopped"] and w["silent@h"]["last_seen_s"] == 2 * 86400
+    assert not w["silent@h"]["stopped"] and w["silent@h"]["last_seen_s"] == 2 * 3600
     shown = tt("workers", "--broker", redis_server.url)
     assert shown.returncode == 0, shown.stderr
     header, *rows = shown.stdout.splitlines()
     assert header.split() == ["NAME", "STATE", "DEV", "DEVICE", "CPUS", "MEMORY", "DONE", "DETAIL"]
     row = {line.split()[0]: line for line in rows}
     assert row["stopped@h"].endswith("  stopped 3h ago (clean stop)")
-    assert row["older@h"].endswith("  stopped (clean stop)")
-    assert row["silent@h"].endswith("  last seen 2d ago (no clean stop)")
+    assert row["silent@h"].endswith("  last seen 2h ago (no clean stop)")
+    assert "gone@h" not in row  # silent for two days: forgotten
     assert all(line.split()[1:4] == ["offline", "cpu", "Test"] for line in rows)
 
+
+
+def test_an_agent_describes_its_gpu_without_starting_cuda(tmp_path, monkeypatch):
+    """An agent's main process forks the processes that run its tasks, and a process forked
+    after CUDA started cannot use the GPU (every task failed so on an H200): the inventory and
+    the live figures ask the driver's ``nvidia-smi``, never torch.cuda. Here a fake one answers
+    on a machine without a GPU."""
+    import torch
+
+    from tensorturn import config, telemetry
+
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text("#!/bin/sh\ncase \"$1\" in\n"
+                    "  --query-gpu=name,memory.total,count) echo 'Fake GPU 24G, 24576, 2' ;;\n"
+                    "  *) echo '1536, 37' ;;\nesac\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("TENSORTURN_DEVICE", "cuda")
+    config.reload()
+    telemetry.inventory.cache_clear()
+    try:
+        inv = telemetry.inventory()
+        described = (inv["device"], inv["device_name"], inv["vram_gb"], inv["gpu_count"])
+        assert described == ("cuda", "Fake GPU 24G", 24.0, 2)
+        assert inv["device_memory_gb"] == 24.0
+        live = telemetry.live_figures()
+        assert (live["gpu_memory_used_gb"], live["gpu_util_percent"]) == (1.5, 37.0)
+        assert not torch.cuda.is_initialized()
+    finally:
+        telemetry.inventory.cache_clear()

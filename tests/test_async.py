@@ -3,6 +3,7 @@ and a real pool whose applier is killed mid-update."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -187,3 +188,22 @@ def test_an_async_run_resumes_from_the_stores_log_after_redis_lost_it(world):  #
     assert doc["state"] == "succeeded", doc.get("error")
     assert [(u["version"], u["update"]) for u in doc["updates"]] == [(1, 0), (2, 1), (3, 2), (4, 3)]
     assert [r["round"] for r in doc["rounds"]] == [0, 1]
+
+
+def test_a_ledger_put_back_from_the_log_applies_again_what_the_log_lacks(redis_server):
+    """A ledger rolled back by someone with the broker's password (issue 26 #2) is repaired from
+    the store's log: an update applied since, which the log does not hold, is pending again —
+    lost work, never a hang or a foreign update."""
+    from tensorturn.broker import redis_client
+
+    book = AsyncLedger(redis_client(redis_server.url), "run-a")
+    book.init("runs/run-a/global/r0000.safetensors", "s0")
+    for j in range(3):
+        book.push(j, "w1", float(j))
+    book.r.zrem(book.k["pending"], "0", "1", "2")
+    book.r.hset(book.k["applied"], mapping={str(j): json.dumps({"update": j, "version": j + 1}) for j in range(3)})
+    latest = {"version": 2, "key": "runs/run-a/async/versions/v00002-t.safetensors", "state_key": "", "sha256": "s2"}
+    book.repair(latest, {0: "k0", 1: "k1", 2: latest["key"]},
+                {0: {"update": 0, "version": 1}, 1: {"update": 1, "version": 2}})
+    assert book.latest() == latest
+    assert book.pending() == [2] and not book.is_applied(2) and book.is_applied(1)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tensorturn import diloco, layout
+from tensorturn import diloco, layout, seals
 from tensorturn.modes.fused import tasks as fused
 from tensorturn.recipes import resolve
 from tensorturn.spec import RunSpec
@@ -57,7 +57,7 @@ def run(tmp_path):
     blob0 = fused.global_bytes(spec, recipe, theta0)
     spec.options.init_sha256 = sha256_hex(blob0)  # type: ignore[attr-defined]
     store.put_json(f"runs/{spec.run_id}/spec.json", spec.to_json())
-    store.put_bytes(layout.key("global", spec.run_id, 0), blob0)
+    seals.put_bytes(store, layout.key("global", spec.run_id, 0), blob0)
     torch.manual_seed(1)
     avg = {k: 1e-2 * torch.randn_like(v) for k, v in theta0.items() if v.is_floating_point()}
     fused.step_global(spec, recipe, store, 0, avg)
@@ -87,15 +87,20 @@ def test_shard_tasks_fetch_the_fewest_bytes(run):
     assert any(not k.startswith(fused.RESIDUAL) for k in state)
 
 
+def flipped(blob: bytes) -> bytes:
+    """A broadcast whose values are reversed, its metadata (and claimed sha256) kept."""
+    packed = from_bytes(blob)
+    packed["int8.q"] = torch.flip(packed["int8.q"], [0])
+    return to_bytes(packed, metadata_of(blob))
+
+
 def test_a_delta_that_does_not_rebuild_the_stored_weights_costs_bytes_not_correctness(run):
     spec, recipe, store, theta0, theta1 = run
     fused.fetch_global(spec, recipe, store, 0)
-    # corrupt the broadcast's values (its claimed sha256 stays): the rebuilt θ_1 would differ
+    # a broadcast whose values rebuild another θ_1 here (its claimed sha256 stays), stored and
+    # sealed by the run (as another machine's arithmetic might): the rebuilt θ_1 would differ
     key = layout.key("broadcast", spec.run_id, 1)
-    blob = store.get_bytes(key)
-    packed = from_bytes(blob)
-    packed["int8.q"] = torch.flip(packed["int8.q"], [0])
-    store.put_bytes(key, to_bytes(packed, metadata_of(blob)))
+    seals.put_bytes(store, key, flipped(store.get_bytes(key)))
     got, moved = fused.fetch_global(spec, recipe, store, 1)
     full = store.get_bytes(layout.key("global", spec.run_id, 1))
     assert moved == len(store.get_bytes(key)) + len(full)
@@ -109,3 +114,14 @@ def test_a_seed_that_does_not_rebuild_theta0_falls_back_to_the_file(run):
     got, moved = fused.fetch_global(spec, recipe, store, 0)
     assert moved == len(store.get_bytes(layout.key("global", spec.run_id, 0)))
     assert all(torch.equal(got[k], theta0[k]) for k in theta0)
+
+
+def test_a_broadcast_rewritten_in_the_store_fails_naming_it(run):
+    """Issue 26 #7: bytes no task of the run stored are refused, not used."""
+    spec, recipe, store, _, _ = run
+    fused.fetch_global(spec, recipe, store, 0)
+    key = layout.key("broadcast", spec.run_id, 1)
+    store.put_bytes(key, flipped(store.get_bytes(key)))  # someone with store write access
+    with pytest.raises(seals.TamperedObject,
+                       match=r"the broadcast delta of round 1 \(runs/.*\) is not what the run stored"):
+        fused.fetch_global(spec, recipe, store, 1)

@@ -275,3 +275,30 @@ def test_a_student_file_that_is_not_text_is_one_line(ensemble, pool, tmp_path):
     proc = tt("distill", ensemble["run_id"], "--student", f"@{path}", "--store", pool.store_url)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert f"error: --student @{path}: {path} is not UTF-8 text" in proc.stderr
+
+
+def test_teacher_targets_rewritten_in_the_store_fail_the_student_naming_them(pool, ensemble, student):
+    """Issue 26 #7: rewritten targets once taught a student the wrong labels (0.978 → 0.10) and it
+    "succeeded"; now the student's attempt fails in one line naming the object. (Last in this
+    module: the other tests read these targets.)"""
+    from tensorturn.tensors import from_bytes, to_bytes
+
+    store = open_store(pool.store_url)
+    key = layout.key("teacher", ensemble["run_id"], "T2-k16-s0-t1", 1, 3)
+    honest = store.get_bytes(key)
+    stored = from_bytes(honest)
+    stored["indices"] = torch.roll(stored["indices"], 1, dims=-1)  # every row taught another class
+    store.put_bytes(key, to_bytes(stored, {"teacher": ensemble["run_id"]}))
+    for index, agent in enumerate(pool.agents):  # fresh agents: none holds the targets in memory
+        os.killpg(agent.pid, signal.SIGKILL)
+        agent.wait()
+        pool.start_agent(index)
+    try:
+        proc = tt("distill", ensemble["run_id"], "--broker", pool.broker_url, "--store", pool.store_url,
+                  *(f"--{k.replace('_', '-')}={v}" for k, v in STUDENT.items()), "--json")
+        doc = json.loads(proc.stdout)
+        assert proc.returncode != 0 and doc["state"] == "failed"
+        assert (f"teacher targets shard 1 of 3 (T2-k16-s0-t1) ({key}) is not what the run stored"
+                in doc["error"]), doc["error"]
+    finally:
+        store.put_bytes(key, honest)

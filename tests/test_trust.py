@@ -24,7 +24,7 @@ from tensorturn.modes.fused import tasks as fused
 from tensorturn.recipes import resolve
 from tensorturn.spec import RunSpec
 from tensorturn.store import open_store
-from tensorturn.tasks.attempt import chord_failed, signed
+from tensorturn.tasks.attempt import signed
 from tensorturn.tasks.start import start_run
 from tensorturn.tensors import MODEL_FORMAT
 from tensorturn.trust import PoolKey, UntrustedError
@@ -123,7 +123,7 @@ def test_forged_task_messages_are_refused_before_anything_is_read(world, marker)
     assert {x["task"] for x in refusals(r)} == {"tensorturn.fused.train_shard"}
     assert sorted(store.list(layout.RUNS)) == before          # nothing written
     assert r.hlen(layout.run_key(spec.run_id, "attempts")) == 0  # not even an attempt record
-    chord_failed.apply(args=("id", spec.run_id, "the outer step of round 0")).get()  # unsigned
+    fused.chord_failed.apply(args=("id", spec.run_id, "the outer step of round 0")).get()  # unsigned
     assert RunBoard(r).describe(spec.run_id)["state"] == "queued"  # untouched
 
 
@@ -156,7 +156,8 @@ def test_a_run_request_is_refused_for_a_bad_signature_another_store_or_an_unallo
 
     evil = RunSpec.create(store_url=theirs, **{**FUSED, "recipe": "evil_recipe:Evil"}).to_json()
     start_run.apply(args=[evil], kwargs={"sig": OTHER_KEY.sign("submit", evil)}).get()
-    assert "missing or bad signature" in start_reply(r, evil["run_id"])["error"]
+    assert r.keys(layout.run_key(evil["run_id"], "*")) == []  # refused: its answer is in tt:refused
+    assert "missing or bad signature" in client.start_answer(r, evil["run_id"])["error"]
 
     elsewhere = RunSpec.create(store_url=theirs, **FUSED).to_json()
     start_run.apply(args=[elsewhere], kwargs={"sig": key.sign("submit", elsewhere)}).get()
@@ -243,7 +244,7 @@ def test_real_agents_refuse_forged_messages_unread(tmp_path, marker):
         evil = RunSpec.create(store_url=(tmp_path / "theirs").as_uri(),
                               **{**FUSED, "recipe": "evil_recipe:Evil"}).to_json()
         app.send_task("tensorturn.start_run", args=[evil], kwargs={"sig": OTHER_KEY.sign("submit", evil)})
-        assert "missing or bad signature" in start_reply(r, evil["run_id"])["error"]
+        assert "missing or bad signature" in client.start_answer(r, evil["run_id"])["error"]
         # signed with the pool key (its holder's mistake, or a stolen key): still only this
         # agent's store, and only recipes this agent allows
         elsewhere = RunSpec.create(store_url=(tmp_path / "theirs").as_uri(), **FUSED).to_json()
@@ -391,9 +392,26 @@ def test_a_replayed_run_request_and_a_late_chord_error_change_nothing(world):
     assert (after["state"], after["created_at"]) == (before["state"], before["created_at"])
     RunBoard(r).record_round(spec.run_id, 0, {"round": 0, "loss": 1.0, "val_loss": 1.0})
     what = "the outer step of round 0"
-    chord_failed.apply(args=("id", spec.run_id, what), kwargs={
-        "r": 0, **signed(spec.run_id, f"chord_failed:{what}")}).get()
+    errback = signed(spec.run_id, fused.chord_failed_label(0, what))
+    fused.chord_failed.apply(args=("id", spec.run_id, what), kwargs={"r": 0, **errback}).get()
     assert RunBoard(r).describe(spec.run_id)["state"] != "failed"
+    assert not RunBoard(r).incidents(spec.run_id)  # a recorded round: ignored
+
+
+def test_a_replayed_chord_error_without_its_round_or_for_the_current_round_fails_nothing(world):
+    """Issue 26 #1: the errback's signature did not cover the round its handler acts on, so a
+    copy of it sent with ``r`` left out failed any running run."""
+    spec, r, _ = world
+    what = "the outer step of round 0"
+    errback = signed(spec.run_id, fused.chord_failed_label(0, what))
+    fused.chord_failed.apply(args=("id", spec.run_id, what), kwargs=errback).get()  # r left out
+    assert refusals(r)[0]["task"] == "tensorturn.tasks.chord_failed"
+    fused.chord_failed.apply(args=("id", spec.run_id, what), kwargs={"r": 1, **errback}).get()  # another round
+    assert len(refusals(r)) == 2
+    fused.chord_failed.apply(args=("id", spec.run_id, what), kwargs={"r": 0, **errback}).get()  # the round it is in
+    doc = RunBoard(r).describe(spec.run_id)
+    assert doc["state"] != "failed"
+    assert [i["kind"] for i in doc["incidents"]] == ["chord_failed"]  # its round queued again
 
 
 def test_odd_signatures_and_records_are_refused_not_errors(tmp_path):

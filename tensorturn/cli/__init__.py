@@ -6,9 +6,13 @@ Commands that train nothing import neither torch nor Celery nor boto3 unless the
 
 from __future__ import annotations
 
+# first of all: a secret on the command line is hidden from `ps` before anything else loads
+from . import title  # isort: split
+
 import functools
 import json
 import logging
+import math
 import signal
 import sys
 from collections.abc import Callable
@@ -21,36 +25,27 @@ from ..errors import TensorTurnError
 
 log = logging.getLogger("tensorturn")
 
-BROKER_HELP = "Redis URL of the pool (env TENSORTURN_BROKER_URL)."
+BROKER_HELP = ("Redis URL of the pool (env TENSORTURN_BROKER_URL: prefer it, or --join-file; a password "
+               "on a command line shows in `ps`).")
 
 
-def pool_options(broker_help: str = BROKER_HELP) -> Callable:
+def pool_options(broker_help: str = BROKER_HELP, joins: bool = True) -> Callable:
     """``--broker``, ``--store``, ``--join-file``, ``--allow-recipe`` and ``--debug``; TensorTurn
     errors become one line + exit code. A join file (or ``TENSORTURN_JOIN``) fills in the broker and store not
-    given otherwise, the pool key, and the recipes its owner allows."""
+    given otherwise, the pool key, and the recipes its owner allows. ``joins=False``: the
+    command makes the pool (``up``), so it reads no join, not even one the environment names —
+    ``export TENSORTURN_JOIN_FILE=.tensorturn/join`` names the file ``up`` writes."""
 
     def decorate(fn: Callable) -> Callable:
-        @click.option("--broker", envvar="TENSORTURN_BROKER_URL", metavar="URL", help=broker_help)
-        @click.option("--store", envvar="TENSORTURN_STORE_URL", metavar="URL",
-                      help="Object store: file:///dir, a directory, or s3://bucket/prefix "
-                           "(env TENSORTURN_STORE_URL; default ./tensorturn-store).")
-        @click.option("--join-file", "join_file", envvar="TENSORTURN_JOIN_FILE", metavar="PATH",
-                      help="The pool's join file from `tensorturn up` (broker, store, pool key); "
-                           "`-` reads the join string from stdin.")
-        @click.option("--allow-recipe", "allow", multiple=True, metavar="PATTERN",
-                      help="Also import recipes matching this `module:attr` pattern (fnmatch, "
-                           "e.g. 'myproject.recipes:*'; env TENSORTURN_ALLOW_RECIPES). Built-in "
-                           "recipes are always allowed; a recipe is code. Repeatable.")
-        @click.option("--debug", is_flag=True, help="Show tracebacks and debug logs.")
         @functools.wraps(fn)
-        def wrapper(*args: Any, broker: str | None, store: str | None, join_file: str | None,
-                    allow: tuple[str, ...], debug: bool, **kwargs: Any):
+        def wrapper(*args: Any, broker: str | None, store: str | None, allow: tuple[str, ...],
+                    debug: bool, join_file: str | None = None, **kwargs: Any):
             logging.basicConfig(level=logging.DEBUG if debug else logging.WARNING,
                                 format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
             click.get_current_context().meta["debug"] = debug
             try:
                 joined = kwargs.pop("join", None)  # `agent --join`, when the command has it
-                if joined is not None or join_file or config.current().join:
+                if joins and (joined is not None or join_file or config.current().join):
                     from ..coordinator import load_join
 
                     settings = load_join(joined or config.current().join, join_file, config.current())
@@ -70,6 +65,23 @@ def pool_options(broker_help: str = BROKER_HELP) -> Callable:
                     raise
                 fail(str(exc), exc.exit_code)
 
+        join_file = click.option(
+            "--join-file", "join_file", envvar="TENSORTURN_JOIN_FILE", metavar="PATH",
+            help="The pool's join file from `tensorturn up` (broker, store, pool key); `-` reads "
+                 "the join string from stdin.")
+        for option in reversed([
+            click.option("--broker", envvar="TENSORTURN_BROKER_URL", metavar="URL", help=broker_help),
+            click.option("--store", envvar="TENSORTURN_STORE_URL", metavar="URL",
+                         help="Object store: file:///dir, a directory, or s3://bucket/prefix "
+                              "(env TENSORTURN_STORE_URL; default ./tensorturn-store)."),
+            *([join_file] if joins else []),
+            click.option("--allow-recipe", "allow", multiple=True, metavar="PATTERN",
+                         help="Also import recipes matching this `module:attr` pattern (fnmatch, "
+                              "e.g. 'myproject.recipes:*'; env TENSORTURN_ALLOW_RECIPES). Built-in "
+                              "recipes are always allowed; a recipe is code. Repeatable."),
+            click.option("--debug", is_flag=True, help="Show tracebacks and debug logs."),
+        ]):
+            wrapper = option(wrapper)
         return wrapper
 
     return decorate
@@ -103,7 +115,20 @@ def fail(message: str, code: int) -> None:
 
 
 def emit_json(doc: Any) -> None:
-    click.echo(json.dumps(doc, indent=2, sort_keys=True, default=str))
+    """``doc`` on stdout as strict JSON, the one place every ``--json`` is printed: a NaN or
+    infinite number (a diverged metric) is ``null``, never the bare ``NaN`` JSON parsers refuse."""
+    click.echo(json.dumps(strict(doc), indent=2, sort_keys=True, default=str, allow_nan=False))
+
+
+def strict(value: Any) -> Any:
+    """``value`` with every non-finite float, at any depth, replaced by None."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: strict(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict(v) for v in value]
+    return value
 
 
 def stop_on_signals() -> None:
@@ -139,22 +164,8 @@ def cli() -> None:
 
 def main() -> None:
     args = sys.argv[1:]
-    scrub_argv()
+    sys.argv[:] = title.masked(sys.argv)  # what Celery shows in its process titles (args read above)
     cli(args=args, prog_name="tensorturn")
-
-
-def scrub_argv() -> None:
-    """Hide secrets given on the command line from ``ps`` and ``/proc/<pid>/cmdline`` (the
-    process title is rewritten in place); the safe forms are files, stdin and variables."""
-    masked = [config.mask_text(arg) for arg in sys.argv]
-    if masked == sys.argv:
-        return
-    sys.argv[:] = masked  # what Celery shows in its process titles (the args were read before)
-    try:
-        import setproctitle
-    except ImportError:
-        return
-    setproctitle.setproctitle(" ".join(["tensorturn", *masked[1:]]))
 
 
 from . import data, distill, inspect, pool, run, serve  # noqa: E402,F401 - each module adds its commands

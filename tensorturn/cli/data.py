@@ -27,13 +27,19 @@ def data():
 
 
 def _size(text: str | None) -> tuple[int, int] | None:
+    """``--resize WxH``: at least 1x1, and no more pixels than a pushed image may have."""
+    from ..data import MAX_IMAGE_PIXELS
+
     if not text:
         return None
     try:
         w, h = (int(v) for v in text.lower().split("x"))
-        return w, h
     except ValueError:
-        raise SpecError(f"--resize must be WIDTHxHEIGHT, e.g. 32x32 (got {text!r})") from None
+        w = h = 0
+    if w < 1 or h < 1 or w * h > MAX_IMAGE_PIXELS:
+        raise SpecError(f"--resize must be WIDTHxHEIGHT of at least 1x1 and at most "
+                        f"{MAX_IMAGE_PIXELS // 10 ** 6} megapixels, e.g. 32x32 (got {text!r})")
+    return w, h
 
 
 @data.command("push")
@@ -64,7 +70,10 @@ def data_push(broker, store, source, name, label, task, resize, seed, val_fracti
     A folder of text is every UTF-8 file in it (binary and non-UTF-8 files are skipped and counted,
     hidden ones never read). It is split by file when whole files can give validation and test
     about their share of the characters, otherwise by position: the files joined and cut at line
-    ends. A split whose fraction is above zero is never stored empty: too little data is refused."""
+    ends. A split whose fraction is above zero is never stored empty: too little data is refused.
+
+    A folder's links that lead out of it are never followed (they are skipped and counted), and
+    an image of more than 40 megapixels is refused from its header, before it is decoded."""
     from .. import data as datasets
     from ..store import open_store
 
@@ -94,6 +103,8 @@ def data_push(broker, store, source, name, label, task, resize, seed, val_fracti
                f"{time.monotonic() - t0:.1f}s")
     if index.get("files"):
         click.echo(f"  {_files_line(index)}")
+    if index.get("links", {}).get("skipped"):
+        click.echo(f"  {_links_line(index)}")
 
 
 def _files_line(index: dict[str, Any]) -> str:
@@ -112,6 +123,15 @@ def _files_line(index: dict[str, Any]) -> str:
     elif index.get("split_by") == "file":
         line += "; split by file (whole files held out, by share of the characters)"
     return line
+
+
+def _links_line(index: dict[str, Any]) -> str:
+    """The links a folder's push skipped because they lead out of it."""
+    from ..data import links_out
+
+    links = index["links"]
+    names = ", ".join(links["skipped_names"]) + (", ..." if links["skipped"] > len(links["skipped_names"]) else "")
+    return f"skipped {links_out(links['skipped'])} ({names})"
 
 
 @data.command("list")

@@ -12,7 +12,7 @@ import click
 
 from ..errors import SpecError
 from . import cli, pool_options
-from .run import TRAINING, Stage, follow_options, launch, mode_options, print_results, training_options
+from .run import TRAINING, Stage, bounded, follow_options, launch, mode_options, print_results, training_options
 
 TEMPERATURE, ALPHA, TOP_K, MIXUP = 2.0, 0.5, 16, 0
 # the fused run's defaults for a student (FusedOptions' own suit training from scratch on
@@ -56,9 +56,10 @@ def distill_spec(teacher: str, store: str, run_id: str = "", student: dict[str, 
     from ..modes.fused import default_shards
     from ..recipes import resolve
     from ..recipes.distilled import plan
-    from ..spec import RunSpec
+    from ..spec import RunSpec, check_bounds
     from ..store import open_store
 
+    check_bounds({"temperature": temperature, "alpha": alpha, "top_k": top_k, "mixup": mixup})
     recipe_options = plan(open_store(store), teacher, student, temperature, alpha, top_k, mixup)
     recipe = resolve("distill", recipe_options)
     check_contract(recipe_options["recipe"], recipe, "nothing was queued")  # the ensemble's, as it is now
@@ -114,15 +115,19 @@ def distill_stage(teacher: str, store: str, training: dict[str, Any], **settings
                    "recipe's default model, one member's inference cost].")
 @click.option("--temperature", type=float, default=TEMPERATURE, show_default=True,
               help="Softens the members' distributions before they are averaged and matched "
-                   "(Hinton et al. 2015); higher keeps more of what the vote says about wrong classes.")
+                   "(Hinton et al. 2015); higher keeps more of what the vote says about wrong classes."
+                   + bounded("temperature"))
 @click.option("--alpha", type=float, default=ALPHA, show_default=True,
-              help="Weight of the teacher's soft targets; 1 − alpha goes to the true labels.")
+              help="Weight of the teacher's soft targets; 1 − alpha goes to the true labels."
+                   + bounded("alpha"))
 @click.option("--top-k", type=int, default=TOP_K, show_default=True,
               help="Classes (tokens) of the teacher's distribution kept per row, renormalised: "
-                   "bounds the stored targets for large vocabularies.")
+                   "bounds the stored targets for large vocabularies."
+                   + bounded("top_k"))
 @click.option("--mixup", type=int, default=MIXUP, show_default=True,
               help="Mixed transfer rows per training row, real-valued inputs only: each a random "
-                   "mix of two rows of its shard, labelled by the teacher alone.")
+                   "mix of two rows of its shard, labelled by the teacher alone."
+                   + bounded("mixup"))
 @mode_options("fused", defaults={"rounds": str(ROUNDS), "sync_every": f"{SYNC_EVERY} for a distillation"})
 @training_options
 @follow_options("distill")
@@ -174,7 +179,7 @@ def distill(broker, store, teacher, student, temperature, alpha, top_k, mixup, l
                    "best: whichever of the two scores higher on validation.")
 @click.option("--eval-batches", type=int, default=None,
               help="Validation and test figures from at most this many forward passes "
-                   "[default: the whole split].")
+                   f"[default: the whole split]{bounded('eval_batches')}.")
 @click.option("--json", "as_json", is_flag=True, help="Print the soup's run as one JSON object.")
 @pool_options("Unused: a soup is made here, from the store alone.")
 def soup(broker, store, ensemble, rule, eval_batches, as_json):
@@ -193,9 +198,9 @@ def soup(broker, store, ensemble, rule, eval_batches, as_json):
       tensorturn soup RUN
     """
     from ..soup import soup as make_soup
+    from ..spec import check_bounds
     from ..store import open_store
 
-    if eval_batches is not None and eval_batches < 1:
-        raise SpecError(f"--eval-batches must be a whole number ≥ 1 (got {eval_batches})")
+    check_bounds({"eval_batches": eval_batches})
     doc = make_soup(open_store(store), ensemble, rule, eval_batches)
     print_results([doc], as_json)

@@ -1,6 +1,9 @@
-"""``status``, ``runs``, ``report`` and ``workers``: looking at runs and machines."""
+"""``status``, ``runs`` (and ``runs rm``), ``report`` and ``workers``: looking at runs and machines."""
 
 from __future__ import annotations
+
+import sys
+from typing import Any
 
 import click
 
@@ -54,11 +57,17 @@ def status(broker, store, run_id, as_json, watch):
     print_result(doc, as_json)
 
 
-@cli.command()
+@cli.group(invoke_without_command=True)
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON list.")
 @pool_options()
 def runs(broker, store, as_json):
-    """List runs, newest first (the broker's, and the manifests in the store)."""
+    """List runs, newest first (the broker's, and the manifests in the store).
+
+    \b
+      tensorturn runs rm RUN      delete a finished run: its store objects and broker keys
+    """
+    if click.get_current_context().invoked_subcommand is not None:
+        return
     from .. import client
 
     items = client.list_runs(broker, store, on_broker_down=BrokerDownWarning(store))
@@ -72,6 +81,50 @@ def runs(broker, store, as_json):
         click.echo(f"{m['run_id']}  {m['mode']:8s} {m['state']:9s} {m['recipe']}"
                    + (f"  test_accuracy {acc:.4f}" if acc is not None else "")
                    + (f"  ({m['note']})" if m.get("note") else ""))
+
+
+@runs.command("rm")
+@click.argument("run_id")
+@click.option("--yes", is_flag=True, help="Do not ask for confirmation (needed without a terminal).")
+@click.option("--force", is_flag=True, help="Also remove a run whose manifest is not finished and "
+              "that no broker record shows (a killed embedded run, say).")
+@click.option("--json", "as_json", is_flag=True, help="Print what was deleted as one JSON object.")
+@pool_options()
+def runs_rm(broker, store, run_id, yes, force, as_json):
+    """Delete a finished run: every object under runs/RUN/ in the store, and its keys on the
+    broker. Refused while it runs (cancel it first), while a running run reads it, and while
+    `tensorturn serve` serves it. Asks first, unless --yes.
+    """
+    from .. import client
+
+    def confirm(plan: dict[str, Any]) -> bool:
+        if yes:
+            return True
+        if not can_ask():
+            raise TensorTurnError(f"not removing run {run_id} without confirmation: no terminal "
+                                  f"to ask on; pass --yes")
+        return click.confirm(f"remove run {run_id} ({plan['state']}): {plan['objects']} objects, "
+                             f"{_megabytes(plan['bytes'])} in the store, and its broker keys?",
+                             default=False, err=True)
+
+    removed = client.remove_run(run_id, broker, store, confirm, force=force)
+    if removed is None:
+        click.echo(f"run {run_id} not removed", err=True)
+        sys.exit(1)
+    if as_json:
+        emit_json(removed)
+        return
+    click.echo(f"run {run_id} removed: {removed['objects']} objects ({_megabytes(removed['bytes'])}) "
+               f"from the store, {removed['broker_keys']} keys from the broker")
+
+
+def can_ask() -> bool:
+    """Whether a person can answer a question here (stdin is a terminal)."""
+    return sys.stdin.isatty()
+
+
+def _megabytes(n: int) -> str:
+    return f"{n / 1e6:.1f} MB"
 
 
 @cli.command()
@@ -98,13 +151,27 @@ def report(broker, store, run_id, as_json):
 
 @cli.command()
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON list.")
+@click.option("--prune", is_flag=True,
+              help="First prune the broker's leftovers now (as a finishing run does, at most "
+                   "hourly): forget agents offline longer than TENSORTURN_AGENT_TTL_S and their "
+                   "queues; expire keys finished or lost runs left.")
 @pool_options()
-def workers(broker, store, as_json):
-    """List the pool's machines: state (idle/busy/offline/quarantined), device, memory, task."""
+def workers(broker, store, as_json, prune):
+    """List the pool's machines: state (idle/busy/offline/quarantined), device, memory, task.
+
+    An agent offline for longer than TENSORTURN_AGENT_TTL_S (a day) is forgotten.
+    """
     from .. import client
 
     if not broker:
         raise TensorTurnError("`workers` needs a pool: pass --broker URL or set TENSORTURN_BROKER_URL")
+    if prune:
+        done = client.prune(broker)
+        forgotten = done["agents_forgotten"]
+        click.echo(f"pruned: {len(forgotten)} agent(s) forgotten"
+                   + (f" ({', '.join(forgotten)})" if forgotten else "")
+                   + f", {done['run_keys_expiring']} run key(s) given an expiry, "
+                     f"{done['runs_unlisted']} gone run(s) unlisted", err=True)
     items = client.workers(broker)
     if as_json:
         emit_json(items)
@@ -130,11 +197,13 @@ def workers(broker, store, as_json):
         if w["state"] == "quarantined":
             line += f"  ({w['quarantined']})"
         click.echo(line)
-    refused = client.refused(broker)
-    if refused:
-        last = refused[0]
-        click.echo(f"{len(refused)} task message(s) refused by the agents (see README, \"Trust model\"); "
-                   f"last: {last['task']} on {last['worker']}: {last['reason']}", err=True)
+    total, refused = client.refusals(broker)
+    if total:
+        kept = f", the last {len(refused)} kept" if total > len(refused) else ""
+        last = (f"; last: {refused[0].get('task')} on {refused[0].get('worker')}: "
+                f"{refused[0].get('reason')}") if refused else ""
+        click.echo(f"{total} task message(s) refused by the agents (see README, \"Trust model\"{kept})"
+                   f"{last}", err=True)
 
 
 def _worker_row(name: object, state: object, device: object, device_name: object, cpus: object,

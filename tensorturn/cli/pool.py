@@ -10,10 +10,10 @@ from . import cli, pool_options, stop_on_signals
 
 
 @cli.command()
-@click.option("--join", "join", metavar="JOIN", envvar="TENSORTURN_JOIN",
-              help="The join string `tensorturn up` printed; `-` reads it from stdin (hidden "
-                   "prompt on a terminal). Prefer --join-file: a command line shows in `ps` "
-                   "and shell history (TensorTurn hides it from `ps` once started).")
+@click.option("--join", "join", metavar="-", envvar="TENSORTURN_JOIN",
+              help="`-`: read the join string (the join file's one line) from stdin, at a hidden "
+                   "prompt on a terminal (env TENSORTURN_JOIN also holds it). Never the string "
+                   "itself here: a command line shows in `ps` and shell history.")
 @click.option("--name", default=None, help="Worker name (shown as NAME@host) [default: agent].")
 @click.option("--concurrency", type=click.IntRange(min=1), default=1, show_default=True,
               help="Tasks at once on this machine. One is right for a GPU and for CPUs "
@@ -88,7 +88,7 @@ def agent(broker, store, name, concurrency, memory_gb, cache_gb, role, loglevel)
               help="Host name or address the agents dial [default: this machine's address].")
 @click.option("--dir", "directory", type=click.Path(file_okay=False), default=".tensorturn",
               show_default=True, help="Where Redis keeps its data, and the pool's secrets (mode 600).")
-@pool_options()
+@pool_options(joins=False)  # it writes the join file: one named in the environment is its own
 def up(broker, store, port, bind, advertise, directory):
     """Start the coordinator in the foreground: a Redis for the pool and the store.
 
@@ -114,29 +114,31 @@ def up(broker, store, port, bind, advertise, directory):
     server = RedisServer(home / "redis", port=cfg.port, appendonly=True, password=cfg.password,
                          bind=bind)
     # Nothing below is printed or written until our own Redis answers: a failed start leaves
-    # no banner, and any join file an earlier `up` wrote here as it was.
-    try:
-        server.start()
-    except PortInUse as exc:
-        raise PortInUse(f"{exc}: stop it, or start the coordinator on another port with "
-                        f"--port PORT") from None
-    cfg.save(home)  # the port that worked is the default next time
-    host = advertise or (advertised_host() if bind == "0.0.0.0" else bind)
-    broker_url = f"redis://default:{cfg.password}@{host}:{cfg.port}/0"  # the form redis-cli takes
-    join = make_join(broker_url, store, key.text(), trust.allowed_patterns())  # --allow-recipe
-    # written before the instructions, which callers wait for
-    trust.replace_secret(home / "broker-url", broker_url + "\n")
-    trust.replace_secret(home / "join", join + "\n")
-    click.echo(f"TensorTurn coordinator: Redis on {bind}:{cfg.port} (AOF on, noeviction), "
-               f"store {config.mask_url(store)}, pool key {key.key_id}", err=True)
-    click.echo(f"The join file {home / 'join'} (mode 600) holds the Redis password and the pool "
-               f"key: copy it to each of your machines (e.g. scp) and run there:", err=True)
-    click.echo("  tensorturn agent --join-file join --name NAME")
-    click.echo("or run `tensorturn agent --join -` and paste the file's one line at its prompt.", err=True)
-    click.echo(f"Submit runs from here with: tensorturn run --join-file {home / 'join'} ...", err=True)
-    click.echo("Ctrl-C stops the coordinator.", err=True)
+    # no banner, and any join file an earlier `up` wrote here as it was. Ctrl-C from here on,
+    # even while the banner prints, stops the Redis it started.
     stop_on_signals()
     try:
+        try:
+            server.start()
+        except PortInUse as exc:
+            raise PortInUse(f"{exc}: stop it, or start the coordinator on another port with "
+                            f"--port PORT") from None
+        cfg.save(home)  # the port that worked is the default next time
+        host = advertise or (advertised_host() if bind == "0.0.0.0" else bind)
+        broker_url = f"redis://default:{cfg.password}@{host}:{cfg.port}/0"  # the form redis-cli takes
+        join = make_join(broker_url, store, key.text(), trust.allowed_patterns())  # --allow-recipe
+        # written before the instructions, which callers wait for
+        trust.replace_secret(home / "broker-url", broker_url + "\n")
+        trust.replace_secret(home / "join", join + "\n")
+        click.echo(f"TensorTurn coordinator: Redis on {bind}:{cfg.port} (AOF on, noeviction), "
+                   f"store {config.mask_url(store)}, pool key {key.key_id}", err=True)
+        click.echo(f"The join file {home / 'join'} (mode 600) holds the Redis password and the pool "
+                   f"key: copy it to each of your machines (e.g. scp) and run there:", err=True)
+        click.echo("  tensorturn agent --join-file join --name NAME")
+        click.echo("or run `tensorturn agent --join -` and paste the file's one line at its prompt.",
+                   err=True)
+        click.echo(f"Submit runs from here with: tensorturn run --join-file {home / 'join'} ...", err=True)
+        click.echo("Ctrl-C stops the coordinator.", err=True)
         assert server.proc is not None  # started above
         server.proc.wait()
         raise TensorTurnError(f"redis-server exited (log: {home / 'redis' / 'redis.log'})")

@@ -12,11 +12,12 @@ from typing import Any
 import click
 
 from .. import config
+from ..checkrecipe import HOOK_TIMEOUT_S
 from ..errors import SpecError, TensorTurnError
 from ..live import WIDTH, fit
 from ..modes import get_mode, mode_names
-from ..spec import FINISHED
-from . import cli, debug_option, debugging, emit_json, fail, ignore_signals, pool_options, stop_on_signals
+from ..spec import FINISHED, LIMITS, check_bounds
+from . import cli, debugging, emit_json, fail, ignore_signals, pool_options, stop_on_signals
 
 LIVE_EVERY_S = 2.0  # without a terminal, what a run does now is printed at most this often
 
@@ -120,6 +121,9 @@ def print_result(doc: dict[str, Any], as_json: bool, exit_on_failure: bool = Tru
                        + f"; `tensorturn resume {doc['run_id']}` continues it")
         for k, v in sorted((doc.get("metrics") or {}).items()):
             click.echo(f"  {k}: {v:.4f}" if isinstance(v, float) else f"  {k}: {v}")
+        for m in doc.get("members") or []:  # an ensemble's members left out of its vote, and why
+            if m["state"] == "dropped":
+                click.echo(f"  member {m['member']} dropped: {m['reason']}")
         lineage = doc.get("lineage") or {}
         if "distilled_from" in lineage:
             click.echo(f"  distilled from: run {lineage['distilled_from']} (T {lineage['temperature']:g}, "
@@ -167,11 +171,13 @@ def follow_options(command: str) -> Callable:
     def decorate(fn: Callable) -> Callable:
         for option in reversed([
             click.option("--local-workers", type=int, default=2, show_default=True,
-                         help="Embedded pool only: agent processes to start on this machine."),
+                         help="Embedded pool only: agent processes to start on this machine."
+                              + bounded("local_workers")),
             click.option("--detach", is_flag=True,
                          help="Queue the work and return at once (needs --broker)."),
             click.option("--timeout", "timeout_s", type=float, default=None,
-                         help="Stop waiting after this many seconds (the run goes on)."),
+                         help="Stop waiting after this many seconds (the run goes on)."
+                              + bounded("timeout")),
             click.option("--json", "as_json", is_flag=True,
                          help="Print the run as one JSON object on stdout."),
             pool_options(f"Redis URL of the pool (env TENSORTURN_BROKER_URL). Without it, "
@@ -201,7 +207,7 @@ def mode_options(*modes: str, defaults: dict[str, str] | None = None) -> Callabl
                 default = "" if f.default in (MISSING, None) else f" [default: {shown}]"
                 if defaults and field_name in defaults:
                     default = f" [default: {defaults[field_name]}]"
-                help_text = f"{name.capitalize()}: {text}.{default}"
+                help_text = f"{name.capitalize()}: {text}.{default}{bounded(field_name)}"
                 flag = "--" + field_name.replace("_", "-")
                 if kind == "bool":
                     fn = click.option(f"{flag}/--no-{flag[2:]}", field_name, default=None, help=help_text)(fn)
@@ -215,26 +221,36 @@ def mode_options(*modes: str, defaults: dict[str, str] | None = None) -> Callabl
     return decorate
 
 
+def bounded(name: str) -> str:
+    """The range of an option, as ``--help`` shows it (from :data:`tensorturn.spec.LIMITS`)."""
+    return f" [{LIMITS[name].shown()}]" if name in LIMITS else ""
+
+
 def training_options(fn: Callable) -> Callable:
     """The inner training's options every run has (``RunSpec``'s common fields)."""
     for option in reversed([
-        click.option("--lr", type=float, default=None, help="Inner learning rate [default: the recipe's]."),
-        click.option("--batch-size", type=int, default=None, help="[default: the recipe's]"),
-        click.option("--seed", type=int, default=0, show_default=True),
+        click.option("--lr", type=float, default=None,
+                     help=f"Inner learning rate [default: the recipe's]{bounded('lr')}."),
+        click.option("--batch-size", type=int, default=None,
+                     help=f"[default: the recipe's]{bounded('batch_size')}"),
+        click.option("--seed", type=int, default=0, show_default=True, help=bounded("seed")[1:]),
         click.option("--threads-per-task", type=int, default=1, show_default=True,
-                     help="CPU torch threads per task; CPU results depend on it."),
+                     help="CPU torch threads per task; CPU results depend on it (an agent with "
+                          f"fewer cores uses all of its own).{bounded('threads_per_task')}"),
         click.option("--max-attempts", type=int, default=3, show_default=True,
-                     help="Attempts per task before the run fails (or an ensemble member drops)."),
+                     help="Attempts per task before the run fails (or an ensemble member drops)."
+                          + bounded("max_attempts")),
         click.option("--eval-batches", type=int, default=None,
                      help="Validation and test figures from at most this many forward passes (of the "
-                          "recipe's eval_batch_size rows, 512 by default) [default: the whole split]."),
+                          "recipe's eval_batch_size rows, 512 by default) [default: the whole split]"
+                          f"{bounded('eval_batches')}."),
         click.option("--precision", type=click.Choice(["auto", "fp32", "bf16", "fp16"]), default="auto",
                      show_default=True, help="Training precision: auto is bf16 on CUDA GPUs that "
                      "support it and fp32 elsewhere; bf16/fp16 autocast anywhere (fp16 with a "
                      "gradient scaler)."),
         click.option("--accumulate", type=int, default=1, show_default=True,
                      help="Minibatches per optimizer step (gradient accumulation: a batch of "
-                          "--batch-size × N in the memory of one)."),
+                          f"--batch-size × N in the memory of one).{bounded('accumulate')}"),
     ]):
         fn = option(fn)
     return fn
@@ -256,8 +272,9 @@ def launch(stages: list[Stage], broker: str | None, store: str, local_workers: i
     as they finish (so a caller has them when a later stage is refused)."""
     from .. import client
 
-    if broker is None and (local_workers is None or local_workers < 1):
-        raise SpecError(f"--local-workers must be a whole number ≥ 1 (got {local_workers})")
+    if not broker:  # the agents start here, on this machine
+        check_bounds({"local_workers": local_workers})
+    check_bounds({"timeout": timeout_s})
     if detach and broker is None:
         raise SpecError("--detach needs a pool (--broker): an embedded pool stops when the command exits")
     if detach and len(stages) > 1:
@@ -490,34 +507,36 @@ def cancel(broker, store, run_id, as_json):
 
 
 @cli.command("check-recipe")
-@click.argument("recipe", metavar="NAME|module:attr")
+@click.argument("recipe", metavar="NAME|module:Class")
 @click.option("--recipe-option", "recipe_options", multiple=True, metavar="KEY=VALUE",
               help="An option for the recipe (repeatable), as `run` takes it.")
+@click.option("--hook-timeout", type=click.FloatRange(min=0, min_open=True, max=86400), metavar="SECONDS",
+              default=HOOK_TIMEOUT_S, show_default=True,
+              help="The longest one step (one hook) may run before the check stops it and names it.")
 @click.option("--json", "as_json", is_flag=True, help="Print the findings as one JSON object.")
-@debug_option
-def check_recipe(recipe, recipe_options, as_json):
+@pool_options("Unused: the recipe is checked here, with the store of --store or the join file.")
+def check_recipe(recipe, recipe_options, hook_timeout, as_json, broker, store):
     """Run every hook of a recipe on a few rows, in seconds, before a long run.
 
     Data and splits, preprocess, the model, the loss and its gradient, a few training steps,
     evaluate, two ensemble members combined by the recipe's task kind, and the answer the API
     would serve. The first problem is one line naming the step and, when the recipe raised, its
-    file and line (exit 2; --debug adds the traceback); nothing is queued.
+    file and line (exit 2; --debug adds the traceback); nothing is queued. It runs in a process
+    of its own, as an agent would import the recipe (from PYTHONPATH and installed packages, not
+    the current directory), and reads datasets from the store `run` would use.
     """
     from .. import trust
-    from ..errors import TensorTurnError
+    from ..checkrecipe import CheckFailed, check_in_child
 
     config.use(trust.with_allowed(config.current(), [recipe]))  # named here, by this user
+    options = parse_recipe_options(recipe_options)
     try:
-        from ..checkrecipe import check
-
-        found = check(recipe, parse_recipe_options(recipe_options))
-    except TensorTurnError as exc:
-        from ..tracebacks import root_cause, tail, user_site
-
-        if debugging() and root_cause(exc) is not exc:  # the recipe's own failure: where, in full
-            click.echo(tail(exc), err=True)
-        site = user_site(exc)
-        fail(f"recipe {recipe!r} failed at {exc}" + (f" (at {site})" if site else ""), exc.exit_code)
+        found = check_in_child(recipe, options, hook_timeout, debug=debugging())
+    except CheckFailed as exc:
+        if debugging() and exc.trace:  # the recipe's own failure: where, in full
+            click.echo(exc.trace, err=True)
+        fail(f"recipe {recipe!r} failed at {exc}" + (f" (at {exc.where})" if exc.where else ""),
+             exc.exit_code)
         return
     if as_json:
         emit_json(found)

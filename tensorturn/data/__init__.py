@@ -11,6 +11,9 @@ Sources (:func:`read_source`): a CSV or Parquet table (``--label COLUMN``), a fo
 class (``root/<class>/*.png|jpg``), a folder of text files — every UTF-8 file in it, one document
 per file, binary ones skipped and counted, ``--include GLOB`` to choose — and a Hugging Face
 ``datasets`` dataset saved with ``save_to_disk`` (read with pyarrow, no ``datasets`` needed).
+A folder's links that lead out of it are skipped and counted, never followed (a folder someone
+handed you may link to your ``~/.ssh``, and a push would copy it into the store); an image of
+more than :data:`MAX_IMAGE_PIXELS` is refused from its header, before it is decoded.
 
 No split whose fraction is above zero is stored empty: a table or images too small to give it a
 row is refused; a text folder is split by file when whole files can give each split about its
@@ -42,6 +45,13 @@ if TYPE_CHECKING:
 FORMAT = "tensorturn-dataset-1"
 NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,62}")
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg"}
+# An image decodes to 3 bytes a pixel and more while it is converted: 40 megapixels (7300x5400,
+# more than most cameras take) is 120 MB decoded, a push of it peaking at 260 MB, where PIL's own
+# limit (89 megapixels, a warning only) let a crafted PNG of 11 kB take 500 MB (774 MB in the
+# attack pass). Larger images are refused, not skipped: a dataset silently missing some of its
+# pictures would be worse than one clear line.
+MAX_IMAGE_PIXELS = 40_000_000
+SKIPPED_SHOWN = 5  # skipped files and links named in the index (all of them are counted)
 SPLITS = ("train", "val", "test")
 SPLIT_NAMES = {"train": "train", "val": "validation", "test": "test"}
 
@@ -80,34 +90,60 @@ def read_source(source: str, label: str | None = None, image_size: tuple[int, in
             raise SpecError(f"{source} is a saved Hugging Face dataset: --include chooses files of a "
                             f"folder of images or text")
         return _hf_saved(path, label)  # a Dataset or a DatasetDict (its splits merged, split again)
-    files = _folder_files(path, include)
+    files, outside = _folder_files(path, include)
     images = [p for p in files if p.suffix.lower() in IMAGE_SUFFIXES]
     # a picture or two in a folder of source files does not make it an image folder
     if images and 2 * len(images) >= len(files):
-        return _images(path, images, image_size)
-    if files:
-        return _texts(path, files)
-    raise SpecError(f"{source}: no CSV/Parquet table, images (root/<class>/*.png|jpg), text files "
-                    f"or saved Hugging Face dataset found there")
+        table, about = _images(path, images, image_size)
+    elif files:
+        table, about = _texts(path, files)
+    else:
+        skipped = f" (skipped {links_out(len(outside))})" if outside else ""
+        raise SpecError(f"{source}: no CSV/Parquet table, images (root/<class>/*.png|jpg), text files "
+                        f"or saved Hugging Face dataset found there{skipped}")
+    about["links"] = {"skipped": len(outside), "skipped_names": outside[:SKIPPED_SHOWN]}
+    return table, about
 
 
-def _folder_files(root: Path, include: tuple[str, ...]) -> list[Path]:
-    """The folder's files, hidden ones (and those in hidden folders, such as .git) left out;
-    with ``include``, those matching a glob: one without '/' matches the file's name at any
-    depth, one with '/' its path under the folder ('*' crosses folders)."""
-    files = sorted(p for p in root.rglob("*") if p.is_file()
-                   and not any(part.startswith(".") for part in p.relative_to(root).parts))
-    if not include:
-        return files
-    def chosen(p: Path) -> bool:
-        rel = p.relative_to(root).as_posix()
-        return any(fnmatch.fnmatchcase(rel if "/" in glob else p.name, glob) for glob in include)
+def links_out(n: int) -> str:
+    """How many links a push did not follow, as its output says it."""
+    return f"{n} link{'s' if n != 1 else ''} that lead{'s' if n == 1 else ''} out of the folder"
 
-    picked = [p for p in files if chosen(p)]
-    if not picked:
-        globs = " ".join(f"--include {g!r}" for g in include)
-        raise SpecError(f"{root}: no file matches {globs} (of {len(files)} files there)")
-    return picked
+
+def _folder_files(root: Path, include: tuple[str, ...]) -> tuple[list[Path], list[str]]:
+    """The folder's files, and (relative names) its links that lead out of it, which are not
+    followed: a link is read only where it resolves inside the folder (one to a folder is not
+    walked — rglob does not follow it — and one that loops counts as leading out). Hidden files
+    (and those in hidden folders, such as .git) are left out; with ``include``, only those
+    matching a glob: one without '/' matches the file's name at any depth, one with '/' its
+    path under the folder ('*' crosses folders)."""
+    entries = sorted(p for p in root.rglob("*") if (p.is_symlink() or p.is_file())
+                     and not any(part.startswith(".") for part in p.relative_to(root).parts))
+    if include:
+        def chosen(p: Path) -> bool:
+            rel = p.relative_to(root).as_posix()
+            return any(fnmatch.fnmatchcase(rel if "/" in glob else p.name, glob) for glob in include)
+
+        picked = [p for p in entries if chosen(p)]
+        if not picked:
+            globs = " ".join(f"--include {g!r}" for g in include)
+            raise SpecError(f"{root}: no file matches {globs} (of {len(entries)} files there)")
+        entries = picked
+    inside = root.resolve()
+    files, outside = [], []
+    for p in entries:
+        if p.is_symlink() and not _resolves_inside(p, inside):
+            outside.append(p.relative_to(root).as_posix())
+        elif p.is_file():
+            files.append(p)
+    return files, outside
+
+
+def _resolves_inside(link: Path, folder: Path) -> bool:
+    try:
+        return link.resolve().is_relative_to(folder)
+    except (OSError, RuntimeError):  # a loop (RuntimeError before Python 3.13)
+        return False
 
 
 def _table(table: pa.Table, label: str | None, source: str) -> tuple[pa.Table, dict[str, Any]]:
@@ -194,7 +230,6 @@ def _hf_saved(path: Path, label: str | None) -> tuple[pa.Table, dict[str, Any]]:
 
 def _images(root: Path, files: list[Path], size: tuple[int, int] | None) -> tuple[pa.Table, dict[str, Any]]:
     import pyarrow as pa
-    from PIL import Image
 
     classes = sorted({p.relative_to(root).parts[0] for p in files if len(p.relative_to(root).parts) == 2})
     if not classes:
@@ -205,7 +240,7 @@ def _images(root: Path, files: list[Path], size: tuple[int, int] | None) -> tupl
         parts = p.relative_to(root).parts
         if len(parts) != 2:
             continue
-        with Image.open(p) as opened:
+        with _open_image(p) as opened:
             rgb = opened.convert("RGB")
         if size:
             rgb = rgb.resize(size)
@@ -223,6 +258,26 @@ def _images(root: Path, files: list[Path], size: tuple[int, int] | None) -> tupl
                    "image_size": [width, height]}
 
 
+def _open_image(path: Path):
+    """The image, its header read and nothing decoded; refused when it has more pixels than
+    :data:`MAX_IMAGE_PIXELS`."""
+    from PIL import Image
+
+    try:
+        image = Image.open(path)
+    except Image.DecompressionBombError:  # past twice PIL's limit, refused as PIL read the header
+        raise _too_large(path, "its size") from None
+    if image.width * image.height > MAX_IMAGE_PIXELS:
+        image.close()
+        raise _too_large(path, f"{image.width}x{image.height} pixels")
+    return image
+
+
+def _too_large(path: Path, size: str) -> SpecError:
+    return SpecError(f"{path}: {size} is more than the {MAX_IMAGE_PIXELS // 10 ** 6} megapixels an image "
+                     f"may have: shrink it (or leave it out) and push again")
+
+
 def _read_text(path: Path) -> str | None:
     """The file's text (newlines as '\\n', no BOM), or None when it is binary or not UTF-8."""
     with open(path, "rb") as f:
@@ -235,9 +290,6 @@ def _read_text(path: Path) -> str | None:
     except UnicodeDecodeError:
         return None
     return text.replace("\r\n", "\n").replace("\r", "\n")
-
-
-SKIPPED_SHOWN = 5  # skipped files named in the index (all of them are counted)
 
 
 def _texts(root: Path, files: list[Path]) -> tuple[pa.Table, dict[str, Any]]:
@@ -460,7 +512,7 @@ def show(store: Store, name: str, version: int | None = None) -> dict[str, Any]:
 
 def summary(index: dict[str, Any]) -> dict[str, Any]:
     return {k: index.get(k) for k in ("name", "version", "kind", "label", "rows", "bytes", "created_at",
-                                     "source", "split_by", "files")} | {
+                                     "source", "split_by", "files", "links")} | {
         "chunks": sum(len(c) for c in index["splits"].values())}
 
 

@@ -5,23 +5,30 @@ the chunk or damaged — never stale. A file is checked against its sha256 when 
 a damaged download is fetched once more, then it is one clear error naming the chunk (the store
 holds a bad copy). The least recently used chunks are removed when the cache would exceed its
 budget; several processes of one machine share the cache (a lock file serialises changes).
+
+The cache holds what the store keeps private, so it is as private: its folder 0700 and its files
+0600 from their first byte, and a cache left by an older version is made so when it is opened.
 """
 
 from __future__ import annotations
 
 import fcntl
 import hashlib
+import logging
 import os
 import re
+import stat
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
 from .. import layout
 from ..errors import StoreError
 from ..store import Store
+
+log = logging.getLogger(__name__)
 
 ORPHAN_AGE_S = 3600
 DEFAULT_DIR = Path.home() / ".cache" / "tensorturn" / "chunks"
@@ -36,10 +43,24 @@ class ChunkCache:
     def __init__(self, directory: Path | str = DEFAULT_DIR, budget_bytes: int = 4 * 1024 ** 3):
         self.dir = Path(directory)
         self.budget = int(budget_bytes)
-        self.dir.mkdir(parents=True, exist_ok=True)
+        self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self._make_private()
         self.hits = self.misses = self.bytes_downloaded = 0
         self._mine = threading.local()  # this thread's figures (prefetching runs beside training)
         self._remove_orphans()
+
+    def _make_private(self) -> None:
+        """The folder 0700 and every file in it 0600 (mkdir's mode only applies to a new folder,
+        and an older version left them 755/644); a folder of another user's is left as it is."""
+        try:
+            self.dir.chmod(0o700)
+            for p in self.dir.iterdir():
+                with suppress(FileNotFoundError):  # evicted by another process meanwhile
+                    mode = p.lstat().st_mode
+                    if stat.S_ISREG(mode) and mode & 0o077:
+                        p.chmod(0o600)
+        except PermissionError:
+            log.warning("the chunk cache %s belongs to another user: its modes are left as they are", self.dir)
 
     def _remove_orphans(self) -> None:
         """Remove partial downloads (``.<sha>.<pid>``) of processes that died writing them — an
@@ -65,7 +86,7 @@ class ChunkCache:
 
     @contextmanager
     def _locked(self):
-        with open(self.dir / ".lock", "a") as lock:
+        with os.fdopen(os.open(self.dir / ".lock", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             try:
                 yield
@@ -91,7 +112,9 @@ class ChunkCache:
         data = self._download(store, sha)
         self._make_room(len(data))
         tmp = target.with_name(f".{sha}.{os.getpid()}")
-        tmp.write_bytes(data)
+        tmp.unlink(missing_ok=True)  # a leftover of this PID's namesake, which O_EXCL would refuse
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as f:
+            f.write(data)
         os.replace(tmp, target)
         return target
 

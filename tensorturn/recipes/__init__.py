@@ -1,9 +1,14 @@
 """Recipes: what to train. A recipe names the data, the model, the loss and the evaluation.
 
 Built-in recipes are listed in :data:`BUILTIN` (by name; imported only when used); any other
-recipe is given as ``package.module:attr`` and must be importable on every machine of the pool
-(a class, a factory, or an instance) and allowed there (``--allow-recipe``; see
-:mod:`tensorturn.trust`): :func:`resolve` imports nothing a machine has not allowed.
+recipe is given as ``package.module:Class``, a subclass of :class:`Recipe` that must be importable
+on every machine of the pool and allowed there (``--allow-recipe``; see :mod:`tensorturn.trust`):
+:func:`resolve` imports nothing a machine has not allowed, and calls nothing but a Recipe class
+(a signed spec's options go to that constructor, never to another callable the module holds).
+
+Where a recipe's module comes from: ``PYTHONPATH`` and installed packages. Agents, embedded ones
+included, start without the current directory on ``sys.path`` (``python -P``), so a file there
+never shadows a module; :data:`WHERE_RECIPES_COME_FROM` says so in errors.
 :func:`check_name` needs no torch, for the CLI.
 """
 
@@ -34,6 +39,10 @@ BUILTIN: dict[str, str] = {
     "distill": "tensorturn.recipes.distilled:Distilled",
 }
 
+# said where a recipe's module is not found: agents never look in their current directory
+WHERE_RECIPES_COME_FROM = ("recipes are imported from PYTHONPATH and installed packages, not the "
+                           "current directory")
+
 
 def __getattr__(name: str) -> Any:  # Recipe, Splits, load_splits without importing torch early
     if name in ("Recipe", "Splits", "load_splits"):
@@ -46,11 +55,13 @@ def __getattr__(name: str) -> Any:  # Recipe, Splits, load_splits without import
 def check_name(name: str) -> None:
     """RecipeError unless ``name`` is a built-in or names a module that exists here; imports
     nothing (the recipe itself is imported where it runs)."""
+    from ..trust import recipe_parts
+
     if name in BUILTIN:
         return
-    if ":" not in name:
+    if recipe_parts(name) is None:
         known = ", ".join(sorted(BUILTIN))
-        raise RecipeError(f"unknown recipe {name!r}: use one of {known} or package.module:attr")
+        raise RecipeError(f"unknown recipe {name!r}: use one of {known} or package.module:Class")
     module_name = name.partition(":")[0]
     try:
         found = importlib.util.find_spec(module_name)
@@ -58,36 +69,54 @@ def check_name(name: str) -> None:
         raise RecipeError(f"recipe {name!r} failed to import: {type(exc).__name__}: {exc}") from None
     if found is None:
         raise RecipeError(f"recipe {name!r} failed to import: ModuleNotFoundError: "
-                          f"No module named {module_name!r}")
+                          f"No module named {module_name!r} ({WHERE_RECIPES_COME_FROM})")
 
 
 def resolve(name: str, options: dict | None = None) -> "Recipe":
-    """The recipe called ``name`` (built-in, or ``module:attr``), built with ``options``."""
+    """The recipe called ``name`` (built-in, or ``module:Class``), built with ``options``.
+
+    Checked before each step: the name against the allowlist before the module is imported, and
+    that ``Class`` is a Recipe subclass before it is called — what the module imported or defined
+    besides (``shutil.copyfile``, a factory, an instance) is never called with a spec's options."""
     from ..trust import check_recipe_allowed
     from .base import Recipe
 
     check_recipe_allowed(name, BUILTIN)  # before anything is imported: a recipe is code
     check_name(name)
-    options = options or {}
     module_name, _, attr = BUILTIN.get(name, name).partition(":")
     try:
         module = importlib.import_module(module_name)
     except Exception as exc:  # noqa: BLE001 - any import failure is the user's to fix
-        raise RecipeError(f"recipe {name!r} failed to import: {type(exc).__name__}: {exc}") from exc
+        raise RecipeError(f"recipe {name!r} failed to import: {type(exc).__name__}: {exc}"
+                          f"{_where(exc, module_name)}") from exc
+    target = getattr(module, attr, None)
+    if target is None:
+        raise RecipeError(f"recipe {name!r}: module {module_name!r} has no attribute {attr!r}")
+    if not (isinstance(target, type) and issubclass(target, Recipe)):
+        what = f"class {target.__name__}" if isinstance(target, type) else type(target).__name__
+        raise RecipeError(f"recipe {name!r} is a {what}, not a tensorturn Recipe class "
+                          f"(a recipe is a subclass of tensorturn.recipes.Recipe)")
+    return _built(name, target, options or {})
+
+
+def _where(exc: Exception, module_name: str) -> str:
+    """Where recipes come from, when the recipe's own module (not one it imports) is not found."""
+    missing = getattr(exc, "name", None) if isinstance(exc, ModuleNotFoundError) else None
+    if missing and f"{module_name}.".startswith(f"{missing}."):
+        return f" ({WHERE_RECIPES_COME_FROM})"
+    return ""
+
+
+def _built(name: str, cls: "type[Recipe]", options: dict) -> "Recipe":
+    """``cls(**options)``; whatever goes wrong, one line naming the recipe."""
     try:
-        target = getattr(module, attr)
-    except AttributeError:
-        raise RecipeError(f"recipe {name!r}: module {module_name!r} has no attribute {attr!r}") from None
-    try:
-        recipe = target(**options) if callable(target) else target
+        recipe = cls(**options)
     except TypeError as exc:
         raise RecipeError(f"recipe {name!r} does not accept options {sorted(options)}: {exc}") from exc
     except TensorTurnError as exc:  # the recipe said what is wrong (a dataset that is not there, ...)
         raise RecipeError(f"recipe {name!r}: {exc}") from exc
     except Exception as exc:  # noqa: BLE001 - a user recipe's own failure, shown in one line
         raise RecipeError(f"recipe {name!r} failed to build: {type(exc).__name__}: {exc}") from exc
-    if not isinstance(recipe, Recipe):
-        raise RecipeError(f"recipe {name!r} is a {type(recipe).__name__}, not a tensorturn Recipe")
     recipe.ref = name
     return recipe
 

@@ -169,7 +169,7 @@ class Distilled(Recipe):
 
     def _load_or_compute(self, k: int, shards: int, seed: int, x: torch.Tensor
                          ) -> tuple[torch.Tensor, torch.Tensor]:
-        from .. import config, layout
+        from .. import config, layout, seals
         from ..store import open_store
         from ..tensors import from_bytes, to_bytes
 
@@ -183,11 +183,11 @@ class Distilled(Recipe):
             # later stays) and each trains on its own — the same bytes on CPUs with the same
             # threads; a GPU's may differ in the last bits (see the README).
             if not store.exists(key):
-                store.put_bytes(key, to_bytes({"values": values, "indices": indices},
-                                              {"teacher": self.teacher, "tag": self.tag,
-                                               "rows": str(len(x))}))
+                seals.put_bytes(store, key, to_bytes({"values": values, "indices": indices},
+                                                     {"teacher": self.teacher, "tag": self.tag,
+                                                      "rows": str(len(x))}))
                 return values, indices
-        stored = from_bytes(store.get_bytes(key))
+        stored = from_bytes(seals.get_bytes(store, key))
         if len(stored["values"]) != len(x):
             raise RecipeError(f"the stored teacher targets {key} hold {len(stored['values'])} rows, "
                               f"shard {k} has {len(x)}: the ensemble's data changed")

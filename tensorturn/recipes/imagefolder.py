@@ -18,6 +18,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..data import MAX_IMAGE_PIXELS
+from ..errors import RecipeError
 from .pushed import PushedRecipe
 
 
@@ -36,8 +38,17 @@ class ImageFolder(PushedRecipe):
     def tensors(self, table: Any) -> tuple[torch.Tensor, torch.Tensor]:
         from PIL import Image
 
-        pixels = [np.asarray(Image.open(io.BytesIO(b)).convert("RGB"), dtype=np.uint8)
-                  for b in table.column("image").to_pylist()]
+        def decode(blob: bytes) -> np.ndarray:
+            image = Image.open(io.BytesIO(blob))
+            if image.size != (self.width, self.height) or self.width * self.height > MAX_IMAGE_PIXELS:
+                # the store's chunks were changed (a push never stores such an image): a bomb
+                # is refused from its header, before it is decoded
+                raise RecipeError(f"dataset {self.dataset!r}: a stored image of {image.width}x{image.height} "
+                                  f"pixels, where the dataset's are {self.width}x{self.height} (at most "
+                                  f"{MAX_IMAGE_PIXELS // 10 ** 6} megapixels); refused")
+            return np.asarray(image.convert("RGB"), dtype=np.uint8)
+
+        pixels = [decode(b) for b in table.column("image").to_pylist()]
         x = (np.stack(pixels).transpose(0, 3, 1, 2) if pixels
              else np.zeros((0, 3, self.height, self.width), np.uint8))
         y = np.asarray(table.column("label").to_pylist() if table.num_rows else [], np.int64)

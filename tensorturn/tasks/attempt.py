@@ -40,7 +40,6 @@ from celery.exceptions import Retry
 from .. import config, layout, tracebacks, trust
 from ..board import RunBoard
 from ..broker import redis_client
-from ..celery_app import app
 from ..config import mask_text, mask_url
 from ..errors import RecipeError, StoreError, TensorTurnError
 from ..layout import Label, worker_key
@@ -95,7 +94,8 @@ def refuse(r: Any, worker: str, task_name: str | None, run_id: Any, reason: str)
              "reason": reason}
     pipe = r.pipeline()
     pipe.lpush(layout.REFUSED, json.dumps(entry))
-    pipe.ltrim(layout.REFUSED, 0, 99)  # the last hundred are enough to see an attack
+    pipe.ltrim(layout.REFUSED, 0, 99)  # the last hundred are enough to see an attack,
+    pipe.incr(layout.REFUSED_TOTAL)    # and the count that a flood of them cannot hide
     pipe.execute()
 
 
@@ -234,6 +234,10 @@ def execute(task: Task, run_id: str, label: Label, unit_class: type[Unit], sig: 
     board = board_for(task.app.conf.broker_url)
     state, quarantined = board.state_and_quarantine(run_id, task.request.hostname or "?")
     if state in FINISHED:
+        return receipt
+    if state is None:  # no whole record (Redis lost it, or its keys were deleted): write nothing
+        log.warning("run %s: %s ignored: the broker has no record of the run; `tensorturn "
+                    "resume %s` rebuilds it from the store", run_id, label, run_id)
         return receipt
     if quarantined:  # a task it held when taken out of rotation
         raise task.retry(countdown=1, max_retries=None)   # back to the queue, for another machine
@@ -404,37 +408,17 @@ def _worker_store_failed(task: Task, board: RunBoard, run_id: str, label: str, w
 
 def quarantine(task: Task, board: RunBoard, run_id: str, label: str, worker: str,
                reason: str) -> None:
-    """Take ``worker`` out of rotation: it stops consuming every queue, and says why."""
+    """Take ``worker`` — this task's own agent — out of rotation: it stops consuming every
+    queue, and says why. Both are signed with the pool key for this start of the agent (a mark
+    or a ``cancel_consumer`` without it is refused: anyone with the Redis password could send
+    one), so a restart ends the quarantine."""
+    from ..remote_control import send
     from ..routing import agent_queues, withdraw
+    from ..telemetry import quarantine_mark
 
-    board.r.hset(worker_key(worker), "quarantined", mask_text(reason))
+    board.r.hset(worker_key(worker), mapping=quarantine_mark(worker, mask_text(reason)))
     board.incident(run_id, "worker_quarantined", label, worker, reason)
     queues = agent_queues()
     withdraw(board.r, worker, queues)  # the outer steps waiting for it go to the trainers
     for queue in [*queues, layout.agent_queue(worker)]:
-        task.app.control.cancel_consumer(queue, destination=[worker])
-
-
-# ---- a chord whose body cannot run ---------------------------------------------------------------
-
-@app.task(bind=True, name="tensorturn.tasks.chord_failed")
-def chord_failed(self: Task, *args: Any, sig: str | None = None, r: int | None = None) -> None:
-    """Errback of a round's chord: Celery could not run its body (a header task raised past the
-    protocol, or the chord's counter broke); the run fails instead of waiting forever.
-
-    Celery calls an errback either as a task with the failed task's id first (``task_id,
-    run_id, what``) or in place with ``request, exc, traceback`` first, depending on its version
-    and the errback's signature: the last two arguments are ours either way."""
-    run_id, what = args[-2], args[-1]
-    if not authentic(self, run_id, f"chord_failed:{what}", sig):
-        return
-    first = args[0]
-    task_id = first if isinstance(first, str) else getattr(first, "id", "?")
-    board = board_for(app.conf.broker_url)
-    if board.is_finished(run_id) or (r is not None and board.has_round(run_id, r)):
-        # the round went on after all (or this is a replayed message): nothing failed
-        log.warning("run %s: ignored a chord error for %s: the round is recorded", run_id, what)
-        return
-    board.fail(run_id, f"{what} could not run: a task of it failed outside TensorTurn's "
-                       f"handling (Celery task {task_id}); see the agents' logs, then "
-                       f"`tensorturn resume {run_id}`")
+        send(task.app, "cancel_consumer", {"queue": queue}, worker=worker)

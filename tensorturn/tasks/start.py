@@ -27,19 +27,19 @@ def start_run(self: Task, spec_json: Any, sig: str | None = None) -> None:
     and its exit code — then nothing was queued.
 
     Checked first, before anything is read or imported: the request is signed with the pool
-    key, it names this agent's own store, and its recipe is one this agent allows."""
+    key, it names this agent's own store, and its recipe is one this agent allows. A request
+    that is not signed writes nothing but its entry in ``tt:refused`` — not even an answer
+    under the run id it names (anyone with the Redis password could choose that id); the
+    submitter finds its refusal there (:func:`tensorturn.client.start_on_an_agent`)."""
     worker = self.request.hostname or "?"
     board = board_for(self.app.conf.broker_url)
     run_id = spec_json.get("run_id") if isinstance(spec_json, dict) else None
     key = trust.find_key()
     if not isinstance(run_id, str) or key is None or not key.verify("submit", spec_json, sig):
         reason = ("this agent has no pool key" if key is None else
-                  "missing or bad signature: the submitter and the agents must share the pool key")
+                  f"missing or bad signature: the submitter and the agents must share the pool "
+                  f"key (agent key {key.key_id})")
         refuse(board.r, worker, self.name, run_id, reason)
-        if isinstance(run_id, str) and run_id:
-            _answer(board, run_id, {"error": f"agent {worker} refused run {run_id}: {reason} "
-                                             f"(agent key {key.key_id if key else 'none'})",
-                                    "exit_code": 2})
         return
     spec = RunSpec.from_json(spec_json)
     reply: dict[str, Any] = {"run_id": spec.run_id}
@@ -53,6 +53,10 @@ def start_run(self: Task, spec_json: Any, sig: str | None = None) -> None:
             raise SpecError(f"this pool's agents use the store {config.mask_url(store.url)}, not "
                             f"{config.mask_url(spec.store_url)}: submit with --store "
                             f"{config.mask_url(store.url)} (or --join-file)")
+        if store.exists(layout.key("spec", spec.run_id)):  # replayed once its Redis record expired
+            refuse(board.r, worker, self.name, run_id, "this run exists in the store already "
+                                                        "(a replayed request?)")
+            return
         check_recipe_allowed(spec.recipe, BUILTIN)
         start(spec, self.app.conf.broker_url, store, list_workers(board.r))
     except RecipeError as exc:

@@ -13,9 +13,11 @@ Guarantees:
 * Every task goes through the attempt protocol: a segment whose checkpoint exists is not trained
   again and writes nothing, each next segment and the vote are queued once, so duplicate or late
   deliveries change nothing.
-* A member whose segment (or its evaluation) fails ``max_attempts`` times, or that is still
-  training at the deadline, drops out of the vote and the manifest says why; the run succeeds
-  while at least ``min_members`` members finish, and fails with every member's reason otherwise.
+* A member whose segment (or its evaluation) fails ``max_attempts`` times, that is still
+  training at the deadline, or that diverged — NaN/Inf weights or metrics, or a validation loss
+  no lower than its untrained model's (:func:`.tasks.judge`) — drops out of the vote with a
+  ``member_dropped`` incident, and the manifest says why; the run succeeds while at least
+  ``min_members`` members remain, and fails with every member's reason otherwise.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 from ... import layout
 from ...errors import SpecError
 from ...live import WIDTH, fit
-from ...spec import ModeOptions, check_positive, options_json
+from ...spec import LIMITS, ModeOptions, Workload, check_bounds, options_json
 from .. import ModeBase
 
 if TYPE_CHECKING:
@@ -67,25 +69,30 @@ class EnsembleOptions(ModeOptions):
 
     def validate(self) -> None:
         super().validate()
-        check_positive({"segments": self.segments, "segment_steps": self.segment_steps,
-                        "min_members": self.min_members})
-        if self.members is not None:
-            check_positive({"members": self.members})
-            if self.members < 2:
-                raise SpecError(f"--members must be at least 2: an ensemble of {self.members} "
-                                f"does not vote (use --mode fused for one model)")
-            if self.min_members > self.members:
-                raise SpecError(f"--min-members ({self.min_members}) cannot exceed "
-                                f"--members ({self.members})")
-        if self.deadline is not None and self.deadline <= 0:
-            raise SpecError(f"--deadline must be a positive number of seconds (got {self.deadline})")
+        if self.members == 1:
+            raise SpecError("--members must be at least 2: an ensemble of 1 does not vote "
+                            "(use --mode fused for one model)")
+        check_bounds({"members": self.members, "min_members": self.min_members,
+                      "segments": self.segments, "segment_steps": self.segment_steps,
+                      "deadline": self.deadline})
+        if self.members is not None and self.min_members > self.members:
+            raise SpecError(f"--min-members ({self.min_members}) cannot exceed "
+                            f"--members ({self.members})")
+
+    def workload(self) -> Workload:
+        """A task per member and segment, every member's first queued at once. Members left to
+        the pool count as 2 here and are checked again once the pool has set them."""
+        members = self.members or 2
+        return Workload(tasks=(members * self.segments, "--members × --segments"),
+                        queued=(members, "--members"),
+                        steps=(self.segments * self.segment_steps, "--segments × --segment-steps"))
 
 
 class Ensemble(ModeBase):
     def prepare(self, spec: "RunSpec", online_workers: int) -> None:
         opts = spec.opts(EnsembleOptions)
         if opts.members is None:
-            opts.members = max(2, opts.min_members, online_workers)
+            opts.members = min(max(2, opts.min_members, online_workers), int(LIMITS["members"].high))
         if opts.init_from:
             from .tasks import pin_init
 

@@ -2,13 +2,16 @@
 
 Both tasks run through the attempt protocol (:func:`tensorturn.tasks.attempt.execute`). The last
 segment of a member includes its evaluation, so a member counts as finished only once it is
-evaluated, and a recipe that fails there drops the member with its reason.
+evaluated, and a recipe that fails there drops the member with its reason. So does a member that
+diverged or evaluates to NaN (:func:`judge`): the ensemble's counterpart of fused mode rejecting a
+non-finite or exploding update — a vote that counts a broken member is worse than one without it.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import random
 import time
 from collections.abc import Iterable
@@ -16,7 +19,7 @@ from typing import Any
 
 import torch
 
-from ... import layout
+from ... import layout, seals
 from ...artifact import Predictor
 from ...board import RunBoard
 from ...capacity import queue_for
@@ -136,11 +139,13 @@ def maybe_vote(spec: RunSpec, board: RunBoard) -> None:
             queue=queue_for(spec.memory_needed_bytes))]))
 
 
-def drop(spec: RunSpec, board: RunBoard, m: int, reason: str) -> None:
-    """Drop member m from the vote with ``reason`` — unless it already succeeded (a late give-up
-    of a unit that another attempt finished must not undo it)."""
-    if board.member(spec.run_id, m).get("state") != "succeeded":
+def drop(spec: RunSpec, board: RunBoard, m: int, reason: str, task: str, worker: str | None) -> None:
+    """Drop member m from the vote with ``reason``, and say so in a ``member_dropped`` incident —
+    unless it already succeeded (a late give-up of a unit that another attempt finished must not
+    undo it)."""
+    if board.member(spec.run_id, m).get("state") not in ("succeeded", "dropped"):
         board.update_member(spec.run_id, m, state="dropped", reason=reason)
+        board.incident(spec.run_id, "member_dropped", task, worker, f"member {m} dropped: {reason}")
     board.member_done(spec.run_id, m)
     maybe_vote(spec, board)
 
@@ -197,7 +202,8 @@ class SegmentUnit(Unit):
         spec, board, (m, j) = self.spec, self.board, self.a.label.numbers
         opts = options(spec)
         if opts.deadline is not None and time.time() > spec.created_at + opts.deadline:
-            drop(spec, board, m, f"missed the deadline ({opts.deadline:g}s) before {self.a.label}")
+            drop(spec, board, m, f"missed the deadline ({opts.deadline:g}s) before {self.a.label}",
+                 str(self.a.label), self.a.worker)
             return "refused: past the deadline"
         info = board.member(spec.run_id, m)
         workers = info.get("workers", [])
@@ -235,12 +241,12 @@ class SegmentUnit(Unit):
             torch.manual_seed(plan["seed"])
             model = recipe.model(plan["model"]).to(device)
         else:
-            blob = store.get_bytes(layout.key("segment", spec.run_id, m, j - 1))
+            blob = seals.get_bytes(store, layout.key("segment", spec.run_id, m, j - 1))
             self.a.bytes_down += len(blob)
             model = load_model(recipe, from_bytes(blob), plan["model"], device)
         opt = torch.optim.AdamW(model.parameters(), lr=plan["lr"], weight_decay=recipe.weight_decay)
         if j > 0:
-            blob = store.get_bytes(layout.key("optim", spec.run_id, m, j - 1))
+            blob = seals.get_bytes(store, layout.key("optim", spec.run_id, m, j - 1))
             self.a.bytes_down += len(blob)
             load_optimizer_tensors(opt, from_bytes(blob))
         n = len(splits.y_train)
@@ -258,8 +264,8 @@ class SegmentUnit(Unit):
             return LATE
         self.a.check_cancelled(now=True)
         # The optimizer state goes first: a stored checkpoint means the segment is complete.
-        store.put_bytes(layout.key("optim", spec.run_id, m, j), optim_blob)
-        store.put_bytes(layout.key("segment", spec.run_id, m, j), weights)
+        seals.put_bytes(store, layout.key("optim", spec.run_id, m, j), optim_blob)
+        seals.put_bytes(store, layout.key("segment", spec.run_id, m, j), weights)
         self.a.bytes_up = len(optim_blob) + len(weights)
         reporter.done()
         return SUCCEEDED
@@ -268,13 +274,14 @@ class SegmentUnit(Unit):
         spec, store = self.spec, self.store
         recipe = recipe_of(spec)
         last = options(spec).segments - 1
-        state = from_bytes(store.get_bytes(layout.key("segment", spec.run_id, m, last)))
-        device = pick_device()
-        model = load_model(recipe, state, member_plan(spec, recipe)[m]["model"], device)
-        test = recipe.evaluate_split(model, "test", device, spec.eval_batches)
-        self.board.update_member(spec.run_id, m, state="succeeded",
-                                 metrics={f"test_{k}": v for k, v in test.items()})
-        self.board.member_done(spec.run_id, m)
+        state = from_bytes(seals.get_bytes(store, layout.key("segment", spec.run_id, m, last)))
+        metrics, unsound = judge(recipe, state, member_plan(spec, recipe)[m], pick_device(),
+                                 spec.eval_batches)
+        if unsound is None:
+            self.board.update_member(spec.run_id, m, state="succeeded", metrics=metrics)
+            self.board.member_done(spec.run_id, m)
+        else:  # judged on what training stored: another attempt would store the same
+            drop(spec, self.board, m, unsound, str(self.a.label), self.a.worker)
         try_write_manifest(store, self.board, spec.run_id)
 
     def then(self) -> None:
@@ -287,7 +294,72 @@ class SegmentUnit(Unit):
                             lambda: queue_segment(spec, m, j + 1))
 
     def give_up(self, message: str) -> None:
-        drop(self.spec, self.board, self.a.label.numbers[0], message)
+        drop(self.spec, self.board, self.a.label.numbers[0], message, str(self.a.label), self.a.worker)
+
+
+# ---- judging a finished member -----------------------------------------------------------------
+
+LEARNED_ACCURACY = 0.1  # how far above its untrained model's accuracy a member must be to be kept
+
+
+def judge(recipe: Recipe, state: dict[str, torch.Tensor], plan: dict[str, Any],
+          device: torch.device, eval_batches: int | None) -> tuple[dict[str, float], str | None]:
+    """A finished member's metrics (``test_*``, and ``val_*`` where the recipe has validation
+    rows), and why it must stay out of the vote — None when it is sound. Unsound, in this order:
+
+    * weights that hold NaN or Inf;
+    * a metric (the recipe's own ``evaluate``, on validation or test rows) that is NaN or Inf;
+    * a member that diverged: its loss on the validation rows (the test rows where the recipe
+      has none) is no lower than that of its untrained model — its architecture fresh from its
+      seed, the weights a member without ``--init-from`` starts from.
+
+    That bar is what any training must clear to have learned anything, so a sound member, even
+    a weak or briefly trained one, is below it; a member a learning rate blew up is above it,
+    confidently wrong — what spoils a vote. For classification an untrained model's loss is
+    about ln(classes), the loss of guessing: digits-mlp members (validation loss, 2.30 untrained)
+    end at 1.96–2.26 after 5 steps at the recipe's learning rate, at 2.8–8.3 after 60 steps at
+    ``--lr 9.9`` (2.40 after 1,200); diabetes regression members at 0.67–0.87 after 60 steps
+    (0.93–1.07 untrained), at 134–1,528 after 20 at ``--lr 9.9``. A member that collapsed to one constant guess
+    lands near the bar on either side; in a soft vote it shifts every class alike. A
+    fine-tuned member (``--init-from``) is held to the same random start, not to the model it
+    was tuned from, which a sound member may end slightly worse than. The bar needs no other
+    member (an ensemble whose members all diverged is judged as one with one diverged), and it
+    is deterministic: one seed builds one untrained model on every machine. A recipe whose
+    ``evaluate`` reports no ``loss`` is judged on finite weights and metrics alone, and a member
+    whose loss is past the bar but whose accuracy is LEARNED_ACCURACY above the untrained model's
+    (overfit: confident where wrong, yet mostly right) is kept; members a learning rate blew up
+    stay near the untrained model's accuracy (digits at --lr 9.9: 0.10, chance for 10 classes)."""
+    broken = next((name for name, v in state.items() if not bool(torch.isfinite(v).all())), None)
+    if broken is not None:
+        return {}, f"non-finite weights (NaN/Inf in {broken})"
+    model = load_model(recipe, state, plan["model"], device)
+    test = recipe.evaluate_split(model, "test", device, eval_batches)
+    val = recipe.evaluate_split(model, "val", device, eval_batches)
+    del model  # one model on the device at a time
+    metrics = {**{f"val_{k}": v for k, v in val.items()}, **{f"test_{k}": v for k, v in test.items()}}
+    broken = next((name for name, v in metrics.items() if not math.isfinite(v)), None)
+    if broken is not None:
+        return {}, f"evaluates to NaN/Inf (its {broken} is {metrics[broken]})"
+    split, measured = ("val", val) if val else ("test", test)
+    if "loss" in measured:
+        base = recipe.evaluate_split(untrained_model(recipe, plan, device), split, device, eval_batches)
+        bar = base["loss"]
+        # an overfit member's loss can pass the bar while it still classifies well (kept): its
+        # accuracy is LEARNED_ACCURACY above the untrained model's, where a diverged one's is not
+        learned = ("accuracy" in measured
+                   and measured["accuracy"] >= base.get("accuracy", math.inf) + LEARNED_ACCURACY)
+        if math.isfinite(bar) and measured["loss"] >= bar and not learned:
+            return {}, (f"diverged: its {split} loss {measured['loss']:.4g} is no lower than its "
+                        f"untrained model's {bar:.4g}")
+    return metrics, None
+
+
+def untrained_model(recipe: Recipe, plan: dict[str, Any], device: torch.device) -> torch.nn.Module:
+    """Member ``plan``'s architecture initialised from its seed, as its first segment builds it
+    (the global RNG is left as it was)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(plan["seed"])
+        return recipe.model(plan["model"]).to(device)
 
 
 # ---- the vote ----------------------------------------------------------------------------------
@@ -370,7 +442,7 @@ class VoteUnit(Unit):
         entries = []
         for e in done:
             m = e["member"]
-            state = from_bytes(store.get_bytes(layout.key("segment", run_id, m, opts.segments - 1)))
+            state = from_bytes(seals.get_bytes(store, layout.key("segment", run_id, m, opts.segments - 1)))
             entries.append((m, state, e["config"]["model"]))
         blob = ensemble_bytes(entries, spec.recipe, opts.vote, spec.recipe_options)
         final = layout.key("final_ensemble", run_id)

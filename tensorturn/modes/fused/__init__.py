@@ -27,9 +27,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ... import layout
-from ...errors import SpecError
 from ...live import WIDTH, fit
-from ...spec import FINISHED, ModeOptions, check_positive, options_json
+from ...spec import FINISHED, ModeOptions, Workload, check_bounds, options_json
 from .. import ModeBase
 
 if TYPE_CHECKING:
@@ -120,12 +119,18 @@ class FusedOptions(ModeOptions):
 
     def validate(self) -> None:
         super().validate()
-        check_positive({"rounds": self.rounds, "sync_every": self.sync_every,
-                        "shards": self.shards})
-        if self.outer_lr is not None and not (0 < float(self.outer_lr) <= 10):
-            raise SpecError(f"--outer-lr must be in (0, 10] (got {self.outer_lr})")
-        if not (0 <= self.outer_momentum < 1):
-            raise SpecError(f"--outer-momentum must be in [0, 1) (got {self.outer_momentum})")
+        check_bounds({"rounds": self.rounds, "sync_every": self.sync_every, "shards": self.shards,
+                      "outer_lr": self.outer_lr, "outer_momentum": self.outer_momentum})
+
+    def workload(self) -> Workload:
+        """A task per shard and round; ``--sync async`` queues them all at once. Shards and H
+        left to the data count at the most the data can give them (MAX_SHARDS, MAX_SYNC_EVERY)."""
+        shards = self.shards or MAX_SHARDS
+        tasks = (self.rounds * shards, "--rounds × --shards")
+        queued = (tasks[0], "--sync async: " + tasks[1]) if self.sync == "async" else (shards, "--shards")
+        return Workload(tasks=tasks, queued=queued,
+                        steps=(self.rounds * (self.sync_every or MAX_SYNC_EVERY),
+                               "--rounds × --sync-every"))
 
 
 class StartedOptions(FusedOptions):

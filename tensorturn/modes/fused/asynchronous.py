@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import tempfile
 import time
 from collections import OrderedDict
@@ -34,15 +35,15 @@ from typing import Any
 
 import torch
 
-from ... import config, layout
+from ... import config, layout, seals
 from ...board import RunBoard
 from ...capacity import queue_for
 from ...celery_app import app, forget_results
 from ...device import pick_device
-from ...diloco import async_update, round_figures
+from ...diloco import UpdateRejected, async_update, round_figures
 from ...recipes import Recipe, recipe_of
 from ...spec import RunSpec
-from ...store import Store, file_sha256
+from ...store import ObjectMissing, Store
 from ...tasks.attempt import SUCCEEDED, execute, signed
 from ...tensorfile import DTYPES, TensorReader, TensorWriter, delta_tensors
 from ...tensors import StateDict, model_metadata
@@ -84,31 +85,39 @@ def queue_updates(spec: RunSpec, updates: Any) -> None:
     forget_results(sent)
 
 
-def resume(spec: RunSpec, store: Store, board: RunBoard) -> str:
-    """Rebuild the ledger from the store's log (the versions committed, in order), then queue
-    every update not applied yet (those already stored are applied without training again)."""
+def read_log(spec: RunSpec, store: Store
+             ) -> tuple[dict[str, Any], dict[int, str], dict[int, dict[str, Any]]]:
+    """The versions committed, from the store's sealed log (read up to its first gap): (the
+    latest, version → key, update → its record)."""
     entries = {}
     for key in store.list(layout.prefix("version_log", spec.run_id)):
         parts = layout.parse("version_log", key)
         if parts:
-            entries[parts["version"]] = store.get_json(key)
+            entries[parts["version"]] = seals.get_json(store, key)
     versions = {0: layout.key("global", spec.run_id, 0)}
     applied: dict[int, dict[str, Any]] = {}
     latest = {"version": 0, "key": versions[0], "state_key": "", "sha256": options(spec).init_sha256}
     v = 1
-    while v in entries:  # the log is read up to its first gap
+    while v in entries:
         entry = entries[v]
         versions[v] = entry["key"]
         applied[entry["record"]["update"]] = entry["record"]
         latest = {"version": v, "key": entry["key"], "state_key": entry["state_key"],
                   "sha256": entry["sha256"]}
         v += 1
+    return latest, versions, applied
+
+
+def resume(spec: RunSpec, store: Store, board: RunBoard) -> str:
+    """Rebuild the ledger from the store's log (the versions committed, in order), then queue
+    every update not applied yet (those already stored are applied without training again)."""
+    latest, versions, applied = read_log(spec, store)
     book = ledger(board, spec.run_id)
     book.restore(latest, versions, applied)
     for key in store.list(layout.prefix("round", spec.run_id)):
         parts = layout.parse("round", key)
         if parts and (parts["round"] + 1) * options(spec).shards <= latest["version"]:
-            board.record_round(spec.run_id, parts["round"], store.get_json(key))
+            board.record_round(spec.run_id, parts["round"], seals.get_json(store, key))
     left = [j for j in range(total_updates(spec)) if j not in applied]
     queue_updates(spec, left or [total_updates(spec) - 1])  # none left: one task finishes the run
     return f"resumed asynchronously at version {latest['version']} of {total_updates(spec)}"
@@ -151,7 +160,7 @@ class UpdateUnit(backups.CopyAwareUnit):
 
                 def theta_of(recipe: Recipe) -> tuple[StateDict, int, dict[str, str]]:
                     book.start(self.j)
-                    latest = book.latest()
+                    latest = trusted_latest(spec, self.store, self.board, book, self.a.worker)
                     theta, moved = fetch_version(spec, recipe, self.store, latest)
                     return theta, moved, {"base_version": f"{latest['version']:010d}"}
 
@@ -207,7 +216,8 @@ _held: OrderedDict[str, tuple[int, str, StateDict]] = OrderedDict()
 
 def fetch_version(spec: RunSpec, recipe: Recipe, store: Store, latest: dict[str, Any]
                   ) -> tuple[StateDict, int]:
-    """The weights of ``latest`` (a version), reusing those this process holds; (θ, bytes)."""
+    """The weights of ``latest`` (a version, checked by :func:`trusted_latest`), reusing those
+    this process holds; (θ, bytes)."""
     from .tasks import fetch_global
 
     held = _held.get(spec.run_id)
@@ -218,7 +228,7 @@ def fetch_version(spec: RunSpec, recipe: Recipe, store: Store, latest: dict[str,
     else:
         with tempfile.TemporaryDirectory(prefix="tt-version-") as tmp:
             path = Path(tmp) / "theta"
-            store.get_file(latest["key"], path)
+            get_version(spec, store, latest, path)
             with TensorReader(path) as f:
                 theta = f.all()
             moved = path.stat().st_size
@@ -227,6 +237,65 @@ def fetch_version(spec: RunSpec, recipe: Recipe, store: Store, latest: dict[str,
     while len(_held) > 2:
         _held.popitem(last=False)
     return theta, moved
+
+
+def trusted_latest(spec: RunSpec, store: Store, board: RunBoard, book: AsyncLedger, worker: str
+                   ) -> dict[str, Any]:
+    """The ledger's latest version once it checks out (:func:`check_version_key`, and the seal of
+    its key vouching for its sha256). One that does not was written by someone with the broker's
+    password but not the pool key: the ledger is put back from the store's sealed log, and the
+    run carries on from there (an update in flight may be applied again: a lost update, never a
+    foreign one)."""
+    try:
+        latest = book.latest()
+        v = int(latest["version"])
+        key = check_version_key(spec, "version", latest["key"], v)
+        if key != layout.key("global", spec.run_id, 0):
+            seals.check(store, key, latest["sha256"])  # a seal for that key and that hash
+        if latest["state_key"]:
+            check_version_key(spec, "version_state", latest["state_key"], v)
+        if store.exists(layout.key("version_log", spec.run_id, v + 1)):  # rolled back
+            raise seals.TamperedObject(f"the broker's latest version, v{v}, is older than the store's log")
+        return latest
+    except (seals.TamperedObject, ObjectMissing, RuntimeError, KeyError, ValueError) as exc:
+        log_latest, versions, applied = read_log(spec, store)
+        book.repair(log_latest, versions, applied)
+        board.incident(spec.run_id, "ledger_repaired", "async", worker,
+                       f"the broker's record of the latest weights did not check out ({exc}); "
+                       f"put back from the store's log at version {log_latest['version']}")
+        return log_latest
+
+
+def get_version(spec: RunSpec, store: Store, latest: dict[str, Any], path: Path) -> None:
+    """Download the weights of ``latest`` (the ledger's word, which lives on the broker) to
+    ``path``, checked three ways: the key is this run's for that version, its bytes are the
+    ones sealed under that key, and they hash to the ledger's sha256. Whoever can edit the
+    broker's hash cannot point a run at another run's weights, nor at bytes no task stored."""
+    v = int(latest["version"])
+    key = check_version_key(spec, "version", latest["key"], v)
+    if seals.get_file(store, key, path) != latest["sha256"]:
+        raise seals.TamperedObject(f"{seals.describe(key)}: the broker's record of it names "
+                                   f"another sha256; refused")
+
+
+def version_key(spec: RunSpec, store: Store, book: AsyncLedger, version: int) -> str:
+    """The key of ``version``'s weights: the ledger's, if it is that version of this run, else
+    the store's sealed log's (the ledger's was written by someone without the pool key)."""
+    try:
+        return check_version_key(spec, "version", book.version_key(version), version)
+    except (seals.TamperedObject, RuntimeError):
+        return str(seals.get_json(store, layout.key("version_log", spec.run_id, version))["key"])
+
+
+def check_version_key(spec: RunSpec, kind: str, key: str, version: int) -> str:
+    """``key``, if it is a key of ``kind`` of this run for ``version`` (version 0 is θ_0)."""
+    if version == 0 and kind == "version" and key == layout.key("global", spec.run_id, 0):
+        return key
+    parts = layout.parse(kind, str(key))
+    if parts is None or parts["run_id"] != spec.run_id or parts["version"] != version:
+        raise seals.TamperedObject(f"run {spec.run_id}: the broker names {key!r} as version "
+                                   f"{version}'s weights, which is not that version of this run; refused")
+    return key
 
 
 # ---- applying ----------------------------------------------------------------------------------
@@ -265,16 +334,17 @@ def apply_one(spec: RunSpec, store: Store, board: RunBoard, book: AsyncLedger, j
     opts = options(spec)
     recipe = recipe_of(spec)
     set_threads(spec.threads_per_task)
-    latest = book.latest()
+    latest = trusted_latest(spec, store, board, book, worker)
     v = latest["version"]
     lr, momentum, _ = _outer_args(spec)
     nominal = opts.sync_every * (spec.batch_size or recipe.batch_size) * spec.accumulate
     with tempfile.TemporaryDirectory(prefix="tt-apply-") as tmp:
         scratch = Path(tmp)
-        store.get_file(layout.key("update", spec.run_id, j), scratch / "update")
-        store.get_file(latest["key"], scratch / "theta")
+        seals.get_file(store, layout.key("update", spec.run_id, j), scratch / "update")
+        get_version(spec, store, latest, scratch / "theta")
         if latest["state_key"]:
-            store.get_file(latest["state_key"], scratch / "state")
+            check_version_key(spec, "version_state", latest["state_key"], v)
+            seals.get_file(store, latest["state_key"], scratch / "state")
         with TensorReader(scratch / "update") as upd:
             meta = upd.metadata
             delta = dict(delta_tensors(upd))
@@ -284,6 +354,7 @@ def apply_one(spec: RunSpec, store: Store, board: RunBoard, book: AsyncLedger, j
         with TensorReader(scratch / "theta") as theta, \
                 (TensorReader(scratch / "state") if latest["state_key"]
                  else contextlib.nullcontext()) as state:
+            check_update_here(spec, j, delta, samples, nominal, theta)
             def step(name: str) -> tuple[torch.Tensor, Any, Any]:
                 def part(prefix: str) -> torch.Tensor | None:
                     if state is None or prefix + name not in state.entries:
@@ -313,9 +384,8 @@ def apply_one(spec: RunSpec, store: Store, board: RunBoard, book: AsyncLedger, j
         key = layout.key("version", spec.run_id, v + 1, suffix)
         state_key = layout.key("version_state", spec.run_id, v + 1, suffix) if momentum else ""
         if state_key:
-            store.put_file(state_key, scratch / "next-state")
-        sha = file_sha256(scratch / "next")
-        store.put_file(key, scratch / "next")
+            seals.put_file(store, state_key, scratch / "next-state")
+        sha = seals.put_file(store, key, scratch / "next")
         record = {"update": j, "version": v + 1, "base_version": base, "staleness": v - base,
                   "samples": samples, "loss": float(meta["loss"]), "weight": weight,
                   "trained_by": book.trainer(j), "applied_by": worker, "at": time.time(),
@@ -329,8 +399,27 @@ def apply_one(spec: RunSpec, store: Store, board: RunBoard, book: AsyncLedger, j
                 with contextlib.suppress(Exception):
                     store.delete(stale)
         raise
-    store.put_json(layout.key("version_log", spec.run_id, v + 1), {
+    seals.put_json(store, layout.key("version_log", spec.run_id, v + 1), {
         "key": key, "state_key": state_key, "sha256": sha, "record": record})
+
+
+def check_update_here(spec: RunSpec, j: int, delta: StateDict, samples: int, nominal: int,
+                      theta: TensorReader) -> None:
+    """The applier's own look at update j before it moves θ (the trainer looked before storing
+    it; an applier trusts no other machine's arithmetic): its sample count, its values, its norm
+    against the weights it steps."""
+    if not 0 < samples <= nominal:
+        raise UpdateRejected(f"update u{j} claims {samples} samples, not 1..{nominal} (H × batch × "
+                             f"accumulate); refused by the applier")
+    bad = next((name for name, value in delta.items() if not bool(torch.isfinite(value).all())), None)
+    if bad is not None:
+        raise UpdateRejected(f"update u{j} holds NaN/Inf ({bad}); refused by the applier")
+    d_norm = math.sqrt(sum(float(v.double().square().sum()) for v in delta.values()))
+    w_norm = max(math.sqrt(sum(float(theta.get(name).double().square().sum()) for name in delta)), 1e-12)
+    ratio = options(spec).max_update_ratio
+    if d_norm > ratio * w_norm:
+        raise UpdateRejected(f"update u{j} has norm {d_norm:.3g}, over {ratio:g}× the weights' norm "
+                             f"{w_norm:.3g}; refused by the applier")
 
 
 def catch_up(spec: RunSpec, store: Store, board: RunBoard, book: AsyncLedger) -> None:
@@ -346,10 +435,10 @@ def catch_up(spec: RunSpec, store: Store, board: RunBoard, book: AsyncLedger) ->
             continue
         records = records or book.applied()
         info = evaluate_round(spec, store, book, r, records)
-        store.put_json(layout.key("round", spec.run_id, r), info)
+        seals.put_json(store, layout.key("round", spec.run_id, r), info)
         board.record_round(spec.run_id, r, info)
     if version >= total_updates(spec) and not board.is_finished(spec.run_id):
-        finalize(spec, store, board, weights_key=lambda kept: book.version_key((kept + 1) * opts.shards))
+        finalize(spec, store, board, weights_key=lambda kept: version_key(spec, store, book, (kept + 1) * opts.shards))
 
 
 def evaluate_round(spec: RunSpec, store: Store, book: AsyncLedger, r: int,
@@ -362,7 +451,7 @@ def evaluate_round(spec: RunSpec, store: Store, book: AsyncLedger, r: int,
     set_threads(spec.threads_per_task)
     with tempfile.TemporaryDirectory(prefix="tt-eval-") as tmp:
         path = Path(tmp) / "theta"
-        store.get_file(book.version_key((r + 1) * shards), path)
+        seals.get_file(store, version_key(spec, store, book, (r + 1) * shards), path)
         with TensorReader(path) as f:
             theta = f.all()
     device = pick_device()

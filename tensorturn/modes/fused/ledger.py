@@ -80,6 +80,23 @@ class AsyncLedger:
             pipe.hset(self.k["applied"], mapping={str(j): json.dumps(rec) for j, rec in applied.items()})
         pipe.execute()
 
+    def repair(self, latest: dict[str, Any], versions: dict[int, str],
+               applied: dict[int, dict[str, Any]]) -> None:
+        """Put back the latest weights, the versions and the applied updates from the store's log
+        while the run goes on: an update stored but not in the log is applied (again), so a
+        ledger rolled back loses no update; the begun ones are kept."""
+        stored = [int(j) for j in self.r.hkeys(self.k["trainers"])]
+        pipe = self.r.pipeline()
+        pipe.delete(self.k["async"], self.k["versions"], self.k["applied"])
+        pipe.hset(self.k["async"], mapping={k: latest[k] for k in ("version", "key", "state_key", "sha256")})
+        pipe.hset(self.k["versions"], mapping={str(v): key for v, key in versions.items()})
+        if applied:
+            pipe.hset(self.k["applied"], mapping={str(j): json.dumps(rec) for j, rec in applied.items()})
+        again = {str(j): 0 for j in stored if j not in applied}
+        if again:
+            pipe.zadd(self.k["pending"], again)
+        pipe.execute()
+
     def latest(self) -> dict[str, Any]:
         h = self.r.hgetall(self.k["async"])
         if not h:

@@ -21,7 +21,7 @@ from typing import Any, cast
 import torch
 from celery import chord
 
-from ... import layout, routing
+from ... import layout, routing, seals
 from ...board import RunBoard
 from ...capacity import queue_for
 from ...celery_app import app, forget_results
@@ -38,11 +38,21 @@ from ...diloco import (
     train_replica,
 )
 from ...live import live_field
-from ...manifest import save_spec, write_manifest
+from ...manifest import load_spec, save_spec, write_manifest
 from ...recipes import Recipe, recipe_of, resolve
 from ...spec import RunSpec
-from ...store import ObjectMissing, Store, file_sha256, sha256_hex
-from ...tasks.attempt import LATE, SUCCEEDED, Unit, chord_failed, execute, signed, watch_cancelled
+from ...store import ObjectMissing, Store, sha256_hex
+from ...tasks.attempt import (
+    LATE,
+    SUCCEEDED,
+    Unit,
+    agent_store,
+    authentic,
+    board_for,
+    execute,
+    signed,
+    watch_cancelled,
+)
 from ...telemetry import TaskReporter
 from ...tensorfile import DTYPES, TensorReader, TensorWriter, delta_tensors, write_delta
 from ...tensors import (
@@ -51,6 +61,7 @@ from ...tensors import (
     delta_from_bytes,
     float_keys,
     from_bytes,
+    is_finite,
     metadata_of,
     model_bytes,
     model_metadata,
@@ -83,7 +94,7 @@ def start(spec: RunSpec, store: Store, board: RunBoard) -> None:
     theta0 = global_bytes(spec, recipe, initial_state(recipe, spec.seed))
     options(spec).init_sha256 = sha256_hex(theta0)  # machines rebuild θ_0 from the seed, verified
     save_spec(store, spec)
-    store.put_bytes(layout.key("global", spec.run_id, 0), theta0)
+    seals.put_bytes(store, layout.key("global", spec.run_id, 0), theta0)
     board.create(spec)
     for warning in warnings:
         board.warn(spec.run_id, warning)
@@ -171,9 +182,61 @@ def dispatch_round(spec: RunSpec, r: int, board: RunBoard) -> None:
     body = outer_step.s(run_id, r, **signed(run_id, str(layout.outer_label(r)))).set(
         queue=routing.queue_for_outer(board.r, queue))
     what = f"the outer step of round {r}"
-    body.on_error(chord_failed.s(run_id, what, r=r, **signed(run_id, f"chord_failed:{what}")))
+    body.on_error(chord_failed.s(run_id, what, r=r, **signed(run_id, chord_failed_label(r, what))))
     result = chord(header)(body)
     forget_results([*result.parent.results, result])
+
+
+CHORD_REQUEUES = 3  # times a round is queued again because Celery could not run its outer step
+
+
+def chord_failed_label(r: int, what: str) -> str:
+    """What an errback's signature covers: everything its handler acts on (the round, and the
+    words it records)."""
+    return f"chord_failed:r{r}:{what}"
+
+
+@app.task(bind=True, name="tensorturn.tasks.chord_failed")
+def chord_failed(self: Any, *args: Any, sig: str | None = None, r: Any = None) -> None:
+    """Errback of round r's chord: Celery could not run its body (a header task raised past the
+    attempt protocol, or the chord's counter broke). The round is queued again rather than the
+    run failed: what of it is stored counts (those units are done), and a unit that really
+    fails fails the run through its own attempts, with its own reason.
+
+    The signed errback sits in every queued slot message, where anyone with the broker's
+    password can read it and send it again. So it acts only on the round it was made for while
+    the run is still in that round, and at most CHORD_REQUEUES times (then it warns and leaves
+    the run to `resume`): a replay costs a round's messages at most, never the run.
+
+    Celery calls an errback either as a task with the failed task's id first (``task_id,
+    run_id, what``) or in place with ``request, exc, traceback`` first, depending on its version
+    and the errback's signature: the last two arguments are ours either way."""
+    run_id, what = args[-2], args[-1]
+    if not isinstance(r, int) or not isinstance(what, str):
+        r, what = -1, str(what)  # refused just below: no signature covers these
+    if not authentic(self, run_id, chord_failed_label(r, what), sig):
+        return
+    first = args[0]
+    task_id = first if isinstance(first, str) else getattr(first, "id", "?")
+    board = board_for(app.conf.broker_url)
+    store = agent_store()
+    spec = load_spec(store, run_id)
+    if (board.is_finished(run_id) or board.has_round(run_id, r) or r >= options(spec).rounds
+            or store.exists(layout.key("global", run_id, r + 1))):
+        # the round went on after all (or this is a replayed message): nothing failed
+        log.warning("run %s: ignored a chord error for %s: the round is past", run_id, what)
+        return
+    worker = self.request.hostname or "?"
+    times = int(board.r.hincrby(layout.run_key(run_id, "chord_requeues"), str(r), 1))
+    if times > CHORD_REQUEUES:
+        board.warn(run_id, f"{what} could not run {times} times (Celery task {task_id}); see the "
+                           f"agents' logs, then `tensorturn resume {run_id}`")
+        return
+    board.incident(run_id, "chord_failed", str(layout.outer_label(r)), worker,
+                   f"{what} could not run (Celery task {task_id}): round {r} queued again "
+                   f"({times} of {CHORD_REQUEUES}); its stored shards are kept")
+    board.claim(run_id, layout.dispatch_claim(r))
+    dispatch_round(spec, r, board)
 
 
 def resume(spec: RunSpec, store: Store, board: RunBoard) -> str:
@@ -186,7 +249,7 @@ def resume(spec: RunSpec, store: Store, board: RunBoard) -> str:
     r = max((parts["round"] for parts in stored if parts), default=0)
     for past in range(r):  # rounds the broker forgot are rebuilt from the store
         if store.exists(layout.key("round", spec.run_id, past)):
-            board.record_round(spec.run_id, past, store.get_json(layout.key("round", spec.run_id, past)))
+            board.record_round(spec.run_id, past, seals.get_json(store, layout.key("round", spec.run_id, past)))
     rounds = options(spec).rounds
     if r >= rounds:  # every round is stored: the outer step of the last one finalizes again
         r = rounds - 1
@@ -303,7 +366,7 @@ def train_and_store(unit: Unit, r: int, k: int,
         write_delta(path, delta, opts.codec, {"samples": str(samples), "loss": repr(loss), **meta,
                                               "bytes_down": f"{a.bytes_down:015d}"})
         del delta
-        unit.store.put_file(out_key, path)
+        seals.put_file(unit.store, out_key, path)
         a.bytes_up = path.stat().st_size
     reporter.done()
     return SUCCEEDED
@@ -420,10 +483,10 @@ def fetch_global(spec: RunSpec, recipe: Recipe, store: Store, r: int) -> tuple[S
     if theta is None:  # through a file: the model is never in memory twice (bytes and tensors)
         with tempfile.TemporaryDirectory(prefix="tt-global-") as tmp:
             path = Path(tmp) / "theta"
-            store.get_file(layout.key("global", spec.run_id, r), path)
+            sha = seals.get_file(store, layout.key("global", spec.run_id, r), path)
             with TensorReader(path) as f:
                 theta = f.all()
-            sha, moved = file_sha256(path), moved + path.stat().st_size
+            moved += path.stat().st_size
     assert sha is not None
     _held[spec.run_id] = (r, sha, theta)
     _held.move_to_end(spec.run_id)
@@ -435,7 +498,7 @@ def fetch_global(spec: RunSpec, recipe: Recipe, store: Store, r: int) -> tuple[S
 def _rebuild_from_broadcast(spec: RunSpec, recipe: Recipe, store: Store, r: int,
                             held: tuple[int, str, StateDict]) -> tuple[StateDict | None, str, int]:
     try:
-        blob = store.get_bytes(layout.key("broadcast", spec.run_id, r))
+        blob = seals.get_bytes(store, layout.key("broadcast", spec.run_id, r))
     except ObjectMissing:  # a run from before broadcasts existed
         return None, "", 0
     meta = metadata_of(blob)
@@ -479,7 +542,7 @@ class OuterUnit(Unit):
             info = outer_round(spec, store, r, Path(tmp), stored)
             info["at"] = time.time()  # when the round's weights were evaluated (loss against wall time)
             self.a.check_cancelled(now=True)
-            store.put_json(layout.key("round", spec.run_id, r), info)  # before the board: done() reads it
+            seals.put_json(store, layout.key("round", spec.run_id, r), info)  # before the board: done() reads it
             self.board.record_round(spec.run_id, r, info)
             if last:
                 record_missing_rounds(spec, store, self.board, r, Path(tmp))
@@ -511,13 +574,13 @@ def record_missing_rounds(spec: RunSpec, store: Store, board: RunBoard, last: in
             continue
         key = layout.key("round", spec.run_id, k)
         if store.exists(key):
-            info = store.get_json(key)
+            info = seals.get_json(store, key)
         else:
             folder = scratch / f"round-{k}"
             folder.mkdir()
             info = outer_round(spec, store, k, folder)
             info["at"] = time.time()
-            store.put_json(key, info)
+            seals.put_json(store, key, info)
         board.record_round(spec.run_id, k, info)
 
 
@@ -535,7 +598,7 @@ def outer_round(spec: RunSpec, store: Store, r: int, scratch: Path,
     losses, samples, bytes_up, bytes_down = average_and_step(spec, store, r, scratch)
     path = scratch / "next"
     if not path.exists():  # a previous attempt stored θ_{r+1}
-        store.get_file(layout.key("global", spec.run_id, r + 1), path)
+        seals.get_file(store, layout.key("global", spec.run_id, r + 1), path)
     if stored is not None:
         stored()
     with TensorReader(path) as f:
@@ -559,44 +622,69 @@ def average_and_step(spec: RunSpec, store: Store, r: int, scratch: Path
     if missing:
         raise RuntimeError(f"round {r}: shard outputs missing for shards {missing}")
     samples = [int(stored_metadata(store, key)["samples"]) for key in keys]
+    recipe = recipe_of(spec)
+    most = options(spec).sync_every * samples_per_step(spec, recipe)
     decided = store.exists(layout.key("global", run_id, r + 1))  # by a previous attempt
     avg: StateDict = {}
+    norms: dict[int, float] = {}
     losses, bytes_up, bytes_down = [], 0, 0
     for k, key in enumerate(keys):
         path = scratch / f"shard-{k}"
-        store.get_file(key, path)
+        seals.get_file(store, key, path)  # its sealed bytes: the header read above is among them
         with TensorReader(path) as shard:
             meta = shard.metadata
             if int(meta["samples"]) != samples[k]:  # shard outputs are never overwritten
                 raise RuntimeError(f"round {r}: shard {k}'s output changed while it was averaged")
+            if not 0 < samples[k] <= most:
+                raise UpdateRejected(f"round {r}: the pseudo-gradient of shard {k} claims "
+                                     f"{samples[k]} samples, not 1..{most} (H × batch × accumulate); "
+                                     f"refused by the outer step")
             losses.append(float(meta["loss"]))
             bytes_up += path.stat().st_size
             bytes_down += int(meta["bytes_down"])
             if not decided:
                 w = samples[k] / float(sum(samples))
+                squares = 0.0
                 for name, value in delta_tensors(shard):
+                    if not bool(torch.isfinite(value).all()):
+                        raise UpdateRejected(f"round {r}: the pseudo-gradient of shard {k} holds "
+                                             f"NaN/Inf ({name}); refused by the outer step")
+                    squares += float(value.double().square().sum())
                     accumulate(avg, {name: value}, w)
+                norms[k] = math.sqrt(squares)
         path.unlink()
     if not decided:
-        step_global(spec, recipe_of(spec), store, r, avg, scratch)
+        step_global(spec, recipe, store, r, avg, scratch, norms)
     return losses, samples, bytes_up, bytes_down
 
 
+def check_norms(spec: RunSpec, r: int, norms: dict[int, float], theta_squares: float) -> None:
+    """The outer step's own look at each shard's pseudo-gradient norm against θ_r's (the trainer
+    looked before storing it; an outer step trusts no other machine's arithmetic)."""
+    ratio = options(spec).max_update_ratio
+    w_norm = max(math.sqrt(theta_squares), 1e-12)
+    for k, norm in norms.items():
+        if norm > ratio * w_norm:
+            raise UpdateRejected(f"round {r}: the pseudo-gradient of shard {k} has norm {norm:.3g}, "
+                                 f"over {ratio:g}× θ's norm {w_norm:.3g}; refused by the outer step")
+
+
 def step_global(spec: RunSpec, recipe: Recipe, store: Store, r: int, avg: StateDict,
-                scratch: Path | None = None) -> None:
+                scratch: Path | None = None, norms: dict[int, float] | None = None) -> None:
     """Store θ_{r+1} from θ_r and the averaged pseudo-gradient ``avg`` (used up): first the outer
     state and, in compressed runs, the broadcast delta, then θ_{r+1}, whose existence decides
     the round. With a ``scratch`` folder and an uncompressed broadcast it streams (see
     :func:`_step_streaming`); compressing the broadcast needs the whole θ in memory. θ_{r+1}
-    is also left at ``scratch/next``."""
+    is also left at ``scratch/next``. ``norms`` (shard → its pseudo-gradient's norm) are checked
+    against θ_r's before anything is stored (:func:`check_norms`)."""
     opts = options(spec)
     if opts.outer == "auto":  # start decides it before the spec is stored
         raise RuntimeError(f"run {spec.run_id}: its spec never decided --outer auto")
     compress = opts.codec != "fp32" and r + 1 < opts.rounds  # the final θ is kept exact
     if scratch is not None and not compress:
-        _step_streaming(spec, recipe, store, r, avg, scratch)
+        _step_streaming(spec, recipe, store, r, avg, scratch, norms or {})
     else:
-        _step_in_memory(spec, recipe, store, r, avg, compress, scratch)
+        _step_in_memory(spec, recipe, store, r, avg, compress, scratch, norms or {})
 
 
 def _outer_args(spec: RunSpec) -> tuple[float, float, bool]:
@@ -606,18 +694,18 @@ def _outer_args(spec: RunSpec) -> tuple[float, float, bool]:
 
 
 def _step_streaming(spec: RunSpec, recipe: Recipe, store: Store, r: int, avg: StateDict,
-                    scratch: Path) -> None:
+                    scratch: Path, norms: dict[int, float]) -> None:
     """The outer step tensor by tensor: θ_r and the momentum are read from files one tensor at
     a time, θ_{r+1} and the new momentum written the same way, each in its file's order (the
     momentum's pass recomputes its values: the same arithmetic, so the same bits)."""
     run_id, opts = spec.run_id, options(spec)
     lr, momentum, nesterov = _outer_args(spec)
     theta_path, state_path = scratch / "theta", scratch / "state"
-    store.get_file(layout.key("global", run_id, r), theta_path)
+    seals.get_file(store, layout.key("global", run_id, r), theta_path)
     state_key = layout.key("outer", run_id, r)
     has_state = r > 0 and (bool(momentum) or (opts.codec != "fp32" and store.exists(state_key)))
     if has_state:
-        store.get_file(state_key, state_path)
+        seals.get_file(store, state_key, state_path)
     with TensorReader(theta_path) as theta, \
             (TensorReader(state_path) if has_state else contextlib.nullcontext()) as state:
         def step(name: str) -> tuple[StateDict, StateDict]:
@@ -628,11 +716,15 @@ def _step_streaming(spec: RunSpec, recipe: Recipe, store: Store, r: int, avg: St
 
         specs = {name: (DTYPES[e["dtype"]], e["shape"]) for name, e in theta.entries.items()}
         new_theta_path = scratch / "next"
+        squares = 0.0
         with TensorWriter(new_theta_path, specs, model_metadata(
                 spec.recipe, recipe.default_config(), spec.recipe_options)) as out:
             for name in out.order:
+                if name in avg:
+                    squares += float(theta.get(name).double().square().sum())
                 out.write(name, step(name)[0][name])
             out.close()
+        check_norms(spec, r, norms, squares)  # before anything is stored
         if momentum:  # stored before θ_{r+1}, which decides the round
             buf_specs = {name: (torch.float32, specs[name][1]) for name in avg}
             with TensorWriter(scratch / "state-next", buf_specs) as out:
@@ -640,22 +732,24 @@ def _step_streaming(spec: RunSpec, recipe: Recipe, store: Store, r: int, avg: St
                     out.write(name, step(name)[1][name])
                     del avg[name]
                 out.close()
-            store.put_file(layout.key("outer", run_id, r + 1), scratch / "state-next")
+            seals.put_file(store, layout.key("outer", run_id, r + 1), scratch / "state-next")
     avg.clear()
-    store.put_file(layout.key("global", run_id, r + 1), new_theta_path)
+    seals.put_file(store, layout.key("global", run_id, r + 1), new_theta_path)
 
 
 def _step_in_memory(spec: RunSpec, recipe: Recipe, store: Store, r: int, avg: StateDict,
-                    compress: bool, scratch: Path | None = None) -> None:
+                    compress: bool, scratch: Path | None = None,
+                    norms: dict[int, float] | None = None) -> None:
     run_id, opts = spec.run_id, options(spec)
     lr, momentum, nesterov = _outer_args(spec)
-    theta_bytes = store.get_bytes(layout.key("global", run_id, r))
+    theta_bytes = seals.get_bytes(store, layout.key("global", run_id, r))
     theta, theta_sha = from_bytes(theta_bytes), sha256_hex(theta_bytes)
     del theta_bytes
+    check_norms(spec, r, norms or {}, sum(float(theta[k].double().square().sum()) for k in avg))
     state: StateDict = {}
     state_key = layout.key("outer", run_id, r)
     if r > 0 and (momentum or (opts.codec != "fp32" and store.exists(state_key))):
-        state = from_bytes(store.get_bytes(state_key))  # (no residual yet: a run from before)
+        state = from_bytes(seals.get_bytes(store, state_key))  # (no residual yet: a run from before)
     buf = {k: v for k, v in state.items() if not k.startswith(RESIDUAL)}
     residual = {k[len(RESIDUAL):]: v for k, v in state.items() if k.startswith(RESIDUAL)}
     del state
@@ -669,15 +763,15 @@ def _step_in_memory(spec: RunSpec, recipe: Recipe, store: Store, r: int, avg: St
         new_buf.update({RESIDUAL + k: v for k, v in new_residual.items()})
     del theta
     if new_buf:  # the outer state of r+1 is stored before θ_{r+1} decides the round
-        store.put_bytes(layout.key("outer", run_id, r + 1), to_bytes(new_buf))
+        seals.put_bytes(store, layout.key("outer", run_id, r + 1), to_bytes(new_buf))
     del new_buf
     new_bytes = global_bytes(spec, recipe, new_theta)
     if compress:
-        store.put_bytes(layout.key("broadcast", run_id, r + 1), to_bytes(packed, {
+        seals.put_bytes(store, layout.key("broadcast", run_id, r + 1), to_bytes(packed, {
             "format": BROADCAST_FORMAT, "codec": opts.codec,
             "shapes": json.dumps(shapes, sort_keys=True),
             "base_sha256": theta_sha, "sha256": sha256_hex(new_bytes)}))
-    store.put_bytes(layout.key("global", run_id, r + 1), new_bytes)
+    seals.put_bytes(store, layout.key("global", run_id, r + 1), new_bytes)
     if scratch is not None:
         (scratch / "next").write_bytes(new_bytes)
 
@@ -701,11 +795,15 @@ def finalize(spec: RunSpec, store: Store, board: RunBoard,
         kept = min(rounds, key=lambda rec: (loss(rec), -rec["round"]))["round"] if rounds else kept
     key = weights_key(kept) if weights_key else layout.key("global", run_id, kept + 1)
     # θ after round `kept`
-    data = local.read_bytes() if local is not None and kept == opts.rounds - 1 else store.get_bytes(key)
+    data = local.read_bytes() if local is not None and kept == opts.rounds - 1 else seals.get_bytes(store, key)
+    theta = from_bytes(data)
+    if not is_finite(theta):  # a run never ends "succeeded" on weights that cannot answer
+        raise UpdateRejected(f"the weights after round {kept} hold NaN/Inf: no model is kept "
+                             f"(a lower --lr or --outer-lr, or --keep best, may help)")
     sha = store.put_bytes(layout.key("final_model", run_id), data)
     recipe = recipe_of(spec)
     device = pick_device()
-    model = load_model(recipe, from_bytes(data), recipe.default_config(), device)
+    model = load_model(recipe, theta, recipe.default_config(), device)
     test = recipe.evaluate_split(model, "test", device, spec.eval_batches)
     result = {"metrics": {**{f"test_{k}": v for k, v in test.items()}, "kept_round": kept},
               "model_uri": store.uri(layout.key("final_model", run_id)), "model_sha256": sha}

@@ -1,0 +1,306 @@
+"""What someone with only the Redis password can no longer do to the pool's control plane: drain a
+training queue through a routing entry, get a model past the memory check with a forged
+heartbeat, take an agent out of rotation, or stop, starve or redirect agents through Celery's
+remote control. Unit tests against a real redis-server, and the attacks on real pools."""
+
+from __future__ import annotations
+
+import json
+import time
+from types import SimpleNamespace
+
+import pytest
+import redis
+from celery.worker.control import Panel
+from conftest import paced_pool, tt, tt_here, wait_for
+
+from tensorturn import capacity, client, config, layout, remote_control, routing, trust
+from tensorturn.board import RunBoard
+from tensorturn.broker import check_broker
+from tensorturn.layout import worker_key
+from tensorturn.roster import list_workers
+from tensorturn.spec import RunSpec
+from tensorturn.telemetry import INCARNATION, Heartbeat
+
+TB = 1024 ** 4
+FORGED_INVENTORY = json.dumps({"device": "cuda", "device_name": "8x H100", "cpu_count": 128,
+                               "device_memory_gb": 4096.0, "role": "train"})
+
+
+def beat(r, name: str) -> Heartbeat:
+    """An agent's heartbeat bootstep, without a worker around it; it beats once."""
+    hb = Heartbeat.__new__(Heartbeat)
+    hb.client, hb.node, hb.tref, hb.outer = r, name, None, []
+    hb.beat(first=True)
+    return hb
+
+
+def forge_worker(r, name: str, inventory: str = FORGED_INVENTORY) -> None:
+    """What someone with the Redis password writes: a heartbeat with a date to come, so it
+    looks live for as long as they like."""
+    r.hset(worker_key(name), mapping={"name": name, "inventory": inventory,
+                                      "last_seen": time.time() + 86400, "tasks_done": 0})
+
+
+# ---- routing entries ---------------------------------------------------------------------------
+
+def test_the_mover_takes_only_entries_naming_an_outer_queue_and_removes_the_others(redis_server):
+    r = redis.Redis.from_url(redis_server.url, decode_responses=True)
+    r.lpush("tt.fits.64MB", "slot-1", "slot-2")
+    r.lpush("tt.agent.a@h", "backup")
+    r.zadd(routing.ADVERTISED, {"tt.fits.64MB|ghost@h": 0,            # a training queue
+                                "tt.outer.tt.agent.a@h|ghost@h": 0,   # an agent's own queue
+                                "tt.outer.elsewhere|ghost@h": 0,      # no capacity queue
+                                "tt.outer.tt.fits.64MB|ghost@h": 0,   # valid: stale, queue empty
+                                # valid name, dated to come: it would keep the queue "served"
+                                "tt.outer.celery|future@h": time.time() + 86400})
+    assert routing.queue_for_outer(r, "celery") == "celery"
+    assert routing.reroute(r) == 0
+    assert r.lrange("tt.fits.64MB", 0, -1) == ["slot-2", "slot-1"]
+    assert r.lrange("tt.agent.a@h", 0, -1) == ["backup"]
+    assert not r.exists("MB") and not r.exists("a@h") and not r.exists("elsewhere")
+    assert r.zrange(routing.ADVERTISED, 0, -1) == []  # the valid stale one: a day old, queue empty
+
+    # nor does Python name anything else: an agent advertises only outer queues
+    routing.advertise(r, "b@h", ["tt.fits.64MB", "tt.outer.bogus", "tt.outer.tt.fits.64MB"])
+    assert [e.split("|")[0] for e in r.zrange(routing.ADVERTISED, 0, -1)] == ["tt.outer.tt.fits.64MB"]
+    assert routing.queue_for_outer(r, "tt.fits.64MB") == "tt.outer.tt.fits.64MB"
+    assert routing.queue_for_outer(r, "tt.fits.63MB") == "tt.fits.63MB"
+
+
+# ---- heartbeats --------------------------------------------------------------------------------
+
+def test_a_forged_heartbeat_is_unverified_and_counts_for_nothing(redis_server):
+    r = redis.Redis.from_url(redis_server.url, decode_responses=True)
+    real = beat(r, "real@h")
+    forge_worker(r, "forged@gpu")
+    # a copy of the real agent's signed beat, with more memory: the signature no longer holds
+    copied = r.hgetall(worker_key("real@h"))
+    inventory = {**json.loads(copied["inventory"]), "device_memory_gb": 4096.0}
+    r.hset(worker_key("copy@h"), mapping={**copied, "name": "copy@h"})
+    r.hset(worker_key("real@h"), "inventory", json.dumps(inventory))
+    r.hset(worker_key("junk@h"), mapping={"inventory": "[1", "last_seen": "soon", "live": "7",
+                                          "tasks_done": "many"})  # no crash on junk either
+    workers = {w["name"]: w for w in list_workers(r)}
+    assert {n: (w["state"], w["verified"]) for n, w in workers.items()} == {
+        "real@h": ("unverified", False), "forged@gpu": ("unverified", False),
+        "copy@h": ("unverified", False), "tt:worker:junk@h": ("offline", False)}
+    real.beat()  # the agent's next beat: itself again
+    workers = {w["name"]: w for w in list_workers(r)}
+    assert workers["real@h"]["state"] == "idle" and workers["real@h"]["verified"] is True
+    assert "celery" in workers["real@h"]["queues"]
+    offered = workers["real@h"]["device_memory_gb"]
+
+    need = {"total_bytes": int((offered + 1) * capacity.GB)}  # more than the real machine has
+    with pytest.raises(capacity.DoesNotFit) as refused:
+        capacity.check_fits(need, list(workers.values()))
+    assert "no live machine can hold it" in str(refused.value)
+    assert "real@h" in str(refused.value) and "forged@gpu" not in str(refused.value)
+    assert "not counted: 2 machine(s) whose heartbeat is not signed with this pool's key" in str(refused.value)
+    capacity.check_fits({"total_bytes": 1024}, list(workers.values()))  # what it can hold passes
+
+    shown = tt_here("workers", "--broker", redis_server.url)
+    assert shown.returncode == 0, shown.stderr
+    rows = {line.split()[0]: line.split()[1] for line in shown.stdout.splitlines()[1:]}
+    assert rows["forged@gpu"] == "unverified" and rows["real@h"] == "idle"
+
+
+def test_a_quarantine_mark_not_signed_for_this_start_of_the_agent_is_removed(redis_server):
+    from tensorturn.telemetry import quarantine_mark
+
+    r = redis.Redis.from_url(redis_server.url, decode_responses=True)
+    hb = beat(r, "w@h")
+    r.hset(worker_key("w@h"), "quarantined", "by someone with the Redis password")
+    assert [w["state"] for w in list_workers(r)] == ["idle"]
+    hb.beat()
+    assert not r.hexists(worker_key("w@h"), "quarantined")
+    # a signed mark of an earlier start of the agent (replayed after its restart) is removed too
+    key = trust.pool_key()
+    old = {"quarantined": "an old reason", "quarantined_sig": key.sign(
+        "quarantine", {"worker": "w@h", "reason": "an old reason", "incarnation": "0" * 16})}
+    r.hset(worker_key("w@h"), mapping=old)
+    assert [w["state"] for w in list_workers(r)] == ["idle"]
+    hb.beat()
+    assert not r.hexists(worker_key("w@h"), "quarantined")
+    # the agent's own tasks' mark holds
+    r.hset(worker_key("w@h"), mapping=quarantine_mark("w@h", "store failures"))
+    hb.beat()
+    assert [(w["state"], w["quarantined"]) for w in list_workers(r)] == [("quarantined", "store failures")]
+
+
+def test_a_run_no_live_machine_can_hold_says_so(redis_server, tmp_path):
+    r = redis.Redis.from_url(redis_server.url, decode_responses=True)
+    board = RunBoard(r)
+    spec = RunSpec.create(store_url=(tmp_path / "store").as_uri(), mode="fused",
+                          recipe="digits-mlp", rounds=1, shards=2, sync_every=10)
+    spec.memory_needed_bytes = 2 * TB  # the class of the largest models
+    board.create(spec)
+    beat(r, "small@h")
+    forge_worker(r, "forged@gpu")
+    config.use(config.current().with_(stall_s=0.0))
+    doc = client.annotate(board.describe(spec.run_id), board)
+    assert doc["note"].startswith("no progress for")
+    assert "no live machine can hold it: its tasks need about 2048.00 GB" in doc["note"]
+    assert "not counted: 1 machine(s)" in doc["note"]
+    r.delete(worker_key("small@h"))  # only the forged one left
+    doc = client.annotate(board.describe(spec.run_id), board)
+    assert "no live machine can hold it: every agent is offline, quarantined or unverified" in doc["note"]
+
+
+# ---- remote control ----------------------------------------------------------------------------
+
+def test_an_outer_only_agent_holds_no_shard():
+    """An agent started with --role outer takes only outer steps: however large, it is not a
+    machine a run's shards can wait for."""
+    big = {"name": "coordinator", "state": "idle", "device_memory_gb": 64.0, "role": "outer"}
+    small = {"name": "laptop", "state": "idle", "device_memory_gb": 1.0, "role": "train"}
+    need = 4 * 1024 ** 3
+    assert capacity.holders(need, [big, small]) == []
+    assert "no live machine can hold it" in (capacity.why_unheld(need, [big, small]) or "")
+    assert capacity.holders(need, [{**big, "role": "both"}]) != []
+
+
+def test_remote_control_answers_monitoring_and_signed_commands_only(redis_server):
+    from flower.inspector import Inspector
+
+    # what `celery inspect` and Flower send stays as Celery has it
+    assert set(Inspector.inspect_methods) | {"ping", "enable_events"} <= remote_control.MONITORING
+    panel = dict(Panel.data)
+    remote_control.guard(panel)
+    remote_control.guard(panel)  # once is enough, twice the same
+    assert all(panel[name] is Panel.data[name] for name in remote_control.MONITORING)
+    changed = {name for name in panel if panel[name] is not Panel.data[name]}
+    assert changed == set(Panel.data) - remote_control.MONITORING
+    assert {"shutdown", "pool_restart", "time_limit", "rate_limit", "add_consumer", "autoscale",
+            "pool_shrink", "pool_grow", "hello", "terminate", "disable_events"} <= changed
+
+    cancelled: list[str] = []
+    state = SimpleNamespace(hostname="a@h", app=SimpleNamespace(conf=SimpleNamespace(broker_url=redis_server.url)),
+                            consumer=SimpleNamespace(call_soon=lambda f, q: cancelled.append(q),
+                                                     cancel_task_queue=None))
+    answer = panel["shutdown"](state, msg="bye")
+    assert "refused by a@h: not allowed" in answer["error"]
+    assert "refused" in panel["cancel_consumer"](state, queue="celery")["error"]
+
+    def signed(worker: str, incarnation: str, queue: str) -> str:
+        doc = {"command": "cancel_consumer", "arguments": {"queue": queue}, "worker": worker,
+               "incarnation": incarnation}
+        return trust.pool_key().sign(remote_control.PURPOSE, doc)
+
+    cancel = panel["cancel_consumer"]
+    for queue, sig in [("celery", signed("b@h", INCARNATION, "celery")),   # another agent's
+                       ("celery", signed("a@h", "0" * 16, "celery")),      # its earlier start's
+                       ("tt.fits.1MB", signed("a@h", INCARNATION, "celery"))]:  # another queue's
+        assert "bad signature" in cancel(state, queue=queue, sig=sig)["error"]
+    assert cancelled == []
+    assert "ok" in cancel(state, queue="celery", sig=signed("a@h", INCARNATION, "celery"))
+    assert cancelled == ["celery"]
+    refused = [json.loads(x) for x in redis.Redis.from_url(redis_server.url).lrange(layout.REFUSED, 0, -1)]
+    assert refused[-1]["task"] == "remote control: shutdown" and refused[-1]["worker"] == "a@h"
+    assert len(refused) == 5
+
+
+# ---- the attacks on real pools ---------------------------------------------------------------
+
+@pytest.mark.e2e
+def test_a_stale_routing_entry_naming_the_training_queue_moves_nothing(tmp_path, monkeypatch):
+    # every step lasts 10 ms: four shards of 200 steps on two agents, so two slots wait queued
+    # while the entry is there
+    with paced_pool(tmp_path, monkeypatch, 0.01) as (pool, store):
+        r = redis.Redis.from_url(pool.broker_url, decode_responses=True)
+        spec = RunSpec.create(store_url=pool.store_url, mode="fused", recipe="digits-mlp",
+                              rounds=2, shards=4, sync_every=200)
+        client.submit(spec, pool.broker_url)
+        board = RunBoard(check_broker(pool.broker_url))
+        queue = capacity.queue_for(board.describe(spec.run_id)["spec"]["memory_needed_bytes"])
+        wait_for(lambda: r.llen(queue) > 0, "slot messages waiting in the training queue")
+        entry = f"{queue}|gone@h"
+        r.zadd(routing.ADVERTISED, {entry: 0})  # "tt.outer." is 9 characters: the target was "MB"
+        wait_for(lambda: r.zscore(routing.ADVERTISED, entry) is None, "a heartbeat to remove the entry")
+        assert not r.exists(queue[len(routing.OUTER_PREFIX):]) and not r.exists("MB")
+        doc = client.wait(pool.broker_url, spec.run_id, timeout_s=600)
+    assert doc["state"] == "succeeded", doc.get("error") or doc.get("note")
+
+
+@pytest.mark.e2e
+def test_a_forged_heartbeat_claiming_4_tb_admits_nothing(tmp_path, monkeypatch):
+    from tensorturn.local import LocalPool
+
+    # the real agent offers 1 MB: digits-mlp (about 2 MB, memory class 4 MB) fits it not
+    monkeypatch.setenv("TENSORTURN_DEVICE_MEMORY_GB", "0.001")
+    config.reload()
+    with LocalPool(1, (tmp_path / "store").as_uri(), workdir=tmp_path / "pool") as pool:
+        r = redis.Redis.from_url(pool.broker_url, decode_responses=True)
+        forge_worker(r, "big@gpu")
+        proc = tt("run", "--broker", pool.broker_url, "--recipe", "digits-mlp", "--store",
+                  pool.store_url, "--detach")
+        assert proc.returncode == 2, proc.stdout + proc.stderr
+        [line] = proc.stderr.strip().splitlines()
+        assert "no live machine can hold it" in line and "big@gpu" not in line.split(";")[0]
+        assert "memory class 4 MB" in line and "offers 1.0 MB (cpu)" in line
+        assert "not counted: 1 machine(s) whose heartbeat is not signed" in line
+        assert not [q for q in r.scan_iter("tt.fits.*") if r.llen(q)] and r.zcard("tt:runs") == 0
+        shown = tt("workers", "--broker", pool.broker_url)
+        assert any(row.split()[:2] == ["big@gpu", "unverified"] for row in shown.stdout.splitlines())
+
+
+@pytest.mark.e2e
+def test_remote_control_cannot_stop_starve_or_redirect_the_agents(tmp_path, monkeypatch):
+    # every step lasts 10 ms: four shards of 100 steps on two agents, so two wait queued
+    with paced_pool(tmp_path, monkeypatch, 0.01) as (pool, _):
+        attack_with_remote_control(pool)
+
+
+def attack_with_remote_control(attacked_pool) -> None:
+    """Everything below comes from someone with the Redis password only: the agents stay up and
+    consuming, answer ping and inspect, and a run finishes while its tasks are being revoked."""
+    from tensorturn.celery_app import app, configure
+
+    configure(attacked_pool.broker_url)
+    r = redis.Redis.from_url(attacked_pool.broker_url, decode_responses=True)
+    before = {w: sorted(q["name"] for q in qs) for w, qs in app.control.inspect(timeout=5).active_queues().items()}
+    assert len(before) == 2
+    control = app.control
+    replies = []
+    for command, arguments in [
+            ("pool_restart", {}), ("time_limit", {"task_name": "tensorturn.fused.train_slot", "hard": 1}),
+            ("rate_limit", {"task_name": "tensorturn.fused.train_slot", "rate_limit": "1/h"}),
+            ("pool_shrink", {"n": 1}), ("autoscale", {"max": 0, "min": 0}),
+            ("add_consumer", {"queue": capacity.queue_for(TB)}), ("disable_events", {}),
+            ("hello", {"from_node": "x@y", "revoked": ["nothing"]})]:
+        replies += control.broadcast(command, arguments=arguments, reply=True, timeout=10, limit=2)
+    for queues in before.values():
+        for queue in queues:
+            replies += control.cancel_consumer(queue, reply=True, timeout=10, limit=2)
+    assert replies and all("refused" in next(iter(x.values())).get("error", "") for x in replies), replies
+    control.shutdown()
+    for w in r.scan_iter("tt:worker:*"):  # out of rotation, says an unsigned mark
+        r.hset(w, "quarantined", "forged")
+    pongs = control.ping(timeout=10)  # after the shutdown: each agent takes commands in order
+    assert len(pongs) == 2 and all(proc.poll() is None for proc in attacked_pool.agents)
+    after = {w: sorted(q["name"] for q in qs) for w, qs in app.control.inspect(timeout=5).active_queues().items()}
+    assert after == before
+    refused = [json.loads(x)["task"] for x in r.lrange(layout.REFUSED, 0, -1)]
+    assert "remote control: shutdown" in refused and "remote control: cancel_consumer" in refused
+
+    spec = RunSpec.create(store_url=attacked_pool.store_url, mode="fused", recipe="digits-mlp",
+                          rounds=2, shards=4, sync_every=100)
+    client.submit(spec, attacked_pool.broker_url)
+    board = RunBoard(r)
+
+    def revoke_every_task() -> bool:  # an agent that took these would discard the messages
+        ids = [m["headers"]["id"] for m in task_messages(r)]
+        if ids:
+            control.revoke(ids)
+        return board.state(spec.run_id) in ("succeeded", "failed", "cancelled")
+
+    wait_for(revoke_every_task, "the run to finish", timeout=600, pause=0.2)
+    assert board.state(spec.run_id) == "succeeded", board.describe(spec.run_id).get("error")
+    assert len(app.control.inspect(timeout=5).active()) == 2
+    assert not [w for w in r.scan_iter("tt:worker:*") if r.hexists(w, "quarantined")]
+
+
+def task_messages(r) -> list[dict]:
+    """Every task message waiting in a queue, or delivered and not yet acknowledged."""
+    waiting = [json.loads(m) for q in layout.task_queues(r) for m in r.lrange(q, 0, -1)]
+    return waiting + [json.loads(v)[0] for v in r.hvals(layout.UNACKED)]

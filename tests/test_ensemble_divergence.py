@@ -1,0 +1,99 @@
+"""An ensemble member that diverged or evaluates to NaN is dropped from the vote with its reason
+(issue 26, item 7): the ensemble's counterpart of fused mode rejecting a non-finite update. Before,
+`run --mode ensemble --lr 9.9` "succeeded" at chance with every broken member in its vote."""
+
+import json
+import math
+
+import pytest
+import torch
+from conftest import tt, tt_here
+
+from tensorturn import layout
+from tensorturn.modes.ensemble.tasks import judge, member_plan, untrained_model
+from tensorturn.recipes import load_splits, resolve
+from tensorturn.spec import RunSpec
+from tensorturn.store import open_store
+from tensorturn.tensors import metadata_of
+from tensorturn.training import derive_seed, train_steps
+
+
+@pytest.mark.e2e
+def test_members_that_diverge_or_evaluate_to_nan_are_dropped_with_a_reason(tmp_path):
+    # tests/divergent.py: member 1 trains at lr 9.9, member 2 evaluates to NaN, member 3 holds a
+    # NaN buffer; members 0 and 4 are sound
+    proc = tt("run", "--mode", "ensemble", "--recipe", "divergent:Divergent", "--members", "5",
+              "--segments", "1", "--segment-steps", "60", "--local-workers", "2", "--json",
+              cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    doc = json.loads(proc.stdout)
+    assert doc["state"] == "succeeded", doc.get("error")
+    members = {m["member"]: m for m in doc["members"]}
+    assert {k: m["state"] for k, m in members.items()} == {
+        0: "succeeded", 1: "dropped", 2: "dropped", 3: "dropped", 4: "succeeded"}
+    assert members[1]["reason"].startswith("diverged: its val loss ")
+    assert "no lower than its untrained model's" in members[1]["reason"]
+    assert members[2]["reason"].startswith("evaluates to NaN/Inf (its val_")
+    assert members[3]["reason"] == "non-finite weights (NaN/Inf in spare)"
+    incidents = [i for i in doc["incidents"] if i["kind"] == "member_dropped"]
+    assert sorted((i["task"], i["detail"]) for i in incidents) == [
+        (f"m{k}/seg-0", f"member {k} dropped: {members[k]['reason']}") for k in (1, 2, 3)]
+
+    # the vote is the sound members' alone, and every figure of it is a number
+    metrics = doc["metrics"]
+    assert metrics["members_succeeded"] == 2 and metrics["members_dropped"] == 3
+    assert all(math.isfinite(v) for v in metrics.values())
+    assert metrics["test_accuracy"] > 0.8
+    store = open_store((tmp_path / "tensorturn-store").as_uri())
+    meta = metadata_of(store.get_bytes(layout.key("final_ensemble", doc["run_id"])))
+    assert [m["member"] for m in json.loads(meta["members"])] == [0, 4]
+
+    status = tt_here("status", doc["run_id"], "--store", str(tmp_path / "tensorturn-store"))
+    assert status.returncode == 0
+    assert f"  member 1 dropped: {members[1]['reason']}\n" in status.stdout
+    assert "  member 3 dropped: non-finite weights (NaN/Inf in spare)\n" in status.stdout
+
+
+@pytest.mark.e2e
+def test_an_ensemble_whose_members_all_diverge_fails_in_one_line(tmp_path):
+    proc = tt("run", "--mode", "ensemble", "--recipe", "digits-mlp", "--lr", "9.9", "--members", "2",
+              "--segments", "1", "--segment-steps", "60", "--local-workers", "2", cwd=tmp_path)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: only 0 of 2 members finished (--min-members 1): member 0: diverged")
+    assert "member 1: diverged" in last
+    run_id = proc.stdout.split()[1].rstrip(":")
+    status = tt_here("status", run_id, "--store", str(tmp_path / "tensorturn-store"), "--json")
+    assert status.returncode == 1
+    doc = json.loads(status.stdout)
+    assert doc["state"] == "failed" and not doc.get("model_uri")
+    assert [m["state"] for m in doc["members"]] == ["dropped", "dropped"]
+    assert [i["task"] for i in doc["incidents"] if i["kind"] == "member_dropped"] in (
+        ["m0/seg-0", "m1/seg-0"], ["m1/seg-0", "m0/seg-0"])
+
+
+def _trained(lr: float | None, steps: int, seed: int) -> list[str | None]:
+    """Each member's verdict (None: it votes) after ``steps`` steps, trained as a segment does."""
+    spec = RunSpec.create(mode="ensemble", recipe="digits-mlp", store_url="file:///unused",
+                          members=4, segments=1, segment_steps=steps, seed=seed, lr=lr)
+    recipe, cpu = resolve("digits-mlp"), torch.device("cpu")
+    splits = load_splits(recipe)
+    verdicts = []
+    for plan in member_plan(spec, recipe):
+        model = untrained_model(recipe, plan, cpu)
+        opt = torch.optim.AdamW(model.parameters(), lr=plan["lr"], weight_decay=recipe.weight_decay)
+        n = len(splits.y_train)
+        rows = torch.randint(n, (n,), generator=torch.Generator().manual_seed(plan["seed"]))
+        train_steps(recipe, model, opt, splits.x_train, splits.y_train, rows, steps,
+                    recipe.batch_size, derive_seed(plan["seed"], 0), cpu)
+        verdicts.append(judge(recipe, model.state_dict(), plan, cpu, None)[1])
+    return verdicts
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_the_bar_keeps_briefly_trained_members_and_drops_diverged_ones(seed):
+    """5 steps, the briefest ensemble training in this suite, at the recipe's learning rate (its
+    draws span 0.5–2×): every member votes. At --lr 9.9 none does."""
+    assert _trained(None, 5, seed) == [None] * 4
+    assert all(v and v.startswith("diverged: its val loss") for v in _trained(9.9, 60, seed))

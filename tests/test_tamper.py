@@ -1,0 +1,110 @@
+"""Store-only and Redis-only attacks on a real pool (issue 26 #2, #7): bytes that none of the
+run's tasks stored, or a broker record that points elsewhere, never end in a "succeeded" model.
+
+Each run trains a ``gated:Gated`` recipe (tests/gated.py): its shard tasks wait at a gate the test
+opens once it has done its damage, so the damage lands between two steps of the run however
+loaded the machine is."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import tt_json, wait_for
+
+from tensorturn import layout
+from tensorturn.board import RunBoard
+from tensorturn.broker import check_broker
+from tensorturn.local import LocalPool
+from tensorturn.spec import FINISHED
+from tensorturn.tensors import delta_bytes, from_bytes
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture
+def gated_pool(tmp_path, monkeypatch):
+    """Two real agents whose gated shard tasks wait while the gate file exists; yields (pool,
+    store folder, gate file)."""
+    store, gate = tmp_path / "store", tmp_path / "gate"
+    monkeypatch.setenv("TT_GATE", str(gate))
+    with LocalPool(2, store.as_uri(), workdir=tmp_path / "pool") as pool:
+        yield pool, store, gate
+
+
+def close(gate, **when) -> None:
+    gate.write_text(json.dumps(when))
+
+
+def submit(pool, store, *options: str) -> str:
+    return tt_json("run", "--broker", pool.broker_url, "--store", str(store), "--recipe", "gated:Gated",
+                   "--detach", "--json", *options)["run_id"]
+
+
+def finished(board: RunBoard, run_id: str) -> dict:
+    wait_for(lambda: board.describe(run_id)["state"] in FINISHED, f"run {run_id} finished", timeout=600)
+    return board.describe(run_id)
+
+
+def test_theta_overwritten_in_the_store_fails_the_run_naming_it(gated_pool):
+    pool, store, gate = gated_pool
+    close(gate, after="runs/*/global/r0001.safetensors", store=str(store))  # round 1 waits for us
+    run_id = submit(pool, store, "--rounds", "2", "--shards", "2", "--sync-every", "5", "--keep", "best")
+    board = RunBoard(check_broker(pool.broker_url))
+    folder = store / "runs" / run_id / "global"
+    wait_for((folder / "r0001.safetensors").exists, "θ_1 stored")
+    # another model file the run made (θ_0), where θ_1 was: a store writer's swap
+    (folder / "r0001.safetensors").write_bytes((folder / "r0000.safetensors").read_bytes())
+    gate.unlink()
+    doc = finished(board, run_id)
+    assert doc["state"] == "failed"
+    assert (f"θ of round 1 (runs/{run_id}/global/r0001.safetensors) is not what the run stored"
+            in doc["error"]), doc["error"]
+    assert "\n" not in doc["error"]
+    assert not (store / "runs" / run_id / "final").exists()
+
+
+def test_a_poisoned_pseudo_gradient_fails_the_run_naming_it(gated_pool):
+    pool, store, gate = gated_pool
+    close(gate, shard=1)  # shard 1 waits: shard 0's output is stored first
+    run_id = submit(pool, store, "--rounds", "1", "--shards", "2", "--sync-every", "5")
+    board = RunBoard(check_broker(pool.broker_url))
+    path = store / "runs" / run_id / "r0000" / "shard-000.safetensors"
+    wait_for(path.exists, "shard 0 stored")
+    honest = from_bytes(path.read_bytes())
+    poison = {name: torch.full_like(v, float("nan")) for name, v in honest.items()}
+    path.write_bytes(delta_bytes(poison, "fp32", {"samples": str(10 ** 9), "loss": "0.0",
+                                                  "bytes_down": f"{0:015d}"}))
+    gate.unlink()
+    doc = finished(board, run_id)
+    assert doc["state"] == "failed"
+    assert (f"the pseudo-gradient of shard 0 of round 0 (runs/{run_id}/r0000/shard-000.safetensors) "
+            f"is not what the run stored" in doc["error"]), doc["error"]
+    assert not (store / "runs" / run_id / "final").exists()
+
+
+def test_an_async_ledger_pointed_at_another_runs_model_is_put_back_from_the_store(gated_pool):
+    """Issue 26 #2: the applier read whatever key the broker's hash named, and never checked its
+    sha256: pointed at another run's model, the run "succeeded" on it."""
+    pool, store, gate = gated_pool
+    board = RunBoard(check_broker(pool.broker_url))
+    other = submit(pool, store, "--rounds", "1", "--shards", "2", "--sync-every", "5")
+    other_doc = finished(board, other)
+    assert other_doc["state"] == "succeeded"
+    close(gate, shard=1)
+    run_id = submit(pool, store, "--sync", "async", "--rounds", "2", "--shards", "2", "--sync-every", "5")
+    r = check_broker(pool.broker_url)
+    key = layout.run_key(run_id, "async")
+    # updates u0 and u2 (shard 0) are applied; u1 and u3 (shard 1) wait at the gate
+    wait_for(lambda: r.hget(key, "version") in ("2", b"2"), "versions 1 and 2 committed")
+    other_sha = other_doc["model_sha256"]
+    r.hset(key, mapping={"key": layout.key("final_model", other), "sha256": other_sha})
+    gate.unlink()
+    doc = finished(board, run_id)
+    assert doc["state"] == "succeeded", doc.get("error")
+    repaired = [i for i in doc["incidents"] if i["kind"] == "ledger_repaired"]
+    assert repaired and "put back from the store's log at version 2" in repaired[0]["detail"]
+    assert doc["model_sha256"] != other_sha
+    log = [json.loads(p.read_text()) for p in sorted((store / "runs" / run_id / "async" / "log").glob("*.json"))]
+    assert all(entry["key"].startswith(f"runs/{run_id}/async/versions/") for entry in log)
