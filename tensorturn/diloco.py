@@ -13,6 +13,8 @@ weights are functions of the run and the shard id, never of the machine that tra
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .recipes import Recipe
@@ -63,6 +65,34 @@ def check_update(delta: StateDict, theta: StateDict, max_ratio: float) -> None:
     if float(d_norm) > max_ratio * max(float(w_norm), 1e-12):
         raise UpdateRejected(f"pseudo-gradient norm {float(d_norm):.3g} exceeds {max_ratio:g}× "
                              f"the weights' norm {float(w_norm):.3g}")
+
+
+# The side that applies an update (a fused round's outer step, an asynchronous run's applier)
+# looks at it again: the trainer checked it before storing it, but an update is applied on the
+# word of no other machine's arithmetic. ``what`` names the update in the refusal, ``by`` the
+# side refusing it.
+
+def check_samples(what: str, samples: int, most: int, by: str) -> None:
+    """UpdateRejected unless ``samples`` is 1..``most`` (H × batch × accumulate)."""
+    if not 0 < samples <= most:
+        raise UpdateRejected(f"{what} claims {samples} samples, not 1..{most} (H × batch × "
+                             f"accumulate); refused by {by}")
+
+
+def finite_squares(what: str, name: str, value: torch.Tensor, by: str) -> float:
+    """The sum of squares of tensor ``name`` of an update (for its norm); UpdateRejected if it
+    holds NaN/Inf."""
+    if not bool(torch.isfinite(value).all()):
+        raise UpdateRejected(f"{what} holds NaN/Inf ({name}); refused by {by}")
+    return float(value.double().square().sum())
+
+
+def check_norm(what: str, squares: float, theta_squares: float, max_ratio: float, by: str) -> None:
+    """UpdateRejected if the update's norm is above ``max_ratio`` × the weights' it steps."""
+    norm, w_norm = math.sqrt(squares), max(math.sqrt(theta_squares), 1e-12)
+    if norm > max_ratio * w_norm:
+        raise UpdateRejected(f"{what} has norm {norm:.3g}, over {max_ratio:g}× θ's norm "
+                             f"{w_norm:.3g}; refused by {by}")
 
 
 def weighted_average(deltas: list[StateDict], samples: list[int]) -> StateDict:

@@ -95,13 +95,13 @@ def check(store: Store, key: str, sha256: str) -> None:
 def put_file(store: Store, key: str, path: Path | str) -> str:
     sha = file_sha256(Path(path))
     seal(store, key, sha, Path(path).stat().st_size)  # first: an object that exists has its seal
-    return store.put_file(key, path)
+    return store.put_file(key, path, sha)
 
 
 def put_bytes(store: Store, key: str, data: bytes) -> str:
     sha = sha256_hex(data)
     seal(store, key, sha, len(data))
-    return store.put_bytes(key, data)
+    return store.put_bytes(key, data, sha)
 
 
 def put_json(store: Store, key: str, obj: Any) -> str:

@@ -135,8 +135,9 @@ class Store(ABC):
                 delay = min(delay * 2, 8.0)
         raise AssertionError("unreachable")
 
-    def put_bytes(self, key: str, data: bytes) -> str:
-        digest = sha256_hex(data)
+    def put_bytes(self, key: str, data: bytes, sha256: str | None = None) -> str:
+        """Store ``data``; returns its sha256 (``sha256``, when the caller computed it already)."""
+        digest = sha256 or sha256_hex(data)
         self._retrying("write", key, lambda: self._put(key, data, digest))
         _count(len(data), 0)
         return digest
@@ -146,11 +147,12 @@ class Store(ABC):
         _count(0, len(data))
         return data
 
-    def put_file(self, key: str, path: Path | str) -> str:
+    def put_file(self, key: str, path: Path | str, sha256: str | None = None) -> str:
         """Store a local file's bytes without reading them into memory (S3: a multipart upload,
-        its parts retried; the object appears whole or not at all). Returns their sha256."""
+        its parts retried; the object appears whole or not at all). Returns their sha256
+        (``sha256``, when the caller hashed the file already: a model-sized file is read once)."""
         path = Path(path)
-        digest = file_sha256(path)
+        digest = sha256 or file_sha256(path)
         self._retrying("write", key, lambda: self._put_file(key, path, digest))
         _count(path.stat().st_size, 0)
         return digest

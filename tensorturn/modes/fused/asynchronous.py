@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import tempfile
 import time
 from collections import OrderedDict
@@ -40,7 +39,7 @@ from ...board import RunBoard
 from ...capacity import queue_for
 from ...celery_app import app, forget_results
 from ...device import pick_device
-from ...diloco import UpdateRejected, async_update, round_figures
+from ...diloco import async_update, check_norm, check_samples, finite_squares, round_figures
 from ...recipes import Recipe, recipe_of
 from ...spec import RunSpec
 from ...store import ObjectMissing, Store
@@ -408,18 +407,11 @@ def check_update_here(spec: RunSpec, j: int, delta: StateDict, samples: int, nom
     """The applier's own look at update j before it moves θ (the trainer looked before storing
     it; an applier trusts no other machine's arithmetic): its sample count, its values, its norm
     against the weights it steps."""
-    if not 0 < samples <= nominal:
-        raise UpdateRejected(f"update u{j} claims {samples} samples, not 1..{nominal} (H × batch × "
-                             f"accumulate); refused by the applier")
-    bad = next((name for name, value in delta.items() if not bool(torch.isfinite(value).all())), None)
-    if bad is not None:
-        raise UpdateRejected(f"update u{j} holds NaN/Inf ({bad}); refused by the applier")
-    d_norm = math.sqrt(sum(float(v.double().square().sum()) for v in delta.values()))
-    w_norm = max(math.sqrt(sum(float(theta.get(name).double().square().sum()) for name in delta)), 1e-12)
-    ratio = options(spec).max_update_ratio
-    if d_norm > ratio * w_norm:
-        raise UpdateRejected(f"update u{j} has norm {d_norm:.3g}, over {ratio:g}× the weights' norm "
-                             f"{w_norm:.3g}; refused by the applier")
+    what, by = f"update u{j}", "the applier"
+    check_samples(what, samples, nominal, by)
+    squares = sum(finite_squares(what, name, value, by) for name, value in delta.items())
+    theta_squares = sum(float(theta.get(name).double().square().sum()) for name in delta)
+    check_norm(what, squares, theta_squares, options(spec).max_update_ratio, by)
 
 
 def catch_up(spec: RunSpec, store: Store, board: RunBoard, book: AsyncLedger) -> None:
