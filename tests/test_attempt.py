@@ -343,19 +343,22 @@ def test_an_ensemble_member_dropped_for_failures_gets_another_chance_on_resume(w
     assert doc["metrics"]["members_succeeded"] == 3
 
 
-def test_a_chord_whose_body_cannot_run_queues_its_round_again_then_warns(world):
+def test_a_chord_whose_body_cannot_run_queues_its_round_again_then_fails_the_run(world):
     spec = submit(world, **FUSED)
     what = "the outer step of round 0"
     errback = {"r": 0, **signed(spec.run_id, fused.chord_failed_label(0, what))}
     as_agent_of(spec)
-    for _ in range(fused.CHORD_REQUEUES + 1):
+    for _ in range(fused.CHORD_REQUEUES):
         fused.chord_failed.apply(args=("task-id", spec.run_id, what), kwargs=errback).get()
     doc = world.board.describe(spec.run_id)
-    assert doc["state"] != "failed"  # a replayed errback must not be able to fail a run
+    assert doc["state"] != "failed"  # a replayed errback costs a round's messages, not the run
     requeued = [i for i in doc["incidents"] if i["kind"] == "chord_failed"]
     assert len(requeued) == fused.CHORD_REQUEUES and "round 0 queued again" in requeued[0]["detail"]
-    assert any(f"tensorturn resume {spec.run_id}" in w for w in world.board.warnings(spec.run_id))
-    drive_fused(spec)  # the run still finishes
+    fused.chord_failed.apply(args=("task-id", spec.run_id, what), kwargs=errback).get()
+    doc = world.board.describe(spec.run_id)  # one time too many: the run ends, saying so
+    assert doc["state"] == "failed" and f"tensorturn resume {spec.run_id}" in doc["error"]
+    client.resume(spec.run_id, world.broker, spec.store_url)
+    drive_fused(spec)  # and resume finishes it
     assert world.board.describe(spec.run_id)["state"] == "succeeded"
 
 

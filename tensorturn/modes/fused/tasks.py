@@ -30,15 +30,18 @@ from ...diloco import (
     UpdateRejected,
     accumulate,
     apply_step,
+    check_norm,
+    check_samples,
     check_update,
     compress_broadcast,
+    finite_squares,
     initial_state,
     outer_update,
     round_figures,
     train_replica,
 )
 from ...live import live_field
-from ...manifest import load_spec, save_spec, write_manifest
+from ...manifest import load_spec, save_spec, try_write_manifest, write_manifest
 from ...recipes import Recipe, recipe_of, resolve
 from ...spec import RunSpec
 from ...store import ObjectMissing, Store, sha256_hex
@@ -205,8 +208,10 @@ def chord_failed(self: Any, *args: Any, sig: str | None = None, r: Any = None) -
 
     The signed errback sits in every queued slot message, where anyone with the broker's
     password can read it and send it again. So it acts only on the round it was made for while
-    the run is still in that round, and at most CHORD_REQUEUES times (then it warns and leaves
-    the run to `resume`): a replay costs a round's messages at most, never the run.
+    the run is still in that round, and at most CHORD_REQUEUES times: a replay costs a round's
+    messages. Past that the run fails — a chord that never runs must end in a recorded state —
+    and `resume` continues it (a broker holder can get there too, as by replaying task
+    messages: a denial of service, never a changed result).
 
     Celery calls an errback either as a task with the failed task's id first (``task_id,
     run_id, what``) or in place with ``request, exc, traceback`` first, depending on its version
@@ -228,9 +233,11 @@ def chord_failed(self: Any, *args: Any, sig: str | None = None, r: Any = None) -
         return
     worker = self.request.hostname or "?"
     times = int(board.r.hincrby(layout.run_key(run_id, "chord_requeues"), str(r), 1))
-    if times > CHORD_REQUEUES:
-        board.warn(run_id, f"{what} could not run {times} times (Celery task {task_id}); see the "
-                           f"agents' logs, then `tensorturn resume {run_id}`")
+    if times > CHORD_REQUEUES:  # a failure every time: the run ends, in a state that says so
+        board.fail(run_id, f"{what} could not run {times} times: a task of it failed outside "
+                           f"TensorTurn's handling (Celery task {task_id}); see the agents' logs, "
+                           f"then `tensorturn resume {run_id}`")
+        try_write_manifest(store, board, run_id)
         return
     board.incident(run_id, "chord_failed", str(layout.outer_label(r)), worker,
                    f"{what} could not run (Celery task {task_id}): round {r} queued again "
@@ -253,6 +260,7 @@ def resume(spec: RunSpec, store: Store, board: RunBoard) -> str:
     rounds = options(spec).rounds
     if r >= rounds:  # every round is stored: the outer step of the last one finalizes again
         r = rounds - 1
+    board.r.delete(layout.run_key(spec.run_id, "chord_requeues"))  # each round's errback gets its 3 again
     board.claim(spec.run_id, layout.dispatch_claim(r))
     dispatch_round(spec, r, board)
     return f"resumed at round {r} of 0..{rounds - 1}"
@@ -626,7 +634,7 @@ def average_and_step(spec: RunSpec, store: Store, r: int, scratch: Path
     most = options(spec).sync_every * samples_per_step(spec, recipe)
     decided = store.exists(layout.key("global", run_id, r + 1))  # by a previous attempt
     avg: StateDict = {}
-    norms: dict[int, float] = {}
+    norms: dict[int, float] = {}  # shard → its sum of squares
     losses, bytes_up, bytes_down = [], 0, 0
     for k, key in enumerate(keys):
         path = scratch / f"shard-{k}"
@@ -635,10 +643,8 @@ def average_and_step(spec: RunSpec, store: Store, r: int, scratch: Path
             meta = shard.metadata
             if int(meta["samples"]) != samples[k]:  # shard outputs are never overwritten
                 raise RuntimeError(f"round {r}: shard {k}'s output changed while it was averaged")
-            if not 0 < samples[k] <= most:
-                raise UpdateRejected(f"round {r}: the pseudo-gradient of shard {k} claims "
-                                     f"{samples[k]} samples, not 1..{most} (H × batch × accumulate); "
-                                     f"refused by the outer step")
+            what = f"round {r}: the pseudo-gradient of shard {k}"
+            check_samples(what, samples[k], most, OUTER)
             losses.append(float(meta["loss"]))
             bytes_up += path.stat().st_size
             bytes_down += int(meta["bytes_down"])
@@ -646,27 +652,24 @@ def average_and_step(spec: RunSpec, store: Store, r: int, scratch: Path
                 w = samples[k] / float(sum(samples))
                 squares = 0.0
                 for name, value in delta_tensors(shard):
-                    if not bool(torch.isfinite(value).all()):
-                        raise UpdateRejected(f"round {r}: the pseudo-gradient of shard {k} holds "
-                                             f"NaN/Inf ({name}); refused by the outer step")
-                    squares += float(value.double().square().sum())
+                    squares += finite_squares(what, name, value, OUTER)
                     accumulate(avg, {name: value}, w)
-                norms[k] = math.sqrt(squares)
+                norms[k] = squares
         path.unlink()
     if not decided:
         step_global(spec, recipe, store, r, avg, scratch, norms)
     return losses, samples, bytes_up, bytes_down
 
 
+OUTER = "the outer step"
+
+
 def check_norms(spec: RunSpec, r: int, norms: dict[int, float], theta_squares: float) -> None:
-    """The outer step's own look at each shard's pseudo-gradient norm against θ_r's (the trainer
-    looked before storing it; an outer step trusts no other machine's arithmetic)."""
-    ratio = options(spec).max_update_ratio
-    w_norm = max(math.sqrt(theta_squares), 1e-12)
-    for k, norm in norms.items():
-        if norm > ratio * w_norm:
-            raise UpdateRejected(f"round {r}: the pseudo-gradient of shard {k} has norm {norm:.3g}, "
-                                 f"over {ratio:g}× θ's norm {w_norm:.3g}; refused by the outer step")
+    """Each shard's pseudo-gradient norm (``norms``: its sum of squares) against θ_r's
+    (:func:`~tensorturn.diloco.check_norm`)."""
+    for k, squares in norms.items():
+        check_norm(f"round {r}: the pseudo-gradient of shard {k}", squares, theta_squares,
+                   options(spec).max_update_ratio, OUTER)
 
 
 def step_global(spec: RunSpec, recipe: Recipe, store: Store, r: int, avg: StateDict,
@@ -675,7 +678,7 @@ def step_global(spec: RunSpec, recipe: Recipe, store: Store, r: int, avg: StateD
     state and, in compressed runs, the broadcast delta, then θ_{r+1}, whose existence decides
     the round. With a ``scratch`` folder and an uncompressed broadcast it streams (see
     :func:`_step_streaming`); compressing the broadcast needs the whole θ in memory. θ_{r+1}
-    is also left at ``scratch/next``. ``norms`` (shard → its pseudo-gradient's norm) are checked
+    is also left at ``scratch/next``. ``norms`` (shard → its pseudo-gradient's sum of squares) are checked
     against θ_r's before anything is stored (:func:`check_norms`)."""
     opts = options(spec)
     if opts.outer == "auto":  # start decides it before the spec is stored
