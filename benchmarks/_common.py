@@ -6,15 +6,19 @@ from __future__ import annotations
 import json
 import os
 import platform
+import sys
 import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+# the repository's root: benchmarks use the link harness in testbed/, which is not installed
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 import torch
 
-from tensorturn import client
 from tensorturn.layout import parse_label
+from tensorturn.runs import service as client
 from tensorturn.spec import RunSpec
 
 HERE = Path(__file__).resolve().parent

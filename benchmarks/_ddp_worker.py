@@ -18,9 +18,9 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from tensorturn.diloco import initial_state
 from tensorturn.recipes import resolve
-from tensorturn.training import load_model
+from tensorturn.train.diloco import initial_state
+from tensorturn.train.loop import load_model
 
 
 def main() -> None:

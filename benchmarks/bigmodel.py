@@ -51,14 +51,15 @@ def prepare(work: Path, size: str, shards: int) -> tuple[str, str]:
     round 1, and S random pseudo-gradients. Returns (store URL, run id)."""
     import torch
 
-    from tensorturn import layout, seals
-    from tensorturn.diloco import initial_state
-    from tensorturn.manifest import save_spec
+    from tensorturn import layout
     from tensorturn.modes.fused.tasks import global_bytes
     from tensorturn.recipes import resolve
     from tensorturn.spec import RunSpec
-    from tensorturn.store import open_store
-    from tensorturn.tensors import delta_bytes, to_bytes
+    from tensorturn.state.manifest import save_spec
+    from tensorturn.store import seals
+    from tensorturn.store.objects import open_store
+    from tensorturn.store.tensors import delta_bytes, to_bytes
+    from tensorturn.train.diloco import initial_state
 
     recipe_name, options = SIZES[size]
     store = open_store((work / f"store-{size}-{shards}").as_uri())
@@ -85,12 +86,12 @@ def child(store_url: str, run_id: str, how: str) -> None:
     import torch
 
     from tensorturn import layout
-    from tensorturn.diloco import weighted_average
-    from tensorturn.manifest import load_spec
     from tensorturn.modes.fused import tasks as fused
     from tensorturn.recipes import recipe_of
-    from tensorturn.store import open_store
-    from tensorturn.tensors import delta_from_bytes
+    from tensorturn.state.manifest import load_spec
+    from tensorturn.store.objects import open_store
+    from tensorturn.store.tensors import delta_from_bytes
+    from tensorturn.train.diloco import weighted_average
 
     torch.set_num_threads(1)
     store = open_store(store_url)
@@ -129,7 +130,7 @@ def part_outer(work: Path, sizes: list[str], shard_counts: list[int]) -> list[di
             url, run_id = prepare(work, size, shards)
             for how in ("streaming", "list"):
                 from tensorturn import layout
-                from tensorturn.store import open_store
+                from tensorturn.store.objects import open_store
 
                 store = open_store(url)  # the step's outputs go, so each variant starts alike
                 for kind in ("global", "outer"):
@@ -233,7 +234,7 @@ def part_runs(work: Path, stores: list[str]) -> list[dict]:
 
 def part_transfers(work: Path, stores: list[str], mb: int = 343) -> list[dict]:
     """put_file / get_file of one model-sized file (the 86M model in fp32: 343 MB), timed."""
-    from tensorturn.store import open_store
+    from tensorturn.store.objects import open_store
 
     (work / "blob").write_bytes(os.urandom(mb * 10 ** 6))
     rows, server = [], None

@@ -57,7 +57,7 @@ def push_sklearn(store_url: str) -> list[tuple[str, dict]]:
     from sklearn.datasets import load_breast_cancer, load_diabetes, load_wine
 
     from tensorturn import data
-    from tensorturn.store import open_store
+    from tensorturn.store.objects import open_store
 
     store = open_store(store_url)
     out = []
@@ -83,7 +83,7 @@ def push_wine_csv(store_url: str) -> tuple[str, dict]:
     from sklearn.datasets import load_wine
 
     from tensorturn import data
-    from tensorturn.store import open_store
+    from tensorturn.store.objects import open_store
 
     wine = load_wine()
     with tempfile.TemporaryDirectory() as tmp:
@@ -113,12 +113,12 @@ def best_round_test(store_url: str, doc: dict) -> tuple[int, dict]:
     import math
 
     from tensorturn import layout
-    from tensorturn.device import pick_device
     from tensorturn.recipes import recipe_of
     from tensorturn.spec import RunSpec
-    from tensorturn.store import open_store
-    from tensorturn.tensors import from_bytes
-    from tensorturn.training import load_model
+    from tensorturn.store.objects import open_store
+    from tensorturn.store.tensors import from_bytes
+    from tensorturn.train.device import pick_device
+    from tensorturn.train.loop import load_model
 
     def loss(rec: dict) -> float:
         value = rec.get("val_loss")
@@ -153,8 +153,8 @@ def fig(k: dict) -> str:
 def scaled(args: argparse.Namespace, seeds: list[int]) -> None:
     """Fixed 8 × 25 against defaults scaled to the data, each with the last and the best round."""
     from tensorturn import config, trust
-    from tensorturn.local import LocalPool
     from tensorturn.modes.fused import EPOCHS_PER_ROUND
+    from tensorturn.pool.embedded import LocalPool
     from tensorturn.recipes import resolve
 
     plans: dict[str, float | None] = {"fixed 8 × H 25 (before)": None}
@@ -226,7 +226,7 @@ def main() -> None:
         scaled(args, seeds)
         return
     from tensorturn import config
-    from tensorturn.local import LocalPool
+    from tensorturn.pool.embedded import LocalPool
 
     rows = []
     with tempfile.TemporaryDirectory(prefix="tt-defaults-") as tmp:

@@ -78,15 +78,17 @@ from typing import Any
 
 import torch
 
-from tensorturn import diloco, layout, seals
-from tensorturn.device import pick_device
+from tensorturn import layout
 from tensorturn.modes.fused import FusedOptions
 from tensorturn.modes.fused import tasks as fused
 from tensorturn.recipes import load_splits, resolve
 from tensorturn.spec import RunSpec
-from tensorturn.store import open_store, sha256_hex
-from tensorturn.tensors import delta_bytes, delta_from_bytes, from_bytes
-from tensorturn.training import derive_seed, set_threads, train_steps
+from tensorturn.store import seals
+from tensorturn.store.objects import open_store, sha256_hex
+from tensorturn.store.tensors import delta_bytes, delta_from_bytes, from_bytes
+from tensorturn.train import diloco
+from tensorturn.train.device import pick_device
+from tensorturn.train.loop import derive_seed, set_threads, train_steps
 from tensorturn.trust import PoolKey
 
 RECIPE = "charlm"
@@ -192,8 +194,8 @@ def run_row(job: tuple[str, dict]) -> tuple[str, dict, float]:
 
 def run_on_pool(spec: RunSpec, workers: int) -> tuple[dict, float]:
     """A row through a real embedded pool: redis-server + ``workers`` agent processes."""
-    from tensorturn import client
-    from tensorturn.local import LocalPool
+    from tensorturn.pool.embedded import LocalPool
+    from tensorturn.runs import service as client
 
     with tempfile.TemporaryDirectory(prefix="tt-diloco-") as tmp:
         store = (Path(tmp) / "store").as_uri()

@@ -30,12 +30,13 @@ from typing import Any
 import torch
 from _common import figure, machine, run_job, table, write_outputs
 
-from tensorturn import client, layout
-from tensorturn.artifact import Predictor
+from tensorturn import layout
 from tensorturn.cli.distill import ALPHA, MIXUP, TEMPERATURE, distill_spec
-from tensorturn.local import LocalPool
-from tensorturn.store import open_store
-from tensorturn.training import set_threads
+from tensorturn.pool.embedded import LocalPool
+from tensorturn.recipes.result import Predictor
+from tensorturn.runs import service as client
+from tensorturn.store.objects import open_store
+from tensorturn.train.loop import set_threads
 
 
 def forward_ms(predictor: Predictor, x: torch.Tensor) -> float:
@@ -150,7 +151,7 @@ def main() -> None:
                 recipe = vote.recipe
                 models = {"student": one.models[0]}
                 if args.finetune:
-                    from tensorturn.soup import soup
+                    from tensorturn.merge.soup import soup
 
                     for rule in ("greedy", "uniform"):
                         made = soup(store, ens["run_id"], rule, args.eval_batches)

@@ -3,7 +3,7 @@
 One ensemble run of 8 digits-mlp members on an embedded pool (the run's defaults: diverse
 configurations, bootstrap samples, 3 segments of 400 steps). Then, from the members' final
 checkpoints in the store (``runs/<id>/members/mXX/seg-NNN.safetensors``, loaded with
-``tensorturn.artifact.Predictor``), the first k members' votes for k = 1..8 on the test split —
+``tensorturn.recipes.result.Predictor``), the first k members' votes for k = 1..8 on the test split —
 no retraining per k:
 
 * soft vote: mean of the members' probabilities (accuracy, and NLL of that mean);
@@ -27,12 +27,12 @@ import torch.nn.functional as F
 from _common import figure, machine, run_job, table, write_outputs
 
 from tensorturn import layout
-from tensorturn.artifact import Predictor
-from tensorturn.local import LocalPool
+from tensorturn.pool.embedded import LocalPool
 from tensorturn.recipes import load_splits, resolve
+from tensorturn.recipes.result import Predictor
 from tensorturn.spec import options_json
-from tensorturn.store import open_store
-from tensorturn.training import set_threads
+from tensorturn.store.objects import open_store
+from tensorturn.train.loop import set_threads
 
 
 def nll(p: torch.Tensor, y: torch.Tensor) -> float:

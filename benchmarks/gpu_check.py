@@ -47,16 +47,17 @@ def main() -> None:
     from tensorturn.trust import PoolKey
 
     os.environ.setdefault("TENSORTURN_POOL_KEY", PoolKey.generate().text())  # before settings are read
-    from tensorturn import layout, seals
-    from tensorturn.device import pick_device
-    from tensorturn.diloco import initial_state, train_replica
-    from tensorturn.manifest import save_spec
+    from tensorturn import layout
     from tensorturn.modes.fused import tasks as fused
     from tensorturn.recipes import resolve
     from tensorturn.recipes.base import load_splits
     from tensorturn.spec import RunSpec
-    from tensorturn.store import open_store
-    from tensorturn.tensors import delta_bytes
+    from tensorturn.state.manifest import save_spec
+    from tensorturn.store import seals
+    from tensorturn.store.objects import open_store
+    from tensorturn.store.tensors import delta_bytes
+    from tensorturn.train.device import pick_device
+    from tensorturn.train.diloco import initial_state, train_replica
     options = {k: json.loads(v) if v[:1] in "0123456789[{-tfn" else v
                for k, v in (o.split("=", 1) for o in args.option)}
     device = pick_device()
@@ -110,8 +111,8 @@ def pool_run(args: argparse.Namespace, options: dict) -> dict:
     """One fused run on an embedded pool of real agents: what they publish and what it gives."""
     import subprocess
 
-    from tensorturn import client
-    from tensorturn.local import LocalPool
+    from tensorturn.pool.embedded import LocalPool
+    from tensorturn.runs import service as client
 
     with tempfile.TemporaryDirectory() as tmp, LocalPool(args.pool, (Path(tmp) / "store").as_uri(),
                                                           workdir=Path(tmp) / "pool") as pool:

@@ -34,7 +34,7 @@ from typing import Any
 from _common import figure, machine, run_job, short, table, write_outputs
 from stealing import only, queues_by_worker
 
-from tensorturn.local import LocalPool
+from tensorturn.pool.embedded import LocalPool
 
 POOLS = {
     "1:1:1": [1, 1, 1],

@@ -4,7 +4,7 @@ One embedded agent (a real Celery worker on a private redis-server, file store) 
 R rounds × S shards × H steps. TensorTurn's rate is total samples / (last shard finish − first
 shard start), from the run's attempts: it pays for every task's start (spec, weights download,
 model build), its upload, and the outer step between rounds. The baseline is
-``tensorturn.training.train_steps`` — the very inner loop the shard task runs, so the ratio is
+``tensorturn.train.loop.train_steps`` — the very inner loop the shard task runs, so the ratio is
 TensorTurn's own cost — called once for the same total steps, in this process, on the same
 recipe, training split, batch size and one torch thread (``--threads-per-task 1``).
 
@@ -47,9 +47,9 @@ from _common import (
     write_outputs,
 )
 
-from tensorturn.local import LocalPool
+from tensorturn.pool.embedded import LocalPool
 from tensorturn.recipes import BUILTIN, load_splits, resolve
-from tensorturn.training import derive_seed, set_threads, train_steps
+from tensorturn.train.loop import derive_seed, set_threads, train_steps
 
 # Task lengths (seconds at the plain loop's step time) and pairs per length, by recipe; a recipe
 # with slow steps and a costly evaluation in the outer step needs longer tasks to amortize it.
@@ -237,7 +237,7 @@ def main() -> None:
         "question": "samples/s of TensorTurn (one agent) vs a plain loop of the same steps",
         "command": "python benchmarks/overhead.py " + " ".join(
             f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None),
-        "baseline": "tensorturn.training.train_steps, one call over the same total steps",
+        "baseline": "tensorturn.train.loop.train_steps, one call over the same total steps",
         "machine": info, "skipped": skipped, "results": results}, fig, args.out_dir)
 
 

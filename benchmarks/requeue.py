@@ -22,11 +22,12 @@ from pathlib import Path
 
 import redis
 
-from tensorturn import client, config
-from tensorturn.board import RunBoard
-from tensorturn.celery_app import RESTORE_INTERVAL_S
-from tensorturn.local import LocalPool
+from tensorturn import config
+from tensorturn.pool.celery_app import RESTORE_INTERVAL_S
+from tensorturn.pool.embedded import LocalPool
+from tensorturn.runs import service as client
 from tensorturn.spec import RunSpec
+from tensorturn.state.board import RunBoard
 
 
 def trial(workdir: Path) -> float:

@@ -40,7 +40,7 @@ from _common import (
     write_outputs,
 )
 
-from tensorturn.local import LocalPool
+from tensorturn.pool.embedded import LocalPool
 
 
 def broker_figures(url: str) -> dict:

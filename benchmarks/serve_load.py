@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 from sklearn.datasets import load_digits
 
-from tensorturn.local import free_port, stop_process_group
+from tensorturn.pool.embedded import free_port, stop_process_group
 
 SCENARIOS = [(1, 1), (1, 8), (1, 32), (32, 1), (32, 8)]  # (rows per request, clients)
 

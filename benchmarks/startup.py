@@ -33,7 +33,7 @@ from pathlib import Path
 from _common import figure, machine, table, write_outputs
 
 from tensorturn.layout import parse_label
-from tensorturn.local import LocalPool
+from tensorturn.pool.embedded import LocalPool
 
 
 def timed(cmd: list[str], env: dict[str, str]) -> tuple[float, float, float, str]:

@@ -54,11 +54,11 @@ from _common import (
     write_outputs,
 )
 
-from tensorturn.celery_app import app
-from tensorturn.client import workers
-from tensorturn.local import LocalPool
-from tensorturn.remote_control import send
-from tensorturn.report import worker_stats
+from tensorturn.pool.celery_app import app
+from tensorturn.pool.embedded import LocalPool
+from tensorturn.pool.remote_control import send
+from tensorturn.runs.report import worker_stats
+from tensorturn.runs.service import workers
 
 SLOW_FACTOR = 3  # the slow agent's throttle relative to the fast ones
 

@@ -2,7 +2,7 @@
 the trainers) against a per-step all-reduce (PyTorch DDP over gloo) on the same emulated links,
 the same data and the same samples.
 
-Needs root (network namespaces; see ``tensorturn/netlab.py``). Three agents, each in its own
+Needs root (network namespaces; see ``testbed/netlab.py``). Three agents, each in its own
 namespace behind a veth link shaped by ``tc tbf`` (default 20 Mbit/s up, 100 down) with ~40 ms
 RTT from a delay proxy in front of Redis and the S3 endpoint (moto's server), and one agent with
 ``--role outer`` on the coordinator itself, beside the store. Compute is emulated: every training
@@ -36,8 +36,8 @@ from typing import Any
 
 from _common import figure, machine, run_job, table, write_outputs
 
-from tensorturn import netlab
-from tensorturn.local import free_port, stop_process_group
+from tensorturn.pool.embedded import free_port, stop_process_group
+from testbed import netlab
 
 HERE = Path(__file__).resolve().parent
 AGENTS = 3
@@ -52,8 +52,8 @@ def wire(pool) -> tuple[int, int]:
 def settled(pool, run_id: str) -> dict[str, Any]:
     """The run's description once its last attempt has recorded what it moved (a run is
     marked finished inside its last task, a moment before that task's figures are in)."""
-    from tensorturn.board import RunBoard
-    from tensorturn.broker import redis_client
+    from tensorturn.state.board import RunBoard
+    from tensorturn.state.broker import redis_client
 
     board = RunBoard(redis_client(pool.broker_url))
     last = None
@@ -175,8 +175,8 @@ def real_step_s(batch_size: int) -> float:
     shard task's own training loop, after one that pays for first-time imports."""
     import torch
 
-    from tensorturn.diloco import initial_state, train_replica
     from tensorturn.recipes import resolve
+    from tensorturn.train.diloco import initial_state, train_replica
 
     torch.set_num_threads(1)
     recipe = resolve("charlm", {})

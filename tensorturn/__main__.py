@@ -1,3 +1,3 @@
-from .cli import main
+from tensorturn.cli import main
 
 main()

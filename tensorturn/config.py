@@ -93,7 +93,7 @@ class Settings:
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "Settings":
         """Read every variable; a malformed number is one clear error naming the variable."""
-        from .errors import SpecError
+        from tensorturn.errors import SpecError
 
         environ = os.environ if environ is None else environ
         types = {f.name: f.type for f in fields(cls)}

@@ -49,7 +49,7 @@ Redis (besides Celery's and kombu's own keys)::
                                   (its record stays in the store's manifest).
     tt:refused                    list: the last 100 messages agents refused (JSON: why, who)
     tt:refused:total              counter: every message refused since the broker started
-    tt:pruned                     lock: held an hour by whoever prunes leftovers (tensorturn.housekeeping)
+    tt:pruned                     lock: held an hour by whoever prunes leftovers (tensorturn.state.housekeeping)
     celery, tt.fits.<N>MB         task queues: the default one and one per memory class
     tt.agent.<name@host>          an agent's own queue (backup copies it queued for itself)
 
@@ -185,7 +185,7 @@ def parse_run_key(key: str) -> str | None:
 
 def live_key(run_id: str) -> str:
     """The run's live progress: {task label: JSON of its step, loss or phase, worker, time},
-    written by running tasks at most once a second (:mod:`tensorturn.live`)."""
+    written by running tasks at most once a second (:mod:`tensorturn.state.live`)."""
     return run_key(run_id, "live")
 
 

@@ -13,8 +13,8 @@ import time
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, ClassVar, TypeVar
 
-from .errors import SpecError
-from .modes.registry import get_mode, mode_names, option_owner
+from tensorturn.errors import SpecError
+from tensorturn.modes.registry import get_mode, mode_names, option_owner
 
 STATES = ("queued", "running", "succeeded", "failed", "cancelled")
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")  # device.autocast's (this module imports no torch)

@@ -15,7 +15,7 @@ import sysconfig
 import traceback
 from pathlib import Path
 
-from .config import mask_text
+from tensorturn.config import mask_text
 
 MAX_FRAMES = 8        # frames kept in a tail
 LAST_FRAMES = 3       # of them, the innermost whatever their origin: where it was raised
@@ -49,7 +49,7 @@ def origin(filename: str) -> str:
 def root_cause(exc: BaseException) -> BaseException:
     """The exception that started it: ``raise … from exc`` links followed, and the implicit
     link of a TensorTurn error raised while handling another (a wrapper of the user's)."""
-    from .errors import TensorTurnError
+    from tensorturn.errors import TensorTurnError
 
     seen = {id(exc)}
     while True:

@@ -32,8 +32,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from . import config
-from .errors import SpecError, TensorTurnError
+from tensorturn import config
+from tensorturn.errors import SpecError, TensorTurnError
 
 KEY_PREFIX = "ttk1."
 KEY_BYTES = 32

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from tensorturn.local import LocalPool, RedisServer, stop_process_group
-from tensorturn.netlab import start_moto
+from tensorturn.pool.embedded import LocalPool, RedisServer, stop_process_group
+from testbed.netlab import start_moto
 
 ROOT = Path(__file__).resolve().parent.parent
 # The test recipes (tests/failing.py, tests/huge.py) import in every process the tests start,

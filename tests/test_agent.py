@@ -16,8 +16,8 @@ import pytest
 import redis
 from conftest import clean_env, queued_messages, tt, tt_json, wait_for
 
-from tensorturn.local import free_port, stop_process_group
-from tensorturn.roster import OFFLINE_AFTER
+from tensorturn.pool.embedded import free_port, stop_process_group
+from tensorturn.state.roster import OFFLINE_AFTER
 
 HEARTBEAT_S = 3.0  # the default heartbeat (TENSORTURN_HEARTBEAT_S)
 
@@ -73,7 +73,7 @@ def test_up_and_join_connect_two_agents_with_telemetry(coordinator, tmp_path):
                          if c.status == psutil.CONN_LISTEN]
             assert listening == []
         # the plain Celery tooling sees the agents too
-        ping = subprocess.run([sys.executable, "-m", "celery", "-A", "tensorturn.celery_app",
+        ping = subprocess.run([sys.executable, "-m", "celery", "-A", "tensorturn.pool.celery_app",
                                "inspect", "ping", "--timeout", "5"], capture_output=True, text=True,
                               env=clean_env(TENSORTURN_BROKER_URL=broker), timeout=60)
         assert ping.returncode == 0 and "w1@" in ping.stdout and "w2@" in ping.stdout
@@ -105,7 +105,7 @@ def test_up_and_join_connect_two_agents_with_telemetry(coordinator, tmp_path):
 
 @pytest.mark.e2e
 def test_workers_show_the_task_in_progress(pool, tmp_path):
-    from tensorturn import client
+    from tensorturn.runs import service as client
 
     run = spawn("run", "--broker", pool.broker_url, "--recipe", "digits-mlp", "--rounds", "1",
                 "--shards", "1", "--sync-every", "6000", "--store", pool.store_url,
@@ -139,8 +139,8 @@ def test_a_model_that_fits_no_worker_is_refused_before_queueing(pool, tmp_path):
 
 @pytest.mark.e2e
 def test_a_worker_too_small_for_the_model_leaves_its_tasks_to_others(tmp_path, monkeypatch):
-    from tensorturn import client
-    from tensorturn.local import LocalPool
+    from tensorturn.pool.embedded import LocalPool
+    from tensorturn.runs import service as client
     from tensorturn.spec import RunSpec
 
     store = (tmp_path / "store").as_uri()
@@ -219,7 +219,7 @@ def test_workers_have_a_header_and_say_when_a_machine_stopped(redis_server):
     the Heartbeat bootstep writes on stop), a silent one, and one silent for longer than
     TENSORTURN_AGENT_TTL_S (a day), which is forgotten."""
     from tensorturn.layout import worker_key
-    from tensorturn.roster import list_workers
+    from tensorturn.state.roster import list_workers
 
     r = redis.Redis.from_url(redis_server.url, decode_responses=True)
     now = time.time()
@@ -253,7 +253,8 @@ def test_an_agent_describes_its_gpu_without_starting_cuda(tmp_path, monkeypatch)
     on a machine without a GPU."""
     import torch
 
-    from tensorturn import config, telemetry
+    from tensorturn import config
+    from tensorturn.pool import telemetry
 
     fake = tmp_path / "nvidia-smi"
     fake.write_text("#!/bin/sh\ncase \"$1\" in\n"

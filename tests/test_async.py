@@ -13,13 +13,14 @@ import redis
 import torch
 from test_attempt import world  # noqa: F401 - the in-process world fixture (a redis-server, no agents)
 
-from tensorturn import client, layout
-from tensorturn.diloco import async_update, outer_update
-from tensorturn.local import LocalPool
+from tensorturn import layout
 from tensorturn.modes.fused.ledger import AsyncLedger, Fenced
+from tensorturn.pool.embedded import LocalPool
+from tensorturn.runs import service as client
 from tensorturn.spec import RunSpec
-from tensorturn.store import open_store
+from tensorturn.store.objects import open_store
 from tensorturn.tasks.attempt import signed
+from tensorturn.train.diloco import async_update, outer_update
 
 
 @pytest.mark.parametrize("momentum", [0.9, 0.0])
@@ -194,7 +195,7 @@ def test_a_ledger_put_back_from_the_log_applies_again_what_the_log_lacks(redis_s
     """A ledger rolled back by someone with the broker's password (issue 26 #2) is repaired from
     the store's log: an update applied since, which the log does not hold, is pending again —
     lost work, never a hang or a foreign update."""
-    from tensorturn.broker import redis_client
+    from tensorturn.state.broker import redis_client
 
     book = AsyncLedger(redis_client(redis_server.url), "run-a")
     book.init("runs/run-a/global/r0000.safetensors", "s0")

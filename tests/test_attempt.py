@@ -16,16 +16,17 @@ from types import SimpleNamespace
 
 import pytest
 
-from tensorturn import client, config, layout
-from tensorturn.board import RunBoard
-from tensorturn.broker import redis_client
-from tensorturn.celery_app import configure
+from tensorturn import config, layout
 from tensorturn.errors import BrokerError, RecipeError
 from tensorturn.modes.ensemble import tasks as ensemble
 from tensorturn.modes.fused import tasks as fused
+from tensorturn.pool.celery_app import configure
 from tensorturn.recipes import base as recipe_base
+from tensorturn.runs import service as client
 from tensorturn.spec import RunSpec
-from tensorturn.store import open_store
+from tensorturn.state.board import RunBoard
+from tensorturn.state.broker import redis_client
+from tensorturn.store.objects import open_store
 from tensorturn.tasks.attempt import signed
 
 sys.path.insert(0, str(Path(__file__).parent))  # the `failing` recipe module
@@ -167,10 +168,10 @@ def test_the_streaming_outer_step_gives_the_list_averages_bits(world, outer, cod
     streaming) and stepping in memory gives, to the bit. (A compressed round's θ is the
     broadcast's, stepped in memory: only uncompressed rounds stream.)"""
     from tensorturn import layout
-    from tensorturn.diloco import outer_update
     from tensorturn.recipes import recipe_of
-    from tensorturn.store import open_store, sha256_hex
-    from tensorturn.tensors import delta_from_bytes, from_bytes
+    from tensorturn.store.objects import open_store, sha256_hex
+    from tensorturn.store.tensors import delta_from_bytes, from_bytes
+    from tensorturn.train.diloco import outer_update
 
     spec = submit(world, f"stream-{outer}-{codec}", **{**FUSED, "rounds": 3, "shards": 3,
                                                         "outer": outer, "codec": codec})
@@ -421,8 +422,8 @@ def test_a_follow_up_that_fails_to_queue_is_queued_by_the_retry(world, monkeypat
 
 
 def test_an_agent_is_listed_again_at_its_next_heartbeat_after_redis_lost_its_data(world):
-    from tensorturn.roster import list_workers
-    from tensorturn.telemetry import Heartbeat
+    from tensorturn.pool.telemetry import Heartbeat
+    from tensorturn.state.roster import list_workers
 
     beat = Heartbeat.__new__(Heartbeat)          # the bootstep's beat, without a worker around it
     beat.client, beat.node, beat.tref, beat.outer = redis_client(world.broker), "w1@host", None, []
@@ -438,7 +439,7 @@ def test_an_agent_is_listed_again_at_its_next_heartbeat_after_redis_lost_its_dat
 
 def test_keep_best_keeps_the_round_with_the_lowest_validation_loss(world):
     from tensorturn import layout
-    from tensorturn.store import open_store
+    from tensorturn.store.objects import open_store
 
     spec = submit(world, **{**FUSED, "rounds": 3, "keep": "best"})
     drive_fused(spec)
@@ -461,8 +462,8 @@ def test_a_shard_with_little_data_for_its_steps_is_warned_about(world):
     quiet = submit(world, "quiet", **FUSED)
     assert world.board.describe(quiet.run_id)["warnings"] == []
     # --outer auto is decided once, at start, and the spec every machine reads says what it chose
-    from tensorturn.manifest import load_spec
-    from tensorturn.store import open_store
+    from tensorturn.state.manifest import load_spec
+    from tensorturn.store.objects import open_store
 
     chosen = {s.run_id: load_spec(open_store(s.store_url), s.run_id).options for s in (spec, quiet)}
     assert (chosen[spec.run_id].outer, chosen[spec.run_id].outer_lr) == ("sgd", 1.0)

@@ -149,7 +149,7 @@ def test_members_left_to_a_large_pool_stop_at_the_ceiling():
 def test_an_agent_runs_no_more_threads_than_it_has_cores(monkeypatch, caplog):
     import torch
 
-    from tensorturn import training
+    from tensorturn.train import loop as training
 
     asked: list[int] = []
     monkeypatch.setattr(training.os, "cpu_count", lambda: 4)

@@ -6,12 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tensorturn import diloco, layout, seals
+from tensorturn import layout
 from tensorturn.modes.fused import tasks as fused
 from tensorturn.recipes import resolve
 from tensorturn.spec import RunSpec
-from tensorturn.store import open_store, sha256_hex
-from tensorturn.tensors import from_bytes, metadata_of, to_bytes
+from tensorturn.store import seals
+from tensorturn.store.objects import open_store, sha256_hex
+from tensorturn.store.tensors import from_bytes, metadata_of, to_bytes
+from tensorturn.train import diloco
 
 
 def test_error_feedback_keeps_the_rebuilt_weights_on_the_exact_trajectory():

@@ -10,9 +10,9 @@ import pytest
 import redis
 from conftest import paced_pool, queued_messages, tt, tt_json, wait_for
 
-from tensorturn import client
-from tensorturn.board import RunBoard
-from tensorturn.broker import check_broker
+from tensorturn.runs import service as client
+from tensorturn.state.board import RunBoard
+from tensorturn.state.broker import check_broker
 from tensorturn.tasks.attempt import CANCELLED
 
 

@@ -17,11 +17,12 @@ import psutil
 import pytest
 import redis
 
-from tensorturn import client, layout
-from tensorturn.board import RunBoard
-from tensorturn.local import LocalPool
+from tensorturn import layout
 from tensorturn.modes.fused.tasks import train_slot
+from tensorturn.pool.embedded import LocalPool
+from tensorturn.runs import service as client
 from tensorturn.spec import RunSpec
+from tensorturn.state.board import RunBoard
 from tensorturn.tasks.attempt import signed
 
 pytestmark = pytest.mark.e2e
@@ -64,7 +65,7 @@ def test_senders_keep_no_result_subscriptions(chaos_pool, reference):
     """Sending a task subscribes the sender to its result channel; TensorTurn never waits on
     Celery results, so this process (it sent round 0) and the agents (they sent round 1) must
     have let go of every one once the run is over."""
-    from tensorturn.celery_app import app
+    from tensorturn.pool.celery_app import app
 
     channels = redis.Redis.from_url(chaos_pool.broker_url).pubsub_channels("celery-task-meta-*")
     assert channels == []

@@ -11,10 +11,10 @@ import pytest
 import torch
 from conftest import tt_json
 
-from tensorturn.capacity import estimate
 from tensorturn.errors import RecipeError
+from tensorturn.pool.capacity import estimate
 from tensorturn.recipes import charlm, load_splits, resolve
-from tensorturn.tensors import delta_bytes, from_bytes, metadata_of
+from tensorturn.store.tensors import delta_bytes, from_bytes, metadata_of
 
 # A small text with a learnable structure (and a non-ASCII character) for custom-data tests.
 SMALL_TEXT = "".join(f"line {i}: the quick brown fox jumps over the lazy dog {i * 7 % 13} — ok\n"

@@ -16,7 +16,7 @@ import pytest
 from conftest import TEST_POOL_KEY, clean_env, tt_here
 
 from tensorturn import trust
-from tensorturn.coordinator import make_join
+from tensorturn.pool.coordinator import make_join
 
 LIMIT = "10"  # seconds: far above what Tiny's other hooks take, even on a busy machine
 

@@ -92,12 +92,12 @@ def test_status_runs_and_report_read_the_store_when_the_coordinator_is_stopped(r
     `report` warn once (URL masked) and read the store; `resume` still needs the broker."""
     from conftest import TEST_POOL_KEY
 
-    from tensorturn.board import RunBoard
-    from tensorturn.broker import redis_client
-    from tensorturn.coordinator import make_join
-    from tensorturn.manifest import save_spec, write_manifest
+    from tensorturn.pool.coordinator import make_join
     from tensorturn.spec import RunSpec
-    from tensorturn.store import open_store
+    from tensorturn.state.board import RunBoard
+    from tensorturn.state.broker import redis_client
+    from tensorturn.state.manifest import save_spec, write_manifest
+    from tensorturn.store.objects import open_store
 
     store = open_store((tmp_path / "store").as_uri())
     board = RunBoard(redis_client(redis_server.url))

@@ -14,13 +14,15 @@ import redis
 from celery.worker.control import Panel
 from conftest import paced_pool, tt, tt_here, wait_for
 
-from tensorturn import capacity, client, config, layout, remote_control, routing, trust
-from tensorturn.board import RunBoard
-from tensorturn.broker import check_broker
+from tensorturn import config, layout, trust
 from tensorturn.layout import worker_key
-from tensorturn.roster import list_workers
+from tensorturn.pool import capacity, remote_control, routing
+from tensorturn.pool.telemetry import INCARNATION, Heartbeat
+from tensorturn.runs import service as client
 from tensorturn.spec import RunSpec
-from tensorturn.telemetry import INCARNATION, Heartbeat
+from tensorturn.state.board import RunBoard
+from tensorturn.state.broker import check_broker
+from tensorturn.state.roster import list_workers
 
 TB = 1024 ** 4
 FORGED_INVENTORY = json.dumps({"device": "cuda", "device_name": "8x H100", "cpu_count": 128,
@@ -106,7 +108,7 @@ def test_a_forged_heartbeat_is_unverified_and_counts_for_nothing(redis_server):
 
 
 def test_a_quarantine_mark_not_signed_for_this_start_of_the_agent_is_removed(redis_server):
-    from tensorturn.telemetry import quarantine_mark
+    from tensorturn.pool.telemetry import quarantine_mark
 
     r = redis.Redis.from_url(redis_server.url, decode_responses=True)
     hb = beat(r, "w@h")
@@ -224,7 +226,7 @@ def test_a_stale_routing_entry_naming_the_training_queue_moves_nothing(tmp_path,
 
 @pytest.mark.e2e
 def test_a_forged_heartbeat_claiming_4_tb_admits_nothing(tmp_path, monkeypatch):
-    from tensorturn.local import LocalPool
+    from tensorturn.pool.embedded import LocalPool
 
     # the real agent offers 1 MB: digits-mlp (about 2 MB, memory class 4 MB) fits it not
     monkeypatch.setenv("TENSORTURN_DEVICE_MEMORY_GB", "0.001")
@@ -254,7 +256,7 @@ def test_remote_control_cannot_stop_starve_or_redirect_the_agents(tmp_path, monk
 def attack_with_remote_control(attacked_pool) -> None:
     """Everything below comes from someone with the Redis password only: the agents stay up and
     consuming, answer ping and inspect, and a run finishes while its tasks are being revoked."""
-    from tensorturn.celery_app import app, configure
+    from tensorturn.pool.celery_app import app, configure
 
     configure(attacked_pool.broker_url)
     r = redis.Redis.from_url(attacked_pool.broker_url, decode_responses=True)

@@ -14,7 +14,7 @@ from conftest import tt, tt_here, tt_json
 from tensorturn import data as datasets
 from tensorturn import layout
 from tensorturn.data.cache import ChunkCache, ChunkError
-from tensorturn.store import open_store
+from tensorturn.store.objects import open_store
 
 
 @pytest.fixture
@@ -383,10 +383,11 @@ def test_labels_become_what_they_mean_and_bad_ones_are_one_line(tmp_path):
 
 
 def test_a_run_pins_the_dataset_version_it_started_with(tmp_path, table_csv, redis_server):
-    from tensorturn import client, config
-    from tensorturn.celery_app import configure
-    from tensorturn.manifest import load_spec
+    from tensorturn import config
+    from tensorturn.pool.celery_app import configure
+    from tensorturn.runs import service as client
     from tensorturn.spec import RunSpec
+    from tensorturn.state.manifest import load_spec
 
     store = (tmp_path / "store").as_uri()
     st = open_store(store)

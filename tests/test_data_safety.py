@@ -14,7 +14,7 @@ from conftest import tt_here
 from tensorturn import data as datasets
 from tensorturn.data.cache import ChunkCache
 from tensorturn.data.source import Dataset
-from tensorturn.store import open_store
+from tensorturn.store.objects import open_store
 
 SECRET = "root:x:0:0:TOP-SECRET-LINE:/root:/bin/bash\n"
 

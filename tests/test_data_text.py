@@ -14,7 +14,7 @@ import tensorturn
 from tensorturn import data as datasets
 from tensorturn.data.cache import ChunkCache
 from tensorturn.data.source import Dataset
-from tensorturn.store import open_store
+from tensorturn.store.objects import open_store
 
 SPLITS = ("train", "val", "test")
 

@@ -14,16 +14,17 @@ from pathlib import Path
 import pytest
 from conftest import tt
 
-from tensorturn import client, config, trust
-from tensorturn.board import RunBoard
-from tensorturn.broker import redis_client
-from tensorturn.celery_app import configure
-from tensorturn.manifest import load_spec
+from tensorturn import config, trust
 from tensorturn.modes.fused import EPOCHS_PER_ROUND_WARNING
 from tensorturn.modes.fused import tasks as fused
+from tensorturn.pool.celery_app import configure
 from tensorturn.recipes import resolve
+from tensorturn.runs import service as client
 from tensorturn.spec import RunSpec
-from tensorturn.store import open_store
+from tensorturn.state.board import RunBoard
+from tensorturn.state.broker import redis_client
+from tensorturn.state.manifest import load_spec
+from tensorturn.store.objects import open_store
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -22,7 +22,7 @@ import pytest
 import redis
 import yaml
 
-from tensorturn.local import free_port, redis_server_binary, stop_process_group
+from tensorturn.pool.embedded import free_port, redis_server_binary, stop_process_group
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
@@ -257,7 +257,7 @@ def test_compose_builds_the_project_image():
 def test_compose_flower_has_basic_auth_and_the_pool_broker():
     svc = service("flower")
     cmd = argv(svc["command"])
-    assert cmd[:4] == ["celery", "-A", "tensorturn.celery_app", "flower"]
+    assert cmd[:4] == ["celery", "-A", "tensorturn.pool.celery_app", "flower"]
     assert not any(a.startswith("--basic-auth") for a in cmd)  # off the command line
     auth = env_map(svc["environment"])["FLOWER_BASIC_AUTH"]
     assert [n for n, _ in var_refs(auth)] == ["FLOWER_BASIC_AUTH"]
@@ -454,7 +454,7 @@ def test_procfile_commands_as_the_shell_expands_them():
     assert redis_stdin == f'requirepass "{env["REDIS_PASSWORD"]}"\n'
 
     flower = shell_words(lines["flower"], env)
-    assert flower[:4] == ["celery", "-A", "tensorturn.celery_app", "flower"]
+    assert flower[:4] == ["celery", "-A", "tensorturn.pool.celery_app", "flower"]
     assert not any(a.startswith("--basic-auth") for a in flower)  # FLOWER_BASIC_AUTH, from .env
 
     worker = shell_words(lines["worker"], env)

@@ -17,17 +17,18 @@ import redis
 import torch
 from conftest import tt, tt_json, wait_for
 
-from tensorturn import client, config, layout, trust
-from tensorturn.artifact import load_result
-from tensorturn.board import RunBoard
+from tensorturn import config, layout, trust
 from tensorturn.cli.distill import distill_spec
-from tensorturn.distill import teacher_targets
 from tensorturn.errors import RecipeError
 from tensorturn.recipes import Recipe, resolve
 from tensorturn.recipes.distilled import Distilled
-from tensorturn.seeding import shard_rows
+from tensorturn.recipes.result import load_result
+from tensorturn.runs import service as client
 from tensorturn.spec import RunSpec
-from tensorturn.store import open_store
+from tensorturn.state.board import RunBoard
+from tensorturn.store.objects import open_store
+from tensorturn.train.distill import teacher_targets
+from tensorturn.train.seeding import shard_rows
 
 pytestmark = pytest.mark.e2e
 
@@ -68,7 +69,7 @@ def test_the_student_learns_the_vote_and_serves_as_one_model_with_its_lineage(po
     x, _, rows = base.shard_data(1, 3, 0)
     with torch.no_grad():
         want_values, want_indices = teacher_targets(torch.stack([m(x[rows]) for m in vote.models]), 2.0, 16)
-    from tensorturn.tensors import from_bytes
+    from tensorturn.store.tensors import from_bytes
 
     stored = from_bytes(store.get_bytes(keys[1]))
     assert torch.equal(stored["indices"], want_indices.int())
@@ -215,7 +216,7 @@ def test_a_language_model_is_distilled_position_by_position(pool, tmp_path):
     doc = client.wait(pool.broker_url, student_spec.run_id, timeout_s=600)
     assert doc["state"] == "succeeded", doc.get("error")
     assert doc["rounds"][0]["val_loss"] is not None
-    from tensorturn.tensors import from_bytes
+    from tensorturn.store.tensors import from_bytes
 
     store = open_store(pool.store_url)
     stored = from_bytes(store.get_bytes(layout.key("teacher", spec.run_id, "T2-k4-s0-t1", 0, 2)))
@@ -250,8 +251,8 @@ class NoValidation(Wide):
 
 
 def test_a_soup_needs_validation_rows():
-    from tensorturn.distill import SoupRefused
-    from tensorturn.soup import validation_score
+    from tensorturn.merge.soup import validation_score
+    from tensorturn.train.distill import SoupRefused
 
     recipe = NoValidation()
     with pytest.raises(SoupRefused, match="no validation rows: a soup is chosen on validation"):
@@ -281,7 +282,7 @@ def test_teacher_targets_rewritten_in_the_store_fail_the_student_naming_them(poo
     """Issue 26 #7: rewritten targets once taught a student the wrong labels (0.978 → 0.10) and it
     "succeeded"; now the student's attempt fails in one line naming the object. (Last in this
     module: the other tests read these targets.)"""
-    from tensorturn.tensors import from_bytes, to_bytes
+    from tensorturn.store.tensors import from_bytes, to_bytes
 
     store = open_store(pool.store_url)
     key = layout.key("teacher", ensemble["run_id"], "T2-k16-s0-t1", 1, 3)

@@ -1,4 +1,4 @@
-"""The math for turning an ensemble into one model (tensorturn.distill): the teacher's top-k
+"""The math for turning an ensemble into one model (tensorturn.train.distill): the teacher's top-k
 targets, Hinton's distillation loss, and uniform and greedy weight soups."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tensorturn.distill import (
+from tensorturn.train.distill import (
     NO_LABEL,
     SoupRefused,
     check_soupable,

@@ -10,10 +10,10 @@ import pytest
 import redis
 from conftest import clean_env, queued_messages, tt, tt_json
 
-from tensorturn import client
-from tensorturn.board import RunBoard
-from tensorturn.local import LocalPool
+from tensorturn.pool.embedded import LocalPool
+from tensorturn.runs import service as client
 from tensorturn.spec import RunSpec
+from tensorturn.state.board import RunBoard
 
 
 @pytest.mark.e2e

@@ -13,9 +13,9 @@ from tensorturn import layout
 from tensorturn.modes.ensemble.tasks import judge, member_plan, untrained_model
 from tensorturn.recipes import load_splits, resolve
 from tensorturn.spec import RunSpec
-from tensorturn.store import open_store
-from tensorturn.tensors import metadata_of
-from tensorturn.training import derive_seed, train_steps
+from tensorturn.store.objects import open_store
+from tensorturn.store.tensors import metadata_of
+from tensorturn.train.loop import derive_seed, train_steps
 
 
 @pytest.mark.e2e

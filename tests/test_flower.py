@@ -14,7 +14,7 @@ import time
 import httpx
 import pytest
 
-from tensorturn.local import LocalPool, free_port, stop_process_group
+from tensorturn.pool.embedded import LocalPool, free_port, stop_process_group
 
 pytestmark = pytest.mark.e2e
 
@@ -37,7 +37,7 @@ def flower(flower_pool, tmp_path_factory):
     log_path = tmp_path_factory.mktemp("flower") / "flower.log"
     log = open(log_path, "wb")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "celery", "-A", "tensorturn.celery_app", "flower", f"--port={port}",
+        [sys.executable, "-m", "celery", "-A", "tensorturn.pool.celery_app", "flower", f"--port={port}",
          "--address=127.0.0.1"],  # the basic auth from the environment, as documented
         env=dict(os.environ, TENSORTURN_BROKER_URL=flower_pool.broker_url,
                  FLOWER_BASIC_AUTH=f"{AUTH[0]}:{AUTH[1]}"), stdout=log,
@@ -99,7 +99,7 @@ def test_flower_ui_with_credentials(flower):
 
 def test_celery_inspect_ping_sees_both_agents(flower_pool):
     proc = subprocess.run(
-        [sys.executable, "-m", "celery", "-A", "tensorturn.celery_app", "inspect", "ping",
+        [sys.executable, "-m", "celery", "-A", "tensorturn.pool.celery_app", "inspect", "ping",
          "--timeout=5"],
         env=dict(os.environ, TENSORTURN_BROKER_URL=flower_pool.broker_url), capture_output=True,
         text=True, timeout=120, stdin=subprocess.DEVNULL)

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from tensorturn import client, config, trust
-from tensorturn.local import LocalPool
+from tensorturn import config, trust
+from tensorturn.pool.embedded import LocalPool
+from tensorturn.runs import service as client
 from tensorturn.spec import RunSpec
 
 # what an agent imports at start (celery, json), and the recipe module tests/ holds (regress)

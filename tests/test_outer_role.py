@@ -8,8 +8,10 @@ import pytest
 import redis
 from conftest import wait_for
 
-from tensorturn import client, layout, routing
-from tensorturn.local import LocalPool, stop_process_group
+from tensorturn import layout
+from tensorturn.pool import routing
+from tensorturn.pool.embedded import LocalPool, stop_process_group
+from tensorturn.runs import service as client
 from tensorturn.spec import RunSpec
 
 

@@ -14,13 +14,15 @@ from types import SimpleNamespace
 import pytest
 from conftest import clean_env, paced_pool, tt, wait_for
 
-from tensorturn import client, config, layout, telemetry
-from tensorturn.board import RunBoard
-from tensorturn.broker import redis_client
+from tensorturn import config, layout
 from tensorturn.cli.run import RunProgress
-from tensorturn.live import view
 from tensorturn.modes import get_mode
+from tensorturn.pool import telemetry
+from tensorturn.runs import service as client
 from tensorturn.spec import RunSpec
+from tensorturn.state.board import RunBoard
+from tensorturn.state.broker import redis_client
+from tensorturn.state.live import view
 
 FUSED_SPEC = {"mode": "fused", "options": {"rounds": 8, "shards": 8, "sync_every": 25}}
 WORKER = "local2@a-machine-with-a-rather-long-hostname.example.org"
@@ -179,7 +181,7 @@ def live_run(board: RunBoard, tmp_path) -> RunSpec:
 
 
 def heartbeat(board: RunBoard, name: str) -> None:
-    from tensorturn.telemetry import Heartbeat
+    from tensorturn.pool.telemetry import Heartbeat
 
     beat = Heartbeat.__new__(Heartbeat)  # the bootstep's beat, without a worker around it
     beat.client, beat.node, beat.tref, beat.outer = board.r, name, None, []
@@ -250,8 +252,8 @@ def test_a_training_task_that_reports_no_step_is_named_in_the_stall_note(board, 
 
 @pytest.fixture
 def world(redis_server, tmp_path):
-    from tensorturn.celery_app import configure
     from tensorturn.modes.fused import tasks as fused
+    from tensorturn.pool.celery_app import configure
 
     configure(redis_server.url)
     fused._held.clear()
@@ -297,8 +299,8 @@ def states_when_attempts_finish(monkeypatch, board: RunBoard) -> dict[str, str |
 
 
 def assert_complete(world, spec: RunSpec) -> None:
-    from tensorturn.manifest import read_manifest
-    from tensorturn.store import open_store
+    from tensorturn.state.manifest import read_manifest
+    from tensorturn.store.objects import open_store
 
     doc = world.board.describe(spec.run_id)
     saved = read_manifest(open_store(spec.store_url), spec.run_id)

@@ -9,11 +9,11 @@ import sys
 import pytest
 from conftest import clean_env, wait_for
 
-from tensorturn import client
-from tensorturn.board import RunBoard
-from tensorturn.broker import redis_client
-from tensorturn.local import LocalPool, free_port, stop_process_group
+from tensorturn.pool.embedded import LocalPool, free_port, stop_process_group
+from tensorturn.runs import service as client
 from tensorturn.spec import RunSpec
+from tensorturn.state.board import RunBoard
+from tensorturn.state.broker import redis_client
 
 pytestmark = pytest.mark.e2e
 

@@ -17,12 +17,12 @@ from contract_recipes import NamedDigits
 from test_serve import Server, bearer
 
 from tensorturn import config, layout, trust
-from tensorturn.artifact import Predictor, load_result
-from tensorturn.checkrecipe import CheckFailed, check, check_contract
 from tensorturn.cli import cli
 from tensorturn.recipes import resolve
-from tensorturn.store import open_store
-from tensorturn.tensors import ensemble_bytes
+from tensorturn.recipes.check import CheckFailed, check, check_contract
+from tensorturn.recipes.result import Predictor, load_result
+from tensorturn.store.objects import open_store
+from tensorturn.store.tensors import ensemble_bytes
 
 ALLOW = "contract_recipes:*"
 NO_TASK = "contract_recipes:NoTask"
@@ -98,7 +98,7 @@ def store_ensemble(store, run_id: str, recipe_name: str, members: int = 2, **spe
 
 def test_serve_distill_and_soup_refuse_a_recipe_that_breaks_the_contract(tmp_path):
     from tensorturn.cli.distill import distill_spec
-    from tensorturn.soup import soup
+    from tensorturn.merge.soup import soup
 
     store = open_store((tmp_path / "store").as_uri())
     store_ensemble(store, "old", NO_TASK, init_from="base")  # stored before the contract was enforced
@@ -164,7 +164,7 @@ def test_classification_answers_carry_class_names():
     import numpy as np
     import orjson
 
-    from tensorturn.serve import Prediction, encode_answer
+    from tensorturn.serve.app import Prediction, encode_answer
 
     recipe = resolve("contract_recipes:NamedDigits")
     found = check("contract_recipes:NamedDigits")
@@ -183,8 +183,8 @@ def test_classification_answers_carry_class_names():
 
 
 def test_the_api_serves_class_names_and_lists_them_in_its_metadata(tmp_path):
-    from tensorturn import tokens
-    from tensorturn.serve import create_app
+    from tensorturn.serve import tokens
+    from tensorturn.serve.app import create_app
 
     store = open_store((tmp_path / "store").as_uri())
     store_ensemble(store, "named", "contract_recipes:NamedDigits")

@@ -18,14 +18,16 @@ from types import SimpleNamespace
 import pytest
 from conftest import clean_env, paced_pool, queued_messages, tt, tt_here, tt_json, wait_for
 
-from tensorturn import client, config, housekeeping, layout, manifest
-from tensorturn.board import RunBoard
-from tensorturn.broker import check_broker, redis_client
-from tensorturn.celery_app import configure
+from tensorturn import config, layout
 from tensorturn.errors import NotFound, StoreError
 from tensorturn.modes.fused import tasks as fused
+from tensorturn.pool.celery_app import configure
+from tensorturn.runs import service as client
 from tensorturn.spec import RunSpec
-from tensorturn.store import open_store
+from tensorturn.state import housekeeping, manifest
+from tensorturn.state.board import RunBoard
+from tensorturn.state.broker import check_broker, redis_client
+from tensorturn.store.objects import open_store
 from tensorturn.tasks.attempt import refuse, signed
 from tensorturn.tasks.start import start_run
 from tensorturn.trust import pool_key
@@ -378,7 +380,7 @@ def test_deleting_a_runs_keys_mid_run_ends_in_one_line_and_a_resume(tmp_path, mo
 
 @pytest.mark.e2e
 def test_runs_rm_refuses_a_run_tensorturn_serve_serves(tmp_path):
-    from tensorturn.local import free_port, stop_process_group
+    from tensorturn.pool.embedded import free_port, stop_process_group
 
     store, uri = str(tmp_path / "store"), (tmp_path / "store").as_uri()
     done = tt_json("run", "--recipe", "digits-mlp", "--rounds", "1", "--local-workers", "1",

@@ -9,8 +9,8 @@ import pytest
 from conftest import tt_json
 
 from tensorturn import layout
-from tensorturn.report import NAMES, plots, save_report, task_samples, worker_stats
-from tensorturn.store import open_store
+from tensorturn.runs.report import NAMES, plots, save_report, task_samples, worker_stats
+from tensorturn.store.objects import open_store
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -9,14 +9,16 @@ import json
 import pytest
 import torch
 
-from tensorturn import diloco, layout, seals
-from tensorturn.diloco import UpdateRejected
-from tensorturn.manifest import save_spec
+from tensorturn import layout
 from tensorturn.modes.fused import tasks as fused
 from tensorturn.recipes import resolve
 from tensorturn.spec import RunSpec
-from tensorturn.store import open_store, sha256_hex
-from tensorturn.tensors import delta_bytes, from_bytes
+from tensorturn.state.manifest import save_spec
+from tensorturn.store import seals
+from tensorturn.store.objects import open_store, sha256_hex
+from tensorturn.store.tensors import delta_bytes, from_bytes
+from tensorturn.train import diloco
+from tensorturn.train.diloco import UpdateRejected
 from tensorturn.trust import PoolKey
 
 
@@ -148,7 +150,7 @@ def test_a_run_never_keeps_weights_that_are_not_finite(round0, store):
 
 def test_the_async_applier_refuses_what_the_outer_step_refuses(round0, store, tmp_path):
     from tensorturn.modes.fused import asynchronous
-    from tensorturn.tensorfile import TensorReader
+    from tensorturn.store.tensorfile import TensorReader
 
     spec, floats, _ = round0
     path = tmp_path / "theta"

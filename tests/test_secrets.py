@@ -13,8 +13,8 @@ import pytest
 from conftest import clean_env, wait_for
 
 from tensorturn import config
-from tensorturn.broker import redis_client
-from tensorturn.local import RedisServer, stop_process_group
+from tensorturn.pool.embedded import RedisServer, stop_process_group
+from tensorturn.state.broker import redis_client
 
 # passwords as people pick them: every character urlsplit and a naive pattern trip on
 NASTY = ["Sx1@Tail9", "Cc2:Dd3@Ee4", "Ff5/Gg6@Hh7", "Ii8?Jj9#Kk0", "@Ll1@Mm2@", "Nn3%40Oo4",
@@ -160,7 +160,7 @@ def test_an_embedded_pools_kept_logs_are_readable_by_their_owner_only(tmp_path, 
     import os
     import stat
 
-    from tensorturn.local import keep_logs, logs_dir
+    from tensorturn.pool.embedded import keep_logs, logs_dir
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "agent-1.log").write_text("trained\n")

@@ -14,10 +14,10 @@ import pytest
 from conftest import clean_env, tt, tt_json
 from sklearn.datasets import load_digits
 
-from tensorturn import tokens
-from tensorturn.apiauth import Authenticator, AuthError, FailureCounter, TokenCache, digest
-from tensorturn.local import free_port, stop_process_group
-from tensorturn.store import open_store
+from tensorturn.pool.embedded import free_port, stop_process_group
+from tensorturn.serve import tokens
+from tensorturn.serve.auth import Authenticator, AuthError, FailureCounter, TokenCache, digest
+from tensorturn.store.objects import open_store
 
 
 @pytest.fixture(scope="module")
@@ -348,7 +348,7 @@ def test_one_bad_request_in_a_batch_fails_alone():
 
     import numpy as np
 
-    from tensorturn.batching import Batcher
+    from tensorturn.serve.batching import Batcher
 
     def run(x):
         if (x < 0).any():

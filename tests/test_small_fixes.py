@@ -14,11 +14,11 @@ import pytest
 from conftest import clean_env, tt, tt_here
 
 from tensorturn import config, layout
-from tensorturn.board import RunBoard
-from tensorturn.broker import redis_client
-from tensorturn.celery_app import configure
-from tensorturn.local import free_port, stop_process_group
+from tensorturn.pool.celery_app import configure
+from tensorturn.pool.embedded import free_port, stop_process_group
 from tensorturn.spec import RunSpec
+from tensorturn.state.board import RunBoard
+from tensorturn.state.broker import redis_client
 from tensorturn.trust import PoolKey
 
 
@@ -65,8 +65,8 @@ def nan_model(store_dir, run_id: str, member_models: int = 0) -> None:
 
     from tensorturn import trust
     from tensorturn.recipes import resolve
-    from tensorturn.store import open_store, sha256_hex
-    from tensorturn.tensors import ensemble_bytes, model_metadata, to_bytes
+    from tensorturn.store.objects import open_store, sha256_hex
+    from tensorturn.store.tensors import ensemble_bytes, model_metadata, to_bytes
 
     recipe = resolve("digits-mlp")
     cfg = recipe.default_config()
@@ -104,7 +104,7 @@ def test_a_model_with_nan_weights_is_refused_in_one_line(tmp_path, members, expe
 # ---- (c) a request id is a label, not a payload --------------------------------------------------
 
 def test_a_request_id_longer_than_the_cap_is_a_400():
-    from tensorturn.serve import MAX_ID_CHARS, BadRequest, parse_request
+    from tensorturn.serve.app import MAX_ID_CHARS, BadRequest, parse_request
 
     def body(request_id: str) -> bytes:
         return json.dumps({"id": request_id, "inputs": [
@@ -167,8 +167,9 @@ def test_an_unsigned_or_forged_start_request_writes_only_its_refusal(redis_serve
 def test_a_start_request_replayed_after_its_run_left_the_broker_starts_nothing(redis_server, tmp_path):
     """Its signature still verifies, and the broker no longer knows the run (its keys expired,
     or were deleted): the run's spec in the store says it started once already."""
-    from tensorturn import client, trust
-    from tensorturn.store import open_store
+    from tensorturn import trust
+    from tensorturn.runs import service as client
+    from tensorturn.store.objects import open_store
     from tensorturn.tasks.start import start_run
 
     configure(redis_server.url)

@@ -8,13 +8,14 @@ import redis
 import torch
 from conftest import tt, tt_json
 
-from tensorturn import client, layout
-from tensorturn.artifact import load_result
-from tensorturn.distill import uniform_soup
+from tensorturn import layout
 from tensorturn.recipes import resolve
+from tensorturn.recipes.result import load_result
+from tensorturn.runs import service as client
 from tensorturn.spec import RunSpec
-from tensorturn.store import open_store
-from tensorturn.tensors import from_bytes
+from tensorturn.store.objects import open_store
+from tensorturn.store.tensors import from_bytes
+from tensorturn.train.distill import uniform_soup
 
 pytestmark = pytest.mark.e2e
 

@@ -126,9 +126,9 @@ def test_sigterm_puts_the_running_task_back_in_the_queue(tmp_path, monkeypatch):
 
     import redis
 
-    from tensorturn.board import RunBoard
-    from tensorturn.broker import check_broker
-    from tensorturn.local import LocalPool
+    from tensorturn.pool.embedded import LocalPool
+    from tensorturn.state.board import RunBoard
+    from tensorturn.state.broker import check_broker
 
     monkeypatch.setenv("TENSORTURN_BROKER_URL", "redis://127.0.0.1:1/0")  # LocalPool points it elsewhere
     store = tmp_path / "store"

@@ -12,8 +12,8 @@ import pytest
 
 from tensorturn import config
 from tensorturn.errors import StoreError
-from tensorturn.local import free_port
-from tensorturn.store import FileStore, ObjectMissing, S3Store, open_store, sha256_hex
+from tensorturn.pool.embedded import free_port
+from tensorturn.store.objects import FileStore, ObjectMissing, S3Store, open_store, sha256_hex
 
 PAYLOAD = bytes(range(256)) * 9 + b"\x00tail"
 
@@ -113,7 +113,7 @@ def test_file_check_probe(fstore):
 
 def test_file_non_transient_error_is_not_retried(fstore, caplog):
     fstore.put_bytes("blocker", b"a file, not a directory")
-    with caplog.at_level(logging.WARNING, logger="tensorturn.store"):
+    with caplog.at_level(logging.WARNING, logger="tensorturn.store.objects"):
         with pytest.raises(StoreError) as info:
             fstore.put_bytes("blocker/child.bin", b"x")
     assert not isinstance(info.value, ObjectMissing)
@@ -213,7 +213,7 @@ def test_unreachable_s3_endpoint_raises_one_line_store_error(monkeypatch, caplog
     monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
     s = open_store("s3://somebucket/prefix",
                    config.Settings(store_retries=1, store_backoff_s=0.05))
-    with caplog.at_level(logging.WARNING, logger="tensorturn.store"):
+    with caplog.at_level(logging.WARNING, logger="tensorturn.store.objects"):
         with pytest.raises(StoreError) as info:
             s.put_bytes("runs/x/spec.json", b"{}")
     msg = str(info.value)
@@ -262,7 +262,7 @@ def test_mask_text_hides_every_password_in_a_message():
 
 SMALL_PARTS = """
 from boto3.s3.transfer import TransferConfig
-import tensorturn.store as st
+import tensorturn.store.objects as st
 st.transfer_config = lambda: TransferConfig(multipart_threshold=5 * 2 ** 20,
                                             multipart_chunksize=5 * 2 ** 20, max_concurrency=1)
 """
@@ -271,7 +271,7 @@ st.transfer_config = lambda: TransferConfig(multipart_threshold=5 * 2 ** 20,
 def test_s3_files_move_in_parts_and_round_trip(s3store, s3_bucket, tmp_path, monkeypatch):
     from boto3.s3.transfer import TransferConfig
 
-    import tensorturn.store as st
+    import tensorturn.store.objects as st
 
     monkeypatch.setattr(st, "transfer_config", lambda: TransferConfig(  # 5 MiB parts, as below
         multipart_threshold=5 * 2 ** 20, multipart_chunksize=5 * 2 ** 20, max_concurrency=1))

@@ -14,11 +14,11 @@ import torch
 from conftest import tt_json, wait_for
 
 from tensorturn import layout
-from tensorturn.board import RunBoard
-from tensorturn.broker import check_broker
-from tensorturn.local import LocalPool
+from tensorturn.pool.embedded import LocalPool
 from tensorturn.spec import FINISHED
-from tensorturn.tensors import delta_bytes, from_bytes
+from tensorturn.state.board import RunBoard
+from tensorturn.state.broker import check_broker
+from tensorturn.store.tensors import delta_bytes, from_bytes
 
 pytestmark = pytest.mark.e2e
 

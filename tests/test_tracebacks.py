@@ -14,7 +14,7 @@ from conftest import ROOT, clean_env, tt
 
 from tensorturn import tracebacks
 from tensorturn.cli import cli
-from tensorturn.local import KEEP_RUNS, keep_logs
+from tensorturn.pool.embedded import KEEP_RUNS, keep_logs
 
 SECRET_URL = "redis://default:hunter2secret@10.0.0.5:6379/0"
 SECRET_KEY = "ttk1.c2VjcmV0LXBvb2wta2V5LW5vdC1mb3ItbG9ncw"

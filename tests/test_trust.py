@@ -16,17 +16,19 @@ from pathlib import Path
 import pytest
 from conftest import TEST_POOL_KEY, clean_env, tt, wait_for
 
-from tensorturn import client, config, layout, tokens, trust
-from tensorturn.board import RunBoard
-from tensorturn.broker import redis_client
-from tensorturn.celery_app import configure
+from tensorturn import config, layout, trust
 from tensorturn.modes.fused import tasks as fused
+from tensorturn.pool.celery_app import configure
 from tensorturn.recipes import resolve
+from tensorturn.runs import service as client
+from tensorturn.serve import tokens
 from tensorturn.spec import RunSpec
-from tensorturn.store import open_store
+from tensorturn.state.board import RunBoard
+from tensorturn.state.broker import redis_client
+from tensorturn.store.objects import open_store
+from tensorturn.store.tensors import MODEL_FORMAT
 from tensorturn.tasks.attempt import signed
 from tensorturn.tasks.start import start_run
-from tensorturn.tensors import MODEL_FORMAT
 from tensorturn.trust import PoolKey, UntrustedError
 
 FUSED = dict(mode="fused", recipe="digits-mlp", rounds=1, shards=2, sync_every=5)
@@ -196,7 +198,7 @@ def forge_result(store_dir: Path, run_id: str, recipe: str, file_recipe: str | N
     import torch
     from safetensors.torch import save
 
-    from tensorturn.store import sha256_hex
+    from tensorturn.store.objects import sha256_hex
 
     store = open_store(store_dir.as_uri())
     data = save({"w": torch.zeros(2)}, metadata={"format": MODEL_FORMAT, "recipe": file_recipe or recipe,
@@ -232,8 +234,8 @@ def test_serve_refuses_a_forged_model_before_importing_it(tmp_path, marker, case
 
 @pytest.mark.e2e
 def test_real_agents_refuse_forged_messages_unread(tmp_path, marker):
-    from tensorturn.celery_app import app
-    from tensorturn.local import LocalPool
+    from tensorturn.pool.celery_app import app
+    from tensorturn.pool.embedded import LocalPool
 
     with LocalPool(1, (tmp_path / "store").as_uri(), workdir=tmp_path / "pool") as pool:
         r = redis_client(pool.broker_url)
@@ -284,7 +286,7 @@ def test_no_secret_on_any_command_line_in_the_documented_flows(tmp_path):
 
     import httpx
 
-    from tensorturn.local import free_port, stop_process_group
+    from tensorturn.pool.embedded import free_port, stop_process_group
 
     env = clean_env()
     env.pop("TENSORTURN_POOL_KEY")  # the documented flow: the key comes from `up`'s join file
@@ -354,7 +356,7 @@ def test_no_secret_on_any_command_line_in_the_documented_flows(tmp_path):
 
 
 def test_the_join_file_carries_the_key_and_the_owners_allowlist(tmp_path):
-    from tensorturn.coordinator import load_join, make_join
+    from tensorturn.pool.coordinator import load_join, make_join
 
     key = PoolKey.generate()
     join = make_join("redis://default:pw@h:1/0", "file:///s", key.text(), ("mine.*:*",))
@@ -368,7 +370,7 @@ def test_the_join_file_carries_the_key_and_the_owners_allowlist(tmp_path):
 
 @pytest.mark.e2e
 def test_the_embedded_pool_puts_no_secret_on_a_command_line(tmp_path):
-    from tensorturn.local import LocalPool
+    from tensorturn.pool.embedded import LocalPool
 
     with LocalPool(1, (tmp_path / "store").as_uri(), workdir=tmp_path / "pool") as pool:
         secrets = [pool.redis.password, TEST_POOL_KEY]

@@ -7,7 +7,7 @@ Commands that train nothing import neither torch nor Celery nor boto3 unless the
 from __future__ import annotations
 
 # first of all: a secret on the command line is hidden from `ps` before anything else loads
-from . import title  # isort: split
+from tensorturn.cli import title  # isort: split
 
 import functools
 import json
@@ -20,8 +20,8 @@ from typing import Any
 
 import click
 
-from .. import config
-from ..errors import TensorTurnError
+from tensorturn import config
+from tensorturn.errors import TensorTurnError
 
 log = logging.getLogger("tensorturn")
 
@@ -46,14 +46,14 @@ def pool_options(broker_help: str = BROKER_HELP, joins: bool = True) -> Callable
             try:
                 joined = kwargs.pop("join", None)  # `agent --join`, when the command has it
                 if joins and (joined is not None or join_file or config.current().join):
-                    from ..coordinator import load_join
+                    from tensorturn.pool.coordinator import load_join
 
                     settings = load_join(joined or config.current().join, join_file, config.current())
                     config.use(settings)
                     broker = broker or settings.broker_url
                     store = store or settings.store_url
                 if allow:
-                    from ..trust import with_allowed
+                    from tensorturn.trust import with_allowed
 
                     config.use(with_allowed(config.current(), allow))
                 store_url = config.normalize_store_url(store) if store else config.default_store_url()
@@ -168,4 +168,4 @@ def main() -> None:
     cli(args=args, prog_name="tensorturn")
 
 
-from . import data, distill, inspect, pool, run, serve  # noqa: E402,F401 - each module adds its commands
+from tensorturn.cli import data, distill, inspect, pool, run, serve  # noqa: E402,F401 - each module adds its commands

@@ -9,8 +9,8 @@ from typing import Any
 
 import click
 
-from ..errors import SpecError
-from . import cli, emit_json, pool_options
+from tensorturn.cli import cli, emit_json, pool_options
+from tensorturn.errors import SpecError
 
 
 @cli.group()
@@ -28,7 +28,7 @@ def data():
 
 def _size(text: str | None) -> tuple[int, int] | None:
     """``--resize WxH``: at least 1x1, and no more pixels than a pushed image may have."""
-    from ..data import MAX_IMAGE_PIXELS
+    from tensorturn.data import MAX_IMAGE_PIXELS
 
     if not text:
         return None
@@ -74,8 +74,8 @@ def data_push(broker, store, source, name, label, task, resize, seed, val_fracti
 
     A folder's links that lead out of it are never followed (they are skipped and counted), and
     an image of more than 40 megapixels is refused from its header, before it is decoded."""
-    from .. import data as datasets
-    from ..store import open_store
+    from tensorturn import data as datasets
+    from tensorturn.store.objects import open_store
 
     t0 = time.monotonic()
     with ExitStack() as stack:
@@ -127,7 +127,7 @@ def _files_line(index: dict[str, Any]) -> str:
 
 def _links_line(index: dict[str, Any]) -> str:
     """The links a folder's push skipped because they lead out of it."""
-    from ..data import links_out
+    from tensorturn.data import links_out
 
     links = index["links"]
     names = ", ".join(links["skipped_names"]) + (", ..." if links["skipped"] > len(links["skipped_names"]) else "")
@@ -139,8 +139,8 @@ def _links_line(index: dict[str, Any]) -> str:
 @pool_options()
 def data_list(broker, store, as_json):
     """The datasets in the store, with their latest version."""
-    from .. import data as datasets
-    from ..store import open_store
+    from tensorturn import data as datasets
+    from tensorturn.store.objects import open_store
 
     st = open_store(store)
     items = [datasets.summary(datasets.show(st, n)) for n in datasets.names(st)]
@@ -162,8 +162,8 @@ def data_list(broker, store, as_json):
 @pool_options()
 def data_show(broker, store, name, version):
     """A dataset version's index as JSON: splits, chunks (sha256, rows, bytes), schema."""
-    from .. import data as datasets
-    from ..store import open_store
+    from tensorturn import data as datasets
+    from tensorturn.store.objects import open_store
 
     emit_json(datasets.show(open_store(store), name, version))
 
@@ -174,8 +174,8 @@ def data_show(broker, store, name, version):
 @pool_options()
 def data_rm(broker, store, name, version):
     """Remove a dataset (or one version) and the chunks no other dataset uses."""
-    from .. import data as datasets
-    from ..store import open_store
+    from tensorturn import data as datasets
+    from tensorturn.store.objects import open_store
 
     gone = datasets.remove(open_store(store), name, version)
     click.echo(f"removed dataset {name} version(s) {', '.join(map(str, gone))}")

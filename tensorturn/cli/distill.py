@@ -10,9 +10,18 @@ from typing import Any
 
 import click
 
-from ..errors import SpecError
-from . import cli, pool_options
-from .run import TRAINING, Stage, bounded, follow_options, launch, mode_options, print_results, training_options
+from tensorturn.cli import cli, pool_options
+from tensorturn.cli.run import (
+    TRAINING,
+    Stage,
+    bounded,
+    follow_options,
+    launch,
+    mode_options,
+    print_results,
+    training_options,
+)
+from tensorturn.errors import SpecError
 
 TEMPERATURE, ALPHA, TOP_K, MIXUP = 2.0, 0.5, 16, 0
 # the fused run's defaults for a student (FusedOptions' own suit training from scratch on
@@ -51,13 +60,13 @@ def distill_spec(teacher: str, store: str, run_id: str = "", student: dict[str, 
     ensemble's (checked now: a finished ensemble, a student that fits the data). Fused options
     not given take the student's defaults (ROUNDS, SYNC_EVERY, and the shards any fused run gets:
     :func:`tensorturn.modes.fused.default_shards`)."""
-    from .. import client
-    from ..checkrecipe import check_contract
-    from ..modes.fused import default_shards
-    from ..recipes import resolve
-    from ..recipes.distilled import plan
-    from ..spec import RunSpec, check_bounds
-    from ..store import open_store
+    from tensorturn.modes.fused import default_shards
+    from tensorturn.recipes import resolve
+    from tensorturn.recipes.check import check_contract
+    from tensorturn.recipes.distilled import plan
+    from tensorturn.runs import service as client
+    from tensorturn.spec import RunSpec, check_bounds
+    from tensorturn.store.objects import open_store
 
     check_bounds({"temperature": temperature, "alpha": alpha, "top_k": top_k, "mixup": mixup})
     recipe_options = plan(open_store(store), teacher, student, temperature, alpha, top_k, mixup)
@@ -79,9 +88,9 @@ def distill_spec(teacher: str, store: str, run_id: str = "", student: dict[str, 
 def check_distillable(recipe: str, recipe_options: dict[str, Any]) -> None:
     """``run --merge distill``: refuse, before the ensemble trains, a recipe whose ensemble
     could not be distilled (its kind), building it here — the user named it on this command."""
-    from .. import config, trust
-    from ..recipes import resolve
-    from ..recipes.distilled import DISTILLABLE
+    from tensorturn import config, trust
+    from tensorturn.recipes import resolve
+    from tensorturn.recipes.distilled import DISTILLABLE
 
     config.use(trust.with_allowed(config.current(), [recipe]))
     task = resolve(recipe, recipe_options).task
@@ -94,8 +103,8 @@ def check_distillable(recipe: str, recipe_options: dict[str, Any]) -> None:
 def distill_stage(teacher: str, store: str, training: dict[str, Any], **settings: Any) -> Stage:
     """A stage of ``launch`` that distills ``teacher`` once it has finished (``run --merge``):
     its run id is chosen now, its spec built when the ensemble is done."""
-    from .. import client
-    from ..spec import new_run_id
+    from tensorturn.runs import service as client
+    from tensorturn.spec import new_run_id
 
     run_id = new_run_id()
 
@@ -148,9 +157,9 @@ def distill(broker, store, teacher, student, temperature, alpha, top_k, mixup, l
       tensorturn distill RUN --local-workers 2
       tensorturn distill RUN --student '{"hidden": [64]}' --temperature 4 --rounds 12
     """
-    from .. import config, trust
-    from ..manifest import finished_ensemble
-    from ..store import open_store
+    from tensorturn import config, trust
+    from tensorturn.state.manifest import finished_ensemble
+    from tensorturn.store.objects import open_store
 
     training = {k: options.pop(k) for k in TRAINING}
     given = {k: v for k, v in options.items() if v is not None}
@@ -162,7 +171,7 @@ def distill(broker, store, teacher, student, temperature, alpha, top_k, mixup, l
                         alpha=alpha, top_k=top_k, mixup=mixup, **training, **given)
 
     def start(broker_url: str) -> dict[str, Any]:
-        from .. import client
+        from tensorturn.runs import service as client
 
         return client.submit(spec, broker_url)
 
@@ -197,9 +206,9 @@ def soup(broker, store, ensemble, rule, eval_batches, as_json):
       tensorturn run --mode ensemble --recipe digits-mlp --init-from BASE --json   # → RUN
       tensorturn soup RUN
     """
-    from ..soup import soup as make_soup
-    from ..spec import check_bounds
-    from ..store import open_store
+    from tensorturn.merge.soup import soup as make_soup
+    from tensorturn.spec import check_bounds
+    from tensorturn.store.objects import open_store
 
     check_bounds({"eval_batches": eval_batches})
     doc = make_soup(open_store(store), ensemble, rule, eval_batches)

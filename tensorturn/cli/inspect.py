@@ -7,9 +7,9 @@ from typing import Any
 
 import click
 
-from .. import config
-from ..errors import BrokerError, TensorTurnError
-from . import cli, emit_json, pool_options
+from tensorturn import config
+from tensorturn.cli import cli, emit_json, pool_options
+from tensorturn.errors import BrokerError, TensorTurnError
 
 
 class BrokerDownWarning:
@@ -37,14 +37,14 @@ def status(broker, store, run_id, as_json, watch):
     Exits 1 when the run failed. A run that made no progress for a while says why. With --debug,
     the traceback each failed task's last attempt recorded on its agent.
     """
-    from .. import client
-    from ..spec import FINISHED
-    from .run import print_result
+    from tensorturn.cli.run import print_result
+    from tensorturn.runs import service as client
+    from tensorturn.spec import FINISHED
 
     down = BrokerDownWarning(store)
     doc = client.describe(run_id, broker, store, on_broker_down=down)
     if watch and broker and not down.seen and doc["state"] not in FINISHED:
-        from .run import follow_pool
+        from tensorturn.cli.run import follow_pool
 
         doc = follow_pool(broker, run_id, None)
     if not as_json:
@@ -68,7 +68,7 @@ def runs(broker, store, as_json):
     """
     if click.get_current_context().invoked_subcommand is not None:
         return
-    from .. import client
+    from tensorturn.runs import service as client
 
     items = client.list_runs(broker, store, on_broker_down=BrokerDownWarning(store))
     if as_json:
@@ -95,7 +95,7 @@ def runs_rm(broker, store, run_id, yes, force, as_json):
     broker. Refused while it runs (cancel it first), while a running run reads it, and while
     `tensorturn serve` serves it. Asks first, unless --yes.
     """
-    from .. import client
+    from tensorturn.runs import service as client
 
     def confirm(plan: dict[str, Any]) -> bool:
         if yes:
@@ -134,12 +134,12 @@ def _megabytes(n: int) -> str:
 def report(broker, store, run_id, as_json):
     """Plot a run (loss per round or member, samples/s per worker, bytes moved) as PNG files
     saved beside its manifest; prints where they are."""
-    from .. import client
+    from tensorturn.runs import service as client
 
     # an unknown run fails before matplotlib loads
     doc = client.describe(run_id, broker, store, on_broker_down=BrokerDownWarning(store))
-    from ..report import save_report
-    from ..store import open_store
+    from tensorturn.runs.report import save_report
+    from tensorturn.store.objects import open_store
 
     uris = save_report(doc, open_store(store))
     if as_json:
@@ -161,7 +161,7 @@ def workers(broker, store, as_json, prune):
 
     An agent offline for longer than TENSORTURN_AGENT_TTL_S (a day) is forgotten.
     """
-    from .. import client
+    from tensorturn.runs import service as client
 
     if not broker:
         raise TensorTurnError("`workers` needs a pool: pass --broker URL or set TENSORTURN_BROKER_URL")

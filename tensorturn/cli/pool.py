@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import click
 
-from .. import config
-from ..errors import TensorTurnError
-from . import cli, pool_options, stop_on_signals
+from tensorturn import config
+from tensorturn.cli import cli, pool_options, stop_on_signals
+from tensorturn.errors import TensorTurnError
 
 
 @cli.command()
@@ -54,14 +54,14 @@ def agent(broker, store, name, concurrency, memory_gb, cache_gb, role, loglevel)
     # grace: running tasks get a few seconds, then their messages go straight back to the queue.
     # billiard reads this when first imported, so it is set before anything imports Celery.
     os.environ.setdefault("REMAP_SIGTERM", "SIGQUIT")
-    from .. import trust
-    from ..broker import check_broker
-    from ..store import open_store
+    from tensorturn import trust
+    from tensorturn.state.broker import check_broker
+    from tensorturn.store.objects import open_store
 
     if not broker:
         raise TensorTurnError("the agent needs a pool: pass --join-file JOIN (from `tensorturn up`), "
                               "or --broker URL / TENSORTURN_BROKER_URL")
-    from ..routing import check_role
+    from tensorturn.pool.routing import check_role
 
     check_role(role or config.current().role)  # TENSORTURN_ROLE may say anything
     trust.pool_key()  # one clear error now rather than every task refused later
@@ -72,8 +72,8 @@ def agent(broker, store, name, concurrency, memory_gb, cache_gb, role, loglevel)
                                       device_memory_gb=memory_gb or config.current().device_memory_gb,
                                       cache_gb=cache_gb or config.current().cache_gb,
                                       role=role or config.current().role))
-    from ..agent import run_agent
-    from ..celery_app import configure
+    from tensorturn.pool.agent import run_agent
+    from tensorturn.pool.celery_app import configure
 
     configure(broker)
     run_agent(name, concurrency, loglevel)
@@ -99,10 +99,10 @@ def up(broker, store, port, bind, advertise, directory):
     """
     from pathlib import Path
 
-    from .. import trust
-    from ..coordinator import CoordinatorConfig, advertised_host, make_join
-    from ..local import PortInUse, RedisServer
-    from ..store import open_store
+    from tensorturn import trust
+    from tensorturn.pool.coordinator import CoordinatorConfig, advertised_host, make_join
+    from tensorturn.pool.embedded import PortInUse, RedisServer
+    from tensorturn.store.objects import open_store
 
     if broker:
         raise TensorTurnError("`up` starts its own Redis; drop --broker (or unset TENSORTURN_BROKER_URL)")

@@ -11,13 +11,13 @@ from typing import Any
 
 import click
 
-from .. import config
-from ..checkrecipe import HOOK_TIMEOUT_S
-from ..errors import SpecError, TensorTurnError
-from ..live import WIDTH, fit
-from ..modes import get_mode, mode_names
-from ..spec import FINISHED, LIMITS, check_bounds
-from . import cli, debugging, emit_json, fail, ignore_signals, pool_options, stop_on_signals
+from tensorturn import config
+from tensorturn.cli import cli, debugging, emit_json, fail, ignore_signals, pool_options, stop_on_signals
+from tensorturn.errors import SpecError, TensorTurnError
+from tensorturn.modes import get_mode, mode_names
+from tensorturn.recipes.check import HOOK_TIMEOUT_S
+from tensorturn.spec import FINISHED, LIMITS, check_bounds
+from tensorturn.state.live import WIDTH, fit
 
 LIVE_EVERY_S = 2.0  # without a terminal, what a run does now is printed at most this often
 
@@ -137,7 +137,7 @@ def print_result(doc: dict[str, Any], as_json: bool, exit_on_failure: bool = Tru
     if doc.get("note"):
         click.echo(f"warning: {doc['note']}", err=True)
     if debugging() and not as_json:  # where each failed task broke, as its agent recorded it
-        from ..tracebacks import failed_attempts
+        from tensorturn.tracebacks import failed_attempts
 
         for line in failed_attempts(doc.get("attempts") or []):
             click.echo(line, err=True)
@@ -270,7 +270,7 @@ def launch(stages: list[Stage], broker: str | None, store: str, local_workers: i
     private embedded one; a stage starts only once the one before it succeeded. Returns the
     runs' last descriptions (with ``detach``, the first run's as queued), appended to ``docs``
     as they finish (so a caller has them when a later stage is refused)."""
-    from .. import client
+    from tensorturn.runs import service as client
 
     if not broker:  # the agents start here, on this machine
         check_bounds({"local_workers": local_workers})
@@ -293,10 +293,10 @@ def launch(stages: list[Stage], broker: str | None, store: str, local_workers: i
         if docs[-1]["state"] != "succeeded":
             break
         if len(docs) < len(stages):  # the next stage reads this run's manifest: saved, finished
-            from ..board import RunBoard
-            from ..broker import check_broker
-            from ..manifest import write_manifest
-            from ..store import open_store
+            from tensorturn.state.board import RunBoard
+            from tensorturn.state.broker import check_broker
+            from tensorturn.state.manifest import write_manifest
+            from tensorturn.store.objects import open_store
 
             write_manifest(open_store(store), RunBoard(check_broker(broker)), run_id)
     return docs
@@ -332,8 +332,8 @@ def run(broker, store, mode, recipe, recipe_options, merge, local_workers, detac
       tensorturn run --mode ensemble --recipe digits-mlp --members 4 --local-workers 2
       tensorturn run --mode ensemble --recipe digits-mlp --members 4 --merge distill
     """
-    from .. import client
-    from ..spec import RunSpec
+    from tensorturn.runs import service as client
+    from tensorturn.spec import RunSpec
 
     training = {k: options.pop(k) for k in TRAINING}
     given = {k: v for k, v in options.items() if v is not None}
@@ -346,7 +346,7 @@ def run(broker, store, mode, recipe, recipe_options, merge, local_workers, detac
     stages: list[Stage] = [(spec.run_id, lambda broker_url: client.submit(spec, broker_url))]
     recipes = [recipe]
     if merge == "distill":
-        from .distill import check_distillable, distill_stage
+        from tensorturn.cli.distill import check_distillable, distill_stage
 
         check_distillable(recipe, spec.recipe_options)  # before the ensemble, not after it
         stages.append(distill_stage(spec.run_id, store, training))
@@ -363,9 +363,9 @@ def run(broker, store, mode, recipe, recipe_options, merge, local_workers, detac
 
 def follow(broker: str, run_id: str, timeout_s: float | None) -> dict[str, Any]:
     """Wait for the run with a progress display; returns its last description."""
-    from .. import client
-    from ..board import RunBoard
-    from ..broker import check_broker
+    from tensorturn.runs import service as client
+    from tensorturn.state.board import RunBoard
+    from tensorturn.state.broker import check_broker
 
     first = RunBoard(check_broker(broker)).describe(run_id)
     for warning in first.get("warnings", []):
@@ -394,12 +394,12 @@ def embedded(stages: list[Stage], store_url: str, local_workers: int, timeout_s:
 
     The pool's agents import ``recipes`` (the user named them on this machine's command line)
     and share this machine's pool key (made on first use, ``.tensorturn/pool-key``)."""
-    from .. import trust
-    from ..board import RunBoard
-    from ..broker import check_broker
-    from ..local import LocalPool, logs_dir
-    from ..manifest import write_manifest
-    from ..store import open_store
+    from tensorturn import trust
+    from tensorturn.pool.embedded import LocalPool, logs_dir
+    from tensorturn.state.board import RunBoard
+    from tensorturn.state.broker import check_broker
+    from tensorturn.state.manifest import write_manifest
+    from tensorturn.store.objects import open_store
 
     click.echo(f"starting an embedded pool: redis-server + {local_workers} local agents; "
                f"store {config.mask_url(store_url)}", err=True)
@@ -422,7 +422,7 @@ def embedded(stages: list[Stage], store_url: str, local_workers: int, timeout_s:
                 except KeyboardInterrupt:
                     queued = board.exists(run_id)
                     if queued:  # cancelled as `tensorturn cancel` would, then the pool stops
-                        from .. import client
+                        from tensorturn.runs import service as client
 
                         try:
                             _, what = client.cancel(run_id, pool.broker_url, store_url,
@@ -463,7 +463,7 @@ def resume(broker, store, run_id, local_workers, detach, timeout_s, as_json):
     failed and whose cause is fixed: every task gets a fresh allowance of attempts. Needs only
     the store (and a pool, or --local-workers).
     """
-    from .. import client
+    from tensorturn.runs import service as client
 
     known = client.describe(run_id, None, store)  # an unknown run is refused before any pool starts
     if (known.get("lineage") or {}).get("souped_from"):
@@ -495,7 +495,7 @@ def cancel(broker, store, run_id, as_json):
     """
     import socket
 
-    from .. import client
+    from tensorturn.runs import service as client
 
     if not broker:
         raise SpecError("cancel needs the pool the run is on: --join-file (from `tensorturn up`) "
@@ -525,8 +525,8 @@ def check_recipe(recipe, recipe_options, hook_timeout, as_json, broker, store):
     of its own, as an agent would import the recipe (from PYTHONPATH and installed packages, not
     the current directory), and reads datasets from the store `run` would use.
     """
-    from .. import trust
-    from ..checkrecipe import CheckFailed, check_in_child
+    from tensorturn import trust
+    from tensorturn.recipes.check import CheckFailed, check_in_child
 
     config.use(trust.with_allowed(config.current(), [recipe]))  # named here, by this user
     options = parse_recipe_options(recipe_options)

@@ -6,7 +6,7 @@ import time
 
 import click
 
-from . import cli, emit_json, pool_options
+from tensorturn.cli import cli, emit_json, pool_options
 
 
 @cli.command()
@@ -47,8 +47,8 @@ def serve(broker, store, run_id, host, port, alias, max_body_mb, max_rows, max_b
     /v2/models route needs `Authorization: Bearer <token>` from `tensorturn token create`.
     The server needs only the store. Concurrent requests are batched into one model call.
     """
-    from ..serve import ServeOptions, run_server
-    from ..store import open_store
+    from tensorturn.serve.app import ServeOptions, run_server
+    from tensorturn.store.objects import open_store
 
     options = ServeOptions(max_rows=max_rows, max_batch_rows=max_batch_rows,
                            batch_window_ms=batch_window_ms, model_threads=model_threads,
@@ -69,8 +69,8 @@ def token():
 @pool_options()
 def token_create(broker, store, name, as_json):
     """Create a token and print it once; it cannot be shown again."""
-    from .. import tokens
-    from ..store import open_store
+    from tensorturn.serve import tokens
+    from tensorturn.store.objects import open_store
 
     secret, record = tokens.create(open_store(store), name)
     if as_json:
@@ -86,8 +86,8 @@ def token_create(broker, store, name, as_json):
 @pool_options()
 def token_list(broker, store, as_json):
     """List tokens (ids, names, dates; never the tokens themselves)."""
-    from .. import tokens
-    from ..store import open_store
+    from tensorturn.serve import tokens
+    from tensorturn.store.objects import open_store
 
     items = [tokens.public(r) for r in tokens.records(open_store(store))]
     if as_json:
@@ -106,8 +106,8 @@ def token_list(broker, store, as_json):
 @pool_options()
 def token_revoke(broker, store, id_or_name):
     """Revoke a token by id or name; servers refuse it within a few seconds."""
-    from .. import tokens
-    from ..store import open_store
+    from tensorturn.serve import tokens
+    from tensorturn.store.objects import open_store
 
     record = tokens.revoke(open_store(store), id_or_name)
     click.echo(f"token {record['id']} ({record['name']}) revoked")

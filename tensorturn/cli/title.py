@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import sys
 
-from .. import config
+from tensorturn import config
 
 
 def masked(argv: list[str]) -> list[str]:

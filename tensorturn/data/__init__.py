@@ -34,13 +34,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .. import layout
-from ..errors import NotFound, SpecError
+from tensorturn import layout
+from tensorturn.errors import NotFound, SpecError
 
 if TYPE_CHECKING:
     import pyarrow as pa
 
-    from ..store import Store
+    from tensorturn.store.objects import Store
 
 FORMAT = "tensorturn-dataset-1"
 NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,62}")
@@ -495,7 +495,7 @@ def names(store: Store) -> list[str]:
 
 def show(store: Store, name: str, version: int | None = None) -> dict[str, Any]:
     """The index of ``name`` (its latest version unless ``version``); NotFound names what exists."""
-    from ..store import ObjectMissing
+    from tensorturn.store.objects import ObjectMissing
 
     check_name(name)
     known = versions(store, name)

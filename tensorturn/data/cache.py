@@ -24,9 +24,9 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
-from .. import layout
-from ..errors import StoreError
-from ..store import Store
+from tensorturn import layout
+from tensorturn.errors import StoreError
+from tensorturn.store.objects import Store
 
 log = logging.getLogger(__name__)
 

@@ -17,14 +17,14 @@ from itertools import accumulate
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .. import config
-from . import show
-from .cache import DEFAULT_DIR, ChunkCache
+from tensorturn import config
+from tensorturn.data import show
+from tensorturn.data.cache import DEFAULT_DIR, ChunkCache
 
 if TYPE_CHECKING:
     import pyarrow as pa
 
-    from ..store import Store
+    from tensorturn.store.objects import Store
 
 
 @lru_cache(maxsize=1)
@@ -60,7 +60,7 @@ class Dataset:
 
     def __init__(self, name: str, version: int | None = None, store: Store | None = None,
                  cache: ChunkCache | None = None):
-        from ..store import open_store
+        from tensorturn.store.objects import open_store
 
         self.store = store or open_store(config.current().resolved_store_url())
         self.cache = cache or machine_cache()

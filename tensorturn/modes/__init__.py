@@ -11,12 +11,12 @@ import importlib
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from ..board import RunBoard
-    from ..recipes import Recipe
-    from ..spec import ModeOptions, RunSpec
-    from ..store import Store
+    from tensorturn.recipes import Recipe
+    from tensorturn.spec import ModeOptions, RunSpec
+    from tensorturn.state.board import RunBoard
+    from tensorturn.store.objects import Store
 
-from .registry import REGISTRY, get_mode, mode_names, option_owner, task_modules
+from tensorturn.modes.registry import REGISTRY, get_mode, mode_names, option_owner, task_modules
 
 __all__ = ["REGISTRY", "Mode", "ModeBase", "get_mode", "mode_names", "option_owner", "task_modules"]
 
@@ -45,7 +45,7 @@ class Mode(Protocol):
 
     def live_line(self, doc: dict[str, Any], width: int = 80) -> str:
         """What the run is doing now, in one line of at most ``width`` columns ("" if nothing
-        to say), from the live parts of its description (:mod:`tensorturn.live`)."""
+        to say), from the live parts of its description (:mod:`tensorturn.state.live`)."""
 
     def final_key(self, run_id: str) -> str:
         """Where the run's result lives in the store."""

@@ -22,7 +22,7 @@ def mode_names() -> list[str]:
 
 def get_mode(name: str) -> Any:
     """The mode's plug-in (a :class:`tensorturn.modes.Mode`); SpecError for an unknown name."""
-    from ..errors import SpecError
+    from tensorturn.errors import SpecError
 
     if name not in REGISTRY:
         raise SpecError(f"unknown mode {name!r}: choose {' or '.join(REGISTRY)}")

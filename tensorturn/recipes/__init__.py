@@ -20,11 +20,11 @@ import json
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
-from ..errors import RecipeError, TensorTurnError
+from tensorturn.errors import RecipeError, TensorTurnError
 
 if TYPE_CHECKING:
-    from ..spec import RunSpec
-    from .base import Recipe, Splits
+    from tensorturn.recipes.base import Recipe, Splits
+    from tensorturn.spec import RunSpec
 
 __all__ = ["Recipe", "Splits", "load_splits", "resolve", "recipe_of", "check_name", "BUILTIN"]
 
@@ -46,7 +46,7 @@ WHERE_RECIPES_COME_FROM = ("recipes are imported from PYTHONPATH and installed p
 
 def __getattr__(name: str) -> Any:  # Recipe, Splits, load_splits without importing torch early
     if name in ("Recipe", "Splits", "load_splits"):
-        from . import base
+        from tensorturn.recipes import base
 
         return getattr(base, name)
     raise AttributeError(name)
@@ -55,7 +55,7 @@ def __getattr__(name: str) -> Any:  # Recipe, Splits, load_splits without import
 def check_name(name: str) -> None:
     """RecipeError unless ``name`` is a built-in or names a module that exists here; imports
     nothing (the recipe itself is imported where it runs)."""
-    from ..trust import recipe_parts
+    from tensorturn.trust import recipe_parts
 
     if name in BUILTIN:
         return
@@ -78,8 +78,8 @@ def resolve(name: str, options: dict | None = None) -> "Recipe":
     Checked before each step: the name against the allowlist before the module is imported, and
     that ``Class`` is a Recipe subclass before it is called — what the module imported or defined
     besides (``shutil.copyfile``, a factory, an instance) is never called with a spec's options."""
-    from ..trust import check_recipe_allowed
-    from .base import Recipe
+    from tensorturn.recipes.base import Recipe
+    from tensorturn.trust import check_recipe_allowed
 
     check_recipe_allowed(name, BUILTIN)  # before anything is imported: a recipe is code
     check_name(name)

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .kinds import Kind, kind_of
+from tensorturn.recipes.kinds import Kind, kind_of
 
 
 @dataclass
@@ -155,7 +155,7 @@ class Recipe:
         """(x, y, rows): the preprocessed data shard ``k`` of ``shards`` trains on. Here the whole
         train split, with the shard's rows a seeded deal of it; a recipe over a pushed dataset
         returns just the shard's rows (read from their chunks)."""
-        from ..seeding import shard_rows
+        from tensorturn.train.seeding import shard_rows
 
         splits = load_splits(self)
         return splits.x_train, splits.y_train, shard_rows(len(splits.y_train), shards, k, seed)

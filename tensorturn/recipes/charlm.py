@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import Recipe
+from tensorturn.recipes.base import Recipe
 
 # The default corpus: these modules' source files, in this order, joined by a header line each.
 CORPUS_MODULES = ("argparse", "bisect", "calendar", "colorsys", "contextlib", "copy", "csv",

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .base import Recipe
+from tensorturn.recipes.base import Recipe
 
 
 class DigitsMLP(Recipe):

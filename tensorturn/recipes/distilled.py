@@ -6,12 +6,12 @@ what the API serves — but two things:
 
 * :meth:`Distilled.shard_data` returns each training row's label together with the teacher's
   target: the ensemble's soft vote at temperature T, kept as its ``top_k`` most likely classes
-  (:func:`tensorturn.distill.teacher_targets`). A shard's targets are computed once, by the first
+  (:func:`tensorturn.train.distill.teacher_targets`). A shard's targets are computed once, by the first
   machine that trains the shard — it loads the finished ensemble from the store, checked against
   its signed manifest — and stored beside the ensemble
   (``runs/<ensemble>/teacher/<tag>/shard-<k>-of-<S>.safetensors``); every later round, and every
   other machine, reads them from there. Targets never travel through the broker.
-* :meth:`Distilled.loss` is Hinton's distillation loss on them (:func:`tensorturn.distill.distill_loss`).
+* :meth:`Distilled.loss` is Hinton's distillation loss on them (:func:`tensorturn.train.distill.distill_loss`).
 
 So a distillation is sharded, averaged, checkpointed and requeued like any fused run, and its
 result is a one-model file that any machine serves with the base recipe's code; the recipe
@@ -32,8 +32,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import RecipeError
-from .base import Recipe
+from tensorturn.errors import RecipeError
+from tensorturn.recipes.base import Recipe
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ class Distilled(Recipe):
     def __init__(self, teacher: str = "", recipe: str = "", recipe_options: dict[str, Any] | None = None,
                  student: dict[str, Any] | None = None, temperature: float = 2.0,
                  alpha: float = 0.5, top_k: int = 16, mixup: int = 0):
-        from . import resolve
+        from tensorturn.recipes import resolve
 
         if not isinstance(teacher, str) or not teacher or not isinstance(recipe, str) or not recipe:
             raise RecipeError("the distill recipe is what `tensorturn distill RUN` trains; it is "
@@ -136,8 +136,8 @@ class Distilled(Recipe):
         """Shard k's rows (and ``mixup`` mixed rows per row, without a label), each target = its
         label followed by the teacher's top-k probabilities and their class indices (one float
         tensor, so batches slice it like any target)."""
-        from ..distill import NO_LABEL, mixup_rows
-        from ..training import derive_seed
+        from tensorturn.train.distill import NO_LABEL, mixup_rows
+        from tensorturn.train.loop import derive_seed
 
         x, y, rows = self.base.shard_data(k, shards, seed)
         x, y = x[rows], y[rows]
@@ -150,7 +150,7 @@ class Distilled(Recipe):
         return x, packed, torch.arange(len(y))
 
     def loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        from ..distill import distill_loss
+        from tensorturn.train.distill import distill_loss
 
         k = (y.shape[-1] - 1) // 2
         labels, values, indices = y[..., 0].long(), y[..., 1:1 + k], y[..., 1 + k:].long()
@@ -169,9 +169,10 @@ class Distilled(Recipe):
 
     def _load_or_compute(self, k: int, shards: int, seed: int, x: torch.Tensor
                          ) -> tuple[torch.Tensor, torch.Tensor]:
-        from .. import config, layout, seals
-        from ..store import open_store
-        from ..tensors import from_bytes, to_bytes
+        from tensorturn import config, layout
+        from tensorturn.store import seals
+        from tensorturn.store.objects import open_store
+        from tensorturn.store.tensors import from_bytes, to_bytes
 
         store = open_store(config.current().resolved_store_url())
         # CPU results depend on the thread count (the task set it: the run's --threads-per-task)
@@ -197,9 +198,9 @@ class Distilled(Recipe):
     def compute_targets(self, store: Any, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The ensemble's soft vote on ``x`` (preprocessed rows), a forward pass per piece of
         ``eval_batch_size`` rows and member."""
-        from ..artifact import load_result
-        from ..device import pick_device
-        from ..distill import teacher_targets
+        from tensorturn.recipes.result import load_result
+        from tensorturn.train.device import pick_device
+        from tensorturn.train.distill import teacher_targets
 
         predictor, _ = load_result(store, self.teacher)
         device = pick_device()
@@ -246,9 +247,9 @@ def plan(store: Any, teacher: str, student: dict[str, Any] | None, temperature: 
     queued: a finished ensemble (its signed manifest) of a classification or language-model
     recipe, T, α and top-k in range, and a student that fits the data. One-line errors.
     ``mixup``: mixed transfer rows per row (real-valued inputs only)."""
-    from ..errors import SpecError
-    from ..manifest import finished_ensemble
-    from . import resolve
+    from tensorturn.errors import SpecError
+    from tensorturn.recipes import resolve
+    from tensorturn.state.manifest import finished_ensemble
 
     if not temperature > 0:
         raise SpecError(f"--temperature must be positive (got {temperature:g})")

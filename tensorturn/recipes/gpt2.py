@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from .charlm import (
+from tensorturn.recipes.charlm import (
     MAX_EVAL_WINDOWS,
     TRAIN_FRACTION,
     VAL_FRACTION,

@@ -18,9 +18,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..data import MAX_IMAGE_PIXELS
-from ..errors import RecipeError
-from .pushed import PushedRecipe
+from tensorturn.data import MAX_IMAGE_PIXELS
+from tensorturn.errors import RecipeError
+from tensorturn.recipes.pushed import PushedRecipe
 
 
 class ImageFolder(PushedRecipe):

@@ -14,15 +14,15 @@ from typing import Any
 
 import torch
 
-from ..errors import RecipeError
-from .base import Recipe
+from tensorturn.errors import RecipeError
+from tensorturn.recipes.base import Recipe
 
 
 class PushedRecipe(Recipe):
     kind_of_data = "table"  # what `data push` must have made of the source
 
     def __init__(self, dataset: str, version: int | None = None):
-        from ..data.source import Dataset
+        from tensorturn.data.source import Dataset
 
         self.dataset, self.version = dataset, version
         self._data = Dataset(dataset, version)

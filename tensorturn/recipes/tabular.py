@@ -18,8 +18,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..errors import RecipeError
-from .pushed import PushedRecipe
+from tensorturn.errors import RecipeError
+from tensorturn.recipes.pushed import PushedRecipe
 
 
 class Tabular(PushedRecipe):

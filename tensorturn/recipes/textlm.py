@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from ..errors import RecipeError
-from .charlm import MAX_EVAL_WINDOWS, ByteVocabulary, CharLM, windows
+from tensorturn.errors import RecipeError
+from tensorturn.recipes.charlm import MAX_EVAL_WINDOWS, ByteVocabulary, CharLM, windows
 
 
 class TextLM(ByteVocabulary, CharLM):
@@ -26,7 +26,7 @@ class TextLM(ByteVocabulary, CharLM):
 
     def __init__(self, dataset: str, version: int | None = None, context: int = 64, n_layer: int = 2,
                  n_head: int = 4, n_embd: int = 128, dropout: float = 0.0):
-        from ..data.source import Dataset
+        from tensorturn.data.source import Dataset
 
         super().__init__(None, context, n_layer, n_head, n_embd, dropout)
         self.dataset, self.version = dataset, version

@@ -37,16 +37,16 @@ from typing import Any
 from celery import Task
 from celery.exceptions import Retry
 
-from .. import config, layout, tracebacks, trust
-from ..board import RunBoard
-from ..broker import redis_client
-from ..config import mask_text, mask_url
-from ..errors import RecipeError, StoreError, TensorTurnError
-from ..layout import Label, worker_key
-from ..manifest import load_spec, try_write_manifest
-from ..spec import FINISHED, RunSpec
-from ..store import ObjectMissing, Store, open_store
-from ..store import moved as store_moved
+from tensorturn import config, layout, tracebacks, trust
+from tensorturn.config import mask_text, mask_url
+from tensorturn.errors import RecipeError, StoreError, TensorTurnError
+from tensorturn.layout import Label, worker_key
+from tensorturn.spec import FINISHED, RunSpec
+from tensorturn.state.board import RunBoard
+from tensorturn.state.broker import redis_client
+from tensorturn.state.manifest import load_spec, try_write_manifest
+from tensorturn.store.objects import ObjectMissing, Store, open_store
+from tensorturn.store.objects import moved as store_moved
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +144,7 @@ class RunCancelled(Exception):
 def watch_cancelled(on_step: Callable[[int, float], None], attempt: Attempt,
                     reporter: Any = None) -> Callable[[int, float], None]:
     """``on_step`` (a training loop's per-step callback), then a look whether the run was
-    cancelled. With a ``reporter`` (:class:`tensorturn.telemetry.TaskReporter` with a live
+    cancelled. With a ``reporter`` (:class:`tensorturn.pool.telemetry.TaskReporter` with a live
     field, called by ``on_step``) the look is the run state its progress report read — no round
     trip of its own, about once a second; else :meth:`Attempt.check_cancelled`."""
 
@@ -412,9 +412,9 @@ def quarantine(task: Task, board: RunBoard, run_id: str, label: str, worker: str
     queue, and says why. Both are signed with the pool key for this start of the agent (a mark
     or a ``cancel_consumer`` without it is refused: anyone with the Redis password could send
     one), so a restart ends the quarantine."""
-    from ..remote_control import send
-    from ..routing import agent_queues, withdraw
-    from ..telemetry import quarantine_mark
+    from tensorturn.pool.remote_control import send
+    from tensorturn.pool.routing import agent_queues, withdraw
+    from tensorturn.pool.telemetry import quarantine_mark
 
     board.r.hset(worker_key(worker), mapping=quarantine_mark(worker, mask_text(reason)))
     board.incident(run_id, "worker_quarantined", label, worker, reason)

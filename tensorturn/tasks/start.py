@@ -1,4 +1,4 @@
-"""Starting a run on an agent, for a CLI that loads no torch (:func:`tensorturn.client.submit`)."""
+"""Starting a run on an agent, for a CLI that loads no torch (:func:`tensorturn.runs.service.submit`)."""
 
 from __future__ import annotations
 
@@ -7,17 +7,17 @@ from typing import Any
 
 from celery import Task
 
-from .. import config, layout, trust
-from ..celery_app import app
-from ..client import start
-from ..config import mask_text
-from ..errors import RecipeError, SpecError, TensorTurnError
-from ..recipes import BUILTIN
-from ..roster import list_workers
-from ..spec import RunSpec
-from ..store import moved as store_moved
-from ..trust import check_recipe_allowed
-from .attempt import agent_store, board_for, refuse
+from tensorturn import config, layout, trust
+from tensorturn.config import mask_text
+from tensorturn.errors import RecipeError, SpecError, TensorTurnError
+from tensorturn.pool.celery_app import app
+from tensorturn.recipes import BUILTIN
+from tensorturn.runs.service import start
+from tensorturn.spec import RunSpec
+from tensorturn.state.roster import list_workers
+from tensorturn.store.objects import moved as store_moved
+from tensorturn.tasks.attempt import agent_store, board_for, refuse
+from tensorturn.trust import check_recipe_allowed
 
 
 @app.task(bind=True, name="tensorturn.start_run", ignore_result=True)
@@ -30,7 +30,7 @@ def start_run(self: Task, spec_json: Any, sig: str | None = None) -> None:
     key, it names this agent's own store, and its recipe is one this agent allows. A request
     that is not signed writes nothing but its entry in ``tt:refused`` — not even an answer
     under the run id it names (anyone with the Redis password could choose that id); the
-    submitter finds its refusal there (:func:`tensorturn.client.start_on_an_agent`)."""
+    submitter finds its refusal there (:func:`tensorturn.runs.service.start_on_an_agent`)."""
     worker = self.request.hostname or "?"
     board = board_for(self.app.conf.broker_url)
     run_id = spec_json.get("run_id") if isinstance(spec_json, dict) else None

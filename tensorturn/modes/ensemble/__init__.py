@@ -25,15 +25,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ... import layout
-from ...errors import SpecError
-from ...live import WIDTH, fit
-from ...spec import LIMITS, ModeOptions, Workload, check_bounds, options_json
-from .. import ModeBase
+from tensorturn import layout
+from tensorturn.errors import SpecError
+from tensorturn.modes import ModeBase
+from tensorturn.spec import LIMITS, ModeOptions, Workload, check_bounds, options_json
+from tensorturn.state.live import WIDTH, fit
 
 if TYPE_CHECKING:
-    from ...recipes import Recipe
-    from ...spec import RunSpec
+    from tensorturn.recipes import Recipe
+    from tensorturn.spec import RunSpec
 
 VOTES = ("soft", "hard")
 DIVERSITY = ("full", "seed")
@@ -94,12 +94,12 @@ class Ensemble(ModeBase):
         if opts.members is None:
             opts.members = min(max(2, opts.min_members, online_workers), int(LIMITS["members"].high))
         if opts.init_from:
-            from .tasks import pin_init
+            from tensorturn.modes.ensemble.tasks import pin_init
 
             pin_init(spec)
 
     def model_configs(self, spec: "RunSpec", recipe: "Recipe") -> list[dict[str, Any]]:
-        from .tasks import member_plan
+        from tensorturn.modes.ensemble.tasks import member_plan
 
         return [m["model"] for m in member_plan(spec, recipe)]
 

@@ -19,22 +19,22 @@ from typing import Any
 
 import torch
 
-from ... import layout, seals
-from ...artifact import Predictor
-from ...board import RunBoard
-from ...capacity import queue_for
-from ...celery_app import app, forget_results
-from ...config import mask_text
-from ...device import pick_device
-from ...errors import SpecError
-from ...live import live_field
-from ...manifest import save_spec, try_write_manifest, write_manifest
-from ...recipes import Recipe, load_splits, recipe_of, resolve
-from ...spec import RunSpec
-from ...store import Store, sha256_hex
-from ...tasks.attempt import LATE, SUCCEEDED, Unit, execute, signed, watch_cancelled
-from ...telemetry import TaskReporter
-from ...tensors import (
+from tensorturn import layout
+from tensorturn.config import mask_text
+from tensorturn.errors import SpecError
+from tensorturn.modes.ensemble import EnsembleOptions
+from tensorturn.pool.capacity import queue_for
+from tensorturn.pool.celery_app import app, forget_results
+from tensorturn.pool.telemetry import TaskReporter
+from tensorturn.recipes import Recipe, load_splits, recipe_of, resolve
+from tensorturn.recipes.result import Predictor
+from tensorturn.spec import RunSpec
+from tensorturn.state.board import RunBoard
+from tensorturn.state.live import live_field
+from tensorturn.state.manifest import save_spec, try_write_manifest, write_manifest
+from tensorturn.store import seals
+from tensorturn.store.objects import Store, sha256_hex
+from tensorturn.store.tensors import (
     ensemble_bytes,
     from_bytes,
     load_optimizer_tensors,
@@ -42,8 +42,9 @@ from ...tensors import (
     optimizer_tensors,
     to_bytes,
 )
-from ...training import derive_seed, load_model, set_threads, train_steps
-from . import EnsembleOptions
+from tensorturn.tasks.attempt import LATE, SUCCEEDED, Unit, execute, signed, watch_cancelled
+from tensorturn.train.device import pick_device
+from tensorturn.train.loop import derive_seed, load_model, set_threads, train_steps
 
 log = logging.getLogger(__name__)
 
@@ -71,10 +72,10 @@ def member_plan(spec: RunSpec, recipe: Recipe) -> list[dict[str, Any]]:
 def pin_init(spec: RunSpec) -> None:
     """``--init-from RUN``: check RUN is a finished one-model run of this recipe, and write its
     model's configuration and sha256 into the spec (every member starts from those weights)."""
-    from ...errors import NotFound
-    from ...manifest import read_manifest
-    from ...store import ObjectMissing, open_store
-    from ...tensors import stored_metadata
+    from tensorturn.errors import NotFound
+    from tensorturn.state.manifest import read_manifest
+    from tensorturn.store.objects import ObjectMissing, open_store
+    from tensorturn.store.tensors import stored_metadata
 
     opts = options(spec)
     source = opts.init_from

@@ -1,7 +1,7 @@
 """Fused mode: data-sharded training merged every H steps, DiLoCo-style, into one model.
 
 The plug-in (this module, no torch) holds the options and what the CLI and client need; the
-Celery tasks — shard, outer step — are in :mod:`.tasks`, the math in :mod:`tensorturn.diloco`.
+Celery tasks — shard, outer step — are in :mod:`.tasks`, the math in :mod:`tensorturn.train.diloco`.
 
 Guarantees:
 
@@ -26,14 +26,14 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ... import layout
-from ...live import WIDTH, fit
-from ...spec import FINISHED, ModeOptions, Workload, check_bounds, options_json
-from .. import ModeBase
+from tensorturn import layout
+from tensorturn.modes import ModeBase
+from tensorturn.spec import FINISHED, ModeOptions, Workload, check_bounds, options_json
+from tensorturn.state.live import WIDTH, fit
 
 if TYPE_CHECKING:
-    from ...recipes import Recipe
-    from ...spec import RunSpec
+    from tensorturn.recipes import Recipe
+    from tensorturn.spec import RunSpec
 
 OUTERS = ("auto", "nesterov", "sgd")
 CODECS = ("fp32", "fp16", "int8")

@@ -5,7 +5,7 @@ seed of round j div S — the synchronous run's work, the same samples). Each wo
 update from the **latest** weights it can get, stores the pseudo-gradient, and queues it to be
 applied (:class:`~.ledger.AsyncLedger`). Whoever holds the apply lock applies the stored updates
 one at a time, in arrival order, with *delayed Nesterov, spread*
-(:func:`tensorturn.diloco.async_update`: the momentum moves once per S updates, its movement
+(:func:`tensorturn.train.diloco.async_update`: the momentum moves once per S updates, its movement
 spread over the next S), so a fast machine never waits for a slow one. Every S versions the
 weights are evaluated and recorded as a round; at R·S the run finishes like a synchronous one.
 
@@ -34,21 +34,22 @@ from typing import Any
 
 import torch
 
-from ... import config, layout, seals
-from ...board import RunBoard
-from ...capacity import queue_for
-from ...celery_app import app, forget_results
-from ...device import pick_device
-from ...diloco import async_update, check_norm, check_samples, finite_squares, round_figures
-from ...recipes import Recipe, recipe_of
-from ...spec import RunSpec
-from ...store import ObjectMissing, Store
-from ...tasks.attempt import SUCCEEDED, execute, signed
-from ...tensorfile import DTYPES, TensorReader, TensorWriter, delta_tensors
-from ...tensors import StateDict, model_metadata
-from ...training import load_model, set_threads
-from . import backups
-from .ledger import AsyncLedger, Fenced
+from tensorturn import config, layout
+from tensorturn.modes.fused import backups
+from tensorturn.modes.fused.ledger import AsyncLedger, Fenced
+from tensorturn.pool.capacity import queue_for
+from tensorturn.pool.celery_app import app, forget_results
+from tensorturn.recipes import Recipe, recipe_of
+from tensorturn.spec import RunSpec
+from tensorturn.state.board import RunBoard
+from tensorturn.store import seals
+from tensorturn.store.objects import ObjectMissing, Store
+from tensorturn.store.tensorfile import DTYPES, TensorReader, TensorWriter, delta_tensors
+from tensorturn.store.tensors import StateDict, model_metadata
+from tensorturn.tasks.attempt import SUCCEEDED, execute, signed
+from tensorturn.train.device import pick_device
+from tensorturn.train.diloco import async_update, check_norm, check_samples, finite_squares, round_figures
+from tensorturn.train.loop import load_model, set_threads
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +62,7 @@ def ledger(board: RunBoard, run_id: str) -> AsyncLedger:
 
 
 def options(spec: RunSpec) -> Any:
-    from .tasks import options as fused_options
+    from tensorturn.modes.fused.tasks import options as fused_options
 
     return fused_options(spec)
 
@@ -148,7 +149,7 @@ class UpdateUnit(backups.CopyAwareUnit):
         return self.a.label.numbers[0]
 
     def run(self) -> str:
-        from .tasks import train_and_store
+        from tensorturn.modes.fused.tasks import train_and_store
 
         spec, book = self.spec, ledger(self.board, self.spec.run_id)
         out_key = layout.key("update", spec.run_id, self.j)
@@ -217,7 +218,7 @@ def fetch_version(spec: RunSpec, recipe: Recipe, store: Store, latest: dict[str,
                   ) -> tuple[StateDict, int]:
     """The weights of ``latest`` (a version, checked by :func:`trusted_latest`), reusing those
     this process holds; (θ, bytes)."""
-    from .tasks import fetch_global
+    from tensorturn.modes.fused.tasks import fetch_global
 
     held = _held.get(spec.run_id)
     if held and held[1] == latest["sha256"]:
@@ -328,7 +329,7 @@ def apply_one(spec: RunSpec, store: Store, board: RunBoard, book: AsyncLedger, j
               token: str, worker: str) -> None:
     """Step the latest weights by update j, tensor by tensor through files, and commit the
     result as the next version."""
-    from .tasks import _outer_args
+    from tensorturn.modes.fused.tasks import _outer_args
 
     opts = options(spec)
     recipe = recipe_of(spec)
@@ -416,7 +417,7 @@ def check_update_here(spec: RunSpec, j: int, delta: StateDict, samples: int, nom
 
 def catch_up(spec: RunSpec, store: Store, board: RunBoard, book: AsyncLedger) -> None:
     """Evaluate every S-th version not recorded yet as a round; finish the run at R·S."""
-    from .tasks import finalize
+    from tensorturn.modes.fused.tasks import finalize
 
     opts = options(spec)
     version = book.latest()["version"]

@@ -11,9 +11,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from ... import layout
-from ...board import RunBoard
-from ...tasks.attempt import Unit
+from tensorturn import layout
+from tensorturn.state.board import RunBoard
+from tensorturn.tasks.attempt import Unit
 
 COPY_KINDS = ("backup", "update_backup")  # labels of backup copies (r<r>/backup-<k>, u<j>/backup)
 

@@ -24,7 +24,7 @@ from typing import Any
 
 import redis
 
-from ... import layout
+from tensorturn import layout
 
 _COMMIT = """
 if redis.call('get', KEYS[1]) ~= ARGV[1] then return -1 end

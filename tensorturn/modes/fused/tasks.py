@@ -21,12 +21,46 @@ from typing import Any, cast
 import torch
 from celery import chord
 
-from ... import layout, routing, seals
-from ...board import RunBoard
-from ...capacity import queue_for
-from ...celery_app import app, forget_results
-from ...device import pick_device
-from ...diloco import (
+from tensorturn import layout
+from tensorturn.modes.fused import EPOCHS_PER_ROUND_WARNING, FusedOptions, StartedOptions, backups
+from tensorturn.pool import routing
+from tensorturn.pool.capacity import queue_for
+from tensorturn.pool.celery_app import app, forget_results
+from tensorturn.pool.telemetry import TaskReporter
+from tensorturn.recipes import Recipe, recipe_of, resolve
+from tensorturn.spec import RunSpec
+from tensorturn.state.board import RunBoard
+from tensorturn.state.live import live_field
+from tensorturn.state.manifest import load_spec, save_spec, try_write_manifest, write_manifest
+from tensorturn.store import seals
+from tensorturn.store.objects import ObjectMissing, Store, sha256_hex
+from tensorturn.store.tensorfile import DTYPES, TensorReader, TensorWriter, delta_tensors, write_delta
+from tensorturn.store.tensors import (
+    BROADCAST_FORMAT,
+    StateDict,
+    delta_from_bytes,
+    float_keys,
+    from_bytes,
+    is_finite,
+    metadata_of,
+    model_bytes,
+    model_metadata,
+    stored_metadata,
+    to_bytes,
+)
+from tensorturn.tasks.attempt import (
+    LATE,
+    SUCCEEDED,
+    Unit,
+    agent_store,
+    authentic,
+    board_for,
+    execute,
+    signed,
+    watch_cancelled,
+)
+from tensorturn.train.device import pick_device
+from tensorturn.train.diloco import (
     UpdateRejected,
     accumulate,
     apply_step,
@@ -40,39 +74,7 @@ from ...diloco import (
     round_figures,
     train_replica,
 )
-from ...live import live_field
-from ...manifest import load_spec, save_spec, try_write_manifest, write_manifest
-from ...recipes import Recipe, recipe_of, resolve
-from ...spec import RunSpec
-from ...store import ObjectMissing, Store, sha256_hex
-from ...tasks.attempt import (
-    LATE,
-    SUCCEEDED,
-    Unit,
-    agent_store,
-    authentic,
-    board_for,
-    execute,
-    signed,
-    watch_cancelled,
-)
-from ...telemetry import TaskReporter
-from ...tensorfile import DTYPES, TensorReader, TensorWriter, delta_tensors, write_delta
-from ...tensors import (
-    BROADCAST_FORMAT,
-    StateDict,
-    delta_from_bytes,
-    float_keys,
-    from_bytes,
-    is_finite,
-    metadata_of,
-    model_bytes,
-    model_metadata,
-    stored_metadata,
-    to_bytes,
-)
-from ...training import derive_seed, load_model, set_threads
-from . import EPOCHS_PER_ROUND_WARNING, FusedOptions, StartedOptions, backups
+from tensorturn.train.loop import derive_seed, load_model, set_threads
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +105,7 @@ def start(spec: RunSpec, store: Store, board: RunBoard) -> None:
         board.warn(spec.run_id, warning)
     write_manifest(store, board, spec.run_id)
     if opts_sync(spec) == "async":
-        from . import asynchronous
+        from tensorturn.modes.fused import asynchronous
 
         asynchronous.start(spec, store, board)
         return
@@ -118,7 +120,7 @@ def opts_sync(spec: RunSpec) -> str:
 def data_bytes() -> tuple[int, int]:
     """(downloaded, read): dataset bytes this thread has downloaded so far, and read from its
     cache (pushed datasets only)."""
-    from ...data.source import machine_cache
+    from tensorturn.data.source import machine_cache
 
     if machine_cache.cache_info().currsize == 0:  # no dataset read in this process yet
         return 0, 0
@@ -175,7 +177,7 @@ def small_data_warning(spec: RunSpec, recipe: Recipe, epochs: float) -> str | No
 
 def dispatch_round(spec: RunSpec, r: int, board: RunBoard) -> None:
     """Queue round r: a slot per shard, then the outer step, on machines that can hold the model
-    — the outer step beside the store while an agent there serves it (:mod:`tensorturn.routing`).
+    — the outer step beside the store while an agent there serves it (:mod:`tensorturn.pool.routing`).
     A slot trains the shard its first worker claims (:meth:`RunBoard.claim_shard`): one it
     trained before where it can, so its cached chunks are read again rather than downloaded."""
     queue = queue_for(spec.memory_needed_bytes)
@@ -249,7 +251,7 @@ def chord_failed(self: Any, *args: Any, sig: str | None = None, r: Any = None) -
 def resume(spec: RunSpec, store: Store, board: RunBoard) -> str:
     """Continue from the last round whose global weights are in the store; says what it did."""
     if opts_sync(spec) == "async":
-        from . import asynchronous
+        from tensorturn.modes.fused import asynchronous
 
         return asynchronous.resume(spec, store, board)
     stored = [layout.parse("global", key) for key in store.list(layout.prefix("global", spec.run_id))]
@@ -666,7 +668,7 @@ OUTER = "the outer step"
 
 def check_norms(spec: RunSpec, r: int, norms: dict[int, float], theta_squares: float) -> None:
     """Each shard's pseudo-gradient norm (``norms``: its sum of squares) against θ_r's
-    (:func:`~tensorturn.diloco.check_norm`)."""
+    (:func:`~tensorturn.train.diloco.check_norm`)."""
     for k, squares in norms.items():
         check_norm(f"round {r}: the pseudo-gradient of shard {k}", squares, theta_squares,
                    options(spec).max_update_ratio, OUTER)
@@ -817,4 +819,4 @@ def finalize(spec: RunSpec, store: Store, board: RunBoard,
     write_manifest(store, board, run_id)
 
 
-from . import asynchronous as asynchronous  # noqa: E402 - its task registers with this module's
+from tensorturn.modes.fused import asynchronous as asynchronous  # noqa: E402 - its task registers with this module's

@@ -1,0 +1,145 @@
+"""The Celery app — the only place Celery is configured.
+
+``celery -A tensorturn.pool.celery_app worker|flower|inspect ...`` work as usual; the broker and result
+backend come from ``TENSORTURN_BROKER_URL``.
+
+Choices, each against a known hazard of Celery on Redis (DESIGN.md, "Known hazards"):
+
+* JSON only, in both directions: nothing is ever unpickled, and tensors never travel through the
+  broker (tasks carry object-store keys and small JSON).
+* ``acks_late`` + ``reject_on_worker_lost`` + prefetch 1: a task is acknowledged only when it is
+  done, and each worker process holds one task at a time — that is the work stealing: a faster
+  machine comes back for the next task sooner.
+* A short visibility timeout with a fast restore sweep, so a dead machine's task is back in the
+  queue within seconds; a live task keeps its lease through :mod:`tensorturn.pool.lease`, so it is never
+  handed to a second machine however long it runs. The sweep's lock expires in 2 s, not kombu's
+  300: a machine cut off while holding it must not stop every requeue.
+* Remote control answers monitoring (ping, inspect, what Flower uses) and TensorTurn's own
+  commands signed with the pool key, nothing else (:mod:`tensorturn.pool.remote_control`): anyone
+  with the Redis password can broadcast ``shutdown``.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from celery import Celery
+from celery.signals import worker_init
+from celery.worker.control import Panel
+
+from tensorturn import config
+from tensorturn.modes import task_modules
+from tensorturn.pool import remote_control
+from tensorturn.pool.lease import LeaseKeeper
+from tensorturn.pool.telemetry import Heartbeat
+
+log = logging.getLogger(__name__)
+
+RESTORE_INTERVAL_S = 1
+UNACKED_MUTEX_EXPIRE_S = 2
+DEFAULT_BROKER = "redis://127.0.0.1:6379/0"
+
+app = Celery("tensorturn", include=["tensorturn.tasks.attempt", "tensorturn.tasks.start", *task_modules()])
+app.steps["worker"].add(LeaseKeeper)  # keeps running tasks' leases alive
+app.steps["worker"].add(Heartbeat)    # inventory and live figures for `tensorturn workers`
+
+
+@worker_init.connect
+def _guard_remote_control(**_: object) -> None:
+    """In an agent's main process, before it listens: remote control cut to monitoring."""
+    remote_control.guard(Panel.data)
+
+
+def transport_options(settings: config.Settings) -> dict:
+    return {
+        "visibility_timeout": settings.visibility_timeout_s,
+        "unacked_restore_interval": RESTORE_INTERVAL_S,
+        "unacked_restore_throttle": 1,
+        # the sweep's lock: kombu's default (300 s) let a machine whose link went down while it
+        # held the lock stop every requeue for five minutes (seen on the emulated links); a sweep
+        # takes a few round trips, and two overlapping ones cannot restore a message twice (each
+        # restore is a transaction watching the unacked hash)
+        "unacked_mutex_expire": UNACKED_MUTEX_EXPIRE_S,
+        "socket_connect_timeout": 5,
+        "socket_keepalive": True,
+        "health_check_interval": 10,
+    }
+
+
+def settings_for(settings: config.Settings) -> dict:
+    """Celery's configuration for these settings (``app.conf.update`` takes it as is)."""
+    broker = settings.broker_url or DEFAULT_BROKER
+    return dict(
+        broker_url=broker,
+        result_backend=broker,
+        task_serializer="json",
+        result_serializer="json",
+        accept_content=["json"],
+        result_accept_content=["json"],
+        event_serializer="json",
+        task_acks_late=True,
+        task_reject_on_worker_lost=True,
+        worker_prefetch_multiplier=1,
+        broker_transport_options=transport_options(settings),
+        result_backend_transport_options={"socket_connect_timeout": 5, "socket_keepalive": True},
+        broker_connection_retry_on_startup=True,
+        broker_connection_max_retries=None,  # an agent reconnects forever
+        result_expires=7 * 24 * 3600,
+        # ride out a broker restart instead of failing the task that is storing its result
+        result_backend_always_retry=True,
+        result_backend_max_retries=30,
+        result_extended=True,
+        task_track_started=True,
+        worker_send_task_events=True,
+        task_send_sent_event=True,
+        worker_hijack_root_logger=False,
+        worker_cancel_long_running_tasks_on_connection_loss=False,
+        # SIGTERM: give running tasks a few seconds, then stop them and put their messages back
+        # in the queue at once (another machine takes them) instead of waiting out a long task.
+        worker_soft_shutdown_timeout=settings.shutdown_grace_s,
+        worker_enable_soft_shutdown_on_idle=True,
+        broker_channel_error_retry=True,
+    )
+
+
+app.conf.update(settings_for(config.current()))
+
+
+def configure(broker_url: str) -> None:
+    """Point the app (broker and result backend) at ``broker_url``; call before first use."""
+    if app.conf.broker_url == broker_url and app.conf.result_backend == broker_url:
+        return
+    app.conf.broker_url = broker_url
+    app.conf.result_backend = broker_url
+    # Drop connections and the result backend cached for the previous URL (one process may
+    # follow several pools: tests, or an embedded pool after a remote one). Celery has no public
+    # call for this; these are the caches ``Celery.close`` and ``backend`` fill.
+    app._pool = None
+    amqp = app.__dict__.get("amqp")
+    if amqp is not None:
+        amqp._producer_pool = None
+    app._backend_cache = None
+    app._local.__dict__.pop("backend", None)
+
+
+def forget_results(results: list) -> None:
+    """Stop this process listening for these tasks' results.
+
+    Nothing in TensorTurn waits on a Celery result (progress lives on the run board), but the
+    Redis backend subscribes whoever sends a task to its result channel, and a chord keeps a
+    waiter per header task (on result objects of its own, so this goes by task id): without
+    this, a long-lived dispatcher (the CLI during an embedded run, a worker dispatching rounds)
+    gathers one subscription per task it ever sent, and result objects collected after the
+    broker is gone try to unsubscribe from a dead connection.
+    """
+    backend = app.backend
+    consumer = getattr(backend, "result_consumer", None)
+    pending = getattr(backend, "_pending_results", ())  # Celery's waiters, keyed by task id
+    try:
+        for result in results:
+            for waiters in pending:
+                waiters.pop(result.id, None)
+            if consumer is not None:
+                consumer.cancel_for(result.id)
+    except Exception as exc:  # noqa: BLE001 - cleanup only: the tasks are sent either way
+        log.warning("could not release result subscriptions (%s); harmless", exc)

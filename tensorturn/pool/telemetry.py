@@ -1,0 +1,295 @@
+"""Worker hardware inventory and live figures, published to Redis every few seconds.
+
+Each agent's main process runs the :class:`Heartbeat` bootstep: it writes the machine's inventory
+once and its live figures (CPU, memory, GPU) every ``TENSORTURN_HEARTBEAT_S`` seconds
+to ``tt:worker:<name>``. The task being trained reports its own progress (current task, step,
+samples/s) into the same hash and as Celery ``task-progress`` events, which Flower shows.
+The pool's roster (:mod:`tensorturn.state.roster`) reads it back.
+
+What a heartbeat says about the machine is signed with the pool key, and so is a quarantine
+mark, for this start of the agent (:data:`INCARNATION`): the roster counts no machine whose
+heartbeat anyone with the Redis password could have written, and the heartbeat removes a
+quarantine mark that this agent's own tasks did not sign.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import platform
+import secrets
+import socket
+import subprocess
+import sys
+import time
+from functools import lru_cache
+from typing import Any
+
+import psutil
+from celery import bootsteps
+from celery.worker import state as worker_state
+
+from tensorturn import config, trust
+from tensorturn.layout import live_key, run_key, worker_key
+from tensorturn.pool import routing
+from tensorturn.state import roster
+from tensorturn.state.broker import redis_client
+
+log = logging.getLogger(__name__)
+
+PROGRESS_EVERY_S = 1.0     # how often a training task reports progress
+GB = 1024 ** 3
+MIB = 1024 ** 2
+# This start of the agent: made in the main process before the pool forks, so its tasks share
+# it. Signed quarantine marks and remote-control commands (:mod:`.remote_control`) name it, so a
+# copy of one replayed after a restart binds nobody.
+INCARNATION = secrets.token_hex(8)
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+@lru_cache(maxsize=1)
+def inventory() -> dict[str, Any]:
+    """What this machine is: fixed for the life of the agent."""
+    import torch
+
+    from tensorturn.train.device import pick_device
+
+    device = pick_device()
+    info: dict[str, Any] = {
+        "hostname": socket.gethostname(),
+        "os": platform.platform(terse=True),
+        "cpu_model": _cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "memory_total_gb": round(psutil.virtual_memory().total / GB, 2),
+        "device": device.type,
+        "device_name": _cpu_model(),
+        "vram_gb": None,
+        "torch": torch.__version__,
+    }
+    if device.type == "cuda":
+        name, total_mib, count = _gpu("name,memory.total,count") or _gpu_from_torch()
+        info.update(device_name=name, vram_gb=round(float(total_mib) * MIB / GB, 2), gpu_count=int(count))
+    elif device.type == "mps":
+        info.update(device_name="Apple MPS")
+    offered = info["vram_gb"] if info["vram_gb"] else info["memory_total_gb"]
+    cap = config.current().device_memory_gb
+    if cap:
+        offered = min(offered, cap)
+    info["device_memory_gb"] = offered
+    info["role"] = config.current().role
+    return info
+
+
+def live_figures() -> dict[str, Any]:
+    """What this machine is doing now."""
+    vm = psutil.virtual_memory()
+    out: dict[str, Any] = {"cpu_percent": psutil.cpu_percent(interval=None),
+                           "memory_used_gb": round((vm.total - vm.available) / GB, 2),
+                           "gpu_util_percent": None, "gpu_memory_used_gb": None}
+    if inventory()["device"] == "cuda":
+        used = _gpu("memory.used,utilization.gpu", timeout_s=2)  # on the heartbeat: never long
+        if used:
+            with contextlib.suppress(ValueError):  # "[N/A]" on some boards: left out
+                out["gpu_memory_used_gb"] = round(float(used[0]) * MIB / GB, 2)
+                out["gpu_util_percent"] = float(used[1])
+    return out
+
+
+# The agent's main process never starts CUDA: Celery's pool processes are forked from it, and a
+# process forked after CUDA started cannot use the GPU ("Cannot re-initialize CUDA in forked
+# subprocess" — every task failed so on a GPU machine). So what the main process says about
+# the GPU it asks of the driver (``nvidia-smi``, NVML's command-line face, which comes with every
+# NVIDIA driver), and torch answers only in a process of its own.
+
+def _gpu(fields: str, timeout_s: float = 10) -> list[str] | None:
+    """``fields`` of the GPU tasks use (the first visible one), from ``nvidia-smi``; None without it."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
+    command = ["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader,nounits"]
+    if visible.isdigit():
+        command += ["-i", visible]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    lines = done.stdout.strip().splitlines() if done.returncode == 0 else []
+    values = [v.strip() for v in lines[0].split(",")] if lines else []
+    return values if len(values) == len(fields.split(",")) else None
+
+
+def _gpu_from_torch() -> list[str]:
+    """(name, MiB, count) from torch in a child process, where there is no ``nvidia-smi``."""
+    code = ("import torch; p = torch.cuda.get_device_properties(0); "
+            "print(p.name, p.total_memory // 2 ** 20, torch.cuda.device_count(), sep='\\t')")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    if done.returncode != 0:
+        return ["CUDA device", "0", "1"]  # VRAM unknown: it offers its memory, as a CPU machine does
+    return done.stdout.strip().split("\t")
+
+
+def outer_queues() -> list[str]:
+    """The outer queues this agent serves (its role and device memory decide; :mod:`.routing`)."""
+    return [q for q in routing.agent_queues() if q.startswith(routing.OUTER_PREFIX)]
+
+
+class Heartbeat(bootsteps.StartStopStep):
+    """Worker bootstep: publish inventory once and live figures every heartbeat."""
+
+    requires = {"celery.worker.components:Timer"}
+
+    def __init__(self, worker, **kwargs):
+        super().__init__(worker, **kwargs)
+        self.tref = None
+        self.client: Any = None
+        self.node = ""
+        self.outer: list[str] = []
+
+    def start(self, worker):
+        self.node = worker.hostname
+        self.client = redis_client(worker.app.conf.broker_url)
+        self.outer = outer_queues()
+        psutil.cpu_percent(interval=None)  # prime the counter
+        self.beat(first=True)
+        self.tref = worker.timer.call_repeatedly(config.current().heartbeat_s, self.beat,
+                                                 priority=5)
+
+    def beat(self, first: bool = False):
+        try:
+            key = worker_key(self.node)
+            pipe = self.client.pipeline()
+            if first:
+                pipe.delete(key)
+                pipe.hset(key, mapping={"started_at": time.time(), "tasks_done": 0})
+            # the inventory goes out with every beat: a Redis that lost its data (restarted
+            # without AOF) lists the machine again at the next heartbeat
+            pipe.hset(key, mapping={**signed_beat(self.node), "live": json.dumps(live_figures()),
+                                    "pid": os.getpid()})
+            if not worker_state.active_requests:  # a killed pool child leaves its progress behind
+                pipe.hdel(key, "task", "progress")
+            pipe.expire(key, 7 * 24 * 3600)
+            pipe.hmget(key, "quarantined", roster.QUARANTINE_SIGNATURE)
+            mark, sig = pipe.execute()[-1]
+            quarantined = self.quarantined(mark, sig)
+            if self.outer and not quarantined:
+                routing.advertise(self.client, self.node, self.outer)
+            routing.reroute(self.client)
+        except Exception as exc:  # noqa: BLE001 - the broker may be restarting
+            log.warning("heartbeat failed: %s", exc)
+
+    def quarantined(self, mark: str | None, sig: str | None) -> bool:
+        """Whether this agent is out of rotation: a quarantine ``mark`` signed (``sig``) for
+        this start of it. Any other mark is removed (nobody with only the Redis password takes
+        an agent out of rotation for longer than a heartbeat)."""
+        if not mark:
+            return False
+        key = trust.find_key()
+        h = {"name": self.node, "quarantined": mark, roster.QUARANTINE_SIGNATURE: sig}
+        if key is not None and roster.quarantine_verified(key, h, INCARNATION):
+            return True
+        log.warning("removed a quarantine mark this agent did not sign: %.200s", mark)
+        self.client.hdel(worker_key(self.node), "quarantined", roster.QUARANTINE_SIGNATURE)
+        return False
+
+    def stop(self, worker):
+        if self.tref is not None:
+            self.tref.cancel()
+            self.tref = None
+        try:  # a clean stop is offline at once, not after three missed heartbeats
+            self.client.hset(worker_key(self.node), "stopped_at", time.time())
+            routing.withdraw(self.client, self.node, self.outer)
+        except Exception:  # noqa: BLE001
+            pass
+
+    def terminate(self, worker):
+        # a cold shutdown (the agent's SIGTERM) calls terminate, not stop: the base class's
+        # would do nothing here, and the stop would look like a crash for three heartbeats
+        self.stop(worker)
+
+
+def signed_beat(node: str) -> dict[str, str]:
+    """This agent's heartbeat fields, signed with the pool key (unsigned without one: such an
+    agent refuses every task anyway, and the roster says ``unverified``)."""
+    fields = {"name": node, "inventory": json.dumps(inventory()),
+              "queues": json.dumps(routing.agent_queues()), "last_seen": repr(time.time()),
+              "incarnation": INCARNATION}
+    key = trust.find_key()
+    if key is not None:
+        fields[roster.SIGNATURE] = key.sign("inventory", roster.heartbeat_doc(fields))
+    return fields
+
+
+def quarantine_mark(node: str, reason: str) -> dict[str, str]:
+    """The fields that take agent ``node`` — this one, from one of its tasks — out of rotation,
+    signed for this start of it."""
+    sig = trust.pool_key().sign("quarantine", roster.quarantine_doc(node, reason, INCARNATION))
+    return {"quarantined": reason, roster.QUARANTINE_SIGNATURE: sig}
+
+
+class TaskReporter:
+    """Progress of the task a pool process is training: Redis for ``tensorturn workers``, and
+    Celery ``task-progress`` events for Flower. Reports at most once per PROGRESS_EVERY_S.
+
+    With ``live`` (run id, field) the same report goes to the run's live progress
+    (:func:`tensorturn.layout.live_key`), in the same round trip, for ``run`` to show inside a
+    round; the field is the task's place (``shard-3``, ``m1``), so the hash stays that small.
+    That round trip also reads the run's state (``run_state``): a training loop learns of a
+    cancel from its progress report, with no call of its own."""
+
+    def __init__(self, task, client, label: str, steps: int, batch_size: int,
+                 live: tuple[str, str] | None = None):
+        self.task, self.client, self.label = task, client, label
+        self.steps, self.batch_size, self.live = steps, batch_size, live
+        self.run_state: str | None = None  # as the last report read it (with ``live``)
+        self.worker = task.request.hostname or "?"
+        self.t0 = self.last = time.monotonic()
+        self._write({"task": label, "step": 0, "steps": steps, "samples_per_s": None})
+
+    def _write(self, progress: dict[str, Any]) -> None:
+        try:
+            pipe = self.client.pipeline(transaction=False)
+            pipe.hset(worker_key(self.worker), mapping={
+                "task": self.label, "progress": json.dumps(progress)})
+            if self.live is not None:
+                run_id, field = self.live
+                pipe.hset(live_key(run_id), field, json.dumps({
+                    "label": self.label, "step": progress["step"], "steps": self.steps,
+                    "loss": progress.get("loss"), "worker": self.worker, "at": time.time()}))
+                pipe.hget(run_key(run_id), "state")
+            replies = pipe.execute()
+            if self.live is not None:
+                self.run_state = replies[-1]
+            self.task.send_event("task-progress", **progress)
+        except Exception as exc:  # noqa: BLE001 - progress is best effort
+            log.debug("progress report failed: %s", exc)
+
+    def __call__(self, step: int, loss: float) -> None:
+        now = time.monotonic()
+        if now - self.last < PROGRESS_EVERY_S and step < self.steps:
+            return
+        self.last = now
+        rate = step * self.batch_size / max(now - self.t0, 1e-9)
+        self._write({"task": self.label, "step": step, "steps": self.steps, "loss": loss,
+                     "samples_per_s": round(rate, 1)})
+
+    def done(self) -> None:
+        try:
+            pipe = self.client.pipeline()
+            pipe.hdel(worker_key(self.worker), "task")
+            pipe.hincrby(worker_key(self.worker), "tasks_done", 1)
+            # this machine's training rate over its last whole task (backup copies weigh it)
+            elapsed = max(time.monotonic() - self.t0, 1e-9)
+            pipe.hset(worker_key(self.worker), "last_rate", round(self.steps * self.batch_size / elapsed, 1))
+            pipe.execute()
+        except Exception as exc:  # noqa: BLE001
+            log.debug("progress report failed: %s", exc)

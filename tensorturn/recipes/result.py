@@ -1,0 +1,116 @@
+"""Loading a run's result — one fused model or a voting ensemble — for evaluation and serving."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from tensorturn import layout
+from tensorturn.errors import TensorTurnError
+from tensorturn.recipes import BUILTIN, Recipe, resolve
+from tensorturn.store.objects import ObjectMissing, Store, sha256_hex
+from tensorturn.store.tensors import ENSEMBLE_FORMAT, MODEL_FORMAT, from_bytes, metadata_of
+from tensorturn.trust import UntrustedError, check_recipe_allowed
+
+
+@dataclass
+class Predictor:
+    """A recipe plus one or more models and a vote rule ("single", "soft" or "hard")."""
+
+    recipe: Recipe
+    models: list[nn.Module]
+    vote: str
+    members: list[dict]
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> "Predictor":
+        meta = metadata_of(data)
+        fmt = meta.get("format")
+        if fmt not in (MODEL_FORMAT, ENSEMBLE_FORMAT):
+            raise TensorTurnError(f"not a TensorTurn model file (format {fmt!r})")
+        recipe = resolve(meta["recipe"], json.loads(meta.get("recipe_options", "{}")))
+        tensors = from_bytes(data)
+        if fmt == MODEL_FORMAT:
+            model = recipe.model(json.loads(meta["config"]))
+            model.load_state_dict(tensors)
+            return cls(recipe, [model.eval()], "single", [])
+        members = json.loads(meta["members"])
+        models = []
+        for entry in members:
+            prefix = f"m{entry['member']}."
+            model = recipe.model(entry["config"])
+            model.load_state_dict({k[len(prefix):]: v for k, v in tensors.items()
+                                   if k.startswith(prefix)})
+            models.append(model.eval())
+        return cls(recipe, models, meta["vote"], members)
+
+    @torch.no_grad()
+    def member_outputs(self, x: torch.Tensor) -> torch.Tensor:
+        """``[members, rows, ...]`` outputs (probabilities, or values for regression) for
+        preprocessed inputs ``x``."""
+        return torch.stack([self.recipe.predict(m, x) for m in self.models])
+
+    @torch.no_grad()
+    def predict(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(combined output, member outputs) for preprocessed inputs ``x``, as served: the
+        recipe's kind combines the members (classification: mean probability, or hard-vote
+        shares; regression: the mean, in the user's units — ``Recipe.unscale_targets``); one
+        model's output is itself."""
+        per_member = self.member_outputs(x)
+        combined = self.recipe.combine(per_member, self.vote)
+        if self.recipe.kind.scaled:
+            unscale = self.recipe.unscale_targets
+            return unscale(combined), torch.stack([unscale(p) for p in per_member])
+        return combined, per_member
+
+    def as_model(self, vote: str | None = None) -> nn.Module:
+        """The result as one model for ``Recipe.evaluate``: the fused model, or the ensemble
+        (:class:`EnsembleModel`) voting by ``vote`` (default: its own rule)."""
+        if self.vote == "single":
+            return self.models[0]
+        return EnsembleModel(self.recipe, self.models, vote or self.vote)
+
+
+class EnsembleModel(nn.Module):
+    """An ensemble as one model, so that a recipe's ``evaluate`` measures its vote the way it
+    measures a fused model: the forward pass returns what one member's would, with the vote in
+    it (the recipe's kind says how: ``Kind.ensemble_forward`` — for classification, logits whose
+    softmax is the combined probability; for regression, the combined values). Members' outputs
+    are combined by ``Recipe.combine``, as when served."""
+
+    def __init__(self, recipe: Recipe, models: list[nn.Module], vote: str):
+        super().__init__()
+        self.members = nn.ModuleList(models)
+        self.recipe, self.vote = recipe, vote
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raw = torch.stack([m(x) for m in self.members])
+        return self.recipe.kind.ensemble_forward(raw, lambda p: self.recipe.combine(p, self.vote))
+
+
+def load_result(store: Store, run_id: str) -> tuple[Predictor, dict[str, Any]]:
+    """The run's final artifact, trusted only as far as it proves itself: the manifest must be
+    signed by the pool key, its recipe allowed on this machine (checked before the model file is
+    read), and the file must match the manifest's sha256 and name the same recipe."""
+    from tensorturn.state.manifest import read_manifest
+
+    try:
+        manifest = read_manifest(store, run_id, verify=True)
+    except ObjectMissing:
+        raise TensorTurnError(f"no run {run_id!r} in the store (see `tensorturn runs`)") from None
+    if manifest.get("state") != "succeeded" or not manifest.get("model_uri"):
+        raise TensorTurnError(f"run {run_id} has no model to serve (state {manifest.get('state')})")
+    check_recipe_allowed(manifest["recipe"], BUILTIN)
+    final = "final_ensemble" if manifest["mode"] == "ensemble" else "final_model"
+    data = store.get_bytes(layout.key(final, run_id))
+    if sha256_hex(data) != manifest["model_sha256"]:
+        raise UntrustedError(f"run {run_id}: the model file does not match its recorded sha256")
+    named = metadata_of(data).get("recipe")
+    if named != manifest["recipe"]:
+        raise UntrustedError(f"run {run_id}: the model file names recipe {named!r}, its manifest "
+                             f"{manifest['recipe']!r}; refused")
+    return Predictor.from_bytes(data), manifest

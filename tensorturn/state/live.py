@@ -1,0 +1,106 @@
+"""What a live run is doing now: the progress inside a round, the phase of an outer step, each
+ensemble member's segment and loss.
+
+Running tasks report into the run's live hash (:func:`tensorturn.layout.live_key`): a training
+task its step and loss at most once a second, in the round trip it already makes for
+``tensorturn workers`` (:class:`tensorturn.pool.telemetry.TaskReporter`); an outer step its phase
+when it changes. :func:`view` joins that with the run's attempts into what ``describe`` shows;
+the modes turn it into one line (``Mode.live_line``). No torch, no Celery here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tensorturn import layout
+from tensorturn.spec import options_json
+
+WIDTH = 80  # a progress line fits a terminal of this many columns
+
+
+def fit(text: str, width: int = WIDTH) -> str:
+    """``text`` cut to ``width`` columns, ending in "…" when cut."""
+    return text if len(text) <= width else text[:max(width - 1, 0)] + "…"
+
+
+def place(label: str, shards: int) -> tuple[int, int] | None:
+    """(round, shard) a training task's label works on: a shard, its backup copy, or an
+    asynchronous update (shard j mod S of round j div S); None for any other task."""
+    named = layout.parse_label(label)
+    if named is None:
+        return None
+    if named.kind in ("shard", "backup") and named.round is not None and named.shard is not None:
+        return named.round, named.shard
+    if named.kind in ("update", "update_backup") and named.update is not None and shards:
+        return divmod(named.update, shards)
+    return None
+
+
+def live_field(label: layout.Label, shards: int = 0) -> str:
+    """Where a training task reports in the live hash: its place, not its label (``shard-3``,
+    ``backup-3``, ``m1``), so the next round's task of that place replaces it and the hash
+    stays as small as the work running at once."""
+    if label.kind == "segment":
+        return f"m{label.member}"
+    where = place(str(label), shards)
+    if where is None:
+        return str(label)
+    return f"{'backup' if 'backup' in label.kind else 'shard'}-{where[1]}"
+
+
+def view(doc: dict[str, Any], entries: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """What to add to a live run's description (``doc``, from the board) given its live hash's
+    ``entries``: ``in_round`` and ``outer_steps`` for a fused run, each member's ``live`` for
+    an ensemble."""
+    if doc.get("mode") == "ensemble":
+        return {"members": _members(doc.get("members") or [], entries)}
+    return {"in_round": in_round(doc, entries), "outer_steps": outer_steps(doc, entries)}
+
+
+def in_round(doc: dict[str, Any], entries: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The round being trained — the latest one a shard attempt began, or the one after the
+    last recorded (round 0 before any) — with its shards done and the inner steps taken by all
+    of its shards (a finished shard counts whole; a running one its last reported step)."""
+    opts = options_json(doc.get("spec") or {})
+    shards, per_shard = int(opts.get("shards") or 0), int(opts.get("sync_every") or 0)
+    begun = [(where, a) for a in doc.get("attempts", [])
+             if (where := place(a["task"], shards)) is not None]
+    after = min(max((rec["round"] + 1 for rec in doc.get("rounds", [])), default=0),
+                max(int(opts.get("rounds") or 1) - 1, 0))
+    r = max([after, *(where[0] for where, _ in begun)])
+    done = {where[1] for where, a in begun if where[0] == r and a["outcome"] == "succeeded"}
+    steps = dict.fromkeys(done, per_shard)
+    for entry in entries.values():
+        where = place(entry.get("label", ""), shards)
+        if where is not None and where[0] == r and where[1] not in done:
+            steps[where[1]] = max(steps.get(where[1], 0), min(int(entry.get("step") or 0), per_shard))
+    return {"round": r, "shards_done": len(done), "shards": shards,
+            "steps_done": sum(steps.values()), "steps_total": shards * per_shard}
+
+
+def outer_steps(doc: dict[str, Any], entries: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """The outer steps running now: round, phase (averaging, evaluating, testing; "starting"
+    before the first), worker, and since when (the phase's start)."""
+    out = []
+    for a in doc.get("attempts", []):
+        named = layout.parse_label(a["task"])
+        if a["outcome"] != "running" or named is None or named.kind != "outer":
+            continue
+        entry = entries.get(a["task"]) or {}
+        fresh = entry.get("worker") == a["worker"] and float(entry.get("at") or 0) >= a["started_at"]
+        out.append({"round": named.round, "phase": entry["phase"] if fresh else "starting",
+                    "worker": a["worker"], "since": entry["at"] if fresh else a["started_at"]})
+    return sorted(out, key=lambda o: o["round"])
+
+
+def _members(members: list[dict[str, Any]], entries: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each member, a training one with ``live``: the segment it trains, its step and loss."""
+    out = []
+    for m in members:
+        entry = entries.get(f"m{m['member']}")
+        named = layout.parse_label(entry.get("label", "")) if entry else None
+        if entry and named is not None and m.get("state") == "running":
+            m = {**m, "live": {"segment": named.segment, "step": entry.get("step") or 0,
+                               "steps": entry.get("steps") or 0, "loss": entry.get("loss")}}
+        out.append(m)
+    return out

@@ -1,0 +1,166 @@
+"""A run in the object store: its spec, its manifest (the board's description, saved), and who
+serves it.
+
+With these and the outputs a run can be rebuilt without Redis (``tensorturn resume``).
+``tensorturn serve`` needs only the store, so the store is where a server says that it serves a
+run (:func:`serving`): ``tensorturn runs rm`` refuses to delete it meanwhile.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import signal
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from tensorturn import layout, trust
+from tensorturn.errors import NotFound, StoreError
+from tensorturn.spec import FINISHED, RunSpec
+from tensorturn.state.board import RunBoard
+from tensorturn.store.objects import ObjectMissing, Store
+
+log = logging.getLogger(__name__)
+
+
+def load_spec(store: Store, run_id: str) -> RunSpec:
+    """The run's spec, refused (UntrustedError) unless it is signed by this pool's key: a spec
+    names the recipe every agent imports."""
+    doc = trust.pool_key().check_doc("spec", store.get_json(layout.key("spec", run_id)),
+                                     f"the spec of run {run_id}")
+    if doc.get("run_id") != run_id:  # another run's signed spec, copied here
+        raise trust.UntrustedError(f"the spec stored for run {run_id} is run {doc.get('run_id')!r}'s; refused")
+    return RunSpec.from_json(doc)
+
+
+def save_spec(store: Store, spec: RunSpec) -> None:
+    store.put_json(layout.key("spec", spec.run_id), trust.pool_key().sign_doc("spec", spec.to_json()))
+
+
+def read_manifest(store: Store, run_id: str, verify: bool = False) -> dict[str, Any]:
+    """The run's manifest, without its signature; ``verify``: refused unless signed by this
+    pool's key (what a server trusts). ObjectMissing when there is none."""
+    doc = store.get_json(layout.key("manifest", run_id))
+    if verify:
+        checked = trust.pool_key().check_doc("manifest", doc, f"the manifest of run {run_id}")
+        if checked.get("run_id") != run_id:  # another run's signed manifest, copied here
+            raise trust.UntrustedError(f"the manifest stored for run {run_id} is run "
+                                       f"{checked.get('run_id')!r}'s; refused")
+        return checked
+    return {k: v for k, v in doc.items() if k != trust.SIGNATURE} if isinstance(doc, dict) else doc
+
+
+def write_manifest(store: Store, board: RunBoard, run_id: str) -> dict[str, Any]:
+    """Save the run's description beside its weights (rebuildable without Redis), signed. Once
+    it holds the run's final state, the run's keys on the broker expire (:meth:`RunBoard.expire`:
+    the store has its record). NotFound when the broker has no whole record of the run."""
+    doc = board.describe(run_id)
+    store.put_json(layout.key("manifest", run_id), trust.pool_key().sign_doc("manifest", doc))
+    if doc["state"] in FINISHED:
+        board.expire(run_id)
+    return doc
+
+
+def try_write_manifest(store: Store | None, board: RunBoard, run_id: str) -> None:
+    """Write the manifest if the store answers; a store that is down (the reason a run may be
+    failing) must not hide the failure, which the board already holds — and keeps, without
+    expiry. A record the broker lost leaves the store's last manifest as it is."""
+    if store is None:
+        return
+    try:
+        write_manifest(store, board, run_id)
+    except StoreError as exc:
+        log.warning("run %s: manifest not saved (%s); the broker keeps the run's state", run_id, exc)
+        board.keep(run_id)
+    except NotFound as exc:
+        log.warning("run %s: manifest not saved: %s", run_id, exc)
+
+
+def finished_ensemble(store: Store, run_id: str, merge: str) -> dict[str, Any]:
+    """The signed manifest of ensemble ``run_id``, refused in one line unless it is a finished
+    ensemble (what ``merge`` — distill, soup — turns into one model)."""
+    from tensorturn.errors import SpecError
+    from tensorturn.store.objects import ObjectMissing
+
+    try:
+        manifest = read_manifest(store, run_id, verify=True)
+    except ObjectMissing:
+        raise NotFound(f"no run {run_id!r} in the store (see `tensorturn runs`)") from None
+    if manifest.get("mode") != "ensemble":
+        raise SpecError(f"run {run_id} is a {manifest.get('mode')} run, not an ensemble: it is one "
+                        f"model already ({merge} turns an ensemble into one model)")
+    if manifest.get("state") != "succeeded" or not manifest.get("model_uri"):
+        raise SpecError(f"run {run_id} is {manifest.get('state')}, not a finished ensemble: {merge} "
+                        f"it once it has succeeded (`tensorturn status {run_id}`)")
+    return manifest
+
+
+SERVING_EVERY_S = 30.0    # how often a server refreshes its mark
+SERVING_STALE_S = 300.0   # an older mark is a server that stopped without removing it (SIGKILL);
+                          # generous: the machines' clocks may differ by a minute or two
+
+
+@contextmanager
+def serving(store: Store, run_id: str, where: str) -> Iterator[None]:
+    """Mark ``run_id`` as served (at ``where``, host:port) by this process while the block runs:
+    a mark in the store, refreshed every SERVING_EVERY_S, removed at the end — a SIGTERM's too
+    (it is an exception meanwhile: uvicorn raises it again, once it has shut down, to the
+    handler it found; the default one would end the process before the mark is removed)."""
+    key = layout.key("serving", run_id, f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}")
+
+    def mark() -> None:
+        store.put_json(key, {"where": where, "host": socket.gethostname(), "pid": os.getpid(),
+                             "at": time.time()})
+
+    try:
+        mark()
+    except StoreError as exc:  # a server with read-only store keys serves all the same
+        log.warning("run %s: served without a mark in the store (%s): `runs rm` cannot see that "
+                    "it is served", run_id, exc)
+    stop = threading.Event()
+
+    def refresh() -> None:
+        while not stop.wait(SERVING_EVERY_S):
+            try:
+                mark()
+            except StoreError as exc:  # the next refresh may get through; the mark is old meanwhile
+                log.warning("run %s: the mark that it is served was not refreshed (%s)", run_id, exc)
+
+    thread = threading.Thread(target=refresh, name="tt-serving-mark", daemon=True)
+    thread.start()
+    main = threading.current_thread() is threading.main_thread()  # where signals can be handled
+    previous = signal.signal(signal.SIGTERM, _terminated) if main else None
+    try:
+        yield
+    finally:
+        if main:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+        stop.set()
+        thread.join(timeout=10)
+        try:
+            store.delete(key)
+        except StoreError as exc:  # it goes stale: `runs rm` ignores it after SERVING_STALE_S
+            log.warning("run %s: the mark that it is served was not removed (%s)", run_id, exc)
+
+
+def _terminated(signum: int, _frame: Any) -> None:
+    raise SystemExit(128 + signum)
+
+
+def servers(store: Store, run_id: str) -> list[dict[str, Any]]:
+    """The servers that marked ``run_id`` as served within SERVING_STALE_S (with ``age_s``)."""
+    out = []
+    for key in store.list(layout.prefix("serving", run_id)):
+        try:
+            mark = store.get_json(key)
+            age = time.time() - float(mark["at"])
+        except (ObjectMissing, ValueError, TypeError, KeyError):  # gone meanwhile, or not a mark
+            continue
+        if age < SERVING_STALE_S:
+            out.append({**mark, "age_s": round(max(age, 0.0), 1)})
+    return out

@@ -1,0 +1,133 @@
+"""The pool's machines as the broker knows them, from the agents' heartbeats.
+
+No Celery and no torch here: ``tensorturn workers`` and the CLI's checks read it in a blink.
+
+A heartbeat is in Redis, so anyone with its password could write one — claiming 4 TB of device
+memory, say, to get a model past the memory check that no real machine can hold. So an agent
+signs what it says with the pool key (:func:`heartbeat_doc`: its name, inventory, queues, the
+time of the beat and its incarnation, a random id of this start of the agent); a machine whose
+heartbeat does not verify is listed ``unverified`` and never counted as a machine that can take
+work. A quarantine mark is signed for the agent's incarnation too (:func:`quarantine_doc`), so
+an unsigned one — or one copied from before the agent restarted — takes nobody out of rotation.
+Without the pool key (``workers`` with only a broker URL) nothing can be verified: the roster
+says what the heartbeats claim, ``verified`` None.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from tensorturn import config, trust
+from tensorturn.layout import WORKER_PATTERN, worker_key
+
+OFFLINE_AFTER = 3  # heartbeats
+SIGNED = ("name", "inventory", "queues", "last_seen", "incarnation")  # a heartbeat's signed fields
+SIGNATURE = "signature"
+QUARANTINE_SIGNATURE = "quarantined_sig"
+
+
+def heartbeat_doc(fields: dict[str, Any]) -> dict[str, Any]:
+    """What a heartbeat's signature covers: its :data:`SIGNED` fields, as stored (strings)."""
+    return {f: fields.get(f) for f in SIGNED}
+
+
+def quarantine_doc(worker: str, reason: Any, incarnation: Any) -> dict[str, Any]:
+    """What a quarantine mark's signature covers: it holds for this start of the agent only."""
+    return {"worker": worker, "reason": reason, "incarnation": incarnation}
+
+
+def verified(key: trust.PoolKey, redis_key: str, h: dict[str, Any]) -> bool:
+    """Whether hash ``h`` (at ``redis_key``) is a heartbeat signed with ``key``, by the agent
+    it names."""
+    return (redis_key == worker_key(str(h.get("name"))) and all(isinstance(h.get(f), str) for f in SIGNED)
+            and key.verify("inventory", heartbeat_doc(h), h.get(SIGNATURE)))
+
+
+def quarantine_verified(key: trust.PoolKey, h: dict[str, Any], incarnation: Any) -> bool:
+    """Whether ``h``'s quarantine mark is signed with ``key`` for this start of the agent."""
+    return key.verify("quarantine", quarantine_doc(str(h.get("name")), h.get("quarantined"), incarnation),
+                      h.get(QUARANTINE_SIGNATURE))
+
+
+def list_workers(client, now: float | None = None, heartbeat_s: float | None = None,
+                 key: trust.PoolKey | None = None) -> list[dict[str, Any]]:
+    """Every agent that ever sent a heartbeat to this broker, with its state: ``idle``, ``busy``,
+    ``offline`` (stopped, or silent for three heartbeats), ``quarantined`` (taken out of
+    rotation) or ``unverified`` (its heartbeat is not signed with the pool key ``key``, by
+    default this machine's: it takes no part in any decision). ``stopped_s`` is the time since
+    a clean stop, None for a machine that did not stop cleanly (its ``last_seen_s`` says when
+    it was last heard of)."""
+    now = time.time() if now is None else now
+    heartbeat_s = config.current().heartbeat_s if heartbeat_s is None else heartbeat_s
+    key = key or trust.find_key()
+    out = []
+    for redis_key in sorted(client.scan_iter(WORKER_PATTERN)):
+        h = client.hgetall(redis_key)
+        if "inventory" not in h:
+            continue
+        signed = None if key is None else verified(key, redis_key, h)
+        quarantined = h.get("quarantined") if key is None or (
+            signed and quarantine_verified(key, h, h["incarnation"])) else None
+        last_seen = now - _number(h.get("last_seen"))
+        # the first heartbeat of a restarted agent clears its stop; an agent from before
+        # `stopped_at` marked a clean stop with last_seen 0 (its stop time is unknown)
+        stopped = "stopped_at" in h or _number(h.get("last_seen")) == 0
+        stopped_s = now - _number(h["stopped_at"]) if "stopped_at" in h else None
+        if stopped or last_seen > OFFLINE_AFTER * heartbeat_s:
+            state = "offline"
+        elif signed is False:
+            state = "unverified"
+        elif quarantined:
+            state = "quarantined"
+        else:
+            state = "busy" if h.get("task") else "idle"
+        progress = _object(h.get("progress"))
+        out.append({
+            **_inventory(h.get("inventory")), **_object(h.get("live")),
+            "name": str(h.get("name") or redis_key), "state": state, "verified": signed,
+            "last_seen_s": round(last_seen, 1),
+            "stopped": stopped, "stopped_s": None if stopped_s is None else round(stopped_s, 1),
+            "task": h.get("task") if state == "busy" else None,
+            "samples_per_s": progress.get("samples_per_s") if state == "busy" else None,
+            "tasks_done": int(_number(h.get("tasks_done"))),
+            "quarantined": quarantined, "incarnation": h.get("incarnation"),
+            "queues": [q for q in _list(h.get("queues")) if isinstance(q, str)],
+        })
+    return out
+
+
+# What an unverified heartbeat says is read as claims: anything that is not what an agent
+# writes is replaced, so that a forged hash cannot break `workers`, `status` or a submit.
+
+def _object(text: Any) -> dict[str, Any]:
+    value = _json(text)
+    return value if isinstance(value, dict) else {}
+
+
+def _list(text: Any) -> list[Any]:
+    value = _json(text)
+    return value if isinstance(value, list) else []
+
+
+def _json(text: Any) -> Any:
+    try:
+        return json.loads(text) if isinstance(text, str) else None
+    except ValueError:
+        return None
+
+
+def _number(value: Any) -> float:
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return 0.0
+    return number if number == number and abs(number) != float("inf") else 0.0
+
+
+def _inventory(text: Any) -> dict[str, Any]:
+    inv = _object(text)
+    return {**inv, "device": str(inv.get("device", "?")), "device_name": str(inv.get("device_name", "?")),
+            "cpu_count": inv.get("cpu_count"), "device_memory_gb": _number(inv.get("device_memory_gb")),
+            "role": str(inv.get("role", "train"))}

@@ -1,0 +1,185 @@
+"""safetensors files read and written one tensor at a time, for models too big to hold twice.
+
+:func:`tensors.to_bytes` and :func:`tensors.from_bytes` hold a whole state in memory, and its
+bytes beside it. The outer step of a big model instead reads each shard's file tensor by tensor
+(:class:`TensorReader`: one ``readinto`` per tensor, no memory map — mapped pages would count in
+the process's resident memory) and writes the new weights tensor by tensor (:class:`TensorWriter`).
+
+The files are the very bytes ``to_bytes`` makes (a test checks it): the header is the canonical
+JSON (sorted keys, 8-byte aligned), and the tensors come in the order safetensors itself writes
+them, which depends on their dtypes and names only, so it is read off a one-element probe.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator
+from io import BufferedReader, BufferedWriter
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save as st_save
+
+from tensorturn.store.tensors import BROADCAST_FORMAT, DELTA_FORMAT, INT8_BLOCK, StateDict, encode_delta
+
+DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+          "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+          "U8": torch.uint8, "BOOL": torch.bool}
+NAMES = {dtype: name for name, dtype in DTYPES.items()}
+
+
+def _raw(tensor: torch.Tensor) -> memoryview:
+    """A tensor's bytes, without a copy when it is contiguous on the CPU."""
+    flat = tensor.detach().to("cpu").contiguous().reshape(-1)
+    data: Any = flat.view(torch.uint8).numpy()
+    return memoryview(data) if flat.numel() else memoryview(b"")
+
+
+class TensorReader:
+    """The tensors of a safetensors file, one at a time."""
+
+    def __init__(self, path: Path | str):
+        self.file: BufferedReader = open(path, "rb")  # noqa: SIM115 - closed by close() / the with block
+        n = int.from_bytes(self.file.read(8), "little")
+        if not 0 < n < 100 * 1024 ** 2:
+            self.file.close()
+            raise ValueError(f"{path}: not a safetensors file (header length {n})")
+        header = json.loads(self.file.read(n))
+        self.base = 8 + n
+        self.metadata: dict[str, str] = header.pop("__metadata__", None) or {}
+        self.entries: dict[str, dict] = header
+
+    def __enter__(self) -> TensorReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.file.close()
+
+    def names(self) -> list[str]:
+        return list(self.entries)
+
+    def shape(self, name: str) -> list[int]:
+        return list(self.entries[name]["shape"])
+
+    def get(self, name: str) -> torch.Tensor:
+        entry = self.entries[name]
+        start, stop = entry["data_offsets"]
+        out = torch.empty(stop - start, dtype=torch.uint8)
+        self.file.seek(self.base + start)
+        if stop > start:
+            view, got = memoryview(out.numpy()), 0  # type: ignore[arg-type]
+            while got < stop - start:
+                n = self.file.readinto(view[got:])
+                if not n:
+                    raise ValueError(f"{self.file.name}: ends inside tensor {name!r}")
+                got += n
+        return out.view(DTYPES[entry["dtype"]]).reshape(entry["shape"])
+
+    def all(self) -> StateDict:
+        return {name: self.get(name) for name in self.names()}
+
+
+def write_order(specs: dict[str, tuple[torch.dtype, list[int]]]) -> list[str]:
+    """The order safetensors writes these tensors in (it depends on dtype and name only)."""
+    probe = st_save({name: torch.zeros(1, dtype=dtype) for name, (dtype, _) in specs.items()})
+    n = int.from_bytes(probe[:8], "little")
+    header = json.loads(probe[8:8 + n])
+    header.pop("__metadata__", None)
+    return sorted(header, key=lambda name: header[name]["data_offsets"][0])
+
+
+class TensorWriter:
+    """A safetensors file written tensor by tensor, in :attr:`order`, byte for byte what
+    :func:`tensors.to_bytes` makes of the same tensors and metadata."""
+
+    def __init__(self, path: Path | str, specs: dict[str, tuple[torch.dtype, list[int]]],
+                 metadata: dict[str, str] | None = None):
+        self.order = write_order(specs)
+        header: dict = {}
+        offset = 0
+        for name in self.order:
+            dtype, shape = specs[name]
+            size = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+            header[name] = {"dtype": NAMES[dtype], "shape": list(shape),
+                            "data_offsets": [offset, offset + size]}
+            offset += size
+        if metadata:
+            header["__metadata__"] = metadata
+        text = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
+        text += b" " * ((-len(text)) % 8)
+        self.specs, self.next = specs, 0
+        self.file: BufferedWriter = open(path, "wb")  # noqa: SIM115 - closed by close() / the with block
+        self.file.write(len(text).to_bytes(8, "little") + text)
+
+    def __enter__(self) -> TensorWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.file.close()
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        """Write the next tensor (names must come in :attr:`order`)."""
+        if self.next >= len(self.order) or name != self.order[self.next]:
+            raise ValueError(f"tensor {name!r} out of order")
+        dtype, shape = self.specs[name]
+        if tensor.dtype != dtype or list(tensor.shape) != list(shape):
+            raise ValueError(f"tensor {name!r} is {tensor.dtype} {list(tensor.shape)}, "
+                             f"not {dtype} {list(shape)}")
+        self.file.write(_raw(tensor))
+        self.next += 1
+
+    def close(self) -> None:
+        if self.next != len(self.order):
+            raise ValueError(f"{len(self.order) - self.next} tensors were never written")
+        self.file.close()
+
+
+def delta_tensors(reader: TensorReader) -> Iterator[tuple[str, torch.Tensor]]:
+    """A pseudo-gradient file's float32 tensors, one at a time: the values
+    :func:`tensors.delta_from_bytes` gives, bit for bit (int8: each value is its code times its
+    block's scale, one multiplication, whichever slice it is computed in)."""
+    meta = reader.metadata
+    if meta.get("format") not in (DELTA_FORMAT, BROADCAST_FORMAT):
+        raise ValueError(f"a delta in format {meta.get('format')!r}, not {DELTA_FORMAT!r}: "
+                         "written by another TensorTurn version (upgrade every agent)")
+    if meta["codec"] in ("fp32", "fp16"):
+        for name in reader.names():
+            yield name, reader.get(name).float()
+        return
+    if meta["codec"] != "int8":
+        raise ValueError(f"unknown codec {meta['codec']!r}")
+    q, scale = reader.get("int8.q"), reader.get("int8.scale")
+    shapes = json.loads(meta["shapes"])
+    pos = 0
+    for name in sorted(shapes):
+        n = math.prod(shapes[name])
+        first, last = pos // INT8_BLOCK, -(-(pos + n) // INT8_BLOCK)
+        blocks = q[first * INT8_BLOCK:last * INT8_BLOCK].view(-1, INT8_BLOCK).float() * scale[first:last, None]
+        start = pos - first * INT8_BLOCK
+        yield name, blocks.flatten()[start:start + n].view(shapes[name]).clone()
+        pos += n
+
+
+def write_delta(path: Path | str, delta: StateDict, codec: str, extra: dict[str, str]) -> None:
+    """A pseudo-gradient file, byte for byte :func:`tensors.delta_bytes`'s, written tensor by
+    tensor (fp32/fp16: each encoded as it is written, so no second copy of the model is made;
+    int8 packs every tensor into one vector first, a quarter of the model)."""
+    shapes = {k: list(v.shape) for k, v in delta.items()}
+    meta = {"format": DELTA_FORMAT, "codec": codec, "shapes": json.dumps(shapes, sort_keys=True), **extra}
+    if codec in ("fp32", "fp16"):
+        dtype = torch.float32 if codec == "fp32" else torch.float16
+        with TensorWriter(path, {k: (dtype, shape) for k, shape in shapes.items()}, meta) as out:
+            for name in out.order:
+                out.write(name, delta[name].to(dtype))
+            out.close()
+        return
+    packed = encode_delta(delta, codec)
+    with TensorWriter(path, {k: (v.dtype, list(v.shape)) for k, v in packed.items()}, meta) as out:
+        for name in out.order:
+            out.write(name, packed[name])
+        out.close()
