@@ -17,8 +17,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
+from tensorturn import runs as client
 from tensorturn.layout import parse_label
-from tensorturn.runs import service as client
 from tensorturn.spec import RunSpec
 
 HERE = Path(__file__).resolve().parent

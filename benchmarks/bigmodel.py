@@ -52,7 +52,7 @@ def prepare(work: Path, size: str, shards: int) -> tuple[str, str]:
     import torch
 
     from tensorturn import layout
-    from tensorturn.modes.fused.tasks import global_bytes
+    from tensorturn.modes.fused.weights import global_bytes
     from tensorturn.recipes import resolve
     from tensorturn.spec import RunSpec
     from tensorturn.state.manifest import save_spec
@@ -86,31 +86,32 @@ def child(store_url: str, run_id: str, how: str) -> None:
     import torch
 
     from tensorturn import layout
-    from tensorturn.modes.fused import tasks as fused
+    from tensorturn.modes.fused.options import options
+    from tensorturn.modes.fused.outer import average_and_step, step_global
     from tensorturn.recipes import recipe_of
     from tensorturn.state.manifest import load_spec
     from tensorturn.store.objects import open_store
     from tensorturn.store.tensors import delta_from_bytes
-    from tensorturn.train.diloco import weighted_average
+    from tensorturn.train.diloco import initial_state, weighted_average
 
     torch.set_num_threads(1)
     store = open_store(store_url)
     spec = load_spec(store, run_id)
     recipe = recipe_of(spec)
     recipe.default_config()
-    params = sum(v.numel() for v in fused.initial_state(recipe, 0).values())
+    params = sum(v.numel() for v in initial_state(recipe, 0).values())
     Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current resident size
     base = _status("VmRSS")
     t0 = time.perf_counter()
     if how == "streaming":
         with tempfile.TemporaryDirectory() as scratch:
-            fused.average_and_step(spec, store, 1, Path(scratch))
+            average_and_step(spec, store, 1, Path(scratch))
     else:  # the list-based step it replaced: every delta in memory, then the average
         decoded = [delta_from_bytes(store.get_bytes(layout.key("shard", run_id, 1, k)))
-                   for k in range(fused.options(spec).shards)]
+                   for k in range(options(spec).shards)]
         avg = weighted_average([d for d, _ in decoded], [int(m["samples"]) for _, m in decoded])
         del decoded
-        fused.step_global(spec, recipe, store, 1, avg)
+        step_global(spec, recipe, store, 1, avg)
     seconds = time.perf_counter() - t0
     print(json.dumps({"params": params, "baseline_bytes": base, "peak_bytes": _status("VmHWM"),
                       "seconds": round(seconds, 2)}))

@@ -31,7 +31,6 @@ import io
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -51,27 +50,6 @@ WDS_ROWS_PER_SAMPLE = 256  # webdataset: one tar member per row costs >=1 KiB of
 
 
 # --------------------------------------------------------------------------- helpers
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_moto() -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 60
-    while time.time() < deadline:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-                return proc, f"http://127.0.0.1:{port}"
-        except OSError:
-            time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError("moto server did not start")
-
 
 def s3client():
     import boto3
@@ -640,10 +618,14 @@ def main():
         print("RESULT " + json.dumps(r), flush=True)
         return
 
-    env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
-    os.environ.update(env)
-    moto, endpoint = start_moto()
-    os.environ["AWS_ENDPOINT_URL"] = endpoint
+    # imported here, not at the top: the children measure their own RSS, without TensorTurn's
+    sys.path.insert(0, str(HERE.parent))  # testbed/ sits beside the package, not installed
+    from tensorturn.pool.embedded import stop_process_group
+    from testbed.s3 import start_moto
+
+    moto, aws = start_moto()
+    os.environ.update(aws)
+    endpoint = aws["AWS_ENDPOINT_URL"]
     os.environ["S3_ENDPOINT_URL"] = endpoint  # mosaicml-streaming reads this one
     results = []
     work = Path(tempfile.mkdtemp(prefix="tt-data-bench-"))
@@ -674,7 +656,7 @@ def main():
                 results.append(r)
                 print(f"  {kind:4s} {name:16s} {r['status']:7s} {r.get('why', '')} ({r['wall_s']:.0f}s)", flush=True)
     finally:
-        moto.terminate()
+        stop_process_group(moto, grace=5)
         shutil.rmtree(work, ignore_errors=True)
 
     cols = [("kind", "kind"), ("backend", "backend"), ("write_s", "write s"), ("upload_s", "upload s"),

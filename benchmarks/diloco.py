@@ -9,11 +9,11 @@ Rows, all from the same initial weights (seed 0), inner AdamW at the same lr and
   (d) FedAvg              the same, outer SGD lr 1 without momentum (``--outer sgd``);
   (e) DiLoCo int8         (c) with int8 pseudo-gradients (``--codec int8``).
 
-(c)–(e) run in this process with the very functions a TensorTurn run uses — ``diloco.shard_rows``,
-``diloco.train_replica``, ``tensors.delta_bytes``/``delta_from_bytes`` (the real codecs, so the
-decoded int8 error is in the result), ``diloco.weighted_average`` and the real outer step
-``modes.fused.tasks.step_global`` (outer optimizer, broadcast compression) — and the same seeds, so row (c)
-is the run ``tensorturn run --recipe charlm`` with these options would give. ``--pool`` also runs
+(c)–(e) run in this process through the production round — ``recipe.shard_data``,
+``diloco.train_replica``, ``tensorfile.write_delta`` (the real codecs, so the decoded int8 error is
+in the result) and the production outer step and evaluation ``modes.fused.outer.outer_round``
+(average, outer optimizer, broadcast compression) — and the same seeds, so row (c) is the run
+``tensorturn run --recipe charlm`` with these options would give. ``--pool`` also runs
 (c) and (e) through a real embedded pool (``LocalPool`` + ``client.submit`` / ``client.wait``) and
 checks that their per-round validation losses and final models are identical to the in-process
 ones (both use 1 CPU thread per task; CPU results depend on the thread count).
@@ -24,7 +24,7 @@ weights down (every machine rebuilds θ_0 from the seed and checks its sha256); 
 a machine downloads θ_r (fp32 runs) or, when the run compresses, only the broadcast delta
 θ_r − θ_{r−1} in the run's codec (``diloco.compress_broadcast``, with error feedback); every shard
 uploads its pseudo-gradient (``tensors.delta_bytes`` with the codec). These are the real encoded
-sizes written by the real outer step (``step_global``) to a file store. The baselines run
+sizes written by the production outer step (``outer_round``) to a file store. The baselines run
 on one machine and communicate nothing. The "all-reduce" column is what synchronous data
 parallelism would move for the same steps: 2 × (fp32 parameter bytes) per replica per step (a
 ring all-reduce sends and receives about one model's worth each way) × R×H steps × S replicas —
@@ -79,13 +79,14 @@ from typing import Any
 import torch
 
 from tensorturn import layout
-from tensorturn.modes.fused import FusedOptions
-from tensorturn.modes.fused import tasks as fused
+from tensorturn.modes.fused.options import options as fused_options
+from tensorturn.modes.fused.outer import outer_round
+from tensorturn.modes.fused.weights import global_bytes
 from tensorturn.recipes import load_splits, resolve
 from tensorturn.spec import RunSpec
 from tensorturn.store import seals
 from tensorturn.store.objects import open_store, sha256_hex
-from tensorturn.store.tensors import delta_bytes, delta_from_bytes, from_bytes
+from tensorturn.store.tensorfile import TensorReader, write_delta
 from tensorturn.train import diloco
 from tensorturn.train.device import pick_device
 from tensorturn.train.loop import derive_seed, set_threads, train_steps
@@ -104,25 +105,24 @@ def fresh_model(recipe, config: dict, state: dict[str, torch.Tensor], device: to
 
 
 def fused_inprocess(spec: RunSpec) -> dict[str, Any]:
-    """A fused run in memory with the very functions of a TensorTurn run: each shard is
-    ``diloco.train_replica`` on ``diloco.shard_rows`` with the task's seed, its pseudo-gradient
-    goes through the real codec (``tensors.delta_bytes``/``delta_from_bytes``), and the round is
-    the real outer step (``modes.fused.tasks.step_global``, writing to a file store in a temporary
-    folder) on ``diloco.weighted_average``.
+    """A fused run in this process through the production round, to a file store in a temporary
+    folder: each shard is ``diloco.train_replica`` on the recipe's ``shard_data`` with the task's
+    seed, its pseudo-gradient written as a shard task writes it (``tensorfile.write_delta``, the
+    real codec, so the decoded int8 error is in the result), and the round is the production
+    outer step and evaluation (``modes.fused.outer.outer_round``: average, outer optimizer,
+    broadcast compression, validation figures).
 
     Each shard stands for its own machine (S replicas, as in the paper): round 0 rebuilds θ_0 from
     the seed; later rounds download the broadcast delta when the run compresses, else θ_r."""
     set_threads(spec.threads_per_task)
-    opts = spec.opts(FusedOptions)
+    opts = fused_options(spec)
     recipe = resolve(spec.recipe, spec.recipe_options)
-    config = recipe.default_config()
-    splits = load_splits(recipe)
     device = pick_device()
     rounds = []
     with tempfile.TemporaryDirectory(prefix="tt-diloco-store-") as tmp:
-        store = open_store(Path(tmp).as_uri())
+        store = open_store((Path(tmp) / "store").as_uri())
         theta = diloco.initial_state(recipe, spec.seed)
-        seals.put_bytes(store, layout.key("global", spec.run_id, 0), fused.global_bytes(spec, recipe, theta))
+        seals.put_bytes(store, layout.key("global", spec.run_id, 0), global_bytes(spec, recipe, theta))
         for r in range(opts.rounds):
             if r == 0:
                 per_shard_down = 0
@@ -130,26 +130,20 @@ def fused_inprocess(spec: RunSpec) -> dict[str, Any]:
                 per_shard_down = len(store.get_bytes(layout.key("broadcast", spec.run_id, r)))
             else:
                 per_shard_down = len(store.get_bytes(layout.key("global", spec.run_id, r)))
-            deltas, samples, losses, up = [], [], [], 0
             for k in range(opts.shards):
-                rows = diloco.shard_rows(len(splits.y_train), opts.shards, k, spec.seed)
+                x, y, rows = recipe.shard_data(k, opts.shards, spec.seed)
                 delta, loss, n = diloco.train_replica(
-                    recipe, theta, splits.x_train, splits.y_train, rows, opts.sync_every,
-                    spec.lr or recipe.lr, spec.batch_size or recipe.batch_size,
-                    derive_seed(spec.seed, r, k), device)
-                blob = delta_bytes(delta, opts.codec, {"samples": str(n), "loss": repr(loss),
-                                                       "bytes_down": f"{per_shard_down:015d}"})
-                decoded, _ = delta_from_bytes(blob)       # what the outer step reads back
-                deltas.append(decoded)
-                samples.append(n)
-                losses.append(loss)
-                up += len(blob)
-            fused.step_global(spec, recipe, store, r, diloco.weighted_average(deltas, samples))
-            theta = from_bytes(store.get_bytes(layout.key("global", spec.run_id, r + 1)))
-            model = fresh_model(recipe, config, theta, torch.device("cpu"))
-            val = recipe.evaluate(model, splits.x_val, splits.y_val)
-            rounds.append(diloco.round_figures(losses, samples, val, up,
-                                               opts.shards * per_shard_down, r))
+                    recipe, theta, x, y, rows, opts.sync_every, spec.lr or recipe.lr,
+                    spec.batch_size or recipe.batch_size, derive_seed(spec.seed, r, k), device)
+                path = Path(tmp) / "delta"
+                write_delta(path, delta, opts.codec, {"samples": str(n), "loss": repr(loss),
+                                                      "bytes_down": f"{per_shard_down:015d}"})
+                seals.put_file(store, layout.key("shard", spec.run_id, r, k), path)
+            scratch = Path(tmp) / f"round-{r}"
+            scratch.mkdir()
+            rounds.append(outer_round(spec, store, r, scratch))
+            with TensorReader(scratch / "next") as f:
+                theta = f.all()
         final = store.get_bytes(layout.key("global", spec.run_id, opts.rounds))
     return {"rounds": rounds, "model_sha256": sha256_hex(final)}
 
@@ -194,8 +188,8 @@ def run_row(job: tuple[str, dict]) -> tuple[str, dict, float]:
 
 def run_on_pool(spec: RunSpec, workers: int) -> tuple[dict, float]:
     """A row through a real embedded pool: redis-server + ``workers`` agent processes."""
+    from tensorturn import runs as client
     from tensorturn.pool.embedded import LocalPool
-    from tensorturn.runs import service as client
 
     with tempfile.TemporaryDirectory(prefix="tt-diloco-") as tmp:
         store = (Path(tmp) / "store").as_uri()
@@ -371,7 +365,7 @@ def main() -> None:
         "fp32_model_bytes": fp32_model, "shards": S, "rounds": R, "sync_every": H,
         "inner_lr": args.lr, "batch_size": args.batch_size, "seed": args.seed,
         "outer": {k: {"outer": o.outer, "outer_lr": o.outer_lr, "outer_momentum": o.outer_momentum,
-                      "codec": o.codec} for k, s in specs.items() for o in [s.opts(FusedOptions)]},
+                      "codec": o.codec} for k, s in specs.items() for o in [fused_options(s)]},
         "rows": rows, "targets": [{"target": n, "met": ok, "detail": det} for n, ok, det in checks],
         "pool": pool_report, "seconds": round(elapsed, 1),
         "machine": f"{platform.node()} {platform.processor() or platform.machine()} "

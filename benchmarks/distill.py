@@ -31,10 +31,10 @@ import torch
 from _common import figure, machine, run_job, table, write_outputs
 
 from tensorturn import layout
-from tensorturn.cli.distill import ALPHA, MIXUP, TEMPERATURE, distill_spec
+from tensorturn import runs as client
+from tensorturn.merge.distill import ALPHA, MIXUP, TEMPERATURE, distill_spec
 from tensorturn.pool.embedded import LocalPool
 from tensorturn.recipes.result import Predictor
-from tensorturn.runs import service as client
 from tensorturn.store.objects import open_store
 from tensorturn.train.loop import set_threads
 

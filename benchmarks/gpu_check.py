@@ -48,7 +48,8 @@ def main() -> None:
 
     os.environ.setdefault("TENSORTURN_POOL_KEY", PoolKey.generate().text())  # before settings are read
     from tensorturn import layout
-    from tensorturn.modes.fused import tasks as fused
+    from tensorturn.modes.fused.outer import outer_round
+    from tensorturn.modes.fused.weights import global_bytes
     from tensorturn.recipes import resolve
     from tensorturn.recipes.base import load_splits
     from tensorturn.spec import RunSpec
@@ -83,7 +84,7 @@ def main() -> None:
                               rounds=1, shards=1, sync_every=args.steps, batch_size=batch, outer="sgd",
                               eval_batches=4, precision=args.precision)
         save_spec(store, spec)
-        seals.put_bytes(store, layout.key("global", spec.run_id, 0), fused.global_bytes(spec, recipe, theta))
+        seals.put_bytes(store, layout.key("global", spec.run_id, 0), global_bytes(spec, recipe, theta))
         seals.put_bytes(store, layout.key("shard", spec.run_id, 0, 0), delta_bytes(
             delta, "fp32", {"samples": str(samples), "loss": repr(loss), "bytes_down": f"{0:015d}"}))
         if cuda:
@@ -91,7 +92,7 @@ def main() -> None:
         t0 = time.perf_counter()
         scratch = Path(tmp) / "scratch"
         scratch.mkdir()
-        figures = fused.outer_round(spec, store, 0, scratch)
+        figures = outer_round(spec, store, 0, scratch)
         outer_s = time.perf_counter() - t0
     report = {
         "device": str(device),
@@ -111,8 +112,8 @@ def pool_run(args: argparse.Namespace, options: dict) -> dict:
     """One fused run on an embedded pool of real agents: what they publish and what it gives."""
     import subprocess
 
+    from tensorturn import runs as client
     from tensorturn.pool.embedded import LocalPool
-    from tensorturn.runs import service as client
 
     with tempfile.TemporaryDirectory() as tmp, LocalPool(args.pool, (Path(tmp) / "store").as_uri(),
                                                           workdir=Path(tmp) / "pool") as pool:

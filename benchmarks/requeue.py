@@ -23,9 +23,9 @@ from pathlib import Path
 import redis
 
 from tensorturn import config
+from tensorturn import runs as client
 from tensorturn.pool.celery_app import RESTORE_INTERVAL_S
 from tensorturn.pool.embedded import LocalPool
-from tensorturn.runs import service as client
 from tensorturn.spec import RunSpec
 from tensorturn.state.board import RunBoard
 

@@ -57,8 +57,8 @@ from _common import (
 from tensorturn.pool.celery_app import app
 from tensorturn.pool.embedded import LocalPool
 from tensorturn.pool.remote_control import send
+from tensorturn.runs.records import workers
 from tensorturn.runs.report import worker_stats
-from tensorturn.runs.service import workers
 
 SLOW_FACTOR = 3  # the slow agent's throttle relative to the fast ones
 

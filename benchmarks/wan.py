@@ -38,6 +38,7 @@ from _common import figure, machine, run_job, table, write_outputs
 
 from tensorturn.pool.embedded import free_port, stop_process_group
 from testbed import netlab
+from testbed.s3 import start_moto
 
 HERE = Path(__file__).resolve().parent
 AGENTS = 3
@@ -230,7 +231,7 @@ def main() -> None:
         sys.exit(f"wan.py: the emulated step ({args.sim_step} s) is not longer than a real one here "
                  f"({real:.3f} s, +20 %): the figures would measure this machine's cores; pass "
                  f"--sim-step {real * 1.5:.2f} or a smaller --batch")
-    moto, store_env = netlab.start_moto()
+    moto, store_env = start_moto()
     os.environ.update(store_env)
     try:
         import boto3

@@ -43,22 +43,25 @@ Redis (besides Celery's and kombu's own keys)::
                                   async (pointer: latest version, its keys), versions (v → key),
                                   applied (update → its record), pending (sorted set of updates
                                   stored, not yet applied), trainers, begun, apply_lock (who
-                                  applies now), eval_lock (who evaluates the rounds due)
+                                  applies now), eval_lock (who evaluates the rounds due),
+                                  chord_requeues (fused: how often each round's chord was re-queued)
     tt:worker:<name>              hash: an agent's inventory, live figures and current task
                                   Every key of a finished run expires after TENSORTURN_RUN_TTL_S
                                   (its record stays in the store's manifest).
+    tt:outer-queues               sorted set: "<outer queue>|<agent>" → its last heartbeat (Redis time)
     tt:refused                    list: the last 100 messages agents refused (JSON: why, who)
     tt:refused:total              counter: every message refused since the broker started
     tt:pruned                     lock: held an hour by whoever prunes leftovers (tensorturn.state.housekeeping)
     celery, tt.fits.<N>MB         task queues: the default one and one per memory class
     tt.agent.<name@host>          an agent's own queue (backup copies it queued for itself)
+    tt.outer.<queue>              outer steps of capacity queue <queue>, for an agent beside the store
 
 Task labels (``attempts[].task`` in the JSON): ``r<r>/shard-<k>``, ``r<r>/outer``,
 ``r<r>/backup-<k>`` (a backup copy of a straggling shard), ``u<j>`` (async updates) and
 ``u<j>/backup``,
 ``m<m>/seg-<j>``, ``vote``; a round's messages name slots (``r<r>/slot-<i>``), each bound to a
 shard by the first worker that runs it. Claims (one-time dispatches, per run): ``dispatch-r<r>``,
-``m<m>/seg-<j>``, ``vote``.
+``m<m>/seg-<j>``, ``vote``, ``backup-r<r>-<k>``, ``backup-u<j>``.
 """
 
 from __future__ import annotations
@@ -189,19 +192,26 @@ def live_key(run_id: str) -> str:
     return run_key(run_id, "live")
 
 
+def slots_key(run_id: str, r: int) -> str:
+    """Fused: round r's slot → the shard it trains (:class:`tensorturn.state.claims.Claims`)."""
+    return run_key(run_id, f"slots-r{r}")
+
+
+def stored_key(run_id: str, r: int) -> str:
+    """``--sync backup``: round r's shards stored (shard → worker), so its backup copies stop."""
+    return run_key(run_id, f"stored-r{r}")
+
+
 def worker_key(name: str) -> str:
     return f"{PREFIX}worker:{name}"
+
+
+ADVERTISED = f"{PREFIX}outer-queues"  # sorted set: "<outer queue>|<agent>" → when that agent last beat
 
 
 DEFAULT_QUEUE = "celery"
 QUEUE_PATTERN = "tt.fits.*"
 ANY_QUEUE_PATTERN = "tt.*"  # with DEFAULT_QUEUE, every task queue: memory classes, outer, agents'
-
-
-def task_queues(client: Any) -> list[str]:
-    """Every TensorTurn task queue that holds messages now (Redis lists)."""
-    names = [DEFAULT_QUEUE, *client.scan_iter(match=ANY_QUEUE_PATTERN)]
-    return [q for q in names if client.type(q) in ("list", b"list")]
 
 
 def task_args(message: str | bytes) -> list[Any] | None:
@@ -224,6 +234,15 @@ def agent_queue(worker: str) -> str:
 def memory_queue(size_mb: int) -> str:
     """The queue of tasks that need at most ``size_mb`` MB of device memory."""
     return f"tt.fits.{size_mb}MB"
+
+
+OUTER_PREFIX = "tt.outer."
+
+
+def outer_queue(queue: str) -> str:
+    """The outer queue of capacity queue ``queue``: where outer steps of that size wait for an
+    agent beside the store (:mod:`tensorturn.pool.routing`)."""
+    return OUTER_PREFIX + queue
 
 
 # ---- task labels and claims ---------------------------------------------------------------------
@@ -328,6 +347,16 @@ def dispatch_claim(r: int) -> str:
 def segment_claim(m: int, j: int) -> str:
     """Claimed once by whoever queues segment j of member m."""
     return f"m{m}/seg-{j}"
+
+
+def backup_claim(r: int, k: int) -> str:
+    """Claimed once by whoever queues the backup copy of shard k of round r."""
+    return f"backup-r{r}-{k}"
+
+
+def update_backup_claim(j: int) -> str:
+    """Claimed once by whoever queues the backup copy of async update j."""
+    return f"backup-u{j}"
 
 
 VOTE_CLAIM = "vote"

@@ -11,14 +11,62 @@ import math
 import secrets
 import time
 from dataclasses import asdict, dataclass, field, fields
+from enum import StrEnum
 from typing import Any, ClassVar, TypeVar
 
 from tensorturn.errors import SpecError
-from tensorturn.modes.registry import get_mode, mode_names, option_owner
+from tensorturn.registry import get_mode, mode_names, option_owner
 
-STATES = ("queued", "running", "succeeded", "failed", "cancelled")
+
+class RunState(StrEnum):
+    """A run's state (``tt:run:<id>``'s ``state``, the JSON's ``state``). A ``StrEnum``: each
+    member is the very string stored and printed, so stored runs and the JSON are unchanged."""
+
+    QUEUED = "queued"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+class Outcome(StrEnum):
+    """How an attempt ended (``attempts[].outcome``): the word it starts with. A finished
+    attempt's outcome may go on after a colon (``failed: ValueError: ...``, ``lost: requeued to
+    another attempt``); :meth:`of` reads the word back."""
+
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    LATE = "late"
+    CANCELLED = "cancelled"
+    LOST = "lost"
+    REFUSED = "refused"
+
+    def says(self, why: str) -> str:
+        """The outcome ``<word>: why`` as stored."""
+        return f"{self.value}: {why}"
+
+    @classmethod
+    def of(cls, outcome: str) -> Outcome | None:
+        """The word an outcome starts with; None for one that starts with no known word."""
+        try:
+            return cls(outcome.split(":", 1)[0])
+        except ValueError:
+            return None
+
+
+class MemberState(StrEnum):
+    """An ensemble member's state (``members[].state``)."""
+
+    QUEUED = "queued"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    DROPPED = "dropped"
+
+
+STATES = tuple(RunState)
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")  # device.autocast's (this module imports no torch)
-FINISHED = ("succeeded", "failed", "cancelled")  # no task of such a run starts
+FINISHED = (RunState.SUCCEEDED, RunState.FAILED, RunState.CANCELLED)  # no task of such a run starts
 
 
 def flag(name: str) -> str:
@@ -206,6 +254,11 @@ class RunSpec:
     # derived when the run starts: bytes one task needs on a machine (capacity.estimate)
     memory_needed_bytes: int | None = None
     created_at: float = 0.0
+
+    def batch_for(self, recipe: Any) -> int:
+        """The inner batch of this run with ``recipe``: the run's ``--batch-size``, else the recipe's
+        (one place for a fact the memory check, the shards, the backups and the members all use)."""
+        return self.batch_size or recipe.batch_size
 
     def __post_init__(self) -> None:
         if not self.run_id:

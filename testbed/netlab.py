@@ -210,31 +210,6 @@ class DelayProxy:
         self.thread.join(10)
 
 
-def start_moto(log: Any = subprocess.DEVNULL, timeout: float = 30) -> tuple[subprocess.Popen, dict[str, str]]:
-    """moto's S3 server on a free loopback port (tests and benchmarks): the process, and the
-    ``AWS_*`` environment a client needs to reach it."""
-    import socket
-    import sys
-    import time
-
-    from tensorturn.pool.embedded import free_port
-
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-            break
-        except OSError:
-            if time.monotonic() > deadline or proc.poll() is not None:
-                raise RuntimeError("moto server did not start") from None
-            time.sleep(0.1)
-    return proc, {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "testing",
-                  "AWS_SECRET_ACCESS_KEY": "testing-secret", "AWS_DEFAULT_REGION": "us-east-1"}
-
-
 class LinkPool(LocalPool):
     """An embedded pool whose agents each sit behind an emulated link (:class:`Link`): Redis and
     an S3 endpoint (``store_env``: the ``AWS_*`` variables of, say, moto's server on loopback) are

@@ -1,8 +1,10 @@
-"""Shared fixtures: real redis-server processes, real agents, a real S3 HTTP endpoint (moto)."""
+"""Shared fixtures and helpers, once for every test module: the CLI as a user runs it, real
+redis-server processes, pools of real agents and runs on them (``pool_factory``, ``pool``,
+``run_to_end``), a real S3 HTTP endpoint (moto), the attempt protocol in this process
+(``world``) and the inference API (``Server``). No test module imports another."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import subprocess
@@ -13,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tensorturn.pool.embedded import LocalPool, RedisServer, stop_process_group
-from testbed.netlab import start_moto
+from testbed.s3 import start_moto
 
 ROOT = Path(__file__).resolve().parent.parent
 # The test recipes (tests/failing.py, tests/huge.py) import in every process the tests start,
@@ -72,6 +74,27 @@ def tt(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None,
                           stdin=subprocess.DEVNULL)
 
 
+def tt_many(*commands: tuple[str, ...], envs: list[dict[str, str] | None] | None = None,
+            cwd: Path | None = None, timeout: float = 900) -> list[subprocess.CompletedProcess]:
+    """Several ``tensorturn`` commands at once, each as :func:`tt` runs it (``envs[i]`` its
+    environment): for commands that each wait or load torch, so both cores work."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    envs = envs or [None] * len(commands)
+    with ThreadPoolExecutor(len(commands)) as threads:
+        return list(threads.map(lambda args, env: tt(*args, env=env, cwd=cwd, timeout=timeout),
+                                commands, envs))
+
+
+def tt_json_many(*commands: tuple[str, ...], **kw) -> list[dict]:
+    """:func:`tt_json` of several commands at once (:func:`tt_many`): independent runs, each on
+    an embedded pool of its own, train side by side."""
+    procs = tt_many(*commands, **kw)
+    for proc in procs:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    return [json.loads(proc.stdout) for proc in procs]
+
+
 def tt_here(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """The ``tensorturn`` CLI in this process (click's test runner), answered as :func:`tt`
     answers: for commands that load torch and start nothing, where a subprocess would pay the
@@ -104,6 +127,13 @@ def tt_json(*args: str, **kw) -> dict:
     return json.loads(proc.stdout)
 
 
+def tt_here_json(*args: str, **kw) -> dict:
+    """:func:`tt_json`, in this process (:func:`tt_here`)."""
+    proc = tt_here(*args, **kw)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout)
+
+
 @pytest.fixture
 def redis_server(tmp_path):
     server = RedisServer(tmp_path / "redis").start()
@@ -111,27 +141,88 @@ def redis_server(tmp_path):
     server.stop()
 
 
+# ---- pools of real agents, and runs on them -----------------------------------------------------
+
+class AgentPool(LocalPool):
+    """A :class:`LocalPool` whose agents start with ``env`` on top of this process's environment
+    (a pace, a memory size, a gate file): a pool can be set up once for several tests, and this
+    process's own settings stay as they are."""
+
+    def __init__(self, workers: int, store_url: str, env: dict[str, str] | None = None, **options):
+        super().__init__(workers, store_url, **options)
+        self.env = dict(env or {})
+
+    def agent_environ(self, i: int) -> dict[str, str]:
+        return {**super().agent_environ(i), **self.env}
+
+
+def start_pool(workdir: Path, agents: int = 2, store_url: str | None = None,
+               step_s: float | None = None, env: dict[str, str] | None = None,
+               **options) -> AgentPool:
+    """A started pool of ``agents`` real agents (named local1, local2, ...) on a private
+    redis-server in ``workdir/pool``, storing to ``store_url`` (default: the folder
+    ``workdir/store``). With ``step_s`` every training step of its agents lasts that long
+    (TENSORTURN_SIM_STEP_S): a task trains as long as the test needs, however loaded the machine
+    is. ``options`` go to :class:`LocalPool` (``roles``, ``loglevel``, ``appendonly``). The caller
+    stops it (:meth:`LocalPool.stop`)."""
+    env = dict(env or {})
+    if step_s is not None:
+        env["TENSORTURN_SIM_STEP_S"] = str(step_s)
+    pool = AgentPool(agents, store_url or (workdir / "store").as_uri(), env=env,
+                     workdir=workdir / "pool", **options)
+    return pool.__enter__()  # which stops what it started if it fails
+
+
+@pytest.fixture
+def pool_factory(tmp_path):
+    """Start pools for this test: ``pool_factory(agents=2, store_url=None, step_s=None, env=None,
+    **options)``, as :func:`start_pool` in ``tmp_path`` (a second pool in ``tmp_path/2``). Every
+    pool stops when the test ends, its agents killed after a second: whatever they still run
+    goes with the pool's Redis, so a warm shutdown would hand nothing back."""
+    pools: list[AgentPool] = []
+
+    def start(agents: int = 2, store_url: str | None = None, **options) -> AgentPool:
+        workdir = tmp_path / str(len(pools) + 1) if pools else tmp_path
+        pools.append(start_pool(workdir, agents, store_url, **options))
+        return pools[-1]
+
+    yield start
+    for started in reversed(pools):
+        started.stop(grace=1.0)
+
+
 @pytest.fixture(scope="module")
 def pool(tmp_path_factory):
-    """A pool of two real agents (named local1, local2) on a private redis-server."""
-    workdir = tmp_path_factory.mktemp("pool")
-    store = (workdir / "store").as_uri()
-    with LocalPool(2, store, workdir=workdir, loglevel="INFO") as p:
-        yield p
+    """A pool of two real agents (named local1, local2) on a private redis-server, shared by the
+    module's tests (one that stops an agent starts it again)."""
+    shared = start_pool(tmp_path_factory.mktemp("pool"), 2, loglevel="INFO")
+    yield shared
+    shared.stop(grace=1.0)
 
 
-@contextlib.contextmanager
-def paced_pool(tmp_path: Path, monkeypatch, step_s: float, agents: int = 2):
-    """A pool of real agents whose every training step lasts ``step_s`` (TENSORTURN_SIM_STEP_S):
-    a task trains as long as the test needs, however loaded the machine is. Yields the pool and
-    its store's directory."""
-    from tensorturn import config
+def submit_run(pool: LocalPool, spec=None, **fields):
+    """Queue ``spec``, or a run spec made of ``fields`` (``mode``, ``recipe``, ``rounds``, ...;
+    on the pool's store unless ``store_url`` says otherwise), on ``pool``; the spec."""
+    from tensorturn import runs
+    from tensorturn.spec import RunSpec
 
-    monkeypatch.setenv("TENSORTURN_SIM_STEP_S", str(step_s))
-    config.reload()
-    store = tmp_path / "store"
-    with LocalPool(agents, store.as_uri(), workdir=tmp_path / "pool") as pool:
-        yield pool, store
+    if spec is None:
+        spec = RunSpec.create(**{"store_url": pool.store_url, **fields})
+    runs.submit(spec, pool.broker_url)
+    return spec
+
+
+def wait_for_run(pool: LocalPool, run_id: str, timeout_s: float = 600) -> dict:
+    """Until run ``run_id`` on ``pool`` has ended: its description (as ``status --json``). The
+    deadline only bounds a hang."""
+    from tensorturn import runs
+
+    return runs.wait(pool.broker_url, run_id, timeout_s=timeout_s)
+
+
+def run_to_end(pool: LocalPool, spec=None, timeout_s: float = 600, **fields) -> dict:
+    """Submit a run to ``pool`` (as :func:`submit_run`) and wait until it ends: its description."""
+    return wait_for_run(pool, submit_run(pool, spec, **fields).run_id, timeout_s)
 
 
 @pytest.fixture(scope="session")
@@ -158,6 +249,91 @@ def s3_bucket(s3_endpoint, monkeypatch):
 def queued_messages(client) -> list[bytes]:
     """Every message waiting in a TensorTurn queue (the default one, the memory classes, the
     outer and the agents' own queues)."""
-    from tensorturn import layout
+    from tensorturn.state.queues import queued_messages as queued
 
-    return [m for key in layout.task_queues(client) for m in client.lrange(key, 0, -1)]
+    return queued(client)
+
+
+# ---- the attempt protocol in this process -------------------------------------------------------
+
+class World:
+    """A redis-server and a folder, no agent: tests run the tasks in this process (Celery's
+    ``apply``) in the order each case needs; what the tasks queue waits in Redis, unconsumed."""
+
+    def __init__(self, broker: str, tmp: Path):
+        from tensorturn.state.board import RunBoard
+        from tensorturn.state.broker import redis_client
+
+        self.broker, self.tmp = broker, tmp
+        self.board = RunBoard(redis_client(broker))
+
+    def submit(self, name: str = "store", **options):
+        """Queue a run spec made of ``options``, storing to the folder ``name``; the spec."""
+        from tensorturn import runs
+        from tensorturn.spec import RunSpec
+
+        spec = RunSpec.create(store_url=(self.tmp / name).as_uri(), **options)
+        runs.submit(spec, self.broker)
+        return spec
+
+
+@pytest.fixture
+def world(redis_server, tmp_path, monkeypatch):
+    """The in-process world: this process's Celery app on a private redis-server; no θ held
+    from another test."""
+    from tensorturn.modes.fused import tasks  # noqa: F401 - every fused task registered with this app
+    from tensorturn.modes.fused.weights import cache
+    from tensorturn.pool.celery_app import configure
+
+    monkeypatch.delenv("TT_FAIL_IN", raising=False)
+    configure(redis_server.url)
+    cache.clear()
+    yield World(redis_server.url, tmp_path)
+    cache.clear()
+
+
+def as_agent_of(spec) -> None:
+    """This process plays an agent whose own store is the run's (agents use their own)."""
+    from tensorturn import config
+
+    config.use(config.current().with_(store_url=spec.store_url))
+
+
+# ---- the inference API ----------------------------------------------------------------------------
+
+class Server:
+    """``tensorturn serve RUN_ID`` in a process of its own on a free loopback port, ready (its
+    health probe answers); :meth:`stop` ends it and returns what it printed."""
+
+    def __init__(self, store: str, run_id: str, *extra: str):
+        import httpx
+
+        from tensorturn.pool.embedded import free_port
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tensorturn", "serve", run_id, "--store", store, "--host",
+             "127.0.0.1", "--port", str(self.port), *extra],
+            env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            stdin=subprocess.DEVNULL, start_new_session=True)
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{self.url}/v2/health/ready", timeout=1).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            assert self.proc.poll() is None, self.proc.stdout.read()
+            time.sleep(0.1)
+        stop_process_group(self.proc, grace=10)
+        raise AssertionError("the API did not come up")
+
+    def stop(self) -> str:
+        stop_process_group(self.proc, grace=10)
+        return self.proc.stdout.read()
+
+
+def bearer(token: str) -> dict[str, str]:
+    """The header that carries an API token."""
+    return {"Authorization": f"Bearer {token}"}

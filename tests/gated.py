@@ -3,7 +3,8 @@ between two steps of a run however loaded the machine is.
 
 The gate is the file named by ``TT_GATE``: while it exists, a shard task waits in ``shard_data``
 (before it fetches θ) if the gate's JSON lets it — ``{"shard": k}``: only shard k waits;
-``{"after": glob, "store": folder}``: only once a file matching ``glob`` exists under ``folder``.
+``{"after": glob, "store": folder}``: only once a file matching ``glob`` under ``folder`` was
+written since the gate was closed (the store may hold earlier runs' files of that name).
 The test removes the file to open the gate; agents read it at each call.
 """
 
@@ -18,13 +19,23 @@ from tensorturn.recipes.digits import DigitsMLP
 
 
 def closed(k: int) -> bool:
+    path = Path(os.environ.get("TT_GATE", "/nonexistent"))
     try:
-        gate = json.loads(Path(os.environ["TT_GATE"]).read_text() or "{}")
-    except (KeyError, FileNotFoundError):
+        closed_at = path.stat().st_mtime_ns
+        gate = json.loads(path.read_text() or "{}")
+    except FileNotFoundError:
         return False
     if "shard" in gate and int(gate["shard"]) != k:
         return False
-    return "after" not in gate or any(Path(gate["store"]).glob(gate["after"]))
+    return "after" not in gate or any(_written_since(p, closed_at)
+                                      for p in Path(gate["store"]).glob(gate["after"]))
+
+
+def _written_since(path: Path, ns: int) -> bool:
+    try:
+        return path.stat().st_mtime_ns >= ns
+    except FileNotFoundError:  # replaced meanwhile
+        return False
 
 
 class Gated(DigitsMLP):

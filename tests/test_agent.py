@@ -14,7 +14,7 @@ import time
 import psutil
 import pytest
 import redis
-from conftest import clean_env, queued_messages, tt, tt_json, wait_for
+from conftest import clean_env, queued_messages, run_to_end, tt, tt_json, wait_for
 
 from tensorturn.pool.embedded import free_port, stop_process_group
 from tensorturn.state.roster import OFFLINE_AFTER
@@ -105,7 +105,7 @@ def test_up_and_join_connect_two_agents_with_telemetry(coordinator, tmp_path):
 
 @pytest.mark.e2e
 def test_workers_show_the_task_in_progress(pool, tmp_path):
-    from tensorturn.runs import service as client
+    from tensorturn import runs as client
 
     run = spawn("run", "--broker", pool.broker_url, "--recipe", "digits-mlp", "--rounds", "1",
                 "--shards", "1", "--sync-every", "6000", "--store", pool.store_url,
@@ -138,21 +138,12 @@ def test_a_model_that_fits_no_worker_is_refused_before_queueing(pool, tmp_path):
 
 
 @pytest.mark.e2e
-def test_a_worker_too_small_for_the_model_leaves_its_tasks_to_others(tmp_path, monkeypatch):
-    from tensorturn.pool.embedded import LocalPool
-    from tensorturn.runs import service as client
-    from tensorturn.spec import RunSpec
-
-    store = (tmp_path / "store").as_uri()
-    with LocalPool(2, store, workdir=tmp_path / "pool") as pool:
-        stop_process_group(pool.agents[1])  # restart local2 offering almost no memory
-        monkeypatch.setenv("TENSORTURN_DEVICE_MEMORY_GB", "0.0001")
-        pool.start_agent(1)
-        pool.wait_ready()
-        spec = RunSpec.create(mode="fused", recipe="digits-mlp", store_url=store, rounds=2, shards=4,
-                       sync_every=20)
-        client.submit(spec, pool.broker_url)
-        doc = client.wait(pool.broker_url, spec.run_id, timeout_s=300)
+def test_a_worker_too_small_for_the_model_leaves_its_tasks_to_others(pool_factory, monkeypatch):
+    pool = pool_factory(1)
+    monkeypatch.setenv("TENSORTURN_DEVICE_MEMORY_GB", "0.0001")  # local2 offers almost no memory
+    pool.start_agent(1)
+    pool.wait_ready()
+    doc = run_to_end(pool, mode="fused", recipe="digits-mlp", rounds=2, shards=4, sync_every=20)
     assert doc["state"] == "succeeded"
     assert {a["worker"].split("@")[0] for a in doc["attempts"]} == {"local1"}
 

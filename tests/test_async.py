@@ -11,13 +11,11 @@ import time
 import pytest
 import redis
 import torch
-from test_attempt import world  # noqa: F401 - the in-process world fixture (a redis-server, no agents)
+from conftest import as_agent_of, run_to_end, submit_run
 
 from tensorturn import layout
-from tensorturn.modes.fused.ledger import AsyncLedger, Fenced
-from tensorturn.pool.embedded import LocalPool
-from tensorturn.runs import service as client
-from tensorturn.spec import RunSpec
+from tensorturn import runs as client
+from tensorturn.state.ledger import AsyncLedger, Fenced
 from tensorturn.store.objects import open_store
 from tensorturn.tasks.attempt import signed
 from tensorturn.train.diloco import async_update, outer_update
@@ -79,39 +77,38 @@ def test_only_the_lock_holder_commits_each_version_once(redis_server):
 
 
 @pytest.mark.e2e
-def test_an_applier_killed_mid_update_loses_nothing_and_counts_nothing_twice(tmp_path, monkeypatch):
+def test_an_applier_killed_mid_update_loses_nothing_and_counts_nothing_twice(pool_factory, monkeypatch):
     """Two agents; the one holding the apply lock is frozen there (SIGSTOP, checked to still
     hold it), then killed. The lock runs out and the other agent's tasks, waiting for their
     updates to be applied, take over: every update is applied exactly once, versions 1..R·S each made by
     one update, the rounds' samples add up to R·S·H·batch, and the result is the last version."""
     monkeypatch.setenv("TENSORTURN_VISIBILITY_TIMEOUT_S", "8")  # the lock's time to live too
     rounds, shards, steps = 3, 4, 40
-    store_url = (tmp_path / "store").as_uri()
-    with LocalPool(2, store_url, workdir=tmp_path / "pool", loglevel="INFO") as pool:
-        spec = RunSpec.create(store_url=store_url, mode="fused", recipe="digits-mlp", sync="async",
-                              rounds=rounds, shards=shards, sync_every=steps, outer="nesterov")
-        client.submit(spec, pool.broker_url)
-        r = redis.Redis.from_url(pool.broker_url, decode_responses=True)
-        book = AsyncLedger(r, spec.run_id)
-        lock_key = layout.run_key(spec.run_id, "apply_lock")
-        victim = None
-        deadline = time.monotonic() + 240
-        while victim is None:
-            assert time.monotonic() < deadline, "nobody was caught applying an update"
-            assert book.r.hget(layout.run_key(spec.run_id), "state") not in ("succeeded", "failed")
-            token = r.get(lock_key)
-            if not token:
-                continue
-            index = int(token.split("@")[0].removeprefix("local")) - 1
-            group = pool.agents[index].pid
-            os.killpg(group, signal.SIGSTOP)
-            if r.get(lock_key) == token:  # frozen while applying: kill it there
-                os.killpg(group, signal.SIGKILL)
-                victim = token.rpartition(":")[0]
-            else:
-                os.killpg(group, signal.SIGCONT)  # it let go meanwhile: watch the next one
-        doc = client.wait(pool.broker_url, spec.run_id, timeout_s=300)
-        latest = book.latest()
+    pool = pool_factory(2, loglevel="INFO")
+    store_url = pool.store_url
+    spec = submit_run(pool, mode="fused", recipe="digits-mlp", sync="async", rounds=rounds,
+                      shards=shards, sync_every=steps, outer="nesterov")
+    r = redis.Redis.from_url(pool.broker_url, decode_responses=True)
+    book = AsyncLedger(r, spec.run_id)
+    lock_key = layout.run_key(spec.run_id, "apply_lock")
+    victim = None
+    deadline = time.monotonic() + 240
+    while victim is None:
+        assert time.monotonic() < deadline, "nobody was caught applying an update"
+        assert book.r.hget(layout.run_key(spec.run_id), "state") not in ("succeeded", "failed")
+        token = r.get(lock_key)
+        if not token:
+            continue
+        index = int(token.split("@")[0].removeprefix("local")) - 1
+        group = pool.agents[index].pid
+        os.killpg(group, signal.SIGSTOP)
+        if r.get(lock_key) == token:  # frozen while applying: kill it there
+            os.killpg(group, signal.SIGKILL)
+            victim = token.rpartition(":")[0]
+        else:
+            os.killpg(group, signal.SIGCONT)  # it let go meanwhile: watch the next one
+    doc = client.wait(pool.broker_url, spec.run_id, timeout_s=300)
+    latest = book.latest()
     assert doc["state"] == "succeeded", doc.get("error")
     total = rounds * shards
     updates = doc["updates"]
@@ -133,25 +130,22 @@ def test_an_applier_killed_mid_update_loses_nothing_and_counts_nothing_twice(tmp
 
 
 @pytest.mark.e2e
-def test_backup_copies_of_a_rounds_last_shards_give_the_same_model(tmp_path, monkeypatch):
+def test_backup_copies_of_a_rounds_last_shards_give_the_same_model(pool_factory, monkeypatch):
     """``--sync backup`` on a fast and a 10× slower agent (emulated step times), three shards:
     when the fast one has nothing left and, by the two rates, would finish the slow one's shard
     sooner, it trains a backup copy; whichever copy stores the shard first counts, and the model
     is bit for bit the one ``--sync rounds`` trains (the copies are the same computation)."""
-    store_url = (tmp_path / "store").as_uri()
-    with LocalPool(0, store_url, workdir=tmp_path / "pool") as pool:
-        for i, step_s in enumerate(("0.005", "0.05")):
-            monkeypatch.setenv("TENSORTURN_SIM_STEP_S", step_s)
-            pool.start_agent(i)
-        monkeypatch.delenv("TENSORTURN_SIM_STEP_S")
-        pool.wait_ready()
-        docs = {}
-        for sync in ("rounds", "backup"):
-            spec = RunSpec.create(store_url=store_url, mode="fused", recipe="digits-mlp", sync=sync,
-                                  rounds=2, shards=3, sync_every=60, threads_per_task=1)
-            client.submit(spec, pool.broker_url)
-            docs[sync] = client.wait(pool.broker_url, spec.run_id, timeout_s=300)
-            assert docs[sync]["state"] == "succeeded", docs[sync].get("error")
+    pool = pool_factory(0)
+    for i, step_s in enumerate(("0.005", "0.05")):
+        monkeypatch.setenv("TENSORTURN_SIM_STEP_S", step_s)
+        pool.start_agent(i)
+    monkeypatch.delenv("TENSORTURN_SIM_STEP_S")
+    pool.wait_ready()
+    docs = {}
+    for sync in ("rounds", "backup"):
+        docs[sync] = run_to_end(pool, mode="fused", recipe="digits-mlp", sync=sync, rounds=2, shards=3,
+                                sync_every=60, threads_per_task=1)
+        assert docs[sync]["state"] == "succeeded", docs[sync].get("error")
     assert docs["backup"]["model_sha256"] == docs["rounds"]["model_sha256"]
     queued = [i for i in docs["backup"]["incidents"] if i["kind"] == "backup_queued"]
     assert queued and all(i["worker"].startswith("local1@") for i in queued)  # the fast one
@@ -161,21 +155,20 @@ def test_backup_copies_of_a_rounds_last_shards_give_the_same_model(tmp_path, mon
     assert not [i for i in docs["rounds"]["incidents"] if i["kind"] == "backup_queued"]
 
 
-def test_an_async_run_resumes_from_the_stores_log_after_redis_lost_it(world):  # noqa: F811
+def test_an_async_run_resumes_from_the_stores_log_after_redis_lost_it(world):
     """Updates driven in-process: two of four applied (round 0 recorded), then Redis loses
     everything; `resume` rebuilds the latest version and the applied updates from the store's
     log, and the other two finish the run — four versions, each made by one update."""
-    from test_attempt import as_agent_of, submit
-
-    from tensorturn.modes.fused import asynchronous
+    from tensorturn.modes.fused.sync import asynchronous
+    from tensorturn.modes.fused.weights import cache
 
     def update(j: int) -> None:
         as_agent_of(spec)
         asynchronous.async_step.apply(args=(spec.run_id, j),
                                       kwargs=signed(spec.run_id, f"u{j}")).get()
 
-    asynchronous._held.clear()
-    spec = submit(world, mode="fused", recipe="digits-mlp", sync="async", rounds=2, shards=2,
+    cache.clear()
+    spec = world.submit(mode="fused", recipe="digits-mlp", sync="async", rounds=2, shards=2,
                   sync_every=10)
     update(0)
     update(1)

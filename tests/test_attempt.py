@@ -12,19 +12,19 @@ from __future__ import annotations
 import shutil
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
+from conftest import as_agent_of
 
 from tensorturn import config, layout
+from tensorturn import runs as client
 from tensorturn.errors import BrokerError, RecipeError
 from tensorturn.modes.ensemble import tasks as ensemble
-from tensorturn.modes.fused import tasks as fused
-from tensorturn.pool.celery_app import configure
+from tensorturn.modes.fused import shard as fused_shard
+from tensorturn.modes.fused.sync import rounds as fused
+from tensorturn.modes.fused.weights import global_bytes
 from tensorturn.recipes import base as recipe_base
-from tensorturn.runs import service as client
 from tensorturn.spec import RunSpec
-from tensorturn.state.board import RunBoard
 from tensorturn.state.broker import redis_client
 from tensorturn.store.objects import open_store
 from tensorturn.tasks.attempt import signed
@@ -33,27 +33,6 @@ sys.path.insert(0, str(Path(__file__).parent))  # the `failing` recipe module
 
 FUSED = dict(mode="fused", recipe="digits-mlp", rounds=2, shards=2, sync_every=10)
 ENSEMBLE = dict(mode="ensemble", recipe="digits-mlp", members=3, segments=2, segment_steps=10)
-
-
-@pytest.fixture
-def world(redis_server, tmp_path, monkeypatch):
-    monkeypatch.delenv("TT_FAIL_IN", raising=False)
-    configure(redis_server.url)
-    fused._held.clear()
-    yield SimpleNamespace(broker=redis_server.url, tmp=tmp_path,
-                          board=RunBoard(redis_client(redis_server.url)))
-    fused._held.clear()
-
-
-def submit(world, name: str = "store", **options) -> RunSpec:
-    spec = RunSpec.create(store_url=(world.tmp / name).as_uri(), **options)
-    client.submit(spec, world.broker)
-    return spec
-
-
-def as_agent_of(spec: RunSpec) -> None:
-    """This process plays an agent whose own store is the run's (agents use their own)."""
-    config.use(config.current().with_(store_url=spec.store_url))
 
 
 def shard(spec: RunSpec, r: int, k: int) -> None:
@@ -113,13 +92,13 @@ def kinds(doc: dict) -> list[str]:
 # ---- duplicate and late deliveries --------------------------------------------------------------
 
 def test_fused_duplicates_at_every_stage_change_nothing(world, monkeypatch):
-    clean = submit(world, "clean", **FUSED)
+    clean = world.submit("clean", **FUSED)
     drive_fused(clean)
     expected = world.board.describe(clean.run_id)
     assert expected["state"] == "succeeded"
 
-    spec = submit(world, "dup", **FUSED)
-    second_delivery_during(monkeypatch, fused, "train_replica", lambda: shard(spec, 0, 0))
+    spec = world.submit("dup", **FUSED)
+    second_delivery_during(monkeypatch, fused_shard, "train_replica", lambda: shard(spec, 0, 0))
     shard(spec, 0, 0)                      # during: the first attempt finishes late
     shard(spec, 0, 1)
     shard(spec, 0, 1)                      # before the outer step: a plain duplicate
@@ -145,9 +124,9 @@ def slot(spec: RunSpec, r: int, i: int) -> None:
 
 
 def test_slots_bind_to_shards_once_and_give_the_model_shards_give(world):
-    clean = submit(world, "clean", **FUSED)
+    clean = world.submit("clean", **FUSED)
     drive_fused(clean)
-    spec = submit(world, "slots", **FUSED)
+    spec = world.submit("slots", **FUSED)
     for r in range(2):
         slot(spec, r, 1)
         slot(spec, r, 1)                   # a duplicate: bound to the same shard, nothing redone
@@ -173,7 +152,7 @@ def test_the_streaming_outer_step_gives_the_list_averages_bits(world, outer, cod
     from tensorturn.store.tensors import delta_from_bytes, from_bytes
     from tensorturn.train.diloco import outer_update
 
-    spec = submit(world, f"stream-{outer}-{codec}", **{**FUSED, "rounds": 3, "shards": 3,
+    spec = world.submit(f"stream-{outer}-{codec}", **{**FUSED, "rounds": 3, "shards": 3,
                                                         "outer": outer, "codec": codec})
     drive_fused(spec)
     store, recipe, opts = open_store(spec.store_url), recipe_of(spec), spec.options
@@ -196,7 +175,7 @@ def test_the_streaming_outer_step_gives_the_list_averages_bits(world, outer, cod
         nesterov = outer == "nesterov"
         stepped, _ = outer_update(theta, listed, buf, opts.outer_lr, opts.outer_momentum if nesterov else 0.0,
                                   nesterov=nesterov)
-        expected = sha256_hex(fused.global_bytes(spec, recipe, stepped))
+        expected = sha256_hex(global_bytes(spec, recipe, stepped))
         assert expected == sha256_hex(store.get_bytes(layout.key("global", spec.run_id, r + 1))), r
         compared += 1
     assert compared == (3 if codec == "fp32" else 1)
@@ -230,7 +209,7 @@ def test_a_worker_claims_its_own_shards_first_then_new_ones_then_steals(world):
 def test_ensemble_duplicate_after_a_member_finished_keeps_it_in_the_vote(world):
     """The reported bug: a second delivery of m0/seg-0 after member 0 stored its last
     checkpoint reset it to `running` and left it out of the vote."""
-    spec = submit(world, **ENSEMBLE)
+    spec = world.submit(**ENSEMBLE)
     segment(spec, 0, 0)
     segment(spec, 0, 1)                    # member 0 finished
     segment(spec, 0, 0)                    # after its completion
@@ -251,7 +230,7 @@ def test_ensemble_duplicate_after_a_member_finished_keeps_it_in_the_vote(world):
 
 
 def test_ensemble_late_segment_is_discarded(world, monkeypatch):
-    spec = submit(world, **ENSEMBLE)
+    spec = world.submit(**ENSEMBLE)
     second_delivery_during(monkeypatch, ensemble, "train_steps", lambda: segment(spec, 0, 0))
     segment(spec, 0, 0)
     drive_ensemble(spec)
@@ -269,7 +248,7 @@ def test_ensemble_late_segment_is_discarded(world, monkeypatch):
 ])
 def test_a_recipe_that_raises_ends_the_run_with_its_error(world, monkeypatch, mode, hook):
     options = {**(FUSED if mode == "fused" else ENSEMBLE), "recipe": "failing:Failing"}
-    spec = submit(world, **options)
+    spec = world.submit(**options)
     monkeypatch.setenv("TT_FAIL_IN", hook)
     recipe_base._SPLITS.clear()  # raw_data runs again, as on a fresh agent
     (drive_fused if mode == "fused" else drive_ensemble)(spec)
@@ -293,7 +272,7 @@ def test_a_recipe_whose_model_raises_is_refused_before_queueing(world, monkeypat
 # ---- the store failing, attempt caps, resume ----------------------------------------------------
 
 def test_a_lost_store_fails_the_run_in_one_line_and_resume_continues(world):
-    spec = submit(world, **FUSED)
+    spec = world.submit(**FUSED)
     store_dir = world.tmp / "store"
     shutil.move(store_dir, world.tmp / "away")
     store_dir.write_text("not a directory any more")   # every store call now fails
@@ -314,7 +293,7 @@ def test_a_lost_store_fails_the_run_in_one_line_and_resume_continues(world):
 
 
 def test_a_run_that_failed_on_its_attempt_cap_resumes_once_fixed(world, monkeypatch):
-    spec = submit(world, **{**FUSED, "recipe": "failing:Failing"})
+    spec = world.submit(**{**FUSED, "recipe": "failing:Failing"})
     monkeypatch.setenv("TT_FAIL_IN", "loss")
     shard(spec, 0, 0)
     assert world.board.state(spec.run_id) == "failed"
@@ -328,7 +307,7 @@ def test_a_run_that_failed_on_its_attempt_cap_resumes_once_fixed(world, monkeypa
 
 
 def test_an_ensemble_member_dropped_for_failures_gets_another_chance_on_resume(world, monkeypatch):
-    spec = submit(world, **{**ENSEMBLE, "recipe": "failing:Failing", "min_members": 3})
+    spec = world.submit(**{**ENSEMBLE, "recipe": "failing:Failing", "min_members": 3})
     monkeypatch.setenv("TT_FAIL_IN", "evaluate")
     drive_ensemble(spec)
     doc = world.board.describe(spec.run_id)
@@ -345,7 +324,7 @@ def test_an_ensemble_member_dropped_for_failures_gets_another_chance_on_resume(w
 
 
 def test_a_chord_whose_body_cannot_run_queues_its_round_again_then_fails_the_run(world):
-    spec = submit(world, **FUSED)
+    spec = world.submit(**FUSED)
     what = "the outer step of round 0"
     errback = {"r": 0, **signed(spec.run_id, fused.chord_failed_label(0, what))}
     as_agent_of(spec)
@@ -366,7 +345,7 @@ def test_a_chord_whose_body_cannot_run_queues_its_round_again_then_fails_the_run
 # ---- a broker that lost its data; a run that makes no progress ----------------------------------
 
 def test_after_redis_loses_its_data_the_run_says_so_and_resumes(world):
-    spec = submit(world, **FUSED)
+    spec = world.submit(**FUSED)
     shard(spec, 0, 0)
     shard(spec, 0, 1)
     outer(spec, 0)                          # round 0 done, its manifest saved
@@ -388,7 +367,7 @@ def test_after_redis_loses_its_data_the_run_says_so_and_resumes(world):
 
 
 def test_a_run_without_progress_says_why(world):
-    spec = submit(world, **FUSED)
+    spec = world.submit(**FUSED)
     config.use(config.current().with_(stall_s=0.0))
     try:
         doc = client.describe(spec.run_id, world.broker, spec.store_url)
@@ -400,7 +379,7 @@ def test_a_run_without_progress_says_why(world):
 def test_a_follow_up_that_fails_to_queue_is_queued_by_the_retry(world, monkeypatch):
     """The claim for round 1 is taken, then queuing it fails (a broker blip): the claim is
     given back and the retried outer step queues the round; the run does not hang."""
-    spec = submit(world, **FUSED)
+    spec = world.submit(**FUSED)
     real_dispatch = fused.dispatch_round
     calls = []
 
@@ -441,7 +420,7 @@ def test_keep_best_keeps_the_round_with_the_lowest_validation_loss(world):
     from tensorturn import layout
     from tensorturn.store.objects import open_store
 
-    spec = submit(world, **{**FUSED, "rounds": 3, "keep": "best"})
+    spec = world.submit(**{**FUSED, "rounds": 3, "keep": "best"})
     drive_fused(spec)
     doc = world.board.describe(spec.run_id)
     assert doc["state"] == "succeeded", doc["error"]
@@ -453,13 +432,13 @@ def test_keep_best_keeps_the_round_with_the_lowest_validation_loss(world):
 
 
 def test_a_shard_with_little_data_for_its_steps_is_warned_about(world):
-    spec = submit(world, **{**FUSED, "shards": 8, "sync_every": 200})
+    spec = world.submit(**{**FUSED, "shards": 8, "sync_every": 200})
     warned = world.board.describe(spec.run_id)["warnings"]
     assert len(warned) == 2
     assert warned[0].startswith("outer optimizer sgd (FedAvg), chosen by --outer auto: each shard goes "
                                 "over its rows 39.6 times a round")
     assert "each shard holds about 162 training rows but trains 200 steps × batch 32 per round" in warned[1]
-    quiet = submit(world, "quiet", **FUSED)
+    quiet = world.submit("quiet", **FUSED)
     assert world.board.describe(quiet.run_id)["warnings"] == []
     # --outer auto is decided once, at start, and the spec every machine reads says what it chose
     from tensorturn.state.manifest import load_spec
@@ -474,12 +453,12 @@ def test_a_round_whose_record_was_lost_is_evaluated_again_before_the_run_finishe
     """The outer step queues the next round before it evaluates; if round 0's evaluation never
     got recorded (its machine died, the broker lost it), the last outer step evaluates it again
     from the store, so --keep best chooses among every round and the records are whole."""
-    spec = submit(world, **{**FUSED, "rounds": 3}, keep="best")
+    spec = world.submit(**{**FUSED, "rounds": 3}, keep="best")
     drive_fused(spec)
     reference = {rec["round"]: rec["val_loss"] for rec in world.board.rounds(spec.run_id)}
     assert sorted(reference) == [0, 1, 2]
 
-    lost = submit(world, "store2", **{**FUSED, "rounds": 3}, keep="best")
+    lost = world.submit("store2", **{**FUSED, "rounds": 3}, keep="best")
     for k in range(2):
         shard(lost, 0, k)
     outer(lost, 0)

@@ -8,8 +8,8 @@ import pytest
 import redis
 from conftest import clean_env, queued_messages, tt
 
+from tensorturn import runs as client
 from tensorturn.pool.embedded import free_port
-from tensorturn.runs import service as client
 from tensorturn.spec import RunSpec
 
 RUN = ("run",)

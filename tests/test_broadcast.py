@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from tensorturn import layout
-from tensorturn.modes.fused import tasks as fused
+from tensorturn.modes.fused import weights
+from tensorturn.modes.fused.outer import RESIDUAL, step_global
+from tensorturn.modes.fused.weights import fetch_global, global_bytes
 from tensorturn.recipes import resolve
 from tensorturn.spec import RunSpec
 from tensorturn.store import seals
@@ -56,37 +58,37 @@ def run(tmp_path):
                           outer="nesterov", rounds=3).validate()
     recipe = resolve(spec.recipe)
     theta0 = diloco.initial_state(recipe, spec.seed)
-    blob0 = fused.global_bytes(spec, recipe, theta0)
+    blob0 = global_bytes(spec, recipe, theta0)
     spec.options.init_sha256 = sha256_hex(blob0)  # type: ignore[attr-defined]
     store.put_json(f"runs/{spec.run_id}/spec.json", spec.to_json())
     seals.put_bytes(store, layout.key("global", spec.run_id, 0), blob0)
     torch.manual_seed(1)
     avg = {k: 1e-2 * torch.randn_like(v) for k, v in theta0.items() if v.is_floating_point()}
-    fused.step_global(spec, recipe, store, 0, avg)
+    step_global(spec, recipe, store, 0, avg)
     theta1 = from_bytes(store.get_bytes(layout.key("global", spec.run_id, 1)))
-    fused._held.clear()
+    weights.cache.clear()
     yield spec, recipe, store, theta0, theta1
-    fused._held.clear()
+    weights.cache.clear()
 
 
 def test_shard_tasks_fetch_the_fewest_bytes(run):
     spec, recipe, store, theta0, theta1 = run
     # round 0: rebuilt from the seed, verified against init_sha256 — nothing downloaded
-    got, moved = fused.fetch_global(spec, recipe, store, 0)
+    got, moved = fetch_global(spec, recipe, store, 0)
     assert moved == 0 and all(torch.equal(got[k], theta0[k]) for k in theta0)
     # round 1 while holding θ_0: only the int8 broadcast delta comes down
-    got, moved = fused.fetch_global(spec, recipe, store, 1)
+    got, moved = fetch_global(spec, recipe, store, 1)
     broadcast = store.get_bytes(layout.key("broadcast", spec.run_id, 1))
     full = store.get_bytes(layout.key("global", spec.run_id, 1))
     assert moved == len(broadcast) and len(full) > 3.5 * len(broadcast)
     assert to_bytes(got) == to_bytes(from_bytes(full))           # bit for bit the stored θ_1
     assert all(torch.equal(got[k], theta1[k]) for k in theta1)
     # a second shard of round 1 in this process: nothing moves
-    assert fused.fetch_global(spec, recipe, store, 1)[1] == 0
+    assert fetch_global(spec, recipe, store, 1)[1] == 0
     # the outer state carries the broadcast's residual beside the momentum
     state = from_bytes(store.get_bytes(layout.key("outer", spec.run_id, 1)))
-    assert any(k.startswith(fused.RESIDUAL) for k in state)
-    assert any(not k.startswith(fused.RESIDUAL) for k in state)
+    assert any(k.startswith(RESIDUAL) for k in state)
+    assert any(not k.startswith(RESIDUAL) for k in state)
 
 
 def flipped(blob: bytes) -> bytes:
@@ -98,12 +100,12 @@ def flipped(blob: bytes) -> bytes:
 
 def test_a_delta_that_does_not_rebuild_the_stored_weights_costs_bytes_not_correctness(run):
     spec, recipe, store, theta0, theta1 = run
-    fused.fetch_global(spec, recipe, store, 0)
+    fetch_global(spec, recipe, store, 0)
     # a broadcast whose values rebuild another θ_1 here (its claimed sha256 stays), stored and
     # sealed by the run (as another machine's arithmetic might): the rebuilt θ_1 would differ
     key = layout.key("broadcast", spec.run_id, 1)
     seals.put_bytes(store, key, flipped(store.get_bytes(key)))
-    got, moved = fused.fetch_global(spec, recipe, store, 1)
+    got, moved = fetch_global(spec, recipe, store, 1)
     full = store.get_bytes(layout.key("global", spec.run_id, 1))
     assert moved == len(store.get_bytes(key)) + len(full)
     assert to_bytes(got) == to_bytes(from_bytes(full))
@@ -113,7 +115,7 @@ def test_a_delta_that_does_not_rebuild_the_stored_weights_costs_bytes_not_correc
 def test_a_seed_that_does_not_rebuild_theta0_falls_back_to_the_file(run):
     spec, recipe, store, theta0, _ = run
     spec.options.init_sha256 = "0" * 64  # type: ignore[attr-defined]  # as if this machine's torch initialized differently
-    got, moved = fused.fetch_global(spec, recipe, store, 0)
+    got, moved = fetch_global(spec, recipe, store, 0)
     assert moved == len(store.get_bytes(layout.key("global", spec.run_id, 0)))
     assert all(torch.equal(got[k], theta0[k]) for k in theta0)
 
@@ -121,9 +123,9 @@ def test_a_seed_that_does_not_rebuild_theta0_falls_back_to_the_file(run):
 def test_a_broadcast_rewritten_in_the_store_fails_naming_it(run):
     """Issue 26 #7: bytes no task of the run stored are refused, not used."""
     spec, recipe, store, _, _ = run
-    fused.fetch_global(spec, recipe, store, 0)
+    fetch_global(spec, recipe, store, 0)
     key = layout.key("broadcast", spec.run_id, 1)
     store.put_bytes(key, flipped(store.get_bytes(key)))  # someone with store write access
     with pytest.raises(seals.TamperedObject,
                        match=r"the broadcast delta of round 1 \(runs/.*\) is not what the run stored"):
-        fused.fetch_global(spec, recipe, store, 1)
+        fetch_global(spec, recipe, store, 1)

@@ -16,11 +16,11 @@ import time
 import psutil
 import pytest
 import redis
+from conftest import run_to_end, start_pool, submit_run
 
 from tensorturn import layout
-from tensorturn.modes.fused.tasks import train_slot
-from tensorturn.pool.embedded import LocalPool
-from tensorturn.runs import service as client
+from tensorturn import runs as client
+from tensorturn.modes.fused.sync.rounds import train_slot
 from tensorturn.spec import RunSpec
 from tensorturn.state.board import RunBoard
 from tensorturn.tasks.attempt import signed
@@ -33,10 +33,10 @@ SPEC = dict(mode="fused", recipe="digits-mlp", rounds=2, shards=3, sync_every=15
 
 @pytest.fixture(scope="module")
 def chaos_pool(tmp_path_factory):
-    workdir = tmp_path_factory.mktemp("chaos")
-    with LocalPool(3, (workdir / "store").as_uri(), workdir=workdir, loglevel="INFO",
-                   appendonly=True) as pool:
-        yield pool
+    """Three agents on a redis-server that keeps an append-only file (it is restarted mid-run)."""
+    pool = start_pool(tmp_path_factory.mktemp("chaos"), 3, loglevel="INFO", appendonly=True)
+    yield pool
+    pool.stop(grace=1.0)
 
 
 @pytest.fixture
@@ -54,9 +54,7 @@ def pool(chaos_pool):
 @pytest.fixture(scope="module")
 def reference(chaos_pool, tmp_path_factory):
     """The fault-free run of SPEC on the same pool."""
-    spec = RunSpec.create(store_url=chaos_pool.store_url, **SPEC)
-    client.submit(spec, chaos_pool.broker_url)
-    doc = client.wait(chaos_pool.broker_url, spec.run_id, timeout_s=300)
+    doc = run_to_end(chaos_pool, **SPEC)
     assert doc["state"] == "succeeded" and not doc["incidents"]
     return doc
 
@@ -73,9 +71,7 @@ def test_senders_keep_no_result_subscriptions(chaos_pool, reference):
 
 
 def submit(pool, tmp_path, **overrides) -> RunSpec:
-    spec = RunSpec.create(store_url=pool.store_url, **{**SPEC, **overrides})  # the agents' own
-    client.submit(spec, pool.broker_url)
-    return spec
+    return submit_run(pool, **{**SPEC, **overrides})  # on the agents' own store
 
 
 def board(pool) -> RunBoard:
@@ -255,49 +251,47 @@ class FlakyProxy:
 OUTAGE_REFUSALS = 5
 
 
-def test_s3_outage_is_ridden_out(s3_endpoint, s3_bucket, tmp_path, monkeypatch, reference):
+def test_s3_outage_is_ridden_out(s3_endpoint, s3_bucket, pool_factory, monkeypatch, reference):
     proxy = FlakyProxy(int(s3_endpoint["AWS_ENDPOINT_URL"].rsplit(":", 1)[1]))
     monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{proxy.port}")
-    with LocalPool(2, f"s3://{s3_bucket}/chaos", workdir=tmp_path / "pool") as s3pool:
-        spec = RunSpec.create(store_url=f"s3://{s3_bucket}/chaos", **SPEC)
-        client.submit(spec, s3pool.broker_url)
-        running_attempt(s3pool, spec.run_id, settle=0)  # the run is in progress: a shard trains
-        proxy.go_down()
-        try:
-            # the outage lasts until the agents have run into it, however slow they are
-            refused = proxy.wait_refused(OUTAGE_REFUSALS, timeout=240)
-        finally:
-            proxy.come_up()
-        assert refused, f"the run made only {proxy.refused} store connections during the outage"
-        doc = client.wait(s3pool.broker_url, spec.run_id, timeout_s=300)
+    s3pool = pool_factory(2, f"s3://{s3_bucket}/chaos")
+    spec = submit_run(s3pool, **SPEC)
+    running_attempt(s3pool, spec.run_id, settle=0)  # the run is in progress: a shard trains
+    proxy.go_down()
+    try:
+        # the outage lasts until the agents have run into it, however slow they are
+        refused = proxy.wait_refused(OUTAGE_REFUSALS, timeout=240)
+    finally:
+        proxy.come_up()
+    assert refused, f"the run made only {proxy.refused} store connections during the outage"
+    doc = client.wait(s3pool.broker_url, spec.run_id, timeout_s=300)
     print(f"the outage refused {proxy.refused} connections")
     assert doc["state"] == "succeeded", doc.get("error")
     assert doc["model_sha256"] == reference["model_sha256"]
 
 
 def test_an_s3_outage_longer_than_the_retries_fails_the_run_and_resume_continues(
-        s3_endpoint, s3_bucket, tmp_path, monkeypatch, reference):
+        s3_endpoint, s3_bucket, pool_factory, monkeypatch, reference):
     """The reported bug: a long outage left the run `running` with no error, forever."""
     proxy = FlakyProxy(int(s3_endpoint["AWS_ENDPOINT_URL"].rsplit(":", 1)[1]))
     monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{proxy.port}")
     monkeypatch.setenv("TENSORTURN_STORE_RETRIES", "1")   # the agents give up on a call quickly
     monkeypatch.setenv("TENSORTURN_STORE_BACKOFF_S", "0.1")
     store = f"s3://{s3_bucket}/long-outage"
-    with LocalPool(2, store, workdir=tmp_path / "pool") as s3pool:
-        spec = RunSpec.create(store_url=store, **SPEC)
-        client.submit(spec, s3pool.broker_url)
-        running_attempt(s3pool, spec.run_id, settle=0)
-        proxy.go_down()                                     # and it stays down
-        try:
-            failed = client.wait(s3pool.broker_url, spec.run_id, timeout_s=600)
-        finally:
-            proxy.come_up()
-        assert failed["state"] == "failed"
-        assert "failed 3 attempts; last: store s3://" in failed["error"]
-        assert "\n" not in failed["error"]
-        assert not [i for i in failed["incidents"] if i["kind"] == "worker_quarantined"]
-        _, what = client.resume(spec.run_id, s3pool.broker_url, store)
-        doc = client.wait(s3pool.broker_url, spec.run_id, timeout_s=600)
+    s3pool = pool_factory(2, store)
+    spec = submit_run(s3pool, **SPEC)
+    running_attempt(s3pool, spec.run_id, settle=0)
+    proxy.go_down()                                     # and it stays down
+    try:
+        failed = client.wait(s3pool.broker_url, spec.run_id, timeout_s=600)
+    finally:
+        proxy.come_up()
+    assert failed["state"] == "failed"
+    assert "failed 3 attempts; last: store s3://" in failed["error"]
+    assert "\n" not in failed["error"]
+    assert not [i for i in failed["incidents"] if i["kind"] == "worker_quarantined"]
+    _, what = client.resume(spec.run_id, s3pool.broker_url, store)
+    doc = client.wait(s3pool.broker_url, spec.run_id, timeout_s=600)
     assert what.startswith("resumed at round")
     assert doc["state"] == "succeeded", doc.get("error")
     assert doc["model_sha256"] == reference["model_sha256"]
@@ -314,15 +308,12 @@ class Crasher(DigitsMLP):
 '''
 
 
-def test_a_task_that_always_kills_its_worker_does_not_loop(tmp_path, monkeypatch):
+def test_a_task_that_always_kills_its_worker_does_not_loop(tmp_path, pool_factory, monkeypatch):
     (tmp_path / "crasher.py").write_text(CRASHER)
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
-    with LocalPool(1, (tmp_path / "store").as_uri(), workdir=tmp_path / "pool") as p:
-        spec = RunSpec.create(mode="fused", recipe="crasher:Crasher", store_url=(tmp_path / "store").as_uri(),
-                       rounds=1, shards=1, sync_every=5)
-        client.submit(spec, p.broker_url)
-        doc = client.wait(p.broker_url, spec.run_id, timeout_s=180)
+    p = pool_factory(1)
+    doc = run_to_end(p, mode="fused", recipe="crasher:Crasher", rounds=1, shards=1, sync_every=5)
     assert doc["state"] == "failed"
     assert "failed 3 attempts" in doc["error"]
     tries = attempts_of(doc, "r0/shard-0")
@@ -347,15 +338,12 @@ class NanOnce(DigitsMLP):
 '''
 
 
-def test_non_finite_update_is_rejected_and_retried(tmp_path, monkeypatch):
+def test_non_finite_update_is_rejected_and_retried(tmp_path, pool_factory, monkeypatch):
     (tmp_path / "nan_once.py").write_text(NAN_ONCE)
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
-    with LocalPool(1, (tmp_path / "store").as_uri(), workdir=tmp_path / "pool") as p:
-        spec = RunSpec.create(mode="fused", recipe="nan_once:NanOnce", store_url=(tmp_path / "store").as_uri(),
-                       rounds=1, shards=2, sync_every=5)
-        client.submit(spec, p.broker_url)
-        doc = client.wait(p.broker_url, spec.run_id, timeout_s=180)
+    p = pool_factory(1)
+    doc = run_to_end(p, mode="fused", recipe="nan_once:NanOnce", rounds=1, shards=2, sync_every=5)
     assert doc["state"] == "succeeded", doc.get("error")
     rejected = [i for i in doc["incidents"] if i["kind"] == "update_rejected"]
     assert len(rejected) == 1 and "non-finite" in rejected[0]["detail"]
@@ -363,7 +351,7 @@ def test_non_finite_update_is_rejected_and_retried(tmp_path, monkeypatch):
 
 
 def test_an_agent_killed_mid_multipart_upload_leaves_no_object_and_the_task_is_retried(
-        s3_bucket, tmp_path, monkeypatch):
+        s3_bucket, pool_factory, monkeypatch):
     """An upload in parts, frozen half way (SIGSTOP: the parts so far are on S3, the object is
     not), then the agent killed: no object a round could read, and the task runs again on the
     other agent."""
@@ -371,35 +359,34 @@ def test_an_agent_killed_mid_multipart_upload_leaves_no_object_and_the_task_is_r
 
     monkeypatch.setenv("TENSORTURN_PART_MB", "5")  # a 28 MB pseudo-gradient goes in 6 parts
     s3, store = boto3.client("s3"), f"s3://{s3_bucket}/parts"
-    with LocalPool(2, store, workdir=tmp_path / "pool") as s3pool:
-        spec = RunSpec.create(store_url=store, mode="fused", recipe="charlm", rounds=1, shards=2,
-                              recipe_options={"n_layer": 4, "n_head": 6, "n_embd": 384, "context": 32},
-                              sync_every=2, batch_size=4, eval_batches=1, outer="sgd")
-        client.submit(spec, s3pool.broker_url)
-        killed = None
-        deadline = time.monotonic() + 300
-        while killed is None:
-            assert time.monotonic() < deadline, "no upload in parts was caught half way"
-            assert not board(s3pool).is_finished(spec.run_id), "the run ended before an upload was caught"
-            for upload in s3.list_multipart_uploads(Bucket=s3_bucket).get("Uploads", []):
-                task = task_of(upload["Key"])
-                running = [a for a in board(s3pool).attempts(spec.run_id)
-                           if a["task"] == task and a["outcome"] == "running"]
-                if not running:
-                    continue
-                group = s3pool.agents[agent_index(running[0])].pid
-                os.killpg(group, signal.SIGSTOP)
-                pending = [u["Key"] for u in s3.list_multipart_uploads(Bucket=s3_bucket).get("Uploads", [])]
-                exists = s3.list_objects_v2(Bucket=s3_bucket, Prefix=upload["Key"])["KeyCount"] > 0
-                if upload["Key"] in pending and not exists:  # caught half way: kill it there
-                    os.killpg(group, signal.SIGKILL)
-                    killed = (running[0], upload["Key"])
-                    break
-                os.killpg(group, signal.SIGCONT)  # it finished meanwhile: watch the next one
-            time.sleep(0.01)
-        attempt, key = killed
-        assert s3.list_objects_v2(Bucket=s3_bucket, Prefix=key)["KeyCount"] == 0  # nothing to read
-        doc = client.wait(s3pool.broker_url, spec.run_id, timeout_s=300)
+    s3pool = pool_factory(2, store)
+    spec = submit_run(s3pool, mode="fused", recipe="charlm", rounds=1, shards=2,
+                      recipe_options={"n_layer": 4, "n_head": 6, "n_embd": 384, "context": 32},
+                      sync_every=2, batch_size=4, eval_batches=1, outer="sgd")
+    killed = None
+    deadline = time.monotonic() + 300
+    while killed is None:
+        assert time.monotonic() < deadline, "no upload in parts was caught half way"
+        assert not board(s3pool).is_finished(spec.run_id), "the run ended before an upload was caught"
+        for upload in s3.list_multipart_uploads(Bucket=s3_bucket).get("Uploads", []):
+            task = task_of(upload["Key"])
+            running = [a for a in board(s3pool).attempts(spec.run_id)
+                       if a["task"] == task and a["outcome"] == "running"]
+            if not running:
+                continue
+            group = s3pool.agents[agent_index(running[0])].pid
+            os.killpg(group, signal.SIGSTOP)
+            pending = [u["Key"] for u in s3.list_multipart_uploads(Bucket=s3_bucket).get("Uploads", [])]
+            exists = s3.list_objects_v2(Bucket=s3_bucket, Prefix=upload["Key"])["KeyCount"] > 0
+            if upload["Key"] in pending and not exists:  # caught half way: kill it there
+                os.killpg(group, signal.SIGKILL)
+                killed = (running[0], upload["Key"])
+                break
+            os.killpg(group, signal.SIGCONT)  # it finished meanwhile: watch the next one
+        time.sleep(0.01)
+    attempt, key = killed
+    assert s3.list_objects_v2(Bucket=s3_bucket, Prefix=key)["KeyCount"] == 0  # nothing to read
+    doc = client.wait(s3pool.broker_url, spec.run_id, timeout_s=300)
     assert doc["state"] == "succeeded", doc.get("error")
     tries = attempts_of(doc, attempt["task"])
     assert tries[0]["outcome"].startswith("lost")

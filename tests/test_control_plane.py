@@ -12,16 +12,17 @@ from types import SimpleNamespace
 import pytest
 import redis
 from celery.worker.control import Panel
-from conftest import paced_pool, tt, tt_here, wait_for
+from conftest import start_pool, submit_run, tt, tt_here, wait_for
 
 from tensorturn import config, layout, trust
+from tensorturn import runs as client
 from tensorturn.layout import worker_key
 from tensorturn.pool import capacity, remote_control, routing
 from tensorturn.pool.telemetry import INCARNATION, Heartbeat
-from tensorturn.runs import service as client
 from tensorturn.spec import RunSpec
 from tensorturn.state.board import RunBoard
 from tensorturn.state.broker import check_broker
+from tensorturn.state.queues import task_queues
 from tensorturn.state.roster import list_workers
 
 TB = 1024 ** 4
@@ -50,7 +51,7 @@ def test_the_mover_takes_only_entries_naming_an_outer_queue_and_removes_the_othe
     r = redis.Redis.from_url(redis_server.url, decode_responses=True)
     r.lpush("tt.fits.64MB", "slot-1", "slot-2")
     r.lpush("tt.agent.a@h", "backup")
-    r.zadd(routing.ADVERTISED, {"tt.fits.64MB|ghost@h": 0,            # a training queue
+    r.zadd(layout.ADVERTISED, {"tt.fits.64MB|ghost@h": 0,            # a training queue
                                 "tt.outer.tt.agent.a@h|ghost@h": 0,   # an agent's own queue
                                 "tt.outer.elsewhere|ghost@h": 0,      # no capacity queue
                                 "tt.outer.tt.fits.64MB|ghost@h": 0,   # valid: stale, queue empty
@@ -61,11 +62,11 @@ def test_the_mover_takes_only_entries_naming_an_outer_queue_and_removes_the_othe
     assert r.lrange("tt.fits.64MB", 0, -1) == ["slot-2", "slot-1"]
     assert r.lrange("tt.agent.a@h", 0, -1) == ["backup"]
     assert not r.exists("MB") and not r.exists("a@h") and not r.exists("elsewhere")
-    assert r.zrange(routing.ADVERTISED, 0, -1) == []  # the valid stale one: a day old, queue empty
+    assert r.zrange(layout.ADVERTISED, 0, -1) == []  # the valid stale one: a day old, queue empty
 
     # nor does Python name anything else: an agent advertises only outer queues
     routing.advertise(r, "b@h", ["tt.fits.64MB", "tt.outer.bogus", "tt.outer.tt.fits.64MB"])
-    assert [e.split("|")[0] for e in r.zrange(routing.ADVERTISED, 0, -1)] == ["tt.outer.tt.fits.64MB"]
+    assert [e.split("|")[0] for e in r.zrange(layout.ADVERTISED, 0, -1)] == ["tt.outer.tt.fits.64MB"]
     assert routing.queue_for_outer(r, "tt.fits.64MB") == "tt.outer.tt.fits.64MB"
     assert routing.queue_for_outer(r, "tt.fits.63MB") == "tt.fits.63MB"
 
@@ -204,53 +205,57 @@ def test_remote_control_answers_monitoring_and_signed_commands_only(redis_server
 
 # ---- the attacks on real pools ---------------------------------------------------------------
 
+@pytest.fixture(scope="module")
+def paced(tmp_path_factory):
+    """Two agents whose every training step lasts 10 ms, shared by the attacks below: a run's
+    slots wait queued as long as each test needs, however loaded the machine is."""
+    pool = start_pool(tmp_path_factory.mktemp("paced"), 2, step_s=0.01)
+    yield pool
+    pool.stop(grace=1.0)
+
+
 @pytest.mark.e2e
-def test_a_stale_routing_entry_naming_the_training_queue_moves_nothing(tmp_path, monkeypatch):
+def test_a_stale_routing_entry_naming_the_training_queue_moves_nothing(paced):
     # every step lasts 10 ms: four shards of 200 steps on two agents, so two slots wait queued
     # while the entry is there
-    with paced_pool(tmp_path, monkeypatch, 0.01) as (pool, store):
-        r = redis.Redis.from_url(pool.broker_url, decode_responses=True)
-        spec = RunSpec.create(store_url=pool.store_url, mode="fused", recipe="digits-mlp",
-                              rounds=2, shards=4, sync_every=200)
-        client.submit(spec, pool.broker_url)
-        board = RunBoard(check_broker(pool.broker_url))
-        queue = capacity.queue_for(board.describe(spec.run_id)["spec"]["memory_needed_bytes"])
-        wait_for(lambda: r.llen(queue) > 0, "slot messages waiting in the training queue")
-        entry = f"{queue}|gone@h"
-        r.zadd(routing.ADVERTISED, {entry: 0})  # "tt.outer." is 9 characters: the target was "MB"
-        wait_for(lambda: r.zscore(routing.ADVERTISED, entry) is None, "a heartbeat to remove the entry")
-        assert not r.exists(queue[len(routing.OUTER_PREFIX):]) and not r.exists("MB")
-        doc = client.wait(pool.broker_url, spec.run_id, timeout_s=600)
+    pool = paced
+    r = redis.Redis.from_url(pool.broker_url, decode_responses=True)
+    spec = submit_run(pool, mode="fused", recipe="digits-mlp", rounds=2, shards=4, sync_every=200)
+    board = RunBoard(check_broker(pool.broker_url))
+    queue = capacity.queue_for(board.describe(spec.run_id)["spec"]["memory_needed_bytes"])
+    wait_for(lambda: r.llen(queue) > 0, "slot messages waiting in the training queue")
+    entry = f"{queue}|gone@h"
+    r.zadd(layout.ADVERTISED, {entry: 0})  # "tt.outer." is 9 characters: the target was "MB"
+    wait_for(lambda: r.zscore(layout.ADVERTISED, entry) is None, "a heartbeat to remove the entry")
+    assert not r.exists(queue[len(layout.OUTER_PREFIX):]) and not r.exists("MB")
+    doc = client.wait(pool.broker_url, spec.run_id, timeout_s=600)
     assert doc["state"] == "succeeded", doc.get("error") or doc.get("note")
 
 
 @pytest.mark.e2e
-def test_a_forged_heartbeat_claiming_4_tb_admits_nothing(tmp_path, monkeypatch):
-    from tensorturn.pool.embedded import LocalPool
-
+def test_a_forged_heartbeat_claiming_4_tb_admits_nothing(pool_factory, monkeypatch):
     # the real agent offers 1 MB: digits-mlp (about 2 MB, memory class 4 MB) fits it not
     monkeypatch.setenv("TENSORTURN_DEVICE_MEMORY_GB", "0.001")
     config.reload()
-    with LocalPool(1, (tmp_path / "store").as_uri(), workdir=tmp_path / "pool") as pool:
-        r = redis.Redis.from_url(pool.broker_url, decode_responses=True)
-        forge_worker(r, "big@gpu")
-        proc = tt("run", "--broker", pool.broker_url, "--recipe", "digits-mlp", "--store",
-                  pool.store_url, "--detach")
-        assert proc.returncode == 2, proc.stdout + proc.stderr
-        [line] = proc.stderr.strip().splitlines()
-        assert "no live machine can hold it" in line and "big@gpu" not in line.split(";")[0]
-        assert "memory class 4 MB" in line and "offers 1.0 MB (cpu)" in line
-        assert "not counted: 1 machine(s) whose heartbeat is not signed" in line
-        assert not [q for q in r.scan_iter("tt.fits.*") if r.llen(q)] and r.zcard("tt:runs") == 0
-        shown = tt("workers", "--broker", pool.broker_url)
-        assert any(row.split()[:2] == ["big@gpu", "unverified"] for row in shown.stdout.splitlines())
+    pool = pool_factory(1)
+    r = redis.Redis.from_url(pool.broker_url, decode_responses=True)
+    forge_worker(r, "big@gpu")
+    proc = tt("run", "--broker", pool.broker_url, "--recipe", "digits-mlp", "--store",
+              pool.store_url, "--detach")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    [line] = proc.stderr.strip().splitlines()
+    assert "no live machine can hold it" in line and "big@gpu" not in line.split(";")[0]
+    assert "memory class 4 MB" in line and "offers 1.0 MB (cpu)" in line
+    assert "not counted: 1 machine(s) whose heartbeat is not signed" in line
+    assert not [q for q in r.scan_iter("tt.fits.*") if r.llen(q)] and r.zcard("tt:runs") == 0
+    shown = tt("workers", "--broker", pool.broker_url)
+    assert any(row.split()[:2] == ["big@gpu", "unverified"] for row in shown.stdout.splitlines())
 
 
 @pytest.mark.e2e
-def test_remote_control_cannot_stop_starve_or_redirect_the_agents(tmp_path, monkeypatch):
+def test_remote_control_cannot_stop_starve_or_redirect_the_agents(paced):
     # every step lasts 10 ms: four shards of 100 steps on two agents, so two wait queued
-    with paced_pool(tmp_path, monkeypatch, 0.01) as (pool, _):
-        attack_with_remote_control(pool)
+    attack_with_remote_control(paced)
 
 
 def attack_with_remote_control(attacked_pool) -> None:
@@ -304,5 +309,5 @@ def attack_with_remote_control(attacked_pool) -> None:
 
 def task_messages(r) -> list[dict]:
     """Every task message waiting in a queue, or delivered and not yet acknowledged."""
-    waiting = [json.loads(m) for q in layout.task_queues(r) for m in r.lrange(q, 0, -1)]
+    waiting = [json.loads(m) for q in task_queues(r) for m in r.lrange(q, 0, -1)]
     return waiting + [json.loads(v)[0] for v in r.hvals(layout.UNACKED)]

@@ -9,7 +9,7 @@ import os
 
 import numpy as np
 import pytest
-from conftest import tt, tt_here, tt_json
+from conftest import Server, bearer, tt, tt_json, tt_json_many, tt_many
 
 from tensorturn import data as datasets
 from tensorturn import layout
@@ -223,13 +223,13 @@ def test_a_dataset_larger_than_the_cache_trains_fused_with_the_same_result_on_1_
                      "--chunk-mb", "0.1", "--store", store, "--json")
     train_bytes = sum(c["bytes"] for c in tt_json("data", "show", "lean", "--store", store)["splits"]["train"])
     budget_gb = train_bytes / 4 / 1024 ** 3   # the train split is 4× what a cache may hold
-    docs = {}
-    for agents in (1, 3):
-        env = clean_env(TENSORTURN_CACHE_DIR=str(tmp_path / f"cache-{agents}"), TENSORTURN_CACHE_GB=str(budget_gb))
-        docs[agents] = tt_json("run", "--recipe", "tabular", "--recipe-option", "dataset=lean",
-                               "--local-workers", str(agents), "--rounds", "2", "--shards", "8",
-                               "--sync-every", "20", "--store", store, "--json", env=env, cwd=tmp_path)
-    one, three = docs[1], docs[3]
+    # the two runs side by side, each on its own embedded pool and caches
+    one, three = tt_json_many(*(("run", "--recipe", "tabular", "--recipe-option", "dataset=lean",
+                                 "--local-workers", str(agents), "--rounds", "2", "--shards", "8",
+                                 "--sync-every", "20", "--store", store, "--json") for agents in (1, 3)),
+                              envs=[clean_env(TENSORTURN_CACHE_DIR=str(tmp_path / f"cache-{agents}"),
+                                              TENSORTURN_CACHE_GB=str(budget_gb)) for agents in (1, 3)],
+                              cwd=tmp_path)
     assert one["state"] == three["state"] == "succeeded"
     assert one["model_sha256"] == three["model_sha256"]           # the math ignores where shards ran
     assert one["metrics"]["test_accuracy"] > 0.8                    # and it learned something
@@ -260,7 +260,6 @@ def test_a_dataset_larger_than_the_cache_trains_fused_with_the_same_result_on_1_
     assert pushed["rows"]["train"] == 32000
     # served: the server reads the dataset's index (for the features' scaling), no chunk
     import httpx
-    from test_serve import Server, bearer
 
     token = tt_json("token", "create", "--store", store, "--json", cwd=tmp_path)["token"]
     server = Server(store, one["run_id"])
@@ -287,13 +286,13 @@ def test_a_language_model_on_a_pushed_text_folder_trains_fused_and_ensemble(tmp_
     store = str(tmp_path / "store")
     tt_json("data", "push", str(books), "--name", "books", "--store", store, "--json")
     small = ["--recipe-option", "context=32", "--recipe-option", "n_embd=32", "--recipe-option", "n_layer=1"]
-    fused = tt_json("run", "--recipe", "textlm", "--recipe-option", "dataset=books", *small,
-                    "--local-workers", "2", "--rounds", "2", "--shards", "2", "--sync-every", "10",
-                    "--store", store, "--json", cwd=tmp_path)
+    fused, ensemble = tt_json_many(  # side by side, each on its own embedded pool
+        ("run", "--recipe", "textlm", "--recipe-option", "dataset=books", *small, "--local-workers", "2",
+         "--rounds", "2", "--shards", "2", "--sync-every", "10", "--store", store, "--json"),
+        ("run", "--mode", "ensemble", "--recipe", "textlm", "--recipe-option", "dataset=books", *small,
+         "--members", "2", "--segments", "1", "--segment-steps", "10", "--local-workers", "2",
+         "--store", store, "--json"), cwd=tmp_path)
     assert fused["state"] == "succeeded" and fused["metrics"]["test_loss"] < 5.5  # ln 256 = 5.55
-    ensemble = tt_json("run", "--mode", "ensemble", "--recipe", "textlm", "--recipe-option", "dataset=books",
-                       *small, "--members", "2", "--segments", "1", "--segment-steps", "10",
-                       "--local-workers", "2", "--store", store, "--json", cwd=tmp_path)
     assert ensemble["state"] == "succeeded", ensemble.get("error")
     assert ensemble["metrics"]["members_succeeded"] == 2 and "test_accuracy" in ensemble["metrics"]
 
@@ -335,12 +334,14 @@ def test_check_recipe_on_pushed_images_and_tables(tmp_path, table_csv):
     push_pictures(tmp_path, store, per_class=10)
     tt_json("data", "push", str(table_csv), "--name", "tab", "--label", "y", "--store", store, "--json")
     env = clean_env(TENSORTURN_STORE_URL=store)
-    images = json.loads(tt_here("check-recipe", "image-folder", "--recipe-option", "dataset=colors",
-                                "--json", env=env).stdout)
+    check = ("check-recipe", "tabular", "--recipe-option")
+    images, table, wrong = tt_many(  # three processes that load torch: at once
+        ("check-recipe", "image-folder", "--recipe-option", "dataset=colors", "--json"),
+        (*check, "dataset=tab", "--json"), (*check, "dataset=colors"), envs=[env] * 3)
+    images = json.loads(images.stdout)
     assert images["input_shape"] == [3, 12, 12] and images["outputs"]["probabilities"]["shape"] == ["N", 2]
-    table = json.loads(tt_here("check-recipe", "tabular", "--recipe-option", "dataset=tab", "--json", env=env).stdout)
+    table = json.loads(table.stdout)
     assert table["task"] == "classification" and table["input_shape"] == [3]
-    wrong = tt_here("check-recipe", "tabular", "--recipe-option", "dataset=colors", env=env)
     assert wrong.returncode == 2
     assert wrong.stderr.strip() == ("error: recipe 'tabular' failed at build: recipe 'tabular': dataset "
                                     "'colors' is 'images' data, not 'table'")
@@ -384,8 +385,8 @@ def test_labels_become_what_they_mean_and_bad_ones_are_one_line(tmp_path):
 
 def test_a_run_pins_the_dataset_version_it_started_with(tmp_path, table_csv, redis_server):
     from tensorturn import config
+    from tensorturn import runs as client
     from tensorturn.pool.celery_app import configure
-    from tensorturn.runs import service as client
     from tensorturn.spec import RunSpec
     from tensorturn.state.manifest import load_spec
 

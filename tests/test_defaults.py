@@ -15,11 +15,10 @@ import pytest
 from conftest import tt
 
 from tensorturn import config, trust
-from tensorturn.modes.fused import EPOCHS_PER_ROUND_WARNING
-from tensorturn.modes.fused import tasks as fused
+from tensorturn import runs as client
+from tensorturn.modes.fused.options import EPOCHS_PER_ROUND_WARNING, epochs_per_round, settle_options
 from tensorturn.pool.celery_app import configure
 from tensorturn.recipes import resolve
-from tensorturn.runs import service as client
 from tensorturn.spec import RunSpec
 from tensorturn.state.board import RunBoard
 from tensorturn.state.broker import redis_client
@@ -34,8 +33,8 @@ def settle(recipe: str, recipe_options: dict | None = None, **given) -> tuple[Ru
     prints, and how often a shard goes over its rows a round."""
     spec = RunSpec.create("fused", recipe, "file:///unused", recipe_options=recipe_options or {}, **given)
     built = resolve(recipe, spec.recipe_options)
-    warnings = fused.settle_options(spec, built)
-    return spec, warnings, fused.epochs_per_round(spec, built)
+    warnings = settle_options(spec, built)
+    return spec, warnings, epochs_per_round(spec, built)
 
 
 @pytest.fixture

@@ -15,15 +15,14 @@ import signal
 import pytest
 import redis
 import torch
-from conftest import tt, tt_json, wait_for
+from conftest import run_to_end, submit_run, tt, tt_here, tt_json, wait_for, wait_for_run
 
 from tensorturn import config, layout, trust
-from tensorturn.cli.distill import distill_spec
 from tensorturn.errors import RecipeError
+from tensorturn.merge.distill import distill_spec
+from tensorturn.merge.student import Distilled
 from tensorturn.recipes import Recipe, resolve
-from tensorturn.recipes.distilled import Distilled
 from tensorturn.recipes.result import load_result
-from tensorturn.runs import service as client
 from tensorturn.spec import RunSpec
 from tensorturn.state.board import RunBoard
 from tensorturn.store.objects import open_store
@@ -38,10 +37,8 @@ STUDENT = dict(rounds=2, shards=3, sync_every=1500)
 
 @pytest.fixture(scope="module")
 def ensemble(pool):
-    spec = RunSpec.create("ensemble", "digits-mlp", pool.store_url, members=2, segments=1,
-                          segment_steps=150, seed=0)
-    client.submit(spec, pool.broker_url)
-    doc = client.wait(pool.broker_url, spec.run_id, timeout_s=600)
+    doc = run_to_end(pool, mode="ensemble", recipe="digits-mlp", members=2, segments=1,
+                     segment_steps=150, seed=0)
     assert doc["state"] == "succeeded", doc.get("error")
     return doc
 
@@ -84,8 +81,7 @@ def test_the_student_learns_the_vote_and_serves_as_one_model_with_its_lineage(po
 
 
 def test_an_agent_killed_mid_distillation_loses_nothing(pool, ensemble, student):
-    spec = distill_spec(ensemble["run_id"], pool.store_url, **STUDENT)
-    client.submit(spec, pool.broker_url)
+    spec = submit_run(pool, distill_spec(ensemble["run_id"], pool.store_url, **STUDENT))
     board = RunBoard(redis.Redis.from_url(pool.broker_url, decode_responses=True))
     victim = wait_for(lambda: next((a for a in board.attempts(spec.run_id)
                                     if a["task"].startswith("r0/") and a["outcome"] == "running"), None),
@@ -94,7 +90,7 @@ def test_an_agent_killed_mid_distillation_loses_nothing(pool, ensemble, student)
     os.killpg(pool.agents[index].pid, signal.SIGKILL)
     pool.agents[index].wait()
     pool.start_agent(index)
-    doc = client.wait(pool.broker_url, spec.run_id, timeout_s=600)
+    doc = wait_for_run(pool, spec.run_id)
     assert doc["state"] == "succeeded", doc.get("error")
     assert doc["model_sha256"] == student["model_sha256"]  # the fault-free student, bit for bit
     assert [r["samples"] for r in doc["rounds"]] == [r["samples"] for r in student["rounds"]]
@@ -143,8 +139,8 @@ def test_bad_distillations_are_one_line_and_start_nothing(pool, ensemble, studen
     names = {"STUDENT": student["run_id"], "ENSEMBLE": ensemble["run_id"],
              "UNFINISHED": "unfinished-ensemble"}
     before = sorted(store.list("runs/"))
-    proc = tt("distill", *(names.get(a, a) for a in args), "--broker", redis_server.url,
-              "--store", pool.store_url)
+    proc = tt_here("distill", *(names.get(a, a) for a in args), "--broker", redis_server.url,
+                   "--store", pool.store_url)
     assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and expected in errors[0], proc.stderr
@@ -208,12 +204,10 @@ def test_a_language_model_is_distilled_position_by_position(pool, tmp_path):
     options = {"data": str(text), "context": 16, "n_layer": 1, "n_embd": 32, "n_head": 2}
     spec = RunSpec.create("ensemble", "charlm", pool.store_url, recipe_options=options, members=2,
                           segments=1, segment_steps=20, diversity="seed", seed=0)
-    client.submit(spec, pool.broker_url)
-    ens = client.wait(pool.broker_url, spec.run_id, timeout_s=600)
+    ens = run_to_end(pool, spec)
     assert ens["state"] == "succeeded", ens.get("error")
-    student_spec = distill_spec(spec.run_id, pool.store_url, top_k=4, rounds=1, shards=2, sync_every=10)
-    client.submit(student_spec, pool.broker_url)
-    doc = client.wait(pool.broker_url, student_spec.run_id, timeout_s=600)
+    doc = run_to_end(pool, distill_spec(spec.run_id, pool.store_url, top_k=4, rounds=1, shards=2,
+                                        sync_every=10))
     assert doc["state"] == "succeeded", doc.get("error")
     assert doc["rounds"][0]["val_loss"] is not None
     from tensorturn.store.tensors import from_bytes
@@ -225,22 +219,19 @@ def test_a_language_model_is_distilled_position_by_position(pool, tmp_path):
     assert torch.allclose(stored["values"].float().sum(-1), torch.ones(windows, 16), atol=1e-2)
 
 
-def test_a_merged_models_lineage_is_printed(capsys):
-    from tensorturn.cli.run import print_results
+def test_a_merged_models_lineage_is_printed():
+    from tensorturn.runs.display import as_one, result_lines
 
     base = {"run_id": "r2", "state": "succeeded", "metrics": {"test_accuracy": 0.97},
             "model_uri": "file:///s/runs/r2/final/model.safetensors", "model_sha256": "ab"}
     ensemble = {**base, "run_id": "r1", "model_uri": None}
-    print_results([ensemble, {**base, "lineage": {"distilled_from": "r1", "temperature": 2.0,
-                                                  "alpha": 0.5, "top_k": 16}}], as_json=False)
-    out = capsys.readouterr().out
-    assert out.startswith("run r1: succeeded\n") and "run r2: succeeded" in out
+    out = result_lines(ensemble) + result_lines({**base, "lineage": {
+        "distilled_from": "r1", "temperature": 2.0, "alpha": 0.5, "top_k": 16}})
+    assert out[0] == "run r1: succeeded" and "run r2: succeeded" in out
     assert "  distilled from: run r1 (T 2, alpha 0.5, top-k 16)" in out
-    print_results([{**base, "lineage": {"souped_from": "r1", "rule": "greedy", "members": [2, 0]}}],
-                  as_json=False)
-    assert "  souped from: run r1 (greedy soup of members 2, 0)" in capsys.readouterr().out
-    print_results([ensemble, {**base, "lineage": {}}], as_json=True)
-    doc = json.loads(capsys.readouterr().out)
+    souped = result_lines({**base, "lineage": {"souped_from": "r1", "rule": "greedy", "members": [2, 0]}})
+    assert "  souped from: run r1 (greedy soup of members 2, 0)" in souped
+    doc = json.loads(json.dumps(as_one([ensemble, {**base, "lineage": {}}])))
     assert doc["run_id"] == "r2" and doc["ensemble"]["run_id"] == "r1"
 
 

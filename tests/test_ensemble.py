@@ -8,11 +8,9 @@ import time
 
 import pytest
 import redis
-from conftest import clean_env, queued_messages, tt, tt_json
+from conftest import clean_env, queued_messages, submit_run, tt, tt_json
 
-from tensorturn.pool.embedded import LocalPool
-from tensorturn.runs import service as client
-from tensorturn.spec import RunSpec
+from tensorturn import runs as client
 from tensorturn.state.board import RunBoard
 
 
@@ -41,25 +39,23 @@ def _attempts(doc, task):
 
 
 @pytest.mark.e2e
-def test_a_lost_machine_costs_one_segment_not_the_member(tmp_path):
-    store = (tmp_path / "store").as_uri()
-    with LocalPool(2, store, workdir=tmp_path / "pool", loglevel="INFO") as pool:
-        spec = RunSpec.create(mode="ensemble", recipe="digits-mlp", store_url=store, members=2,
-                       segments=3, segment_steps=2500)
-        client.submit(spec, pool.broker_url)
-        board = RunBoard(redis.Redis.from_url(pool.broker_url, decode_responses=True))
-        victim = None
-        deadline = time.monotonic() + 120
-        while victim is None and time.monotonic() < deadline:
-            for a in board.attempts(spec.run_id):
-                if a["task"].endswith("/seg-1") and a["outcome"] == "running":
-                    victim = a
-                    break
-            time.sleep(0.1)
-        assert victim is not None, "no second segment started"
-        index = int(victim["worker"].split("@")[0].removeprefix("local")) - 1
-        os.killpg(pool.agents[index].pid, signal.SIGKILL)  # the machine drops
-        doc = client.wait(pool.broker_url, spec.run_id, timeout_s=240)
+def test_a_lost_machine_costs_one_segment_not_the_member(pool_factory):
+    pool = pool_factory(2, loglevel="INFO")
+    spec = submit_run(pool, mode="ensemble", recipe="digits-mlp", members=2, segments=3,
+                      segment_steps=2500)
+    board = RunBoard(redis.Redis.from_url(pool.broker_url, decode_responses=True))
+    victim = None
+    deadline = time.monotonic() + 120
+    while victim is None and time.monotonic() < deadline:
+        for a in board.attempts(spec.run_id):
+            if a["task"].endswith("/seg-1") and a["outcome"] == "running":
+                victim = a
+                break
+        time.sleep(0.1)
+    assert victim is not None, "no second segment started"
+    index = int(victim["worker"].split("@")[0].removeprefix("local")) - 1
+    os.killpg(pool.agents[index].pid, signal.SIGKILL)  # the machine drops
+    doc = client.wait(pool.broker_url, spec.run_id, timeout_s=240)
 
     assert doc["state"] == "succeeded", doc.get("error")
     member = victim["task"].split("/")[0]

@@ -13,8 +13,9 @@ import time
 
 import httpx
 import pytest
+from conftest import start_pool
 
-from tensorturn.pool.embedded import LocalPool, free_port, stop_process_group
+from tensorturn.pool.embedded import free_port, stop_process_group
 
 pytestmark = pytest.mark.e2e
 
@@ -25,9 +26,9 @@ AGENTS = ("local1@", "local2@")
 @pytest.fixture(scope="module")
 def flower_pool(tmp_path_factory):
     """Two real agents (local1, local2) on a private redis-server."""
-    workdir = tmp_path_factory.mktemp("flower-pool")
-    with LocalPool(2, (workdir / "store").as_uri(), workdir=workdir / "pool") as pool:
-        yield pool
+    pool = start_pool(tmp_path_factory.mktemp("flower-pool"), 2)
+    yield pool
+    pool.stop(grace=1.0)
 
 
 @pytest.fixture(scope="module")

@@ -5,15 +5,17 @@ from urllib.parse import urlsplit
 
 import boto3
 import pytest
-from conftest import clean_env, tt_json
+from conftest import clean_env, tt_json, tt_json_many
 
 pytestmark = pytest.mark.e2e
 
 
 def test_embedded_fused_run_reaches_accuracy_and_is_machine_independent(tmp_path):
     store = str(tmp_path / "store")
-    three = tt_json("run", "--mode", "fused", "--recipe", "digits-mlp", "--local-workers", "3",
-                    "--rounds", "8", "--store", store, "--json", cwd=tmp_path)
+    run = ("run", "--mode", "fused", "--recipe", "digits-mlp", "--rounds", "8", "--store", store, "--json")
+    # side by side, each on its own embedded pool: three agents, and one training with one thread
+    three, one = tt_json_many((*run, "--local-workers", "3"),
+                              (*run, "--local-workers", "1", "--threads-per-task", "1"), cwd=tmp_path)
     assert three["state"] == "succeeded"
     assert three["metrics"]["test_accuracy"] >= 0.95
     assert len(three["rounds"]) == 8
@@ -26,9 +28,6 @@ def test_embedded_fused_run_reaches_accuracy_and_is_machine_independent(tmp_path
     assert three["bytes_up"] > 0 and three["bytes_down"] > 0
 
     # Shards are virtual replicas: one agent computes the very same weights.
-    one = tt_json("run", "--mode", "fused", "--recipe", "digits-mlp", "--local-workers", "1",
-                  "--rounds", "8", "--store", store, "--threads-per-task", "1", "--json",
-                  cwd=tmp_path)
     assert one["state"] == "succeeded"
     assert {a["worker"].split("@")[0] for a in one["attempts"]} == {"local1"}
     assert one["model_sha256"] == three["model_sha256"]

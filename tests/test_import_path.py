@@ -5,18 +5,16 @@ so a stray ``celery.py`` there — or a file named like the user's recipe — wo
 from __future__ import annotations
 
 import pytest
+from conftest import run_to_end
 
 from tensorturn import config, trust
-from tensorturn.pool.embedded import LocalPool
-from tensorturn.runs import service as client
-from tensorturn.spec import RunSpec
 
 # what an agent imports at start (celery, json), and the recipe module tests/ holds (regress)
 SHADOWS = ("celery", "json", "regress")
 
 
 @pytest.mark.e2e
-def test_embedded_agents_import_nothing_from_the_current_directory(tmp_path, monkeypatch):
+def test_embedded_agents_import_nothing_from_the_current_directory(tmp_path, pool_factory, monkeypatch):
     marker = tmp_path / "imported-from-cwd"
     here = tmp_path / "project"
     here.mkdir()
@@ -25,11 +23,8 @@ def test_embedded_agents_import_nothing_from_the_current_directory(tmp_path, mon
             f"open({str(marker)!r}, 'a').write('{module}\\n')\nraise SystemExit('shadowed {module}')\n")
     monkeypatch.chdir(here)
     config.use(trust.with_allowed(config.current(), ["regress:*"]))  # tests/regress.py, on PYTHONPATH
-    store = (tmp_path / "store").as_uri()
-    with LocalPool(1, store, workdir=tmp_path / "pool") as pool:
-        spec = RunSpec.create(mode="fused", recipe="regress:Diabetes", store_url=store, rounds=1,
-                              shards=1, sync_every=2)
-        client.submit(spec, pool.broker_url)  # the idle agent builds the recipe
-        doc = client.wait(pool.broker_url, spec.run_id, timeout_s=300)
+    pool = pool_factory(1)
+    # the idle agent builds the recipe
+    doc = run_to_end(pool, mode="fused", recipe="regress:Diabetes", rounds=1, shards=1, sync_every=2)
     assert not marker.exists(), marker.read_text()
     assert doc["state"] == "succeeded", doc.get("error")

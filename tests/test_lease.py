@@ -3,11 +3,10 @@
 
 import pytest
 import redis
+from conftest import run_to_end
 
-from tensorturn.pool.embedded import LocalPool
-from tensorturn.pool.lease import UNACKED_INDEX, refresh
-from tensorturn.runs import service as client
-from tensorturn.spec import RunSpec
+from tensorturn.layout import UNACKED_INDEX
+from tensorturn.pool.lease import refresh
 
 
 def test_refresh_moves_only_leases_still_held(redis_server):
@@ -35,16 +34,12 @@ def test_the_restore_sweeps_lock_lasts_seconds_not_minutes(redis_server):
 
 
 @pytest.mark.e2e
-def test_a_task_far_longer_than_the_visibility_timeout_runs_once(tmp_path, monkeypatch):
+def test_a_task_far_longer_than_the_visibility_timeout_runs_once(pool_factory, monkeypatch):
     # A 3 s visibility timeout; one shard that trains for ~10x that. Without the lease keeper
     # the idle second agent's restore sweep would hand the shard out again after 3 s.
     monkeypatch.setenv("TENSORTURN_VISIBILITY_TIMEOUT_S", "3")
-    store = (tmp_path / "store").as_uri()
-    with LocalPool(2, store, workdir=tmp_path / "pool") as pool:
-        spec = RunSpec.create(mode="fused", recipe="digits-mlp", store_url=store, rounds=1, shards=1,
-                       sync_every=12000)
-        client.submit(spec, pool.broker_url)
-        doc = client.wait(pool.broker_url, spec.run_id, timeout_s=600)
+    pool = pool_factory(2)
+    doc = run_to_end(pool, mode="fused", recipe="digits-mlp", rounds=1, shards=1, sync_every=12000)
     assert doc["state"] == "succeeded", doc.get("error")
     shard = [a for a in doc["attempts"] if a["task"] == "r0/shard-0"]
     assert len(shard) == 1 and shard[0]["outcome"] == "succeeded"

@@ -10,7 +10,7 @@ import boto3
 import pytest
 from conftest import wait_for
 
-from tensorturn.runs import service as client
+from tensorturn import runs as client
 from tensorturn.spec import RunSpec
 from tensorturn.state.board import RunBoard
 from tensorturn.state.broker import redis_client

@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import pytest
 import redis
-from conftest import wait_for
+from conftest import run_to_end, submit_run, wait_for, wait_for_run
 
 from tensorturn import layout
+from tensorturn import runs as client
 from tensorturn.pool import routing
-from tensorturn.pool.embedded import LocalPool, stop_process_group
-from tensorturn.runs import service as client
-from tensorturn.spec import RunSpec
+from tensorturn.pool.embedded import stop_process_group
 
 
 def outer_workers(doc: dict) -> set[str]:
@@ -21,59 +20,55 @@ def outer_workers(doc: dict) -> set[str]:
 
 
 @pytest.mark.e2e
-def test_outer_steps_run_beside_the_store_and_move_to_the_trainers_when_it_is_gone(tmp_path):
-    store_url = f"file://{tmp_path / 'store'}"
-    fields = dict(recipe="digits-mlp", store_url=store_url, mode="fused", rounds=2, shards=2,
+def test_outer_steps_run_beside_the_store_and_move_to_the_trainers_when_it_is_gone(pool_factory):
+    pool = pool_factory(3, roles=["train", "train", "outer"])
+    store_url = pool.store_url
+    fields = dict(recipe="digits-mlp", mode="fused", rounds=2, shards=2,
                   sync_every=5, codec="int8", seed=3)
-    with LocalPool(3, store_url, workdir=tmp_path / "pool", roles=["train", "train", "outer"]) as pool:
-        r = redis.Redis.from_url(pool.broker_url, decode_responses=True)
-        wait_for(lambda: routing.queue_for_outer(r, "celery") == routing.outer_queue("celery"),
-                 "the outer agent to say it serves the outer queue")
-        first = RunSpec.create(**fields)
-        client.submit(first, pool.broker_url)
-        beside = client.wait(pool.broker_url, first.run_id, timeout_s=300)
-        assert beside["state"] == "succeeded", beside.get("error")
-        assert {w.split("@")[0] for w in outer_workers(beside)} == {"local3"}
-        shard_workers = {a["worker"].split("@")[0] for a in beside["attempts"]
-                         if getattr(layout.parse_label(a["task"]), "kind", None) == "shard"}
-        assert shard_workers <= {"local1", "local2"}
-        # what each machine moved through the store is recorded with each attempt's outcome:
-        # once no attempt runs, the per-machine figures add up to the run's
-        def settled() -> dict | None:
-            doc = client.describe(first.run_id, pool.broker_url, store_url)
-            return doc if all(a["outcome"] != "running" for a in doc["attempts"]) else None
+    r = redis.Redis.from_url(pool.broker_url, decode_responses=True)
+    wait_for(lambda: routing.queue_for_outer(r, "celery") == routing.outer_queue("celery"),
+             "the outer agent to say it serves the outer queue")
+    first = submit_run(pool, **fields)
+    beside = wait_for_run(pool, first.run_id)
+    assert beside["state"] == "succeeded", beside.get("error")
+    assert {w.split("@")[0] for w in outer_workers(beside)} == {"local3"}
+    shard_workers = {a["worker"].split("@")[0] for a in beside["attempts"]
+                     if getattr(layout.parse_label(a["task"]), "kind", None) == "shard"}
+    assert shard_workers <= {"local1", "local2"}
+    # what each machine moved through the store is recorded with each attempt's outcome:
+    # once no attempt runs, the per-machine figures add up to the run's
+    def settled() -> dict | None:
+        doc = client.describe(first.run_id, pool.broker_url, store_url)
+        return doc if all(a["outcome"] != "running" for a in doc["attempts"]) else None
 
-        beside = wait_for(settled, "the last attempt's outcome")
-        by = beside["store_bytes_by_worker"]
-        assert sum(v["up"] for v in by.values()) == beside["store_bytes_up"]
-        assert sum(v["down"] for v in by.values()) == beside["store_bytes_down"]
-        trainers_up = sum(v["up"] for w, v in by.items() if not w.startswith("local3@"))
-        assert trainers_up >= beside["bytes_up"] > 0  # their pseudo-gradients, at least
-        outer_up = next(v["up"] for w, v in by.items() if w.startswith("local3@"))
-        assert outer_up > 0  # θ, the outer state and the broadcasts: stored beside the store
+    beside = wait_for(settled, "the last attempt's outcome")
+    by = beside["store_bytes_by_worker"]
+    assert sum(v["up"] for v in by.values()) == beside["store_bytes_up"]
+    assert sum(v["down"] for v in by.values()) == beside["store_bytes_down"]
+    trainers_up = sum(v["up"] for w, v in by.items() if not w.startswith("local3@"))
+    assert trainers_up >= beside["bytes_up"] > 0  # their pseudo-gradients, at least
+    outer_up = next(v["up"] for w, v in by.items() if w.startswith("local3@"))
+    assert outer_up > 0  # θ, the outer state and the broadcasts: stored beside the store
 
-        # a clean stop mid-round: round 0's outer step was queued for the outer agent when the
-        # round began and reaches its queue only after the agent withdrew — it must go on
-        second = RunSpec.create(**fields)
-        client.submit(second, pool.broker_url)
-        wait_for(lambda: any(a["task"].startswith("r0/") for a in
-                             client.describe(second.run_id, pool.broker_url, store_url)["attempts"]),
-                 "round 0 to begin")
-        pool.agents[2].terminate()
-        assert pool.agents[2].wait(timeout=120) is not None
-        stopped = client.wait(pool.broker_url, second.run_id, timeout_s=300)
-        assert stopped["state"] == "succeeded", stopped.get("error")
-        assert stopped["model_sha256"] == beside["model_sha256"]
+    # a clean stop mid-round: round 0's outer step was queued for the outer agent when the
+    # round began and reaches its queue only after the agent withdrew — it must go on
+    second = submit_run(pool, **fields)
+    wait_for(lambda: any(a["task"].startswith("r0/") for a in
+                         client.describe(second.run_id, pool.broker_url, store_url)["attempts"]),
+             "round 0 to begin")
+    pool.agents[2].terminate()
+    assert pool.agents[2].wait(timeout=120) is not None
+    stopped = wait_for_run(pool, second.run_id)
+    assert stopped["state"] == "succeeded", stopped.get("error")
+    assert stopped["model_sha256"] == beside["model_sha256"]
 
-        # the outer agent back, then dead without a word: its advertisement is still fresh, so
-        # the next run's outer step is queued for it, and must reach the trainers all the same
-        pool.start_agent(2)
-        wait_for(lambda: routing.queue_for_outer(r, "celery") == routing.outer_queue("celery"),
-                 "the restarted outer agent to serve the outer queue")
-        stop_process_group(pool.agents[2], grace=0, term=False)
-        third = RunSpec.create(**fields)
-        client.submit(third, pool.broker_url)
-        killed = client.wait(pool.broker_url, third.run_id, timeout_s=300)
+    # the outer agent back, then dead without a word: its advertisement is still fresh, so
+    # the next run's outer step is queued for it, and must reach the trainers all the same
+    pool.start_agent(2)
+    wait_for(lambda: routing.queue_for_outer(r, "celery") == routing.outer_queue("celery"),
+             "the restarted outer agent to serve the outer queue")
+    stop_process_group(pool.agents[2], grace=0, term=False)
+    killed = run_to_end(pool, **fields)
     assert killed["state"] == "succeeded", killed.get("error")
     assert {w.split("@")[0] for w in outer_workers(killed)} <= {"local1", "local2"}
     assert killed["model_sha256"] == beside["model_sha256"]
@@ -85,7 +80,7 @@ def test_the_mover_sends_waiting_outer_steps_to_the_trainers_once_no_agent_serve
     being watched: a message that comes back to it later moves too."""
     r = redis.Redis.from_url(redis_server.url, decode_responses=True)
     outer = routing.outer_queue("tt.fits.512MB")
-    r.zadd(routing.ADVERTISED, {"not-a-member": 0})  # a malformed entry is skipped
+    r.zadd(layout.ADVERTISED, {"not-a-member": 0})  # a malformed entry is skipped
     routing.advertise(r, "a@h", [outer, "celery"])
     r.lpush(outer, "m1")
     assert routing.reroute(r) == 0 and r.lrange(outer, 0, -1) == ["m1"]

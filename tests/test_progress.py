@@ -12,13 +12,13 @@ import time
 from types import SimpleNamespace
 
 import pytest
-from conftest import clean_env, paced_pool, tt, wait_for
+from conftest import as_agent_of, clean_env, tt, wait_for
 
 from tensorturn import config, layout
-from tensorturn.cli.run import RunProgress
+from tensorturn import runs as client
 from tensorturn.modes import get_mode
 from tensorturn.pool import telemetry
-from tensorturn.runs import service as client
+from tensorturn.runs.display import RunProgress
 from tensorturn.spec import RunSpec
 from tensorturn.state.board import RunBoard
 from tensorturn.state.broker import redis_client
@@ -250,23 +250,8 @@ def test_a_training_task_that_reports_no_step_is_named_in_the_stall_note(board, 
 
 # ---- the task that finishes a run writes the state last -----------------------------------------
 
-@pytest.fixture
-def world(redis_server, tmp_path):
-    from tensorturn.modes.fused import tasks as fused
-    from tensorturn.pool.celery_app import configure
-
-    configure(redis_server.url)
-    fused._held.clear()
-    yield SimpleNamespace(broker=redis_server.url, tmp=tmp_path, board=RunBoard(redis_client(redis_server.url)))
-    fused._held.clear()
-
-
-def as_agent_of(spec: RunSpec) -> None:
-    config.use(config.current().with_(store_url=spec.store_url))  # agents use their own store
-
-
 def drive_fused(spec: RunSpec) -> None:
-    from tensorturn.modes.fused import tasks as fused
+    from tensorturn.modes.fused.sync import rounds as fused
     from tensorturn.tasks.attempt import signed
 
     as_agent_of(spec)
@@ -311,9 +296,7 @@ def assert_complete(world, spec: RunSpec) -> None:
 
 
 def test_the_last_outer_step_finishes_the_run_with_its_own_records(world, monkeypatch):
-    spec = RunSpec.create(store_url=(world.tmp / "store").as_uri(), mode="fused", recipe="digits-mlp",
-                          rounds=2, shards=2, sync_every=5)
-    client.submit(spec, world.broker)
+    spec = world.submit(mode="fused", recipe="digits-mlp", rounds=2, shards=2, sync_every=5)
     seen = states_when_attempts_finish(monkeypatch, world.board)
     drive_fused(spec)
     assert seen["r1/outer#1"] == "running"  # its attempt and figures went with the state
@@ -321,9 +304,7 @@ def test_the_last_outer_step_finishes_the_run_with_its_own_records(world, monkey
 
 
 def test_the_vote_finishes_the_run_with_its_own_records(world, monkeypatch):
-    spec = RunSpec.create(store_url=(world.tmp / "store").as_uri(), mode="ensemble",
-                          recipe="digits-mlp", members=2, segments=1, segment_steps=5)
-    client.submit(spec, world.broker)
+    spec = world.submit(mode="ensemble", recipe="digits-mlp", members=2, segments=1, segment_steps=5)
     seen = states_when_attempts_finish(monkeypatch, world.board)
     drive_ensemble(spec)
     assert seen["vote#1"] == "running"
@@ -333,41 +314,41 @@ def test_the_vote_finishes_the_run_with_its_own_records(world, monkeypatch):
 # ---- end to end: real agents ----------------------------------------------------------------------
 
 @pytest.mark.e2e
-def test_run_shows_progress_inside_rounds_and_json_is_complete_when_printed(tmp_path, monkeypatch):
+def test_run_shows_progress_inside_rounds_and_json_is_complete_when_printed(tmp_path, pool_factory):
 
     # every training step lasts 10 ms on the agents: a shard of 150 steps takes 1.5 s, long
     # enough to be seen inside its round however loaded the machine is
-    with paced_pool(tmp_path, monkeypatch, 0.01) as (pool, store):
-        board = RunBoard(redis_client(pool.broker_url))
-        args = ("run", "--broker", pool.broker_url, "--store", str(store), "--recipe", "digits-mlp",
-                "--rounds", "3", "--shards", "4", "--sync-every", "150")
-        proc = subprocess.Popen([sys.executable, "-m", "tensorturn", *args], env=clean_env(),
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                stdin=subprocess.DEVNULL)
-        try:
-            run_id = wait_for(lambda: next(iter(board.r.zrange(layout.RUN_INDEX, 0, -1)), None), "the run")
-            seen = wait_for(lambda: (d := board.describe(run_id)).get("in_round")
-                            and 0 < d["in_round"]["steps_done"] < d["in_round"]["steps_total"]
-                            and d["in_round"], "steps inside a round")
-            assert seen["shards"] == 4 and seen["steps_total"] == 600
-            out, err = proc.communicate(timeout=600)
-        finally:
-            proc.kill()
-        assert proc.returncode == 0, err[-3000:]
-        lines = err.splitlines()
-        rounds = [line.split()[1] for line in lines if line.startswith("round ")]
-        assert rounds == ["0", "1", "2"]
-        assert any(line.startswith("  round ") and " steps" in line for line in lines), err
-        assert all(len(line) <= 80 for line in lines if line.startswith("  round "))
+    pool, store = pool_factory(step_s=0.01), tmp_path / "store"
+    board = RunBoard(redis_client(pool.broker_url))
+    args = ("run", "--broker", pool.broker_url, "--store", str(store), "--recipe", "digits-mlp",
+            "--rounds", "3", "--shards", "4", "--sync-every", "150")
+    proc = subprocess.Popen([sys.executable, "-m", "tensorturn", *args], env=clean_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            stdin=subprocess.DEVNULL)
+    try:
+        run_id = wait_for(lambda: next(iter(board.r.zrange(layout.RUN_INDEX, 0, -1)), None), "the run")
+        seen = wait_for(lambda: (d := board.describe(run_id)).get("in_round")
+                        and 0 < d["in_round"]["steps_done"] < d["in_round"]["steps_total"]
+                        and d["in_round"], "steps inside a round")
+        assert seen["shards"] == 4 and seen["steps_total"] == 600
+        out, err = proc.communicate(timeout=600)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    lines = err.splitlines()
+    rounds = [line.split()[1] for line in lines if line.startswith("round ")]
+    assert rounds == ["0", "1", "2"]
+    assert any(line.startswith("  round ") and " steps" in line for line in lines), err
+    assert all(len(line) <= 80 for line in lines if line.startswith("  round "))
 
-        # `run --json` on the standing pool: complete when printed, a few times over
-        for seed in range(3):
-            done = tt(*args[:-6], "--rounds", "2", "--shards", "2", "--sync-every", "5",
-                      "--seed", str(seed), "--json")
-            assert done.returncode == 0, done.stderr[-3000:]
-            doc = json.loads(done.stdout)
-            assert not [a for a in doc["attempts"] if a["outcome"] == "running"], doc["attempts"]
-            later = board.describe(doc["run_id"])
-            for field in ("state", "attempts", "store_bytes_up", "store_bytes_down",
-                          "store_bytes_by_worker", "bytes_up", "bytes_down"):
-                assert doc[field] == later[field], field
+    # `run --json` on the standing pool: complete when printed, a few times over
+    for seed in range(3):
+        done = tt(*args[:-6], "--rounds", "2", "--shards", "2", "--sync-every", "5",
+                  "--seed", str(seed), "--json")
+        assert done.returncode == 0, done.stderr[-3000:]
+        doc = json.loads(done.stdout)
+        assert not [a for a in doc["attempts"] if a["outcome"] == "running"], doc["attempts"]
+        later = board.describe(doc["run_id"])
+        for field in ("state", "attempts", "store_bytes_up", "store_bytes_down",
+                      "store_bytes_by_worker", "bytes_up", "bytes_down"):
+            assert doc[field] == later[field], field

@@ -7,11 +7,10 @@ import subprocess
 import sys
 
 import pytest
-from conftest import clean_env, wait_for
+from conftest import clean_env, submit_run, wait_for
 
-from tensorturn.pool.embedded import LocalPool, free_port, stop_process_group
-from tensorturn.runs import service as client
-from tensorturn.spec import RunSpec
+from tensorturn import runs as client
+from tensorturn.pool.embedded import free_port, stop_process_group
 from tensorturn.state.board import RunBoard
 from tensorturn.state.broker import redis_client
 
@@ -20,36 +19,34 @@ pytestmark = pytest.mark.e2e
 
 @pytest.mark.parametrize("fault", ["unreachable", "another-store"])
 def test_an_agent_failing_on_the_store_is_quarantined_and_the_run_completes(
-        s3_endpoint, s3_bucket, tmp_path, fault):
+        s3_endpoint, s3_bucket, tmp_path, pool_factory, fault):
     store = f"s3://{s3_bucket}/q"
-    with LocalPool(2, store, workdir=tmp_path / "pool") as pool:
-        spec = RunSpec.create(mode="fused", recipe="digits-mlp", store_url=store, rounds=3,
-                              shards=8, sync_every=1500)
-        client.submit(spec, pool.broker_url)
-        board = RunBoard(redis_client(pool.broker_url))
-        wait_for(lambda: any(a["outcome"] == "succeeded" for a in board.attempts(spec.run_id)),
-                 "a first attempt succeeded", timeout=600)
-        if fault == "unreachable":  # this machine's S3 settings point nowhere
-            env = clean_env(TENSORTURN_BROKER_URL=pool.broker_url, TENSORTURN_STORE_URL=store,
-                            TENSORTURN_STORE_RETRIES="0", AWS_ENDPOINT_URL=f"http://127.0.0.1:{free_port()}",
-                            AWS_ACCESS_KEY_ID="x", AWS_SECRET_ACCESS_KEY="y", AWS_DEFAULT_REGION="us-east-1")
-        else:  # it reaches S3, but was given another store than the pool's: the runs are not there
-            env = clean_env(TENSORTURN_BROKER_URL=pool.broker_url, TENSORTURN_STORE_URL=f"{store}-elsewhere",
-                            **s3_endpoint)
-        log = open(tmp_path / "bad-agent.log", "wb")
-        bad = subprocess.Popen([sys.executable, "-m", "tensorturn", "agent", "--name", "bad"], env=env,
-                               stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                               start_new_session=True)
-        try:
-            if fault == "unreachable":  # it checks its store at start: it never takes a task
-                assert bad.wait(timeout=300) == 3
-                said = (tmp_path / "bad-agent.log").read_text().strip().splitlines()
-                assert len(said) == 1 and said[0].startswith("error: store s3://"), said
-                return
-            doc = client.wait(pool.broker_url, spec.run_id, timeout_s=900)
-            workers = {w["name"].split("@")[0]: w for w in client.workers(pool.broker_url)}
-        finally:
-            stop_process_group(bad, grace=10)
+    pool = pool_factory(2, store)
+    spec = submit_run(pool, mode="fused", recipe="digits-mlp", rounds=3, shards=8, sync_every=1500)
+    board = RunBoard(redis_client(pool.broker_url))
+    wait_for(lambda: any(a["outcome"] == "succeeded" for a in board.attempts(spec.run_id)),
+             "a first attempt succeeded", timeout=600)
+    if fault == "unreachable":  # this machine's S3 settings point nowhere
+        env = clean_env(TENSORTURN_BROKER_URL=pool.broker_url, TENSORTURN_STORE_URL=store,
+                        TENSORTURN_STORE_RETRIES="0", AWS_ENDPOINT_URL=f"http://127.0.0.1:{free_port()}",
+                        AWS_ACCESS_KEY_ID="x", AWS_SECRET_ACCESS_KEY="y", AWS_DEFAULT_REGION="us-east-1")
+    else:  # it reaches S3, but was given another store than the pool's: the runs are not there
+        env = clean_env(TENSORTURN_BROKER_URL=pool.broker_url, TENSORTURN_STORE_URL=f"{store}-elsewhere",
+                        **s3_endpoint)
+    log = open(tmp_path / "bad-agent.log", "wb")
+    bad = subprocess.Popen([sys.executable, "-m", "tensorturn", "agent", "--name", "bad"], env=env,
+                           stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                           start_new_session=True)
+    try:
+        if fault == "unreachable":  # it checks its store at start: it never takes a task
+            assert bad.wait(timeout=300) == 3
+            said = (tmp_path / "bad-agent.log").read_text().strip().splitlines()
+            assert len(said) == 1 and said[0].startswith("error: store s3://"), said
+            return
+        doc = client.wait(pool.broker_url, spec.run_id, timeout_s=900)
+        workers = {w["name"].split("@")[0]: w for w in client.workers(pool.broker_url)}
+    finally:
+        stop_process_group(bad, grace=10)
 
     assert doc["state"] == "succeeded", doc["error"]
     quarantined = [i for i in doc["incidents"] if i["kind"] == "worker_quarantined"]

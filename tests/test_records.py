@@ -13,20 +13,18 @@ import json
 import subprocess
 import sys
 import time
-from types import SimpleNamespace
 
 import pytest
-from conftest import clean_env, paced_pool, queued_messages, tt, tt_here, tt_json, wait_for
+from conftest import clean_env, queued_messages, tt, tt_here, tt_json, wait_for
 
 from tensorturn import config, layout
+from tensorturn import runs as client
 from tensorturn.errors import NotFound, StoreError
-from tensorturn.modes.fused import tasks as fused
-from tensorturn.pool.celery_app import configure
-from tensorturn.runs import service as client
+from tensorturn.modes.fused.sync import rounds as fused
 from tensorturn.spec import RunSpec
 from tensorturn.state import housekeeping, manifest
 from tensorturn.state.board import RunBoard
-from tensorturn.state.broker import check_broker, redis_client
+from tensorturn.state.broker import check_broker
 from tensorturn.store.objects import open_store
 from tensorturn.tasks.attempt import refuse, signed
 from tensorturn.tasks.start import start_run
@@ -36,15 +34,13 @@ FUSED = dict(mode="fused", recipe="digits-mlp", rounds=2, shards=2, sync_every=5
 
 
 @pytest.fixture
-def world(redis_server, tmp_path):
-    """Runs submitted in-process to a real redis-server; this process plays their agent."""
-    configure(redis_server.url)
-    fused._held.clear()
-    store_url = (tmp_path / "store").as_uri()
-    config.use(config.current().with_(store_url=store_url))  # the agent's own store
-    yield SimpleNamespace(broker=redis_server.url, store_url=store_url, store=open_store(store_url),
-                          r=redis_client(redis_server.url), board=RunBoard(redis_client(redis_server.url)))
-    fused._held.clear()
+def world(world):
+    """The in-process world (conftest) whose runs store in one folder: this process plays the
+    agent of that store."""
+    world.store_url = (world.tmp / "store").as_uri()
+    config.use(config.current().with_(store_url=world.store_url))  # the agent's own store
+    world.store, world.r = open_store(world.store_url), world.board.r
+    return world
 
 
 def submit(world, **options) -> RunSpec:
@@ -347,35 +343,35 @@ def test_a_stale_serving_mark_does_not_block_removal(world, monkeypatch):
 # ---- the same on a real pool ----------------------------------------------------------------------
 
 @pytest.mark.e2e
-def test_deleting_a_runs_keys_mid_run_ends_in_one_line_and_a_resume(tmp_path, monkeypatch):
+def test_deleting_a_runs_keys_mid_run_ends_in_one_line_and_a_resume(tmp_path, pool_factory):
     # each training step lasts 10 ms on the agents: a round's shards train ~2 s however loaded
     # the machine is, so the keys go while round 1 trains
-    with paced_pool(tmp_path, monkeypatch, 0.01) as (pool, store):
-        args = ("--broker", pool.broker_url, "--store", str(store))
-        run_id = tt_json("run", *args, "--recipe", "digits-mlp", "--rounds", "3", "--shards", "2",
-                         "--sync-every", "200", "--detach", "--json")["run_id"]
-        board = RunBoard(check_broker(pool.broker_url))
-        r = board.r
-        wait_for(lambda: board.has_round(run_id, 0) and any(
-            a["task"].startswith("r1/") and a["outcome"] == "running" for a in board.attempts(run_id)),
-            "round 1 training")
-        delete_run_keys(r, run_id)
+    pool, store = pool_factory(step_s=0.01), tmp_path / "store"
+    args = ("--broker", pool.broker_url, "--store", str(store))
+    run_id = tt_json("run", *args, "--recipe", "digits-mlp", "--rounds", "3", "--shards", "2",
+                     "--sync-every", "200", "--detach", "--json")["run_id"]
+    board = RunBoard(check_broker(pool.broker_url))
+    r = board.r
+    wait_for(lambda: board.has_round(run_id, 0) and any(
+        a["task"].startswith("r1/") and a["outcome"] == "running" for a in board.attempts(run_id)),
+        "round 1 training")
+    delete_run_keys(r, run_id)
 
-        # what was running ends, what was queued is taken and does nothing; no record comes back
-        wait_for(lambda: r.hlen("unacked") == 0 and not queued_messages(r) and all(
-            w["state"] == "idle" for w in client.workers(pool.broker_url)), "the agents idle")
-        assert not r.exists(layout.run_key(run_id))
-        status = tt("status", run_id, *args)
-        assert status.returncode == 0 and status.stdout.splitlines()[-1] == f"run {run_id}: running"
-        assert status.stderr.strip().splitlines() == [
-            f"warning: the last saved state is 'running', but the broker has no record of the run "
-            f"(Redis lost its data, or its keys were deleted?); continue it with `tensorturn "
-            f"resume {run_id}`"]
+    # what was running ends, what was queued is taken and does nothing; no record comes back
+    wait_for(lambda: r.hlen("unacked") == 0 and not queued_messages(r) and all(
+        w["state"] == "idle" for w in client.workers(pool.broker_url)), "the agents idle")
+    assert not r.exists(layout.run_key(run_id))
+    status = tt("status", run_id, *args)
+    assert status.returncode == 0 and status.stdout.splitlines()[-1] == f"run {run_id}: running"
+    assert status.stderr.strip().splitlines() == [
+        f"warning: the last saved state is 'running', but the broker has no record of the run "
+        f"(Redis lost its data, or its keys were deleted?); continue it with `tensorturn "
+        f"resume {run_id}`"]
 
-        resumed = tt_json("resume", run_id, *args, "--json")
-        assert resumed["state"] == "succeeded" and [x["round"] for x in resumed["rounds"]] == [0, 1, 2]
-        saved = json.loads((store / "runs" / run_id / "manifest.json").read_text())
-        assert saved["state"] == "succeeded"
+    resumed = tt_json("resume", run_id, *args, "--json")
+    assert resumed["state"] == "succeeded" and [x["round"] for x in resumed["rounds"]] == [0, 1, 2]
+    saved = json.loads((store / "runs" / run_id / "manifest.json").read_text())
+    assert saved["state"] == "succeeded"
 
 
 @pytest.mark.e2e

@@ -6,7 +6,7 @@ import io
 import struct
 
 import pytest
-from conftest import tt_json
+from conftest import tt_json_many
 
 from tensorturn import layout
 from tensorturn.runs.report import NAMES, plots, save_report, task_samples, worker_stats
@@ -38,17 +38,24 @@ def store_url(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def fused_doc(store_url):
-    return tt_json("run", "--mode", "fused", "--recipe", "digits-mlp", "--rounds", "2",
-                   "--shards", "2", "--sync-every", "3", "--local-workers", "1",
-                   "--store", store_url, "--json")
+def docs(store_url):
+    """A small fused run and a small ensemble, side by side, each on its own embedded pool."""
+    return tt_json_many(("run", "--mode", "fused", "--recipe", "digits-mlp", "--rounds", "2",
+                         "--shards", "2", "--sync-every", "3", "--local-workers", "1",
+                         "--store", store_url, "--json"),
+                        ("run", "--mode", "ensemble", "--recipe", "digits-mlp", "--members", "2",
+                         "--segments", "1", "--segment-steps", "5", "--local-workers", "1",
+                         "--store", store_url, "--json"))
 
 
 @pytest.fixture(scope="module")
-def ensemble_doc(store_url):
-    return tt_json("run", "--mode", "ensemble", "--recipe", "digits-mlp", "--members", "2",
-                   "--segments", "1", "--segment-steps", "5", "--local-workers", "1",
-                   "--store", store_url, "--json")
+def fused_doc(docs):
+    return docs[0]
+
+
+@pytest.fixture(scope="module")
+def ensemble_doc(docs):
+    return docs[1]
 
 
 @pytest.mark.e2e

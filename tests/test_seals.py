@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from tensorturn import layout
-from tensorturn.modes.fused import tasks as fused
+from tensorturn.modes.fused.finalize import finalize
+from tensorturn.modes.fused.outer import average_and_step
+from tensorturn.modes.fused.weights import global_bytes
 from tensorturn.recipes import resolve
 from tensorturn.spec import RunSpec
 from tensorturn.state.manifest import save_spec
@@ -89,7 +91,7 @@ def round0(store):
     recipe = resolve(spec.recipe)
     theta0 = diloco.initial_state(recipe, spec.seed)
     save_spec(store, spec)
-    seals.put_bytes(store, layout.key("global", spec.run_id, 0), fused.global_bytes(spec, recipe, theta0))
+    seals.put_bytes(store, layout.key("global", spec.run_id, 0), global_bytes(spec, recipe, theta0))
     floats = {k: v for k, v in theta0.items() if v.is_floating_point()}
 
     def put(k: int, delta: dict[str, torch.Tensor] | None = None, samples: int = 320) -> None:
@@ -105,7 +107,7 @@ def test_the_outer_step_refuses_a_pseudo_gradient_claiming_more_samples_than_a_r
     put(0)
     put(1, samples=10 ** 9)
     with pytest.raises(UpdateRejected, match=r"shard 1 claims 1000000000 samples, not 1\.\.320"):
-        fused.average_and_step(spec, store, 0, tmp_path)
+        average_and_step(spec, store, 0, tmp_path)
     assert not store.exists(layout.key("global", spec.run_id, 1))
 
 
@@ -115,14 +117,14 @@ def test_the_outer_step_refuses_a_non_finite_or_huge_pseudo_gradient(round0, sto
     nan = {name: torch.full_like(v, float("nan")) for name, v in floats.items()}
     put(1, nan)
     with pytest.raises(UpdateRejected, match="the pseudo-gradient of shard 1 holds NaN/Inf"):
-        fused.average_and_step(spec, store, 0, tmp_path)
+        average_and_step(spec, store, 0, tmp_path)
     huge = {name: 1e6 * torch.ones_like(v) for name, v in floats.items()}
     put(1, huge)
     with pytest.raises(UpdateRejected, match="the pseudo-gradient of shard 1 has norm .* over"):
-        fused.average_and_step(spec, store, 0, tmp_path)
+        average_and_step(spec, store, 0, tmp_path)
     assert not store.exists(layout.key("global", spec.run_id, 1))
     put(1)  # a sound one: the step is taken, θ_1 sealed
-    fused.average_and_step(spec, store, 0, tmp_path)
+    average_and_step(spec, store, 0, tmp_path)
     theta1 = from_bytes(seals.get_bytes(store, layout.key("global", spec.run_id, 1)))
     assert all(bool(torch.isfinite(v).all()) for v in theta1.values())
 
@@ -142,14 +144,14 @@ def test_a_run_never_keeps_weights_that_are_not_finite(round0, store):
     recipe = resolve(spec.recipe)
     nan = {n: torch.full_like(v, float("nan")) for n, v in floats.items()}
     theta = {**diloco.initial_state(recipe, spec.seed), **nan}
-    seals.put_bytes(store, layout.key("global", spec.run_id, 2), fused.global_bytes(spec, recipe, theta))
+    seals.put_bytes(store, layout.key("global", spec.run_id, 2), global_bytes(spec, recipe, theta))
     with pytest.raises(UpdateRejected, match="the weights after round 1 hold NaN/Inf: no model is kept"):
-        fused.finalize(spec, store, board=None)  # type: ignore[arg-type]  # refused before the board
+        finalize(spec, store, board=None)  # type: ignore[arg-type]  # refused before the board
     assert not store.exists(layout.key("final_model", spec.run_id))
 
 
 def test_the_async_applier_refuses_what_the_outer_step_refuses(round0, store, tmp_path):
-    from tensorturn.modes.fused import asynchronous
+    from tensorturn.modes.fused.sync import async_apply
     from tensorturn.store.tensorfile import TensorReader
 
     spec, floats, _ = round0
@@ -157,12 +159,12 @@ def test_the_async_applier_refuses_what_the_outer_step_refuses(round0, store, tm
     seals.get_file(store, layout.key("global", spec.run_id, 0), path)
     sound = {name: 1e-3 * torch.ones_like(v) for name, v in floats.items()}
     with TensorReader(path) as theta:
-        asynchronous.check_update_here(spec, 3, sound, 320, 320, theta)
+        async_apply.check_update_here(spec, 3, sound, 320, 320, theta)
         with pytest.raises(UpdateRejected, match=r"update u3 claims 1000000000 samples, not 1\.\.320"):
-            asynchronous.check_update_here(spec, 3, sound, 10 ** 9, 320, theta)
+            async_apply.check_update_here(spec, 3, sound, 10 ** 9, 320, theta)
         nan = {name: torch.full_like(v, float("nan")) for name, v in floats.items()}
         with pytest.raises(UpdateRejected, match="update u3 holds NaN/Inf"):
-            asynchronous.check_update_here(spec, 3, nan, 320, 320, theta)
+            async_apply.check_update_here(spec, 3, nan, 320, 320, theta)
         huge = {name: 1e6 * torch.ones_like(v) for name, v in floats.items()}
         with pytest.raises(UpdateRejected, match="update u3 has norm .* over"):
-            asynchronous.check_update_here(spec, 3, huge, 320, 320, theta)
+            async_apply.check_update_here(spec, 3, huge, 320, 320, theta)

@@ -5,16 +5,14 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-import subprocess
-import sys
 import time
 
 import httpx
 import pytest
-from conftest import clean_env, tt, tt_json
+from conftest import Server, bearer, tt, tt_json, tt_json_many
 from sklearn.datasets import load_digits
 
-from tensorturn.pool.embedded import free_port, stop_process_group
+from tensorturn.pool.embedded import free_port
 from tensorturn.serve import tokens
 from tensorturn.serve.auth import Authenticator, AuthError, FailureCounter, TokenCache, digest
 from tensorturn.store.objects import open_store
@@ -25,45 +23,41 @@ def runs(tmp_path_factory):
     """One fused and one ensemble digits run into one store, and an API token for it."""
     work = tmp_path_factory.mktemp("serve")
     store = str(work / "store")
-    fused = tt_json("run", "--recipe", "digits-mlp", "--local-workers", "2", "--store", store,
-                    "--json", cwd=work)
-    ensemble = tt_json("run", "--mode", "ensemble", "--recipe", "digits-mlp", "--members", "3",
-                       "--local-workers", "2", "--store", store, "--json", cwd=work)
+    fused, ensemble = tt_json_many(  # side by side, each on its own embedded pool
+        ("run", "--recipe", "digits-mlp", "--local-workers", "2", "--store", store, "--json"),
+        ("run", "--mode", "ensemble", "--recipe", "digits-mlp", "--members", "3", "--local-workers",
+         "2", "--store", store, "--json"), cwd=work)
     token = tt_json("token", "create", "--name", "tests", "--store", store, "--json")
     assert fused["state"] == ensemble["state"] == "succeeded"
     return store, fused, ensemble, token
 
 
-class Server:
-    def __init__(self, store: str, run_id: str, *extra: str):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tensorturn", "serve", run_id, "--store", store, "--host",
-             "127.0.0.1", "--port", str(self.port), *extra],
-            env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            stdin=subprocess.DEVNULL, start_new_session=True)
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{self.url}/v2/health/ready", timeout=1).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            assert self.proc.poll() is None, self.proc.stdout.read()
-            time.sleep(0.1)
-        stop_process_group(self.proc, grace=10)
-        raise AssertionError("the API did not come up")
+@pytest.fixture(scope="module")
+def servers(runs):
+    """The module's API servers, started side by side (each loads torch and its model): the
+    fused model named ``digits`` (bodies up to 2 MB), the ensemble, and the fused model with a
+    1 s request timeout (``timeout``) and with 3 failed logins a minute (``limited``)."""
+    from concurrent.futures import ThreadPoolExecutor
 
-    def stop(self) -> str:
-        stop_process_group(self.proc, grace=10)
-        return self.proc.stdout.read()
+    store, fused, ensemble, _ = runs
+    flags = {"digits": (fused["run_id"], "--name", "digits", "--max-body-mb", "2"),
+             "ensemble": (ensemble["run_id"],),
+             "timeout": (fused["run_id"], "--request-timeout", "1"),
+             "limited": (fused["run_id"], "--auth-failures-per-minute", "3")}
+    with ThreadPoolExecutor(len(flags)) as threads:
+        starting = {name: threads.submit(Server, store, *args) for name, args in flags.items()}
+    started = {name: f.result() for name, f in starting.items() if f.exception() is None}
+    try:
+        assert len(started) == len(flags), [f.exception() for f in starting.values()]
+        yield started
+    finally:
+        for server in started.values():
+            server.stop()
 
 
 @pytest.fixture(scope="module")
-def fused_api(runs):
-    store, fused, _, _ = runs
-    server = Server(store, fused["run_id"], "--name", "digits", "--max-body-mb", "2")
+def fused_api(servers, runs):
+    server = servers["digits"]
     yield server
     log = server.stop()
     assert runs[3]["token"] not in log  # tokens never reach the log
@@ -78,10 +72,6 @@ def infer_body(x, members=False):
     if members:
         body["parameters"] = {"members": True}
     return body
-
-
-def bearer(token):
-    return {"Authorization": f"Bearer {token}"}
 
 
 def accuracy(url, name, token, members=False):
@@ -116,19 +106,16 @@ def test_fused_model_labels_all_digits(fused_api, runs):
 
 
 @pytest.mark.e2e
-def test_ensemble_votes_over_http(runs):
-    store, _, ensemble, token = runs
-    server = Server(store, ensemble["run_id"])
-    try:
-        acc, out = accuracy(server.url, ensemble["run_id"], token["token"], members=True)
-        assert acc >= 0.95
-        member_outputs = [k for k in out if k.startswith("member_")]
-        assert len(member_outputs) == 3
-        meta = httpx.get(f"{server.url}/v2/models/{ensemble['run_id']}",
-                         headers=bearer(token["token"])).json()
-        assert meta["parameters"]["mode"] == "ensemble" and meta["parameters"]["vote"] == "soft"
-    finally:
-        server.stop()
+def test_ensemble_votes_over_http(servers, runs):
+    _, _, ensemble, token = runs
+    server = servers["ensemble"]
+    acc, out = accuracy(server.url, ensemble["run_id"], token["token"], members=True)
+    assert acc >= 0.95
+    member_outputs = [k for k in out if k.startswith("member_")]
+    assert len(member_outputs) == 3
+    meta = httpx.get(f"{server.url}/v2/models/{ensemble['run_id']}",
+                     headers=bearer(token["token"])).json()
+    assert meta["parameters"]["mode"] == "ensemble" and meta["parameters"]["vote"] == "soft"
 
 
 @pytest.mark.e2e
@@ -295,51 +282,44 @@ def test_bad_bodies_get_a_json_4xx_and_the_connection_keeps_working(fused_api, r
 
 
 @pytest.mark.e2e
-def test_a_connection_that_sends_no_whole_request_is_closed(runs):
-    store, fused, _, token = runs
-    server = Server(store, fused["run_id"], "--request-timeout", "1")
-    try:
-        idle = socket.create_connection(("127.0.0.1", server.port), timeout=60)
-        partial = socket.create_connection(("127.0.0.1", server.port), timeout=60)
-        partial.sendall(b"POST /v2/models/x/infer HTTP/1.1\r\nHost: x\r\n")  # never finished
-        slow_body = socket.create_connection(("127.0.0.1", server.port), timeout=60)
-        slow_body.sendall(b"POST /v2/health/live HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n"
-                          b"\r\n12345")
-        for sock in (idle, partial):
-            with sock:
-                assert sock.recv(1024) == b""  # EOF: the server closed it
-        with slow_body:
-            while slow_body.recv(65536):  # whatever it answered, it then closes
-                pass
-        # a connection that does send its request is served, and kept alive after it
-        with socket.create_connection(("127.0.0.1", server.port), timeout=60) as sock:
-            sock_file = sock.makefile("rb")
-            for _ in range(2):
-                status, _, _ = http_request(sock_file, sock, "/v2/health/ready", None,
-                                            method="GET")
-                assert status == 200
-    finally:
-        server.stop()
+def test_a_connection_that_sends_no_whole_request_is_closed(servers):
+    server = servers["timeout"]
+    idle = socket.create_connection(("127.0.0.1", server.port), timeout=60)
+    partial = socket.create_connection(("127.0.0.1", server.port), timeout=60)
+    partial.sendall(b"POST /v2/models/x/infer HTTP/1.1\r\nHost: x\r\n")  # never finished
+    slow_body = socket.create_connection(("127.0.0.1", server.port), timeout=60)
+    slow_body.sendall(b"POST /v2/health/live HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n"
+                      b"\r\n12345")
+    for sock in (idle, partial):
+        with sock:
+            assert sock.recv(1024) == b""  # EOF: the server closed it
+    with slow_body:
+        while slow_body.recv(65536):  # whatever it answered, it then closes
+            pass
+    # a connection that does send its request is served, and kept alive after it
+    with socket.create_connection(("127.0.0.1", server.port), timeout=60) as sock:
+        sock_file = sock.makefile("rb")
+        for _ in range(2):
+            status, _, _ = http_request(sock_file, sock, "/v2/health/ready", None,
+                                        method="GET")
+            assert status == 200
 
 
 @pytest.mark.e2e
-def test_an_address_that_keeps_failing_gets_429_and_valid_tokens_still_pass(runs):
-    store, fused, _, token = runs
-    server = Server(store, fused["run_id"], "--auth-failures-per-minute", "3")
-    try:
-        url = f"{server.url}/v2/models/{fused['run_id']}"
-        with httpx.Client(timeout=30) as client:
-            statuses = [client.get(url, headers=bearer("tt_wrong")).status_code for _ in range(4)]
-            assert statuses == [401, 401, 401, 429]
-            r = client.get(url, headers=bearer("tt_wrong"))
-            assert r.status_code == 429 and int(r.headers["retry-after"]) > 0
-            assert "too many failed" in r.json()["error"]
-            assert client.get(url, headers=bearer(token["token"])).status_code == 200
-            x, _ = load_digits(return_X_y=True)
-            r = client.post(f"{url}/infer", json=infer_body(x[:3]), headers=bearer(token["token"]))
-            assert r.status_code == 200 and len(r.json()["outputs"][0]["data"]) == 3
-    finally:
-        server.stop()
+def test_an_address_that_keeps_failing_gets_429_and_valid_tokens_still_pass(servers, runs):
+    _, fused, _, token = runs
+    server = servers["limited"]
+    url = f"{server.url}/v2/models/{fused['run_id']}"
+    with httpx.Client(timeout=30) as client:
+        statuses = [client.get(url, headers=bearer("tt_wrong")).status_code for _ in range(4)]
+        assert statuses == [401, 401, 401, 429]
+        r = client.get(url, headers=bearer("tt_wrong"))
+        assert r.status_code == 429 and int(r.headers["retry-after"]) > 0
+        assert "too many failed" in r.json()["error"]
+        assert client.get(url, headers=bearer(token["token"])).status_code == 200
+        x, _ = load_digits(return_X_y=True)
+        r = client.post(f"{url}/infer", json=infer_body(x[:3]), headers=bearer(token["token"]))
+        assert r.status_code == 200 and len(r.json()["outputs"][0]["data"]) == 3
 
 
 def test_one_bad_request_in_a_batch_fails_alone():

@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import clean_env, tt, tt_here
+from conftest import clean_env, tt_here, tt_many
 
 from tensorturn import config, layout
 from tensorturn.pool.celery_app import configure
@@ -86,17 +86,29 @@ def nan_model(store_dir, run_id: str, member_models: int = 0) -> None:
         "model_uri": "x", "model_sha256": sha256_hex(data)}))
 
 
-@pytest.mark.parametrize("members, expected", [
-    (0, "run diverged is not served: weight 0.weight holds NaN or infinite values"),
-    (3, "run diverged is not served: member 1's weight 0.weight holds NaN or infinite values"),
-])
-def test_a_model_with_nan_weights_is_refused_in_one_line(tmp_path, members, expected):
-    nan_model(tmp_path / "store", "diverged", members)
+NAN_MEMBERS = {0: "run diverged is not served: weight 0.weight holds NaN or infinite values",
+               3: "run diverged is not served: member 1's weight 0.weight holds NaN or infinite values"}
+
+
+@pytest.fixture(scope="module")
+def served_nan_models(tmp_path_factory):
+    """`serve` of a diverged fused model and of a diverged ensemble (3 members), both at once
+    (each loads torch): members → its answer."""
+    work = tmp_path_factory.mktemp("nan")
+    for members in NAN_MEMBERS:
+        nan_model(work / f"store-{members}", "diverged", members)
     with socket.socket() as holder:  # were it not refused, binding would fail rather than serve
         holder.bind(("127.0.0.1", 0))
         holder.listen()
-        proc = tt("serve", "diverged", "--store", str(tmp_path / "store"),
-                  "--port", str(holder.getsockname()[1]))
+        port = str(holder.getsockname()[1])
+        answers = tt_many(*(("serve", "diverged", "--store", str(work / f"store-{members}"), "--port", port)
+                            for members in NAN_MEMBERS))
+    return dict(zip(NAN_MEMBERS, answers))
+
+
+@pytest.mark.parametrize("members, expected", list(NAN_MEMBERS.items()))
+def test_a_model_with_nan_weights_is_refused_in_one_line(served_nan_models, members, expected):
+    proc = served_nan_models[members]
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().splitlines() == [f"error: {expected} (the run diverged)"]
 
@@ -104,7 +116,7 @@ def test_a_model_with_nan_weights_is_refused_in_one_line(tmp_path, members, expe
 # ---- (c) a request id is a label, not a payload --------------------------------------------------
 
 def test_a_request_id_longer_than_the_cap_is_a_400():
-    from tensorturn.serve.app import MAX_ID_CHARS, BadRequest, parse_request
+    from tensorturn.serve.protocol import MAX_ID_CHARS, BadRequest, parse_request
 
     def body(request_id: str) -> bytes:
         return json.dumps({"id": request_id, "inputs": [
@@ -167,8 +179,8 @@ def test_an_unsigned_or_forged_start_request_writes_only_its_refusal(redis_serve
 def test_a_start_request_replayed_after_its_run_left_the_broker_starts_nothing(redis_server, tmp_path):
     """Its signature still verifies, and the broker no longer knows the run (its keys expired,
     or were deleted): the run's spec in the store says it started once already."""
+    from tensorturn import runs as client
     from tensorturn import trust
-    from tensorturn.runs import service as client
     from tensorturn.store.objects import open_store
     from tensorturn.tasks.start import start_run
 

@@ -6,13 +6,11 @@ from __future__ import annotations
 import pytest
 import redis
 import torch
-from conftest import tt, tt_json
+from conftest import run_to_end, tt_here, tt_here_json
 
 from tensorturn import layout
 from tensorturn.recipes import resolve
 from tensorturn.recipes.result import load_result
-from tensorturn.runs import service as client
-from tensorturn.spec import RunSpec
 from tensorturn.store.objects import open_store
 from tensorturn.store.tensors import from_bytes
 from tensorturn.train.distill import uniform_soup
@@ -21,9 +19,7 @@ pytestmark = pytest.mark.e2e
 
 
 def finished(pool, **fields) -> dict:
-    spec = RunSpec.create(store_url=pool.store_url, recipe="digits-mlp", seed=0, **fields)
-    client.submit(spec, pool.broker_url)
-    doc = client.wait(pool.broker_url, spec.run_id, timeout_s=600)
+    doc = run_to_end(pool, recipe="digits-mlp", seed=0, **fields)
     assert doc["state"] == "succeeded", doc.get("error")
     return doc
 
@@ -51,7 +47,7 @@ def test_members_start_from_the_given_model_with_its_architecture(pool, base, fi
 
 
 def test_soup_of_a_finetuned_ensemble_is_one_served_model_with_its_lineage(pool, finetuned):
-    doc = tt_json("soup", finetuned["run_id"], "--rule", "greedy", "--store", pool.store_url, "--json")
+    doc = tt_here_json("soup", finetuned["run_id"], "--rule", "greedy", "--store", pool.store_url, "--json")
     lineage = doc["lineage"]
     assert lineage["souped_from"] == finetuned["run_id"] and lineage["rule"] == "greedy"
     assert lineage["init_from"] == finetuned["spec"]["options"]["init_from"]
@@ -63,7 +59,7 @@ def test_soup_of_a_finetuned_ensemble_is_one_served_model_with_its_lineage(pool,
     predictor, manifest = load_result(store, doc["run_id"])  # served like a fused model
     assert len(predictor.models) == 1 and manifest["lineage"] == lineage
     # the uniform rule is the plain mean of the members' weights
-    uniform = tt_json("soup", finetuned["run_id"], "--rule", "uniform", "--store", pool.store_url, "--json")
+    uniform = tt_here_json("soup", finetuned["run_id"], "--rule", "uniform", "--store", pool.store_url, "--json")
     assert uniform["lineage"]["members"] == [m["member"] for m in finetuned["members"]]
     ensemble = from_bytes(store.get_bytes(layout.key("final_ensemble", finetuned["run_id"])))
     states = [{k.split(".", 1)[1]: v for k, v in ensemble.items() if k.startswith(f"m{m}.")}
@@ -74,7 +70,7 @@ def test_soup_of_a_finetuned_ensemble_is_one_served_model_with_its_lineage(pool,
     # the default rule takes whichever soup scores higher on validation; what a person reads
     scores = {"greedy": doc["metrics"]["val_score_greedy"], "uniform": doc["metrics"]["val_score_uniform"]}
     chosen = "greedy" if scores["greedy"] >= scores["uniform"] else "uniform"
-    proc = tt("soup", finetuned["run_id"], "--store", pool.store_url)
+    proc = tt_here("soup", finetuned["run_id"], "--store", pool.store_url)
     assert proc.returncode == 0, proc.stderr
     assert f"souped from: run {finetuned['run_id']} ({chosen} soup of members " in proc.stdout
     assert "test_accuracy: " in proc.stdout and "model: " in proc.stdout
@@ -84,7 +80,7 @@ def test_soups_and_starts_that_cannot_work_are_refused_in_one_line(pool, base, f
     scratch = finished(pool, mode="ensemble", members=2, segments=1, segment_steps=20)
 
     def refused(*args: str) -> str:
-        proc = tt(*args, "--store", pool.store_url)
+        proc = tt_here(*args, "--store", pool.store_url)
         assert proc.returncode == 2 and "Traceback" not in proc.stderr and proc.stdout == "", proc.stderr
         errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
         assert len(errors) == 1, proc.stderr

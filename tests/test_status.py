@@ -121,33 +121,32 @@ def test_runs_lists_the_run_from_the_store(finished_run):
     assert m["created_at"] == doc["created_at"]
 
 
-def test_sigterm_puts_the_running_task_back_in_the_queue(tmp_path, monkeypatch):
+def test_sigterm_puts_the_running_task_back_in_the_queue(tmp_path, pool_factory, monkeypatch):
     import time
 
     import redis
 
-    from tensorturn.pool.embedded import LocalPool
     from tensorturn.state.board import RunBoard
     from tensorturn.state.broker import check_broker
 
-    monkeypatch.setenv("TENSORTURN_BROKER_URL", "redis://127.0.0.1:1/0")  # LocalPool points it elsewhere
+    monkeypatch.setenv("TENSORTURN_BROKER_URL", "redis://127.0.0.1:1/0")  # the pool points it elsewhere
     store = tmp_path / "store"
-    with LocalPool(1, store.as_uri(), workdir=tmp_path / "pool") as pool:
-        doc = tt_json("run", "--broker", pool.broker_url, "--store", str(store), "--recipe",
-                      "digits-mlp", "--rounds", "1", "--shards", "1", "--sync-every", "100000",
-                      "--detach", "--json")
-        board = RunBoard(check_broker(pool.broker_url))
-        deadline = time.monotonic() + 180
-        while not board.attempts(doc["run_id"]):  # until the agent has started the shard
-            assert time.monotonic() < deadline, "the agent never started the shard"
-            time.sleep(0.05)
-        assert [a["outcome"] for a in board.attempts(doc["run_id"])] == ["running"]
-        agent = pool.agents[0]
-        agent.terminate()  # SIGTERM, as systemd or Ctrl-C would send
-        assert agent.wait(60) is not None
-        # the long shard did not finish; its message is back in the queue for another machine
-        r = redis.Redis.from_url(pool.broker_url)
-        queued = [m for m in queued_messages(r) if b"tensorturn.fused.train_slot" in m]
-        assert len(queued) == 1
-        assert r.hlen("unacked") == 0
-        assert not (store / "runs" / doc["run_id"] / "r0000" / "shard-000.safetensors").exists()
+    pool = pool_factory(1)
+    doc = tt_json("run", "--broker", pool.broker_url, "--store", str(store), "--recipe",
+                  "digits-mlp", "--rounds", "1", "--shards", "1", "--sync-every", "100000",
+                  "--detach", "--json")
+    board = RunBoard(check_broker(pool.broker_url))
+    deadline = time.monotonic() + 180
+    while not board.attempts(doc["run_id"]):  # until the agent has started the shard
+        assert time.monotonic() < deadline, "the agent never started the shard"
+        time.sleep(0.05)
+    assert [a["outcome"] for a in board.attempts(doc["run_id"])] == ["running"]
+    agent = pool.agents[0]
+    agent.terminate()  # SIGTERM, as systemd or Ctrl-C would send
+    assert agent.wait(60) is not None
+    # the long shard did not finish; its message is back in the queue for another machine
+    r = redis.Redis.from_url(pool.broker_url)
+    queued = [m for m in queued_messages(r) if b"tensorturn.fused.train_slot" in m]
+    assert len(queued) == 1
+    assert r.hlen("unacked") == 0
+    assert not (store / "runs" / doc["run_id"] / "r0000" / "shard-000.safetensors").exists()

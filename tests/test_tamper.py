@@ -11,10 +11,9 @@ import json
 
 import pytest
 import torch
-from conftest import tt_json, wait_for
+from conftest import start_pool, tt_json, wait_for
 
 from tensorturn import layout
-from tensorturn.pool.embedded import LocalPool
 from tensorturn.spec import FINISHED
 from tensorturn.state.board import RunBoard
 from tensorturn.state.broker import check_broker
@@ -23,14 +22,23 @@ from tensorturn.store.tensors import delta_bytes, from_bytes
 pytestmark = pytest.mark.e2e
 
 
+@pytest.fixture(scope="module")
+def gated_agents(tmp_path_factory):
+    """Two real agents whose gated shard tasks wait while the gate file exists (tests/gated.py),
+    shared by the module's tests: (pool, store folder, gate file)."""
+    work = tmp_path_factory.mktemp("gated")
+    pool = start_pool(work, 2, env={"TT_GATE": str(work / "gate")})
+    yield pool, work / "store", work / "gate"
+    pool.stop(grace=1.0)
+
+
 @pytest.fixture
-def gated_pool(tmp_path, monkeypatch):
-    """Two real agents whose gated shard tasks wait while the gate file exists; yields (pool,
-    store folder, gate file)."""
-    store, gate = tmp_path / "store", tmp_path / "gate"
-    monkeypatch.setenv("TT_GATE", str(gate))
-    with LocalPool(2, store.as_uri(), workdir=tmp_path / "pool") as pool:
-        yield pool, store, gate
+def gated_pool(gated_agents):
+    """The module's gated pool, its gate open when the test starts and when it ends."""
+    gate = gated_agents[2]
+    gate.unlink(missing_ok=True)
+    yield gated_agents
+    gate.unlink(missing_ok=True)
 
 
 def close(gate, **when) -> None:

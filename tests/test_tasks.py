@@ -7,43 +7,43 @@ import json
 
 import httpx
 import pytest
-from conftest import tt_here, tt_json
-from test_serve import Server, bearer
+from conftest import Server, bearer, clean_env, tt_json, tt_json_many, tt_many
 
 RECIPE = "regress:Diabetes"  # tests/regress.py
 
 
 def test_check_recipe_passes_good_recipes_and_names_the_first_problem():
-    ok = json.loads(tt_here("check-recipe", "regress:Diabetes", "--json").stdout)
+    # five checks, each a process that loads torch: all at once
+    ok, digits, wrong, broken, missing = tt_many(
+        ("check-recipe", "regress:Diabetes", "--json"), ("check-recipe", "digits-mlp", "--json"),
+        ("check-recipe", "regress:WrongTarget"), ("check-recipe", "failing:Failing"),
+        ("check-recipe", "nosuchmodule:Thing"),
+        envs=[None, None, None, clean_env(TT_FAIL_IN="evaluate"), None])
+    ok = json.loads(ok.stdout)
     assert ok["task"] == "regression" and ok["outputs"] == {"prediction": {"datatype": "FP32", "shape": ["N"]}}
     assert set(ok["val_metrics"]) == {"loss", "mae"}
-    digits = json.loads(tt_here("check-recipe", "digits-mlp", "--json").stdout)
+    digits = json.loads(digits.stdout)
     assert set(digits["outputs"]) == {"label", "probabilities"}
 
-    wrong = tt_here("check-recipe", "regress:WrongTarget")
     assert wrong.returncode == 2
     assert wrong.stderr.strip() == (
         "error: recipe 'regress:WrongTarget' failed at data: task 'classification' needs integer "
         "class targets, got torch.float32 (a regression recipe sets task = 'regression')")
-    from conftest import clean_env
-
-    broken = tt_here("check-recipe", "failing:Failing", env=clean_env(TT_FAIL_IN="evaluate"))
     assert broken.returncode == 2 and len(broken.stderr.strip().splitlines()) == 1
     assert "failed at evaluate: ValueError: boom in evaluate" in broken.stderr
-    missing = tt_here("check-recipe", "nosuchmodule:Thing")
     assert missing.returncode == 2 and "failed at build" in missing.stderr
 
 
 @pytest.mark.e2e
 def test_a_regression_recipe_trains_in_both_modes_and_is_served_with_a_prediction(tmp_path):
     store = str(tmp_path / "store")
-    fused = tt_json("run", "--recipe", RECIPE, "--local-workers", "2", "--rounds", "2",
-                    "--shards", "2", "--sync-every", "20", "--store", store, "--json", cwd=tmp_path)
+    fused, ensemble = tt_json_many(  # side by side, each on its own embedded pool
+        ("run", "--recipe", RECIPE, "--local-workers", "2", "--rounds", "2", "--shards", "2",
+         "--sync-every", "20", "--store", store, "--json"),
+        ("run", "--mode", "ensemble", "--recipe", RECIPE, "--members", "3", "--segments", "1",
+         "--segment-steps", "60", "--local-workers", "2", "--store", store, "--json"), cwd=tmp_path)
     assert fused["state"] == "succeeded"
     assert set(fused["metrics"]) >= {"test_loss", "test_mae"} and "test_accuracy" not in fused["metrics"]
-    ensemble = tt_json("run", "--mode", "ensemble", "--recipe", RECIPE, "--members", "3",
-                       "--segments", "1", "--segment-steps", "60", "--local-workers", "2",
-                       "--store", store, "--json", cwd=tmp_path)
     assert ensemble["state"] == "succeeded", ensemble.get("error")
     m = ensemble["metrics"]
     assert m["members_succeeded"] == 3 and "disagreement" not in m

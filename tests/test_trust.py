@@ -14,13 +14,13 @@ import stat
 from pathlib import Path
 
 import pytest
-from conftest import TEST_POOL_KEY, clean_env, tt, wait_for
+from conftest import TEST_POOL_KEY, clean_env, tt, tt_many, wait_for
 
 from tensorturn import config, layout, trust
-from tensorturn.modes.fused import tasks as fused
+from tensorturn import runs as client
+from tensorturn.modes.fused.sync import rounds as fused
 from tensorturn.pool.celery_app import configure
 from tensorturn.recipes import resolve
-from tensorturn.runs import service as client
 from tensorturn.serve import tokens
 from tensorturn.spec import RunSpec
 from tensorturn.state.board import RunBoard
@@ -211,20 +211,32 @@ def forge_result(store_dir: Path, run_id: str, recipe: str, file_recipe: str | N
     store.put_json(layout.key("manifest", run_id), manifest)
 
 
-@pytest.mark.parametrize("case, expected", [
-    ("unallowed", "recipe 'evil_recipe:Evil' is not allowed on this machine"),
-    ("unsigned", "the manifest of run forged is not signed"),
-    ("other-key", "the manifest of run forged is not signed by this pool's key"),
-    ("file-names-another-recipe", "the model file names recipe 'evil_recipe:Evil'"),
-])
-def test_serve_refuses_a_forged_model_before_importing_it(tmp_path, marker, case, expected):
-    store = tmp_path / "store"
-    recipe = "evil_recipe:Evil" if case == "unallowed" else "digits-mlp"
-    forge_result(store, "forged", recipe,
-                 file_recipe="evil_recipe:Evil" if case == "file-names-another-recipe" else None,
-                 key=OTHER_KEY if case == "other-key" else None, sign=case != "unsigned")
-    proc = tt("serve", "forged", "--store", str(store), "--port", "1",
-              env=clean_env(TT_EVIL_MARKER=str(marker)))
+FORGED = {
+    "unallowed": "recipe 'evil_recipe:Evil' is not allowed on this machine",
+    "unsigned": "the manifest of run forged is not signed",
+    "other-key": "the manifest of run forged is not signed by this pool's key",
+    "file-names-another-recipe": "the model file names recipe 'evil_recipe:Evil'",
+}
+
+
+@pytest.fixture(scope="module")
+def served_forgeries(tmp_path_factory):
+    """`serve` of each forged store (FORGED), all at once (each loads torch): case → (its
+    answer, the marker file the evil recipe would have left)."""
+    work = tmp_path_factory.mktemp("forged")
+    markers = {case: work / f"{case}-evil-imported" for case in FORGED}
+    for case in FORGED:
+        forge_result(work / case, "forged", "evil_recipe:Evil" if case == "unallowed" else "digits-mlp",
+                     file_recipe="evil_recipe:Evil" if case == "file-names-another-recipe" else None,
+                     key=OTHER_KEY if case == "other-key" else None, sign=case != "unsigned")
+    answers = tt_many(*(("serve", "forged", "--store", str(work / case), "--port", "1") for case in FORGED),
+                      envs=[clean_env(TT_EVIL_MARKER=str(markers[case])) for case in FORGED])
+    return {case: (answer, markers[case]) for case, answer in zip(FORGED, answers)}
+
+
+@pytest.mark.parametrize("case, expected", list(FORGED.items()))
+def test_serve_refuses_a_forged_model_before_importing_it(served_forgeries, case, expected):
+    proc, marker = served_forgeries[case]
     assert proc.returncode == 2, proc.stderr
     assert expected in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
     assert not marker.exists()
@@ -233,33 +245,32 @@ def test_serve_refuses_a_forged_model_before_importing_it(tmp_path, marker, case
 # ---- the same with real agents ---------------------------------------------------------------------
 
 @pytest.mark.e2e
-def test_real_agents_refuse_forged_messages_unread(tmp_path, marker):
+def test_real_agents_refuse_forged_messages_unread(tmp_path, pool_factory, marker):
     from tensorturn.pool.celery_app import app
-    from tensorturn.pool.embedded import LocalPool
 
-    with LocalPool(1, (tmp_path / "store").as_uri(), workdir=tmp_path / "pool") as pool:
-        r = redis_client(pool.broker_url)
-        key = trust.pool_key()
-        # a shard of a run that does not exist, unsigned: someone with the Redis password only
-        app.send_task("tensorturn.fused.train_shard", args=["someone", 0, 0])
-        # a run naming another store and a module of theirs, signed with a key not the pool's
-        evil = RunSpec.create(store_url=(tmp_path / "theirs").as_uri(),
-                              **{**FUSED, "recipe": "evil_recipe:Evil"}).to_json()
-        app.send_task("tensorturn.start_run", args=[evil], kwargs={"sig": OTHER_KEY.sign("submit", evil)})
-        assert "missing or bad signature" in client.start_answer(r, evil["run_id"])["error"]
-        # signed with the pool key (its holder's mistake, or a stolen key): still only this
-        # agent's store, and only recipes this agent allows
-        elsewhere = RunSpec.create(store_url=(tmp_path / "theirs").as_uri(), **FUSED).to_json()
-        app.send_task("tensorturn.start_run", args=[elsewhere], kwargs={"sig": key.sign("submit", elsewhere)})
-        assert "this pool's agents use the store" in start_reply(r, elsewhere["run_id"])["error"]
-        unallowed = RunSpec.create(store_url=pool.store_url, **{**FUSED, "recipe": "evil_recipe:Evil"}).to_json()
-        app.send_task("tensorturn.start_run", args=[unallowed], kwargs={"sig": key.sign("submit", unallowed)})
-        assert "is not allowed on this machine" in start_reply(r, unallowed["run_id"])["error"]
-        # the unsigned shard was refused too (the agent takes messages in order, one at a time)
-        assert [x["task"] for x in refusals(r)] == ["tensorturn.start_run", "tensorturn.fused.train_shard"]
-        shown = tt("workers", "--broker", pool.broker_url)
-        assert shown.returncode == 0
-        assert "2 task message(s) refused by the agents" in shown.stderr
+    pool = pool_factory(1)
+    r = redis_client(pool.broker_url)
+    key = trust.pool_key()
+    # a shard of a run that does not exist, unsigned: someone with the Redis password only
+    app.send_task("tensorturn.fused.train_shard", args=["someone", 0, 0])
+    # a run naming another store and a module of theirs, signed with a key not the pool's
+    evil = RunSpec.create(store_url=(tmp_path / "theirs").as_uri(),
+                          **{**FUSED, "recipe": "evil_recipe:Evil"}).to_json()
+    app.send_task("tensorturn.start_run", args=[evil], kwargs={"sig": OTHER_KEY.sign("submit", evil)})
+    assert "missing or bad signature" in client.start_answer(r, evil["run_id"])["error"]
+    # signed with the pool key (its holder's mistake, or a stolen key): still only this
+    # agent's store, and only recipes this agent allows
+    elsewhere = RunSpec.create(store_url=(tmp_path / "theirs").as_uri(), **FUSED).to_json()
+    app.send_task("tensorturn.start_run", args=[elsewhere], kwargs={"sig": key.sign("submit", elsewhere)})
+    assert "this pool's agents use the store" in start_reply(r, elsewhere["run_id"])["error"]
+    unallowed = RunSpec.create(store_url=pool.store_url, **{**FUSED, "recipe": "evil_recipe:Evil"}).to_json()
+    app.send_task("tensorturn.start_run", args=[unallowed], kwargs={"sig": key.sign("submit", unallowed)})
+    assert "is not allowed on this machine" in start_reply(r, unallowed["run_id"])["error"]
+    # the unsigned shard was refused too (the agent takes messages in order, one at a time)
+    assert [x["task"] for x in refusals(r)] == ["tensorturn.start_run", "tensorturn.fused.train_shard"]
+    shown = tt("workers", "--broker", pool.broker_url)
+    assert shown.returncode == 0
+    assert "2 task message(s) refused by the agents" in shown.stderr
     assert not marker.exists()
     assert not (tmp_path / "theirs").exists()
 
@@ -369,16 +380,14 @@ def test_the_join_file_carries_the_key_and_the_owners_allowlist(tmp_path):
 
 
 @pytest.mark.e2e
-def test_the_embedded_pool_puts_no_secret_on_a_command_line(tmp_path):
-    from tensorturn.pool.embedded import LocalPool
-
-    with LocalPool(1, (tmp_path / "store").as_uri(), workdir=tmp_path / "pool") as pool:
-        secrets = [pool.redis.password, TEST_POOL_KEY]
-        shown = cmdlines()
-        assert any("redis-server" in line and (str(pool.redis.port) in line or str(tmp_path) in line)
-                   for line in shown.values())  # the pool's Redis is among the processes read
-        assert {pid: line for pid, line in shown.items() for s in secrets if s in line} == {}
-        assert stat.S_IMODE((tmp_path / "pool" / "redis" / "redis.conf").stat().st_mode) == 0o600
+def test_the_embedded_pool_puts_no_secret_on_a_command_line(tmp_path, pool_factory):
+    pool = pool_factory(1)
+    secrets = [pool.redis.password, TEST_POOL_KEY]
+    shown = cmdlines()
+    assert any("redis-server" in line and (str(pool.redis.port) in line or str(tmp_path) in line)
+               for line in shown.values())  # the pool's Redis is among the processes read
+    assert {pid: line for pid, line in shown.items() for s in secrets if s in line} == {}
+    assert stat.S_IMODE((tmp_path / "pool" / "redis" / "redis.conf").stat().st_mode) == 0o600
 
 
 # ---- from the review: replays, odd signatures, copied documents, weak keys ---------------------

@@ -1,119 +1,17 @@
 """From an ensemble to one model: ``tensorturn distill`` (a student trained on the pool against the
-vote) and ``tensorturn soup`` (members fine-tuned from one model, averaged)."""
+vote, :mod:`tensorturn.merge.distill`) and ``tensorturn soup`` (members fine-tuned from one model,
+averaged, :mod:`tensorturn.merge.soup`)."""
 
 from __future__ import annotations
 
 import glob
-import json
-from pathlib import Path
-from typing import Any
 
 import click
 
 from tensorturn.cli import cli, pool_options
-from tensorturn.cli.run import (
-    TRAINING,
-    Stage,
-    bounded,
-    follow_options,
-    launch,
-    mode_options,
-    print_results,
-    training_options,
-)
-from tensorturn.errors import SpecError
-
-TEMPERATURE, ALPHA, TOP_K, MIXUP = 2.0, 0.5, 16, 0
-# the fused run's defaults for a student (FusedOptions' own suit training from scratch on
-# many machines): about the ensemble's own training budget, in few long rounds
-ROUNDS, SYNC_EVERY = 24, 100
-
-
-def parse_student(text: str | None) -> dict[str, Any]:
-    """``--student``: a JSON object of model settings, or ``@path`` to a file holding one."""
-    if text is None:
-        return {}
-    source = "--student"
-    if text.startswith("@"):
-        path = Path(text[1:])
-        try:
-            text = path.read_text()
-        except OSError as exc:
-            raise SpecError(f"--student {text}: cannot read {path}: {exc.strerror}") from None
-        except UnicodeDecodeError:
-            raise SpecError(f"--student {text}: {path} is not UTF-8 text (a JSON object of model "
-                            f"settings)") from None
-        source = f"--student file {path}"
-    try:
-        value = json.loads(text)
-    except ValueError as exc:
-        raise SpecError(f"{source} is not JSON ({exc}); give an object such as '{{\"hidden\": [64]}}'") from None
-    if not isinstance(value, dict):
-        raise SpecError(f"{source} must be a JSON object of model settings (got {type(value).__name__})")
-    return value
-
-
-def distill_spec(teacher: str, store: str, run_id: str = "", student: dict[str, Any] | None = None,
-                 temperature: float = TEMPERATURE, alpha: float = ALPHA, top_k: int = TOP_K,
-                 mixup: int = MIXUP, **options: Any) -> Any:
-    """The fused run that distills ensemble ``teacher``: its recipe is ``distill`` over the
-    ensemble's (checked now: a finished ensemble, a student that fits the data). Fused options
-    not given take the student's defaults (ROUNDS, SYNC_EVERY, and the shards any fused run gets:
-    :func:`tensorturn.modes.fused.default_shards`)."""
-    from tensorturn.modes.fused import default_shards
-    from tensorturn.recipes import resolve
-    from tensorturn.recipes.check import check_contract
-    from tensorturn.recipes.distilled import plan
-    from tensorturn.runs import service as client
-    from tensorturn.spec import RunSpec, check_bounds
-    from tensorturn.store.objects import open_store
-
-    check_bounds({"temperature": temperature, "alpha": alpha, "top_k": top_k, "mixup": mixup})
-    recipe_options = plan(open_store(store), teacher, student, temperature, alpha, top_k, mixup)
-    recipe = resolve("distill", recipe_options)
-    check_contract(recipe_options["recipe"], recipe, "nothing was queued")  # the ensemble's, as it is now
-    options = {k: v for k, v in options.items() if v is not None}
-    options.setdefault("rounds", ROUNDS)
-    # the command's choices, not the user's: the run warns about its shards' passes only for the user's
-    options["chosen"] = [name for name in ("sync_every", "shards") if name not in options]
-    options.setdefault("sync_every", SYNC_EVERY)
-    if "shards" not in options:
-        options["shards"] = default_shards(recipe.train_rows())
-    spec = RunSpec.create("fused", "distill", store, recipe_options=recipe_options,
-                          **({"run_id": run_id} if run_id else {}), **options)
-    client.validate(spec)
-    return spec
-
-
-def check_distillable(recipe: str, recipe_options: dict[str, Any]) -> None:
-    """``run --merge distill``: refuse, before the ensemble trains, a recipe whose ensemble
-    could not be distilled (its kind), building it here — the user named it on this command."""
-    from tensorturn import config, trust
-    from tensorturn.recipes import resolve
-    from tensorturn.recipes.distilled import DISTILLABLE
-
-    config.use(trust.with_allowed(config.current(), [recipe]))
-    task = resolve(recipe, recipe_options).task
-    if task not in DISTILLABLE:
-        raise SpecError(f"--merge distill: recipe {recipe!r} is a {task} recipe; distillation needs "
-                        f"a classification or language-model ensemble (its vote is already the "
-                        f"members' mean)")
-
-
-def distill_stage(teacher: str, store: str, training: dict[str, Any], **settings: Any) -> Stage:
-    """A stage of ``launch`` that distills ``teacher`` once it has finished (``run --merge``):
-    its run id is chosen now, its spec built when the ensemble is done."""
-    from tensorturn.runs import service as client
-    from tensorturn.spec import new_run_id
-
-    run_id = new_run_id()
-
-    def start(broker_url: str) -> dict[str, Any]:
-        spec = distill_spec(teacher, store, run_id=run_id, **settings, **training)
-        click.echo(f"distilling ensemble {teacher} into one model: run {run_id}", err=True)
-        return client.submit(spec, broker_url)
-
-    return run_id, start
+from tensorturn.cli.options import TRAINING, bounded, follow_options, mode_options, training_options
+from tensorturn.cli.output import launched, print_results
+from tensorturn.merge.distill import ALPHA, MIXUP, ROUNDS, SYNC_EVERY, TEMPERATURE, TOP_K
 
 
 @cli.command()
@@ -157,7 +55,8 @@ def distill(broker, store, teacher, student, temperature, alpha, top_k, mixup, l
       tensorturn distill RUN --local-workers 2
       tensorturn distill RUN --student '{"hidden": [64]}' --temperature 4 --rounds 12
     """
-    from tensorturn import config, trust
+    from tensorturn import config, runs, trust
+    from tensorturn.merge.distill import distill_spec, parse_student
     from tensorturn.state.manifest import finished_ensemble
     from tensorturn.store.objects import open_store
 
@@ -169,15 +68,8 @@ def distill(broker, store, teacher, student, temperature, alpha, top_k, mixup, l
     config.use(trust.with_allowed(config.current(), [glob.escape(str(ensemble.get("recipe")))]))
     spec = distill_spec(teacher, store, student=parse_student(student), temperature=temperature,
                         alpha=alpha, top_k=top_k, mixup=mixup, **training, **given)
-
-    def start(broker_url: str) -> dict[str, Any]:
-        from tensorturn.runs import service as client
-
-        return client.submit(spec, broker_url)
-
-    recipes = ["distill", spec.recipe_options["recipe"]]
-    print_results(launch([(spec.run_id, start)], broker, store, local_workers, detach, timeout_s,
-                         recipes), as_json)
+    print_results(launched(lambda observer: runs.launch_distill(spec, broker, local_workers, detach,
+                                                                timeout_s, observer)), as_json)
 
 
 @cli.command()

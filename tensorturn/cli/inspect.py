@@ -10,6 +10,7 @@ import click
 from tensorturn import config
 from tensorturn.cli import cli, emit_json, pool_options
 from tensorturn.errors import BrokerError, TensorTurnError
+from tensorturn.state.roster import WorkerState
 
 
 class BrokerDownWarning:
@@ -37,16 +38,16 @@ def status(broker, store, run_id, as_json, watch):
     Exits 1 when the run failed. A run that made no progress for a while says why. With --debug,
     the traceback each failed task's last attempt recorded on its agent.
     """
-    from tensorturn.cli.run import print_result
-    from tensorturn.runs import service as client
+    from tensorturn.cli.output import launched, print_result
+    from tensorturn.runs.records import describe
     from tensorturn.spec import FINISHED
 
     down = BrokerDownWarning(store)
-    doc = client.describe(run_id, broker, store, on_broker_down=down)
+    doc = describe(run_id, broker, store, on_broker_down=down)
     if watch and broker and not down.seen and doc["state"] not in FINISHED:
-        from tensorturn.cli.run import follow_pool
+        from tensorturn.runs.launch import follow_on_pool
 
-        doc = follow_pool(broker, run_id, None)
+        doc = launched(lambda observer: follow_on_pool(broker, run_id, None, observer))
     if not as_json:
         for r in doc.get("rounds", []):
             acc = r.get("val_accuracy")
@@ -68,9 +69,9 @@ def runs(broker, store, as_json):
     """
     if click.get_current_context().invoked_subcommand is not None:
         return
-    from tensorturn.runs import service as client
+    from tensorturn.runs.records import list_runs
 
-    items = client.list_runs(broker, store, on_broker_down=BrokerDownWarning(store))
+    items = list_runs(broker, store, on_broker_down=BrokerDownWarning(store))
     if as_json:
         emit_json(items)
         return
@@ -95,7 +96,7 @@ def runs_rm(broker, store, run_id, yes, force, as_json):
     broker. Refused while it runs (cancel it first), while a running run reads it, and while
     `tensorturn serve` serves it. Asks first, unless --yes.
     """
-    from tensorturn.runs import service as client
+    from tensorturn.runs.records import remove_run
 
     def confirm(plan: dict[str, Any]) -> bool:
         if yes:
@@ -107,7 +108,7 @@ def runs_rm(broker, store, run_id, yes, force, as_json):
                              f"{_megabytes(plan['bytes'])} in the store, and its broker keys?",
                              default=False, err=True)
 
-    removed = client.remove_run(run_id, broker, store, confirm, force=force)
+    removed = remove_run(run_id, broker, store, confirm, force=force)
     if removed is None:
         click.echo(f"run {run_id} not removed", err=True)
         sys.exit(1)
@@ -134,10 +135,10 @@ def _megabytes(n: int) -> str:
 def report(broker, store, run_id, as_json):
     """Plot a run (loss per round or member, samples/s per worker, bytes moved) as PNG files
     saved beside its manifest; prints where they are."""
-    from tensorturn.runs import service as client
+    from tensorturn.runs.records import describe
 
     # an unknown run fails before matplotlib loads
-    doc = client.describe(run_id, broker, store, on_broker_down=BrokerDownWarning(store))
+    doc = describe(run_id, broker, store, on_broker_down=BrokerDownWarning(store))
     from tensorturn.runs.report import save_report
     from tensorturn.store.objects import open_store
 
@@ -161,18 +162,18 @@ def workers(broker, store, as_json, prune):
 
     An agent offline for longer than TENSORTURN_AGENT_TTL_S (a day) is forgotten.
     """
-    from tensorturn.runs import service as client
+    from tensorturn.runs import records
 
     if not broker:
         raise TensorTurnError("`workers` needs a pool: pass --broker URL or set TENSORTURN_BROKER_URL")
     if prune:
-        done = client.prune(broker)
+        done = records.prune(broker)
         forgotten = done["agents_forgotten"]
         click.echo(f"pruned: {len(forgotten)} agent(s) forgotten"
                    + (f" ({', '.join(forgotten)})" if forgotten else "")
                    + f", {done['run_keys_expiring']} run key(s) given an expiry, "
                      f"{done['runs_unlisted']} gone run(s) unlisted", err=True)
-    items = client.workers(broker)
+    items = records.workers(broker)
     if as_json:
         emit_json(items)
         return
@@ -192,12 +193,12 @@ def workers(broker, store, as_json, prune):
         if w.get("stopped"):
             ago = w.get("stopped_s")
             line += "  stopped" + (f" {_ago(ago)} ago" if ago is not None else "") + " (clean stop)"
-        elif w["state"] == "offline":
+        elif w["state"] == WorkerState.OFFLINE:
             line += f"  last seen {_ago(w['last_seen_s'])} ago (no clean stop)"
-        if w["state"] == "quarantined":
+        if w["state"] == WorkerState.QUARANTINED:
             line += f"  ({w['quarantined']})"
         click.echo(line)
-    total, refused = client.refusals(broker)
+    total, refused = records.refusals(broker)
     if total:
         kept = f", the last {len(refused)} kept" if total > len(refused) else ""
         last = (f"; last: {refused[0].get('task')} on {refused[0].get('worker')}: "

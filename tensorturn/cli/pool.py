@@ -97,41 +97,20 @@ def up(broker, store, port, bind, advertise, directory):
     Stop it with Ctrl-C. Users with their own Redis and S3/MinIO do not need this: give agents
     --broker and --store, and the pool key (TENSORTURN_POOL_KEY).
     """
-    from pathlib import Path
-
-    from tensorturn import trust
-    from tensorturn.pool.coordinator import CoordinatorConfig, advertised_host, make_join
-    from tensorturn.pool.embedded import PortInUse, RedisServer
-    from tensorturn.store.objects import open_store
+    from tensorturn.pool.coordinator import Coordinator
 
     if broker:
         raise TensorTurnError("`up` starts its own Redis; drop --broker (or unset TENSORTURN_BROKER_URL)")
-    home = Path(directory).resolve()
-    home.mkdir(mode=0o700, parents=True, exist_ok=True)
-    cfg = CoordinatorConfig.load_or_create(home, port or 0)
-    key = trust.pool_key_or_create(config.current().with_(pool_key_file=str(home / "pool-key")))
-    open_store(store).check()
-    server = RedisServer(home / "redis", port=cfg.port, appendonly=True, password=cfg.password,
-                         bind=bind)
+    coordinator = Coordinator(directory, store, port, bind, advertise)
+    home = coordinator.home
     # Nothing below is printed or written until our own Redis answers: a failed start leaves
     # no banner, and any join file an earlier `up` wrote here as it was. Ctrl-C from here on,
     # even while the banner prints, stops the Redis it started.
     stop_on_signals()
     try:
-        try:
-            server.start()
-        except PortInUse as exc:
-            raise PortInUse(f"{exc}: stop it, or start the coordinator on another port with "
-                            f"--port PORT") from None
-        cfg.save(home)  # the port that worked is the default next time
-        host = advertise or (advertised_host() if bind == "0.0.0.0" else bind)
-        broker_url = f"redis://default:{cfg.password}@{host}:{cfg.port}/0"  # the form redis-cli takes
-        join = make_join(broker_url, store, key.text(), trust.allowed_patterns())  # --allow-recipe
-        # written before the instructions, which callers wait for
-        trust.replace_secret(home / "broker-url", broker_url + "\n")
-        trust.replace_secret(home / "join", join + "\n")
-        click.echo(f"TensorTurn coordinator: Redis on {bind}:{cfg.port} (AOF on, noeviction), "
-                   f"store {config.mask_url(store)}, pool key {key.key_id}", err=True)
+        coordinator.start()  # the join file is written before the instructions, which callers wait for
+        click.echo(f"TensorTurn coordinator: Redis on {bind}:{coordinator.port} (AOF on, noeviction), "
+                   f"store {config.mask_url(store)}, pool key {coordinator.key.key_id}", err=True)
         click.echo(f"The join file {home / 'join'} (mode 600) holds the Redis password and the pool "
                    f"key: copy it to each of your machines (e.g. scp) and run there:", err=True)
         click.echo("  tensorturn agent --join-file join --name NAME")
@@ -139,10 +118,8 @@ def up(broker, store, port, bind, advertise, directory):
                    err=True)
         click.echo(f"Submit runs from here with: tensorturn run --join-file {home / 'join'} ...", err=True)
         click.echo("Ctrl-C stops the coordinator.", err=True)
-        assert server.proc is not None  # started above
-        server.proc.wait()
-        raise TensorTurnError(f"redis-server exited (log: {home / 'redis' / 'redis.log'})")
+        coordinator.wait()
     except KeyboardInterrupt:
         click.echo("stopping the coordinator", err=True)
     finally:
-        server.stop()
+        coordinator.stop()

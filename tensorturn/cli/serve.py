@@ -47,7 +47,8 @@ def serve(broker, store, run_id, host, port, alias, max_body_mb, max_rows, max_b
     /v2/models route needs `Authorization: Bearer <token>` from `tensorturn token create`.
     The server needs only the store. Concurrent requests are batched into one model call.
     """
-    from tensorturn.serve.app import ServeOptions, run_server
+    from tensorturn.serve.app import ServeOptions
+    from tensorturn.serve.server import run_server
     from tensorturn.store.objects import open_store
 
     options = ServeOptions(max_rows=max_rows, max_batch_rows=max_batch_rows,

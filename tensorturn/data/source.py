@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tensorturn import config
-from tensorturn.data import show
 from tensorturn.data.cache import DEFAULT_DIR, ChunkCache
+from tensorturn.data.index import show
 
 if TYPE_CHECKING:
     import pyarrow as pa

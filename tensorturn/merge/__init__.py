@@ -1,2 +1,3 @@
-"""An ensemble made one model: soups of fine-tunes from one start (distillation is a recipe that
-a fused run trains, :mod:`tensorturn.recipes.distilled`)."""
+"""An ensemble made one model: distillation — a student trained on the pool against the vote
+(:mod:`tensorturn.merge.distill`, its recipe :mod:`tensorturn.merge.student`) — and soups of
+fine-tunes from one start (:mod:`tensorturn.merge.soup`)."""

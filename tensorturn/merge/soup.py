@@ -23,7 +23,7 @@ from tensorturn import layout, trust
 from tensorturn.recipes import Recipe
 from tensorturn.recipes.check import check_contract
 from tensorturn.recipes.result import load_result
-from tensorturn.spec import new_run_id
+from tensorturn.spec import RunState, new_run_id
 from tensorturn.state.manifest import finished_ensemble
 from tensorturn.store.objects import Store
 from tensorturn.store.tensors import model_bytes
@@ -99,7 +99,7 @@ def store_soup(store: Store, ensemble: dict[str, Any], recipe: Recipe, state: di
     blob = model_bytes(state, spec["recipe"], config, spec.get("recipe_options") or {})
     key = layout.key("final_model", run_id)
     sha = store.put_bytes(key, blob)
-    doc = {"run_id": run_id, "mode": "fused", "state": "succeeded", "recipe": spec["recipe"],
+    doc = {"run_id": run_id, "mode": "fused", "state": RunState.SUCCEEDED, "recipe": spec["recipe"],
            "metrics": metrics, "model_uri": store.uri(key), "model_sha256": sha, "rounds": [],
            "attempts": [], "incidents": [], "warnings": [], "bytes_up": len(blob), "bytes_down": 0,
            "created_at": started, "started_at": started, "finished_at": time.time(),

@@ -1,7 +1,7 @@
 """Run modes as plug-ins: each mode is a package ``tensorturn.modes.<name>`` whose ``MODE`` object
 follows :class:`Mode`, and whose ``tasks`` module holds its Celery tasks.
 
-Adding a mode is its own package plus one line in :data:`tensorturn.modes.registry.REGISTRY`. The plug-in object and its
+Adding a mode is its own package plus one line in :data:`tensorturn.registry.REGISTRY`. The plug-in object and its
 options import no torch (the CLI validates a run with them); its ``tasks`` module does.
 """
 
@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from tensorturn.state.board import RunBoard
     from tensorturn.store.objects import Store
 
-from tensorturn.modes.registry import REGISTRY, get_mode, mode_names, option_owner, task_modules
+from tensorturn.registry import REGISTRY, get_mode, mode_names, option_owner, task_modules
 
 __all__ = ["REGISTRY", "Mode", "ModeBase", "get_mode", "mode_names", "option_owner", "task_modules"]
 

@@ -17,7 +17,7 @@ def worker_argv(name: str | None, concurrency: int, loglevel: str) -> list[str]:
     the queues of every model size this machine's device memory can hold — for training, for
     outer steps (:mod:`.routing`), or both, by its role — and its own queue."""
     from tensorturn.layout import agent_queue
-    from tensorturn.pool.routing import agent_queues
+    from tensorturn.pool.telemetry import agent_queues
 
     node = f"{name or 'agent'}@{socket.gethostname()}"
     queues = ",".join([*agent_queues(), agent_queue(node)])

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from tensorturn.errors import TensorTurnError
 from tensorturn.layout import DEFAULT_QUEUE, memory_queue
+from tensorturn.state.roster import TAKES_TASKS, WorkerState
 
 if TYPE_CHECKING:
     from tensorturn.recipes import Recipe
@@ -66,7 +67,7 @@ def estimate(recipe: Recipe, config: dict[str, Any], batch_size: int) -> dict[st
             "outer_step_bytes": outer, "total_bytes": total, "total_gb": round(total / GB, 3)}
 
 
-LIVE = ("idle", "busy")  # roster states of a machine that takes tasks (verified, not quarantined)
+LIVE = TAKES_TASKS  # roster states of a machine that takes tasks (verified, not quarantined)
 
 
 def check_fits(need: dict[str, Any], workers: list[dict[str, Any]]) -> None:
@@ -124,7 +125,7 @@ def _class_mb(need_bytes: int | None) -> int:
 
 
 def _unverified(workers: list[dict[str, Any]]) -> str:
-    n = sum(1 for w in workers if w.get("state") == "unverified")
+    n = sum(1 for w in workers if w.get("state") == WorkerState.UNVERIFIED)
     return (f"; not counted: {n} machine(s) whose heartbeat is not signed with this pool's key "
             f"(see `tensorturn workers`)" if n else "")
 

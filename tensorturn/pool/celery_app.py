@@ -28,10 +28,10 @@ from celery.signals import worker_init
 from celery.worker.control import Panel
 
 from tensorturn import config
-from tensorturn.modes import task_modules
 from tensorturn.pool import remote_control
 from tensorturn.pool.lease import LeaseKeeper
 from tensorturn.pool.telemetry import Heartbeat
+from tensorturn.registry import task_modules
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,5 @@
-"""The coordinator (``tensorturn up``): a Redis for the pool, a store, and the file to join it.
+"""The coordinator (``tensorturn up``): a Redis for the pool, a store, and the file to join it
+(:class:`Coordinator` sets them up; the command prints how to use them and waits).
 
 The join string carries the broker URL (with its password), the store URL, the pool key, the
 recipes the owner allows beyond the built-in ones and, for an ``s3://`` store, the S3 endpoint
@@ -22,6 +23,7 @@ from typing import Any
 
 from tensorturn import config, trust
 from tensorturn.errors import TensorTurnError
+from tensorturn.pool.embedded import PortInUse, RedisServer
 
 JOIN_PREFIX = "tt1."
 AWS_KEYS = ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
@@ -127,3 +129,63 @@ class CoordinatorConfig:
     def save(self, directory: Path) -> None:
         trust.replace_secret(directory / "coordinator.json",
                              json.dumps({"password": self.password, "port": self.port}))
+
+
+class Coordinator:
+    """The pool's coordinator kept in ``directory`` (mode 700): a Redis on ``bind`` with AOF on and
+    no eviction, its password and port in ``coordinator.json``, the pool key in ``pool-key``, and
+    — once :meth:`start` has it answering — the broker URL in ``broker-url`` and the join string
+    (broker, store, pool key, the recipes this machine allows every agent) in ``join``.
+
+    Made ready (the store checked, the pool key made on first use) before anything starts;
+    nothing is written beyond that until the Redis answers, so a failed start leaves any join
+    file an earlier coordinator wrote here as it was."""
+
+    def __init__(self, directory: str | Path, store_url: str, port: int | None = None,
+                 bind: str = "0.0.0.0", advertise: str | None = None,
+                 settings: config.Settings | None = None):
+        from tensorturn.store.objects import open_store
+
+        settings = settings or config.current()
+        self.home = Path(directory).resolve()
+        self.home.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.store_url, self.bind, self.advertise, self.settings = store_url, bind, advertise, settings
+        self.cfg = CoordinatorConfig.load_or_create(self.home, port or 0)
+        self.key = trust.pool_key_or_create(settings.with_(pool_key_file=str(self.home / "pool-key")))
+        open_store(store_url).check()
+        self.server = RedisServer(self.home / "redis", port=self.cfg.port, appendonly=True,
+                                  password=self.cfg.password, bind=bind)
+        self.broker_url = ""
+
+    @property
+    def port(self) -> int:
+        return self.cfg.port
+
+    @property
+    def join_file(self) -> Path:
+        return self.home / "join"
+
+    def start(self) -> None:
+        """Start the Redis; once it answers, keep its port for next time and write the broker
+        URL and the join file (before anyone is told to read them)."""
+        try:
+            self.server.start()
+        except PortInUse as exc:
+            raise PortInUse(f"{exc}: stop it, or start the coordinator on another port with "
+                            f"--port PORT") from None
+        self.cfg.save(self.home)  # the port that worked is the default next time
+        host = self.advertise or (advertised_host() if self.bind == "0.0.0.0" else self.bind)
+        self.broker_url = f"redis://default:{self.cfg.password}@{host}:{self.cfg.port}/0"  # as redis-cli takes it
+        join = make_join(self.broker_url, self.store_url, self.key.text(),
+                         trust.allowed_patterns(self.settings))  # --allow-recipe
+        trust.replace_secret(self.home / "broker-url", self.broker_url + "\n")
+        trust.replace_secret(self.join_file, join + "\n")
+
+    def wait(self) -> None:
+        """Until the Redis exits (an error: it should run until stopped)."""
+        assert self.server.proc is not None  # started
+        self.server.proc.wait()
+        raise TensorTurnError(f"redis-server exited (log: {self.home / 'redis' / 'redis.log'})")
+
+    def stop(self) -> None:
+        self.server.stop()

@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from tensorturn import config, layout, trust
+from tensorturn import config, trust
 from tensorturn.errors import TensorTurnError
 
 log = logging.getLogger(__name__)
@@ -292,9 +292,10 @@ class LocalPool:
         """Whether any message is delivered and not acknowledged (a task running, or prefetched:
         kombu's ``unacked`` hash; acknowledgements are late). True when Redis does not answer."""
         from tensorturn.state.broker import redis_client
+        from tensorturn.state.queues import unacked
 
         try:
-            return bool(redis_client(self.broker_url, patient=False).hlen(layout.UNACKED))
+            return bool(unacked(redis_client(self.broker_url, patient=False)))
         except Exception:  # noqa: BLE001 - unknown: stop the careful way
             return True
 

@@ -15,14 +15,13 @@ later (plus at most one sweep interval).
 from __future__ import annotations
 
 import logging
-import time
 
 from celery import bootsteps
 from celery.worker import state as worker_state
 
 from tensorturn import config
-from tensorturn.layout import UNACKED_INDEX
 from tensorturn.state.broker import redis_client
+from tensorturn.state.queues import refresh_leases
 
 log = logging.getLogger(__name__)
 
@@ -39,11 +38,9 @@ def held_delivery_tags() -> list[str]:
 
 
 def refresh(client, tags: list[str], now: float | None = None) -> int:
-    """Move the lease of ``tags`` to ``now``; only tags still in the index (XX) are touched."""
-    if not tags:
-        return 0
-    now = time.time() if now is None else now
-    return client.zadd(UNACKED_INDEX, {tag: now for tag in tags}, xx=True, ch=True)
+    """Move the lease of ``tags`` to ``now``; only tags still in the index (XX) are touched
+    (:func:`tensorturn.state.queues.refresh_leases`)."""
+    return refresh_leases(client, tags, now)
 
 
 class LeaseKeeper(bootsteps.StartStopStep):

@@ -25,10 +25,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, MutableMapping
+from functools import lru_cache
 from typing import Any
 
 from tensorturn import trust
 from tensorturn.pool.telemetry import INCARNATION
+from tensorturn.state.broker import redis_client
+from tensorturn.state.refusals import refuse
 
 log = logging.getLogger(__name__)
 
@@ -101,14 +104,17 @@ def _refused(name: str) -> Handler:
     return refused
 
 
+@lru_cache(maxsize=1)
+def _broker(url: str) -> Any:
+    return redis_client(url)
+
+
 def _refuse(state: Any, name: str, reason: str) -> dict[str, str]:
     """Log and keep the refusal (``tt:refused``); the answer a sender asking for one gets."""
-    from tensorturn.tasks.attempt import board_for, refuse
-
     worker = getattr(state, "hostname", None) or "?"
     log.warning("refused remote control command %r: %s", name, reason)
     try:
-        refuse(board_for(state.app.conf.broker_url).r, worker, f"remote control: {name}", "", reason)
+        refuse(_broker(state.app.conf.broker_url), worker, f"remote control: {name}", "", reason)
     except Exception as exc:  # noqa: BLE001 - the refusal stands; keeping it is best effort
         log.debug("refusal not recorded: %s", exc)
     return {"error": f"refused by {worker}: {reason}"}

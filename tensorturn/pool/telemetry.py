@@ -32,10 +32,12 @@ from celery import bootsteps
 from celery.worker import state as worker_state
 
 from tensorturn import config, trust
-from tensorturn.layout import live_key, run_key, worker_key
+from tensorturn.layout import OUTER_PREFIX
 from tensorturn.pool import routing
+from tensorturn.pool.capacity import queues_for
 from tensorturn.state import roster
 from tensorturn.state.broker import redis_client
+from tensorturn.state.workers import Workers
 
 log = logging.getLogger(__name__)
 
@@ -138,9 +140,15 @@ def _gpu_from_torch() -> list[str]:
     return done.stdout.strip().split("\t")
 
 
+def agent_queues(role: str | None = None) -> list[str]:
+    """The queues this machine's agent consumes (its own queue aside), by its role (default:
+    the configured one) and the device memory it offers."""
+    return routing.consumed(role or config.current().role, queues_for(inventory()["device_memory_gb"]))
+
+
 def outer_queues() -> list[str]:
     """The outer queues this agent serves (its role and device memory decide; :mod:`.routing`)."""
-    return [q for q in routing.agent_queues() if q.startswith(routing.OUTER_PREFIX)]
+    return [q for q in agent_queues() if q.startswith(OUTER_PREFIX)]
 
 
 class Heartbeat(bootsteps.StartStopStep):
@@ -164,22 +172,19 @@ class Heartbeat(bootsteps.StartStopStep):
         self.tref = worker.timer.call_repeatedly(config.current().heartbeat_s, self.beat,
                                                  priority=5)
 
+    @property
+    def workers(self) -> Workers:
+        """The pool's machines on the broker this agent beats to."""
+        return Workers(self.client)
+
     def beat(self, first: bool = False):
         try:
-            key = worker_key(self.node)
-            pipe = self.client.pipeline()
-            if first:
-                pipe.delete(key)
-                pipe.hset(key, mapping={"started_at": time.time(), "tasks_done": 0})
             # the inventory goes out with every beat: a Redis that lost its data (restarted
-            # without AOF) lists the machine again at the next heartbeat
-            pipe.hset(key, mapping={**signed_beat(self.node), "live": json.dumps(live_figures()),
-                                    "pid": os.getpid()})
-            if not worker_state.active_requests:  # a killed pool child leaves its progress behind
-                pipe.hdel(key, "task", "progress")
-            pipe.expire(key, 7 * 24 * 3600)
-            pipe.hmget(key, "quarantined", roster.QUARANTINE_SIGNATURE)
-            mark, sig = pipe.execute()[-1]
+            # without AOF) lists the machine again at the next heartbeat; a killed pool child
+            # leaves its progress behind (cleared while no task runs)
+            mark, sig = self.workers.beat(
+                self.node, {**signed_beat(self.node), "live": json.dumps(live_figures()), "pid": os.getpid()},
+                first=first, idle=not worker_state.active_requests)
             quarantined = self.quarantined(mark, sig)
             if self.outer and not quarantined:
                 routing.advertise(self.client, self.node, self.outer)
@@ -198,7 +203,7 @@ class Heartbeat(bootsteps.StartStopStep):
         if key is not None and roster.quarantine_verified(key, h, INCARNATION):
             return True
         log.warning("removed a quarantine mark this agent did not sign: %.200s", mark)
-        self.client.hdel(worker_key(self.node), "quarantined", roster.QUARANTINE_SIGNATURE)
+        self.workers.unquarantine(self.node)
         return False
 
     def stop(self, worker):
@@ -206,7 +211,7 @@ class Heartbeat(bootsteps.StartStopStep):
             self.tref.cancel()
             self.tref = None
         try:  # a clean stop is offline at once, not after three missed heartbeats
-            self.client.hset(worker_key(self.node), "stopped_at", time.time())
+            self.workers.stopped(self.node)
             routing.withdraw(self.client, self.node, self.outer)
         except Exception:  # noqa: BLE001
             pass
@@ -221,7 +226,7 @@ def signed_beat(node: str) -> dict[str, str]:
     """This agent's heartbeat fields, signed with the pool key (unsigned without one: such an
     agent refuses every task anyway, and the roster says ``unverified``)."""
     fields = {"name": node, "inventory": json.dumps(inventory()),
-              "queues": json.dumps(routing.agent_queues()), "last_seen": repr(time.time()),
+              "queues": json.dumps(agent_queues()), "last_seen": repr(time.time()),
               "incarnation": INCARNATION}
     key = trust.find_key()
     if key is not None:
@@ -248,7 +253,7 @@ class TaskReporter:
 
     def __init__(self, task, client, label: str, steps: int, batch_size: int,
                  live: tuple[str, str] | None = None):
-        self.task, self.client, self.label = task, client, label
+        self.task, self.workers, self.label = task, Workers(client), label
         self.steps, self.batch_size, self.live = steps, batch_size, live
         self.run_state: str | None = None  # as the last report read it (with ``live``)
         self.worker = task.request.hostname or "?"
@@ -257,18 +262,15 @@ class TaskReporter:
 
     def _write(self, progress: dict[str, Any]) -> None:
         try:
-            pipe = self.client.pipeline(transaction=False)
-            pipe.hset(worker_key(self.worker), mapping={
-                "task": self.label, "progress": json.dumps(progress)})
+            live = None
             if self.live is not None:
                 run_id, field = self.live
-                pipe.hset(live_key(run_id), field, json.dumps({
+                live = (run_id, field, {
                     "label": self.label, "step": progress["step"], "steps": self.steps,
-                    "loss": progress.get("loss"), "worker": self.worker, "at": time.time()}))
-                pipe.hget(run_key(run_id), "state")
-            replies = pipe.execute()
+                    "loss": progress.get("loss"), "worker": self.worker, "at": time.time()})
+            state = self.workers.report(self.worker, self.label, progress, live)
             if self.live is not None:
-                self.run_state = replies[-1]
+                self.run_state = state
             self.task.send_event("task-progress", **progress)
         except Exception as exc:  # noqa: BLE001 - progress is best effort
             log.debug("progress report failed: %s", exc)
@@ -284,12 +286,8 @@ class TaskReporter:
 
     def done(self) -> None:
         try:
-            pipe = self.client.pipeline()
-            pipe.hdel(worker_key(self.worker), "task")
-            pipe.hincrby(worker_key(self.worker), "tasks_done", 1)
             # this machine's training rate over its last whole task (backup copies weigh it)
             elapsed = max(time.monotonic() - self.t0, 1e-9)
-            pipe.hset(worker_key(self.worker), "last_rate", round(self.steps * self.batch_size / elapsed, 1))
-            pipe.execute()
+            self.workers.task_done(self.worker, round(self.steps * self.batch_size / elapsed, 1))
         except Exception as exc:  # noqa: BLE001
             log.debug("progress report failed: %s", exc)

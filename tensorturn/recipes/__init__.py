@@ -36,7 +36,7 @@ BUILTIN: dict[str, str] = {
     "gpt2-small": "tensorturn.recipes.gpt2:GPT2Small",
     "image-folder": "tensorturn.recipes.imagefolder:ImageFolder",
     # a student trained against a finished ensemble's vote (`tensorturn distill`)
-    "distill": "tensorturn.recipes.distilled:Distilled",
+    "distill": "tensorturn.merge.student:Distilled",
 }
 
 # said where a recipe's module is not found: agents never look in their current directory

@@ -25,6 +25,9 @@ import torch.nn.functional as F
 from torch import nn
 
 KINDS = ("classification", "language_model", "regression")
+# a hard vote's winner is raised by this much of its share: far above float32's resolution
+# (2**-24), so it stays the largest through log and softmax, and small enough to read as a share
+TIE_MARGIN = 2.0 ** -16
 
 
 @dataclass(frozen=True)
@@ -60,12 +63,21 @@ class Kind:
         """One output per row from every member's (``[members, rows, ...]``).
 
         Soft: the mean probability. Hard: each member's top class is one vote; the result is the
-        vote shares, with ties going to the class of higher mean probability."""
+        vote shares, the winner's raised by :data:`TIE_MARGIN` of itself. The winner is chosen
+        exactly — most votes, then the higher mean probability, then the lower class number — and
+        the margin is one float32 keeps through ``log`` and ``softmax``, so the label served
+        (argmax here) and the one an ensemble's ``evaluate`` measures (argmax after
+        :meth:`ensemble_forward` and the recipe's softmax) are the same class. (A tie-break added
+        as ``1e-6 * mean`` was below float32's resolution at a vote share: ties went to the first
+        class when served and to another after the log, and the two disagreed.)"""
         mean = per_member.mean(0)
         if vote != "hard":
             return mean
-        votes = F.one_hot(per_member.argmax(-1), mean.shape[-1]).float().mean(0)
-        return votes + 1e-6 * mean
+        counts = F.one_hot(per_member.argmax(-1), mean.shape[-1]).float().sum(0)  # exact integers
+        leading = counts == counts.amax(-1, keepdim=True)
+        winner = torch.where(leading, mean.float(), -torch.inf).argmax(-1, keepdim=True)
+        votes = counts / per_member.shape[0]
+        return votes.scatter(-1, winner, votes.gather(-1, winner) * (1 + TIE_MARGIN))
 
     def metrics(self, combined: torch.Tensor, y: torch.Tensor, probabilities: torch.Tensor | None = None
                 ) -> dict[str, float]:

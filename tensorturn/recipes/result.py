@@ -12,6 +12,7 @@ from torch import nn
 from tensorturn import layout
 from tensorturn.errors import TensorTurnError
 from tensorturn.recipes import BUILTIN, Recipe, resolve
+from tensorturn.spec import RunState
 from tensorturn.store.objects import ObjectMissing, Store, sha256_hex
 from tensorturn.store.tensors import ENSEMBLE_FORMAT, MODEL_FORMAT, from_bytes, metadata_of
 from tensorturn.trust import UntrustedError, check_recipe_allowed
@@ -102,7 +103,7 @@ def load_result(store: Store, run_id: str) -> tuple[Predictor, dict[str, Any]]:
         manifest = read_manifest(store, run_id, verify=True)
     except ObjectMissing:
         raise TensorTurnError(f"no run {run_id!r} in the store (see `tensorturn runs`)") from None
-    if manifest.get("state") != "succeeded" or not manifest.get("model_uri"):
+    if manifest.get("state") != RunState.SUCCEEDED or not manifest.get("model_uri"):
         raise TensorTurnError(f"run {run_id} has no model to serve (state {manifest.get('state')})")
     check_recipe_allowed(manifest["recipe"], BUILTIN)
     final = "final_ensemble" if manifest["mode"] == "ensemble" else "final_model"

@@ -25,7 +25,7 @@ from typing import Any
 from tensorturn import layout
 from tensorturn.errors import TensorTurnError
 from tensorturn.layout import parse_label
-from tensorturn.spec import options_json
+from tensorturn.spec import Outcome, options_json
 
 NAMES = ("loss", "samples_per_worker", "bytes")
 
@@ -91,7 +91,7 @@ def worker_stats(doc: dict[str, Any]) -> list[dict[str, Any]]:
     samples = task_samples(doc)
     acc: dict[str, dict[str, Any]] = defaultdict(lambda: {"tasks": 0, "samples": 0, "busy_s": 0.0})
     for a in doc.get("attempts", []):
-        if a.get("outcome") != "succeeded" or a.get("finished_at") is None:
+        if a.get("outcome") != Outcome.SUCCEEDED or a.get("finished_at") is None:
             continue
         label = parse_label(a["task"])
         if label is None or label.kind not in ("shard", "segment"):
@@ -214,7 +214,7 @@ def _bytes_plot(doc: dict[str, Any]) -> bytes:
         down = [float(r.get("bytes_down") or 0) for r in rounds]
         xlabel, what = "round", "bytes per round"
     else:
-        done = [a for a in doc.get("attempts", []) if a.get("outcome") == "succeeded"]
+        done = [a for a in doc.get("attempts", []) if a.get("outcome") == Outcome.SUCCEEDED]
         if done and all("bytes_up" in a for a in done):
             labels = [a["task"] for a in done]
             up = [float(a["bytes_up"] or 0) for a in done]

@@ -25,7 +25,8 @@ from typing import Any
 
 from tensorturn import config, layout
 from tensorturn.spec import FINISHED
-from tensorturn.state.board import read_state, state_of
+from tensorturn.state.roster import WorkerState
+from tensorturn.state.runs import read_state, state_of
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +105,7 @@ def forgotten(worker: dict[str, Any]) -> bool:
     """Whether a listed agent (:func:`tensorturn.state.roster.list_workers`) has been offline — since
     its clean stop, or since it was last heard of — longer than ``TENSORTURN_AGENT_TTL_S``."""
     since = worker["stopped_s"] if worker.get("stopped_s") is not None else worker["last_seen_s"]
-    return worker["state"] == "offline" and since > config.current().agent_ttl_s
+    return worker["state"] == WorkerState.OFFLINE and since > config.current().agent_ttl_s
 
 
 def _silent_s(h: dict[str, str], now: float) -> float:

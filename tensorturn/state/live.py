@@ -5,15 +5,18 @@ Running tasks report into the run's live hash (:func:`tensorturn.layout.live_key
 task its step and loss at most once a second, in the round trip it already makes for
 ``tensorturn workers`` (:class:`tensorturn.pool.telemetry.TaskReporter`); an outer step its phase
 when it changes. :func:`view` joins that with the run's attempts into what ``describe`` shows;
-the modes turn it into one line (``Mode.live_line``). No torch, no Celery here.
+the modes turn it into one line (``Mode.live_line``); :class:`Progress` reads and writes the
+hash. No torch, no Celery here.
 """
 
 from __future__ import annotations
 
+import json
+import time
 from typing import Any
 
 from tensorturn import layout
-from tensorturn.spec import options_json
+from tensorturn.spec import MemberState, Outcome, options_json
 
 WIDTH = 80  # a progress line fits a terminal of this many columns
 
@@ -68,7 +71,7 @@ def in_round(doc: dict[str, Any], entries: dict[str, dict[str, Any]]) -> dict[st
     after = min(max((rec["round"] + 1 for rec in doc.get("rounds", [])), default=0),
                 max(int(opts.get("rounds") or 1) - 1, 0))
     r = max([after, *(where[0] for where, _ in begun)])
-    done = {where[1] for where, a in begun if where[0] == r and a["outcome"] == "succeeded"}
+    done = {where[1] for where, a in begun if where[0] == r and a["outcome"] == Outcome.SUCCEEDED}
     steps = dict.fromkeys(done, per_shard)
     for entry in entries.values():
         where = place(entry.get("label", ""), shards)
@@ -84,7 +87,7 @@ def outer_steps(doc: dict[str, Any], entries: dict[str, dict[str, Any]]) -> list
     out = []
     for a in doc.get("attempts", []):
         named = layout.parse_label(a["task"])
-        if a["outcome"] != "running" or named is None or named.kind != "outer":
+        if a["outcome"] != Outcome.RUNNING or named is None or named.kind != "outer":
             continue
         entry = entries.get(a["task"]) or {}
         fresh = entry.get("worker") == a["worker"] and float(entry.get("at") or 0) >= a["started_at"]
@@ -99,8 +102,36 @@ def _members(members: list[dict[str, Any]], entries: dict[str, dict[str, Any]]) 
     for m in members:
         entry = entries.get(f"m{m['member']}")
         named = layout.parse_label(entry.get("label", "")) if entry else None
-        if entry and named is not None and m.get("state") == "running":
+        if entry and named is not None and m.get("state") == MemberState.RUNNING:
             m = {**m, "live": {"segment": named.segment, "step": entry.get("step") or 0,
                                "steps": entry.get("steps") or 0, "loss": entry.get("loss")}}
         out.append(m)
     return out
+
+
+class Progress:
+    """The run's live hash (:func:`tensorturn.layout.live_key`): what its running tasks are doing."""
+
+    def __init__(self, client: Any):
+        self.r = client
+
+    def mark_phase(self, run_id: str, label: str, phase: str, worker: str) -> None:
+        """Say what the task ``label`` is doing now (an outer step: averaging, evaluating)."""
+        self.r.hset(layout.live_key(run_id), label, json.dumps(
+            {"label": label, "phase": phase, "worker": worker, "at": time.time()}))
+
+    def write(self, run_id: str, field: str, entry: dict[str, Any], pipe: Any) -> None:
+        """A training task's report (``entry``: label, step, loss, worker, time) at ``field``
+        (:func:`live_field`), in ``pipe``."""
+        pipe.hset(layout.live_key(run_id), field, json.dumps(entry))
+
+    def clear(self, run_id: str, field: str, pipe: Any) -> None:
+        """``field``'s report goes (its task is over), in ``pipe``."""
+        pipe.hdel(layout.live_key(run_id), field)
+
+    def entries(self, run_id: str) -> dict[str, dict[str, Any]]:
+        return {k: json.loads(v) for k, v in self.r.hgetall(layout.live_key(run_id)).items()}
+
+    def forget(self, run_id: str, pipe: Any) -> None:
+        """Every report goes (a resume starts afresh), in ``pipe``."""
+        pipe.delete(layout.live_key(run_id))

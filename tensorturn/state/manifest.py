@@ -21,7 +21,7 @@ from typing import Any
 
 from tensorturn import layout, trust
 from tensorturn.errors import NotFound, StoreError
-from tensorturn.spec import FINISHED, RunSpec
+from tensorturn.spec import FINISHED, RunSpec, RunState
 from tensorturn.state.board import RunBoard
 from tensorturn.store.objects import ObjectMissing, Store
 
@@ -94,7 +94,7 @@ def finished_ensemble(store: Store, run_id: str, merge: str) -> dict[str, Any]:
     if manifest.get("mode") != "ensemble":
         raise SpecError(f"run {run_id} is a {manifest.get('mode')} run, not an ensemble: it is one "
                         f"model already ({merge} turns an ensemble into one model)")
-    if manifest.get("state") != "succeeded" or not manifest.get("model_uri"):
+    if manifest.get("state") != RunState.SUCCEEDED or not manifest.get("model_uri"):
         raise SpecError(f"run {run_id} is {manifest.get('state')}, not a finished ensemble: {merge} "
                         f"it once it has succeeded (`tensorturn status {run_id}`)")
     return manifest

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import time
+from enum import StrEnum
 from typing import Any
 
 from tensorturn import config, trust
@@ -26,6 +27,19 @@ OFFLINE_AFTER = 3  # heartbeats
 SIGNED = ("name", "inventory", "queues", "last_seen", "incarnation")  # a heartbeat's signed fields
 SIGNATURE = "signature"
 QUARANTINE_SIGNATURE = "quarantined_sig"
+
+
+class WorkerState(StrEnum):
+    """A machine's state in the roster (``tensorturn workers``' ``state``)."""
+
+    IDLE = "idle"
+    BUSY = "busy"
+    OFFLINE = "offline"            # stopped, or silent for three heartbeats
+    QUARANTINED = "quarantined"    # taken out of rotation
+    UNVERIFIED = "unverified"      # its heartbeat is not signed with the pool key
+
+
+TAKES_TASKS = (WorkerState.IDLE, WorkerState.BUSY)  # verified, online, not quarantined
 
 
 def heartbeat_doc(fields: dict[str, Any]) -> dict[str, Any]:
@@ -76,21 +90,21 @@ def list_workers(client, now: float | None = None, heartbeat_s: float | None = N
         stopped = "stopped_at" in h or _number(h.get("last_seen")) == 0
         stopped_s = now - _number(h["stopped_at"]) if "stopped_at" in h else None
         if stopped or last_seen > OFFLINE_AFTER * heartbeat_s:
-            state = "offline"
+            state = WorkerState.OFFLINE
         elif signed is False:
-            state = "unverified"
+            state = WorkerState.UNVERIFIED
         elif quarantined:
-            state = "quarantined"
+            state = WorkerState.QUARANTINED
         else:
-            state = "busy" if h.get("task") else "idle"
+            state = WorkerState.BUSY if h.get("task") else WorkerState.IDLE
         progress = _object(h.get("progress"))
         out.append({
             **_inventory(h.get("inventory")), **_object(h.get("live")),
             "name": str(h.get("name") or redis_key), "state": state, "verified": signed,
             "last_seen_s": round(last_seen, 1),
             "stopped": stopped, "stopped_s": None if stopped_s is None else round(stopped_s, 1),
-            "task": h.get("task") if state == "busy" else None,
-            "samples_per_s": progress.get("samples_per_s") if state == "busy" else None,
+            "task": h.get("task") if state == WorkerState.BUSY else None,
+            "samples_per_s": progress.get("samples_per_s") if state == WorkerState.BUSY else None,
             "tasks_done": int(_number(h.get("tasks_done"))),
             "quarantined": quarantined, "incarnation": h.get("incarnation"),
             "queues": [q for q in _list(h.get("queues")) if isinstance(q, str)],

@@ -25,7 +25,6 @@ rotation (:func:`quarantine`) with an incident, so it cannot burn the run's atte
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from abc import ABC, abstractmethod
@@ -40,22 +39,23 @@ from celery.exceptions import Retry
 from tensorturn import config, layout, tracebacks, trust
 from tensorturn.config import mask_text, mask_url
 from tensorturn.errors import RecipeError, StoreError, TensorTurnError
-from tensorturn.layout import Label, worker_key
-from tensorturn.spec import FINISHED, RunSpec
+from tensorturn.layout import Label
+from tensorturn.spec import FINISHED, Outcome, RunSpec, RunState
 from tensorturn.state.board import RunBoard
 from tensorturn.state.broker import redis_client
 from tensorturn.state.manifest import load_spec, try_write_manifest
+from tensorturn.state.refusals import refuse
 from tensorturn.store.objects import ObjectMissing, Store, open_store
 from tensorturn.store.objects import moved as store_moved
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_ATTEMPTS = 3      # when the spec itself cannot be read
-SUCCEEDED = "succeeded"
-LATE = "late: output already stored"
+SUCCEEDED: str = Outcome.SUCCEEDED
+LATE = Outcome.LATE.says("output already stored")
 QUARANTINE_AFTER = 2          # store failures in a row on one agent while others succeed
 CANCEL_LOOK_S = 1.0           # how often (at most) a running attempt looks whether its run was cancelled
-CANCELLED = "cancelled: the run was cancelled; nothing stored"
+CANCELLED = Outcome.CANCELLED.says("the run was cancelled; nothing stored")
 
 
 @lru_cache(maxsize=8)
@@ -87,16 +87,6 @@ def authentic(task: Task, run_id: Any, what: str, sig: Any) -> bool:
     log.warning("refused %s of run %r on %s: %s", task.name, run_id, worker, reason)
     refuse(board_for(task.app.conf.broker_url).r, worker, task.name, run_id, reason)
     return False
-
-
-def refuse(r: Any, worker: str, task_name: str | None, run_id: Any, reason: str) -> None:
-    entry = {"at": time.time(), "worker": worker, "task": task_name, "run_id": str(run_id)[:80],
-             "reason": reason}
-    pipe = r.pipeline()
-    pipe.lpush(layout.REFUSED, json.dumps(entry))
-    pipe.ltrim(layout.REFUSED, 0, 99)  # the last hundred are enough to see an attack,
-    pipe.incr(layout.REFUSED_TOTAL)    # and the count that a flood of them cannot hide
-    pipe.execute()
 
 
 @lru_cache(maxsize=1)
@@ -133,7 +123,7 @@ class Attempt:
         if not now and t - self.looked_at < CANCEL_LOOK_S:
             return
         self.looked_at = t
-        if self.board.state(self.spec.run_id) == "cancelled":
+        if self.board.state(self.spec.run_id) == RunState.CANCELLED:
             raise RunCancelled(f"run {self.spec.run_id} was cancelled")
 
 
@@ -152,7 +142,7 @@ def watch_cancelled(on_step: Callable[[int, float], None], attempt: Attempt,
         on_step(n, loss)
         if reporter is None or reporter.live is None:
             attempt.check_cancelled()
-        elif reporter.run_state == "cancelled":
+        elif reporter.run_state == RunState.CANCELLED:
             raise RunCancelled(f"run {attempt.run_id} was cancelled")
 
     return step
@@ -304,7 +294,7 @@ def _execute(task: Task, board: RunBoard, run_id: str, label: Label, unit_class:
             return receipt
         key, number, state = begun
         attempt.key, attempt.number = key, number
-        if state == "cancelled":  # cancelled since the look above: stop before any download
+        if state == RunState.CANCELLED:  # cancelled since the look above: stop before any download
             raise RunCancelled(f"run {run_id} was cancelled")
         outcome = unit.run()
         if outcome == LATE:
@@ -342,7 +332,7 @@ def _execute(task: Task, board: RunBoard, run_id: str, label: Label, unit_class:
         if not key:  # failed before its attempt was recorded: the spec or store was unreadable
             begun = board.begin_attempt(run_id, str(label), worker, max_attempts)
             key, number = begun[:2] if begun else (f"{label}#refused", max_attempts + 1)
-        board.finish_attempt(run_id, key, f"failed: {message}", traceback=_tail(exc))
+        board.finish_attempt(run_id, key, Outcome.FAILED.says(message), traceback=_tail(exc))
         cause = _machine_fault(exc)
         if cause:
             if _worker_store_failed(task, board, run_id, str(label), worker, key, message, cause):
@@ -375,7 +365,7 @@ def _machine_fault(exc: BaseException) -> str | None:
 
 
 def _worker_succeeded(board: RunBoard, worker: str, pipe: Any = None) -> None:
-    (pipe or board.r).hdel(worker_key(worker), "store_failures", "store_failing_since")
+    board.workers.store_ok(worker, pipe)
 
 
 def _worker_store_failed(task: Task, board: RunBoard, run_id: str, label: str, worker: str,
@@ -386,14 +376,11 @@ def _worker_store_failed(task: Task, board: RunBoard, run_id: str, label: str, w
     it. In an outage of the store itself nobody succeeds, so nobody is quarantined and the
     attempts run out as they should; an attempt that began during an outage that then ended
     is not held against its machine either."""
-    key = worker_key(worker)
-    board.r.hsetnx(key, "store_failing_since", time.time())
-    failures = int(board.r.hincrby(key, "store_failures", 1))
-    since = float(board.r.hget(key, "store_failing_since") or time.time())
+    failures, since = board.workers.store_failed(worker)
     attempts = board.attempts(run_id)
     began = next((a["started_at"] for a in attempts
                   if f"{a['task']}#{a['attempt']}" == attempt_key), time.time())
-    others_ok = any(a["outcome"] == "succeeded" and a["worker"] != worker
+    others_ok = any(a["outcome"] == Outcome.SUCCEEDED and a["worker"] != worker
                     and since <= (a["finished_at"] or 0) <= began for a in attempts)
     if failures < QUARANTINE_AFTER or not others_ok:
         return False
@@ -401,8 +388,8 @@ def _worker_store_failed(task: Task, board: RunBoard, run_id: str, label: str, w
                f"{worker} failed {failures} tasks in a row {cause} while other machines' tasks "
                f"succeeded; it takes no more tasks until restarted. Last error: {message}")
     for a in attempts:  # its failures were the machine's: the tasks get those attempts back
-        if a["worker"] == worker and a["started_at"] >= since and a["outcome"].startswith("failed"):
-            board.r.hincrby(layout.run_key(run_id, "attempt_base"), a["task"], 1)
+        if a["worker"] == worker and a["started_at"] >= since and Outcome.of(a["outcome"]) == Outcome.FAILED:
+            board.attempt_log.give_back(run_id, a["task"])
     return True
 
 
@@ -413,10 +400,10 @@ def quarantine(task: Task, board: RunBoard, run_id: str, label: str, worker: str
     or a ``cancel_consumer`` without it is refused: anyone with the Redis password could send
     one), so a restart ends the quarantine."""
     from tensorturn.pool.remote_control import send
-    from tensorturn.pool.routing import agent_queues, withdraw
-    from tensorturn.pool.telemetry import quarantine_mark
+    from tensorturn.pool.routing import withdraw
+    from tensorturn.pool.telemetry import agent_queues, quarantine_mark
 
-    board.r.hset(worker_key(worker), mapping=quarantine_mark(worker, mask_text(reason)))
+    board.workers.quarantine(worker, quarantine_mark(worker, mask_text(reason)))
     board.incident(run_id, "worker_quarantined", label, worker, reason)
     queues = agent_queues()
     withdraw(board.r, worker, queues)  # the outer steps waiting for it go to the trainers

@@ -1,8 +1,9 @@
-"""Starting a run on an agent, for a CLI that loads no torch (:func:`tensorturn.runs.service.submit`)."""
+"""Setting a run up — the recipe built, the model checked against the pool, θ_0 stored, the first
+work queued (:func:`start`) — and the task an idle agent does it in, for a submitter that loads no
+torch (:func:`tensorturn.runs.submit.submit`)."""
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from celery import Task
@@ -12,15 +13,55 @@ from tensorturn.config import mask_text
 from tensorturn.errors import RecipeError, SpecError, TensorTurnError
 from tensorturn.pool.celery_app import app
 from tensorturn.recipes import BUILTIN
-from tensorturn.runs.service import start
+from tensorturn.registry import get_mode
 from tensorturn.spec import RunSpec
-from tensorturn.state.roster import list_workers
+from tensorturn.state.board import RunBoard
+from tensorturn.state.broker import check_broker
+from tensorturn.state.refusals import refuse
+from tensorturn.state.roster import TAKES_TASKS
 from tensorturn.store.objects import moved as store_moved
-from tensorturn.tasks.attempt import agent_store, board_for, refuse
+from tensorturn.tasks.attempt import agent_store, board_for
 from tensorturn.trust import check_recipe_allowed
 
+START_TASK = "tensorturn.start_run"  # the name the submitter sends it by
 
-@app.task(bind=True, name="tensorturn.start_run", ignore_result=True)
+
+def start(spec: RunSpec, broker_url: str, store: Any, pool: list[dict[str, Any]]) -> None:
+    """Build the recipe, fill what depends on the pool, check the model fits and the recipe keeps
+    its contract (:func:`tensorturn.recipes.check.check_contract`), store what the run starts
+    from and queue its first work (on an agent, or in the submitting process)."""
+    from tensorturn.pool.capacity import check_fits
+    from tensorturn.pool.celery_app import configure
+    from tensorturn.recipes import resolve
+    from tensorturn.recipes.check import check_contract
+
+    recipe = resolve(spec.recipe, spec.recipe_options)
+    spec.recipe_options.update(recipe.pinned_options())  # e.g. the dataset version it found
+    configure(broker_url)
+    mode = get_mode(spec.mode)
+    mode.prepare(spec, len([w for w in pool if w["state"] in TAKES_TASKS]))
+    spec.validate()
+    need = memory_needed(spec, recipe)
+    check_fits(need, pool)  # first: a model too big for every machine is told so, whatever else
+    check_contract(spec.recipe, recipe, "nothing was queued")
+    spec.memory_needed_bytes = need["total_bytes"]
+    mode.start(spec, store, RunBoard(check_broker(broker_url)))
+
+
+def memory_needed(spec: RunSpec, recipe: Any) -> dict[str, Any]:
+    """The memory estimate of the largest model the run trains (any ensemble member)."""
+    from tensorturn.pool.capacity import estimate
+
+    batch = spec.batch_for(recipe)
+    try:
+        configs = get_mode(spec.mode).model_configs(spec, recipe)
+        return max((estimate(recipe, c, batch) for c in configs), key=lambda e: e["total_bytes"])
+    except Exception as exc:  # noqa: BLE001 - the user's recipe failed; say so in one line
+        raise RecipeError(f"recipe {spec.recipe!r} could not build its model to estimate its "
+                          f"memory: {type(exc).__name__}: {exc}") from exc
+
+
+@app.task(bind=True, name=START_TASK, ignore_result=True)
 def start_run(self: Task, spec_json: Any, sig: str | None = None) -> None:
     """Build the recipe, check the model fits, store θ_0 and queue the first work; answers the
     submitter (on ``tt:run:<id>:started``) with the run id, or with the error a user should see
@@ -30,7 +71,7 @@ def start_run(self: Task, spec_json: Any, sig: str | None = None) -> None:
     key, it names this agent's own store, and its recipe is one this agent allows. A request
     that is not signed writes nothing but its entry in ``tt:refused`` — not even an answer
     under the run id it names (anyone with the Redis password could choose that id); the
-    submitter finds its refusal there (:func:`tensorturn.runs.service.start_on_an_agent`)."""
+    submitter finds its refusal there (:func:`tensorturn.runs.submit.start_on_an_agent`)."""
     worker = self.request.hostname or "?"
     board = board_for(self.app.conf.broker_url)
     run_id = spec_json.get("run_id") if isinstance(spec_json, dict) else None
@@ -58,7 +99,7 @@ def start_run(self: Task, spec_json: Any, sig: str | None = None) -> None:
                                                         "(a replayed request?)")
             return
         check_recipe_allowed(spec.recipe, BUILTIN)
-        start(spec, self.app.conf.broker_url, store, list_workers(board.r))
+        start(spec, self.app.conf.broker_url, store, board.workers.all())
     except RecipeError as exc:
         reply = {"error": mask_text(f"{exc} (on worker {worker})"), "exit_code": exc.exit_code}
     except TensorTurnError as exc:
@@ -73,9 +114,5 @@ def start_run(self: Task, spec_json: Any, sig: str | None = None) -> None:
     _answer(board, spec.run_id, reply)
 
 
-def _answer(board: Any, run_id: str, reply: dict[str, Any]) -> None:
-    answer = layout.run_key(run_id, "started")
-    pipe = board.r.pipeline()
-    pipe.rpush(answer, json.dumps(reply))
-    pipe.expire(answer, 3600)  # read at once by the submitter; kept a while for nobody else
-    pipe.execute()
+def _answer(board: RunBoard, run_id: str, reply: dict[str, Any]) -> None:
+    board.runs.answer_start(run_id, reply)  # read at once by the submitter; kept a while for nobody else

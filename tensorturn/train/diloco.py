@@ -5,7 +5,7 @@ global weights θ_r, takes H inner AdamW steps on its shard and reports the pseu
 Δ_k = θ_r − θ_k; the outer step averages them (weighted by samples, summed in shard-id order) and
 applies an outer optimizer — Nesterov SGD, lr 0.7, momentum 0.9 by default; SGD with lr 1 and no
 momentum is FedAvg. The functions here are pure (tensors in, tensors out); fused mode's tasks
-(:mod:`tensorturn.modes.fused.tasks`) and ``benchmarks/diloco.py`` both call them.
+(:mod:`tensorturn.modes.fused.outer`, :mod:`.shard`) and ``benchmarks/diloco.py`` both call them.
 
 Guarantee: the result depends on (S, H, seed, threads) only — a replica's rows, seed and starting
 weights are functions of the run and the shard id, never of the machine that trains it.
@@ -14,14 +14,17 @@ weights are functions of the run and the shard id, never of the machine that tra
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 
-from tensorturn.recipes import Recipe
 from tensorturn.store.tensors import StateDict, decode_delta, encode_delta, float_keys, is_finite
 from tensorturn.train.loop import load_model, train_steps
 from tensorturn.train.seeding import derive_seed
 from tensorturn.train.seeding import shard_rows as shard_rows  # a shard's rows are part of what a replica does
+
+if TYPE_CHECKING:  # the train layer sits below recipes: a recipe is handed in
+    from tensorturn.recipes import Recipe
 
 
 class UpdateRejected(Exception):

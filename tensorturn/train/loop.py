@@ -6,15 +6,17 @@ import logging
 import math
 import os
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from tensorturn import config
-from tensorturn.recipes import Recipe
 from tensorturn.train.device import autocast, grad_scaler
 from tensorturn.train.seeding import derive_seed as derive_seed  # where the tasks and benchmarks take it from
+
+if TYPE_CHECKING:  # the train layer sits below recipes: a recipe is handed in
+    from tensorturn.recipes import Recipe
 
 log = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 from tensorturn import layout
 from tensorturn.errors import SpecError
 from tensorturn.modes import ModeBase
-from tensorturn.spec import LIMITS, ModeOptions, Workload, check_bounds, options_json
+from tensorturn.spec import LIMITS, MemberState, ModeOptions, Workload, check_bounds, options_json
 from tensorturn.state.live import WIDTH, fit
 
 if TYPE_CHECKING:
@@ -109,11 +109,11 @@ class Ensemble(ModeBase):
         done, events = 0, []
         for m in doc.get("members", []):
             done += m.get("segments_done", 0)
-            if m["state"] == "succeeded":
+            if m["state"] == MemberState.SUCCEEDED:
                 acc = m["metrics"].get("test_accuracy")
                 events.append((f"m{m['member']}", f"member {m['member']} succeeded"
                                + (f"  test_acc {acc:.3f}" if acc is not None else "")))
-            elif m["state"] == "dropped":
+            elif m["state"] == MemberState.DROPPED:
                 events.append((f"m{m['member']}", f"member {m['member']} dropped: {m['reason']}"))
         return done, total, events
 
@@ -128,26 +128,26 @@ class Ensemble(ModeBase):
         counts: dict[str, int] = {}
         short, long, segments = [], [], 0.0
         for m in members:
-            state, live = m.get("state", "queued"), m.get("live")
+            state, live = m.get("state", MemberState.QUEUED), m.get("live")
             done = float(m.get("segments_done", 0))
             if live and live["segment"] >= done and live["steps"]:
                 done = live["segment"] + min(live["step"] / live["steps"], 1.0)
-            segments += n if state == "succeeded" else done
+            segments += n if state == MemberState.SUCCEEDED else done
             counts[state] = counts.get(state, 0) + 1
-            if state == "running":
+            if state == MemberState.RUNNING:
                 word = f"m{m['member']} {done:.1f}/{n}"
                 loss = live.get("loss") if live else None
                 short.append(word)
                 long.append(word + (f" {loss:.3g}" if loss is not None else ""))
             else:
-                word = f"m{m['member']} {'done' if state == 'succeeded' else state}"
+                word = f"m{m['member']} {'done' if state == MemberState.SUCCEEDED else state}"
                 short.append(word)
                 long.append(word)
         for words in (long, short):
             line = ", ".join(words)
             if len(line) <= width:
                 return line
-        names = {"running": "training", "succeeded": "done"}
+        names: dict[str, str] = {MemberState.RUNNING: "training", MemberState.SUCCEEDED: "done"}
         states = ", ".join(f"{c} {names.get(s, s)}" for s, c in sorted(counts.items()))
         return fit(f"{len(members)} members: {states}; {segments:.1f}/{len(members) * n} segments", width)
 

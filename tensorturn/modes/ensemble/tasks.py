@@ -28,7 +28,7 @@ from tensorturn.pool.celery_app import app, forget_results
 from tensorturn.pool.telemetry import TaskReporter
 from tensorturn.recipes import Recipe, load_splits, recipe_of, resolve
 from tensorturn.recipes.result import Predictor
-from tensorturn.spec import RunSpec
+from tensorturn.spec import MemberState, Outcome, RunSpec, RunState
 from tensorturn.state.board import RunBoard
 from tensorturn.state.live import live_field
 from tensorturn.state.manifest import save_spec, try_write_manifest, write_manifest
@@ -86,7 +86,7 @@ def pin_init(spec: RunSpec) -> None:
         manifest = read_manifest(store, source, verify=True)
     except ObjectMissing:
         raise NotFound(f"--init-from {source}: no such run in the store (see `tensorturn runs`)") from None
-    if manifest.get("mode") != "fused" or manifest.get("state") != "succeeded":
+    if manifest.get("mode") != "fused" or manifest.get("state") != RunState.SUCCEEDED:
         raise SpecError(f"--init-from {source}: members start from one finished model, and run "
                         f"{source} is a {manifest.get('state')} {manifest.get('mode')} run")
     source_spec = manifest.get("spec") or {}
@@ -102,7 +102,7 @@ def pin_init(spec: RunSpec) -> None:
 
 
 def _new_member(entry: dict[str, Any]) -> dict[str, Any]:
-    return {"member": entry["member"], "state": "queued", "config": entry, "metrics": {},
+    return {"member": entry["member"], "state": MemberState.QUEUED, "config": entry, "metrics": {},
             "workers": [], "segments_done": 0, "reason": None}
 
 
@@ -129,7 +129,7 @@ def queue_segment(spec: RunSpec, m: int, j: int) -> None:
 
 
 def all_finished(spec: RunSpec, board: RunBoard) -> bool:
-    return int(board.r.hlen(layout.run_key(spec.run_id, "members_done"))) >= (options(spec).members or 0)
+    return board.member_log.done_count(spec.run_id) >= (options(spec).members or 0)
 
 
 def maybe_vote(spec: RunSpec, board: RunBoard) -> None:
@@ -144,8 +144,8 @@ def drop(spec: RunSpec, board: RunBoard, m: int, reason: str, task: str, worker:
     """Drop member m from the vote with ``reason``, and say so in a ``member_dropped`` incident —
     unless it already succeeded (a late give-up of a unit that another attempt finished must not
     undo it)."""
-    if board.member(spec.run_id, m).get("state") not in ("succeeded", "dropped"):
-        board.update_member(spec.run_id, m, state="dropped", reason=reason)
+    if board.member(spec.run_id, m).get("state") not in (MemberState.SUCCEEDED, MemberState.DROPPED):
+        board.update_member(spec.run_id, m, state=MemberState.DROPPED, reason=reason)
         board.incident(spec.run_id, "member_dropped", task, worker, f"member {m} dropped: {reason}")
     board.member_done(spec.run_id, m)
     maybe_vote(spec, board)
@@ -158,24 +158,24 @@ def resume(spec: RunSpec, store: Store, board: RunBoard) -> str:
     for entry in member_plan(spec, resolve(spec.recipe, spec.recipe_options)):
         m = entry["member"]
         info = board.member(spec.run_id, m) or _new_member(entry)
-        if info["state"] == "dropped" and info.get("reason", "").startswith("missed the deadline"):
+        if info["state"] == MemberState.DROPPED and info.get("reason", "").startswith("missed the deadline"):
             board.member_done(spec.run_id, m)
             continue
-        if info["state"] == "succeeded":
+        if info["state"] == MemberState.SUCCEEDED:
             board.member_done(spec.run_id, m)
             continue
         # a member dropped for failures gets another chance: the cause may be fixed
-        board.r.hdel(layout.run_key(spec.run_id, "members_done"), str(m))
+        board.member_log.undone(spec.run_id, m)
         stored = [j for j in range(opts.segments)
                   if store.exists(layout.key("segment", spec.run_id, m, j))]
         j = min(max(stored) + 1 if stored else 0, opts.segments - 1)
-        board.record_member(spec.run_id, m, {**info, "state": "queued", "reason": None,
+        board.record_member(spec.run_id, m, {**info, "state": MemberState.QUEUED, "reason": None,
                                              "segments_done": len(stored)})
         board.claim(spec.run_id, layout.segment_claim(m, j))
         queue_segment(spec, m, j)
         resumed.append(f"member {m} at segment {j}")
     if not resumed:
-        board.r.hdel(layout.run_key(spec.run_id, "claims"), layout.VOTE_CLAIM)
+        board.release(spec.run_id, layout.VOTE_CLAIM)
         maybe_vote(spec, board)
     return "resumed " + (", ".join(resumed) if resumed else "the vote")
 
@@ -195,7 +195,7 @@ class SegmentUnit(Unit):
     def done(self) -> bool:
         m, j = self.a.label.numbers
         state = self.board.member(self.spec.run_id, m).get("state")
-        if state in ("dropped", "succeeded"):
+        if state in (MemberState.DROPPED, MemberState.SUCCEEDED):
             return True
         return not self._last() and self.store.exists(layout.key("segment", self.spec.run_id, m, j))
 
@@ -205,11 +205,11 @@ class SegmentUnit(Unit):
         if opts.deadline is not None and time.time() > spec.created_at + opts.deadline:
             drop(spec, board, m, f"missed the deadline ({opts.deadline:g}s) before {self.a.label}",
                  str(self.a.label), self.a.worker)
-            return "refused: past the deadline"
+            return Outcome.REFUSED.says("past the deadline")
         info = board.member(spec.run_id, m)
         workers = info.get("workers", [])
-        board.update_member(spec.run_id, m, state="running" if info.get("state") in (None, "queued", "running")
-                            else info["state"],
+        training = info.get("state") in (None, MemberState.QUEUED, MemberState.RUNNING)
+        board.update_member(spec.run_id, m, state=MemberState.RUNNING if training else info["state"],
                             workers=workers if self.a.worker in workers else workers + [self.a.worker])
         outcome = SUCCEEDED
         if not self.store.exists(layout.key("segment", spec.run_id, m, j)):
@@ -225,7 +225,7 @@ class SegmentUnit(Unit):
         set_threads(spec.threads_per_task)
         recipe = recipe_of(spec)
         plan = member_plan(spec, recipe)[m]
-        batch = spec.batch_size or recipe.batch_size
+        batch = spec.batch_for(recipe)
         reporter = TaskReporter(self.a.task, self.board.r, str(self.a.label), opts.segment_steps, batch,
                                 live=(spec.run_id, live_field(self.a.label)))
         device = pick_device()
@@ -279,7 +279,7 @@ class SegmentUnit(Unit):
         metrics, unsound = judge(recipe, state, member_plan(spec, recipe)[m], pick_device(),
                                  spec.eval_batches)
         if unsound is None:
-            self.board.update_member(spec.run_id, m, state="succeeded", metrics=metrics)
+            self.board.update_member(spec.run_id, m, state=MemberState.SUCCEEDED, metrics=metrics)
             self.board.member_done(spec.run_id, m)
         else:  # judged on what training stored: another attempt would store the same
             drop(spec, self.board, m, unsound, str(self.a.label), self.a.worker)
@@ -287,7 +287,7 @@ class SegmentUnit(Unit):
 
     def then(self) -> None:
         spec, (m, j) = self.spec, self.a.label.numbers
-        if self.board.member(spec.run_id, m).get("state") in ("dropped", "succeeded"):
+        if self.board.member(spec.run_id, m).get("state") in (MemberState.DROPPED, MemberState.SUCCEEDED):
             self.board.member_done(spec.run_id, m)  # (again: a crash may have come between)
             maybe_vote(spec, self.board)
         elif j + 1 < options(spec).segments:
@@ -431,13 +431,13 @@ class VoteUnit(Unit):
         opts, run_id = options(spec), spec.run_id
         if not all_finished(spec, board):  # a member was re-queued (a resume) since this was queued
             board.release(run_id, layout.VOTE_CLAIM)  # the last member to finish queues it again
-            return "refused: members still training"
+            return Outcome.REFUSED.says("members still training")
         members = board.members(run_id)
-        done = [e for e in members if e["state"] == "succeeded"]
-        dropped = [e for e in members if e["state"] == "dropped"]
+        done = [e for e in members if e["state"] == MemberState.SUCCEEDED]
+        dropped = [e for e in members if e["state"] == MemberState.DROPPED]
         if len(done) < opts.min_members:
             reasons = "; ".join(f"member {e['member']}: {e['reason']}" for e in dropped)
-            self.finish_run("failed", error=mask_text(f"only {len(done)} of {opts.members} members "
+            self.finish_run(RunState.FAILED, error=mask_text(f"only {len(done)} of {opts.members} members "
                                                       f"finished (--min-members {opts.min_members}): {reasons}"))
             return SUCCEEDED
         entries = []
@@ -452,5 +452,5 @@ class VoteUnit(Unit):
         pieces = recipe_of(spec).eval_pieces("test", spec.eval_batches)
         metrics = vote_metrics(Predictor.from_bytes(blob), pieces)
         metrics.update(members_succeeded=len(done), members_dropped=len(dropped))
-        self.finish_run("succeeded", metrics=metrics, model_uri=store.uri(final), model_sha256=sha)
+        self.finish_run(RunState.SUCCEEDED, metrics=metrics, model_uri=store.uri(final), model_sha256=sha)
         return SUCCEEDED

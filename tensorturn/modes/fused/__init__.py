@@ -1,7 +1,11 @@
 """Fused mode: data-sharded training merged every H steps, DiLoCo-style, into one model.
 
-The plug-in (this module, no torch) holds the options and what the CLI and client need; the
-Celery tasks — shard, outer step — are in :mod:`.tasks`, the math in :mod:`tensorturn.train.diloco`.
+The plug-in (this module, no torch) and its options (:mod:`.options`) are what the CLI and client
+need. The rest, one job a module: :mod:`.weights` (the θ a shard trains from, and the one cache of
+it), :mod:`.shard` (training a shard, storing its pseudo-gradient), :mod:`.outer` (the outer step,
+streaming), :mod:`.finalize` (the run's end), :mod:`.backups` (copies of stragglers), and
+:mod:`.sync` — one :class:`~.sync.base.SyncPolicy` class per ``--sync`` value (rounds, backup,
+async). :mod:`.tasks` starts and resumes a run; the math is in :mod:`tensorturn.train.diloco`.
 
 Guarantees:
 
@@ -23,139 +27,36 @@ Guarantees:
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from tensorturn import layout
 from tensorturn.modes import ModeBase
-from tensorturn.spec import FINISHED, ModeOptions, Workload, check_bounds, options_json
+from tensorturn.modes.fused.options import (
+    AUTO_NESTEROV_EPOCHS,
+    CODECS,
+    EPOCHS_PER_ROUND,
+    EPOCHS_PER_ROUND_WARNING,
+    KEEPS,
+    MAX_SHARDS,
+    MAX_SYNC_EVERY,
+    OUTERS,
+    ROWS_PER_SHARD,
+    SYNCS,
+    FusedOptions,
+    StartedOptions,
+    default_shards,
+    default_sync_every,
+)
+from tensorturn.spec import FINISHED, options_json
 from tensorturn.state.live import WIDTH, fit
 
 if TYPE_CHECKING:
     from tensorturn.recipes import Recipe
     from tensorturn.spec import RunSpec
 
-OUTERS = ("auto", "nesterov", "sgd")
-CODECS = ("fp32", "fp16", "int8")
-KEEPS = ("last", "best")
-SYNCS = ("rounds", "backup", "async")
-AUTO_NESTEROV_EPOCHS = 1.0  # --outer auto: Nesterov when a shard's round covers its rows at most this often
-# a shard going over its rows more often than this per round, with --shards or --sync-every
-# given, is warned about (little data)
-EPOCHS_PER_ROUND_WARNING = 4.0
-# Defaults scaled to the data, when --shards / --sync-every are not given (benchmarks/defaults.py
-# --scaled): fewer shards and H than 8 × 25 on little data matched or beat them on digits and the
-# small tables, 2-4× faster; a cap of 4 passes beat 1 and 2, which undertrain the smallest sets.
-MAX_SHARDS = 8           # large data: 8 shards, so the math does not depend on the pool
-ROWS_PER_SHARD = 700     # one shard per this many training rows, 2 to MAX_SHARDS
-MAX_SYNC_EVERY = 25      # H on large data
-EPOCHS_PER_ROUND = EPOCHS_PER_ROUND_WARNING  # H is cut so a shard goes over its rows at most this often
-
-
-@dataclass
-class FusedOptions(ModeOptions):
-    HELP = """
-    rounds          outer rounds
-    sync_every      inner steps per shard between weight averages (H); unset: 25, fewer when shards hold few rows
-    shards          virtual replicas per round (more than machines lets fast ones take more); unset: 1 per 700 rows, 2-8
-    outer           outer optimizer: nesterov (DiLoCo), sgd (lr 1: FedAvg), auto (sgd if shards see rows >1× a round)
-    outer_lr        outer learning rate (default 0.7 for nesterov, 1.0 for sgd)
-    outer_momentum  outer momentum
-    codec           encoding of pseudo-gradients up and weight updates down (int8: ~3.9× fewer bytes)
-    keep            the result: the last round's weights, or those of the round with the lowest validation loss
-    sync            rounds: a barrier per round; backup: and copies of its stragglers; async: no barrier (see README)
-    """
-    CHOICES = {"outer": OUTERS, "codec": CODECS, "keep": KEEPS, "sync": SYNCS}
-
-    rounds: int = 8
-    sync_every: int | None = None       # None: from the data at start (see fill_from_data)
-    shards: int | None = None           # None: from the data at start
-    outer: str = "auto"                 # decided at start from the data (see resolve_outer)
-    outer_lr: float | None = None       # None: 0.7 for nesterov (DiLoCo), 1.0 for sgd (FedAvg)
-    outer_momentum: float = 0.9
-    codec: str = "fp32"
-    keep: str = "last"
-    sync: str = "rounds"
-    # a pseudo-gradient whose norm exceeds this multiple of the weights' norm is rejected
-    max_update_ratio: float = 10.0
-    # derived at start: sha256 of θ_0's model file, so machines can rebuild θ_0 from the seed
-    init_sha256: str = ""
-    # which of shards and sync_every TensorTurn chose (from the data, or a command's own
-    # defaults) rather than the user: a run warns about its shards' passes only for the user's
-    chosen: list[str] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        if self.outer_lr is None and self.outer != "auto":
-            self.outer_lr = 0.7 if self.outer == "nesterov" else 1.0
-
-    def fill_from_data(self, train_rows: int, samples_per_step: int) -> None:
-        """Choose the shards and H the user did not give, from the data: :func:`default_shards`,
-        then :func:`default_sync_every` for those shards. Done once, at start, and stored in the
-        spec, so every machine and ``resume`` use the same values (the math never depends on
-        the pool)."""
-        if self.shards is None:
-            self.shards = default_shards(train_rows)
-            self.chosen.append("shards")
-        if self.sync_every is None:
-            self.sync_every = default_sync_every(train_rows, self.shards, samples_per_step)
-            self.chosen.append("sync_every")
-
-    def resolve_outer(self, epochs_per_round: float) -> str | None:
-        """Decide ``auto``: DiLoCo's Nesterov outer step (lr 0.7, momentum 0.9) when a shard's
-        round covers its rows at most once — large data, as in the paper and on ``charlm`` — and
-        plain averaging (FedAvg: sgd, lr 1) when it goes over them again and again: on small
-        data the Nesterov step overshoots (benchmarks/defaults.py: test NLL 0.34 vs 0.15 on digits,
-        0.57 vs 0.05 on breast cancer). Returns a sentence on what was chosen, for the run."""
-        if self.outer != "auto":
-            return None
-        self.outer = "nesterov" if epochs_per_round <= AUTO_NESTEROV_EPOCHS else "sgd"
-        if self.outer_lr is None:
-            self.outer_lr = 0.7 if self.outer == "nesterov" else 1.0
-        if self.outer == "nesterov":
-            return None
-        return (f"outer optimizer sgd (FedAvg), chosen by --outer auto: each shard goes over its "
-                f"rows {epochs_per_round:.1f} times a round, where DiLoCo's Nesterov step overshoots "
-                f"(--outer nesterov forces it)")
-
-    def validate(self) -> None:
-        super().validate()
-        check_bounds({"rounds": self.rounds, "sync_every": self.sync_every, "shards": self.shards,
-                      "outer_lr": self.outer_lr, "outer_momentum": self.outer_momentum})
-
-    def workload(self) -> Workload:
-        """A task per shard and round; ``--sync async`` queues them all at once. Shards and H
-        left to the data count at the most the data can give them (MAX_SHARDS, MAX_SYNC_EVERY)."""
-        shards = self.shards or MAX_SHARDS
-        tasks = (self.rounds * shards, "--rounds × --shards")
-        queued = (tasks[0], "--sync async: " + tasks[1]) if self.sync == "async" else (shards, "--shards")
-        return Workload(tasks=tasks, queued=queued,
-                        steps=(self.rounds * (self.sync_every or MAX_SYNC_EVERY),
-                               "--rounds × --sync-every"))
-
-
-class StartedOptions(FusedOptions):
-    """What :class:`FusedOptions` are once the run has started (:meth:`~FusedOptions.fill_from_data`):
-    the shards and H are numbers. A type for the tasks, never made."""
-
-    shards: int
-    sync_every: int
-
-
-def default_shards(train_rows: int) -> int:
-    """Shards when the user gives none: one per ~700 training rows, 2 to 8. On little data many
-    small shards each gone over many times a round cost accuracy (benchmarks/distill.py,
-    benchmarks/defaults.py); on large data 8 fixed shards keep the math independent of the pool."""
-    return max(2, min(MAX_SHARDS, train_rows // ROWS_PER_SHARD))
-
-
-def default_sync_every(train_rows: int, shards: int, samples_per_step: int,
-                       epochs: float = EPOCHS_PER_ROUND) -> int:
-    """H when the user gives none: 25, or fewer so that a shard goes over its rows at most
-    ``epochs`` times a round (at least 1 step): the small sets of benchmarks/defaults.py went
-    over their rows 10-30 times a round with H 25."""
-    rows = train_rows / max(shards, 1)
-    return max(1, min(MAX_SYNC_EVERY, int(epochs * rows // max(samples_per_step, 1))))
-
+__all__ = ["AUTO_NESTEROV_EPOCHS", "CODECS", "EPOCHS_PER_ROUND", "EPOCHS_PER_ROUND_WARNING", "KEEPS",
+           "MAX_SHARDS", "MAX_SYNC_EVERY", "MODE", "OUTERS", "ROWS_PER_SHARD", "SYNCS", "Fused",
+           "FusedOptions", "StartedOptions", "default_shards", "default_sync_every"]
 
 class Fused(ModeBase):
     def model_configs(self, spec: "RunSpec", recipe: "Recipe") -> list[dict[str, Any]]:

@@ -4,16 +4,25 @@ train a copy of a unit another machine is still training — if by the two machi
 it would finish first (the *longest approximate time to end* rule of speculative execution in
 MapReduce-style schedulers). The copy goes to this machine's own queue, so the machine that was
 judged faster is the one that runs it; whichever copy stores the unit first counts.
+
+One queuer (:func:`queue_backup`) for both policies: they differ only in which units are
+running, which task trains a copy, and the words of the incident.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from tensorturn import layout
+from tensorturn.modes.fused.options import options
+from tensorturn.pool.celery_app import forget_results
+from tensorturn.recipes import recipe_of
+from tensorturn.spec import Outcome, RunSpec
 from tensorturn.state.board import RunBoard
-from tensorturn.tasks.attempt import Unit
+from tensorturn.tasks.attempt import Unit, signed
 
 COPY_KINDS = ("backup", "update_backup")  # labels of backup copies (r<r>/backup-<k>, u<j>/backup)
 
@@ -39,17 +48,24 @@ class Running:
     worker: str
 
 
-def last_rate(board: RunBoard, worker: str) -> float | None:
-    """A worker's samples/s over its last whole training task (``TaskReporter.done``)."""
-    raw = board.r.hget(layout.worker_key(worker), "last_rate")
-    return float(raw) if raw else None
+def running(board: RunBoard, run_id: str, unit_of: Callable[[layout.Label], int | None]
+            ) -> list[Running]:
+    """The units of the run some machine is training now: each running attempt whose label
+    ``unit_of`` maps to a unit (None: not one to copy)."""
+    out = []
+    for a in board.attempts(run_id):
+        named = layout.parse_label(a["task"])
+        unit = unit_of(named) if named is not None and a["outcome"] == Outcome.RUNNING else None
+        if unit is not None:
+            out.append(Running(unit, a["started_at"], a["worker"]))
+    return out
 
 
 def pick(board: RunBoard, running: list[Running], me: str, samples: int) -> int | None:
     """The unit to copy on worker ``me``: the one with the longest estimated time left, if ``me``
     would train a whole copy (``samples``) sooner than that; None when no copy would win or a
     rate is unknown."""
-    mine = last_rate(board, me)
+    mine = board.workers.last_rate(me)
     if not mine:
         return None
     own_s, now = samples / mine, time.time()
@@ -57,10 +73,26 @@ def pick(board: RunBoard, running: list[Running], me: str, samples: int) -> int 
     for unit in running:
         if unit.worker == me:
             continue
-        rate = last_rate(board, unit.worker)
+        rate = board.workers.last_rate(unit.worker)
         if not rate:
             continue
         left = samples / rate - (now - unit.started_at)
         if left > best_left:
             best, best_left = unit.unit, left
     return best
+
+
+def queue_backup(spec: RunSpec, board: RunBoard, worker: str, candidates: list[Running],
+                 claim: Callable[[int], str], label: Callable[[int], layout.Label],
+                 task: Any, args: Callable[[int], tuple[Any, ...]], why: Callable[[int], str]) -> None:
+    """Queue on ``worker``'s own queue a backup copy of the candidate it would beat by most
+    (:func:`pick`), once per unit (``claim(unit)``): ``task`` with ``args(unit)``, signed for
+    ``label(unit)``; the incident says ``why(unit)``."""
+    samples = options(spec).sync_every * spec.batch_for(recipe_of(spec))
+    unit = pick(board, candidates, worker, samples)
+    if unit is None or not board.claim(spec.run_id, claim(unit)):
+        return
+    what = str(label(unit))
+    forget_results([task.s(*args(unit), **signed(spec.run_id, what))
+                    .set(queue=layout.agent_queue(worker)).apply_async()])
+    board.incident(spec.run_id, "backup_queued", what, worker, why(unit))

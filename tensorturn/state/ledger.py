@@ -54,6 +54,8 @@ class Fenced(Exception):
 
 
 class AsyncLedger:
+    """The async ledger of one run (keys above)."""
+
     def __init__(self, client: redis.Redis, run_id: str):
         self.r: Any = client  # decode_responses=True: strings come back
         self.run_id = run_id

@@ -1,4 +1,4 @@
-"""The ``distill`` recipe: a student of an ensemble's recipe, trained against the ensemble's vote.
+"""The ``distill`` recipe: the student, an ensemble's recipe trained against the ensemble's vote.
 
 ``tensorturn distill RUN`` starts an ordinary fused run of this recipe. It is its *base* recipe
 (the ensemble's, with the options the ensemble ran with) in everything — data, model, evaluation,
@@ -19,7 +19,8 @@ options (the ensemble's run id, T, α, top-k, the student's configuration) are i
 
 The models' outputs must be logits: ``[rows, classes]`` for classification, ``[rows, positions,
 vocabulary]`` for a language model — what the default loss assumes. Regression ensembles are
-refused (their mean is already the teacher; nothing soft to match).
+refused (their mean is already the teacher; nothing soft to match). The defaults and ranges of
+T, α, top-k and the mixed rows are :mod:`tensorturn.merge.distill`'s.
 """
 
 from __future__ import annotations
@@ -33,32 +34,24 @@ import torch
 from torch import nn
 
 from tensorturn.errors import RecipeError
+from tensorturn.merge.distill import ALPHA, DISTILLABLE, MIXUP, TEMPERATURE, TOP_K, check_settings
 from tensorturn.recipes.base import Recipe
 
 log = logging.getLogger(__name__)
-
-DISTILLABLE = ("classification", "language_model")
 
 
 class Distilled(Recipe):
     name = "distill"
 
     def __init__(self, teacher: str = "", recipe: str = "", recipe_options: dict[str, Any] | None = None,
-                 student: dict[str, Any] | None = None, temperature: float = 2.0,
-                 alpha: float = 0.5, top_k: int = 16, mixup: int = 0):
+                 student: dict[str, Any] | None = None, temperature: float = TEMPERATURE,
+                 alpha: float = ALPHA, top_k: int = TOP_K, mixup: int = MIXUP):
         from tensorturn.recipes import resolve
 
         if not isinstance(teacher, str) or not teacher or not isinstance(recipe, str) or not recipe:
             raise RecipeError("the distill recipe is what `tensorturn distill RUN` trains; it is "
                               "not named with --recipe (it needs a finished ensemble)")
-        if not float(temperature) > 0:
-            raise RecipeError(f"--temperature must be positive (got {temperature})")
-        if not 0.0 <= float(alpha) <= 1.0:
-            raise RecipeError(f"--alpha must be in [0, 1] (got {alpha})")
-        if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1:
-            raise RecipeError(f"--top-k must be a whole number ≥ 1 (got {top_k})")
-        if not isinstance(mixup, int) or isinstance(mixup, bool) or mixup < 0:
-            raise RecipeError(f"--mixup must be a whole number ≥ 0 (got {mixup})")
+        check_settings(temperature, alpha, top_k, mixup)
         if student is not None and not isinstance(student, dict):
             raise RecipeError(f"--student must be a JSON object of model settings (got {student!r})")
         self.teacher, self.temperature, self.alpha, self.top_k = teacher, float(temperature), float(alpha), top_k
@@ -239,37 +232,3 @@ def json_text(value: Any) -> str:
     import json
 
     return json.dumps(value, sort_keys=True)
-
-
-def plan(store: Any, teacher: str, student: dict[str, Any] | None, temperature: float,
-         alpha: float, top_k: int, mixup: int = 0) -> dict[str, Any]:
-    """The ``distill`` recipe's options for ensemble run ``teacher``, checked before anything is
-    queued: a finished ensemble (its signed manifest) of a classification or language-model
-    recipe, T, α and top-k in range, and a student that fits the data. One-line errors.
-    ``mixup``: mixed transfer rows per row (real-valued inputs only)."""
-    from tensorturn.errors import SpecError
-    from tensorturn.recipes import resolve
-    from tensorturn.state.manifest import finished_ensemble
-
-    if not temperature > 0:
-        raise SpecError(f"--temperature must be positive (got {temperature:g})")
-    if not 0.0 <= alpha <= 1.0:
-        raise SpecError(f"--alpha must be in [0, 1] (got {alpha:g})")
-    if top_k < 1:
-        raise SpecError(f"--top-k must be a whole number ≥ 1 (got {top_k})")
-    manifest = finished_ensemble(store, teacher, "distillation")
-    spec = manifest["spec"]
-    options = {"teacher": teacher, "recipe": spec["recipe"],
-               "recipe_options": spec.get("recipe_options") or {}, "student": dict(student or {}),
-               "temperature": float(temperature), "alpha": float(alpha), "top_k": top_k,
-               "mixup": 0}
-    recipe = resolve("distill", options)
-    if mixup < 0:
-        raise SpecError(f"--mixup must be a whole number ≥ 0 (got {mixup})")
-    if mixup and not recipe.sample_input().is_floating_point():
-        raise SpecError(f"--mixup mixes real-valued inputs; recipe {spec['recipe']!r} takes "
-                        f"{recipe.sample_input().dtype} inputs (token ids): use --mixup 0")
-    options["mixup"] = mixup
-    members = [m["config"]["model"] for m in manifest.get("members", []) if m.get("state") == "succeeded"]
-    recipe.check_student(members)  # type: ignore[attr-defined]
-    return options

@@ -1,7 +1,8 @@
 """The mode registry: a mode's name → its package. One line here adds a mode.
 
-A leaf module (of TensorTurn it imports only its errors): the spec, the CLI and the Celery app
-look modes up here, and each mode's package is imported only when it is asked for.
+A leaf of the vocabulary (of TensorTurn it imports only its errors, and a mode's package only by
+name when it is asked for): the spec, the CLI and the Celery app look modes up here without
+importing the modes, which sit high above them.
 """
 
 from __future__ import annotations

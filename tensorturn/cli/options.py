@@ -1,0 +1,126 @@
+"""The options ``run``, ``distill`` and ``resume`` share: where the work runs and how the command
+waits for it, the inner training's, every mode's (from its options class), and ``--recipe-option``
+pairs; each ``--help`` shows its range from :data:`tensorturn.spec.LIMITS`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import click
+
+from tensorturn.cli import pool_options
+from tensorturn.errors import SpecError
+from tensorturn.modes import get_mode, mode_names
+from tensorturn.spec import LIMITS
+
+
+def parse_recipe_options(pairs: tuple[str, ...]) -> dict[str, Any]:
+    """``KEY=VALUE`` pairs; values are JSON when they parse as JSON, else plain strings."""
+    import json
+
+    options: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key.strip():
+            raise SpecError(f"--recipe-option needs KEY=VALUE (got {pair!r})")
+        try:
+            options[key.strip()] = json.loads(value)
+        except ValueError:
+            options[key.strip()] = value
+    return options
+
+
+def follow_options(command: str) -> Callable:
+    """What `run` and `resume` share: where the work runs, and how the command waits for it."""
+
+    def decorate(fn: Callable) -> Callable:
+        for option in reversed([
+            click.option("--local-workers", type=int, default=2, show_default=True,
+                         help="Embedded pool only: agent processes to start on this machine."
+                              + bounded("local_workers")),
+            click.option("--detach", is_flag=True,
+                         help="Queue the work and return at once (needs --broker)."),
+            click.option("--timeout", "timeout_s", type=float, default=None,
+                         help="Stop waiting after this many seconds (the run goes on)."
+                              + bounded("timeout")),
+            click.option("--json", "as_json", is_flag=True,
+                         help="Print the run as one JSON object on stdout."),
+            pool_options(f"Redis URL of the pool (env TENSORTURN_BROKER_URL). Without it, "
+                         f"`{command}` starts a private embedded pool on this machine."),
+        ]):
+            fn = option(fn)
+        return fn
+
+    return decorate
+
+
+def mode_options(*modes: str, defaults: dict[str, str] | None = None) -> Callable:
+    """A flag for every option of ``modes`` (every mode in the registry when none is named),
+    from the mode's options class; ``defaults`` shows a command's own defaults instead."""
+    from dataclasses import MISSING, fields
+
+    types = {"int": int, "float": float, "str": str}
+
+    def decorate(fn: Callable) -> Callable:
+        for name in reversed(modes or mode_names()):
+            options = get_mode(name).Options
+            by_name = {f.name: f for f in fields(options)}
+            for field_name, text in reversed(options.flags()):
+                f = by_name[field_name]
+                kind = str(f.type).split(" | ")[0]
+                shown = ("on" if f.default else "off") if kind == "bool" else f.default
+                default = "" if f.default in (MISSING, None) else f" [default: {shown}]"
+                if defaults and field_name in defaults:
+                    default = f" [default: {defaults[field_name]}]"
+                help_text = f"{name.capitalize()}: {text}.{default}{bounded(field_name)}"
+                flag = "--" + field_name.replace("_", "-")
+                if kind == "bool":
+                    fn = click.option(f"{flag}/--no-{flag[2:]}", field_name, default=None, help=help_text)(fn)
+                elif field_name in options.CHOICES:
+                    fn = click.option(flag, field_name, type=click.Choice(options.CHOICES[field_name]),
+                                      default=None, help=help_text)(fn)
+                else:
+                    fn = click.option(flag, field_name, type=types[kind], default=None, help=help_text)(fn)
+        return fn
+
+    return decorate
+
+
+def bounded(name: str) -> str:
+    """The range of an option, as ``--help`` shows it (from :data:`tensorturn.spec.LIMITS`)."""
+    return f" [{LIMITS[name].shown()}]" if name in LIMITS else ""
+
+
+def training_options(fn: Callable) -> Callable:
+    """The inner training's options every run has (``RunSpec``'s common fields)."""
+    for option in reversed([
+        click.option("--lr", type=float, default=None,
+                     help=f"Inner learning rate [default: the recipe's]{bounded('lr')}."),
+        click.option("--batch-size", type=int, default=None,
+                     help=f"[default: the recipe's]{bounded('batch_size')}"),
+        click.option("--seed", type=int, default=0, show_default=True, help=bounded("seed")[1:]),
+        click.option("--threads-per-task", type=int, default=1, show_default=True,
+                     help="CPU torch threads per task; CPU results depend on it (an agent with "
+                          f"fewer cores uses all of its own).{bounded('threads_per_task')}"),
+        click.option("--max-attempts", type=int, default=3, show_default=True,
+                     help="Attempts per task before the run fails (or an ensemble member drops)."
+                          + bounded("max_attempts")),
+        click.option("--eval-batches", type=int, default=None,
+                     help="Validation and test figures from at most this many forward passes (of the "
+                          "recipe's eval_batch_size rows, 512 by default) [default: the whole split]"
+                          f"{bounded('eval_batches')}."),
+        click.option("--precision", type=click.Choice(["auto", "fp32", "bf16", "fp16"]), default="auto",
+                     show_default=True, help="Training precision: auto is bf16 on CUDA GPUs that "
+                     "support it and fp32 elsewhere; bf16/fp16 autocast anywhere (fp16 with a "
+                     "gradient scaler)."),
+        click.option("--accumulate", type=int, default=1, show_default=True,
+                     help="Minibatches per optimizer step (gradient accumulation: a batch of "
+                          f"--batch-size × N in the memory of one).{bounded('accumulate')}"),
+    ]):
+        fn = option(fn)
+    return fn
+
+
+TRAINING = ("seed", "lr", "batch_size", "threads_per_task", "max_attempts", "eval_batches",
+            "precision", "accumulate")

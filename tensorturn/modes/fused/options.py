@@ -1,0 +1,201 @@
+"""The fused mode's options and the defaults chosen from the data (no torch: the CLI validates a
+run with them).
+
+What the user leaves out is decided once, at start, and stored in the spec (:func:`settle_options`),
+so every machine and ``resume`` read the same values and the math never depends on the pool.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, cast
+
+from tensorturn.modes.fused.policies import SYNCS
+from tensorturn.spec import ModeOptions, Workload, check_bounds
+
+if TYPE_CHECKING:
+    from tensorturn.recipes import Recipe
+    from tensorturn.spec import RunSpec
+
+OUTERS = ("auto", "nesterov", "sgd")
+CODECS = ("fp32", "fp16", "int8")
+KEEPS = ("last", "best")
+AUTO_NESTEROV_EPOCHS = 1.0  # --outer auto: Nesterov when a shard's round covers its rows at most this often
+# a shard going over its rows more often than this per round, with --shards or --sync-every
+# given, is warned about (little data)
+EPOCHS_PER_ROUND_WARNING = 4.0
+# Defaults scaled to the data, when --shards / --sync-every are not given (benchmarks/defaults.py
+# --scaled): fewer shards and H than 8 × 25 on little data matched or beat them on digits and the
+# small tables, 2-4× faster; a cap of 4 passes beat 1 and 2, which undertrain the smallest sets.
+MAX_SHARDS = 8           # large data: 8 shards, so the math does not depend on the pool
+ROWS_PER_SHARD = 700     # one shard per this many training rows, 2 to MAX_SHARDS
+MAX_SYNC_EVERY = 25      # H on large data
+EPOCHS_PER_ROUND = EPOCHS_PER_ROUND_WARNING  # H is cut so a shard goes over its rows at most this often
+
+
+def default_outer_lr(outer: str) -> float:
+    """The outer learning rate left out: DiLoCo's 0.7 for Nesterov, 1.0 (plain averaging,
+    FedAvg) for sgd."""
+    return 0.7 if outer == "nesterov" else 1.0
+
+
+@dataclass
+class FusedOptions(ModeOptions):
+    HELP = """
+    rounds          outer rounds
+    sync_every      inner steps per shard between weight averages (H); unset: 25, fewer when shards hold few rows
+    shards          virtual replicas per round (more than machines lets fast ones take more); unset: 1 per 700 rows, 2-8
+    outer           outer optimizer: nesterov (DiLoCo), sgd (lr 1: FedAvg), auto (sgd if shards see rows >1× a round)
+    outer_lr        outer learning rate (default 0.7 for nesterov, 1.0 for sgd)
+    outer_momentum  outer momentum
+    codec           encoding of pseudo-gradients up and weight updates down (int8: ~3.9× fewer bytes)
+    keep            the result: the last round's weights, or those of the round with the lowest validation loss
+    sync            rounds: a barrier per round; backup: and copies of its stragglers; async: no barrier (see README)
+    """
+    CHOICES = {"outer": OUTERS, "codec": CODECS, "keep": KEEPS, "sync": SYNCS}
+
+    rounds: int = 8
+    sync_every: int | None = None       # None: from the data at start (see fill_from_data)
+    shards: int | None = None           # None: from the data at start
+    outer: str = "auto"                 # decided at start from the data (see resolve_outer)
+    outer_lr: float | None = None       # None: default_outer_lr(outer)
+    outer_momentum: float = 0.9
+    codec: str = "fp32"
+    keep: str = "last"
+    sync: str = "rounds"
+    # a pseudo-gradient whose norm exceeds this multiple of the weights' norm is rejected
+    max_update_ratio: float = 10.0
+    # derived at start: sha256 of θ_0's model file, so machines can rebuild θ_0 from the seed
+    init_sha256: str = ""
+    # which of shards and sync_every TensorTurn chose (from the data, or a command's own
+    # defaults) rather than the user: a run warns about its shards' passes only for the user's
+    chosen: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.outer_lr is None and self.outer != "auto":
+            self.outer_lr = default_outer_lr(self.outer)
+
+    def fill_from_data(self, train_rows: int, samples_per_step: int) -> None:
+        """Choose the shards and H the user did not give, from the data: :func:`default_shards`,
+        then :func:`default_sync_every` for those shards. Done once, at start, and stored in the
+        spec, so every machine and ``resume`` use the same values (the math never depends on
+        the pool)."""
+        if self.shards is None:
+            self.shards = default_shards(train_rows)
+            self.chosen.append("shards")
+        if self.sync_every is None:
+            self.sync_every = default_sync_every(train_rows, self.shards, samples_per_step)
+            self.chosen.append("sync_every")
+
+    def resolve_outer(self, epochs_per_round: float) -> str | None:
+        """Decide ``auto``: DiLoCo's Nesterov outer step (lr 0.7, momentum 0.9) when a shard's
+        round covers its rows at most once — large data, as in the paper and on ``charlm`` — and
+        plain averaging (FedAvg: sgd, lr 1) when it goes over them again and again: on small
+        data the Nesterov step overshoots (benchmarks/defaults.py: test NLL 0.34 vs 0.15 on digits,
+        0.57 vs 0.05 on breast cancer). Returns a sentence on what was chosen, for the run."""
+        if self.outer != "auto":
+            return None
+        self.outer = "nesterov" if epochs_per_round <= AUTO_NESTEROV_EPOCHS else "sgd"
+        if self.outer_lr is None:
+            self.outer_lr = default_outer_lr(self.outer)
+        if self.outer == "nesterov":
+            return None
+        return (f"outer optimizer sgd (FedAvg), chosen by --outer auto: each shard goes over its "
+                f"rows {epochs_per_round:.1f} times a round, where DiLoCo's Nesterov step overshoots "
+                f"(--outer nesterov forces it)")
+
+    def validate(self) -> None:
+        super().validate()
+        check_bounds({"rounds": self.rounds, "sync_every": self.sync_every, "shards": self.shards,
+                      "outer_lr": self.outer_lr, "outer_momentum": self.outer_momentum})
+
+    def workload(self) -> Workload:
+        """A task per shard and round; ``--sync async`` queues them all at once. Shards and H
+        left to the data count at the most the data can give them (MAX_SHARDS, MAX_SYNC_EVERY)."""
+        shards = self.shards or MAX_SHARDS
+        tasks = (self.rounds * shards, "--rounds × --shards")
+        queued = (tasks[0], "--sync async: " + tasks[1]) if self.sync == "async" else (shards, "--shards")
+        return Workload(tasks=tasks, queued=queued,
+                        steps=(self.rounds * (self.sync_every or MAX_SYNC_EVERY),
+                               "--rounds × --sync-every"))
+
+
+class StartedOptions(FusedOptions):
+    """What :class:`FusedOptions` are once the run has started (:meth:`~FusedOptions.fill_from_data`):
+    the shards and H are numbers. A type for the tasks, never made."""
+
+    shards: int
+    sync_every: int
+
+
+def default_shards(train_rows: int) -> int:
+    """Shards when the user gives none: one per ~700 training rows, 2 to 8. On little data many
+    small shards each gone over many times a round cost accuracy (benchmarks/distill.py,
+    benchmarks/defaults.py); on large data 8 fixed shards keep the math independent of the pool."""
+    return max(2, min(MAX_SHARDS, train_rows // ROWS_PER_SHARD))
+
+
+def default_sync_every(train_rows: int, shards: int, samples_per_step: int,
+                       epochs: float = EPOCHS_PER_ROUND) -> int:
+    """H when the user gives none: 25, or fewer so that a shard goes over its rows at most
+    ``epochs`` times a round (at least 1 step): the small sets of benchmarks/defaults.py went
+    over their rows 10-30 times a round with H 25."""
+    rows = train_rows / max(shards, 1)
+    return max(1, min(MAX_SYNC_EVERY, int(epochs * rows // max(samples_per_step, 1))))
+
+
+# ---- a started run's options -------------------------------------------------------------------
+
+def options(spec: RunSpec) -> StartedOptions:
+    """The run's fused options, as the tasks see them: shards and H are filled at start."""
+    return cast(StartedOptions, spec.opts(FusedOptions))
+
+
+def outer_args(spec: RunSpec) -> tuple[float, float, bool]:
+    """(lr, momentum, nesterov) of the outer optimizer, for the synchronous outer step and the
+    asynchronous applier alike: momentum only with Nesterov (sgd is plain averaging)."""
+    opts = options(spec)
+    use_momentum = opts.outer == "nesterov" and opts.outer_momentum > 0
+    return float(opts.outer_lr or 0), opts.outer_momentum if use_momentum else 0.0, use_momentum
+
+
+def samples_per_step(spec: RunSpec, recipe: Recipe) -> int:
+    """Training rows one inner step reads (the batch × ``--accumulate``)."""
+    return spec.batch_for(recipe) * spec.accumulate
+
+
+def epochs_per_round(spec: RunSpec, recipe: Recipe) -> float:
+    """How many times a shard goes over its rows in one round (H steps × batch / its rows)."""
+    opts = options(spec)
+    rows = recipe.train_rows() / opts.shards
+    return opts.sync_every * samples_per_step(spec, recipe) / max(rows, 1.0)
+
+
+def settle_options(spec: RunSpec, recipe: Recipe) -> list[str]:
+    """Decide what the user left to the data — the shards and H (:meth:`FusedOptions.fill_from_data`),
+    then ``--outer auto`` — once, before the spec is stored: every machine and ``resume`` read
+    the same values. Returns the warnings ``run`` prints about the setup: none when TensorTurn
+    chose both the shards and H; else what ``--outer auto`` chose and :func:`small_data_warning`."""
+    opts = options(spec)
+    opts.fill_from_data(recipe.train_rows(), samples_per_step(spec, recipe))
+    epochs = epochs_per_round(spec, recipe)
+    chosen = opts.resolve_outer(epochs)
+    if {"shards", "sync_every"} <= set(opts.chosen):
+        return []
+    return [w for w in (chosen, small_data_warning(spec, recipe, epochs)) if w]
+
+
+def small_data_warning(spec: RunSpec, recipe: Recipe, epochs: float) -> str | None:
+    """A warning when each shard goes over its rows (``epochs`` times a round) many times: with
+    little data, local steps overfit their shard and validation loss tends to rise after a few
+    rounds."""
+    opts = options(spec)
+    rows = recipe.train_rows() / opts.shards
+    if epochs <= EPOCHS_PER_ROUND_WARNING:
+        return None
+    accumulated = f" × {spec.accumulate} accumulated" if spec.accumulate > 1 else ""
+    return (f"each shard holds about {rows:.0f} training rows but trains {opts.sync_every} steps × "
+            f"batch {spec.batch_for(recipe)}{accumulated} per round, going over them "
+            f"{epochs:.0f} times: fewer --sync-every or --shards suit this little data (left out, "
+            f"both are chosen from the data); --keep best keeps the round with the lowest "
+            f"validation loss")

@@ -1,0 +1,317 @@
+"""The outer step of a round: average the shards' stored pseudo-gradients and step θ_r to θ_{r+1}
+(DiLoCo, Douillard et al. 2023, arXiv 2311.08105: Nesterov outer momentum; plain averaging —
+FedAvg — with ``--outer sgd``), then evaluate θ_{r+1}.
+
+One streaming implementation, whatever the model's size and the codec: everything goes through
+local files, tensor by tensor, so memory holds one model-sized sum and a tensor at a time (and,
+when the broadcast is compressed, the move θ_{r+1} − θ_r being encoded). Its arithmetic is the
+in-memory one's (:func:`~tensorturn.train.diloco.weighted_average`,
+:func:`~tensorturn.train.diloco.outer_update`, :func:`~tensorturn.train.diloco.compress_broadcast`)
+applied tensor by tensor, so the same bits. θ_{r+1} is stored last: its existence decides the round.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tensorturn import layout
+from tensorturn.modes.fused.finalize import finalize
+from tensorturn.modes.fused.options import options, outer_args, samples_per_step
+from tensorturn.modes.fused.policies import policy
+from tensorturn.modes.fused.shard import count_data, data_bytes
+from tensorturn.recipes import Recipe, recipe_of
+from tensorturn.spec import RunSpec
+from tensorturn.state.board import RunBoard
+from tensorturn.state.manifest import write_manifest
+from tensorturn.store import seals
+from tensorturn.store.objects import Store, file_sha256
+from tensorturn.store.tensorfile import DTYPES, TensorReader, TensorWriter, delta_tensors, write_order
+from tensorturn.store.tensors import (
+    BROADCAST_FORMAT,
+    StateDict,
+    decode_delta,
+    encode_delta,
+    model_metadata,
+    stored_metadata,
+    to_bytes,
+)
+from tensorturn.tasks.attempt import SUCCEEDED, Unit
+from tensorturn.train.device import pick_device
+from tensorturn.train.diloco import (
+    accumulate,
+    apply_step,
+    check_norm,
+    check_samples,
+    finite_squares,
+    outer_update,
+    round_figures,
+)
+from tensorturn.train.loop import load_model, set_threads
+
+RESIDUAL = "residual::"  # prefix of the broadcast's error-feedback residual in the outer state
+OUTER = "the outer step"  # who refuses a pseudo-gradient here (its checks' messages say so)
+
+
+def outer_round(spec: RunSpec, store: Store, r: int, scratch: Path,
+                stored: Callable[[], None] | None = None) -> dict[str, Any]:
+    """Average round r's stored pseudo-gradients into θ_{r+1} (or reuse it, when a previous
+    attempt stored it), call ``stored()`` once it is in the store, and evaluate it; returns the
+    round's record. θ_{r+1} is left in ``scratch/next``.
+
+    Each shard's weight comes from its file's header first, then each shard is downloaded
+    (multipart on S3), read one tensor at a time and added in shard order — the list average's
+    arithmetic, so the same bits — then θ_{r+1} is written (:func:`step_global`, also to
+    ``scratch/next``) and read back to be evaluated."""
+    losses, samples, bytes_up, bytes_down = average_and_step(spec, store, r, scratch)
+    path = scratch / "next"
+    if not path.exists():  # a previous attempt stored θ_{r+1}
+        seals.get_file(store, layout.key("global", spec.run_id, r + 1), path)
+    if stored is not None:
+        stored()
+    with TensorReader(path) as f:
+        new_theta = f.all()
+    recipe = recipe_of(spec)
+    set_threads(spec.threads_per_task)
+    device = pick_device()
+    model = load_model(recipe, new_theta, recipe.default_config(), device)
+    del new_theta
+    val = recipe.evaluate_split(model, "val", device, spec.eval_batches)
+    return round_figures(losses, samples, val, bytes_up, bytes_down, r)
+
+
+class OuterUnit(Unit):
+    """The outer step of round r (a round's chord body): average, step, queue the next round
+    (:meth:`~tensorturn.modes.fused.sync.base.SyncPolicy.after_outer`) as soon as θ_{r+1} is
+    stored, then evaluate; the last round's finishes the run."""
+
+    def done(self) -> bool:
+        # the last round is done only when the run is finished (checked before this)
+        r = self.a.label.numbers[0]
+        return r + 1 < options(self.spec).rounds and self.board.has_round(self.spec.run_id, r)
+
+    def run(self) -> str:
+        spec, store, r = self.spec, self.store, self.a.label.numbers[0]
+        self.a.check_cancelled(now=True)
+        data_before = data_bytes()  # evaluation data this machine had to download
+        last = r + 1 == options(spec).rounds
+        self.phase("averaging")
+
+        def stored() -> None:  # the machines train round r+1 (queued once) while this evaluates r
+            if not last:
+                self.then()
+            self.phase("evaluating")
+
+        with tempfile.TemporaryDirectory(prefix="tt-outer-") as tmp:
+            info = outer_round(spec, store, r, Path(tmp), stored)
+            info["at"] = time.time()  # when the round's weights were evaluated (loss against wall time)
+            self.a.check_cancelled(now=True)
+            seals.put_json(store, layout.key("round", spec.run_id, r), info)  # before the board: done() reads it
+            self.board.record_round(spec.run_id, r, info)
+            if last:
+                record_missing_rounds(spec, store, self.board, r, Path(tmp))
+                self.phase("testing")
+                self.a.check_cancelled(now=True)
+                finalize(spec, store, self.board, local=Path(tmp) / "next", finish=self.finish_run)
+            else:
+                write_manifest(store, self.board, spec.run_id)
+        count_data(self.board, spec.run_id, self.a.worker, data_before)
+        return SUCCEEDED
+
+    def phase(self, what: str) -> None:
+        """Say what this outer step is doing (``run`` and ``status`` show it)."""
+        self.board.mark_phase(self.spec.run_id, str(self.a.label), what, self.a.worker)
+
+    def then(self) -> None:
+        policy(options(self.spec).sync).after_outer(self.spec, self.board, self.a.label.numbers[0])
+
+
+def record_missing_rounds(spec: RunSpec, store: Store, board: RunBoard, last: int, scratch: Path) -> None:
+    """Before the run finishes, every round before ``last`` in its records: an outer step queues
+    the next round before it evaluates, so one whose evaluation failed (or a broker that lost
+    the record) can leave a round unrecorded; it is read from the store, or evaluated again."""
+    recorded = {rec["round"] for rec in board.rounds(spec.run_id)}
+    for k in range(last):
+        if k in recorded:
+            continue
+        key = layout.key("round", spec.run_id, k)
+        if store.exists(key):
+            info = seals.get_json(store, key)
+        else:
+            folder = scratch / f"round-{k}"
+            folder.mkdir()
+            info = outer_round(spec, store, k, folder)
+            info["at"] = time.time()
+            seals.put_json(store, key, info)
+        board.record_round(spec.run_id, k, info)
+
+
+def average_and_step(spec: RunSpec, store: Store, r: int, scratch: Path
+                     ) -> tuple[list[float], list[int], int, int]:
+    """Round r's average and outer step (unless θ_{r+1} is stored already), through files in
+    ``scratch``; returns the shards' (losses, samples, bytes up, bytes down)."""
+    run_id, shards = spec.run_id, options(spec).shards
+    keys = [layout.key("shard", run_id, r, k) for k in range(shards)]
+    missing = [k for k, key in enumerate(keys) if not store.exists(key)]
+    if missing:
+        raise RuntimeError(f"round {r}: shard outputs missing for shards {missing}")
+    samples = [int(stored_metadata(store, key)["samples"]) for key in keys]
+    recipe = recipe_of(spec)
+    most = options(spec).sync_every * samples_per_step(spec, recipe)
+    decided = store.exists(layout.key("global", run_id, r + 1))  # by a previous attempt
+    avg: StateDict = {}
+    norms: dict[int, float] = {}  # shard → its sum of squares
+    losses, bytes_up, bytes_down = [], 0, 0
+    for k, key in enumerate(keys):
+        path = scratch / f"shard-{k}"
+        seals.get_file(store, key, path)  # its sealed bytes: the header read above is among them
+        with TensorReader(path) as shard:
+            meta = shard.metadata
+            if int(meta["samples"]) != samples[k]:  # shard outputs are never overwritten
+                raise RuntimeError(f"round {r}: shard {k}'s output changed while it was averaged")
+            what = f"round {r}: the pseudo-gradient of shard {k}"
+            check_samples(what, samples[k], most, OUTER)
+            losses.append(float(meta["loss"]))
+            bytes_up += path.stat().st_size
+            bytes_down += int(meta["bytes_down"])
+            if not decided:
+                w = samples[k] / float(sum(samples))
+                squares = 0.0
+                for name, value in delta_tensors(shard):
+                    squares += finite_squares(what, name, value, OUTER)
+                    accumulate(avg, {name: value}, w)
+                norms[k] = squares
+        path.unlink()
+    if not decided:
+        step_global(spec, recipe, store, r, avg, scratch, norms)
+    return losses, samples, bytes_up, bytes_down
+
+
+def check_norms(spec: RunSpec, r: int, norms: dict[int, float], theta_squares: float) -> None:
+    """Each shard's pseudo-gradient norm (``norms``: its sum of squares) against θ_r's
+    (:func:`~tensorturn.train.diloco.check_norm`)."""
+    for k, squares in norms.items():
+        check_norm(f"round {r}: the pseudo-gradient of shard {k}", squares, theta_squares,
+                   options(spec).max_update_ratio, OUTER)
+
+
+def step_global(spec: RunSpec, recipe: Recipe, store: Store, r: int, avg: StateDict,
+                scratch: Path | None = None, norms: dict[int, float] | None = None) -> None:
+    """Store θ_{r+1} from θ_r and the averaged pseudo-gradient ``avg`` (used up): first the outer
+    state and, in compressed runs, the broadcast delta, then θ_{r+1}, whose existence decides
+    the round. θ_{r+1} is also left at ``scratch/next`` (without a ``scratch`` folder, one is
+    made for the step). ``norms`` (shard → its pseudo-gradient's sum of squares) are checked
+    against θ_r's before anything is stored (:func:`check_norms`)."""
+    if options(spec).outer == "auto":  # start decides it before the spec is stored
+        raise RuntimeError(f"run {spec.run_id}: its spec never decided --outer auto")
+    if scratch is None:
+        with tempfile.TemporaryDirectory(prefix="tt-outer-") as tmp:
+            OuterStep(spec, recipe, store, r, Path(tmp)).take(avg, norms or {})
+        return
+    OuterStep(spec, recipe, store, r, scratch).take(avg, norms or {})
+
+
+class OuterStep:
+    """One outer step through files in ``scratch``: θ_r (``theta``) and its outer state
+    (``state``: momentum, and the broadcast's residual) are read a tensor at a time, θ_{r+1}
+    (``next``) and the new state (``state-next``) written the same way, each in its file's
+    order — a tensor's step is computed again for each file it goes to (the same arithmetic,
+    so the same bits)."""
+
+    def __init__(self, spec: RunSpec, recipe: Recipe, store: Store, r: int, scratch: Path):
+        self.spec, self.recipe, self.store, self.r, self.scratch = spec, recipe, store, r, scratch
+        opts = options(spec)
+        self.codec = opts.codec
+        self.compress = opts.codec != "fp32" and r + 1 < opts.rounds  # the final θ is kept exact
+        self.lr, self.momentum, self.nesterov = outer_args(spec)
+
+    def take(self, avg: StateDict, norms: dict[int, float]) -> None:
+        run_id, r, scratch, store = self.spec.run_id, self.r, self.scratch, self.store
+        theta_sha = seals.get_file(store, layout.key("global", run_id, r), scratch / "theta")
+        state_key = layout.key("outer", run_id, r)
+        has_state = r > 0 and (bool(self.momentum) or (self.codec != "fp32" and store.exists(state_key)))
+        if has_state:  # (no residual yet: a run from before)
+            seals.get_file(store, state_key, scratch / "state")
+        with TensorReader(scratch / "theta") as theta, \
+                (TensorReader(scratch / "state") if has_state else contextlib.nullcontext()) as state:
+            self.theta, self.state = theta, state
+            self.specs = {name: (DTYPES[e["dtype"]], e["shape"]) for name, e in theta.entries.items()}
+            squares = 0.0  # summed in the order θ_{r+1} is written, as ever
+            for name in write_order(self.specs):
+                if name in avg:
+                    squares += float(theta.get(name).double().square().sum())
+            check_norms(self.spec, r, norms, squares)  # before anything is stored
+            if self.compress:  # writes θ_{r+1} too: the broadcast names its sha256
+                residual, broadcast = self.encode_move(avg, theta_sha)
+            else:
+                residual, broadcast = {}, b""
+                self.write_theta(avg, {})
+            state_specs = {name: (torch.float32, self.specs[name][1]) for name in avg} if self.momentum else {}
+            state_specs.update({RESIDUAL + name: (torch.float32, list(v.shape)) for name, v in residual.items()})
+            if state_specs:  # the outer state of r+1 is stored before θ_{r+1} decides the round
+                with TensorWriter(scratch / "state-next", state_specs) as out:
+                    for name in out.order:
+                        if name.startswith(RESIDUAL):
+                            out.write(name, residual.pop(name[len(RESIDUAL):]))
+                        else:
+                            out.write(name, self.step(avg, name)[1][name])
+                            del avg[name]
+                    out.close()
+                seals.put_file(store, layout.key("outer", run_id, r + 1), scratch / "state-next")
+        avg.clear()
+        if broadcast:
+            seals.put_bytes(store, layout.key("broadcast", run_id, r + 1), broadcast)
+        seals.put_file(store, layout.key("global", run_id, r + 1), scratch / "next")
+
+    def step(self, avg: StateDict, name: str) -> tuple[StateDict, StateDict]:
+        """The outer update of one tensor: ({name: θ_{r+1}}, {name: its new momentum} or {})."""
+        state = self.state
+        prev = state.get(name) if self.momentum and state is not None and name in state.entries else None
+        d = {name: avg[name]} if name in avg else {}
+        return outer_update({name: self.theta.get(name)}, d, {name: prev} if prev is not None else None,
+                            self.lr, self.momentum, self.nesterov)
+
+    def write_theta(self, avg: StateDict, sent: StateDict) -> None:
+        """θ_{r+1} to ``scratch/next``: the outer update's, or — when the broadcast is compressed —
+        θ_r plus the move as every machine decodes it (``sent``)."""
+        meta = model_metadata(self.spec.recipe, self.recipe.default_config(), self.spec.recipe_options)
+        with TensorWriter(self.scratch / "next", self.specs, meta) as out:
+            for name in out.order:
+                if self.compress:
+                    value = self.theta.get(name)
+                    out.write(name, apply_step({name: value}, {name: sent[name]} if name in sent else {})[name])
+                else:
+                    out.write(name, self.step(avg, name)[0][name])
+            out.close()
+
+    def encode_move(self, avg: StateDict, theta_sha: str) -> tuple[StateDict, bytes]:
+        """The move θ_{r+1} − θ_r plus the residual the codec left last round, encoded for the
+        download (:func:`~tensorturn.train.diloco.compress_broadcast`, tensor by tensor where it
+        can be), and θ_{r+1} written as every machine rebuilds it: θ_r plus the decoded move.
+        Returns (the new residual, the broadcast file's bytes, which name θ_{r+1}'s sha256)."""
+        theta, state = self.theta, self.state
+        has_residual = state is not None and any(k.startswith(RESIDUAL) for k in state.entries)
+        want: StateDict = {}
+        for name, (dtype, _) in self.specs.items():
+            if not dtype.is_floating_point:
+                continue
+            target = self.step(avg, name)[0][name]
+            want[name] = target.float() - theta.get(name).float() + (
+                state.get(RESIDUAL + name) if has_residual and state is not None else 0.0)
+        shapes = {k: list(v.shape) for k, v in want.items()}
+        packed = encode_delta(want, self.codec)
+        sent = decode_delta(packed, self.codec, shapes)
+        residual = {k: want[k] - sent[k] for k in want}
+        del want
+        self.write_theta(avg, sent)
+        del sent
+        meta = {"format": BROADCAST_FORMAT, "codec": self.codec, "shapes": json.dumps(shapes, sort_keys=True),
+                "base_sha256": theta_sha, "sha256": file_sha256(self.scratch / "next")}
+        return residual, to_bytes(packed, meta)

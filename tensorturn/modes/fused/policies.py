@@ -1,0 +1,36 @@
+"""The sync policy registry: the ``--sync`` value → its :class:`~.sync.base.SyncPolicy` class
+(:mod:`.sync`: a barrier per round, rounds with backup copies of stragglers, or no barrier).
+
+:data:`POLICIES` maps the ``--sync`` value to its class, by name, as the mode registry does
+(:mod:`tensorturn.registry`): the options (no torch) read the choices from it, and a policy —
+whose module imports torch and defines its Celery tasks — is imported only when asked for. A new
+policy is its own module in :mod:`.sync` plus one line here.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tensorturn.modes.fused.sync.base import SyncPolicy
+
+POLICIES: dict[str, str] = {
+    "rounds": "tensorturn.modes.fused.sync.rounds:Rounds",
+    "backup": "tensorturn.modes.fused.sync.backup:Backup",
+    "async": "tensorturn.modes.fused.sync.asynchronous:Async",
+}
+SYNCS = tuple(POLICIES)
+
+
+def policy(name: str) -> SyncPolicy:
+    """The policy of ``--sync name`` (a KeyError for a name the options would have refused)."""
+    module, _, cls = POLICIES[name].partition(":")
+    return getattr(importlib.import_module(module), cls)()
+
+
+def load_all() -> None:
+    """Import every policy, so that the Celery tasks they define are registered (the fused
+    tasks module calls it: Celery includes that module only)."""
+    for name in POLICIES:
+        policy(name)

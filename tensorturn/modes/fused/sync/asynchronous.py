@@ -1,0 +1,169 @@
+"""``--sync async``: no round barrier.
+
+A run of R rounds × S shards queues R·S *updates* at once (label ``u<j>``: shard j mod S, the
+seed of round j div S — the synchronous run's work, the same samples). Each worker trains its
+update from the **latest** weights it can get, stores the pseudo-gradient, and queues it to be
+applied (:class:`~tensorturn.state.ledger.AsyncLedger`). Whoever holds the apply lock applies the
+stored updates one at a time, in arrival order (:mod:`.async_apply`), so a fast machine never
+waits for a slow one. Every S versions the weights are evaluated and recorded as a round; at R·S
+the run finishes like a synchronous one.
+
+What it gives up: the result depends on timing — which version each update started from (its
+*staleness*, recorded for every update) — so two runs with the same seed differ. ``--sync rounds``
+stays the default and keeps its guarantee (the same weights on 1 or N machines).
+
+Safety: an update is applied at most once and never lost. Its pseudo-gradient is stored before
+it is queued for applying; the applier commits each new version in one Redis script that checks
+it still holds the lock, so an applier stopped past its lock's time to live cannot commit (its
+objects carry its own token and are never pointed at); and the task that queued an update
+returns only once it is applied (the run's last ones: once the run is finished), trying for the
+lock meanwhile — so a machine killed while applying leaves tasks waiting that take over when its
+lock runs out, and its own task is redelivered.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from typing import Any
+
+from tensorturn import layout
+from tensorturn.modes.fused import backups
+from tensorturn.modes.fused.options import options
+from tensorturn.modes.fused.shard import train_and_store
+from tensorturn.modes.fused.sync.async_apply import drain
+from tensorturn.modes.fused.sync.async_versions import (
+    fetch_version,
+    ledger,
+    read_log,
+    total_updates,
+    trusted_latest,
+)
+from tensorturn.modes.fused.sync.base import SyncPolicy
+from tensorturn.pool.capacity import queue_for
+from tensorturn.pool.celery_app import app, forget_results
+from tensorturn.recipes import Recipe
+from tensorturn.spec import RunSpec
+from tensorturn.state.board import RunBoard
+from tensorturn.state.ledger import AsyncLedger
+from tensorturn.store import seals
+from tensorturn.store.objects import Store
+from tensorturn.store.tensors import StateDict
+from tensorturn.tasks.attempt import SUCCEEDED, execute, signed
+
+log = logging.getLogger(__name__)
+
+APPLY_WAIT_S = 0.1  # how often a task whose update waits to be applied looks again
+
+
+class Async(SyncPolicy):
+    """No barrier: every update queued at once, applied as it arrives."""
+
+    name = "async"
+
+    def start(self, spec: RunSpec, store: Store, board: RunBoard) -> None:
+        """Version 0 is θ_0 (stored by the fused start); queue every update."""
+        ledger(board, spec.run_id).init(layout.key("global", spec.run_id, 0), options(spec).init_sha256)
+        queue_updates(spec, range(total_updates(spec)))
+
+    def resume(self, spec: RunSpec, store: Store, board: RunBoard) -> str:
+        """Rebuild the ledger from the store's log (the versions committed, in order), then queue
+        every update not applied yet (those already stored are applied without training again)."""
+        latest, versions, applied = read_log(spec, store)
+        book = ledger(board, spec.run_id)
+        book.restore(latest, versions, applied)
+        for key in store.list(layout.prefix("round", spec.run_id)):
+            parts = layout.parse("round", key)
+            if parts and (parts["round"] + 1) * options(spec).shards <= latest["version"]:
+                board.record_round(spec.run_id, parts["round"], seals.get_json(store, key))
+        left = [j for j in range(total_updates(spec)) if j not in applied]
+        queue_updates(spec, left or [total_updates(spec) - 1])  # none left: one task finishes the run
+        return f"resumed asynchronously at version {latest['version']} of {total_updates(spec)}"
+
+
+def queue_updates(spec: RunSpec, updates: Iterable[int]) -> None:
+    queue = queue_for(spec.memory_needed_bytes)
+    run_id = spec.run_id
+    sent = [async_step.s(run_id, j, **signed(run_id, str(layout.update_label(j))))
+            .set(queue=queue).apply_async() for j in updates]
+    forget_results(sent)
+
+
+@app.task(bind=True, name="tensorturn.fused.async_update", max_retries=None)
+def async_step(self: Any, run_id: str, j: int, sig: str | None = None) -> dict[str, Any]:
+    """Train update j from the latest weights, store it, and apply what is stored."""
+    return execute(self, run_id, layout.update_label(j), UpdateUnit, sig)
+
+
+@app.task(bind=True, name="tensorturn.fused.async_backup", max_retries=None)
+def async_backup(self: Any, run_id: str, j: int, sig: str | None = None) -> dict[str, Any]:
+    """A backup copy of update j, queued when every update is handed out and j straggles: the
+    first copy stored is applied, the other stops at its next look."""
+    return execute(self, run_id, layout.update_backup_label(j), UpdateUnit, sig)
+
+
+class UpdateUnit(backups.CopyAwareUnit):
+    """Update j (or a copy of it): trained and stored once, then applied by whoever holds the
+    apply lock — this task waits until it is."""
+
+    def done(self) -> bool:
+        book = ledger(self.board, self.spec.run_id)
+        return (book.is_applied(self.j) and not book.pending()
+                and book.latest()["version"] < total_updates(self.spec))
+
+    @property
+    def j(self) -> int:
+        return self.a.label.numbers[0]
+
+    def run(self) -> str:
+        spec, book = self.spec, ledger(self.board, self.spec.run_id)
+        out_key = layout.key("update", spec.run_id, self.j)
+        outcome = SUCCEEDED
+        if not book.is_applied(self.j) and not book.stored(self.j):
+            if not self.store.exists(out_key):
+                r, k = divmod(self.j, options(spec).shards)
+
+                def theta_of(recipe: Recipe) -> tuple[StateDict, int, dict[str, str]]:
+                    book.start(self.j)
+                    latest = trusted_latest(spec, self.store, self.board, book, self.a.worker)
+                    theta, moved = fetch_version(spec, recipe, self.store, latest)
+                    return theta, moved, {"base_version": f"{latest['version']:010d}"}
+
+                outcome = train_and_store(self, r, k, theta_of, out_key, lambda: book.stored(self.j))
+            if self.store.exists(out_key):  # this copy's, or another's: queued to be applied once
+                book.push(self.j, self.a.worker, time.time())
+        # Returns only once its update is applied (and, for the run's last, the run finished):
+        # if the machine applying dies, its lock runs out and a waiting task takes over — with
+        # no task left waiting, stored updates could stay unapplied and the run would hang.
+        total = total_updates(spec)
+        while True:
+            drain(spec, self.store, self.board, self.a.worker)
+            if self.board.is_finished(spec.run_id) or (
+                    book.is_applied(self.j) and book.latest()["version"] < total):
+                break
+            time.sleep(APPLY_WAIT_S)
+        try:  # only an optimisation: a failure here must not fail an update that is applied
+            queue_update_backup(spec, self.board, book, self.a.worker)
+        except Exception as exc:  # noqa: BLE001
+            log.warning("run %s: no backup copy queued (%s)", spec.run_id, exc)
+        return outcome
+
+
+def queue_update_backup(spec: RunSpec, board: RunBoard, book: AsyncLedger, worker: str) -> None:
+    """When every update is handed out and some still train, a backup copy of a straggler
+    (:func:`~..backups.queue_backup`): this worker would otherwise idle until the run's slowest
+    update is in. The copy trains from the latest weights (a different pseudo-gradient);
+    whichever copy is stored first is the one applied."""
+    if book.begun() < total_updates(spec):
+        return
+
+    def straggler(named: layout.Label) -> int | None:
+        return named.numbers[0] if named.kind == "update" and not book.stored(named.numbers[0]) else None
+
+    backups.queue_backup(
+        spec, board, worker, backups.running(board, spec.run_id, straggler),
+        claim=layout.update_backup_claim, label=layout.update_backup_label,
+        task=async_backup, args=lambda j: (spec.run_id, j),
+        why=lambda j: (f"every update is handed out and u{j} is still training: {worker} trains a "
+                       f"backup copy, by its rate sooner"))

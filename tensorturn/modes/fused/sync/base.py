@@ -1,0 +1,48 @@
+"""What a sync policy is: the hooks where fused runs differ in how their shards meet (in the
+manner of Flower's strategies, or torchft's ``_perform_sync`` subclasses).
+
+The fused start (θ_0, the spec, the board) and the shard's training are the same for every
+policy; a policy queues the work (:meth:`SyncPolicy.start`, :meth:`SyncPolicy.resume`) and hears
+of a round's shard stored and of an outer step taken. A hook it does not need is left to the
+base class, which does nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tensorturn.spec import RunSpec
+    from tensorturn.state.board import RunBoard
+    from tensorturn.store.objects import Store
+
+
+class SyncPolicy:
+    """One way for a fused run's shards to meet. ``start`` and ``resume`` are required; the
+    other hooks run inside a round's tasks (:class:`~tensorturn.modes.fused.shard.ShardUnit`,
+    :class:`~tensorturn.modes.fused.outer.OuterUnit`) and may do nothing."""
+
+    name = ""
+
+    def start(self, spec: RunSpec, store: Store, board: RunBoard) -> None:
+        """Queue the run's first work (θ_0 and the spec are stored, the run is on the board)."""
+        raise NotImplementedError
+
+    def resume(self, spec: RunSpec, store: Store, board: RunBoard) -> str:
+        """Queue whatever is missing from the store; say what was resumed."""
+        raise NotImplementedError
+
+    def shard_watch(self, board: RunBoard, spec: RunSpec, r: int, k: int) -> Callable[[], bool] | None:
+        """A look (one Redis call) whether another copy stored shard k of round r already: the
+        training stops when it says so. None: this policy makes no copies."""
+        return None
+
+    def shard_stored(self, board: RunBoard, spec: RunSpec, r: int, k: int, worker: str) -> None:
+        """Shard k of round r was stored by ``worker`` (this attempt's output counts)."""
+
+    def after_shard(self, spec: RunSpec, store: Store, board: RunBoard, r: int, worker: str) -> None:
+        """A shard task of round r on ``worker`` is done (stored now, or before): what follows."""
+
+    def after_outer(self, spec: RunSpec, board: RunBoard, r: int) -> None:
+        """Round r's new weights are stored: queue what follows (the next round)."""

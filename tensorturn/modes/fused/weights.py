@@ -1,0 +1,117 @@
+"""The global weights a shard trains from, moving as few bytes as the run allows — and the one
+cache of them this process keeps (:data:`cache`), for synchronous rounds and asynchronous
+versions alike.
+
+θ_0 is rebuilt from the seed, a machine reuses the θ it holds, and with ``--codec fp16|int8`` a
+machine holding θ_{r−1} fetches only the compressed move θ_r − θ_{r−1}. A rebuilt θ is used only
+if its model file hashes to the one stored, so a different torch or a lost delta can only cost
+bytes, never change the weights.
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+from collections import OrderedDict
+from pathlib import Path
+
+from tensorturn import layout
+from tensorturn.modes.fused.options import options
+from tensorturn.recipes import Recipe
+from tensorturn.spec import RunSpec
+from tensorturn.store import seals
+from tensorturn.store.objects import ObjectMissing, Store, sha256_hex
+from tensorturn.store.tensorfile import TensorReader
+from tensorturn.store.tensors import StateDict, delta_from_bytes, metadata_of, model_bytes
+from tensorturn.train.diloco import apply_step, initial_state
+
+log = logging.getLogger(__name__)
+
+
+class ThetaCache:
+    """This process's latest global weights per run — (step: a round or a version, sha256 of
+    their model file, θ) — for the ``runs`` runs used last: a machine training several shards
+    of a round downloads θ once."""
+
+    def __init__(self, runs: int = 2):
+        self.runs = runs
+        self.held: OrderedDict[str, tuple[int, str, StateDict]] = OrderedDict()
+
+    def get(self, run_id: str) -> tuple[int, str, StateDict] | None:
+        return self.held.get(run_id)
+
+    def put(self, run_id: str, step: int, sha: str, theta: StateDict) -> None:
+        self.held[run_id] = (step, sha, theta)
+        self.held.move_to_end(run_id)
+        while len(self.held) > self.runs:
+            self.held.popitem(last=False)
+
+    def clear(self) -> None:
+        self.held.clear()
+
+
+cache = ThetaCache()
+
+
+def global_bytes(spec: RunSpec, recipe: Recipe, theta: StateDict) -> bytes:
+    """The model file of a global θ (its sha256 identifies the weights of a round)."""
+    return model_bytes(theta, spec.recipe, recipe.default_config(), spec.recipe_options)
+
+
+def read_theta(store: Store, key: str) -> tuple[StateDict, str, int]:
+    """The weights at ``key`` through a file — the model is never in memory twice (bytes and
+    tensors) — checked against its seal; (θ, sha256, bytes)."""
+    with tempfile.TemporaryDirectory(prefix="tt-global-") as tmp:
+        path = Path(tmp) / "theta"
+        sha = seals.get_file(store, key, path)
+        with TensorReader(path) as f:
+            theta = f.all()
+        return theta, sha, path.stat().st_size
+
+
+def fetch_global(spec: RunSpec, recipe: Recipe, store: Store, r: int) -> tuple[StateDict, int]:
+    """θ_r for a shard task, moving as few bytes as it can; returns (θ_r, bytes downloaded).
+
+    In order: θ_r already held (another shard of the round ran here) — nothing moves; round 0
+    rebuilt from the seed — nothing moves; θ_{r−1} held and the run compresses — only the
+    broadcast delta moves; else the full model file.
+    """
+    opts = options(spec)
+    held = cache.get(spec.run_id)
+    if held and held[0] == r:
+        return held[2], 0
+    moved, theta, sha = 0, None, None
+    if r == 0 and opts.init_sha256:
+        candidate = initial_state(recipe, spec.seed)
+        if sha256_hex(global_bytes(spec, recipe, candidate)) == opts.init_sha256:
+            theta, sha = candidate, opts.init_sha256
+        else:
+            log.warning("run %s: θ_0 rebuilt from the seed differs from the stored one "
+                        "(another torch version?); downloading it", spec.run_id)
+    elif held and held[0] == r - 1 and opts.codec != "fp32":
+        theta, sha, moved = rebuild_from_broadcast(spec, recipe, store, r, held)
+    if theta is None:
+        theta, sha, size = read_theta(store, layout.key("global", spec.run_id, r))
+        moved += size
+    assert sha is not None
+    cache.put(spec.run_id, r, sha, theta)
+    return theta, moved
+
+
+def rebuild_from_broadcast(spec: RunSpec, recipe: Recipe, store: Store, r: int,
+                           held: tuple[int, str, StateDict]) -> tuple[StateDict | None, str, int]:
+    """θ_r from the θ_{r−1} ``held`` and round r's broadcast delta, if it rebuilds the stored
+    weights (their sha256); (θ_r or None, its sha256, bytes downloaded)."""
+    try:
+        blob = seals.get_bytes(store, layout.key("broadcast", spec.run_id, r))
+    except ObjectMissing:  # a run from before broadcasts existed
+        return None, "", 0
+    meta = metadata_of(blob)
+    if meta.get("base_sha256") == held[1]:
+        theta = apply_step(held[2], delta_from_bytes(blob)[0])
+        sha = sha256_hex(global_bytes(spec, recipe, theta))
+        if sha == meta.get("sha256"):
+            return theta, sha, len(blob)
+    log.warning("run %s: round %d's broadcast delta does not rebuild the stored weights here; "
+                "downloading them", spec.run_id, r)
+    return None, "", len(blob)

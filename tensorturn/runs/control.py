@@ -1,0 +1,102 @@
+"""Changing a run's course: cancelling a live run, and resuming a stopped one (its chain lost,
+cancelled, or failed for a cause since fixed) from what the store holds.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from tensorturn import config
+from tensorturn.errors import NotFound, SpecError
+from tensorturn.runs.records import stored_manifest
+from tensorturn.spec import Outcome, RunState
+from tensorturn.state.board import RunBoard
+from tensorturn.state.broker import check_broker
+from tensorturn.state.queues import drop_queued
+
+
+def resume(run_id: str, broker_url: str, store_url: str) -> tuple[dict[str, Any], str]:
+    """Continue a run whose chain was lost (Redis lost its data, the embedded pool was stopped)
+    or that failed and whose cause is fixed, from the store alone.
+
+    Returns the run's description and a sentence on what was resumed.
+    """
+    from tensorturn.modes import get_mode
+    from tensorturn.pool.celery_app import configure
+    from tensorturn.state.manifest import load_spec, save_spec, try_write_manifest
+    from tensorturn.store.objects import ObjectMissing, open_store
+
+    store = open_store(store_url)
+    try:
+        spec = load_spec(store, run_id)
+    except ObjectMissing:
+        raise NotFound(f"no run {run_id!r} in the store {config.mask_url(store_url)}") from None
+    client = check_broker(broker_url)
+    configure(broker_url)
+    board = RunBoard(client)
+    if board.exists(run_id):
+        if board.state(run_id) == RunState.SUCCEEDED:
+            raise SpecError(f"run {run_id} already succeeded; nothing to resume")
+        board.reopen(run_id)
+    else:  # lost, or partly: what is left of the chain (queued, or written since) goes first
+        manifest = stored_manifest(store, run_id)
+        if manifest and manifest.get("state") == RunState.SUCCEEDED:
+            raise SpecError(f"run {run_id} already succeeded; nothing to resume")
+        drop_queued(client, run_id)
+        board.restore(spec, manifest)
+    if spec.store_url != store.url:  # the store moved: tasks follow the one given here
+        spec.store_url = store.url
+        save_spec(store, spec)
+        board.update_spec(spec)
+    try:
+        what = get_mode(spec.mode).resume(spec, store, board)
+    except Exception as exc:
+        # reopened but nothing queued: say so on the run rather than leave it `running`
+        board.fail(run_id, f"resume failed: {type(exc).__name__}: {exc}; try "
+                           f"`tensorturn resume {run_id}` again once the cause is fixed")
+        try_write_manifest(store, board, run_id)
+        raise
+    return board.describe(run_id), what
+
+
+CANCEL_WAIT_S = 30.0  # how long `cancel` waits for running attempts to stop before it answers
+
+
+def cancel(run_id: str, broker_url: str, store_url: str, by: str,
+           wait_s: float = CANCEL_WAIT_S) -> tuple[dict[str, Any], str]:
+    """Cancel a live run: it is ``cancelled`` at once, its queued task messages are dropped, and
+    its running attempts stop at their next look (about a second) and store nothing; then
+    its manifest is saved. Returns the run's description and a sentence on what happened.
+
+    ``resume`` continues a cancelled run from its last complete round or checkpoints."""
+    from tensorturn.state.manifest import try_write_manifest
+    from tensorturn.store.objects import open_store
+
+    client = check_broker(broker_url)
+    board = RunBoard(client)
+    if not board.exists(run_id):
+        raise NotFound(board.absent(run_id))
+    if not board.cancel(run_id, by):
+        state = board.state(run_id)
+        if state == RunState.CANCELLED:
+            return board.describe(run_id), f"run {run_id} was cancelled already"
+        raise SpecError(f"run {run_id} has {state}: there is nothing to cancel")
+    dropped = drop_queued(client, run_id)
+    deadline = time.monotonic() + wait_s
+    running = running_attempts(board, run_id)
+    while running and time.monotonic() < deadline:
+        time.sleep(0.25)
+        running = running_attempts(board, run_id)
+    try_write_manifest(open_store(store_url), board, run_id)
+    what = f"run {run_id} cancelled; {dropped} queued task{'s' * (dropped != 1)} dropped"
+    if running:  # their machines stopped answering: those attempts end when the machine does
+        what += (f"; {len(running)} attempt{'s' * (len(running) != 1)} still marked running "
+                 f"({', '.join(a['task'] + ' on ' + a['worker'] for a in running)}): "
+                 f"nothing they finish is used")
+    return board.describe(run_id), what
+
+
+def running_attempts(board: RunBoard, run_id: str) -> list[dict[str, Any]]:
+    """The run's attempts recorded as running (on a live machine or not)."""
+    return [a for a in board.attempts(run_id) if a["outcome"] == Outcome.RUNNING]

@@ -1,0 +1,126 @@
+"""How a run reads as text: the progress a followed run prints as it goes, and the lines that
+say how it ended — what ``run``, ``resume``, ``distill`` and ``status`` print, callable from
+Python (the CLI adds ``--json`` and the exit code).
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+from tensorturn.registry import get_mode
+from tensorturn.spec import MemberState, RunState
+from tensorturn.state.live import WIDTH, fit
+
+LIVE_EVERY_S = 2.0  # without a terminal, what a run does now is printed at most this often
+Say = Callable[[str], None]
+
+
+def to_stderr(line: str) -> None:
+    """A line on stderr, where progress goes (stdout holds the result)."""
+    print(line, file=sys.stderr, flush=True)
+
+
+def shape(note: str | None) -> str | None:
+    """A line without its durations: "no progress for 130s" is not news after "… for 120s"."""
+    return re.sub(r"\d+(\.\d+)?s\b", "Ns", note) if note else note
+
+
+class RunProgress:
+    """Live progress on stderr: a bar on a terminal, with what the run does now beside it;
+    otherwise a line per finished unit, in order, and — indented, when it changed, at most
+    every LIVE_EVERY_S — what the run does now. What a unit is (a round, a member's segment)
+    and what "now" says are the mode's (``progress``, ``live_line``). Lines fit 80 columns;
+    without a terminal they go to ``say``."""
+
+    def __init__(self, doc: dict[str, Any], quiet: bool = False,
+                 clock: Callable[[], float] = time.monotonic, say: Say = to_stderr):
+        self.mode = get_mode(doc["mode"])
+        self.quiet, self.info, self.note, self.say = quiet, "", None, say
+        self.clock, self.live, self.live_at = clock, "", float("-inf")
+        self.lines_seen: set[str] = set()
+        _, self.total, _ = self.mode.progress(doc)
+        self.bar = None
+        if sys.stderr.isatty() and not quiet:
+            from rich.console import Console
+            from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+            # state, a short bar and the time leave the info column about 50 of 80 columns
+            self.bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(bar_width=10),
+                                TimeElapsedColumn(), TextColumn("{task.fields[info]}"),
+                                console=Console(stderr=True), transient=False)
+            self.task = self.bar.add_task("queued", total=self.total, info="")
+            self.bar.start()
+
+    def __call__(self, doc: dict[str, Any]) -> None:
+        done, self.total, events = self.mode.progress(doc)
+        for key, line in events:
+            if key in self.lines_seen:
+                continue
+            self.lines_seen.add(key)
+            self.info = line
+            self._say(line)
+        if shape(doc.get("note")) != shape(self.note):  # a stalled run says why, once per change
+            self.note = doc.get("note")
+            if self.note:
+                self._say(f"warning: {self.note}")
+        if self.bar is not None:
+            width = max(self.bar.console.width - len(str(doc["state"])) - 10 - 7 - 3, 20)
+            live = self.mode.live_line(doc, width)
+            self.bar.update(self.task, completed=done, total=self.total, description=doc["state"],
+                            info=live or fit(self.info, width))
+            return
+        live = self.mode.live_line(doc, WIDTH - 2)
+        # a line that only counts seconds (an outer step evaluating) is not printed again
+        if live and shape(live) != shape(self.live) and self.clock() - self.live_at >= LIVE_EVERY_S:
+            self.live, self.live_at = live, self.clock()
+            self._say("  " + live)
+
+    def _say(self, line: str) -> None:
+        if self.bar is not None:
+            self.bar.console.print(line, highlight=False)
+        elif not self.quiet:
+            self.say(line)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+
+def result_lines(doc: dict[str, Any]) -> list[str]:
+    """A run's outcome in a few lines: its state and error, when it was cancelled, its metrics,
+    the ensemble members left out of its vote, what it was merged from, and its model."""
+    lines = [f"run {doc['run_id']}: {doc['state']}"]
+    if doc.get("error"):
+        lines.append(f"  error: {doc['error']}")
+    if doc["state"] == RunState.CANCELLED:
+        cancelled = doc.get("cancelled") or {}
+        at = cancelled.get("at") or doc.get("finished_at")
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(at)) if at else "?"
+        lines.append(f"  cancelled at {when}" + (f" by {cancelled['by']}" if cancelled.get("by") else "")
+                     + f"; `tensorturn resume {doc['run_id']}` continues it")
+    for k, v in sorted((doc.get("metrics") or {}).items()):
+        lines.append(f"  {k}: {v:.4f}" if isinstance(v, float) else f"  {k}: {v}")
+    for m in doc.get("members") or []:  # an ensemble's members left out of its vote, and why
+        if m["state"] == MemberState.DROPPED:
+            lines.append(f"  member {m['member']} dropped: {m['reason']}")
+    lineage = doc.get("lineage") or {}
+    if "distilled_from" in lineage:
+        lines.append(f"  distilled from: run {lineage['distilled_from']} (T {lineage['temperature']:g}, "
+                     f"alpha {lineage['alpha']:g}, top-k {lineage['top_k']})")
+    if "souped_from" in lineage:
+        lines.append(f"  souped from: run {lineage['souped_from']} ({lineage['rule']} soup of "
+                     f"members {', '.join(map(str, lineage['members']))})")
+    if doc.get("model_uri"):
+        lines.append(f"  model: {doc['model_uri']}")
+        lines.append(f"  sha256: {doc['model_sha256']}")
+    return lines
+
+
+def as_one(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The runs of one launch as one object: the last run's description, holding the ensemble a
+    student was distilled from (``run --merge distill``) as ``ensemble``."""
+    return docs[0] if len(docs) == 1 else {**docs[-1], "ensemble": docs[0]}

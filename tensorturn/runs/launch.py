@@ -1,0 +1,295 @@
+"""Launching runs and following them to their end, on a standing pool or on a private embedded
+one started for them — what ``tensorturn run``, ``distill``, ``resume`` and ``status --watch``
+do, callable from Python with the same behaviour.
+
+A launch is a list of stages, each a run: an ensemble, then the student distilled from it
+(``run --merge distill``). A stage starts once the one before it succeeded. On an embedded pool,
+whatever ends the launch leaves the store complete before the pool (and its Redis) goes: a run
+past ``--timeout`` is failed with how to continue it, an interrupted one is cancelled, and every
+run's manifest holds its final state.
+"""
+
+from __future__ import annotations
+
+import glob
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from tensorturn import config
+from tensorturn.errors import SpecError, TensorTurnError
+from tensorturn.runs.follow import Update, wait
+from tensorturn.spec import FINISHED, RunSpec, RunState, check_bounds
+
+Say = Callable[[str], None]
+# A stage of a launch: (run id, start(broker URL, say) — queue the run on that pool)
+Stage = tuple[str, Callable[[str, Say], Any]]
+
+
+class Interrupted(KeyboardInterrupt):
+    """A launch interrupted (Ctrl-C, or SIGTERM where the caller turns it into one); ``str``
+    says what became of the run. ``stopped``: the run was stopped with its embedded pool
+    (an error), rather than only no longer followed on a standing pool (it goes on there)."""
+
+    def __init__(self, message: str, stopped: bool):
+        super().__init__(message)
+        self.stopped = stopped
+
+
+class Observer(Protocol):
+    """What the caller of a launch is told as it goes, and when an interruption must reach it
+    (:class:`Quiet` tells nobody; the CLI's prints each line on stderr, draws a run's progress
+    and turns SIGTERM into an interruption)."""
+
+    def say(self, line: str) -> None:
+        """A line for the person waiting: what starts, what was queued, a run's warnings."""
+
+    def watch(self, doc: dict[str, Any]) -> Update | None:
+        """Following a run starts (``doc``: its first description): what to give each later one."""
+
+    def unwatch(self) -> None:
+        """Following that run ended."""
+
+    def guard(self) -> None:
+        """An embedded pool is about to start: an interruption must now reach the launch, which
+        stops the pool (its processes must not outlive the caller)."""
+
+    def unguard(self) -> None:
+        """The runs are over: the pool stops whatever arrives now."""
+
+
+class Quiet:
+    """The observer of a launch nobody watches (tests, benchmarks, the Python API): silent, and
+    it installs no signal handler; subclass it to hear some of it."""
+
+    def say(self, line: str) -> None:
+        pass
+
+    def watch(self, doc: dict[str, Any]) -> Update | None:
+        return None
+
+    def unwatch(self) -> None:
+        pass
+
+    def guard(self) -> None:
+        pass
+
+    def unguard(self) -> None:
+        pass
+
+
+def follow(broker_url: str, run_id: str, timeout_s: float | None,
+           observer: Observer | None = None) -> dict[str, Any]:
+    """Wait for the run, telling ``observer`` its warnings and progress; its last description."""
+    from tensorturn.state.board import RunBoard
+    from tensorturn.state.broker import check_broker
+
+    observer = observer or Quiet()
+    first = RunBoard(check_broker(broker_url)).describe(run_id)
+    for warning in first.get("warnings", []):
+        observer.say(f"warning: {warning}")
+    update = observer.watch(first)
+    try:
+        return wait(broker_url, run_id, on_update=update, timeout_s=timeout_s)
+    finally:
+        observer.unwatch()
+
+
+def follow_on_pool(broker_url: str, run_id: str, timeout_s: float | None,
+                   observer: Observer | None = None) -> dict[str, Any]:
+    """:func:`follow` a run of a standing pool: an interruption stops following, not the run."""
+    try:
+        return follow(broker_url, run_id, timeout_s, observer)
+    except KeyboardInterrupt:
+        raise Interrupted(f"stopped following; run {run_id} goes on in the pool "
+                          f"(`tensorturn status {run_id} --watch` follows it again)", stopped=False) from None
+
+
+def launch(stages: list[Stage], broker: str | None, store: str, local_workers: int | None,
+           detach: bool, timeout_s: float | None, recipes: list[str],
+           docs: list[dict[str, Any]] | None = None, observer: Observer | None = None
+           ) -> list[dict[str, Any]]:
+    """Start each stage's run and follow it to its end, on the pool at ``broker`` or on a
+    private embedded one of ``local_workers`` agents that import ``recipes``; a stage starts
+    only once the one before it succeeded. Returns the runs' last descriptions (with
+    ``detach``, the first run's as queued), appended to ``docs`` as they finish (so a caller
+    has them when a later stage is refused). :class:`Interrupted` when interrupted."""
+    from tensorturn.runs.records import describe
+
+    observer = observer or Quiet()
+    if not broker:  # the agents start here, on this machine
+        check_bounds({"local_workers": local_workers})
+    check_bounds({"timeout": timeout_s})
+    if detach and broker is None:
+        raise SpecError("--detach needs a pool (--broker): an embedded pool stops when the command exits")
+    if detach and len(stages) > 1:
+        raise SpecError("--merge waits for the ensemble to distill it: drop --detach, or run "
+                        "`tensorturn distill RUN` once the ensemble has finished")
+    docs = [] if docs is None else docs
+    if not broker:
+        return embedded(stages, store, local_workers or 1, timeout_s, recipes, docs, observer)
+    for run_id, start in stages:
+        doc = start(broker, observer.say)
+        if detach:
+            docs.append(doc if isinstance(doc, dict) else describe(run_id, broker, store))
+            return docs
+        observer.say(f"run {run_id} queued on {config.mask_url(broker)}")
+        docs.append(follow_on_pool(broker, run_id, timeout_s, observer))
+        if docs[-1]["state"] != RunState.SUCCEEDED:
+            break
+        if len(docs) < len(stages):  # the next stage reads this run's manifest: saved, finished
+            from tensorturn.state.board import RunBoard
+            from tensorturn.state.broker import check_broker
+            from tensorturn.state.manifest import write_manifest
+            from tensorturn.store.objects import open_store
+
+            write_manifest(open_store(store), RunBoard(check_broker(broker)), run_id)
+    return docs
+
+
+def embedded(stages: list[Stage], store_url: str, local_workers: int, timeout_s: float | None,
+             recipes: list[str], docs: list[dict[str, Any]] | None = None,
+             observer: Observer | None = None) -> list[dict[str, Any]]:
+    """Start a private pool; for each stage, start its run and follow it (the next only once it
+    succeeded); stop the pool. Returns the runs' last descriptions.
+
+    The pool's agents import ``recipes`` (the user named them on this machine's command line)
+    and share this machine's pool key (made on first use, ``.tensorturn/pool-key``)."""
+    from tensorturn import trust
+    from tensorturn.pool.embedded import LocalPool, logs_dir
+    from tensorturn.runs.control import cancel
+    from tensorturn.state.board import RunBoard
+    from tensorturn.state.broker import check_broker
+    from tensorturn.state.manifest import write_manifest
+    from tensorturn.store.objects import open_store
+
+    observer = observer or Quiet()
+    observer.say(f"starting an embedded pool: redis-server + {local_workers} local agents; "
+                 f"store {config.mask_url(store_url)}")
+    config.use(trust.with_allowed(config.current(), [glob.escape(r) for r in recipes]))  # exactly these
+    trust.pool_key_or_create()
+    t0 = time.monotonic()
+    observer.guard()
+    queued, run_id = False, stages[0][0]
+    docs = [] if docs is None else docs
+    try:
+        logs = logs_dir(run_id)  # kept once the pool stops: a failure is explained there too
+        with LocalPool(local_workers, store_url, keep_logs=logs) as pool:
+            observer.say(f"pool ready in {time.monotonic() - t0:.1f}s; run {run_id}")
+            board = RunBoard(check_broker(pool.broker_url))
+            for run_id, start in stages:
+                queued = False
+                try:
+                    start(pool.broker_url, observer.say)
+                    doc = follow(pool.broker_url, run_id, timeout_s, observer)
+                except KeyboardInterrupt:
+                    queued = board.exists(run_id)
+                    if queued:  # cancelled as `tensorturn cancel` would, then the pool stops
+                        try:
+                            _, what = cancel(run_id, pool.broker_url, store_url,
+                                             by="interrupting its `tensorturn run` (embedded pool)",
+                                             wait_s=10.0)
+                            observer.say(what)
+                        except TensorTurnError:  # it finished just now: nothing to cancel
+                            write_manifest(open_store(store_url), board, run_id)
+                    raise
+                if doc["state"] not in FINISHED:
+                    board.fail(run_id, f"did not finish within --timeout {timeout_s}s; "
+                                       f"continue with: tensorturn resume {run_id}")
+                # the manifest must hold the final state before this pool (and its Redis) goes away
+                docs.append({**write_manifest(open_store(store_url), board, run_id),
+                             "agent_logs": str(logs)})
+                if docs[-1]["state"] != RunState.SUCCEEDED:
+                    break
+            observer.unguard()
+    except KeyboardInterrupt:
+        if queued:
+            raise Interrupted(f"interrupted: run {run_id} was cancelled and the embedded pool "
+                              f"stopped; the finished work is in the store. Continue with: "
+                              f"tensorturn resume {run_id}", stopped=True) from None
+        raise Interrupted(f"interrupted before run {run_id} was queued; nothing to resume",
+                          stopped=True) from None
+    return docs
+
+
+def submitting(spec: RunSpec) -> Stage:
+    """The stage that submits ``spec``."""
+    from tensorturn.runs.submit import submit
+
+    return spec.run_id, lambda broker_url, say: submit(spec, broker_url)
+
+
+def distilling(teacher: str, store: str, **settings: Any) -> Stage:
+    """The stage that distills ensemble ``teacher`` once it has finished (``run --merge``):
+    its run id is chosen now, its spec (:func:`tensorturn.merge.distill.distill_spec` with
+    ``settings``) built when the ensemble is done."""
+    from tensorturn.spec import new_run_id
+
+    run_id = new_run_id()
+
+    def start(broker_url: str, say: Say) -> dict[str, Any]:
+        from tensorturn.merge.distill import distill_spec
+        from tensorturn.runs.submit import submit
+
+        spec = distill_spec(teacher, store, run_id=run_id, **settings)
+        say(f"distilling ensemble {teacher} into one model: run {run_id}")
+        return submit(spec, broker_url)
+
+    return run_id, start
+
+
+def launch_run(spec: RunSpec, broker: str | None, local_workers: int | None = 2,
+               detach: bool = False, timeout_s: float | None = None, merge: str = "none",
+               training: dict[str, Any] | None = None, docs: list[dict[str, Any]] | None = None,
+               observer: Observer | None = None) -> list[dict[str, Any]]:
+    """``tensorturn run``: submit ``spec`` and follow it; with ``merge="distill"`` (an ensemble),
+    then distill it into one model with the distillation's defaults and the ``training`` options
+    (seed, lr, ...) given for the ensemble. Refused before anything starts: a merge of a
+    one-model run, or of a recipe whose ensemble cannot be distilled."""
+    if merge != "none" and spec.mode != "ensemble":
+        raise SpecError(f"--merge {merge} merges an ensemble's members into one model: it needs "
+                        f"--mode ensemble (a {spec.mode} run is one model already)")
+    stages, recipes = [submitting(spec)], [spec.recipe]
+    if merge == "distill":
+        from tensorturn.merge.distill import check_distillable
+
+        check_distillable(spec.recipe, spec.recipe_options)  # before the ensemble, not after it
+        stages.append(distilling(spec.run_id, spec.store_url, **(training or {})))
+        recipes.append("distill")
+    return launch(stages, broker, spec.store_url, local_workers, detach, timeout_s, recipes, docs, observer)
+
+
+def launch_distill(spec: RunSpec, broker: str | None, local_workers: int | None = 2,
+                   detach: bool = False, timeout_s: float | None = None,
+                   observer: Observer | None = None) -> list[dict[str, Any]]:
+    """``tensorturn distill``: submit a distillation's spec
+    (:func:`tensorturn.merge.distill.distill_spec`) and follow it; the pool's agents import the
+    ``distill`` recipe and the ensemble's."""
+    recipes = ["distill", spec.recipe_options["recipe"]]
+    return launch([submitting(spec)], broker, spec.store_url, local_workers, detach, timeout_s,
+                  recipes, observer=observer)
+
+
+def launch_resume(run_id: str, broker: str | None, store: str, local_workers: int | None = 2,
+                  detach: bool = False, timeout_s: float | None = None,
+                  observer: Observer | None = None) -> list[dict[str, Any]]:
+    """``tensorturn resume``: continue a run from the store (:func:`tensorturn.runs.control.resume`)
+    and follow it. An unknown run, and a soup (finished when made), are refused before any
+    pool starts."""
+    from tensorturn.runs import control
+    from tensorturn.runs.records import describe
+
+    known = describe(run_id, None, store)  # an unknown run is refused before any pool starts
+    if (known.get("lineage") or {}).get("souped_from"):
+        raise SpecError(f"run {run_id} is a weight soup made by `tensorturn soup`: it is finished, "
+                        f"there is nothing to resume")
+
+    def start(broker_url: str, say: Say) -> None:
+        _, what = control.resume(run_id, broker_url, store)
+        say(f"run {run_id}: {what}")
+
+    recipes = [known["recipe"]]
+    if known["recipe"] == "distill":  # a student: its agents build the ensemble's recipe too
+        recipes.append(((known.get("spec") or {}).get("recipe_options") or {}).get("recipe", ""))
+    return launch([(run_id, start)], broker, store, local_workers, detach, timeout_s,
+                  [r for r in recipes if r], observer=observer)

@@ -1,0 +1,103 @@
+"""Submitting a run: every check a user's spec can fail, then the run set up on an idle agent
+(torch and the recipes loaded there) or, without one, in this process.
+
+Nothing here imports torch, Celery or boto3 until a function needs them: a bad option or recipe
+name is refused before anything heavy loads.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from tensorturn import config, layout
+from tensorturn.errors import BrokerError, TensorTurnError
+from tensorturn.spec import RunSpec
+from tensorturn.state.board import RunBoard
+from tensorturn.state.broker import check_broker
+from tensorturn.state.runs import Runs
+
+START_WAIT_S = 300.0  # how long `run` waits for an agent to prepare the run before giving up
+
+
+def validate(spec: RunSpec) -> None:
+    """Everything about a spec that can be checked without torch, a broker or a store."""
+    from tensorturn.recipes import check_name
+
+    spec.validate()
+    check_name(spec.recipe)
+
+
+def submit(spec: RunSpec, broker_url: str, here: bool = False) -> dict[str, Any]:
+    """Validate everything a user can get wrong, then queue the run; returns its description.
+
+    Nothing is queued unless the spec is valid, the recipe builds, both the broker and the store
+    answer, and some connected machine can hold the model. Building the recipe, the memory check
+    and θ_0 need torch: when the pool has an idle agent (torch and the recipes already loaded),
+    that agent does them (:func:`tensorturn.tasks.start.start`, in the ``tensorturn.start_run``
+    task) and this process never loads torch; otherwise, or with ``here``, they run in this process.
+    """
+    from tensorturn import trust
+    from tensorturn.state.roster import WorkerState, list_workers
+    from tensorturn.store.objects import open_store
+
+    validate(spec)
+    trust.pool_key()  # one clear error now rather than a refusal from every agent
+    client = check_broker(broker_url)
+    store = open_store(spec.store_url)
+    store.check()
+    pool = list_workers(client)
+    if not here and any(w["state"] == WorkerState.IDLE for w in pool):
+        return start_on_an_agent(spec, broker_url)
+    from tensorturn.tasks.start import start
+
+    # built here: the recipe this user named on this machine is theirs to import here
+    config.use(trust.with_allowed(config.current(), [spec.recipe]))
+    start(spec, broker_url, store, pool)
+    return RunBoard(client).describe(spec.run_id)
+
+
+def start_on_an_agent(spec: RunSpec, broker_url: str) -> dict[str, Any]:
+    """Have an idle agent set the run up (:func:`tensorturn.tasks.start.start_run`), and wait
+    for its answer: the run's description, or the error it met, raised here with its exit code
+    (nothing is queued then)."""
+    from tensorturn import trust
+    from tensorturn.pool import remote_control
+    from tensorturn.pool.celery_app import app, configure
+    from tensorturn.tasks.start import START_TASK
+
+    configure(broker_url)
+    client = check_broker(broker_url)
+    # the answer comes back on a Redis list of the run's (no Celery result, no subscription)
+    doc = spec.to_json()
+    sent = app.send_task(START_TASK, args=[doc], kwargs={"sig": trust.pool_key().sign("submit", doc)},
+                         queue=layout.DEFAULT_QUEUE, ignore_result=True)
+    reply = start_answer(client, spec.run_id)
+    if reply is None:
+        remote_control.send(app, "revoke", {"task_id": sent.id})  # signed: agents refuse others
+        raise BrokerError(f"no agent started run {spec.run_id} within {START_WAIT_S:.0f}s (every "
+                          f"agent busy?); nothing was queued, try again")
+    if "error" in reply:
+        error = TensorTurnError(reply["error"])
+        error.exit_code = int(reply.get("exit_code", 2))
+        raise error
+    return RunBoard(client).describe(spec.run_id)
+
+
+def start_answer(client: Any, run_id: str) -> dict[str, Any] | None:
+    """An agent's answer to the request to start ``run_id``, or its refusal of the request's
+    signature — kept only in ``tt:refused``, as every refusal is; None after START_WAIT_S."""
+    from tensorturn.state.refusals import refusals
+    from tensorturn.tasks.start import START_TASK
+
+    runs = Runs(client)
+    deadline = time.monotonic() + START_WAIT_S
+    while time.monotonic() < deadline:
+        answer = runs.start_answer(run_id, timeout_s=1)
+        if answer is not None:
+            return answer
+        for entry in refusals(client)[1]:
+            if entry.get("run_id") == run_id and entry.get("task") == START_TASK:
+                return {"error": f"agent {entry.get('worker')} refused run {run_id}: "
+                                 f"{entry.get('reason')}", "exit_code": 2}
+    return None

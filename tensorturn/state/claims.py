@@ -1,0 +1,123 @@
+"""Who does what once in a run: one-time dispatches (``tt:run:<id>:claims``), which shard each
+slot of a round trains (``slots-r<r>``, ``owners``), and which shards of a round are stored
+(``stored-r<r>``: its backup copies stop).
+
+Every claim name comes from :mod:`tensorturn.layout` (``dispatch_claim``, ``backup_claim``, ...).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from tensorturn import layout
+
+# A round's slot → the shard it trains (see Claims.claim_shard). KEYS: the round's slots, the run's
+# owners; ARGV: slot, worker, shards, then the shards whose data this worker holds. Preference: a
+# shard it trained before (lowest first), else one nobody has whose data it holds, else one nobody
+# has, else — work stealing — the last one of the owner with the most left, one whose data it holds
+# first. Tiers are B apart, B above any score within a tier.
+_CLAIM_SHARD = """
+local got = redis.call('hget', KEYS[1], ARGV[1])
+if got then
+  redis.call('hset', KEYS[2], got, ARGV[2])
+  return tonumber(got)
+end
+local n = tonumber(ARGV[3])
+local taken = {}
+for _, v in ipairs(redis.call('hvals', KEYS[1])) do taken[tonumber(v)] = true end
+local owner = {}
+local flat = redis.call('hgetall', KEYS[2])
+for i = 1, #flat, 2 do owner[tonumber(flat[i])] = flat[i + 1] end
+local held = {}
+for i = 4, #ARGV do held[tonumber(ARGV[i])] = true end
+local left = {}
+for k = 0, n - 1 do
+  local o = owner[k]
+  if not taken[k] and o then left[o] = (left[o] or 0) + 1 end
+end
+local best, score, B = -1, -1, 2 * n * n + 1
+for k = 0, n - 1 do
+  if not taken[k] then
+    local o, s = owner[k], 0
+    if o == ARGV[2] then s = 4 * B - k
+    elseif not o and held[k] then s = 3 * B - k
+    elseif not o then s = 2 * B - k
+    else
+      s = n * left[o] + k
+      if held[k] then s = s + B end
+    end
+    if s > score then best, score = k, s end
+  end
+end
+if best < 0 then return -1 end
+redis.call('hset', KEYS[1], ARGV[1], best)
+redis.call('hset', KEYS[2], best, ARGV[2])
+return best
+"""
+
+
+class Claims:
+    """A run's one-time claims and shard assignments."""
+
+    def __init__(self, client: Any):
+        self.r = client
+
+    def claim(self, run_id: str, what: str) -> bool:
+        """True the first time ``what`` is claimed for this run (guards one-time dispatches)."""
+        return bool(self.r.hsetnx(layout.run_key(run_id, "claims"), what, time.time()))
+
+    def release(self, run_id: str, what: str) -> None:
+        self.r.hdel(layout.run_key(run_id, "claims"), what)
+
+    def clear(self, run_id: str, pipe: Any) -> None:
+        """Every claim given back (a resume dispatches again what is missing), in ``pipe``."""
+        pipe.delete(layout.run_key(run_id, "claims"))
+
+    def once(self, run_id: str, what: str, dispatch: Callable[[], Any]) -> bool:
+        """Run ``dispatch`` if this is the first claim of ``what``; a dispatch that fails gives
+        the claim back, so the retry that follows can queue it (nothing is lost between)."""
+        if not self.claim(run_id, what):
+            return False
+        try:
+            dispatch()
+        except BaseException:
+            self.release(run_id, what)
+            raise
+        return True
+
+    def claim_shard(self, run_id: str, r: int, slot: int, worker: str, shards: int,
+                    held: Iterable[int] = ()) -> int:
+        """The shard that slot ``slot`` of round ``r`` trains, decided by the first worker to run
+        the slot and fixed from then on (a redelivered or duplicate slot trains the same shard).
+        A worker takes the shards it trained before first — their chunks are in its cache — then
+        shards nobody had, then steals from the worker with the most shards left; among new or
+        stolen shards, those whose data it ``held`` (in its cache: an earlier run's, or one it
+        stole before) first. Which machine trains a shard never
+        changes the result, only what it downloads."""
+        k = int(self.r.eval(_CLAIM_SHARD, 2, layout.slots_key(run_id, r),
+                            layout.run_key(run_id, "owners"), slot, worker, shards, *held))
+        if k < 0:
+            raise RuntimeError(f"round {r} of run {run_id} has no shard left for slot {slot}")
+        return k
+
+    def shard_owners(self, run_id: str) -> dict[int, str]:
+        """Which worker last trained each shard."""
+        return {int(k): w for k, w in self.r.hgetall(layout.run_key(run_id, "owners")).items()}
+
+    def unclaimed_shards(self, run_id: str, r: int, shards: int) -> list[int]:
+        taken = {int(v) for v in self.r.hvals(layout.slots_key(run_id, r))}
+        return [k for k in range(shards) if k not in taken]
+
+    # -- --sync backup: shards stored, so their copies stop --
+    def mark_stored(self, run_id: str, r: int, k: int, worker: str) -> None:
+        """Shard ``k`` of round ``r`` is stored (by ``worker``): a copy still training stops."""
+        self.r.hset(layout.stored_key(run_id, r), str(k), worker)
+
+    def is_stored(self, run_id: str, r: int, k: int) -> bool:
+        return bool(self.r.hexists(layout.stored_key(run_id, r), str(k)))
+
+    def stored(self, run_id: str, r: int) -> set[int]:
+        """The shards of round ``r`` stored so far."""
+        return {int(k) for k in self.r.hkeys(layout.stored_key(run_id, r))}

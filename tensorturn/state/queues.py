@@ -1,0 +1,52 @@
+"""Celery's and kombu's own structures on the broker, where TensorTurn reads or fixes them: the
+task queues (Redis lists of messages), and kombu's leases on delivered messages (``unacked``,
+``unacked_index``).
+
+kombu's Redis transport emulates acknowledgements: a delivered message sits in the ``unacked``
+hash with its delivery time as score in the ``unacked_index`` sorted set, and any worker's
+restore sweep puts it back in the queue once that score is older than ``visibility_timeout``
+(:mod:`tensorturn.pool.lease` keeps a running task's score fresh).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from tensorturn import layout
+
+
+def task_queues(client: Any) -> list[str]:
+    """Every TensorTurn task queue that holds messages now (Redis lists)."""
+    names = [layout.DEFAULT_QUEUE, *client.scan_iter(match=layout.ANY_QUEUE_PATTERN)]
+    return [q for q in names if client.type(q) in ("list", b"list")]
+
+
+def queued_messages(client: Any) -> list[str]:
+    """Every task message waiting in a TensorTurn queue (kombu's envelopes, as stored)."""
+    return [m for queue in task_queues(client) for m in client.lrange(queue, 0, -1)]
+
+
+def drop_queued(client: Any, run_id: str) -> int:
+    """Remove the run's task messages waiting in any TensorTurn queue; returns how many. Those
+    already handed to an agent are dropped by the agent (a finished run's task does nothing)."""
+    dropped = 0
+    for queue in task_queues(client):
+        for raw in client.lrange(queue, 0, -1):
+            if run_id in (layout.task_args(raw) or []):
+                dropped += int(client.lrem(queue, 1, raw))
+    return dropped
+
+
+def refresh_leases(client: Any, tags: list[str], now: float | None = None) -> int:
+    """Move the lease of the messages ``tags`` (delivery tags) to ``now``; only tags still in
+    the index (XX) are touched. Returns how many changed."""
+    if not tags:
+        return 0
+    now = time.time() if now is None else now
+    return int(client.zadd(layout.UNACKED_INDEX, {tag: now for tag in tags}, xx=True, ch=True))
+
+
+def unacked(client: Any) -> int:
+    """How many delivered messages are not acknowledged yet (tasks running or held somewhere)."""
+    return int(client.hlen(layout.UNACKED))

@@ -1,0 +1,112 @@
+"""The pool's machines on the broker: one hash per agent (``tt:worker:<name>``), the one owner of
+every write to it.
+
+What goes in it: the agent's signed heartbeat and live figures (:mod:`tensorturn.pool.telemetry`),
+the task it trains and its progress, its training rate over its last task (backup copies weigh it),
+its store failures in a row and a signed quarantine mark (:mod:`tensorturn.tasks.attempt`), and
+when it stopped cleanly. :func:`tensorturn.state.roster.list_workers` reads them back, verified.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from tensorturn import layout
+from tensorturn.state import roster
+from tensorturn.state.live import Progress
+from tensorturn.state.runs import Runs
+
+KEEP_S = 7 * 24 * 3600  # a heartbeat hash outlives its agent this long, unless pruned sooner
+
+
+class Workers:
+    """Every agent's hash."""
+
+    def __init__(self, client: Any):
+        self.r = client
+
+    def all(self, **options: Any) -> list[dict[str, Any]]:
+        """Every agent with its state (:func:`tensorturn.state.roster.list_workers`)."""
+        return roster.list_workers(self.r, **options)
+
+    # -- the agent's own heartbeat --
+    def beat(self, node: str, fields: dict[str, Any], first: bool, idle: bool) -> tuple[str | None, str | None]:
+        """Write one heartbeat of ``node`` (``fields``: signed inventory, live figures, pid), in
+        one round trip; ``first`` starts its hash afresh, ``idle`` clears a task a killed pool
+        child left behind. Returns its quarantine mark and the mark's signature."""
+        key = layout.worker_key(node)
+        pipe = self.r.pipeline()
+        if first:
+            pipe.delete(key)
+            pipe.hset(key, mapping={"started_at": time.time(), "tasks_done": 0})
+        pipe.hset(key, mapping=fields)
+        if idle:
+            pipe.hdel(key, "task", "progress")
+        pipe.expire(key, KEEP_S)
+        pipe.hmget(key, "quarantined", roster.QUARANTINE_SIGNATURE)
+        mark, sig = pipe.execute()[-1]
+        return mark, sig
+
+    def unquarantine(self, node: str) -> None:
+        """Remove ``node``'s quarantine mark (one its own tasks did not sign)."""
+        self.r.hdel(layout.worker_key(node), "quarantined", roster.QUARANTINE_SIGNATURE)
+
+    def stopped(self, node: str) -> None:
+        """``node`` stopped cleanly: offline at once, not after three missed heartbeats."""
+        self.r.hset(layout.worker_key(node), "stopped_at", time.time())
+
+    # -- the task it trains --
+    def report(self, worker: str, label: str, progress: dict[str, Any],
+               live: tuple[str, str, dict[str, Any]] | None = None) -> str | None:
+        """Say which task ``worker`` trains and how far it is, in one round trip; with ``live``
+        (run id, field, entry) the same report goes to the run's live hash
+        (:class:`tensorturn.state.live.Progress`) and the run's state is read back (a training
+        loop learns of a cancel from its report). Returns that state (None without ``live``)."""
+        pipe = self.r.pipeline(transaction=False)
+        pipe.hset(layout.worker_key(worker), mapping={"task": label, "progress": json.dumps(progress)})
+        if live is not None:
+            run_id, field, entry = live
+            Progress(self.r).write(run_id, field, entry, pipe)
+            Runs(self.r).state_field(run_id, pipe)
+        replies = pipe.execute()
+        return replies[-1] if live is not None else None
+
+    def task_done(self, worker: str, rate: float) -> None:
+        """``worker`` finished a task, training at ``rate`` samples/s over the whole of it."""
+        key = layout.worker_key(worker)
+        pipe = self.r.pipeline()
+        pipe.hdel(key, "task")
+        pipe.hincrby(key, "tasks_done", 1)
+        pipe.hset(key, "last_rate", rate)
+        pipe.execute()
+
+    def last_rate(self, worker: str) -> float | None:
+        """``worker``'s training rate over its last whole task (samples/s); None before one."""
+        raw = self.r.hget(layout.worker_key(worker), "last_rate")
+        try:
+            return float(raw) if raw is not None else None
+        except ValueError:
+            return None
+
+    # -- store failures and quarantine --
+    def store_ok(self, worker: str, pipe: Any = None) -> None:
+        """``worker`` reached the store: its failures in a row start again from none."""
+        (pipe or self.r).hdel(layout.worker_key(worker), "store_failures", "store_failing_since")
+
+    def store_failed(self, worker: str) -> tuple[int, float]:
+        """Count a store failure of ``worker``; returns its failures in a row and since when."""
+        key = layout.worker_key(worker)
+        self.r.hsetnx(key, "store_failing_since", time.time())
+        failures = int(self.r.hincrby(key, "store_failures", 1))
+        since = float(self.r.hget(key, "store_failing_since") or time.time())
+        return failures, since
+
+    def quarantine(self, worker: str, mark: dict[str, str]) -> None:
+        """Write ``worker``'s signed quarantine ``mark`` (:func:`tensorturn.pool.telemetry.quarantine_mark`)."""
+        self.r.hset(layout.worker_key(worker), mapping=mark)
+
+    def quarantine_field(self, worker: str, pipe: Any) -> None:
+        """Queue in ``pipe`` a read of ``worker``'s quarantine mark."""
+        pipe.hget(layout.worker_key(worker), "quarantined")

@@ -1,0 +1,70 @@
+"""The house rules that keep the package readable, checked on the source (no imports run).
+
+The import layering and the absence of cycles are checked by ``lint-imports`` (contracts in
+``pyproject.toml``, run by ``.ci/run``); these are the rules it cannot express.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "tensorturn"
+MAX_LINES = 500
+# what a test of the command line takes from it: the command itself, its JSON writer, and the
+# module whose terminal check a test of `runs rm` stands in for
+CLI_FOR_TESTS = {"cli", "main", "emit_json", "inspect"}
+
+
+def _modules(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.rglob("*.py") if ".venv" not in p.parts)
+
+
+def _imports(path: Path) -> list[tuple[str, list[str], int]]:
+    """(module, names, line) of every ``from X import names`` and ``import X`` in ``path``."""
+    out: list[tuple[str, list[str], int]] = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out.append((node.module, [a.name for a in node.names], node.lineno))
+        elif isinstance(node, ast.Import):
+            out.extend((a.name, [], node.lineno) for a in node.names)
+    return out
+
+
+def test_no_module_of_the_package_is_over_500_lines():
+    long = {str(p.relative_to(ROOT)): n for p in _modules(PACKAGE)
+            if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert long == {}
+
+
+def test_no_private_name_is_imported_from_another_module():
+    found = []
+    for path in _modules(PACKAGE) + _modules(ROOT / "tests") + _modules(ROOT / "benchmarks"):
+        for module, names, line in _imports(path):
+            if not module.startswith("tensorturn"):
+                continue
+            found += [f"{path.relative_to(ROOT)}:{line} {module}.{name}" for name in names
+                      if name.startswith("_") and not name.startswith("__")]
+    assert found == []
+
+
+def test_no_test_module_imports_another():
+    tests = {p.stem for p in (ROOT / "tests").glob("test_*.py")}
+    found = [f"{path.name}:{line} {module}" for path in _modules(ROOT / "tests")
+             for module, _, line in _imports(path) if module.split(".")[-1] in tests]
+    assert found == []
+
+
+def test_tests_and_benchmarks_use_the_package_not_the_command_line():
+    """Tests and benchmarks call the package's functions (``tensorturn.runs``…); the CLI only parses
+    and calls them, so a test imports from it only the command it runs."""
+    found = []
+    for path in _modules(ROOT / "tests") + _modules(ROOT / "benchmarks"):
+        for module, names, line in _imports(path):
+            if module != "tensorturn.cli" and not module.startswith("tensorturn.cli."):
+                continue
+            allowed = CLI_FOR_TESTS if path.parent.name == "tests" and module == "tensorturn.cli" else set()
+            found += [f"{path.relative_to(ROOT)}:{line} {module}.{name}" for name in names or ["*"]
+                      if name not in allowed]
+    assert found == []
