@@ -68,3 +68,32 @@ def test_tests_and_benchmarks_use_the_package_not_the_command_line():
             found += [f"{path.relative_to(ROOT)}:{line} {module}.{name}" for name in names or ["*"]
                       if name not in allowed]
     assert found == []
+
+
+# where a process's settings may be replaced (:func:`tensorturn.config.use`, ``reload``): the
+# command line's entry point, once, from the environment and the command's flags
+SETTINGS_SET_IN = {"tensorturn/cli/__init__.py"}
+
+
+def test_settings_are_passed_not_swapped():
+    """No library call changes the process's settings as a side effect (say, widening the recipe
+    allowlist for a recipe the user named): what a call needs beyond them is passed to it."""
+    found = []
+    for path in _modules(PACKAGE):
+        where = str(path.relative_to(ROOT))
+        if where in SETTINGS_SET_IN or where == "tensorturn/config.py":
+            continue
+        tree = ast.parse(path.read_text(), where)
+        imported = {a.asname or a.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                    and node.module == "tensorturn.config" for a in node.names}
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Call):
+                continue
+            func = node.func
+            swaps = (isinstance(func, ast.Attribute) and func.attr in ("use", "reload")
+                     and isinstance(func.value, (ast.Name, ast.Attribute))
+                     and ast.unparse(func.value).split(".")[-1] == "config")
+            swaps = swaps or (isinstance(func, ast.Name) and func.id in imported & {"use", "reload"})
+            if swaps:
+                found.append(f"{where}:{node.lineno} {ast.unparse(func)}")
+    assert found == []

@@ -29,12 +29,20 @@ BROKER_HELP = ("Redis URL of the pool (env TENSORTURN_BROKER_URL: prefer it, or 
                "on a command line shows in `ps`).")
 
 
-def pool_options(broker_help: str = BROKER_HELP, joins: bool = True) -> Callable:
+def pool_options(broker_help: str = BROKER_HELP, joins: bool = True,
+                 flags: Callable[[config.Settings, str | None, dict[str, Any]], config.Settings] | None = None
+                 ) -> Callable:
     """``--broker``, ``--store``, ``--join-file``, ``--allow-recipe`` and ``--debug``; TensorTurn
     errors become one line + exit code. A join file (or ``TENSORTURN_JOIN``) fills in the broker and store not
     given otherwise, the pool key, and the recipes its owner allows. ``joins=False``: the
     command makes the pool (``up``), so it reads no join, not even one the environment names —
-    ``export TENSORTURN_JOIN_FILE=.tensorturn/join`` names the file ``up`` writes."""
+    ``export TENSORTURN_JOIN_FILE=.tensorturn/join`` names the file ``up`` writes.
+    ``flags(settings, broker, options)``: the settings with the command's own options applied
+    (``agent``'s memory, cache and role).
+
+    This is the one place a process's settings are set (:func:`tensorturn.config.use`): its
+    environment and its command line, once, before the command does anything. Everything the
+    command calls is passed what it needs beyond that (a recipe the user named: ``allow``)."""
 
     def decorate(fn: Callable) -> Callable:
         @functools.wraps(fn)
@@ -44,21 +52,24 @@ def pool_options(broker_help: str = BROKER_HELP, joins: bool = True) -> Callable
                                 format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
             click.get_current_context().meta["debug"] = debug
             try:
+                settings = config.current()  # the environment's
                 joined = kwargs.pop("join", None)  # `agent --join`, when the command has it
-                if joins and (joined is not None or join_file or config.current().join):
+                if joins and (joined is not None or join_file or settings.join):
                     from tensorturn.pool.coordinator import load_join
 
-                    settings = load_join(joined or config.current().join, join_file, config.current())
-                    config.use(settings)
+                    settings = load_join(joined or settings.join, join_file, settings)
                     broker = broker or settings.broker_url
                     store = store or settings.store_url
                 if allow:
                     from tensorturn.trust import with_allowed
 
-                    config.use(with_allowed(config.current(), allow))
+                    settings = with_allowed(settings, allow)
                 store_url = config.normalize_store_url(store) if store else config.default_store_url()
                 # this command's store is the process's (recipes over pushed datasets read it)
-                config.use(config.current().with_(store_url=store_url))
+                settings = settings.with_(store_url=store_url)
+                if flags is not None:
+                    settings = flags(settings, broker or None, kwargs)
+                config.use(settings)  # once, before any work
                 return fn(*args, broker=broker or None, store=store_url, **kwargs)
             except TensorTurnError as exc:
                 if debug:

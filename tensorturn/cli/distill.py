@@ -4,8 +4,6 @@ averaged, :mod:`tensorturn.merge.soup`)."""
 
 from __future__ import annotations
 
-import glob
-
 import click
 
 from tensorturn.cli import cli, pool_options
@@ -55,7 +53,7 @@ def distill(broker, store, teacher, student, temperature, alpha, top_k, mixup, l
       tensorturn distill RUN --local-workers 2
       tensorturn distill RUN --student '{"hidden": [64]}' --temperature 4 --rounds 12
     """
-    from tensorturn import config, runs, trust
+    from tensorturn import runs
     from tensorturn.merge.distill import distill_spec, parse_student
     from tensorturn.state.manifest import finished_ensemble
     from tensorturn.store.objects import open_store
@@ -65,9 +63,9 @@ def distill(broker, store, teacher, student, temperature, alpha, top_k, mixup, l
     # the ensemble's recipe, as its manifest signed with the pool key names it: this user's own
     # (as `resume` allows a run's); anything else about the run is refused in one line below
     ensemble = finished_ensemble(open_store(store), teacher, "distillation")
-    config.use(trust.with_allowed(config.current(), [glob.escape(str(ensemble.get("recipe")))]))
     spec = distill_spec(teacher, store, student=parse_student(student), temperature=temperature,
-                        alpha=alpha, top_k=top_k, mixup=mixup, **training, **given)
+                        alpha=alpha, top_k=top_k, mixup=mixup, allow=[str(ensemble.get("recipe"))],
+                        **training, **given)
     print_results(launched(lambda observer: runs.launch_distill(spec, broker, local_workers, detach,
                                                                 timeout_s, observer)), as_json)
 

@@ -2,11 +2,22 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import click
 
 from tensorturn import config
 from tensorturn.cli import cli, pool_options, stop_on_signals
 from tensorturn.errors import TensorTurnError
+
+
+def agent_flags(settings: config.Settings, broker: str | None, options: dict[str, Any]) -> config.Settings:
+    """What ``agent`` was told on its command line overrides the environment, for this process
+    and its pool (:func:`tensorturn.cli.pool_options` applies it once, at the start)."""
+    return settings.with_(broker_url=broker,
+                          device_memory_gb=options["memory_gb"] or settings.device_memory_gb,
+                          cache_gb=options["cache_gb"] or settings.cache_gb,
+                          role=options["role"] or settings.role)
 
 
 @cli.command()
@@ -29,7 +40,7 @@ from tensorturn.errors import TensorTurnError
                    "through the store, so run one on the machine that holds it), or both "
                    "[default: TENSORTURN_ROLE or train].")
 @click.option("--loglevel", default=None, help="Celery log level [default: INFO].")
-@pool_options()
+@pool_options(flags=agent_flags)
 def agent(broker, store, name, concurrency, memory_gb, cache_gb, role, loglevel):
     """Run this machine's agent: a Celery worker that trains what the pool queues.
 
@@ -67,11 +78,6 @@ def agent(broker, store, name, concurrency, memory_gb, cache_gb, role, loglevel)
     trust.pool_key()  # one clear error now rather than every task refused later
     check_broker(broker)
     open_store(store).check()
-    # what this command was told overrides the environment, for this process and its pool
-    config.use(config.current().with_(broker_url=broker, store_url=store,
-                                      device_memory_gb=memory_gb or config.current().device_memory_gb,
-                                      cache_gb=cache_gb or config.current().cache_gb,
-                                      role=role or config.current().role))
     from tensorturn.pool.agent import run_agent
     from tensorturn.pool.celery_app import configure
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import click
 
-from tensorturn import config
 from tensorturn.cli import cli, debugging, emit_json, fail, pool_options
 from tensorturn.cli.options import (
     TRAINING,
@@ -129,13 +128,11 @@ def check_recipe(recipe, recipe_options, hook_timeout, as_json, broker, store):
     of its own, as an agent would import the recipe (from PYTHONPATH and installed packages, not
     the current directory), and reads datasets from the store `run` would use.
     """
-    from tensorturn import trust
     from tensorturn.recipes.check import CheckFailed, check_in_child
 
-    config.use(trust.with_allowed(config.current(), [recipe]))  # named here, by this user
     options = parse_recipe_options(recipe_options)
-    try:
-        found = check_in_child(recipe, options, hook_timeout, debug=debugging())
+    try:  # the recipe was named here, by this user: the check may import it
+        found = check_in_child(recipe, options, hook_timeout, debug=debugging(), allow=[recipe])
     except CheckFailed as exc:
         if debugging() and exc.trace:  # the recipe's own failure: where, in full
             click.echo(exc.trace, err=True)

@@ -9,6 +9,7 @@ The one place for them: the recipe takes its defaults from here, and every range
 from __future__ import annotations
 
 import json
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -53,11 +54,13 @@ def parse_student(text: str | None) -> dict[str, Any]:
 
 
 def plan(store: Any, teacher: str, student: dict[str, Any] | None, temperature: float,
-         alpha: float, top_k: int, mixup: int = 0) -> dict[str, Any]:
+         alpha: float, top_k: int, mixup: int = 0, allow: Collection[str] = ()) -> dict[str, Any]:
     """The ``distill`` recipe's options for ensemble run ``teacher``, checked before anything is
     queued: a finished ensemble (its signed manifest) of a classification or language-model
     recipe, T, α, top-k and ``mixup`` (mixed transfer rows per row, real-valued inputs only) in
-    range, and a student that fits the data. One-line errors."""
+    range, and a student that fits the data. One-line errors. ``allow``: recipe names the caller
+    allows here besides the machine's allowlist (:func:`tensorturn.recipes.resolve`), such as
+    the ensemble's."""
     from tensorturn.recipes import resolve
     from tensorturn.state.manifest import finished_ensemble
 
@@ -68,7 +71,7 @@ def plan(store: Any, teacher: str, student: dict[str, Any] | None, temperature: 
                "recipe_options": spec.get("recipe_options") or {}, "student": dict(student or {}),
                "temperature": float(temperature), "alpha": float(alpha), "top_k": top_k,
                "mixup": 0}
-    recipe = resolve("distill", options)
+    recipe = resolve("distill", options, allow)
     if mixup and not recipe.sample_input().is_floating_point():
         raise SpecError(f"--mixup mixes real-valued inputs; recipe {spec['recipe']!r} takes "
                         f"{recipe.sample_input().dtype} inputs (token ids): use --mixup 0")
@@ -80,19 +83,20 @@ def plan(store: Any, teacher: str, student: dict[str, Any] | None, temperature: 
 
 def distill_spec(teacher: str, store: str, run_id: str = "", student: dict[str, Any] | None = None,
                  temperature: float = TEMPERATURE, alpha: float = ALPHA, top_k: int = TOP_K,
-                 mixup: int = MIXUP, **options: Any) -> RunSpec:
+                 mixup: int = MIXUP, allow: Collection[str] = (), **options: Any) -> RunSpec:
     """The fused run that distills ensemble ``teacher``: its recipe is ``distill`` over the
-    ensemble's (checked now: a finished ensemble, a student that fits the data). Fused options
-    not given take the student's defaults (ROUNDS, SYNC_EVERY, and the shards any fused run gets:
-    :func:`tensorturn.modes.fused.default_shards`)."""
+    ensemble's (checked now: a finished ensemble, a student that fits the data; ``allow``:
+    recipe names the caller allows for these checks besides the machine's allowlist, such as
+    the ensemble's). Fused options not given take the student's defaults (ROUNDS, SYNC_EVERY,
+    and the shards any fused run gets: :func:`tensorturn.modes.fused.default_shards`)."""
     from tensorturn.modes.fused import default_shards
     from tensorturn.recipes import check_name, resolve
     from tensorturn.recipes.check import check_contract
     from tensorturn.store.objects import open_store
 
     check_settings(temperature, alpha, top_k, mixup)
-    recipe_options = plan(open_store(store), teacher, student, temperature, alpha, top_k, mixup)
-    recipe = resolve("distill", recipe_options)
+    recipe_options = plan(open_store(store), teacher, student, temperature, alpha, top_k, mixup, allow)
+    recipe = resolve("distill", recipe_options, allow)
     check_contract(recipe_options["recipe"], recipe, "nothing was queued")  # the ensemble's, as it is now
     options = {k: v for k, v in options.items() if v is not None}
     options.setdefault("rounds", ROUNDS)
@@ -111,11 +115,9 @@ def distill_spec(teacher: str, store: str, run_id: str = "", student: dict[str, 
 def check_distillable(recipe: str, recipe_options: dict[str, Any]) -> None:
     """``run --merge distill``: refuse, before the ensemble trains, a recipe whose ensemble
     could not be distilled (its kind), building it here — the user named it on this command."""
-    from tensorturn import config, trust
     from tensorturn.recipes import resolve
 
-    config.use(trust.with_allowed(config.current(), [recipe]))
-    task = resolve(recipe, recipe_options).task
+    task = resolve(recipe, recipe_options, allow=[recipe]).task
     if task not in DISTILLABLE:
         raise SpecError(f"--merge distill: recipe {recipe!r} is a {task} recipe; distillation needs "
                         f"a classification or language-model ensemble (its vote is already the "

@@ -42,10 +42,13 @@ log = logging.getLogger(__name__)
 
 class Distilled(Recipe):
     name = "distill"
+    # resolve gives it the names its caller allowed (``allow``): the base is resolved with them
+    builds_on_recipe = True
 
     def __init__(self, teacher: str = "", recipe: str = "", recipe_options: dict[str, Any] | None = None,
                  student: dict[str, Any] | None = None, temperature: float = TEMPERATURE,
-                 alpha: float = ALPHA, top_k: int = TOP_K, mixup: int = MIXUP):
+                 alpha: float = ALPHA, top_k: int = TOP_K, mixup: int = MIXUP,
+                 allow: tuple[str, ...] = ()):
         from tensorturn.recipes import resolve
 
         if not isinstance(teacher, str) or not teacher or not isinstance(recipe, str) or not recipe:
@@ -57,7 +60,7 @@ class Distilled(Recipe):
         self.teacher, self.temperature, self.alpha, self.top_k = teacher, float(temperature), float(alpha), top_k
         self.student, self.mixup = dict(student or {}), mixup
         self.base_ref, self.base_options = recipe, dict(recipe_options or {})
-        self.base = resolve(recipe, self.base_options)
+        self.base = resolve(recipe, self.base_options, allow)
         if self.base.task not in DISTILLABLE:
             raise RecipeError(f"recipe {recipe!r} is a {self.base.task} recipe: distillation needs "
                               f"a classification or language-model ensemble")

@@ -8,6 +8,7 @@ options import no torch (the CLI validates a run with them); its ``tasks`` modul
 from __future__ import annotations
 
 import importlib
+from collections.abc import Collection
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
@@ -34,11 +35,14 @@ class Mode(Protocol):
     def model_configs(self, spec: "RunSpec", recipe: "Recipe") -> list[dict[str, Any]]:
         """The model configurations the run trains (the memory check takes the largest)."""
 
-    def start(self, spec: "RunSpec", store: "Store", board: "RunBoard") -> None:
-        """Store what the run starts from, record it on the board, queue its first work."""
+    def start(self, spec: "RunSpec", store: "Store", board: "RunBoard", allow: Collection[str] = ()) -> None:
+        """Store what the run starts from, record it on the board, queue its first work.
+        ``allow``: recipe names allowed here besides the machine's allowlist (those the user who
+        starts the run in this process named; :func:`tensorturn.recipes.resolve`)."""
 
-    def resume(self, spec: "RunSpec", store: "Store", board: "RunBoard") -> str:
-        """Queue whatever is missing from the store; say what was resumed."""
+    def resume(self, spec: "RunSpec", store: "Store", board: "RunBoard", allow: Collection[str] = ()) -> str:
+        """Queue whatever is missing from the store; say what was resumed (``allow``: as for
+        :meth:`start`)."""
 
     def progress(self, doc: dict[str, Any]) -> tuple[int, int, list[tuple[str, str]]]:
         """(units done, units in all, [(event key, one line)]) from a run's description."""
@@ -62,11 +66,11 @@ class ModeBase:
     def prepare(self, spec: "RunSpec", online_workers: int) -> None:
         pass
 
-    def start(self, spec: "RunSpec", store: "Store", board: "RunBoard") -> None:
-        importlib.import_module(self.tasks).start(spec, store, board)
+    def start(self, spec: "RunSpec", store: "Store", board: "RunBoard", allow: Collection[str] = ()) -> None:
+        importlib.import_module(self.tasks).start(spec, store, board, allow)
 
-    def resume(self, spec: "RunSpec", store: "Store", board: "RunBoard") -> str:
-        return importlib.import_module(self.tasks).resume(spec, store, board)
+    def resume(self, spec: "RunSpec", store: "Store", board: "RunBoard", allow: Collection[str] = ()) -> str:
+        return importlib.import_module(self.tasks).resume(spec, store, board, allow)
 
     def live_line(self, doc: dict[str, Any], width: int = 80) -> str:
         return ""

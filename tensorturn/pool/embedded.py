@@ -9,6 +9,7 @@ be kept (:func:`keep_logs`, which ``tensorturn run`` does: one folder per run).
 from __future__ import annotations
 
 import errno
+import glob
 import logging
 import os
 import re
@@ -20,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Collection
 from pathlib import Path
 
 from tensorturn import config, trust
@@ -256,12 +258,16 @@ def stop_process_group(proc: subprocess.Popen, grace: float = 10.0, term: bool =
 
 class LocalPool:
     """Private redis-server + ``workers`` agent processes (named local1, local2, ...), each with
-    its role (``roles[i]``; agents without one, or added later, train)."""
+    its role (``roles[i]``; agents without one, or added later, train). The agents import the
+    recipes this machine allows and, by exact name, those in ``allow`` (the user named them on
+    this machine: ``tensorturn run --recipe``)."""
 
     def __init__(self, workers: int, store_url: str, workdir: Path | None = None,
                  loglevel: str = "WARNING", appendonly: bool = False,
-                 roles: list[str] | None = None, keep_logs: Path | None = None):
+                 roles: list[str] | None = None, keep_logs: Path | None = None,
+                 allow: Collection[str] = ()):
         self.workers = workers
+        self.allow = tuple(allow)
         self.keep_logs = keep_logs  # where the agents' logs are kept once the pool stops
         self.roles = roles or ["train"] * workers
         self.store_url = store_url
@@ -308,10 +314,12 @@ class LocalPool:
     def agent_settings(self, i: int) -> config.Settings:
         """The settings agent ``local<i+1>`` starts with (a pool whose agents reach Redis by
         other routes — :mod:`testbed.netlab` — changes the URLs here)."""
-        return config.current().with_(broker_url=self.broker_url, store_url=self.store_url,
-                                      loglevel=self.loglevel,
-                                      role=self.roles[i] if i < len(self.roles) else "train",
-                                      pool_key=trust.pool_key_or_create().text())
+        settings = config.current().with_(broker_url=self.broker_url, store_url=self.store_url,
+                                          loglevel=self.loglevel,
+                                          role=self.roles[i] if i < len(self.roles) else "train",
+                                          pool_key=trust.pool_key_or_create().text())
+        # exactly these names (escaped: a name is never a pattern); the machine's own come first
+        return trust.with_allowed(settings, [glob.escape(r) for r in self.allow]) if self.allow else settings
 
     def agent_argv(self, i: int) -> list[str]:
         return agent_command(f"local{i + 1}")

@@ -14,9 +14,11 @@ never shadows a module; :data:`WHERE_RECIPES_COME_FROM` says so in errors.
 
 from __future__ import annotations
 
+import glob
 import importlib
 import importlib.util
 import json
+from collections.abc import Collection
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
@@ -72,16 +74,21 @@ def check_name(name: str) -> None:
                           f"No module named {module_name!r} ({WHERE_RECIPES_COME_FROM})")
 
 
-def resolve(name: str, options: dict | None = None) -> "Recipe":
+def resolve(name: str, options: dict | None = None, allow: Collection[str] = ()) -> "Recipe":
     """The recipe called ``name`` (built-in, or ``module:Class``), built with ``options``.
 
     Checked before each step: the name against the allowlist before the module is imported, and
     that ``Class`` is a Recipe subclass before it is called — what the module imported or defined
-    besides (``shutil.copyfile``, a factory, an instance) is never called with a spec's options."""
-    from tensorturn.recipes.base import Recipe
-    from tensorturn.trust import check_recipe_allowed
+    besides (``shutil.copyfile``, a factory, an instance) is never called with a spec's options.
 
-    check_recipe_allowed(name, BUILTIN)  # before anything is imported: a recipe is code
+    ``allow``: recipe names allowed for this call besides the machine's allowlist — those the
+    user named on this machine (a command line, a Python call), never a spec's: this process's
+    settings stay as they are. A recipe that builds on another (``distill``) gets them too."""
+    from tensorturn import config, trust
+    from tensorturn.recipes.base import Recipe
+
+    settings = trust.with_allowed(config.current(), [glob.escape(n) for n in allow]) if allow else None
+    trust.check_recipe_allowed(name, BUILTIN, settings)  # before anything is imported: a recipe is code
     check_name(name)
     module_name, _, attr = BUILTIN.get(name, name).partition(":")
     try:
@@ -96,7 +103,7 @@ def resolve(name: str, options: dict | None = None) -> "Recipe":
         what = f"class {target.__name__}" if isinstance(target, type) else type(target).__name__
         raise RecipeError(f"recipe {name!r} is a {what}, not a tensorturn Recipe class "
                           f"(a recipe is a subclass of tensorturn.recipes.Recipe)")
-    return _built(name, target, options or {})
+    return _built(name, target, options or {}, tuple(allow))
 
 
 def _where(exc: Exception, module_name: str) -> str:
@@ -107,10 +114,13 @@ def _where(exc: Exception, module_name: str) -> str:
     return ""
 
 
-def _built(name: str, cls: "type[Recipe]", options: dict) -> "Recipe":
-    """``cls(**options)``; whatever goes wrong, one line naming the recipe."""
+def _built(name: str, cls: "type[Recipe]", options: dict, allow: tuple[str, ...]) -> "Recipe":
+    """``cls(**options)``; whatever goes wrong, one line naming the recipe. A class that builds
+    on another recipe (``builds_on_recipe``) is given ``allow`` as well — always, so a spec's
+    options can never hold their own ``allow`` (it would be a second value: refused)."""
+    extra = {"allow": allow} if getattr(cls, "builds_on_recipe", False) else {}
     try:
-        recipe = cls(**options)
+        recipe = cls(**options, **extra)
     except TypeError as exc:
         raise RecipeError(f"recipe {name!r} does not accept options {sorted(options)}: {exc}") from exc
     except TensorTurnError as exc:  # the recipe said what is wrong (a dataset that is not there, ...)

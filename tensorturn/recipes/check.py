@@ -32,7 +32,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 from tensorturn.errors import RecipeError, TensorTurnError
@@ -314,20 +314,27 @@ def _finite_metrics(step: str, metrics: Any) -> None:
 # ---- the check in a process of its own, each step within a limit ---------------------------------
 
 def check_in_child(name: str, options: dict[str, Any] | None = None,
-                   hook_timeout: float = HOOK_TIMEOUT_S, debug: bool = False) -> dict[str, Any]:
+                   hook_timeout: float = HOOK_TIMEOUT_S, debug: bool = False,
+                   allow: Collection[str] = ()) -> dict[str, Any]:
     """:func:`check` in a child process started as agents are (``python -P``: recipes from
     ``PYTHONPATH`` and installed packages; this process's settings in its environment, so the
-    same store), each step within ``hook_timeout`` seconds: one late is killed, with the
-    process group, and CheckFailed names it. The recipe's prints go to stderr."""
-    from tensorturn import config
+    same store, allowing the recipe names in ``allow`` too), each step within ``hook_timeout``
+    seconds: one late is killed, with the process group, and CheckFailed names it. The recipe's
+    prints go to stderr."""
+    import glob
 
+    from tensorturn import config, trust
+
+    settings = config.current()
+    if allow:
+        settings = trust.with_allowed(settings, [glob.escape(n) for n in allow])
     request = json.dumps({"recipe": name, "options": options or {}, "debug": debug})
     read_end, write_end = os.pipe()
     try:
         child = subprocess.Popen(
             [sys.executable, "-P", "-c", "from tensorturn.recipes.check import in_child; in_child()",
              str(write_end), request],
-            env={**os.environ, **config.current().environ()}, pass_fds=(write_end,),
+            env={**os.environ, **settings.environ()}, pass_fds=(write_end,),
             stdin=subprocess.PIPE, stdout=2, start_new_session=True)
     finally:
         os.close(write_end)

@@ -5,6 +5,7 @@ cancelled, or failed for a cause since fixed) from what the store holds.
 from __future__ import annotations
 
 import time
+from collections.abc import Collection
 from typing import Any
 
 from tensorturn import config
@@ -16,9 +17,11 @@ from tensorturn.state.broker import check_broker
 from tensorturn.state.queues import drop_queued
 
 
-def resume(run_id: str, broker_url: str, store_url: str) -> tuple[dict[str, Any], str]:
+def resume(run_id: str, broker_url: str, store_url: str,
+           allow: Collection[str] = ()) -> tuple[dict[str, Any], str]:
     """Continue a run whose chain was lost (Redis lost its data, the embedded pool was stopped)
-    or that failed and whose cause is fixed, from the store alone.
+    or that failed and whose cause is fixed, from the store alone. ``allow``: recipe names this
+    process may build besides the machine's allowlist (:func:`tensorturn.recipes.resolve`).
 
     Returns the run's description and a sentence on what was resumed.
     """
@@ -50,7 +53,7 @@ def resume(run_id: str, broker_url: str, store_url: str) -> tuple[dict[str, Any]
         save_spec(store, spec)
         board.update_spec(spec)
     try:
-        what = get_mode(spec.mode).resume(spec, store, board)
+        what = get_mode(spec.mode).resume(spec, store, board, allow)
     except Exception as exc:
         # reopened but nothing queued: say so on the run rather than leave it `running`
         board.fail(run_id, f"resume failed: {type(exc).__name__}: {exc}; try "

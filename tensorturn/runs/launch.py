@@ -11,9 +11,8 @@ run's manifest holds its final state.
 
 from __future__ import annotations
 
-import glob
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any, Protocol
 
 from tensorturn import config
@@ -153,8 +152,9 @@ def embedded(stages: list[Stage], store_url: str, local_workers: int, timeout_s:
     """Start a private pool; for each stage, start its run and follow it (the next only once it
     succeeded); stop the pool. Returns the runs' last descriptions.
 
-    The pool's agents import ``recipes`` (the user named them on this machine's command line)
-    and share this machine's pool key (made on first use, ``.tensorturn/pool-key``)."""
+    The pool's agents import ``recipes`` (the user named them on this machine's command line:
+    :class:`LocalPool`'s ``allow``; this process's settings stay as they are) and share this
+    machine's pool key (made on first use, ``.tensorturn/pool-key``)."""
     from tensorturn import trust
     from tensorturn.pool.embedded import LocalPool, logs_dir
     from tensorturn.runs.control import cancel
@@ -166,7 +166,6 @@ def embedded(stages: list[Stage], store_url: str, local_workers: int, timeout_s:
     observer = observer or Quiet()
     observer.say(f"starting an embedded pool: redis-server + {local_workers} local agents; "
                  f"store {config.mask_url(store_url)}")
-    config.use(trust.with_allowed(config.current(), [glob.escape(r) for r in recipes]))  # exactly these
     trust.pool_key_or_create()
     t0 = time.monotonic()
     observer.guard()
@@ -174,7 +173,7 @@ def embedded(stages: list[Stage], store_url: str, local_workers: int, timeout_s:
     docs = [] if docs is None else docs
     try:
         logs = logs_dir(run_id)  # kept once the pool stops: a failure is explained there too
-        with LocalPool(local_workers, store_url, keep_logs=logs) as pool:
+        with LocalPool(local_workers, store_url, keep_logs=logs, allow=recipes) as pool:
             observer.say(f"pool ready in {time.monotonic() - t0:.1f}s; run {run_id}")
             board = RunBoard(check_broker(pool.broker_url))
             for run_id, start in stages:
@@ -212,17 +211,19 @@ def embedded(stages: list[Stage], store_url: str, local_workers: int, timeout_s:
     return docs
 
 
-def submitting(spec: RunSpec) -> Stage:
-    """The stage that submits ``spec``."""
+def submitting(spec: RunSpec, allow: Collection[str] = ()) -> Stage:
+    """The stage that submits ``spec``; this process may build the recipes named in ``allow``
+    too (:func:`tensorturn.runs.submit.submit`)."""
     from tensorturn.runs.submit import submit
 
-    return spec.run_id, lambda broker_url, say: submit(spec, broker_url)
+    return spec.run_id, lambda broker_url, say: submit(spec, broker_url, allow=allow)
 
 
-def distilling(teacher: str, store: str, **settings: Any) -> Stage:
+def distilling(teacher: str, store: str, allow: Collection[str] = (), **settings: Any) -> Stage:
     """The stage that distills ensemble ``teacher`` once it has finished (``run --merge``):
     its run id is chosen now, its spec (:func:`tensorturn.merge.distill.distill_spec` with
-    ``settings``) built when the ensemble is done."""
+    ``settings``) built when the ensemble is done — by this process, which may build the
+    recipes named in ``allow`` (the ensemble's) besides what the machine allows."""
     from tensorturn.spec import new_run_id
 
     run_id = new_run_id()
@@ -231,9 +232,9 @@ def distilling(teacher: str, store: str, **settings: Any) -> Stage:
         from tensorturn.merge.distill import distill_spec
         from tensorturn.runs.submit import submit
 
-        spec = distill_spec(teacher, store, run_id=run_id, **settings)
+        spec = distill_spec(teacher, store, run_id=run_id, allow=allow, **settings)
         say(f"distilling ensemble {teacher} into one model: run {run_id}")
-        return submit(spec, broker_url)
+        return submit(spec, broker_url, allow=allow)
 
     return run_id, start
 
@@ -249,13 +250,13 @@ def launch_run(spec: RunSpec, broker: str | None, local_workers: int | None = 2,
     if merge != "none" and spec.mode != "ensemble":
         raise SpecError(f"--merge {merge} merges an ensemble's members into one model: it needs "
                         f"--mode ensemble (a {spec.mode} run is one model already)")
-    stages, recipes = [submitting(spec)], [spec.recipe]
+    recipes = [spec.recipe, "distill"] if merge == "distill" else [spec.recipe]
+    stages = [submitting(spec, recipes)]  # named by the caller: built here, imported by an embedded pool
     if merge == "distill":
         from tensorturn.merge.distill import check_distillable
 
         check_distillable(spec.recipe, spec.recipe_options)  # before the ensemble, not after it
-        stages.append(distilling(spec.run_id, spec.store_url, **(training or {})))
-        recipes.append("distill")
+        stages.append(distilling(spec.run_id, spec.store_url, recipes, **(training or {})))
     return launch(stages, broker, spec.store_url, local_workers, detach, timeout_s, recipes, docs, observer)
 
 
@@ -266,7 +267,7 @@ def launch_distill(spec: RunSpec, broker: str | None, local_workers: int | None 
     (:func:`tensorturn.merge.distill.distill_spec`) and follow it; the pool's agents import the
     ``distill`` recipe and the ensemble's."""
     recipes = ["distill", spec.recipe_options["recipe"]]
-    return launch([submitting(spec)], broker, spec.store_url, local_workers, detach, timeout_s,
+    return launch([submitting(spec, recipes)], broker, spec.store_url, local_workers, detach, timeout_s,
                   recipes, observer=observer)
 
 
@@ -284,12 +285,15 @@ def launch_resume(run_id: str, broker: str | None, store: str, local_workers: in
         raise SpecError(f"run {run_id} is a weight soup made by `tensorturn soup`: it is finished, "
                         f"there is nothing to resume")
 
-    def start(broker_url: str, say: Say) -> None:
-        _, what = control.resume(run_id, broker_url, store)
-        say(f"run {run_id}: {what}")
-
     recipes = [known["recipe"]]
     if known["recipe"] == "distill":  # a student: its agents build the ensemble's recipe too
         recipes.append(((known.get("spec") or {}).get("recipe_options") or {}).get("recipe", ""))
+    # built here too on an embedded pool, as its agents do; on a standing pool, as this machine allows
+    allow = [r for r in recipes if r] if not broker else []
+
+    def start(broker_url: str, say: Say) -> None:
+        _, what = control.resume(run_id, broker_url, store, allow=allow)
+        say(f"run {run_id}: {what}")
+
     return launch([(run_id, start)], broker, store, local_workers, detach, timeout_s,
                   [r for r in recipes if r], observer=observer)

@@ -8,9 +8,10 @@ name is refused before anything heavy loads.
 from __future__ import annotations
 
 import time
+from collections.abc import Collection
 from typing import Any
 
-from tensorturn import config, layout
+from tensorturn import layout
 from tensorturn.errors import BrokerError, TensorTurnError
 from tensorturn.spec import RunSpec
 from tensorturn.state.board import RunBoard
@@ -28,14 +29,17 @@ def validate(spec: RunSpec) -> None:
     check_name(spec.recipe)
 
 
-def submit(spec: RunSpec, broker_url: str, here: bool = False) -> dict[str, Any]:
+def submit(spec: RunSpec, broker_url: str, here: bool = False,
+           allow: Collection[str] = ()) -> dict[str, Any]:
     """Validate everything a user can get wrong, then queue the run; returns its description.
 
     Nothing is queued unless the spec is valid, the recipe builds, both the broker and the store
     answer, and some connected machine can hold the model. Building the recipe, the memory check
     and θ_0 need torch: when the pool has an idle agent (torch and the recipes already loaded),
     that agent does them (:func:`tensorturn.tasks.start.start`, in the ``tensorturn.start_run``
-    task) and this process never loads torch; otherwise, or with ``here``, they run in this process.
+    task) and this process never loads torch; otherwise, or with ``here``, they run in this process,
+    which builds the spec's recipe and those named in ``allow`` (:func:`tensorturn.recipes.resolve`)
+    besides what the machine allows — its settings stay as they are.
     """
     from tensorturn import trust
     from tensorturn.state.roster import WorkerState, list_workers
@@ -52,8 +56,7 @@ def submit(spec: RunSpec, broker_url: str, here: bool = False) -> dict[str, Any]
     from tensorturn.tasks.start import start
 
     # built here: the recipe this user named on this machine is theirs to import here
-    config.use(trust.with_allowed(config.current(), [spec.recipe]))
-    start(spec, broker_url, store, pool)
+    start(spec, broker_url, store, pool, allow=(spec.recipe, *allow))
     return RunBoard(client).describe(spec.run_id)
 
 

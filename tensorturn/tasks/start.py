@@ -4,6 +4,7 @@ torch (:func:`tensorturn.runs.submit.submit`)."""
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
 from celery import Task
@@ -26,16 +27,18 @@ from tensorturn.trust import check_recipe_allowed
 START_TASK = "tensorturn.start_run"  # the name the submitter sends it by
 
 
-def start(spec: RunSpec, broker_url: str, store: Any, pool: list[dict[str, Any]]) -> None:
+def start(spec: RunSpec, broker_url: str, store: Any, pool: list[dict[str, Any]],
+          allow: Collection[str] = ()) -> None:
     """Build the recipe, fill what depends on the pool, check the model fits and the recipe keeps
     its contract (:func:`tensorturn.recipes.check.check_contract`), store what the run starts
-    from and queue its first work (on an agent, or in the submitting process)."""
+    from and queue its first work (on an agent, or in the submitting process). ``allow``: recipe
+    names the submitting user allows here besides the machine's allowlist (an agent: none)."""
     from tensorturn.pool.capacity import check_fits
     from tensorturn.pool.celery_app import configure
     from tensorturn.recipes import resolve
     from tensorturn.recipes.check import check_contract
 
-    recipe = resolve(spec.recipe, spec.recipe_options)
+    recipe = resolve(spec.recipe, spec.recipe_options, allow)
     spec.recipe_options.update(recipe.pinned_options())  # e.g. the dataset version it found
     configure(broker_url)
     mode = get_mode(spec.mode)
@@ -45,7 +48,7 @@ def start(spec: RunSpec, broker_url: str, store: Any, pool: list[dict[str, Any]]
     check_fits(need, pool)  # first: a model too big for every machine is told so, whatever else
     check_contract(spec.recipe, recipe, "nothing was queued")
     spec.memory_needed_bytes = need["total_bytes"]
-    mode.start(spec, store, RunBoard(check_broker(broker_url)))
+    mode.start(spec, store, RunBoard(check_broker(broker_url)), allow)
 
 
 def memory_needed(spec: RunSpec, recipe: Any) -> dict[str, Any]:

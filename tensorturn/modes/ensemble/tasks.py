@@ -14,7 +14,7 @@ import logging
 import math
 import random
 import time
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from typing import Any
 
 import torch
@@ -108,9 +108,10 @@ def _new_member(entry: dict[str, Any]) -> dict[str, Any]:
 
 # ---- start, dispatch, resume -------------------------------------------------------------------
 
-def start(spec: RunSpec, store: Store, board: RunBoard) -> None:
-    """Record the run and its member plan, then queue every member's first segment."""
-    plan = member_plan(spec, resolve(spec.recipe, spec.recipe_options))
+def start(spec: RunSpec, store: Store, board: RunBoard, allow: Collection[str] = ()) -> None:
+    """Record the run and its member plan, then queue every member's first segment (``allow``:
+    recipe names allowed here besides the machine's allowlist, :func:`tensorturn.recipes.resolve`)."""
+    plan = member_plan(spec, resolve(spec.recipe, spec.recipe_options, allow))
     save_spec(store, spec)
     board.create(spec)
     for entry in plan:
@@ -151,11 +152,12 @@ def drop(spec: RunSpec, board: RunBoard, m: int, reason: str, task: str, worker:
     maybe_vote(spec, board)
 
 
-def resume(spec: RunSpec, store: Store, board: RunBoard) -> str:
-    """Continue every unfinished member from its last checkpoint in the store."""
+def resume(spec: RunSpec, store: Store, board: RunBoard, allow: Collection[str] = ()) -> str:
+    """Continue every unfinished member from its last checkpoint in the store (``allow``: as
+    for :func:`start`)."""
     opts = options(spec)
     resumed = []
-    for entry in member_plan(spec, resolve(spec.recipe, spec.recipe_options)):
+    for entry in member_plan(spec, resolve(spec.recipe, spec.recipe_options, allow)):
         m = entry["member"]
         info = board.member(spec.run_id, m) or _new_member(entry)
         if info["state"] == MemberState.DROPPED and info.get("reason", "").startswith("missed the deadline"):

@@ -7,6 +7,8 @@ stored, the run on the board); then the run's :class:`~.sync.base.SyncPolicy` qu
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 from tensorturn import layout
 from tensorturn.modes.fused import policies
 from tensorturn.modes.fused.options import options, settle_options
@@ -22,10 +24,11 @@ from tensorturn.train.diloco import initial_state
 policies.load_all()
 
 
-def start(spec: RunSpec, store: Store, board: RunBoard) -> None:
+def start(spec: RunSpec, store: Store, board: RunBoard, allow: Collection[str] = ()) -> None:
     """Write the spec and initial weights, record the run, and let its sync policy queue the
-    first work."""
-    recipe = resolve(spec.recipe, spec.recipe_options)
+    first work (``allow``: recipe names allowed here besides the machine's allowlist,
+    :func:`tensorturn.recipes.resolve`)."""
+    recipe = resolve(spec.recipe, spec.recipe_options, allow)
     warnings = settle_options(spec, recipe)
     theta0 = global_bytes(spec, recipe, initial_state(recipe, spec.seed))
     options(spec).init_sha256 = sha256_hex(theta0)  # machines rebuild θ_0 from the seed, verified
@@ -38,7 +41,7 @@ def start(spec: RunSpec, store: Store, board: RunBoard) -> None:
     policies.policy(options(spec).sync).start(spec, store, board)
 
 
-def resume(spec: RunSpec, store: Store, board: RunBoard) -> str:
-    """Queue whatever is missing from the store (the run's sync policy knows what); says what
-    it did."""
+def resume(spec: RunSpec, store: Store, board: RunBoard, allow: Collection[str] = ()) -> str:
+    """Queue whatever is missing from the store (the run's sync policy knows what; it builds no
+    recipe here, so ``allow`` is unused); says what it did."""
     return policies.policy(options(spec).sync).resume(spec, store, board)
