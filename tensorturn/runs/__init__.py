@@ -17,14 +17,14 @@ from tensorturn.runs.launch import (
     Interrupted,
     Observer,
     Quiet,
-    launch,
     launch_distill,
     launch_resume,
     launch_run,
+    launch_stages,
 )
 from tensorturn.runs.records import describe, list_runs, prune, refusals, remove_run, workers
 from tensorturn.runs.submit import start_answer, submit, validate
 
-__all__ = ["Interrupted", "Observer", "Quiet", "annotate", "cancel", "describe", "launch",
+__all__ = ["Interrupted", "Observer", "Quiet", "annotate", "cancel", "describe", "launch_stages",
            "launch_distill", "launch_resume", "launch_run", "list_runs", "prune", "refusals",
            "remove_run", "resume", "start_answer", "submit", "validate", "wait", "workers"]

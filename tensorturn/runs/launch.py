@@ -104,7 +104,7 @@ def follow_on_pool(broker_url: str, run_id: str, timeout_s: float | None,
                           f"(`tensorturn status {run_id} --watch` follows it again)", stopped=False) from None
 
 
-def launch(stages: list[Stage], broker: str | None, store: str, local_workers: int | None,
+def launch_stages(stages: list[Stage], broker: str | None, store: str, local_workers: int | None,
            detach: bool, timeout_s: float | None, recipes: list[str],
            docs: list[dict[str, Any]] | None = None, observer: Observer | None = None
            ) -> list[dict[str, Any]]:
@@ -257,7 +257,7 @@ def launch_run(spec: RunSpec, broker: str | None, local_workers: int | None = 2,
 
         check_distillable(spec.recipe, spec.recipe_options)  # before the ensemble, not after it
         stages.append(distilling(spec.run_id, spec.store_url, recipes, **(training or {})))
-    return launch(stages, broker, spec.store_url, local_workers, detach, timeout_s, recipes, docs, observer)
+    return launch_stages(stages, broker, spec.store_url, local_workers, detach, timeout_s, recipes, docs, observer)
 
 
 def launch_distill(spec: RunSpec, broker: str | None, local_workers: int | None = 2,
@@ -267,7 +267,7 @@ def launch_distill(spec: RunSpec, broker: str | None, local_workers: int | None 
     (:func:`tensorturn.merge.distill.distill_spec`) and follow it; the pool's agents import the
     ``distill`` recipe and the ensemble's."""
     recipes = ["distill", spec.recipe_options["recipe"]]
-    return launch([submitting(spec, recipes)], broker, spec.store_url, local_workers, detach, timeout_s,
+    return launch_stages([submitting(spec, recipes)], broker, spec.store_url, local_workers, detach, timeout_s,
                   recipes, observer=observer)
 
 
@@ -295,5 +295,5 @@ def launch_resume(run_id: str, broker: str | None, store: str, local_workers: in
         _, what = control.resume(run_id, broker_url, store, allow=allow)
         say(f"run {run_id}: {what}")
 
-    return launch([(run_id, start)], broker, store, local_workers, detach, timeout_s,
+    return launch_stages([(run_id, start)], broker, store, local_workers, detach, timeout_s,
                   [r for r in recipes if r], observer=observer)

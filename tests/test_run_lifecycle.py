@@ -1,0 +1,101 @@
+"""What reshape 2 had to keep and no test pinned yet: a recipe the user named is allowed for one
+call by its exact name (never as a pattern, never for the rest of the process, never from a
+spec's options), and what an interrupted launch says and exits with — on a standing pool (the
+run goes on) and on an embedded one stopped before its run was queued."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+from conftest import tt_here
+
+from tensorturn import trust
+from tensorturn.errors import RecipeError, TensorTurnError
+from tensorturn.recipes import BUILTIN, resolve
+from tensorturn.runs import launch
+
+MISSING = "tt_review_no_such_module:Model"  # allowed or not, its module is not there
+
+
+def test_a_recipe_allowed_for_one_call_is_allowed_by_its_exact_name_only():
+    with pytest.raises(TensorTurnError, match="is not allowed on this machine"):
+        resolve(MISSING)
+    # a name given to ``allow`` is escaped: a pattern in it matches nothing but itself
+    with pytest.raises(TensorTurnError, match="is not allowed on this machine"):
+        resolve(MISSING, allow=["tt_review_no_such_module:*"])
+    # allowed: it gets as far as importing (and its module is not there)
+    with pytest.raises(RecipeError, match="No module named 'tt_review_no_such_module'"):
+        resolve(MISSING, allow=[MISSING])
+    # and the process's settings are as they were: the next call without it is refused
+    with pytest.raises(TensorTurnError, match="is not allowed on this machine"):
+        trust.check_recipe_allowed(MISSING, BUILTIN)
+
+
+def test_a_student_builds_its_base_with_what_its_caller_allowed_and_never_with_its_options():
+    student = {"teacher": "20260101-000000-abcdef", "recipe": MISSING}
+    with pytest.raises(RecipeError, match="is not allowed on this machine"):
+        resolve("distill", student)
+    with pytest.raises(RecipeError, match="No module named 'tt_review_no_such_module'"):
+        resolve("distill", student, allow=[MISSING])
+    # a spec (from the broker) cannot widen what an agent imports through the recipe's options
+    with pytest.raises(RecipeError, match="does not accept options"):
+        resolve("distill", {**student, "allow": [MISSING]})
+
+
+def test_an_embedded_pool_gives_its_agents_exactly_the_names_it_was_given(tmp_path, monkeypatch):
+    from tensorturn.pool.embedded import LocalPool
+
+    monkeypatch.chdir(tmp_path)  # the pool key is made here
+    pool = LocalPool(1, (tmp_path / "store").as_uri(), workdir=tmp_path / "pool",
+                     allow=["mine.models:Net", "x*:Y"])
+    patterns = trust.allowed_patterns(pool.agent_settings(0))
+    assert "mine.models:Net" in patterns and "x[*]:Y" in patterns and "x*:Y" not in patterns
+    assert "mine.models:Net" not in trust.allowed_patterns(LocalPool(
+        1, (tmp_path / "store").as_uri(), workdir=tmp_path / "pool2").agent_settings(0))
+
+
+def test_interrupted_following_on_a_standing_pool_stops_following_not_the_run(monkeypatch):
+    def interrupted(*_args, **_kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(launch, "follow", interrupted)
+    with pytest.raises(launch.Interrupted) as caught:
+        launch.follow_on_pool("redis://127.0.0.1:1/0", "RUN", None)
+    assert not caught.value.stopped  # the CLI prints it as it is (no "error:"), and exits 130
+    assert str(caught.value) == ("stopped following; run RUN goes on in the pool "
+                                 "(`tensorturn status RUN --watch` follows it again)")
+
+
+def test_an_embedded_run_interrupted_before_it_is_queued_says_so_and_exits_130(tmp_path, monkeypatch):
+    from tensorturn.pool import embedded
+
+    class Starting:  # Ctrl-C while the pool starts
+        def __init__(self, *_args, **_kwargs):
+            pass
+
+        def __enter__(self):
+            raise KeyboardInterrupt
+
+        def __exit__(self, *_exc):
+            return False
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(embedded, "LocalPool", Starting)
+    started = []
+    stages = [("RUN", lambda broker_url, say: started.append(broker_url))]
+    with pytest.raises(launch.Interrupted) as caught:
+        launch.launch_stages(stages, None, (tmp_path / "store").as_uri(), 1, False, None, ["digits-mlp"])
+    assert caught.value.stopped and started == []
+    assert str(caught.value) == "interrupted before run RUN was queued; nothing to resume"
+
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:  # the command installs its own (Ctrl-C and SIGTERM stop the pool)
+        proc = tt_here("run", "--recipe", "digits-mlp", "--rounds", "1")
+    finally:
+        for s, handler in handlers.items():
+            signal.signal(s, handler)
+    assert proc.returncode == 130
+    assert proc.stderr.splitlines()[-1].startswith("error: interrupted before run ")
+    assert proc.stderr.splitlines()[-1].endswith(" was queued; nothing to resume")
+    assert "Traceback" not in proc.stderr and proc.stdout == ""
