@@ -192,10 +192,12 @@ def pool_factory(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def pool(tmp_path_factory):
+def pool(tmp_path_factory, request):
     """A pool of two real agents (named local1, local2) on a private redis-server, shared by the
-    module's tests (one that stops an agent starts it again)."""
-    shared = start_pool(tmp_path_factory.mktemp("pool"), 2, loglevel="INFO")
+    module's tests (one that stops an agent starts it again). A module's ``POOL_ENV`` (say, a
+    shorter task lease where its tests kill agents) is in its agents' environment."""
+    shared = start_pool(tmp_path_factory.mktemp("pool"), 2, loglevel="INFO",
+                        env=getattr(request.module, "POOL_ENV", None))
     yield shared
     shared.stop(grace=1.0)
 

@@ -54,7 +54,9 @@ def workers(broker: str) -> dict[str, dict]:
 def test_up_and_join_connect_two_agents_with_telemetry(coordinator, tmp_path):
     join, broker = coordinator
     password = broker.split(":")[2].split("@")[0]
-    agents = [spawn("agent", "--join-file", join, "--name", name, env=clean_env(), cwd=tmp_path)
+    # a clean stop waits out the shutdown grace even when idle: 1 s, not the default 5
+    agents = [spawn("agent", "--join-file", join, "--name", name,
+                    env=clean_env(TENSORTURN_SHUTDOWN_GRACE_S="1"), cwd=tmp_path)
               for name in ("w1", "w2")]
     try:
         seen = wait_for(lambda: (w := workers(broker)) and len(w) == 2 and w, "two workers")

@@ -33,8 +33,11 @@ SPEC = dict(mode="fused", recipe="digits-mlp", rounds=2, shards=3, sync_every=15
 
 @pytest.fixture(scope="module")
 def chaos_pool(tmp_path_factory):
-    """Three agents on a redis-server that keeps an append-only file (it is restarted mid-run)."""
-    pool = start_pool(tmp_path_factory.mktemp("chaos"), 3, loglevel="INFO", appendonly=True)
+    """Three agents on a redis-server that keeps an append-only file (it is restarted mid-run).
+    Their task leases last 4 s, not 8 (refreshed every second): a dropped or stalled machine's
+    shard comes back sooner."""
+    pool = start_pool(tmp_path_factory.mktemp("chaos"), 3, loglevel="INFO", appendonly=True,
+                      env={"TENSORTURN_VISIBILITY_TIMEOUT_S": "4"})
     yield pool
     pool.stop(grace=1.0)
 

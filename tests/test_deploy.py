@@ -514,7 +514,8 @@ def test_launcher_starts_a_real_agent(redis_server, tmp_path):
 
     env = {"PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.defpath}", "HOME": str(tmp_path),
            "TENSORTURN_BROKER_URL": redis_server.url, "TENSORTURN_STORE_URL": (tmp_path / "store").as_uri(),
-           "TENSORTURN_POOL_KEY": os.environ["TENSORTURN_POOL_KEY"]}
+           "TENSORTURN_POOL_KEY": os.environ["TENSORTURN_POOL_KEY"],
+           "TENSORTURN_SHUTDOWN_GRACE_S": "1"}  # its warm shutdown: 1 s, not 5
     log = open(tmp_path / "agent.log", "wb")
     proc = subprocess.Popen([str(LAUNCHER), "launcher-test"], env=env, cwd=tmp_path, stdout=log,
                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)

@@ -33,6 +33,9 @@ pytestmark = pytest.mark.e2e
 
 # small, and long enough per shard (≈ 1.5k steps) for a kill to land mid-training
 STUDENT = dict(rounds=2, shards=3, sync_every=1500)
+# the module's pool (conftest): leases of 4 s, not 8 (refreshed every second), so the killed
+# agent's shard comes back sooner
+POOL_ENV = {"TENSORTURN_VISIBILITY_TIMEOUT_S": "4"}
 
 
 @pytest.fixture(scope="module")

@@ -40,7 +40,8 @@ def _attempts(doc, task):
 
 @pytest.mark.e2e
 def test_a_lost_machine_costs_one_segment_not_the_member(pool_factory):
-    pool = pool_factory(2, loglevel="INFO")
+    # leases of 4 s, not 8 (refreshed every second): the lost segment comes back sooner
+    pool = pool_factory(2, loglevel="INFO", env={"TENSORTURN_VISIBILITY_TIMEOUT_S": "4"})
     spec = submit_run(pool, mode="ensemble", recipe="digits-mlp", members=2, segments=3,
                       segment_steps=2500)
     board = RunBoard(redis.Redis.from_url(pool.broker_url, decode_responses=True))

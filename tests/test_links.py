@@ -22,17 +22,24 @@ pytestmark = [pytest.mark.e2e, pytest.mark.skipif(WHY is not None, reason=WHY or
 # Three shards of about 1.5k steps a round: long enough to take a link down mid-shard.
 SPEC = dict(mode="fused", recipe="digits-mlp", rounds=2, shards=3, sync_every=1500,
             threads_per_task=1)
+# The agents' task lease (visibility timeout): half the default 8 s, refreshed every second, so
+# what outlasts a lease (a partition, an upload on a slow link) takes half as long to show.
+LEASE_S = 4
 
 
 @pytest.fixture(scope="module")
 def linked(s3_endpoint, tmp_path_factory):
-    """Two agents behind home-like links (20 Mbit/s up, 100 down, 40 ms RTT), default leases
-    (8 s)."""
+    """Two agents behind home-like links (20 Mbit/s up, 100 down, 40 ms RTT), leases of
+    LEASE_S."""
     import os
+
+    from tensorturn import config
 
     bucket = f"tt-links-{time.time_ns()}"
     saved = dict(os.environ)
     os.environ.update(s3_endpoint)  # this process reads and writes the bucket too
+    os.environ["TENSORTURN_VISIBILITY_TIMEOUT_S"] = str(LEASE_S)  # the agents start with it
+    config.reload()
     boto3.client("s3").create_bucket(Bucket=bucket)
     store = f"s3://{bucket}/runs"
     try:
@@ -42,6 +49,7 @@ def linked(s3_endpoint, tmp_path_factory):
     finally:  # later tests see the environment they would have seen without this module
         os.environ.clear()
         os.environ.update(saved)
+        config.reload()
 
 
 @pytest.fixture(scope="module")
@@ -125,17 +133,17 @@ def test_a_flapping_link_loses_nothing_and_counts_nothing_twice(linked, referenc
 
 
 def test_on_a_1_mbit_link_an_upload_longer_than_the_lease_is_never_handed_out_twice(linked):
-    """Both links at 1 Mbit/s up: each shard's pseudo-gradient (a 1.8 MB charlm one) takes longer
-    to upload than the 8 s lease, and so does the outer step's new θ. The agents keep their
-    leases alive over the same slow link: every task runs once — no requeue, no duplicate, no
-    late attempt — and the run succeeds."""
+    """Both links at 1 Mbit/s up: each shard's pseudo-gradient (a 1 MB charlm one: about 8 s)
+    takes longer to upload than the lease (LEASE_S), and so does the outer step's new θ. The
+    agents keep their leases alive over the same slow link: every task runs once — no requeue,
+    no duplicate, no late attempt — and the run succeeds."""
     pool, store = linked
     for link in pool.links:
         link.shape(up_mbit=1, down_mbit=10)
     try:
         spec = run(pool, store, recipe="charlm", rounds=1, shards=2, sync_every=2, batch_size=4,
                    eval_batches=1, outer="sgd",
-                   recipe_options={"n_layer": 2, "n_head": 4, "n_embd": 128, "context": 32})
+                   recipe_options={"n_layer": 2, "n_head": 4, "n_embd": 96, "context": 32})
         client.wait(pool.broker_url, spec.run_id, timeout_s=600)
         board = RunBoard(redis_client(pool.broker_url))
         # the last attempt is recorded just after the run finishes
@@ -146,7 +154,7 @@ def test_on_a_1_mbit_link_an_upload_longer_than_the_lease_is_never_handed_out_tw
         for link in pool.links:
             link.shape(up_mbit=20, down_mbit=100)
     assert doc["state"] == "succeeded", doc.get("error")
-    lease_bytes = 1e6 / 8 * 8  # what 1 Mbit/s carries in one 8 s lease
+    lease_bytes = 1e6 / 8 * LEASE_S  # what 1 Mbit/s carries in one lease
     per_shard = doc["bytes_up"] / 2
     assert per_shard > 1.5 * lease_bytes  # each upload outlasted the lease (by its size, not a clock)
     tasks = [a["task"] for a in doc["attempts"]]

@@ -32,6 +32,7 @@ def test_an_agent_failing_on_the_store_is_quarantined_and_the_run_completes(
                         AWS_ACCESS_KEY_ID="x", AWS_SECRET_ACCESS_KEY="y", AWS_DEFAULT_REGION="us-east-1")
     else:  # it reaches S3, but was given another store than the pool's: the runs are not there
         env = clean_env(TENSORTURN_BROKER_URL=pool.broker_url, TENSORTURN_STORE_URL=f"{store}-elsewhere",
+                        TENSORTURN_SHUTDOWN_GRACE_S="1",  # its stop at the end: nothing to hand back
                         **s3_endpoint)
     log = open(tmp_path / "bad-agent.log", "wb")
     bad = subprocess.Popen([sys.executable, "-m", "tensorturn", "agent", "--name", "bad"], env=env,

@@ -133,7 +133,8 @@ def test_a_started_agent_shows_no_part_of_a_nasty_password(tmp_path):
     server = RedisServer(tmp_path / "redis", password=password).start()
     url = f"redis://default:{password}@127.0.0.1:{server.port}/0"
     agent = subprocess.Popen([sys.executable, "-m", "tensorturn", "agent", "--broker", url, "--store",
-                              str(tmp_path / "store"), "--name", "careless"], env=clean_env(),
+                              str(tmp_path / "store"), "--name", "careless"],
+                             env=clean_env(TENSORTURN_SHUTDOWN_GRACE_S="1"),  # its stop: 1 s, not 5
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                              text=True, start_new_session=True)
     try:

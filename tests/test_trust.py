@@ -301,6 +301,7 @@ def test_no_secret_on_any_command_line_in_the_documented_flows(tmp_path):
 
     env = clean_env()
     env.pop("TENSORTURN_POOL_KEY")  # the documented flow: the key comes from `up`'s join file
+    env["TENSORTURN_SHUTDOWN_GRACE_S"] = "1"  # the agents' stop at the end: 1 s, not 5
     coord = tmp_path / "coord"
 
     def spawn(*args: str, stdin=subprocess.DEVNULL) -> subprocess.Popen:
@@ -326,22 +327,24 @@ def test_no_secret_on_any_command_line_in_the_documented_flows(tmp_path):
         procs.append(piped)
         careless = spawn("agent", "--join", join, "--name", "careless")  # what not to do
         procs.append(careless)
+        # the run and the token are submitted while the agents start (the run waits for them)
+        clients = [spawn("run", "--join-file", str(coord / "join"), "--recipe", "digits-mlp",
+                         "--rounds", "1", "--shards", "2", "--sync-every", "5", "--json"),
+                   spawn("token", "create", "--join-file", str(coord / "join"), "--json")]
         r = redis_client(broker)
         def agents_up() -> bool:  # all three agents heartbeat (one that exited is an error)
             assert all(p.poll() is None for p in procs), [p.stderr.read() for p in procs if p.poll() is not None]
             return len(list(r.scan_iter("tt:worker:*"))) >= 3
 
-        wait_for(agents_up, "three agents", timeout=240)
-        run = subprocess.run([sys.executable, "-m", "tensorturn", "run", "--join-file", str(coord / "join"),
-                              "--recipe", "digits-mlp", "--rounds", "1", "--shards", "2",
-                              "--sync-every", "5", "--json"], env=env, cwd=tmp_path, capture_output=True,
-                             text=True, stdin=subprocess.DEVNULL, timeout=600)
-        assert run.returncode == 0, run.stderr[-2000:]
-        run_id = json.loads(run.stdout)["run_id"]
-        token = subprocess.run([sys.executable, "-m", "tensorturn", "token", "create", "--join-file",
-                                str(coord / "join"), "--json"], env=env, cwd=tmp_path,
-                               capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=120)
-        assert token.returncode == 0, token.stderr
+        try:
+            wait_for(agents_up, "three agents", timeout=240)
+            (run_out, run_err), (_, token_err) = (c.communicate(timeout=600) for c in clients)
+        finally:
+            for c in clients:
+                stop_process_group(c, grace=10)
+        assert clients[0].returncode == 0, run_err[-2000:]
+        run_id = json.loads(run_out)["run_id"]
+        assert clients[1].returncode == 0, token_err
         port = free_port()
         serve = spawn("serve", run_id, "--join-file", str(coord / "join"), "--port", str(port))
         procs.append(serve)
@@ -359,8 +362,11 @@ def test_no_secret_on_any_command_line_in_the_documented_flows(tmp_path):
         for p in (up, *procs[1:]):
             assert p.poll() is None
     finally:
+        for p in procs[1:]:  # the agents and the API stop side by side (each waits out its
+            if p.poll() is None:  # shutdown grace), then the coordinator they talk to
+                p.terminate()
         for p in reversed(procs):
-            stop_process_group(p, grace=10)
+            stop_process_group(p, grace=10, term=p is up)
         for p in procs:
             out, err = p.stdout.read(), p.stderr.read()
             assert password not in out + err and pool_key not in out + err
