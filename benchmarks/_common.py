@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
-from tensorturn import runs as client
+from tensorturn import runs
 from tensorturn.layout import parse_label
 from tensorturn.spec import RunSpec
 
@@ -74,8 +74,8 @@ def run_job(pool, store_url: str, timeout_s: float = 900, **spec_fields: Any) ->
     """Submit one run to ``pool`` and wait for it; raises unless it succeeded."""
     spec = RunSpec.create(recipe=spec_fields.pop("recipe", "digits-mlp"), store_url=store_url,
                    **spec_fields)
-    client.submit(spec, pool.broker_url)
-    doc = client.wait(pool.broker_url, spec.run_id, poll_s=0.25, timeout_s=timeout_s)
+    runs.submit(spec, pool.broker_url)
+    doc = runs.wait(pool.broker_url, spec.run_id, poll_s=0.25, timeout_s=timeout_s)
     if doc["state"] != "succeeded":
         raise RuntimeError(f"run {spec.run_id} ended {doc['state']}: {doc.get('error')}")
     return doc

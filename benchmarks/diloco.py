@@ -14,7 +14,7 @@ Rows, all from the same initial weights (seed 0), inner AdamW at the same lr and
 in the result) and the production outer step and evaluation ``modes.fused.outer.outer_round``
 (average, outer optimizer, broadcast compression) — and the same seeds, so row (c) is the run
 ``tensorturn run --recipe charlm`` with these options would give. ``--pool`` also runs
-(c) and (e) through a real embedded pool (``LocalPool`` + ``client.submit`` / ``client.wait``) and
+(c) and (e) through a real embedded pool (``LocalPool`` + ``runs.submit`` / ``runs.wait``) and
 checks that their per-round validation losses and final models are identical to the in-process
 ones (both use 1 CPU thread per task; CPU results depend on the thread count).
 
@@ -188,7 +188,7 @@ def run_row(job: tuple[str, dict]) -> tuple[str, dict, float]:
 
 def run_on_pool(spec: RunSpec, workers: int) -> tuple[dict, float]:
     """A row through a real embedded pool: redis-server + ``workers`` agent processes."""
-    from tensorturn import runs as client
+    from tensorturn import runs
     from tensorturn.pool.embedded import LocalPool
 
     with tempfile.TemporaryDirectory(prefix="tt-diloco-") as tmp:
@@ -196,8 +196,8 @@ def run_on_pool(spec: RunSpec, workers: int) -> tuple[dict, float]:
         spec.store_url = store
         t0 = time.perf_counter()
         with LocalPool(workers, store, workdir=Path(tmp) / "pool") as pool:
-            client.submit(spec, pool.broker_url)
-            doc = client.wait(pool.broker_url, spec.run_id, timeout_s=3600)
+            runs.submit(spec, pool.broker_url)
+            doc = runs.wait(pool.broker_url, spec.run_id, timeout_s=3600)
         return doc, time.perf_counter() - t0
 
 

@@ -30,8 +30,7 @@ from typing import Any
 import torch
 from _common import figure, machine, run_job, table, write_outputs
 
-from tensorturn import layout
-from tensorturn import runs as client
+from tensorturn import layout, runs
 from tensorturn.merge.distill import ALPHA, MIXUP, TEMPERATURE, distill_spec
 from tensorturn.pool.embedded import LocalPool
 from tensorturn.recipes.result import Predictor
@@ -140,8 +139,8 @@ def main() -> None:
                                     alpha=args.alpha, mixup=args.mixup, rounds=args.rounds,
                                     sync_every=args.sync_every, shards=args.shards, seed=seed,
                                     threads_per_task=1, eval_batches=args.eval_batches)
-                client.submit(spec, pool.broker_url)
-                student = client.wait(pool.broker_url, spec.run_id, poll_s=0.25, timeout_s=3600)
+                runs.submit(spec, pool.broker_url)
+                student = runs.wait(pool.broker_url, spec.run_id, poll_s=0.25, timeout_s=3600)
                 if student["state"] != "succeeded":
                     raise RuntimeError(f"distillation {spec.run_id} ended {student['state']}: "
                                        f"{student.get('error')}")

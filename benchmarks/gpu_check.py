@@ -112,14 +112,14 @@ def pool_run(args: argparse.Namespace, options: dict) -> dict:
     """One fused run on an embedded pool of real agents: what they publish and what it gives."""
     import subprocess
 
-    from tensorturn import runs as client
+    from tensorturn import runs
     from tensorturn.pool.embedded import LocalPool
 
     with tempfile.TemporaryDirectory() as tmp, LocalPool(args.pool, (Path(tmp) / "store").as_uri(),
                                                           workdir=Path(tmp) / "pool") as pool:
         agents = [{k: w.get(k) for k in ("name", "state", "verified", "device", "device_name", "vram_gb",
                                          "device_memory_gb", "gpu_memory_used_gb")}
-                  for w in client.workers(pool.broker_url)]
+                  for w in runs.workers(pool.broker_url)]
         t0 = time.perf_counter()
         proc = subprocess.run(
             [sys.executable, "-m", "tensorturn", "run", "--broker", pool.broker_url, "--store",
@@ -131,7 +131,7 @@ def pool_run(args: argparse.Namespace, options: dict) -> dict:
         if proc.returncode != 0 and not proc.stdout.strip():
             return {"pool": args.pool, "agents": agents, "error": proc.stderr[-2000:]}
         doc = json.loads(proc.stdout)
-        after = {w["name"]: w.get("gpu_memory_used_gb") for w in client.workers(pool.broker_url)}
+        after = {w["name"]: w.get("gpu_memory_used_gb") for w in runs.workers(pool.broker_url)}
     return {"pool": args.pool, "agents": agents, "state": doc["state"], "error": doc.get("error"),
             "wall_s": round(wall, 1), "metrics": doc.get("metrics"),
             "rounds": [{k: r.get(k) for k in ("round", "loss", "val_loss", "samples")} for r in doc.get("rounds", [])],

@@ -22,8 +22,7 @@ from pathlib import Path
 
 import redis
 
-from tensorturn import config
-from tensorturn import runs as client
+from tensorturn import config, runs
 from tensorturn.pool.celery_app import RESTORE_INTERVAL_S
 from tensorturn.pool.embedded import LocalPool
 from tensorturn.spec import RunSpec
@@ -35,7 +34,7 @@ def trial(workdir: Path) -> float:
     with LocalPool(2, store, workdir=workdir / "pool") as pool:
         spec = RunSpec.create(mode="fused", recipe="digits-mlp", store_url=store, rounds=1, shards=1,
                        sync_every=20000)
-        client.submit(spec, pool.broker_url)
+        runs.submit(spec, pool.broker_url)
         board = RunBoard(redis.Redis.from_url(pool.broker_url, decode_responses=True))
         while not (attempts := board.attempts(spec.run_id)):
             time.sleep(0.02)

@@ -107,7 +107,7 @@ def test_up_and_join_connect_two_agents_with_telemetry(coordinator, tmp_path):
 
 @pytest.mark.e2e
 def test_workers_show_the_task_in_progress(pool, tmp_path):
-    from tensorturn import runs as client
+    from tensorturn import runs
 
     run = spawn("run", "--broker", pool.broker_url, "--recipe", "digits-mlp", "--rounds", "1",
                 "--shards", "1", "--sync-every", "6000", "--store", pool.store_url,
@@ -115,7 +115,7 @@ def test_workers_show_the_task_in_progress(pool, tmp_path):
     try:
         # watched from the moment the CLI starts, and polled in-process (what `workers --json`
         # prints): on a loaded machine the shard can finish before a CLI process has even exited
-        busy = wait_for(lambda: [w for w in client.workers(pool.broker_url)
+        busy = wait_for(lambda: [w for w in runs.workers(pool.broker_url)
                                  if w["state"] == "busy" and w["samples_per_s"]], "a busy worker")
     finally:
         out, err = run.communicate(timeout=300)

@@ -13,8 +13,7 @@ import redis
 import torch
 from conftest import as_agent_of, run_to_end, submit_run
 
-from tensorturn import layout
-from tensorturn import runs as client
+from tensorturn import layout, runs
 from tensorturn.state.ledger import AsyncLedger, Fenced
 from tensorturn.store.objects import open_store
 from tensorturn.tasks.attempt import signed
@@ -107,7 +106,7 @@ def test_an_applier_killed_mid_update_loses_nothing_and_counts_nothing_twice(poo
             victim = token.rpartition(":")[0]
         else:
             os.killpg(group, signal.SIGCONT)  # it let go meanwhile: watch the next one
-    doc = client.wait(pool.broker_url, spec.run_id, timeout_s=300)
+    doc = runs.wait(pool.broker_url, spec.run_id, timeout_s=300)
     latest = book.latest()
     assert doc["state"] == "succeeded", doc.get("error")
     total = rounds * shards
@@ -174,7 +173,7 @@ def test_an_async_run_resumes_from_the_stores_log_after_redis_lost_it(world):
     update(1)
     assert [r["round"] for r in world.board.rounds(spec.run_id)] == [0]
     world.board.r.flushall()
-    _, what = client.resume(spec.run_id, world.broker, spec.store_url)
+    _, what = runs.resume(spec.run_id, world.broker, spec.store_url)
     assert what == "resumed asynchronously at version 2 of 4"
     update(2)
     update(3)

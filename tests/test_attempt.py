@@ -16,8 +16,7 @@ from pathlib import Path
 import pytest
 from conftest import as_agent_of
 
-from tensorturn import config, layout
-from tensorturn import runs as client
+from tensorturn import config, layout, runs
 from tensorturn.errors import BrokerError, RecipeError
 from tensorturn.modes.ensemble import tasks as ensemble
 from tensorturn.modes.fused import shard as fused_shard
@@ -265,7 +264,7 @@ def test_a_recipe_whose_model_raises_is_refused_before_queueing(world, monkeypat
     spec = RunSpec.create(store_url=(world.tmp / "s").as_uri(),
                           **{**FUSED, "recipe": "failing:Failing"})
     with pytest.raises(RecipeError, match="boom in model"):
-        client.submit(spec, world.broker)
+        runs.submit(spec, world.broker)
     assert not world.board.exists(spec.run_id)
 
 
@@ -285,7 +284,7 @@ def test_a_lost_store_fails_the_run_in_one_line_and_resume_continues(world):
 
     store_dir.unlink()
     shutil.move(world.tmp / "away", store_dir)          # the store is back
-    _, what = client.resume(spec.run_id, world.broker, spec.store_url)
+    _, what = runs.resume(spec.run_id, world.broker, spec.store_url)
     assert what.startswith("resumed at round 0")
     drive_fused(spec)
     doc = world.board.describe(spec.run_id)
@@ -298,7 +297,7 @@ def test_a_run_that_failed_on_its_attempt_cap_resumes_once_fixed(world, monkeypa
     shard(spec, 0, 0)
     assert world.board.state(spec.run_id) == "failed"
     monkeypatch.delenv("TT_FAIL_IN")                     # the cause is fixed
-    client.resume(spec.run_id, world.broker, spec.store_url)
+    runs.resume(spec.run_id, world.broker, spec.store_url)
     drive_fused(spec)
     doc = world.board.describe(spec.run_id)
     assert doc["state"] == "succeeded", doc["error"]
@@ -314,7 +313,7 @@ def test_an_ensemble_member_dropped_for_failures_gets_another_chance_on_resume(w
     assert doc["state"] == "failed" and "only 0 of 3 members finished" in doc["error"]
     assert all(m["state"] == "dropped" and "boom in evaluate" in m["reason"] for m in doc["members"])
     monkeypatch.delenv("TT_FAIL_IN")
-    client.resume(spec.run_id, world.broker, spec.store_url)
+    runs.resume(spec.run_id, world.broker, spec.store_url)
     for m in range(3):
         segment(spec, m, 1)   # the last segment: stored already, so only evaluated again
     vote(spec)
@@ -337,7 +336,7 @@ def test_a_chord_whose_body_cannot_run_queues_its_round_again_then_fails_the_run
     fused.chord_failed.apply(args=("task-id", spec.run_id, what), kwargs=errback).get()
     doc = world.board.describe(spec.run_id)  # one time too many: the run ends, saying so
     assert doc["state"] == "failed" and f"tensorturn resume {spec.run_id}" in doc["error"]
-    client.resume(spec.run_id, world.broker, spec.store_url)
+    runs.resume(spec.run_id, world.broker, spec.store_url)
     drive_fused(spec)  # and resume finishes it
     assert world.board.describe(spec.run_id)["state"] == "succeeded"
 
@@ -351,15 +350,15 @@ def test_after_redis_loses_its_data_the_run_says_so_and_resumes(world):
     outer(spec, 0)                          # round 0 done, its manifest saved
     world.board.r.flushall()
 
-    doc = client.describe(spec.run_id, world.broker, spec.store_url)
+    doc = runs.describe(spec.run_id, world.broker, spec.store_url)
     assert "the broker has no record of the run" in doc["note"]
     assert f"tensorturn resume {spec.run_id}" in doc["note"]
-    listed = client.list_runs(world.broker, spec.store_url)
+    listed = runs.list_runs(world.broker, spec.store_url)
     assert [m["run_id"] for m in listed] == [spec.run_id] and "resume" in listed[0]["note"]
     with pytest.raises(BrokerError, match="tensorturn resume"):
-        client.wait(world.broker, spec.run_id, timeout_s=5)
+        runs.wait(world.broker, spec.run_id, timeout_s=5)
 
-    _, what = client.resume(spec.run_id, world.broker, spec.store_url)
+    _, what = runs.resume(spec.run_id, world.broker, spec.store_url)
     assert what.startswith("resumed at round 1")
     drive_fused(spec, start=1)
     assert world.board.state(spec.run_id) == "succeeded"
@@ -370,7 +369,7 @@ def test_a_run_without_progress_says_why(world):
     spec = world.submit(**FUSED)
     config.use(config.current().with_(stall_s=0.0))
     try:
-        doc = client.describe(spec.run_id, world.broker, spec.store_url)
+        doc = runs.describe(spec.run_id, world.broker, spec.store_url)
     finally:
         config.reload()
     assert doc["note"].startswith("no progress for") and "no agent is online" in doc["note"]

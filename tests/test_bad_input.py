@@ -8,7 +8,7 @@ import pytest
 import redis
 from conftest import clean_env, queued_messages, tt
 
-from tensorturn import runs as client
+from tensorturn import runs
 from tensorturn.pool.embedded import free_port
 from tensorturn.spec import RunSpec
 
@@ -221,8 +221,8 @@ def test_recipe_missing_on_workers_fails_the_run_with_every_attempt(pool, tmp_pa
     monkeypatch.syspath_prepend(str(tmp_path))
     spec = RunSpec.create(mode="fused", recipe="myrecipe:Mine", store_url=pool.store_url, rounds=1,
                           shards=2, sync_every=2, max_attempts=2)
-    client.submit(spec, pool.broker_url, here=True)
-    doc = client.wait(pool.broker_url, spec.run_id, timeout_s=300)
+    runs.submit(spec, pool.broker_url, here=True)
+    doc = runs.wait(pool.broker_url, spec.run_id, timeout_s=300)
     assert doc["state"] == "failed"
     assert doc["recipe"] == "myrecipe:Mine"
     error = doc["error"]

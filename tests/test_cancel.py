@@ -10,7 +10,7 @@ import pytest
 import redis
 from conftest import queued_messages, tt, tt_json, wait_for
 
-from tensorturn import runs as client
+from tensorturn import runs
 from tensorturn.state.board import RunBoard
 from tensorturn.state.broker import check_broker
 from tensorturn.tasks.attempt import CANCELLED
@@ -41,7 +41,7 @@ def test_cancel_stops_a_run_on_a_standing_pool_and_resume_continues_it(tmp_path,
 
     r = redis.Redis.from_url(pool.broker_url)
     wait_for(lambda: r.hlen("unacked") == 0 and all(
-        w["state"] == "idle" for w in client.workers(pool.broker_url)), "the agents idle")
+        w["state"] == "idle" for w in runs.workers(pool.broker_url)), "the agents idle")
     assert not [m for m in queued_messages(r) if run_id.encode() in m]
     assert board.attempts(run_id) == attempts  # no attempt started after the cancel
 

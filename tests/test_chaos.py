@@ -18,8 +18,7 @@ import pytest
 import redis
 from conftest import run_to_end, start_pool, submit_run
 
-from tensorturn import layout
-from tensorturn import runs as client
+from tensorturn import layout, runs
 from tensorturn.modes.fused.sync.rounds import train_slot
 from tensorturn.spec import RunSpec
 from tensorturn.state.board import RunBoard
@@ -98,7 +97,7 @@ def agent_index(attempt: dict) -> int:
 
 
 def finish(pool, spec: RunSpec, reference: dict) -> dict:
-    doc = client.wait(pool.broker_url, spec.run_id, timeout_s=300)
+    doc = runs.wait(pool.broker_url, spec.run_id, timeout_s=300)
     assert doc["state"] == "succeeded", doc.get("error")
     assert doc["model_sha256"] == reference["model_sha256"]
     assert doc["bytes_up"] == reference["bytes_up"]  # nothing counted twice
@@ -267,7 +266,7 @@ def test_s3_outage_is_ridden_out(s3_endpoint, s3_bucket, pool_factory, monkeypat
     finally:
         proxy.come_up()
     assert refused, f"the run made only {proxy.refused} store connections during the outage"
-    doc = client.wait(s3pool.broker_url, spec.run_id, timeout_s=300)
+    doc = runs.wait(s3pool.broker_url, spec.run_id, timeout_s=300)
     print(f"the outage refused {proxy.refused} connections")
     assert doc["state"] == "succeeded", doc.get("error")
     assert doc["model_sha256"] == reference["model_sha256"]
@@ -286,15 +285,15 @@ def test_an_s3_outage_longer_than_the_retries_fails_the_run_and_resume_continues
     running_attempt(s3pool, spec.run_id, settle=0)
     proxy.go_down()                                     # and it stays down
     try:
-        failed = client.wait(s3pool.broker_url, spec.run_id, timeout_s=600)
+        failed = runs.wait(s3pool.broker_url, spec.run_id, timeout_s=600)
     finally:
         proxy.come_up()
     assert failed["state"] == "failed"
     assert "failed 3 attempts; last: store s3://" in failed["error"]
     assert "\n" not in failed["error"]
     assert not [i for i in failed["incidents"] if i["kind"] == "worker_quarantined"]
-    _, what = client.resume(spec.run_id, s3pool.broker_url, store)
-    doc = client.wait(s3pool.broker_url, spec.run_id, timeout_s=600)
+    _, what = runs.resume(spec.run_id, s3pool.broker_url, store)
+    doc = runs.wait(s3pool.broker_url, spec.run_id, timeout_s=600)
     assert what.startswith("resumed at round")
     assert doc["state"] == "succeeded", doc.get("error")
     assert doc["model_sha256"] == reference["model_sha256"]
@@ -389,7 +388,7 @@ def test_an_agent_killed_mid_multipart_upload_leaves_no_object_and_the_task_is_r
         time.sleep(0.01)
     attempt, key = killed
     assert s3.list_objects_v2(Bucket=s3_bucket, Prefix=key)["KeyCount"] == 0  # nothing to read
-    doc = client.wait(s3pool.broker_url, spec.run_id, timeout_s=300)
+    doc = runs.wait(s3pool.broker_url, spec.run_id, timeout_s=300)
     assert doc["state"] == "succeeded", doc.get("error")
     tries = attempts_of(doc, attempt["task"])
     assert tries[0]["outcome"].startswith("lost")

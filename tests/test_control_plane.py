@@ -14,8 +14,7 @@ import redis
 from celery.worker.control import Panel
 from conftest import start_pool, submit_run, tt, tt_here, wait_for
 
-from tensorturn import config, layout, trust
-from tensorturn import runs as client
+from tensorturn import config, layout, runs, trust
 from tensorturn.layout import worker_key
 from tensorturn.pool import capacity, remote_control, routing
 from tensorturn.pool.telemetry import INCARNATION, Heartbeat
@@ -141,12 +140,12 @@ def test_a_run_no_live_machine_can_hold_says_so(redis_server, tmp_path):
     beat(r, "small@h")
     forge_worker(r, "forged@gpu")
     config.use(config.current().with_(stall_s=0.0))
-    doc = client.annotate(board.describe(spec.run_id), board)
+    doc = runs.annotate(board.describe(spec.run_id), board)
     assert doc["note"].startswith("no progress for")
     assert "no live machine can hold it: its tasks need about 2048.00 GB" in doc["note"]
     assert "not counted: 1 machine(s)" in doc["note"]
     r.delete(worker_key("small@h"))  # only the forged one left
-    doc = client.annotate(board.describe(spec.run_id), board)
+    doc = runs.annotate(board.describe(spec.run_id), board)
     assert "no live machine can hold it: every agent is offline, quarantined or unverified" in doc["note"]
 
 
@@ -228,7 +227,7 @@ def test_a_stale_routing_entry_naming_the_training_queue_moves_nothing(paced):
     r.zadd(layout.ADVERTISED, {entry: 0})  # "tt.outer." is 9 characters: the target was "MB"
     wait_for(lambda: r.zscore(layout.ADVERTISED, entry) is None, "a heartbeat to remove the entry")
     assert not r.exists(queue[len(layout.OUTER_PREFIX):]) and not r.exists("MB")
-    doc = client.wait(pool.broker_url, spec.run_id, timeout_s=600)
+    doc = runs.wait(pool.broker_url, spec.run_id, timeout_s=600)
     assert doc["state"] == "succeeded", doc.get("error") or doc.get("note")
 
 
@@ -292,7 +291,7 @@ def attack_with_remote_control(attacked_pool) -> None:
 
     spec = RunSpec.create(store_url=attacked_pool.store_url, mode="fused", recipe="digits-mlp",
                           rounds=2, shards=4, sync_every=100)
-    client.submit(spec, attacked_pool.broker_url)
+    runs.submit(spec, attacked_pool.broker_url)
     board = RunBoard(r)
 
     def revoke_every_task() -> bool:  # an agent that took these would discard the messages

@@ -384,8 +384,7 @@ def test_labels_become_what_they_mean_and_bad_ones_are_one_line(tmp_path):
 
 
 def test_a_run_pins_the_dataset_version_it_started_with(tmp_path, table_csv, redis_server):
-    from tensorturn import config
-    from tensorturn import runs as client
+    from tensorturn import config, runs
     from tensorturn.pool.celery_app import configure
     from tensorturn.spec import RunSpec
     from tensorturn.state.manifest import load_spec
@@ -397,7 +396,7 @@ def test_a_run_pins_the_dataset_version_it_started_with(tmp_path, table_csv, red
     configure(redis_server.url)
     spec = RunSpec.create(mode="fused", recipe="tabular", store_url=store, rounds=1, shards=2, sync_every=2,
                           recipe_options={"dataset": "tab"})
-    client.submit(spec, redis_server.url)
+    runs.submit(spec, redis_server.url)
     datasets.push(st, str(table_csv), "tab", label="y", seed=1)  # version 2, pushed meanwhile
     assert load_spec(st, spec.run_id).recipe_options == {"dataset": "tab", "version": 1}
 

@@ -14,8 +14,7 @@ from pathlib import Path
 import pytest
 from conftest import tt
 
-from tensorturn import config, trust
-from tensorturn import runs as client
+from tensorturn import config, runs, trust
 from tensorturn.modes.fused.options import EPOCHS_PER_ROUND_WARNING, epochs_per_round, settle_options
 from tensorturn.pool.celery_app import configure
 from tensorturn.recipes import resolve
@@ -110,7 +109,7 @@ def test_the_chosen_defaults_are_in_the_stored_spec_and_nothing_is_warned(redis_
     quick = RunSpec.create("fused", "digits-mlp", store)
     ensemble = RunSpec.create("ensemble", "digits-mlp", store, members=2, segments=1, segment_steps=5)
     for spec in (quick, ensemble):
-        client.submit(spec, redis_server.url)
+        runs.submit(spec, redis_server.url)
         assert board.describe(spec.run_id)["warnings"] == []
     stored = load_spec(open_store(store), quick.run_id).options
     assert (stored.shards, stored.sync_every, stored.outer, stored.outer_lr, stored.keep) == (2, 25, "sgd", 1.0, "last")

@@ -10,7 +10,7 @@ import pytest
 import redis
 from conftest import clean_env, queued_messages, submit_run, tt, tt_json
 
-from tensorturn import runs as client
+from tensorturn import runs
 from tensorturn.state.board import RunBoard
 
 
@@ -56,7 +56,7 @@ def test_a_lost_machine_costs_one_segment_not_the_member(pool_factory):
     assert victim is not None, "no second segment started"
     index = int(victim["worker"].split("@")[0].removeprefix("local")) - 1
     os.killpg(pool.agents[index].pid, signal.SIGKILL)  # the machine drops
-    doc = client.wait(pool.broker_url, spec.run_id, timeout_s=240)
+    doc = runs.wait(pool.broker_url, spec.run_id, timeout_s=240)
 
     assert doc["state"] == "succeeded", doc.get("error")
     member = victim["task"].split("/")[0]

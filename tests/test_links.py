@@ -10,7 +10,7 @@ import boto3
 import pytest
 from conftest import wait_for
 
-from tensorturn import runs as client
+from tensorturn import runs
 from tensorturn.spec import RunSpec
 from tensorturn.state.board import RunBoard
 from tensorturn.state.broker import redis_client
@@ -56,14 +56,14 @@ def linked(s3_endpoint, tmp_path_factory):
 def reference(linked) -> dict:
     """The fault-free run of SPEC on the linked pool."""
     pool, store = linked
-    doc = client.wait(pool.broker_url, run(pool, store).run_id, timeout_s=300)
+    doc = runs.wait(pool.broker_url, run(pool, store).run_id, timeout_s=300)
     assert doc["state"] == "succeeded", doc.get("error")
     return doc
 
 
 def run(pool, store, **extra) -> RunSpec:
     spec = RunSpec.create(store_url=store, **{**SPEC, **extra})
-    client.submit(spec, pool.broker_url)
+    runs.submit(spec, pool.broker_url)
     return spec
 
 
@@ -91,7 +91,7 @@ def test_a_link_down_past_the_lease_requeues_the_shard_and_the_healed_machine_re
     finally:
         link.up()
     healed_at = time.time()
-    doc = client.wait(pool.broker_url, spec.run_id, timeout_s=300)
+    doc = runs.wait(pool.broker_url, spec.run_id, timeout_s=300)
     assert doc["state"] == "succeeded", doc.get("error")
     assert doc["model_sha256"] == reference["model_sha256"]
     tries = [a for a in doc["attempts"] if a["task"] == victim["task"]]
@@ -100,7 +100,7 @@ def test_a_link_down_past_the_lease_requeues_the_shard_and_the_healed_machine_re
     # the healed machine takes work again (this run's round 1, or the next run's)
     if not any(a["worker"] == victim["worker"] and a["started_at"] > healed_at
                and a["outcome"] == "succeeded" for a in doc["attempts"]):
-        after = client.wait(pool.broker_url, run(pool, store, rounds=1, sync_every=300).run_id,
+        after = runs.wait(pool.broker_url, run(pool, store, rounds=1, sync_every=300).run_id,
                             timeout_s=300)
         assert any(a["worker"] == victim["worker"] and a["outcome"] == "succeeded"
                    for a in after["attempts"]), "the healed machine took no new work"
@@ -124,7 +124,7 @@ def test_a_flapping_link_loses_nothing_and_counts_nothing_twice(linked, referenc
             flaps += 1
     finally:
         pool.links[0].up()
-    doc = client.wait(pool.broker_url, spec.run_id, timeout_s=300)
+    doc = runs.wait(pool.broker_url, spec.run_id, timeout_s=300)
     assert doc["state"] == "succeeded", doc.get("error")
     assert flaps >= 1 and doc["model_sha256"] == reference["model_sha256"]
     succeeded = [a["task"] for a in doc["attempts"] if a["outcome"] == "succeeded"]
@@ -144,7 +144,7 @@ def test_on_a_1_mbit_link_an_upload_longer_than_the_lease_is_never_handed_out_tw
         spec = run(pool, store, recipe="charlm", rounds=1, shards=2, sync_every=2, batch_size=4,
                    eval_batches=1, outer="sgd",
                    recipe_options={"n_layer": 2, "n_head": 4, "n_embd": 96, "context": 32})
-        client.wait(pool.broker_url, spec.run_id, timeout_s=600)
+        runs.wait(pool.broker_url, spec.run_id, timeout_s=600)
         board = RunBoard(redis_client(pool.broker_url))
         # the last attempt is recorded just after the run finishes
         wait_for(lambda: all(a["outcome"] != "running" for a in board.attempts(spec.run_id)),

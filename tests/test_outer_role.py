@@ -8,8 +8,7 @@ import pytest
 import redis
 from conftest import run_to_end, submit_run, wait_for, wait_for_run
 
-from tensorturn import layout
-from tensorturn import runs as client
+from tensorturn import layout, runs
 from tensorturn.pool import routing
 from tensorturn.pool.embedded import stop_process_group
 
@@ -38,7 +37,7 @@ def test_outer_steps_run_beside_the_store_and_move_to_the_trainers_when_it_is_go
     # what each machine moved through the store is recorded with each attempt's outcome:
     # once no attempt runs, the per-machine figures add up to the run's
     def settled() -> dict | None:
-        doc = client.describe(first.run_id, pool.broker_url, store_url)
+        doc = runs.describe(first.run_id, pool.broker_url, store_url)
         return doc if all(a["outcome"] != "running" for a in doc["attempts"]) else None
 
     beside = wait_for(settled, "the last attempt's outcome")
@@ -54,7 +53,7 @@ def test_outer_steps_run_beside_the_store_and_move_to_the_trainers_when_it_is_go
     # round began and reaches its queue only after the agent withdrew — it must go on
     second = submit_run(pool, **fields)
     wait_for(lambda: any(a["task"].startswith("r0/") for a in
-                         client.describe(second.run_id, pool.broker_url, store_url)["attempts"]),
+                         runs.describe(second.run_id, pool.broker_url, store_url)["attempts"]),
              "round 0 to begin")
     pool.agents[2].terminate()
     assert pool.agents[2].wait(timeout=120) is not None

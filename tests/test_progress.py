@@ -14,8 +14,7 @@ from types import SimpleNamespace
 import pytest
 from conftest import as_agent_of, clean_env, tt, wait_for
 
-from tensorturn import config, layout
-from tensorturn import runs as client
+from tensorturn import config, layout, runs
 from tensorturn.modes import get_mode
 from tensorturn.pool import telemetry
 from tensorturn.runs.display import RunProgress
@@ -226,7 +225,7 @@ def test_an_outer_step_that_evaluates_is_not_a_stall(board, redis_server, tmp_pa
     begun = board.begin_attempt(spec.run_id, "r0/outer", "w1@h", 3)
     assert begun is not None
     board.mark_phase(spec.run_id, "r0/outer", "evaluating", "w1@h")
-    doc = client.describe(spec.run_id, redis_server.url, spec.store_url)
+    doc = runs.describe(spec.run_id, redis_server.url, spec.store_url)
     assert doc["outer_steps"][0]["phase"] == "evaluating"
     assert doc["note"].startswith("round 0's outer step is evaluating on w1@h (")
     assert "no progress" not in doc["note"]
@@ -234,7 +233,7 @@ def test_an_outer_step_that_evaluates_is_not_a_stall(board, redis_server, tmp_pa
     board.record_round(spec.run_id, 0, {"round": 0, "loss": 1.0})
     board.finish_attempt(spec.run_id, begun[0], "succeeded")
     assert board.live(spec.run_id) == {}
-    doc = client.describe(spec.run_id, redis_server.url, spec.store_url)
+    doc = runs.describe(spec.run_id, redis_server.url, spec.store_url)
     assert doc["outer_steps"] == [] and doc["note"].startswith("no progress for")
 
 
@@ -243,7 +242,7 @@ def test_a_training_task_that_reports_no_step_is_named_in_the_stall_note(board, 
     heartbeat(board, "w1@h")  # its machine is alive: only the task is silent
     config.use(config.current().with_(stall_s=0.0))
     assert board.begin_attempt(spec.run_id, "r0/shard-1", "w1@h", 3) is not None
-    doc = client.describe(spec.run_id, redis_server.url, spec.store_url)
+    doc = runs.describe(spec.run_id, redis_server.url, spec.store_url)
     assert doc["note"].startswith("no progress for")
     assert "r0/shard-1 on w1@h has reported no training step for" in doc["note"]
 

@@ -9,7 +9,7 @@ import sys
 import pytest
 from conftest import clean_env, submit_run, wait_for
 
-from tensorturn import runs as client
+from tensorturn import runs
 from tensorturn.pool.embedded import free_port, stop_process_group
 from tensorturn.state.board import RunBoard
 from tensorturn.state.broker import redis_client
@@ -44,8 +44,8 @@ def test_an_agent_failing_on_the_store_is_quarantined_and_the_run_completes(
             said = (tmp_path / "bad-agent.log").read_text().strip().splitlines()
             assert len(said) == 1 and said[0].startswith("error: store s3://"), said
             return
-        doc = client.wait(pool.broker_url, spec.run_id, timeout_s=900)
-        workers = {w["name"].split("@")[0]: w for w in client.workers(pool.broker_url)}
+        doc = runs.wait(pool.broker_url, spec.run_id, timeout_s=900)
+        workers = {w["name"].split("@")[0]: w for w in runs.workers(pool.broker_url)}
     finally:
         stop_process_group(bad, grace=10)
 

@@ -17,8 +17,7 @@ import time
 import pytest
 from conftest import clean_env, queued_messages, tt, tt_here, tt_json, wait_for
 
-from tensorturn import config, layout
-from tensorturn import runs as client
+from tensorturn import config, layout, runs
 from tensorturn.errors import NotFound, StoreError
 from tensorturn.modes.fused.sync import rounds as fused
 from tensorturn.spec import RunSpec
@@ -45,7 +44,7 @@ def world(world):
 
 def submit(world, **options) -> RunSpec:
     spec = RunSpec.create(store_url=world.store_url, **{**FUSED, **options})
-    client.submit(spec, world.broker)
+    runs.submit(spec, world.broker)
     return spec
 
 
@@ -86,10 +85,10 @@ def test_a_hash_without_its_spec_is_no_record(world):
     assert board.list_runs() == []
     with pytest.raises(NotFound, match="record of run .* is incomplete.*tensorturn resume"):
         board.describe(spec.run_id)
-    doc = client.describe(spec.run_id, world.broker, world.store_url)  # from the store, with why
+    doc = runs.describe(spec.run_id, world.broker, world.store_url)  # from the store, with why
     assert doc["state"] == "queued" and "the broker has no record of the run" in doc["note"]
     with pytest.raises(NotFound, match="incomplete"):
-        client.cancel(spec.run_id, world.broker, world.store_url, by="test")
+        runs.cancel(spec.run_id, world.broker, world.store_url, by="test")
 
 
 def test_no_writer_makes_up_a_record_that_was_deleted(world):
@@ -123,9 +122,9 @@ def test_status_and_resume_after_the_keys_were_deleted_mid_run(world):
     world.r.hset(layout.run_key(spec.run_id), "progress_at", time.time())
     world.r.hset(layout.run_key(spec.run_id, "attempt_n"), "r1/shard-0", 99)
 
-    doc = client.describe(spec.run_id, world.broker, world.store_url)
+    doc = runs.describe(spec.run_id, world.broker, world.store_url)
     assert doc["state"] == "running" and f"tensorturn resume {spec.run_id}" in doc["note"]
-    _, what = client.resume(spec.run_id, world.broker, world.store_url)
+    _, what = runs.resume(spec.run_id, world.broker, world.store_url)
     assert what.startswith("resumed at round 1")
     assert world.r.hget(layout.run_key(spec.run_id, "attempt_n"), "r1/shard-0") is None
     drive(spec, start=1)
@@ -144,9 +143,9 @@ def test_a_finished_runs_keys_expire_and_the_store_answers_after(world):
     assert len(keys) > 5 and all(ttl - 60 < t <= ttl for t in keys.values()), keys
 
     delete_run_keys(world.r, spec.run_id)        # as if the time had passed
-    doc = client.describe(spec.run_id, world.broker, world.store_url)
+    doc = runs.describe(spec.run_id, world.broker, world.store_url)
     assert doc["state"] == "succeeded" and "note" not in doc
-    assert [m["run_id"] for m in client.list_runs(world.broker, world.store_url)] == [spec.run_id]
+    assert [m["run_id"] for m in runs.list_runs(world.broker, world.store_url)] == [spec.run_id]
 
 
 def test_a_failed_run_resumed_keeps_its_keys(world):
@@ -154,7 +153,7 @@ def test_a_failed_run_resumed_keeps_its_keys(world):
     shard(spec, 0, 0)
     world.board.fail(spec.run_id, "boom")
     assert all(t > 0 for t in run_keys(world.r, spec.run_id).values())
-    client.resume(spec.run_id, world.broker, world.store_url)
+    runs.resume(spec.run_id, world.broker, world.store_url)
     assert set(run_keys(world.r, spec.run_id).values()) == {-1}
 
 
@@ -166,7 +165,7 @@ def test_a_replayed_start_of_a_run_the_broker_forgot_is_refused(world):
     delete_run_keys(world.r, spec.run_id)        # its keys expired
     doc = spec.to_json()
     start_run.apply(args=(doc,), kwargs={"sig": pool_key().sign("submit", doc)}).get()
-    _, [refused] = client.refusals(world.broker)
+    _, [refused] = runs.refusals(world.broker)
     assert (refused["task"], refused["run_id"]) == ("tensorturn.start_run", spec.run_id)
     assert not world.board.exists(spec.run_id)
     assert world.store.get_bytes(layout.key("global", spec.run_id, 0)) == theta0
@@ -199,9 +198,9 @@ def test_prune_forgets_agents_gone_and_expires_what_runs_left(world):
         r.sadd(f"_kombu.binding_permanent.{queue}", f"{queue}\x06\x16\x06\x16{queue}")
         r.sadd("_kombu.binding.celery.pidbox", f"\x06\x16\x06\x16{node}.celery.pidbox")
     r.lpush(layout.agent_queue(gone), "a backup copy only it would take")
-    assert [w["name"] for w in client.workers(world.broker)] == [here]  # listed no longer
+    assert [w["name"] for w in runs.workers(world.broker)] == [here]  # listed no longer
 
-    done = client.prune(world.broker)
+    done = runs.prune(world.broker)
     # (and this process's task reports, in a hash with no heartbeat: no agent's)
     assert {gone, "orphan@host"} <= set(done["agents_forgotten"]) and here not in done["agents_forgotten"]
     assert not r.exists(layout.worker_key(gone), layout.agent_queue(gone),
@@ -229,7 +228,7 @@ def test_a_run_whose_final_manifest_was_not_saved_keeps_its_keys(world, monkeypa
     monkeypatch.setattr(world.store, "put_json", store_down)
     manifest.try_write_manifest(world.store, world.board, spec.run_id)  # it was not
     assert set(run_keys(world.r, spec.run_id).values()) == {-1}
-    client.prune(world.broker)
+    runs.prune(world.broker)
     assert set(run_keys(world.r, spec.run_id).values()) == {-1}
     monkeypatch.setattr(world.store, "put_json", real_put)
     manifest.try_write_manifest(world.store, world.board, spec.run_id)  # the store is back
@@ -251,7 +250,7 @@ def test_a_finishing_run_prunes_at_most_once_an_hour(world, monkeypatch):
 def test_a_flood_of_refusals_cannot_hide_how_many_there_were(world):
     for i in range(150):
         refuse(world.r, "w1@host", "tensorturn.fused.train_shard", f"run-{i}", "missing or bad signature")
-    total, last = client.refusals(world.broker)
+    total, last = runs.refusals(world.broker)
     assert total == 150 and len(last) == 100 and last[0]["run_id"] == "run-149"
     proc = tt_here("workers", "--broker", world.broker)
     assert "150 task message(s) refused by the agents" in proc.stderr and "the last 100 kept" in proc.stderr
@@ -337,7 +336,7 @@ def test_a_stale_serving_mark_does_not_block_removal(world, monkeypatch):
     world.store.put_json(key, {"where": "h:1", "host": "h", "pid": 1,
                                "at": time.time() - manifest.SERVING_STALE_S - 1})
     assert manifest.servers(world.store, spec.run_id) == []
-    assert client.remove_run(spec.run_id, world.broker, world.store_url, lambda plan: True)
+    assert runs.remove_run(spec.run_id, world.broker, world.store_url, lambda plan: True)
 
 
 # ---- the same on a real pool ----------------------------------------------------------------------
@@ -359,7 +358,7 @@ def test_deleting_a_runs_keys_mid_run_ends_in_one_line_and_a_resume(tmp_path, po
 
     # what was running ends, what was queued is taken and does nothing; no record comes back
     wait_for(lambda: r.hlen("unacked") == 0 and not queued_messages(r) and all(
-        w["state"] == "idle" for w in client.workers(pool.broker_url)), "the agents idle")
+        w["state"] == "idle" for w in runs.workers(pool.broker_url)), "the agents idle")
     assert not r.exists(layout.run_key(run_id))
     status = tt("status", run_id, *args)
     assert status.returncode == 0 and status.stdout.splitlines()[-1] == f"run {run_id}: running"

@@ -179,8 +179,7 @@ def test_an_unsigned_or_forged_start_request_writes_only_its_refusal(redis_serve
 def test_a_start_request_replayed_after_its_run_left_the_broker_starts_nothing(redis_server, tmp_path):
     """Its signature still verifies, and the broker no longer knows the run (its keys expired,
     or were deleted): the run's spec in the store says it started once already."""
-    from tensorturn import runs as client
-    from tensorturn import trust
+    from tensorturn import runs, trust
     from tensorturn.store.objects import open_store
     from tensorturn.tasks.start import start_run
 
@@ -191,7 +190,7 @@ def test_a_start_request_replayed_after_its_run_left_the_broker_starts_nothing(r
     spec = RunSpec.create("fused", "digits-mlp", store_url, rounds=1, shards=2, sync_every=5)
     doc = spec.to_json()
     request = {"sig": trust.pool_key().sign("submit", doc)}  # as the submitter sent it
-    client.submit(spec, redis_server.url)
+    runs.submit(spec, redis_server.url)
     stored = sorted(open_store(store_url).list(layout.RUNS))
     r.flushdb()
     start_run.apply(args=[doc], kwargs=request).get()

@@ -16,8 +16,7 @@ from pathlib import Path
 import pytest
 from conftest import TEST_POOL_KEY, clean_env, tt, tt_many, wait_for
 
-from tensorturn import config, layout, trust
-from tensorturn import runs as client
+from tensorturn import config, layout, runs, trust
 from tensorturn.modes.fused.sync import rounds as fused
 from tensorturn.pool.celery_app import configure
 from tensorturn.recipes import resolve
@@ -50,7 +49,7 @@ def world(redis_server, tmp_path):
     store_url = (tmp_path / "store").as_uri()
     config.use(config.current().with_(store_url=store_url))
     spec = RunSpec.create(store_url=store_url, **FUSED)
-    client.submit(spec, redis_server.url)
+    runs.submit(spec, redis_server.url)
     return spec, redis_client(redis_server.url), open_store(store_url)
 
 
@@ -159,7 +158,7 @@ def test_a_run_request_is_refused_for_a_bad_signature_another_store_or_an_unallo
     evil = RunSpec.create(store_url=theirs, **{**FUSED, "recipe": "evil_recipe:Evil"}).to_json()
     start_run.apply(args=[evil], kwargs={"sig": OTHER_KEY.sign("submit", evil)}).get()
     assert r.keys(layout.run_key(evil["run_id"], "*")) == []  # refused: its answer is in tt:refused
-    assert "missing or bad signature" in client.start_answer(r, evil["run_id"])["error"]
+    assert "missing or bad signature" in runs.start_answer(r, evil["run_id"])["error"]
 
     elsewhere = RunSpec.create(store_url=theirs, **FUSED).to_json()
     start_run.apply(args=[elsewhere], kwargs={"sig": key.sign("submit", elsewhere)}).get()
@@ -257,7 +256,7 @@ def test_real_agents_refuse_forged_messages_unread(tmp_path, pool_factory, marke
     evil = RunSpec.create(store_url=(tmp_path / "theirs").as_uri(),
                           **{**FUSED, "recipe": "evil_recipe:Evil"}).to_json()
     app.send_task("tensorturn.start_run", args=[evil], kwargs={"sig": OTHER_KEY.sign("submit", evil)})
-    assert "missing or bad signature" in client.start_answer(r, evil["run_id"])["error"]
+    assert "missing or bad signature" in runs.start_answer(r, evil["run_id"])["error"]
     # signed with the pool key (its holder's mistake, or a stolen key): still only this
     # agent's store, and only recipes this agent allows
     elsewhere = RunSpec.create(store_url=(tmp_path / "theirs").as_uri(), **FUSED).to_json()
