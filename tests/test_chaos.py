@@ -16,7 +16,7 @@ import time
 import psutil
 import pytest
 import redis
-from conftest import run_to_end, start_pool, submit_run
+from conftest import run_to_end, start_pool, submit_run, wait_for
 
 from tensorturn import layout, runs
 from tensorturn.modes.fused.sync.rounds import train_slot
@@ -168,10 +168,7 @@ def test_redis_restart_mid_run(pool, reference, tmp_path):
 
 def test_duplicate_delivery_is_ignored(pool, reference, tmp_path):
     spec = submit(pool, tmp_path)
-    deadline = time.monotonic() + 120
-    while not board(pool).rounds(spec.run_id):
-        assert time.monotonic() < deadline
-        time.sleep(0.1)
+    wait_for(lambda: board(pool).rounds(spec.run_id), "round 0 recorded")
     # round 0's slot 1 delivered again: it is bound to the shard it trained, which is done
     train_slot.apply_async(args=(spec.run_id, 0, 1), kwargs=signed(spec.run_id, "r0/slot-1"))
     doc = finish(pool, spec, reference)

@@ -4,11 +4,10 @@ import json
 import os
 import signal
 import textwrap
-import time
 
 import pytest
 import redis
-from conftest import clean_env, queued_messages, submit_run, tt, tt_json
+from conftest import clean_env, queued_messages, submit_run, tt, tt_json, wait_for
 
 from tensorturn import runs
 from tensorturn.state.board import RunBoard
@@ -45,15 +44,9 @@ def test_a_lost_machine_costs_one_segment_not_the_member(pool_factory):
     spec = submit_run(pool, mode="ensemble", recipe="digits-mlp", members=2, segments=3,
                       segment_steps=2500)
     board = RunBoard(redis.Redis.from_url(pool.broker_url, decode_responses=True))
-    victim = None
-    deadline = time.monotonic() + 120
-    while victim is None and time.monotonic() < deadline:
-        for a in board.attempts(spec.run_id):
-            if a["task"].endswith("/seg-1") and a["outcome"] == "running":
-                victim = a
-                break
-        time.sleep(0.1)
-    assert victim is not None, "no second segment started"
+    victim = wait_for(lambda: next((a for a in board.attempts(spec.run_id)
+                                    if a["task"].endswith("/seg-1") and a["outcome"] == "running"), None),
+                      "a second segment running")
     index = int(victim["worker"].split("@")[0].removeprefix("local")) - 1
     os.killpg(pool.agents[index].pid, signal.SIGKILL)  # the machine drops
     doc = runs.wait(pool.broker_url, spec.run_id, timeout_s=240)
