@@ -43,6 +43,26 @@ def test_a_redis_answering_on_the_port_is_not_taken_for_ours(redis_server, tmp_p
     assert redis.Redis.from_url(redis_server.url).ping()
 
 
+def test_a_port_taken_after_it_was_chosen_is_chosen_again(redis_server, tmp_path, monkeypatch):
+    """The port a pool's Redis chose itself, taken before redis-server binds it (another pool
+    starting beside it): it starts on a fresh port. A port it was given is refused in one line,
+    and a restart comes back on the port its clients know."""
+    from tensorturn.pool import embedded as local
+
+    monkeypatch.setattr(local, "check_port_free", lambda bind, port: None)  # taken after the check
+    chosen = RedisServer(tmp_path / "chosen")
+    taken = chosen.port = redis_server.port
+    chosen.start()
+    try:
+        assert chosen.port != taken and redis.Redis.from_url(chosen.url).ping()
+        assert not chosen.chose_port
+    finally:
+        chosen.stop()
+    given = RedisServer(tmp_path / "given", port=redis_server.port)
+    with pytest.raises(local.PortInUse):
+        given.start()
+
+
 @pytest.mark.e2e
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_stopping_an_embedded_run_stops_its_pool_and_says_how_to_resume(tmp_path, sig):

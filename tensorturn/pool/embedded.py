@@ -59,6 +59,7 @@ class RedisServer:
                  password: str | None = None, bind: str = "127.0.0.1"):
         self.workdir = workdir
         self.bind = bind
+        self.chose_port = port is None  # a port it chose itself, it may choose again
         self.port = port or free_port()
         self.password = password if password is not None else secrets.token_urlsafe(16)
         self.appendonly = appendonly
@@ -70,7 +71,23 @@ class RedisServer:
 
     def start(self, timeout: float = 20) -> "RedisServer":
         """Start redis-server and return once it answers; PortInUse when another program holds
-        the port, TensorTurnError (with the cause from Redis's log) when it fails otherwise."""
+        the port it was given, TensorTurnError (with the cause from Redis's log) when it fails
+        otherwise. A port it chose itself can be taken by another program between the choice
+        and Redis's bind (another pool starting, a connection's ephemeral port): then it starts
+        again on a fresh one, a few times."""
+        for tries_left in reversed(range(4 if self.chose_port else 1)):
+            try:
+                self._start_on_port(timeout)
+                break
+            except PortInUse:
+                if not tries_left:
+                    raise
+                log.info("port %d was taken before redis-server bound it; choosing another", self.port)
+                self.port = free_port()
+        self.chose_port = False  # a restart comes back where its clients know to find it
+        return self
+
+    def _start_on_port(self, timeout: float) -> None:
         import redis
         from redis.backoff import NoBackoff
         from redis.retry import Retry
@@ -104,7 +121,7 @@ class RedisServer:
                 # port (one without a password takes any password), and ours then exits with
                 # "Address already in use". Only our own process id counts.
                 if client.info("server").get("process_id") == self.proc.pid:
-                    return self
+                    return
             except redis.RedisError:
                 pass
             if self.proc.poll() is not None or time.monotonic() > deadline:
