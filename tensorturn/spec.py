@@ -136,7 +136,7 @@ LIMITS: dict[str, Bound] = {
     "threads_per_task": Bound(1, 256, "one task's torch threads (an agent with fewer cores "
                                       "uses as many as it has)"),
     "max_attempts": Bound(1, 100),
-    "eval_batches": Bound(1, 1_000_000),
+    "eval_batches": Bound(0, 1_000_000),
     "accumulate": Bound(1, 1024),
     # fused
     "rounds": Bound(1, 10_000),
@@ -248,7 +248,9 @@ class RunSpec:
     batch_size: int | None = None
     threads_per_task: int = 1
     max_attempts: int = 3
-    eval_batches: int | None = None  # evaluate on at most this many forward passes (None: all)
+    # evaluate on at most this many forward passes (0: the whole split; None: the mode's default —
+    # fused: what a shard trains in a round, modes.fused.options.eval_passes; ensemble: all)
+    eval_batches: int | None = None
     precision: str = "auto"          # auto (bf16 on CUDA, fp32 elsewhere), fp32, bf16, fp16
     accumulate: int = 1              # minibatches per optimizer step (gradient accumulation)
     # derived when the run starts: bytes one task needs on a machine (capacity.estimate)

@@ -301,6 +301,32 @@ def as_agent_of(spec) -> None:
     config.use(config.current().with_(store_url=spec.store_url))
 
 
+def run_shard(spec, r: int, k: int) -> None:
+    """Shard ``k`` of fused round ``r``, trained in this process (as an agent of the run)."""
+    from tensorturn.modes.fused.sync import rounds
+    from tensorturn.tasks.attempt import signed
+
+    as_agent_of(spec)
+    rounds.train_shard.apply(args=(spec.run_id, r, k), kwargs=signed(spec.run_id, f"r{r}/shard-{k}")).get()
+
+
+def run_outer(spec, r: int) -> None:
+    """The outer step of fused round ``r``, in this process."""
+    from tensorturn.modes.fused.sync import rounds
+    from tensorturn.tasks.attempt import signed
+
+    as_agent_of(spec)
+    rounds.outer_step.apply(args=([], spec.run_id, r), kwargs=signed(spec.run_id, f"r{r}/outer")).get()
+
+
+def run_rounds(spec, start: int = 0) -> None:
+    """A fused run's rounds from ``start``, every shard then the outer step, in this process."""
+    for r in range(start, spec.options.rounds):
+        for k in range(spec.options.shards):
+            run_shard(spec, r, k)
+        run_outer(spec, r)
+
+
 # ---- the inference API ----------------------------------------------------------------------------
 
 class Server:

@@ -15,6 +15,9 @@ from pathlib import Path
 
 import pytest
 from conftest import as_agent_of
+from conftest import run_outer as outer
+from conftest import run_rounds as drive_fused
+from conftest import run_shard as shard
 
 from tensorturn import config, layout, runs
 from tensorturn.errors import BrokerError, RecipeError
@@ -34,16 +37,6 @@ FUSED = dict(mode="fused", recipe="digits-mlp", rounds=2, shards=2, sync_every=1
 ENSEMBLE = dict(mode="ensemble", recipe="digits-mlp", members=3, segments=2, segment_steps=10)
 
 
-def shard(spec: RunSpec, r: int, k: int) -> None:
-    as_agent_of(spec)
-    fused.train_shard.apply(args=(spec.run_id, r, k), kwargs=signed(spec.run_id, f"r{r}/shard-{k}")).get()
-
-
-def outer(spec: RunSpec, r: int) -> None:
-    as_agent_of(spec)
-    fused.outer_step.apply(args=([], spec.run_id, r), kwargs=signed(spec.run_id, f"r{r}/outer")).get()
-
-
 def segment(spec: RunSpec, m: int, j: int) -> None:
     as_agent_of(spec)
     ensemble.train_segment.apply(args=(spec.run_id, m, j), kwargs=signed(spec.run_id, f"m{m}/seg-{j}")).get()
@@ -52,13 +45,6 @@ def segment(spec: RunSpec, m: int, j: int) -> None:
 def vote(spec: RunSpec) -> None:
     as_agent_of(spec)
     ensemble.vote.apply(args=(spec.run_id,), kwargs=signed(spec.run_id, "vote")).get()
-
-
-def drive_fused(spec: RunSpec, start: int = 0) -> None:
-    for r in range(start, spec.options.rounds):  # type: ignore[attr-defined]
-        for k in range(spec.options.shards):  # type: ignore[attr-defined]
-            shard(spec, r, k)
-        outer(spec, r)
 
 
 def drive_ensemble(spec: RunSpec) -> None:

@@ -55,7 +55,7 @@ def test_commands_that_train_nothing_import_no_torch(tmp_path, args, code):
 
 @pytest.mark.parametrize("flag,value,line", [
     ("--accumulate", "0", "error: --accumulate must be a whole number ≥ 1 (got 0)"),
-    ("--eval-batches", "-1", "error: --eval-batches must be a whole number ≥ 1 (got -1)"),
+    ("--eval-batches", "-1", "error: --eval-batches must be a whole number ≥ 0 (got -1)"),
 ])
 def test_bad_training_options_are_one_line_before_anything_starts(tmp_path, flag, value, line):
     proc = tt("run", "--recipe", "digits-mlp", flag, value, cwd=tmp_path)

@@ -89,8 +89,8 @@ def test_soups_and_starts_that_cannot_work_are_refused_in_one_line(pool, base, f
     assert "started from their own random initialisations" in refused("soup", scratch["run_id"])
     assert "is a fused run, not an ensemble" in refused("soup", base["run_id"])
     assert "no run 'nosuchrun' in the store" in refused("soup", "nosuchrun")
-    assert "--eval-batches must be a whole number ≥ 1" in refused("soup", finetuned["run_id"],
-                                                                  "--eval-batches", "0")
+    assert "--eval-batches must be a whole number ≥ 0" in refused("soup", finetuned["run_id"],
+                                                                  "--eval-batches", "-1")
     # --init-from: a finished one-model run of the same recipe, checked before anything is queued
     start = ("run", "--mode", "ensemble", "--recipe", "digits-mlp", "--broker", redis_server.url)
     assert "--init-from nosuchrun: no such run" in refused(*start, "--init-from", "nosuchrun")

@@ -77,8 +77,8 @@ def distill(broker, store, teacher, student, temperature, alpha, top_k, mixup, l
                    "drop (Wortsman et al. 2022); uniform: the mean of every member's weights; "
                    "best: whichever of the two scores higher on validation.")
 @click.option("--eval-batches", type=int, default=None,
-              help="Validation and test figures from at most this many forward passes "
-                   f"[default: the whole split]{bounded('eval_batches')}.")
+              help="Validation and test figures from at most this many forward passes (0: the "
+                   f"whole split) [default: the whole split]{bounded('eval_batches')}.")
 @click.option("--json", "as_json", is_flag=True, help="Print the soup's run as one JSON object.")
 @pool_options("Unused: a soup is made here, from the store alone.")
 def soup(broker, store, ensemble, rule, eval_batches, as_json):

@@ -108,7 +108,9 @@ def training_options(fn: Callable) -> Callable:
                           + bounded("max_attempts")),
         click.option("--eval-batches", type=int, default=None,
                      help="Validation and test figures from at most this many forward passes (of the "
-                          "recipe's eval_batch_size rows, 512 by default) [default: the whole split]"
+                          "recipe's eval_batch_size rows, 512 by default); 0: the whole split "
+                          "[default: fused, as many rows as one shard trains in a round (a split "
+                          "that small is read whole); ensemble, the whole split]"
                           f"{bounded('eval_batches')}."),
         click.option("--precision", type=click.Choice(["auto", "fp32", "bf16", "fp16"]), default="auto",
                      show_default=True, help="Training precision: auto is bf16 on CUDA GPUs that "

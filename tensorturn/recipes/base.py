@@ -177,11 +177,12 @@ class Recipe:
     def eval_pieces(self, split: str, max_batches: int | None = None
                     ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """:meth:`eval_batches` cut into forward passes of at most :attr:`eval_batch_size` rows;
-        the first ``max_batches`` of them when that is given (``--eval-batches``)."""
+        the first ``max_batches`` of them when that is given (``--eval-batches``; 0 or None:
+        every one)."""
         served = 0
         for x, y in self.eval_batches(split):
             for lo in range(0, len(y), self.eval_batch_size):
-                if max_batches is not None and served >= max_batches:
+                if max_batches and served >= max_batches:
                     return
                 served += 1
                 yield x[lo:lo + self.eval_batch_size], y[lo:lo + self.eval_batch_size]
@@ -190,6 +191,11 @@ class Recipe:
                        max_batches: int | None = None) -> dict[str, float]:
         """:meth:`evaluate` over :meth:`eval_pieces` on ``device`` (the model's, by default),
         each metric weighted by its piece's rows."""
+        return self.evaluate_counted(model, split, device, max_batches)[0]
+
+    def evaluate_counted(self, model: nn.Module, split: str, device: torch.device | None = None,
+                         max_batches: int | None = None) -> tuple[dict[str, float], int]:
+        """:meth:`evaluate_split`, and how many rows it read (what a figure says it used)."""
         if device is not None:
             model.to(device)
         else:
@@ -202,7 +208,7 @@ class Recipe:
             for name, value in self.evaluate(model, x.to(device), y.to(device)).items():
                 sums[name] = sums.get(name, 0.0) + value * len(y)
             rows += len(y)
-        return {name: total / rows for name, total in sums.items()} if rows else {}
+        return ({name: total / rows for name, total in sums.items()} if rows else {}), rows
 
     def train_rows(self) -> int:
         """How many rows the train split has."""

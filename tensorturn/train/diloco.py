@@ -212,14 +212,16 @@ def compress_broadcast(theta: StateDict, target: StateDict, residual: StateDict 
 
 
 def round_figures(losses: list[float], samples: list[int], val: dict[str, float],
-                  bytes_up: int, bytes_down: int, r: int) -> dict:
-    """A round's record: sample-weighted training loss, validation figures, bytes moved."""
+                  bytes_up: int, bytes_down: int, r: int, val_rows: int) -> dict:
+    """A round's record: sample-weighted training loss, validation figures and the rows they
+    were read from, bytes moved."""
     total = sum(samples)
     return {
         "round": r,
         "loss": sum(loss * n for loss, n in zip(losses, samples)) / total,
         "val_loss": val.get("loss"),  # None when the dataset has no validation rows
         "val_accuracy": val.get("accuracy"),
+        "val_rows": val_rows,
         "samples": total,
         "bytes_up": bytes_up,
         "bytes_down": bytes_down,

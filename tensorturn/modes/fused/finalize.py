@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from tensorturn import layout
-from tensorturn.modes.fused.options import options
+from tensorturn.modes.fused.options import eval_passes, options
 from tensorturn.recipes import recipe_of
 from tensorturn.spec import RunSpec, RunState
 from tensorturn.state.board import RunBoard
@@ -60,8 +60,8 @@ def finalize(spec: RunSpec, store: Store, board: RunBoard,
     recipe = recipe_of(spec)
     device = pick_device()
     model = load_model(recipe, theta, recipe.default_config(), device)
-    test = recipe.evaluate_split(model, "test", device, spec.eval_batches)
-    result = {"metrics": {**{f"test_{k}": v for k, v in test.items()}, "kept_round": kept},
+    test, rows = recipe.evaluate_counted(model, "test", device, eval_passes(spec, recipe))
+    result = {"metrics": {**{f"test_{k}": v for k, v in test.items()}, "test_rows": rows, "kept_round": kept},
               "model_uri": store.uri(layout.key("final_model", run_id)), "model_sha256": sha}
     if finish is not None:
         finish(RunState.SUCCEEDED, **result)

@@ -164,6 +164,19 @@ def samples_per_step(spec: RunSpec, recipe: Recipe) -> int:
     return spec.batch_for(recipe) * spec.accumulate
 
 
+def eval_passes(spec: RunSpec, recipe: Recipe) -> int | None:
+    """Forward passes (of the recipe's ``eval_batch_size`` rows) that a round's validation figures
+    and the final test figures read; None: the whole split. ``--eval-batches`` when given (0: the
+    whole split). By default as many rows as one shard trains in a round (H steps × batch), in
+    whole passes, at least one — nanoGPT's ``eval_iters``, scaled to the round: a forward pass
+    costs about a third of a training step, so evaluating costs about a third of a shard's
+    training whatever the model's size, and a split no bigger than that is read whole."""
+    if spec.eval_batches is not None:
+        return spec.eval_batches or None
+    rows = options(spec).sync_every * samples_per_step(spec, recipe)
+    return max(1, -(-rows // recipe.eval_batch_size))
+
+
 def epochs_per_round(spec: RunSpec, recipe: Recipe) -> float:
     """How many times a shard goes over its rows in one round (H steps × batch / its rows)."""
     opts = options(spec)

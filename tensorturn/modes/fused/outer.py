@@ -24,7 +24,7 @@ import torch
 
 from tensorturn import layout
 from tensorturn.modes.fused.finalize import finalize
-from tensorturn.modes.fused.options import options, outer_args, samples_per_step
+from tensorturn.modes.fused.options import eval_passes, options, outer_args, samples_per_step
 from tensorturn.modes.fused.policies import policy
 from tensorturn.modes.fused.shard import count_data, data_bytes
 from tensorturn.recipes import Recipe, recipe_of
@@ -83,8 +83,8 @@ def outer_round(spec: RunSpec, store: Store, r: int, scratch: Path,
     device = pick_device()
     model = load_model(recipe, new_theta, recipe.default_config(), device)
     del new_theta
-    val = recipe.evaluate_split(model, "val", device, spec.eval_batches)
-    return round_figures(losses, samples, val, bytes_up, bytes_down, r)
+    val, rows = recipe.evaluate_counted(model, "val", device, eval_passes(spec, recipe))
+    return round_figures(losses, samples, val, bytes_up, bytes_down, r, rows)
 
 
 class OuterUnit(Unit):

@@ -19,7 +19,7 @@ import torch
 
 from tensorturn import config, layout
 from tensorturn.modes.fused.finalize import finalize
-from tensorturn.modes.fused.options import options, outer_args, samples_per_step
+from tensorturn.modes.fused.options import eval_passes, options, outer_args, samples_per_step
 from tensorturn.modes.fused.sync.async_versions import (
     check_version_key,
     get_version,
@@ -188,9 +188,10 @@ def evaluate_round(spec: RunSpec, store: Store, book: AsyncLedger, r: int,
             theta = f.all()
     device = pick_device()
     model = load_model(recipe, theta, recipe.default_config(), device)
-    val = recipe.evaluate_split(model, "val", device, spec.eval_batches)
+    val, rows = recipe.evaluate_counted(model, "val", device, eval_passes(spec, recipe))
     info = round_figures([rec["loss"] for rec in mine], [rec["samples"] for rec in mine], val,
-                         sum(rec["bytes_up"] for rec in mine), sum(rec["bytes_down"] for rec in mine), r)
+                         sum(rec["bytes_up"] for rec in mine), sum(rec["bytes_down"] for rec in mine), r,
+                         rows)
     staleness = [rec["staleness"] for rec in mine]
     info.update(at=time.time(), staleness=staleness, max_staleness=max(staleness, default=0),
                 mean_staleness=sum(staleness) / max(len(staleness), 1))
