@@ -18,6 +18,7 @@ and on moto's S3 server: bytes moved per run, wall time, each agent's peak resid
 (training in a shard task, or the outer step), and whether it succeeded.
 
     python benchmarks/bigmodel.py [--part outer|transfers|runs|all]
+    python benchmarks/bigmodel.py --part outer --sizes 86M --shards 2 --codecs fp32,int8,int4 --name bigmodel_codecs
 """
 
 from __future__ import annotations
@@ -46,9 +47,10 @@ SIZES = {  # name: (recipe, options)
 
 # ---- part 1: the outer step ----------------------------------------------------------------------
 
-def prepare(work: Path, size: str, shards: int) -> tuple[str, str]:
+def prepare(work: Path, size: str, shards: int, codec: str = "fp32") -> tuple[str, str]:
     """A store with round 1 of a fused run ready for its outer step: θ_1, the momentum entering
-    round 1, and S random pseudo-gradients. Returns (store URL, run id)."""
+    round 1, and S random pseudo-gradients (the run's ``codec`` encodes round 1's broadcast: of
+    3 rounds, only the last is kept exact). Returns (store URL, run id)."""
     import torch
 
     from tensorturn import layout
@@ -62,9 +64,9 @@ def prepare(work: Path, size: str, shards: int) -> tuple[str, str]:
     from tensorturn.train.diloco import initial_state
 
     recipe_name, options = SIZES[size]
-    store = open_store((work / f"store-{size}-{shards}").as_uri())
+    store = open_store((work / f"store-{size}-{shards}-{codec}").as_uri())
     spec = RunSpec.create(mode="fused", recipe=recipe_name, store_url=store.url, recipe_options=options,
-                          rounds=3, shards=shards, outer="nesterov", eval_batches=1)
+                          rounds=3, shards=shards, sync_every=2, outer="nesterov", eval_batches=1, codec=codec)
     recipe = resolve(recipe_name, options)
     theta = initial_state(recipe, 0)
     save_spec(store, spec)
@@ -124,37 +126,41 @@ def _status(field: str) -> int:
     raise KeyError(field)
 
 
-def part_outer(work: Path, sizes: list[str], shard_counts: list[int]) -> list[dict]:
+def part_outer(work: Path, sizes: list[str], shard_counts: list[int], codecs: list[str]) -> list[dict]:
+    """Each size × S × codec: the streaming step (and, for fp32, the list-based one it
+    replaced), each in a child process, from the same stored inputs."""
     rows = []
     for size in sizes:
         for shards in shard_counts:
-            url, run_id = prepare(work, size, shards)
-            for how in ("streaming", "list"):
-                from tensorturn import layout
-                from tensorturn.store.objects import open_store
+            for codec in codecs:
+                url, run_id = prepare(work, size, shards, codec)
+                for how in ("streaming", "list") if codec == "fp32" else ("streaming",):
+                    from tensorturn import layout
+                    from tensorturn.store.objects import open_store
 
-                store = open_store(url)  # the step's outputs go, so each variant starts alike
-                for kind in ("global", "outer"):
-                    key = layout.key(kind, run_id, 2)
-                    if store.exists(key):
-                        store.delete(key)
-                proc = subprocess.run([sys.executable, __file__, "--child", url, run_id, how],
-                                      capture_output=True, text=True)
-                if proc.returncode:
-                    raise SystemExit(f"outer step {size} S={shards} {how} failed:\n{proc.stderr[-3000:]}")
-                got = json.loads(proc.stdout.strip().splitlines()[-1])
-                model = got["params"] * 4
-                row = {"size": size, "shards": shards, "how": how, **got, "model_fp32_bytes": model,
-                       "peak_over_model": round(got["peak_bytes"] / model, 2),
-                       "growth_over_model": round((got["peak_bytes"] - got["baseline_bytes"]) / model, 2)}
-                rows.append(row)
-                print(f"{size:4s} S={shards}  {how:9s}  model {model / 1e6:6.0f} MB  peak RSS "
-                      f"{got['peak_bytes'] / 1e6:6.0f} MB ({row['peak_over_model']:.2f}× the model; "
-                      f"+{row['growth_over_model']:.2f}× over the process before the step)  "
-                      f"{got['seconds']:6.1f} s", flush=True)
-            import shutil
+                    store = open_store(url)  # the step's outputs go, so each variant starts alike
+                    for kind in ("global", "outer", "broadcast"):
+                        key = layout.key(kind, run_id, 2)
+                        if store.exists(key):
+                            store.delete(key)
+                    proc = subprocess.run([sys.executable, __file__, "--child", url, run_id, how],
+                                          capture_output=True, text=True)
+                    if proc.returncode:
+                        raise SystemExit(f"outer step {size} S={shards} {codec} {how} failed:\n"
+                                         f"{proc.stderr[-3000:]}")
+                    got = json.loads(proc.stdout.strip().splitlines()[-1])
+                    model = got["params"] * 4
+                    row = {"size": size, "shards": shards, "codec": codec, "how": how, **got,
+                           "model_fp32_bytes": model, "peak_over_model": round(got["peak_bytes"] / model, 2),
+                           "growth_over_model": round((got["peak_bytes"] - got["baseline_bytes"]) / model, 2)}
+                    rows.append(row)
+                    print(f"{size:4s} S={shards}  {codec:4s} {how:9s}  model {model / 1e6:6.0f} MB  peak RSS "
+                          f"{got['peak_bytes'] / 1e6:6.0f} MB ({row['peak_over_model']:.2f}× the model; "
+                          f"+{row['growth_over_model']:.2f}× over the process before the step)  "
+                          f"{got['seconds']:6.1f} s", flush=True)
+                import shutil
 
-            shutil.rmtree(work / f"store-{size}-{shards}", ignore_errors=True)
+                shutil.rmtree(work / f"store-{size}-{shards}-{codec}", ignore_errors=True)
     return rows
 
 
@@ -307,28 +313,31 @@ def main() -> None:
     ap.add_argument("--part", choices=("outer", "runs", "transfers", "all"), default="all")
     ap.add_argument("--sizes", default=",".join(SIZES))
     ap.add_argument("--shards", default="2,4,8")
+    ap.add_argument("--codecs", default="fp32", help="outer part: comma-separated --codec values")
     ap.add_argument("--stores", default="file,s3")
+    ap.add_argument("--name", default="bigmodel", help="write NAME.json and NAME.png beside this script")
     args = ap.parse_args()
     if not os.environ.get("TENSORTURN_POOL_KEY"):  # this script's own pool: its specs are signed
         from tensorturn.trust import PoolKey
 
         os.environ["TENSORTURN_POOL_KEY"] = PoolKey.generate().text()
     summary: dict = {"machine": machine()}
-    previous = HERE / "bigmodel.json"
+    previous = HERE / f"{args.name}.json"
     if args.part != "all" and previous.exists():  # keep the other part's figures
         summary = {**json.loads(previous.read_text()), **summary}
     with tempfile.TemporaryDirectory(prefix="tt-bigmodel-") as tmp:
         work = Path(tmp)
         if args.part in ("outer", "all"):
-            summary["outer"] = part_outer(work, args.sizes.split(","), [int(s) for s in args.shards.split(",")])
-            print(table(["size", "S", "how", "peak MB", "× model", "s"],
-                        [[r["size"], r["shards"], r["how"], round(r["peak_bytes"] / 1e6),
+            summary["outer"] = part_outer(work, args.sizes.split(","), [int(s) for s in args.shards.split(",")],
+                                          args.codecs.split(","))
+            print(table(["size", "S", "codec", "how", "peak MB", "× model", "s"],
+                        [[r["size"], r["shards"], r.get("codec", "fp32"), r["how"], round(r["peak_bytes"] / 1e6),
                           r["peak_over_model"], r["seconds"]] for r in summary["outer"]]))
         if args.part in ("transfers", "all"):
             summary["transfers"] = part_transfers(work, args.stores.split(","))
         if args.part in ("runs", "all"):
             summary["runs"] = part_runs(work, args.stores.split(","))
-    write_outputs("bigmodel", summary, draw(summary))
+    write_outputs(args.name, summary, draw(summary))
 
 
 if __name__ == "__main__":

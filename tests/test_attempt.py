@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import as_agent_of
 from conftest import run_outer as outer
 from conftest import run_rounds as drive_fused
@@ -125,17 +126,19 @@ def test_slots_bind_to_shards_once_and_give_the_model_shards_give(world):
     assert kinds(doc).count("duplicate_ignored") == 2
 
 
-@pytest.mark.parametrize("outer,codec", [("sgd", "fp32"), ("nesterov", "fp32"), ("nesterov", "int8")])
+@pytest.mark.parametrize("outer,codec", [("sgd", "fp32"), ("nesterov", "fp32"), ("nesterov", "int8"),
+                                         ("nesterov", "int4")])
 def test_the_streaming_outer_step_gives_the_list_averages_bits(world, outer, codec):
-    """The outer step reads one shard and one tensor at a time and writes θ_{r+1} the same way;
-    θ_{r+1} must be what averaging the list of all shards' deltas (the arithmetic before
-    streaming) and stepping in memory gives, to the bit. (A compressed round's θ is the
-    broadcast's, stepped in memory: only uncompressed rounds stream.)"""
+    """The outer step reads one shard and one tensor at a time and writes θ_{r+1} and the
+    broadcast the same way; θ_{r+1} must be what averaging the list of all shards' deltas (the
+    arithmetic before streaming) and stepping in memory gives, to the bit — for a compressed
+    round, θ_r plus the broadcast as :func:`compress_broadcast` encodes it in memory, with the
+    residual it leaves."""
     from tensorturn import layout
     from tensorturn.recipes import recipe_of
     from tensorturn.store.objects import open_store, sha256_hex
     from tensorturn.store.tensors import delta_from_bytes, from_bytes
-    from tensorturn.train.diloco import outer_update
+    from tensorturn.train.diloco import compress_broadcast, outer_update
 
     spec = world.submit(f"stream-{outer}-{codec}", **{**FUSED, "rounds": 3, "shards": 3,
                                                         "outer": outer, "codec": codec})
@@ -143,8 +146,6 @@ def test_the_streaming_outer_step_gives_the_list_averages_bits(world, outer, cod
     store, recipe, opts = open_store(spec.store_url), recipe_of(spec), spec.options
     compared = 0
     for r in range(3):
-        if codec != "fp32" and r + 1 < 3:
-            continue
         decoded = [delta_from_bytes(store.get_bytes(layout.key("shard", spec.run_id, r, k))) for k in range(3)]
         total = float(sum(int(meta["samples"]) for _, meta in decoded))
         listed: dict = {}
@@ -153,17 +154,21 @@ def test_the_streaming_outer_step_gives_the_list_averages_bits(world, outer, cod
             for name, value in delta.items():
                 listed[name] = listed[name] + w * value if name in listed else w * value
         theta = from_bytes(store.get_bytes(layout.key("global", spec.run_id, r)))
-        buf = None
-        if r > 0 and outer == "nesterov":
-            buf = {k: v for k, v in from_bytes(store.get_bytes(layout.key("outer", spec.run_id, r))).items()
-                   if not k.startswith("residual::")}
+        state_key = layout.key("outer", spec.run_id, r)
+        state = from_bytes(store.get_bytes(state_key)) if r > 0 and store.exists(state_key) else {}
+        buf = {k: v for k, v in state.items() if not k.startswith("residual::")} or None
+        residual = {k.removeprefix("residual::"): v for k, v in state.items() if k.startswith("residual::")} or None
         nesterov = outer == "nesterov"
         stepped, _ = outer_update(theta, listed, buf, opts.outer_lr, opts.outer_momentum if nesterov else 0.0,
                                   nesterov=nesterov)
+        if codec != "fp32" and r + 1 < 3:  # the last round's θ is kept exact
+            _, stepped, left = compress_broadcast(theta, stepped, residual, codec)
+            stored = from_bytes(store.get_bytes(layout.key("outer", spec.run_id, r + 1)))  # its residual
+            assert all(torch.equal(stored["residual::" + k], v) for k, v in left.items()), r
         expected = sha256_hex(global_bytes(spec, recipe, stepped))
         assert expected == sha256_hex(store.get_bytes(layout.key("global", spec.run_id, r + 1))), r
         compared += 1
-    assert compared == (3 if codec == "fp32" else 1)
+    assert compared == 3
 
 
 def test_a_worker_claims_its_own_shards_first_then_new_ones_then_steals(world):

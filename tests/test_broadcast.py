@@ -50,11 +50,12 @@ def test_without_error_feedback_the_error_would_accumulate():
     assert err_fed < 0.2 * err_plain
 
 
-@pytest.fixture()
-def run(tmp_path):
-    """A digits-mlp run's θ_0 and θ_1 in a real file store, as ``fused`` writes them."""
+@pytest.fixture(params=["int8", "int4"])
+def run(tmp_path, request):
+    """A digits-mlp run's θ_0 and θ_1 in a real file store, as ``fused`` writes them, with each
+    quantising codec."""
     store = open_store((tmp_path / "store").as_uri())
-    spec = RunSpec.create(mode="fused", recipe="digits-mlp", store_url=store.url, codec="int8",
+    spec = RunSpec.create(mode="fused", recipe="digits-mlp", store_url=store.url, codec=request.param,
                           outer="nesterov", rounds=3).validate()
     recipe = resolve(spec.recipe)
     theta0 = diloco.initial_state(recipe, spec.seed)
@@ -76,11 +77,11 @@ def test_shard_tasks_fetch_the_fewest_bytes(run):
     # round 0: rebuilt from the seed, verified against init_sha256 — nothing downloaded
     got, moved = fetch_global(spec, recipe, store, 0)
     assert moved == 0 and all(torch.equal(got[k], theta0[k]) for k in theta0)
-    # round 1 while holding θ_0: only the int8 broadcast delta comes down
+    # round 1 while holding θ_0: only the compressed broadcast delta comes down
     got, moved = fetch_global(spec, recipe, store, 1)
     broadcast = store.get_bytes(layout.key("broadcast", spec.run_id, 1))
     full = store.get_bytes(layout.key("global", spec.run_id, 1))
-    assert moved == len(broadcast) and len(full) > 3.5 * len(broadcast)
+    assert moved == len(broadcast) and len(full) > {"int8": 3.5, "int4": 6}[spec.options.codec] * len(broadcast)
     assert to_bytes(got) == to_bytes(from_bytes(full))           # bit for bit the stored θ_1
     assert all(torch.equal(got[k], theta1[k]) for k in theta1)
     # a second shard of round 1 in this process: nothing moves
@@ -92,9 +93,11 @@ def test_shard_tasks_fetch_the_fewest_bytes(run):
 
 
 def flipped(blob: bytes) -> bytes:
-    """A broadcast whose values are reversed, its metadata (and claimed sha256) kept."""
+    """A broadcast whose codes are reversed, its metadata (and claimed sha256) kept."""
     packed = from_bytes(blob)
-    packed["int8.q"] = torch.flip(packed["int8.q"], [0])
+    for name in packed:
+        if name.endswith("@q"):
+            packed[name] = torch.flip(packed[name], [0])
     return to_bytes(packed, metadata_of(blob))
 
 

@@ -83,27 +83,47 @@ def test_shards_partition_the_training_rows():
     assert torch.equal(shard_rows(100, 8, 2, seed=3), rows[2])  # deterministic
 
 
-@pytest.mark.parametrize("codec,tol", [("fp32", 0.0), ("fp16", 1e-3), ("int8", 1 / 254)])
+@pytest.mark.parametrize("codec,tol", [("fp32", 0.0), ("fp16", 1e-3), ("int8", 1 / 254), ("int4", 1 / 14)])
 def test_codecs_round_trip(codec, tol):
     torch.manual_seed(1)
-    delta = {"w": torch.randn(300, 7), "b": torch.randn(5), "z": torch.zeros(3, 1)}
+    # odd sizes: a tensor whose last block is short, one of a single value, an empty one
+    delta = {"w": torch.randn(300, 7), "b": torch.randn(5), "z": torch.zeros(3, 1), "one": torch.randn(1),
+             "none": torch.zeros(0, 4)}
     back, meta = delta_from_bytes(delta_bytes(delta, codec, {"samples": "10"}))
     assert meta["samples"] == "10" and meta["codec"] == codec
     assert set(back) == set(delta)
-    top = max(v.abs().max().item() for v in delta.values())
     for k in delta:
         assert back[k].shape == delta[k].shape and back[k].dtype == torch.float32
-        # int8: each value is within half a quantization step of its block's max-abs / 127
-        err = (back[k] - delta[k]).abs().max().item()
-        assert err <= tol * (top if codec == "int8" else delta[k].abs().max().item()) + 1e-7
+        # int8/int4: each value is within half a quantization step (its block's max-abs / levels)
+        err = (back[k] - delta[k]).abs().max().item() if delta[k].numel() else 0.0
+        assert err <= tol * (delta[k].abs().max().item() if delta[k].numel() else 0.0) + 1e-7
     assert torch.equal(back["z"], torch.zeros(3, 1))
 
 
-def test_int8_is_about_four_times_smaller_even_with_small_tensors():
-    # a layout like a transformer's: big matrices and many 64-value biases and norm weights
-    delta = {"w": torch.randn(256, 256)} | {f"bias{i}": torch.randn(64) for i in range(40)}
-    ratio = len(delta_bytes(delta, "fp32", {})) / len(delta_bytes(delta, "int8", {}))
-    assert 3.8 < ratio < 4.0
+@pytest.mark.parametrize("codec, low, high", [("int8", 3.8, 4.0), ("int4", 6.7, 7.2)])
+def test_quantised_codecs_shrink_a_transformer_layout_as_their_bits_say(codec, low, high):
+    # a matrix and many biases and norm weights the width of a small transformer's: per-tensor
+    # blocks pad nothing; each tensor's two entries in the header cost a little
+    delta = {"w": torch.randn(512, 512)} | {f"bias{i}": torch.randn(512) for i in range(40)}
+    ratio = len(delta_bytes(delta, "fp32", {})) / len(delta_bytes(delta, codec, {}))
+    assert low < ratio < high
+
+
+def test_the_cli_offers_the_codecs_the_store_has():
+    from tensorturn.modes.fused.options import CODECS as OFFERED
+    from tensorturn.store.tensors import CODECS
+
+    assert OFFERED == CODECS
+
+
+def test_int4_packs_two_codes_a_byte_and_decodes_each_as_code_times_its_blocks_scale():
+    from tensorturn.store.tensors import decode_tensor, encode_tensor
+
+    value = torch.tensor([7.0, -7.0, 3.0, 0.0, -1.0])  # one block: scale 1
+    parts = encode_tensor("v", value, "int4")
+    assert parts["v@scale"].tolist() == [1.0]
+    assert parts["v@q"].tolist() == [(7 + 8) | ((-7 + 8) << 4), (3 + 8) | (8 << 4), -1 + 8]
+    assert torch.equal(decode_tensor("v", parts, "int4", [5]), value)
 
 
 def test_model_bytes_are_canonical():
@@ -162,8 +182,8 @@ def test_a_simulated_step_takes_its_emulated_time_whatever_the_compute_and_overs
 
 
 def test_a_delta_from_another_version_is_one_clear_error():
-    blob = to_bytes({"w::q": torch.zeros(256, dtype=torch.int8)},
-                    {"format": "tensorturn-delta/1", "codec": "int8", "shapes": '{"w": [256]}'})
+    blob = to_bytes({"int8.q": torch.zeros(256, dtype=torch.int8), "int8.scale": torch.ones(1)},
+                    {"format": "tensorturn-delta/2", "codec": "int8", "shapes": '{"w": [256]}'})
     with pytest.raises(ValueError, match="another TensorTurn version"):
         delta_from_bytes(blob)
 
@@ -210,7 +230,7 @@ def test_bf16_and_fp16_train_on_the_cpu():
     assert losses["bf16"] != losses["fp32"]                        # and bf16 did run in bf16
 
 
-@pytest.mark.parametrize("codec", ["fp32", "fp16", "int8"])
+@pytest.mark.parametrize("codec", ["fp32", "fp16", "int8", "int4"])
 def test_a_delta_written_tensor_by_tensor_is_delta_bytes_and_reads_back_alike(tmp_path, codec):
     from tensorturn.store.tensorfile import TensorReader, delta_tensors, write_delta
 

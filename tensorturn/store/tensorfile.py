@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from io import BufferedReader, BufferedWriter
 from pathlib import Path
 from typing import Any
@@ -22,7 +22,14 @@ from typing import Any
 import torch
 from safetensors.torch import save as st_save
 
-from tensorturn.store.tensors import BROADCAST_FORMAT, DELTA_FORMAT, INT8_BLOCK, StateDict, encode_delta
+from tensorturn.store.tensors import (
+    DELTA_FORMAT,
+    StateDict,
+    delta_layout,
+    encode_tensor,
+    iter_decoded,
+    part_specs,
+)
 
 DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
@@ -140,46 +147,30 @@ class TensorWriter:
 
 
 def delta_tensors(reader: TensorReader) -> Iterator[tuple[str, torch.Tensor]]:
-    """A pseudo-gradient file's float32 tensors, one at a time: the values
-    :func:`tensors.delta_from_bytes` gives, bit for bit (int8: each value is its code times its
-    block's scale, one multiplication, whichever slice it is computed in)."""
-    meta = reader.metadata
-    if meta.get("format") not in (DELTA_FORMAT, BROADCAST_FORMAT):
-        raise ValueError(f"a delta in format {meta.get('format')!r}, not {DELTA_FORMAT!r}: "
-                         "written by another TensorTurn version (upgrade every agent)")
-    if meta["codec"] in ("fp32", "fp16"):
-        for name in reader.names():
-            yield name, reader.get(name).float()
-        return
-    if meta["codec"] != "int8":
-        raise ValueError(f"unknown codec {meta['codec']!r}")
-    q, scale = reader.get("int8.q"), reader.get("int8.scale")
-    shapes = json.loads(meta["shapes"])
-    pos = 0
-    for name in sorted(shapes):
-        n = math.prod(shapes[name])
-        first, last = pos // INT8_BLOCK, -(-(pos + n) // INT8_BLOCK)
-        blocks = q[first * INT8_BLOCK:last * INT8_BLOCK].view(-1, INT8_BLOCK).float() * scale[first:last, None]
-        start = pos - first * INT8_BLOCK
-        yield name, blocks.flatten()[start:start + n].view(shapes[name]).clone()
-        pos += n
+    """A pseudo-gradient or broadcast file's float32 tensors, one at a time, in name order: the
+    values :func:`tensors.delta_from_bytes` gives, bit for bit."""
+    codec, shapes = delta_layout(reader.metadata)
+    return iter_decoded(reader.get, codec, shapes)
 
 
-def write_delta(path: Path | str, delta: StateDict, codec: str, extra: dict[str, str]) -> None:
+def write_delta(path: Path | str, delta: StateDict, codec: str, extra: dict[str, str],
+                fmt: str = DELTA_FORMAT) -> None:
     """A pseudo-gradient file, byte for byte :func:`tensors.delta_bytes`'s, written tensor by
-    tensor (fp32/fp16: each encoded as it is written, so no second copy of the model is made;
-    int8 packs every tensor into one vector first, a quarter of the model)."""
+    tensor: each is encoded as it is written (its parts again for each part: the same bits), so
+    no second copy of the model is made."""
     shapes = {k: list(v.shape) for k, v in delta.items()}
-    meta = {"format": DELTA_FORMAT, "codec": codec, "shapes": json.dumps(shapes, sort_keys=True), **extra}
-    if codec in ("fp32", "fp16"):
-        dtype = torch.float32 if codec == "fp32" else torch.float16
-        with TensorWriter(path, {k: (dtype, shape) for k, shape in shapes.items()}, meta) as out:
-            for name in out.order:
-                out.write(name, delta[name].to(dtype))
-            out.close()
-        return
-    packed = encode_delta(delta, codec)
-    with TensorWriter(path, {k: (v.dtype, list(v.shape)) for k, v in packed.items()}, meta) as out:
-        for name in out.order:
-            out.write(name, packed[name])
+    meta = {"format": fmt, "codec": codec, "shapes": json.dumps(shapes, sort_keys=True), **extra}
+    write_encoded(path, shapes, codec, meta, delta.__getitem__)
+
+
+def write_encoded(path: Path | str, shapes: dict[str, list[int]], codec: str, meta: dict[str, str],
+                  value: Callable[[str], torch.Tensor]) -> None:
+    """A delta file of the tensors ``value(name)`` gives (computed when needed, once per part it
+    is stored in), encoded with ``codec``."""
+    owner = {part: name for name, shape in shapes.items() for part in part_specs(name, shape, codec)}
+    specs = {part: spec for name, shape in shapes.items() for part, spec in part_specs(name, shape, codec).items()}
+    with TensorWriter(path, specs, meta) as out:
+        for part in out.order:
+            name = owner[part]
+            out.write(part, encode_tensor(name, value(name), codec)[part])
         out.close()

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -16,11 +18,12 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 MODEL_FORMAT = "tensorturn-model/1"
-DELTA_FORMAT = "tensorturn-delta/2"          # a shard's pseudo-gradient
-BROADCAST_FORMAT = "tensorturn-broadcast/1"  # θ_{r+1} − θ_r for the download
+DELTA_FORMAT = "tensorturn-delta/3"          # a shard's pseudo-gradient (3: int8 per tensor, int4)
+BROADCAST_FORMAT = "tensorturn-broadcast/2"  # θ_{r+1} − θ_r for the download
 ENSEMBLE_FORMAT = "tensorturn-ensemble/1"
-CODECS = ("fp32", "fp16", "int8")
-INT8_BLOCK = 256
+CODECS = ("fp32", "fp16", "int8", "int4")
+INT8_BLOCK = 256  # values per scale: 1.016 bytes a value, 3.94× fewer than fp32
+INT4_BLOCK = 64   # 0.5625 bytes a value, 7.1× fewer (finer blocks: 15 levels need them)
 
 if TYPE_CHECKING:
     from tensorturn.store.objects import Store
@@ -97,45 +100,101 @@ def float_keys(state: StateDict) -> list[str]:
 
 
 # ---- pseudo-gradient codecs ------------------------------------------------------------------
+#
+# Every codec works a tensor at a time, so a pseudo-gradient or a broadcast is encoded, written,
+# read and decoded tensor by tensor (no copy of the whole model is packed in memory). fp32 and
+# fp16 store each tensor under its own name. int8 and int4 quantise each tensor in blocks of its
+# flattened values (the last block may be short), one float32 scale per block (max-abs over the
+# levels): ``NAME@q`` holds the codes (int8: one a byte; int4: two a byte, low nibble first,
+# stored as code + 8), ``NAME@scale`` the scales. A value decodes as its code times its block's
+# scale — one multiplication, so the same bits whichever slice it is computed in.
+
+CODE, SCALE = "@q", "@scale"
+
+
+@dataclass(frozen=True)
+class Quantiser:
+    levels: int   # codes run from -levels to levels
+    block: int    # values per scale
+    bits: int     # bits a code takes in the file
+
+
+QUANTISERS = {"int8": Quantiser(127, INT8_BLOCK, 8), "int4": Quantiser(7, INT4_BLOCK, 4)}
+
+
+def part_specs(name: str, shape: list[int], codec: str) -> dict[str, tuple[torch.dtype, list[int]]]:
+    """The tensors (dtype, shape) that hold one encoded tensor in a delta file."""
+    if codec == "fp32" or codec == "fp16":
+        return {name: (torch.float32 if codec == "fp32" else torch.float16, list(shape))}
+    quant = quantiser(codec)
+    n = math.prod(shape)
+    codes = n if quant.bits == 8 else -(-n // 2)
+    return {name + CODE: (torch.int8 if quant.bits == 8 else torch.uint8, [codes]),
+            name + SCALE: (torch.float32, [-(-n // quant.block)])}
+
+
+def quantiser(codec: str) -> Quantiser:
+    if codec not in QUANTISERS:
+        raise ValueError(f"unknown codec {codec!r}; choose one of {', '.join(CODECS)}")
+    return QUANTISERS[codec]
+
+
+def encode_tensor(name: str, value: torch.Tensor, codec: str) -> dict[str, torch.Tensor]:
+    """One float tensor encoded: the tensors :func:`part_specs` names, by name."""
+    if codec == "fp32":
+        return {name: value.float()}
+    if codec == "fp16":
+        return {name: value.half()}
+    quant = quantiser(codec)
+    flat = value.detach().float().flatten()
+    n = flat.numel()
+    blocks = torch.nn.functional.pad(flat, (0, (-n) % quant.block)).view(-1, quant.block)
+    scale = blocks.abs().amax(dim=1) / quant.levels
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round(blocks / safe[:, None]).clamp(-quant.levels, quant.levels).flatten()[:n]
+    if quant.bits == 8:
+        codes = q.to(torch.int8)
+    else:
+        nibbles = torch.nn.functional.pad((q + 8).to(torch.uint8), (0, n % 2))
+        codes = nibbles[0::2] | (nibbles[1::2] << 4)
+    return {name + CODE: codes, name + SCALE: scale}
+
+
+def decode_tensor(name: str, parts: dict[str, torch.Tensor], codec: str, shape: list[int]) -> torch.Tensor:
+    """Inverse of :func:`encode_tensor`: the float32 tensor of ``shape``."""
+    if codec == "fp32" or codec == "fp16":
+        return parts[name].float()
+    quant = quantiser(codec)
+    n = math.prod(shape)
+    codes = parts[name + CODE]
+    if quant.bits == 8:
+        q = codes.float()
+    else:
+        q = torch.stack([codes & 15, codes >> 4], dim=1).flatten()[:n].float() - 8
+    blocks = torch.nn.functional.pad(q, (0, (-n) % quant.block)).view(-1, quant.block)
+    return (blocks * parts[name + SCALE][:, None]).flatten()[:n].view(shape).clone()
+
 
 def encode_delta(delta: StateDict, codec: str) -> dict[str, torch.Tensor]:
-    """Pack a float32 delta for transfer.
+    """Every tensor of a float32 delta encoded (:func:`encode_tensor`)."""
+    if codec not in CODECS:
+        raise ValueError(f"unknown codec {codec!r}; choose one of {', '.join(CODECS)}")
+    return {part: v for name, value in delta.items() for part, v in encode_tensor(name, value, codec).items()}
 
-    ``int8`` concatenates every tensor (in name order) into one vector, cut into blocks of 256
-    with one fp32 scale each (max-abs / 127): about 1.016 bytes per value whatever the model's
-    layout, where per-tensor blocks would pad each small tensor (biases, norms) to 256 values.
-    """
-    if codec == "fp32":
-        return {k: v.float() for k, v in delta.items()}
-    if codec == "fp16":
-        return {k: v.half() for k, v in delta.items()}
-    if codec == "int8":
-        flat = torch.cat([delta[k].float().flatten() for k in sorted(delta)]) if delta \
-            else torch.zeros(0)
-        pad = (-flat.numel()) % INT8_BLOCK
-        blocks = torch.nn.functional.pad(flat, (0, pad)).view(-1, INT8_BLOCK)
-        scale = blocks.abs().amax(dim=1) / 127.0
-        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-        q = torch.round(blocks / safe[:, None]).clamp(-127, 127).to(torch.int8)
-        return {"int8.q": q.flatten(), "int8.scale": scale}
-    raise ValueError(f"unknown codec {codec!r}; choose one of {', '.join(CODECS)}")
+
+def iter_decoded(get: Callable[[str], torch.Tensor], codec: str,
+                 shapes: dict[str, list[int]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, float32 tensor) for each tensor of a delta, in name order, one at a time; ``get``
+    returns a stored part by name (a dict's or a :class:`~tensorturn.store.tensorfile.TensorReader`'s)."""
+    for name in sorted(shapes):
+        parts = {part: get(part) for part in part_specs(name, shapes[name], codec)}
+        yield name, decode_tensor(name, parts, codec, shapes[name])
 
 
 def decode_delta(packed: dict[str, torch.Tensor], codec: str,
                  shapes: dict[str, list[int]]) -> StateDict:
     """Inverse of :func:`encode_delta`, back to float32 with the original shapes."""
-    if codec in ("fp32", "fp16"):
-        return {k: v.float() for k, v in packed.items()}
-    if codec == "int8":
-        q, scale = packed["int8.q"], packed["int8.scale"]
-        flat = (q.view(-1, INT8_BLOCK).float() * scale[:, None]).flatten()
-        out, pos = {}, 0
-        for k in sorted(shapes):
-            n = math.prod(shapes[k])
-            out[k] = flat[pos:pos + n].view(shapes[k]).clone()
-            pos += n
-        return out
-    raise ValueError(f"unknown codec {codec!r}")
+    return dict(iter_decoded(packed.__getitem__, codec, shapes))
 
 
 def delta_bytes(delta: StateDict, codec: str, extra: dict[str, str]) -> bytes:
@@ -144,13 +203,19 @@ def delta_bytes(delta: StateDict, codec: str, extra: dict[str, str]) -> bytes:
     return to_bytes(encode_delta(delta, codec), meta)
 
 
-def delta_from_bytes(data: bytes) -> tuple[StateDict, dict[str, str]]:
-    meta = metadata_of(data)
+def delta_layout(meta: dict[str, str]) -> tuple[str, dict[str, list[int]]]:
+    """(codec, shapes) of a delta or broadcast file, from its metadata; ValueError in one line
+    for a file another TensorTurn version wrote."""
     if meta.get("format") not in (DELTA_FORMAT, BROADCAST_FORMAT):
         raise ValueError(f"a delta in format {meta.get('format')!r}, not {DELTA_FORMAT!r}: "
                          "written by another TensorTurn version (upgrade every agent)")
-    shapes = json.loads(meta["shapes"])
-    return decode_delta(from_bytes(data), meta["codec"], shapes), meta
+    return meta["codec"], json.loads(meta["shapes"])
+
+
+def delta_from_bytes(data: bytes) -> tuple[StateDict, dict[str, str]]:
+    meta = metadata_of(data)
+    codec, shapes = delta_layout(meta)
+    return decode_delta(from_bytes(data), codec, shapes), meta
 
 
 def is_finite(state: StateDict) -> bool:

@@ -20,7 +20,7 @@ Guarantees:
 * The inner optimizer state is reset each round: the result stays independent of where a shard
   ran, and nothing but weights moves.
 * Downloads are as small as the run allows: θ_0 is rebuilt from the seed, a machine reuses the θ
-  it holds, and with ``--codec fp16|int8`` a machine holding θ_{r−1} fetches only the compressed
+  it holds, and with ``--codec fp16|int8|int4`` a machine holding θ_{r−1} fetches only the compressed
   move θ_r − θ_{r−1} (error feedback). Every rebuilt θ is checked against the stored file's sha256.
 """
 

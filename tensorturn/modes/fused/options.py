@@ -18,7 +18,8 @@ if TYPE_CHECKING:
     from tensorturn.spec import RunSpec
 
 OUTERS = ("auto", "nesterov", "sgd")
-CODECS = ("fp32", "fp16", "int8")
+# store.tensors.CODECS, named here without importing torch (test_math checks they agree)
+CODECS = ("fp32", "fp16", "int8", "int4")
 KEEPS = ("last", "best")
 AUTO_NESTEROV_EPOCHS = 1.0  # --outer auto: Nesterov when a shard's round covers its rows at most this often
 # a shard going over its rows more often than this per round, with --shards or --sync-every
@@ -48,7 +49,7 @@ class FusedOptions(ModeOptions):
     outer           outer optimizer: nesterov (DiLoCo), sgd (lr 1: FedAvg), auto (sgd if shards see rows >1× a round)
     outer_lr        outer learning rate (default 0.7 for nesterov, 1.0 for sgd)
     outer_momentum  outer momentum
-    codec           encoding of pseudo-gradients up and weight updates down (int8: ~3.9× fewer bytes)
+    codec           encoding of pseudo-gradients up and weight updates down (int8: ~3.9× fewer bytes, int4: ~7×)
     keep            the result: the last round's weights, or those of the round with the lowest validation loss
     sync            rounds: a barrier per round; backup: and copies of its stragglers; async: no barrier (see README)
     """

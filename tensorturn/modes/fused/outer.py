@@ -3,8 +3,10 @@
 FedAvg — with ``--outer sgd``), then evaluate θ_{r+1}.
 
 One streaming implementation, whatever the model's size and the codec: everything goes through
-local files, tensor by tensor, so memory holds one model-sized sum and a tensor at a time (and,
-when the broadcast is compressed, the move θ_{r+1} − θ_r being encoded). Its arithmetic is the
+local files, tensor by tensor, so memory holds one model-sized sum and a tensor at a time — also
+when the broadcast is compressed: θ_{r+1}, the broadcast and the residual are each written in
+their file's order, the move computed again for each (2.4× an 86M model at the peak, the process
+included; ``benchmarks/bigmodel.py --codecs``). Its arithmetic is the
 in-memory one's (:func:`~tensorturn.train.diloco.weighted_average`,
 :func:`~tensorturn.train.diloco.outer_update`, :func:`~tensorturn.train.diloco.compress_broadcast`)
 applied tensor by tensor, so the same bits. θ_{r+1} is stored last: its existence decides the round.
@@ -33,15 +35,21 @@ from tensorturn.state.board import RunBoard
 from tensorturn.state.manifest import write_manifest
 from tensorturn.store import seals
 from tensorturn.store.objects import Store, file_sha256
-from tensorturn.store.tensorfile import DTYPES, TensorReader, TensorWriter, delta_tensors, write_order
+from tensorturn.store.tensorfile import (
+    DTYPES,
+    TensorReader,
+    TensorWriter,
+    delta_tensors,
+    write_encoded,
+    write_order,
+)
 from tensorturn.store.tensors import (
     BROADCAST_FORMAT,
     StateDict,
-    decode_delta,
-    encode_delta,
+    decode_tensor,
+    encode_tensor,
     model_metadata,
     stored_metadata,
-    to_bytes,
 )
 from tensorturn.tasks.attempt import SUCCEEDED, Unit
 from tensorturn.train.device import pick_device
@@ -248,26 +256,26 @@ class OuterStep:
                 if name in avg:
                     squares += float(theta.get(name).double().square().sum())
             check_norms(self.spec, r, norms, squares)  # before anything is stored
-            if self.compress:  # writes θ_{r+1} too: the broadcast names its sha256
-                residual, broadcast = self.encode_move(avg, theta_sha)
-            else:
-                residual, broadcast = {}, b""
-                self.write_theta(avg, {})
+            self.has_residual = state is not None and any(k.startswith(RESIDUAL) for k in state.entries)
+            self.write_theta(avg)
+            moved = [name for name, (dtype, _) in self.specs.items() if self.compress and dtype.is_floating_point]
+            if moved:  # the broadcast names θ_{r+1}'s sha256
+                self.write_broadcast(avg, moved, theta_sha)
             state_specs = {name: (torch.float32, self.specs[name][1]) for name in avg} if self.momentum else {}
-            state_specs.update({RESIDUAL + name: (torch.float32, list(v.shape)) for name, v in residual.items()})
+            state_specs.update({RESIDUAL + name: (torch.float32, self.specs[name][1]) for name in moved})
             if state_specs:  # the outer state of r+1 is stored before θ_{r+1} decides the round
                 with TensorWriter(scratch / "state-next", state_specs) as out:
                     for name in out.order:
-                        if name.startswith(RESIDUAL):
-                            out.write(name, residual.pop(name[len(RESIDUAL):]))
+                        if name.startswith(RESIDUAL):  # what the codec did not send, sent next round
+                            want = self.want(avg, name[len(RESIDUAL):])
+                            out.write(name, want - self.sent(name[len(RESIDUAL):], want))
                         else:
                             out.write(name, self.step(avg, name)[1][name])
-                            del avg[name]
                     out.close()
                 seals.put_file(store, layout.key("outer", run_id, r + 1), scratch / "state-next")
         avg.clear()
-        if broadcast:
-            seals.put_bytes(store, layout.key("broadcast", run_id, r + 1), broadcast)
+        if moved:
+            seals.put_file(store, layout.key("broadcast", run_id, r + 1), scratch / "broadcast")
         seals.put_file(store, layout.key("global", run_id, r + 1), scratch / "next")
 
     def step(self, avg: StateDict, name: str) -> tuple[StateDict, StateDict]:
@@ -278,40 +286,37 @@ class OuterStep:
         return outer_update({name: self.theta.get(name)}, d, {name: prev} if prev is not None else None,
                             self.lr, self.momentum, self.nesterov)
 
-    def write_theta(self, avg: StateDict, sent: StateDict) -> None:
-        """θ_{r+1} to ``scratch/next``: the outer update's, or — when the broadcast is compressed —
-        θ_r plus the move as every machine decodes it (``sent``)."""
+    def want(self, avg: StateDict, name: str) -> torch.Tensor:
+        """The move θ_{r+1} − θ_r of one tensor plus the residual the codec left last round:
+        what the broadcast encodes (:func:`~tensorturn.train.diloco.compress_broadcast`'s
+        arithmetic, a tensor at a time)."""
+        target = self.step(avg, name)[0][name]
+        residual = self.state.get(RESIDUAL + name) if self.has_residual and self.state is not None else 0.0
+        return target.float() - self.theta.get(name).float() + residual
+
+    def sent(self, name: str, want: torch.Tensor) -> torch.Tensor:
+        """The move as every machine decodes it from the broadcast."""
+        return decode_tensor(name, encode_tensor(name, want, self.codec), self.codec, list(want.shape))
+
+    def write_theta(self, avg: StateDict) -> None:
+        """θ_{r+1} to ``scratch/next``, tensor by tensor: the outer update's, or — when the
+        broadcast is compressed — θ_r plus the move as every machine decodes it, so that the
+        run's θ_{r+1} is the one every machine rebuilds."""
         meta = model_metadata(self.spec.recipe, self.recipe.default_config(), self.spec.recipe_options)
         with TensorWriter(self.scratch / "next", self.specs, meta) as out:
             for name in out.order:
                 if self.compress:
                     value = self.theta.get(name)
-                    out.write(name, apply_step({name: value}, {name: sent[name]} if name in sent else {})[name])
+                    move = {name: self.sent(name, self.want(avg, name))} if value.is_floating_point() else {}
+                    out.write(name, apply_step({name: value}, move)[name])
                 else:
                     out.write(name, self.step(avg, name)[0][name])
             out.close()
 
-    def encode_move(self, avg: StateDict, theta_sha: str) -> tuple[StateDict, bytes]:
-        """The move θ_{r+1} − θ_r plus the residual the codec left last round, encoded for the
-        download (:func:`~tensorturn.train.diloco.compress_broadcast`, tensor by tensor where it
-        can be), and θ_{r+1} written as every machine rebuilds it: θ_r plus the decoded move.
-        Returns (the new residual, the broadcast file's bytes, which name θ_{r+1}'s sha256)."""
-        theta, state = self.theta, self.state
-        has_residual = state is not None and any(k.startswith(RESIDUAL) for k in state.entries)
-        want: StateDict = {}
-        for name, (dtype, _) in self.specs.items():
-            if not dtype.is_floating_point:
-                continue
-            target = self.step(avg, name)[0][name]
-            want[name] = target.float() - theta.get(name).float() + (
-                state.get(RESIDUAL + name) if has_residual and state is not None else 0.0)
-        shapes = {k: list(v.shape) for k, v in want.items()}
-        packed = encode_delta(want, self.codec)
-        sent = decode_delta(packed, self.codec, shapes)
-        residual = {k: want[k] - sent[k] for k in want}
-        del want
-        self.write_theta(avg, sent)
-        del sent
+    def write_broadcast(self, avg: StateDict, moved: list[str], theta_sha: str) -> None:
+        """The broadcast ``scratch/broadcast``: the moves of ``moved`` encoded with the run's
+        codec, tensor by tensor, naming θ_r's sha256 (its base) and θ_{r+1}'s."""
+        shapes = {name: list(self.specs[name][1]) for name in moved}
         meta = {"format": BROADCAST_FORMAT, "codec": self.codec, "shapes": json.dumps(shapes, sort_keys=True),
                 "base_sha256": theta_sha, "sha256": file_sha256(self.scratch / "next")}
-        return residual, to_bytes(packed, meta)
+        write_encoded(self.scratch / "broadcast", shapes, self.codec, meta, lambda name: self.want(avg, name))

@@ -2,7 +2,7 @@
 cache of them this process keeps (:data:`cache`), for synchronous rounds and asynchronous
 versions alike.
 
-θ_0 is rebuilt from the seed, a machine reuses the θ it holds, and with ``--codec fp16|int8`` a
+θ_0 is rebuilt from the seed, a machine reuses the θ it holds, and with ``--codec fp16|int8|int4`` a
 machine holding θ_{r−1} fetches only the compressed move θ_r − θ_{r−1}. A rebuilt θ is used only
 if its model file hashes to the one stored, so a different torch or a lost delta can only cost
 bytes, never change the weights.
@@ -22,7 +22,7 @@ from tensorturn.spec import RunSpec
 from tensorturn.store import seals
 from tensorturn.store.objects import ObjectMissing, Store, sha256_hex
 from tensorturn.store.tensorfile import TensorReader
-from tensorturn.store.tensors import StateDict, delta_from_bytes, metadata_of, model_bytes
+from tensorturn.store.tensors import StateDict, delta_layout, from_bytes, iter_decoded, metadata_of, model_bytes
 from tensorturn.train.diloco import apply_step, initial_state
 
 log = logging.getLogger(__name__)
@@ -108,7 +108,12 @@ def rebuild_from_broadcast(spec: RunSpec, recipe: Recipe, store: Store, r: int,
         return None, "", 0
     meta = metadata_of(blob)
     if meta.get("base_sha256") == held[1]:
-        theta = apply_step(held[2], delta_from_bytes(blob)[0])
+        codec, shapes = delta_layout(meta)
+        packed, base = from_bytes(blob), held[2]
+        theta = {name: value.clone() for name, value in base.items() if name not in shapes}
+        for name, move in iter_decoded(packed.__getitem__, codec, shapes):  # a tensor at a time
+            theta.update(apply_step({name: base[name]}, {name: move}))
+        del packed
         sha = sha256_hex(global_bytes(spec, recipe, theta))
         if sha == meta.get("sha256"):
             return theta, sha, len(blob)
