@@ -71,7 +71,10 @@ class Settings:
     pool_key: str | None = None
     pool_key_file: str | None = None
     allow_recipes: str | None = None
-    visibility_timeout_s: int = 8
+    # 4 s, refreshed every second: a dropped machine's task is back within 3-5 s
+    # (benchmarks/requeue.py), and a 1 Mbit/s link uploading for many leases keeps its task
+    # (tests/test_links.py); the refresh is one command a second per running task
+    visibility_timeout_s: int = 4
     shutdown_grace_s: float = 5.0
     heartbeat_s: float = 3.0
     store_retries: int = 6

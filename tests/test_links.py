@@ -76,8 +76,9 @@ def running_on(pool, run_id: str, worker_prefix: str, timeout: float = 120) -> d
 
 def test_a_link_down_past_the_lease_requeues_the_shard_and_the_healed_machine_rejoins(linked, reference):
     """local1's link goes down mid-shard (its process keeps running) for longer than the lease:
-    the shard is handed to local2; the link comes back: local1's late result is ignored, it
-    takes new work, and the model is the fault-free run's, bit for bit."""
+    the shard is handed to local2 and local1's attempt recorded lost; the link comes back: the
+    shard counts once (whichever of the two stores it first — the same bits — the other is a
+    duplicate), local1 takes new work, and the model is the fault-free run's, bit for bit."""
     pool, store = linked
     spec = run(pool, store)
     victim = running_on(pool, spec.run_id, "local1@")
@@ -95,7 +96,8 @@ def test_a_link_down_past_the_lease_requeues_the_shard_and_the_healed_machine_re
     assert doc["state"] == "succeeded", doc.get("error")
     assert doc["model_sha256"] == reference["model_sha256"]
     tries = [a for a in doc["attempts"] if a["task"] == victim["task"]]
-    assert tries[0]["worker"] == victim["worker"] and not tries[0]["outcome"] == "succeeded"
+    assert tries[0]["worker"] == victim["worker"] and tries[1]["worker"].startswith("local2@")
+    assert any(i["kind"] == "requeued" and i["task"] == victim["task"] for i in doc["incidents"])
     assert sum(1 for a in tries if a["outcome"] == "succeeded") == 1  # counted once
     # the healed machine takes work again (this run's round 1, or the next run's)
     if not any(a["worker"] == victim["worker"] and a["started_at"] > healed_at
