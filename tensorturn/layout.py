@@ -160,6 +160,9 @@ def parse(kind: str, text: str) -> dict[str, Any] | None:
 PREFIX = "tt:"
 RUN_INDEX = f"{PREFIX}runs"
 WORKER_PATTERN = f"{PREFIX}worker:*"
+# set: the names of the agents with a heartbeat hash, so listing them is one round trip, not a
+# SCAN of every key on the broker (212 round trips at 2,213 keys)
+WORKER_INDEX = f"{PREFIX}workers"
 REFUSED = f"{PREFIX}refused"   # list: the last task messages agents refused (bad signature, ...)
 REFUSED_TOTAL = f"{REFUSED}:total"  # counter: every refusal (the list keeps only the last 100)
 PRUNE_LOCK = f"{PREFIX}pruned"

@@ -404,6 +404,28 @@ def test_an_agent_is_listed_again_at_its_next_heartbeat_after_redis_lost_its_dat
     assert [w["name"] for w in list_workers(beat.client)] == ["w1@host"]
 
 
+def test_listing_agents_reads_their_index_not_every_key_on_the_broker(world):
+    """Issue 28: `SCAN MATCH tt:worker:*` took 212 round trips at 2,213 keys, twice a run; the
+    agents' index is one, and a name whose hash expired leaves it."""
+    from tensorturn.layout import WORKER_INDEX, worker_key
+    from tensorturn.pool.telemetry import Heartbeat
+    from tensorturn.state.roster import list_workers
+
+    client = redis_client(world.broker)
+    client.mset({f"other:{i}": i for i in range(3000)})  # runs, queues, results: most keys are not agents
+    for node in ("w1@host", "w2@host"):
+        beat = Heartbeat.__new__(Heartbeat)
+        beat.client, beat.node, beat.tref, beat.outer = client, node, None, []
+        beat.beat(first=True)
+    scans = lambda: client.info("commandstats").get("cmdstat_scan", {}).get("calls", 0)  # noqa: E731
+    before = scans()
+    assert [w["name"] for w in list_workers(client)] == ["w1@host", "w2@host"]
+    assert scans() == before
+    client.delete(worker_key("w2@host"))         # its hash expired (an agent gone a week)
+    assert [w["name"] for w in list_workers(client)] == ["w1@host"]
+    assert client.smembers(WORKER_INDEX) == {"w1@host"}
+
+
 # ---- little data --------------------------------------------------------------------------------
 
 def test_keep_best_keeps_the_round_with_the_lowest_validation_loss(world):

@@ -21,7 +21,7 @@ from enum import StrEnum
 from typing import Any
 
 from tensorturn import config, trust
-from tensorturn.layout import WORKER_PATTERN, worker_key
+from tensorturn.layout import WORKER_INDEX, WORKER_PATTERN, worker_key
 
 OFFLINE_AFTER = 3  # heartbeats
 SIGNED = ("name", "inventory", "queues", "last_seen", "incarnation")  # a heartbeat's signed fields
@@ -65,6 +65,24 @@ def quarantine_verified(key: trust.PoolKey, h: dict[str, Any], incarnation: Any)
                       h.get(QUARANTINE_SIGNATURE))
 
 
+def heartbeats(client) -> dict[str, dict[str, Any]]:
+    """Every indexed agent's hash, by name, in two round trips (the index, then one pipeline);
+    names whose hash has expired leave the index. A broker without the index yet (agents of an
+    earlier version) is scanned instead."""
+    names = sorted(client.smembers(WORKER_INDEX))
+    if not names:
+        head = worker_key("")
+        names = sorted(key[len(head):] for key in client.scan_iter(WORKER_PATTERN, count=1000))
+    pipe = client.pipeline(transaction=False)
+    for name in names:
+        pipe.hgetall(worker_key(name))
+    hashes = dict(zip(names, pipe.execute()))
+    gone = [name for name, h in hashes.items() if not h]
+    if gone:
+        client.srem(WORKER_INDEX, *gone)
+    return {name: h for name, h in hashes.items() if h}
+
+
 def list_workers(client, now: float | None = None, heartbeat_s: float | None = None,
                  key: trust.PoolKey | None = None) -> list[dict[str, Any]]:
     """Every agent that ever sent a heartbeat to this broker, with its state: ``idle``, ``busy``,
@@ -77,8 +95,8 @@ def list_workers(client, now: float | None = None, heartbeat_s: float | None = N
     heartbeat_s = config.current().heartbeat_s if heartbeat_s is None else heartbeat_s
     key = key or trust.find_key()
     out = []
-    for redis_key in sorted(client.scan_iter(WORKER_PATTERN)):
-        h = client.hgetall(redis_key)
+    for name, h in sorted(heartbeats(client).items()):
+        redis_key = worker_key(name)
         if "inventory" not in h:
             continue
         signed = None if key is None else verified(key, redis_key, h)

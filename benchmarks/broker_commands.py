@@ -1,0 +1,75 @@
+"""Broker commands per task: what a fused run costs the broker, by command, per shard task.
+
+A pool of 3 agents on a private redis-server runs the digits job of issue 28 (3 shards × R
+rounds × H = 67, digits-mlp); Redis's own ``INFO commandstats`` is read before and after the
+run, and every call in between is divided by the run's shard tasks: the agents' task messages,
+results, leases, heartbeats, progress and claims, and this script's own polling (``runs.wait``,
+every 0.25 s). On a home link each command is a round trip (40 ms on the emulated links of
+BENCHMARKS §13).
+
+It counts commands, not bytes, and includes the pool's idle traffic over the run's wall time
+(heartbeats every 3 s, lease refreshes every second per running task, Celery's polling of its
+queues), which is what a task costs on a pool doing nothing else.
+
+    python benchmarks/broker_commands.py [--rounds 8] [--agents 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from _common import figure, machine, run_job, succeeded, table, write_outputs  # noqa: E402
+
+from tensorturn.layout import parse_label  # noqa: E402
+from tensorturn.pool.embedded import LocalPool  # noqa: E402
+from tensorturn.state.broker import redis_client  # noqa: E402
+
+
+def calls(client) -> Counter:
+    stats = client.info("commandstats")
+    return Counter({name.removeprefix("cmdstat_"): int(v["calls"]) for name, v in stats.items()})
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--agents", type=int, default=3)
+    ap.add_argument("--sync-every", type=int, default=67)
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory(prefix="tt-cmds-") as tmp:
+        store = (Path(tmp) / "store").as_uri()
+        with LocalPool(args.agents, store, workdir=Path(tmp) / "pool") as pool:
+            client = redis_client(pool.broker_url)
+            before = calls(client)
+            doc = run_job(pool, store, mode="fused", recipe="digits-mlp", rounds=args.rounds,
+                          shards=args.agents, sync_every=args.sync_every)
+            after = calls(client)
+    used = after - before
+    shards = sum(1 for a in succeeded(doc) if getattr(parse_label(a["task"]), "kind", None) == "shard")
+    tasks = len([a for a in doc["attempts"] if a["outcome"] == "succeeded"])
+    wall = doc["finished_at"] - doc["created_at"]
+    total = sum(used.values())
+    rows = [[name, n, round(n / shards, 1)] for name, n in used.most_common(15)]
+    print(table(["command", "calls", "per shard task"], rows))
+    print(f"\n{total} commands over {wall:.1f} s for {shards} shard tasks ({tasks} tasks in all): "
+          f"{total / shards:.1f} per shard task, {total / tasks:.1f} per task")
+    fig = figure(7, 4)
+    ax = fig.add_subplot()
+    ax.barh([r[0] for r in rows][::-1], [r[2] for r in rows][::-1])
+    ax.set_xlabel("Redis commands per shard task")
+    ax.set_title(f"digits, {args.agents} agents × {args.rounds} rounds × H = {args.sync_every}")
+    write_outputs("broker_commands", {
+        "machine": machine(), "agents": args.agents, "rounds": args.rounds, "sync_every": args.sync_every,
+        "wall_s": wall, "shard_tasks": shards, "tasks": tasks, "commands": total,
+        "per_shard_task": total / shards, "per_task": total / tasks, "by_command": dict(used.most_common())}, fig)
+
+
+if __name__ == "__main__":
+    main()
