@@ -41,6 +41,9 @@ POOLS = {
     "1:1:4": [1, 1, 4],
     # 16 agents: a few fast, most average, a long tail of slow ones (8× from fastest to slowest)
     "long16": [2] * 4 + [1] * 8 + [0.5] * 3 + [0.25],
+    # one straggler among three (issue 28's async cases: run with --shards 3)
+    "1:1:0.25": [1, 1, 0.25],
+    "1:1:0.1": [1, 1, 0.1],
 }
 VARIANTS = ("rounds", "backup", "async")
 # per recipe: (base step seconds at speed 1, H, rounds, shards per agent-speed unit); the base is

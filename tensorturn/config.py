@@ -71,10 +71,10 @@ class Settings:
     pool_key: str | None = None
     pool_key_file: str | None = None
     allow_recipes: str | None = None
-    # 4 s, refreshed every second: a dropped machine's task is back within 3-5 s
-    # (benchmarks/requeue.py), and a 1 Mbit/s link uploading for many leases keeps its task
-    # (tests/test_links.py); the refresh is one command a second per running task
-    visibility_timeout_s: int = 4
+    # 8 s, refreshed every 2 s. 4 s (refreshed every second) gave a requeue p95 of 4.8 s, but a
+    # refresh behind a saturated 1 Mbit/s uplink on a loaded machine then arrived late once in
+    # five runs of tests/test_links.py (a redelivery, ignored): see BENCHMARKS.md §5
+    visibility_timeout_s: int = 8
     shutdown_grace_s: float = 5.0
     heartbeat_s: float = 3.0
     store_retries: int = 6

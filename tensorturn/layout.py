@@ -34,7 +34,8 @@ Redis (besides Celery's and kombu's own keys)::
     tt:run:<id>                   hash: state, mode, spec, metrics, error, times; whole only
                                   with every field of RECORD (else treated as lost)
     tt:run:<id>:<part>            rounds, members, members_done, attempts, attempt_n,
-                                  attempt_base, bytes, claims, incidents and warnings (lists),
+                                  attempt_base, succeeded (task → its first successful
+                                  attempt), bytes, claims, incidents and warnings (lists),
                                   started (an agent's answer to `run`, a list), data_bytes and data_read
                                   (per worker: dataset bytes downloaded, read by its tasks),
                                   owners (fused: shard → the worker that last trained it),
@@ -160,9 +161,6 @@ def parse(kind: str, text: str) -> dict[str, Any] | None:
 PREFIX = "tt:"
 RUN_INDEX = f"{PREFIX}runs"
 WORKER_PATTERN = f"{PREFIX}worker:*"
-# set: the names of the agents with a heartbeat hash, so listing them is one round trip, not a
-# SCAN of every key on the broker (212 round trips at 2,213 keys)
-WORKER_INDEX = f"{PREFIX}workers"
 REFUSED = f"{PREFIX}refused"   # list: the last task messages agents refused (bad signature, ...)
 REFUSED_TOTAL = f"{REFUSED}:total"  # counter: every refusal (the list keeps only the last 100)
 PRUNE_LOCK = f"{PREFIX}pruned"

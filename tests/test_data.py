@@ -226,7 +226,8 @@ def test_a_dataset_larger_than_the_cache_trains_fused_with_the_same_result_on_1_
     # the two runs side by side, each on its own embedded pool and caches
     one, three = tt_json_many(*(("run", "--recipe", "tabular", "--recipe-option", "dataset=lean",
                                  "--local-workers", str(agents), "--rounds", "2", "--shards", "8",
-                                 "--sync-every", "20", "--store", store, "--json") for agents in (1, 3)),
+                                 "--sync-every", "20", "--eval-batches", "0",  # whole splits: their chunks
+                                 "--store", store, "--json") for agents in (1, 3)),
                               envs=[clean_env(TENSORTURN_CACHE_DIR=str(tmp_path / f"cache-{agents}"),
                                               TENSORTURN_CACHE_GB=str(budget_gb)) for agents in (1, 3)],
                               cwd=tmp_path)

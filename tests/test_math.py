@@ -109,6 +109,18 @@ def test_quantised_codecs_shrink_a_transformer_layout_as_their_bits_say(codec, l
     assert low < ratio < high
 
 
+def test_a_stale_asynchronous_update_keeps_less_of_its_weight_past_a_round():
+    from tensorturn.train.diloco import staleness_scale
+
+    # within a round's worth of versions (S = 3): the whole weight, as a synchronous round
+    assert [staleness_scale(s, 3) for s in (0, 1, 2)] == [1.0, 1.0, 1.0]
+    # past it: S / (staleness + 1), falling as versions pile up; never zero
+    assert staleness_scale(3, 3) == 0.75 and staleness_scale(16, 3) == 3 / 17
+    assert staleness_scale(16, 3, power=0.5) == (3 / 17) ** 0.5
+    scales = [staleness_scale(s, 8) for s in range(100)]
+    assert all(a >= b > 0 for a, b in zip(scales, scales[1:]))
+
+
 def test_the_cli_offers_the_codecs_the_store_has():
     from tensorturn.modes.fused.options import CODECS as OFFERED
     from tensorturn.store.tensors import CODECS

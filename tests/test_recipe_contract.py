@@ -129,8 +129,9 @@ def test_an_ensemble_is_measured_by_the_recipes_evaluate_as_one_model(tmp_path):
         pieces = list(recipe.eval_pieces("test"))
         figures = vote_metrics(predictor, pieces)
         x, y = pieces[0]
-        assert {k: v for k, v in figures.items() if k.startswith("test_")} == pytest.approx(
+        assert {k: v for k, v in figures.items() if k.startswith("test_") and k != "test_rows"} == pytest.approx(
             {f"test_{k}": v for k, v in recipe.evaluate(predictor.as_model(), x, y).items()})
+        assert figures["test_rows"] == len(y)  # the rows its figures read
         combined, per_member = predictor.predict(x)
         # in the user's units: the score runs from 25 to 346; the model's units are near 0
         assert combined.shape == (len(y), 1) and 100 < float(combined.mean()) < 200
@@ -251,7 +252,7 @@ def test_standardised_targets_are_served_and_measured_in_the_users_units_in_both
          "--segment-steps", "90", "--local-workers", "2", "--store", store, "--json"), cwd=tmp_path)
     assert fused["state"] == ensemble["state"] == "succeeded", (fused.get("error"), ensemble.get("error"))
     tested = {k for k in fused["metrics"] if k.startswith("test_")}
-    assert tested == {"test_loss", "test_mae", "test_r2"}
+    assert tested == {"test_loss", "test_mae", "test_r2", "test_rows"}
     assert tested <= set(ensemble["metrics"])  # the same figures, by the same evaluate
     for doc in (fused, ensemble):
         m = doc["metrics"]
@@ -260,7 +261,8 @@ def test_standardised_targets_are_served_and_measured_in_the_users_units_in_both
         predictor, _ = load_result(open_store((tmp_path / "store").as_uri()), doc["run_id"])
         again = predictor.recipe.evaluate_split(predictor.as_model(), "test")
         assert {f"test_{k}": v for k, v in again.items()} == pytest.approx(
-            {k: m[k] for k in tested}, rel=1e-4)
+            {k: m[k] for k in tested - {"test_rows"}}, rel=1e-4)
+        assert m["test_rows"] == len(predictor.recipe.sample_rows("test", 10 ** 6)[1])  # a small split: whole
 
     token = tt_json("token", "create", "--store", store, "--json", cwd=tmp_path)["token"]
     server = Server(store, ensemble["run_id"], "--allow-recipe", ALLOW)

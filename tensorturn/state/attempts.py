@@ -66,8 +66,23 @@ class Attempts:
                also: Callable[[Any], None] | None = None, traceback: str | None = None) -> None:
         """Record the attempt's outcome (a failure's ``traceback`` with it: its last frames,
         bounded — :func:`tensorturn.tracebacks.tail`); ``also(pipeline)`` adds writes that go
-        with it, in the same round trip."""
-        raw = self.r.hget(layout.run_key(run_id, "attempts"), key)
+        with it, in the same round trip.
+
+        The first attempt of a task to succeed is the one recorded as succeeded (a marker set
+        once, atomically, in the round trip that reads the entry): another copy that stored the
+        same output too — a partitioned machine that healed and finished beside the attempt
+        that replaced it — is recorded ``late``, so a task is counted once."""
+        task = key.rpartition("#")[0]
+        marker = layout.run_key(run_id, "succeeded")
+        pipe = self.r.pipeline(transaction=False)
+        pipe.hget(layout.run_key(run_id, "attempts"), key)
+        if outcome == Outcome.SUCCEEDED:
+            pipe.hsetnx(marker, task, key)
+            pipe.hget(marker, task)
+        raw, *first = pipe.execute()
+        if first and first[-1] != key:
+            outcome = Outcome.LATE.says(f"attempt {first[-1].rpartition('#')[2]} of this task "
+                                        "stored the same output first")
         pipe = self.r.pipeline(transaction=False)
         if raw is not None:
             entry = json.loads(raw)
@@ -91,6 +106,7 @@ class Attempts:
     def restore(self, run_id: str, entries: list[dict[str, Any]], pipe: Any) -> None:
         """Put back a manifest's attempts, each task's allowance counted from its last one (a
         resume), in ``pipe``."""
+        pipe.delete(layout.run_key(run_id, "succeeded"))  # a task redone after a resume counts again
         for a in entries:
             pipe.hset(layout.run_key(run_id, "attempts"), f"{a['task']}#{a['attempt']}", json.dumps(a))
             pipe.hset(layout.run_key(run_id, "attempt_n"), a["task"], a["attempt"])
@@ -100,5 +116,6 @@ class Attempts:
         """Every task gets its attempts again, counted from now (a resume: the cause of the
         failure was fixed); the counts are read now, the write goes in ``pipe``."""
         counts = self.r.hgetall(layout.run_key(run_id, "attempt_n"))
+        pipe.delete(layout.run_key(run_id, "succeeded"))  # a task redone after a resume counts again
         if counts:
             pipe.hset(layout.run_key(run_id, "attempt_base"), mapping=counts)

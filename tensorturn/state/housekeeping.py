@@ -139,6 +139,5 @@ def _agents(client: Any) -> list[str]:
         pipe.delete(layout.worker_key(node), queue, KOMBU_BINDING.format(queue),
                     KOMBU_PERMANENT.format(queue))
         pipe.srem(KOMBU_BINDING.format(MAILBOXES), KOMBU_SEP * 2 + f"{node}.{MAILBOXES}")
-        pipe.srem(layout.WORKER_INDEX, node)
     pipe.execute()
     return sorted(names)

@@ -45,7 +45,6 @@ class Workers:
         if idle:
             pipe.hdel(key, "task", "progress")
         pipe.expire(key, KEEP_S)
-        pipe.sadd(layout.WORKER_INDEX, node)  # every beat: an index lost with its Redis heals
         pipe.hmget(key, "quarantined", roster.QUARANTINE_SIGNATURE)
         mark, sig = pipe.execute()[-1]
         return mark, sig

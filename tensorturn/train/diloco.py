@@ -151,6 +151,21 @@ def outer_update(theta: StateDict, delta: StateDict, momentum_buf: StateDict | N
     return new_theta, new_buf
 
 
+STALENESS_POWER = 1.0  # benchmarks/mixed_speeds.py --pools 1:1:0.25,1:1:0.1 --shards 3 (BENCHMARKS §12)
+
+
+def staleness_scale(staleness: int, shards: int, power: float = STALENESS_POWER) -> float:
+    """The share of its weight an asynchronous update keeps, given how many versions were applied
+    since the weights it trained from: all of it within a round's worth (fewer than S: the
+    updates a synchronous round would average together), then ``(S / (staleness + 1))^power`` —
+    FedAsync's polynomial staleness function (Xie et al. 2019, arXiv 1903.03934), counted in
+    rounds. A straggler's update that lands 16 versions late on 3 shards keeps 3/17 of its
+    weight: it still counts, without pulling the model back to where it trained."""
+    if staleness < shards:
+        return 1.0
+    return (shards / (staleness + 1)) ** power
+
+
 def async_update(value: torch.Tensor, d: torch.Tensor | None, buf: torch.Tensor | None,
                  acc: torch.Tensor | None, weight: float, lr: float, momentum: float,
                  momentum_due: bool, share: float) -> tuple[torch.Tensor, torch.Tensor | None,

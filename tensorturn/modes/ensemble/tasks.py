@@ -421,6 +421,7 @@ def vote_metrics(predictor: Predictor, pieces: Iterable[tuple[torch.Tensor, torc
         values = [m[name] for m in members]
         out[f"member_mean_test_{name}"] = sum(values) / len(values)
         out[f"best_member_test_{name}"] = max(values) if name in HIGHER_IS_BETTER else min(values)
+    out["test_rows"] = rows  # as a fused run's result says how many rows its test figures read
     return out
 
 

@@ -37,7 +37,14 @@ from tensorturn.store.objects import Store
 from tensorturn.store.tensorfile import DTYPES, TensorReader, TensorWriter, delta_tensors
 from tensorturn.store.tensors import StateDict, model_metadata
 from tensorturn.train.device import pick_device
-from tensorturn.train.diloco import async_update, check_norm, check_samples, finite_squares, round_figures
+from tensorturn.train.diloco import (
+    async_update,
+    check_norm,
+    check_samples,
+    finite_squares,
+    round_figures,
+    staleness_scale,
+)
 from tensorturn.train.loop import load_model, set_threads
 
 MOMENTUM, ACCUMULATED = "m::", "a::"  # the outer state's two parts, per tensor
@@ -90,7 +97,7 @@ def apply_one(spec: RunSpec, store: Store, board: RunBoard, book: AsyncLedger, j
             meta = upd.metadata
             delta = dict(delta_tensors(upd))
         samples, base = int(meta["samples"]), int(meta["base_version"])
-        weight = samples / (opts.shards * nominal)
+        weight = samples / (opts.shards * nominal) * staleness_scale(v - base, opts.shards)
         due = (v + 1) % opts.shards == 0
         with TensorReader(scratch / "theta") as theta, \
                 (TensorReader(scratch / "state") if latest["state_key"]
