@@ -32,6 +32,21 @@ os.environ["TENSORTURN_ALLOW_RECIPES"] = ",".join(
     f"{m}:*" for m in ("failing", "huge", "crasher", "nan_once", "myrecipe", "flaky_recipe", "badinit", "gated"))
 
 
+def pytest_collection_modifyitems(items):
+    """Modules in the order pytest-xdist hands them out (``--no-loadscope-reorder``): those
+    marked ``long`` first, then the others by their number of tests, most first — longest work
+    first, so that short modules fill the end instead of one long module finishing alone. A
+    stable sort: each module's tests keep their order."""
+    def module(item) -> str:
+        return item.nodeid.split("::", 1)[0]
+
+    long = {module(item) for item in items if item.get_closest_marker("long")}
+    sizes: dict[str, int] = {}
+    for item in items:
+        sizes[module(item)] = sizes.get(module(item), 0) + 1
+    items.sort(key=lambda item: (module(item) not in long, -sizes[module(item)], module(item)))
+
+
 @pytest.fixture(autouse=True)
 def _settings_per_test():
     """Settings a test changed in this process (config.use) end with it."""

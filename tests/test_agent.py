@@ -19,6 +19,8 @@ from conftest import clean_env, queued_messages, run_to_end, tt, tt_json, wait_f
 from tensorturn.pool.embedded import free_port, stop_process_group
 from tensorturn.state.roster import OFFLINE_AFTER
 
+pytestmark = pytest.mark.long  # minutes of agents: scheduled first (conftest)
+
 HEARTBEAT_S = 3.0  # the default heartbeat (TENSORTURN_HEARTBEAT_S)
 
 

@@ -15,6 +15,8 @@ from tensorturn.state.board import RunBoard
 from tensorturn.state.broker import check_broker
 from tensorturn.tasks.attempt import CANCELLED
 
+pytestmark = pytest.mark.long  # minutes of agents: scheduled first (conftest)
+
 
 @pytest.mark.e2e
 def test_cancel_stops_a_run_on_a_standing_pool_and_resume_continues_it(tmp_path, pool_factory):

@@ -24,7 +24,7 @@ from tensorturn.spec import RunSpec
 from tensorturn.state.board import RunBoard
 from tensorturn.tasks.attempt import signed
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.long]
 
 # Three shards of about 1.5k steps: long enough to hit mid-shard, short enough for CI.
 SPEC = dict(mode="fused", recipe="digits-mlp", rounds=2, shards=3, sync_every=1500)

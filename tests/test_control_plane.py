@@ -24,6 +24,8 @@ from tensorturn.state.broker import check_broker
 from tensorturn.state.queues import task_queues
 from tensorturn.state.roster import list_workers
 
+pytestmark = pytest.mark.long  # minutes of agents: scheduled first (conftest)
+
 TB = 1024 ** 4
 FORGED_INVENTORY = json.dumps({"device": "cuda", "device_name": "8x H100", "cpu_count": 128,
                                "device_memory_gb": 4096.0, "role": "train"})

@@ -29,7 +29,7 @@ from tensorturn.store.objects import open_store
 from tensorturn.train.distill import teacher_targets
 from tensorturn.train.seeding import shard_rows
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.long]
 
 # small, and long enough per shard (≈ 1.5k steps) for a kill to land mid-training
 STUDENT = dict(rounds=2, shards=3, sync_every=1500)

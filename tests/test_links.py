@@ -17,7 +17,7 @@ from tensorturn.state.broker import redis_client
 from testbed import netlab
 
 WHY = netlab.unavailable()
-pytestmark = [pytest.mark.e2e, pytest.mark.skipif(WHY is not None, reason=WHY or "")]
+pytestmark = [pytest.mark.e2e, pytest.mark.long, pytest.mark.skipif(WHY is not None, reason=WHY or "")]
 
 # Three shards of about 1.5k steps a round: long enough to take a link down mid-shard.
 SPEC = dict(mode="fused", recipe="digits-mlp", rounds=2, shards=3, sync_every=1500,

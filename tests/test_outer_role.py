@@ -12,6 +12,8 @@ from tensorturn import layout, runs
 from tensorturn.pool import routing
 from tensorturn.pool.embedded import stop_process_group
 
+pytestmark = pytest.mark.long  # minutes of agents: scheduled first (conftest)
+
 
 def outer_workers(doc: dict) -> set[str]:
     return {a["worker"] for a in doc["attempts"]

@@ -14,7 +14,7 @@ from tensorturn.pool.embedded import free_port, stop_process_group
 from tensorturn.state.board import RunBoard
 from tensorturn.state.broker import redis_client
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.long]
 
 
 @pytest.mark.parametrize("fault", ["unreachable", "another-store"])

@@ -29,6 +29,8 @@ from tensorturn.tasks.attempt import refuse, signed
 from tensorturn.tasks.start import start_run
 from tensorturn.trust import pool_key
 
+pytestmark = pytest.mark.long  # minutes of agents: scheduled first (conftest)
+
 FUSED = dict(mode="fused", recipe="digits-mlp", rounds=2, shards=2, sync_every=5)
 
 
