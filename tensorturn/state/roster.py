@@ -68,7 +68,7 @@ def quarantine_verified(key: trust.PoolKey, h: dict[str, Any], incarnation: Any)
 def heartbeats(client) -> dict[str, dict[str, Any]]:
     """Every ``tt:worker:*`` hash, by name: a SCAN of 1,000 keys a round trip (Redis's default,
     10, took 212 round trips at 2,213 keys), then one pipeline for the hashes. Every hash is
-    read, signed or not — a forged one is listed ``unverified``, never hidden."""
+    read, signed or not — a forged one is listed ``unverified``, never hidden. Sorted by name."""
     head = worker_key("")
     names = sorted(key[len(head):] for key in client.scan_iter(WORKER_PATTERN, count=1000))
     pipe = client.pipeline(transaction=False)
@@ -89,7 +89,7 @@ def list_workers(client, now: float | None = None, heartbeat_s: float | None = N
     heartbeat_s = config.current().heartbeat_s if heartbeat_s is None else heartbeat_s
     key = key or trust.find_key()
     out = []
-    for name, h in sorted(heartbeats(client).items()):
+    for name, h in heartbeats(client).items():  # by name
         redis_key = worker_key(name)
         if "inventory" not in h:
             continue
