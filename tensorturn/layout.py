@@ -203,6 +203,17 @@ def stored_key(run_id: str, r: int) -> str:
     return run_key(run_id, f"stored-r{r}")
 
 
+def handed_key(run_id: str, r: int) -> str:
+    """``--sync overlap``: round r's shards whose task ended, their output stored or uploading."""
+    return run_key(run_id, f"handed-r{r}")
+
+
+def upload_key(run_id: str, r: int, k: int) -> str:
+    """``--sync overlap``: the lease of shard k of round r's upload in the background (the
+    uploading agent, expiring unless refreshed)."""
+    return run_key(run_id, f"upload-r{r}-{k}")
+
+
 def worker_key(name: str) -> str:
     return f"{PREFIX}worker:{name}"
 
@@ -343,6 +354,12 @@ def parse_label(text: str) -> Label | None:
 def dispatch_claim(r: int) -> str:
     """Claimed once by whoever queues round r."""
     return f"dispatch-r{r}"
+
+
+def outer_claim(r: int) -> str:
+    """``--sync overlap``: claimed by whoever queues round r's outer step (given back when the
+    step finds an upload lost, so the shard trained again queues it)."""
+    return f"outer-r{r}"
 
 
 def segment_claim(m: int, j: int) -> str:

@@ -121,3 +121,30 @@ class Claims:
     def stored(self, run_id: str, r: int) -> set[int]:
         """The shards of round ``r`` stored so far."""
         return {int(k) for k in self.r.hkeys(layout.stored_key(run_id, r))}
+
+    # -- --sync overlap: shards handed over while they upload --
+    def hand_over(self, run_id: str, r: int, k: int, worker: str, lease_s: float) -> None:
+        """Shard ``k`` of round ``r`` ended its task and uploads in the background on ``worker``:
+        its upload's lease (``lease_s`` seconds unless refreshed) first, then the handed set."""
+        pipe = self.r.pipeline()
+        pipe.set(layout.upload_key(run_id, r, k), worker, px=int(lease_s * 1000))
+        pipe.sadd(layout.handed_key(run_id, r), str(k))
+        pipe.execute()
+
+    def refresh_upload(self, run_id: str, r: int, k: int, worker: str, lease_s: float) -> None:
+        self.r.set(layout.upload_key(run_id, r, k), worker, px=int(lease_s * 1000))
+
+    def upload_ended(self, run_id: str, r: int, k: int) -> None:
+        """The upload ended (stored, or failed: either way no lease is held any more)."""
+        self.r.delete(layout.upload_key(run_id, r, k))
+
+    def uploading(self, run_id: str, r: int, k: int) -> bool:
+        return bool(self.r.exists(layout.upload_key(run_id, r, k)))
+
+    def handed(self, run_id: str, r: int) -> set[int]:
+        """Round ``r``'s shards whose task ended: stored, or uploading (or its upload lost)."""
+        return {int(k) for k in self.r.smembers(layout.handed_key(run_id, r))}
+
+    def take_back(self, run_id: str, r: int, k: int) -> None:
+        """Shard ``k`` of round ``r`` is to be trained again (its upload was lost)."""
+        self.r.srem(layout.handed_key(run_id, r), str(k))

@@ -51,7 +51,7 @@ class FusedOptions(ModeOptions):
     outer_momentum  outer momentum
     codec           encoding of pseudo-gradients up and weight updates down (int8: ~3.9× fewer bytes, int4: ~7×)
     keep            the result: the last round's weights, or those of the round with the lowest validation loss
-    sync            rounds: a barrier per round; backup: and copies of its stragglers; async: no barrier (see README)
+    sync            rounds: barrier per round; backup: +copies of stragglers; async: none; overlap: one step apart
     """
     CHOICES = {"outer": OUTERS, "codec": CODECS, "keep": KEEPS, "sync": SYNCS}
 

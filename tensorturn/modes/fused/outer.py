@@ -30,7 +30,7 @@ from tensorturn.modes.fused.options import eval_passes, options, outer_args, sam
 from tensorturn.modes.fused.policies import policy
 from tensorturn.modes.fused.shard import count_data, data_bytes
 from tensorturn.recipes import Recipe, recipe_of
-from tensorturn.spec import RunSpec
+from tensorturn.spec import Outcome, RunSpec
 from tensorturn.state.board import RunBoard
 from tensorturn.state.manifest import write_manifest
 from tensorturn.store import seals
@@ -110,6 +110,10 @@ class OuterUnit(Unit):
         self.a.check_cancelled(now=True)
         data_before = data_bytes()  # evaluation data this machine had to download
         last = r + 1 == options(spec).rounds
+        waiting = policy(options(spec).sync).await_round(self, r)
+        if waiting is not None:  # queued again once the round's outputs are in
+            self.board.attempt_log.give_back(spec.run_id, str(self.a.label))
+            return Outcome.REFUSED.says(waiting)
         self.phase("averaging")
 
         def stored() -> None:  # the machines train round r+1 (queued once) while this evaluates r

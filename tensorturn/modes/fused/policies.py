@@ -1,5 +1,6 @@
 """The sync policy registry: the ``--sync`` value → its :class:`~.sync.base.SyncPolicy` class
-(:mod:`.sync`: a barrier per round, rounds with backup copies of stragglers, or no barrier).
+(:mod:`.sync`: a barrier per round, rounds with backup copies of stragglers, no barrier, or
+rounds one step apart).
 
 :data:`POLICIES` maps the ``--sync`` value to its class, by name, as the mode registry does
 (:mod:`tensorturn.registry`): the options (no torch) read the choices from it, and a policy —
@@ -19,6 +20,7 @@ POLICIES: dict[str, str] = {
     "rounds": "tensorturn.modes.fused.sync.rounds:Rounds",
     "backup": "tensorturn.modes.fused.sync.backup:Backup",
     "async": "tensorturn.modes.fused.sync.asynchronous:Async",
+    "overlap": "tensorturn.modes.fused.sync.overlapped:Overlap",
 }
 SYNCS = tuple(POLICIES)
 

@@ -54,10 +54,11 @@ class ShardUnit(backups.CopyAwareUnit):
 
         def theta_of(recipe: Recipe) -> tuple[StateDict, int, dict[str, str]]:
             prefetch_next(spec, recipe, self.board, r, self.a.worker)
-            return (*fetch_global(spec, recipe, self.store, r), {})
+            return (*fetch_global(spec, recipe, self.store, sync.base_round(r)), {})
 
         watch = sync.shard_watch(self.board, spec, r, k)
-        outcome = train_and_store(self, r, k, theta_of, layout.key("shard", spec.run_id, r, k), watch)
+        outcome = train_and_store(self, r, k, theta_of, layout.key("shard", spec.run_id, r, k), watch,
+                                  put=lambda key, path: sync.store_output(self, r, k, key, path))
         if outcome == SUCCEEDED:
             sync.shard_stored(self.board, spec, r, k, self.a.worker)
         return outcome
@@ -69,12 +70,14 @@ class ShardUnit(backups.CopyAwareUnit):
 
 def train_and_store(unit: Unit, r: int, k: int,
                     theta_of: Callable[[Recipe], tuple[StateDict, int, dict[str, str]]],
-                    out_key: str, watch: Callable[[], bool] | None = None) -> str:
+                    out_key: str, watch: Callable[[], bool] | None = None,
+                    put: Callable[[str, Path], None] | None = None) -> str:
     """Train shard k with round r's seed from the weights ``theta_of(recipe)`` gives (θ, bytes
     downloaded, metadata to store with the output), and store the pseudo-gradient at
-    ``out_key`` — never over one stored already. With ``watch`` (does another copy's output
-    exist?) the training stops as soon as another copy stored it. Returns SUCCEEDED, or LATE
-    when another copy or attempt stored it first."""
+    ``out_key`` — never over one stored already — with ``put(key, file)`` (default: upload it
+    now). With ``watch`` (does another copy's output exist?) the training stops as soon as
+    another copy stored it. Returns SUCCEEDED, or LATE when another copy or attempt stored it
+    first."""
     spec, opts, a = unit.spec, options(unit.spec), unit.a
     set_threads(spec.threads_per_task)
     recipe = recipe_of(spec)
@@ -111,8 +114,11 @@ def train_and_store(unit: Unit, r: int, k: int,
         write_delta(path, delta, opts.codec, {"samples": str(samples), "loss": repr(loss), **meta,
                                               "bytes_down": f"{a.bytes_down:015d}"})
         del delta
-        seals.put_file(unit.store, out_key, path)
         a.bytes_up = path.stat().st_size
+        if put is None:
+            seals.put_file(unit.store, out_key, path)
+        else:
+            put(out_key, path)
     reporter.done()
     return SUCCEEDED
 

@@ -10,12 +10,16 @@ base class, which does nothing.
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING
+
+from tensorturn.store import seals
 
 if TYPE_CHECKING:
     from tensorturn.spec import RunSpec
     from tensorturn.state.board import RunBoard
     from tensorturn.store.objects import Store
+    from tensorturn.tasks.attempt import Unit
 
 
 class SyncPolicy:
@@ -32,6 +36,21 @@ class SyncPolicy:
     def resume(self, spec: RunSpec, store: Store, board: RunBoard) -> str:
         """Queue whatever is missing from the store; say what was resumed."""
         raise NotImplementedError
+
+    def base_round(self, r: int) -> int:
+        """The round whose global weights round r's shards train from: r (θ_r) unless the
+        policy overlaps rounds."""
+        return r
+
+    def store_output(self, unit: Unit, r: int, k: int, key: str, path: Path) -> None:
+        """Store shard k of round r's pseudo-gradient, written at ``path``, at ``key``; stored
+        when this returns, unless the policy uploads in the background."""
+        seals.put_file(unit.store, key, path)
+
+    def await_round(self, unit: Unit, r: int) -> str | None:
+        """Before round r's outer step averages: None once every shard's output is stored, else
+        why the outer step ends without stepping (it is queued again when they are)."""
+        return None
 
     def shard_watch(self, board: RunBoard, spec: RunSpec, r: int, k: int) -> Callable[[], bool] | None:
         """A look (one Redis call) whether another copy stored shard k of round r already: the

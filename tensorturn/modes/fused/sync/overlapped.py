@@ -1,0 +1,201 @@
+"""``--sync overlap``: rounds whose communication runs while the next round trains — DiLoCo
+with a one-step-delayed outer step (DiLoCoX's one-step delay), defined by rounds alone.
+
+Round r's shards train from θ_{r−1} (round 0 and round 1 both from θ_0), and the outer step of
+round r applies their average pseudo-gradient to θ_r:
+
+    θ_{r+1} = outer(θ_r, mean_k(θ_{r−1} − trained_k))
+
+So round r+1 needs θ_r only, which round r−1's outer step computes while round r trains: a
+machine goes from one round to the next without waiting for an average. Its upload does not hold
+it either: a shard task writes its pseudo-gradient to a local file, hands it to a thread that
+uploads it under a lease of its own (``upload-r<r>-<k>``, refreshed like a task's), and ends; the
+agent takes its next task while the bytes go up. The outer step of round r is queued once every
+shard of the round has ended its task and θ_r is stored, and waits there for the uploads. An
+upload whose lease lapses (its agent died or lost the network) is a shard trained again — from
+the same θ_{r−1} with the same seed, so the same bytes: whichever machines ran it, and whatever
+died, the run's weights are the same.
+
+The price is staleness: a pseudo-gradient is applied one outer step after the weights it was
+trained from (measured against ``--sync rounds`` in BENCHMARKS.md).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+import threading
+import time
+from functools import partial
+from pathlib import Path
+
+from tensorturn import config, layout
+from tensorturn.modes.fused.options import options
+from tensorturn.modes.fused.sync.rounds import Rounds, outer_step, train_shard, train_slot
+from tensorturn.pool import routing
+from tensorturn.pool.capacity import queue_for
+from tensorturn.pool.celery_app import forget_results
+from tensorturn.spec import RunSpec
+from tensorturn.state.board import RunBoard
+from tensorturn.store import seals
+from tensorturn.store.objects import Store
+from tensorturn.tasks.attempt import Unit, agent_store, signed
+
+log = logging.getLogger(__name__)
+
+UPLOAD_LOOK_S = 0.5  # how often a waiting outer step looks whether its round's uploads are stored
+
+
+class Overlap(Rounds):
+    """Rounds one step apart: round r trains from θ_{r−1} while round r−1's outputs go up and
+    its outer step runs."""
+
+    name = "overlap"
+
+    def base_round(self, r: int) -> int:
+        return max(r - 1, 0)
+
+    def start(self, spec: RunSpec, store: Store, board: RunBoard) -> None:
+        for r in range(min(2, options(spec).rounds)):  # both train from θ_0
+            board.once(spec.run_id, layout.dispatch_claim(r), partial(dispatch_shards, spec, r, board))
+
+    def resume(self, spec: RunSpec, store: Store, board: RunBoard) -> str:
+        """Continue from the last round whose global weights are stored: θ_r lets rounds r and
+        r+1 train; what of them is stored already is not redone."""
+        stored = [layout.parse("global", key) for key in store.list(layout.prefix("global", spec.run_id))]
+        r = max((parts["round"] for parts in stored if parts), default=0)
+        for past in range(r):
+            if store.exists(layout.key("round", spec.run_id, past)):
+                board.record_round(spec.run_id, past, seals.get_json(store, layout.key("round", spec.run_id, past)))
+        rounds = options(spec).rounds
+        r = min(r, rounds - 1)  # every round stored: the last outer step finalizes again
+        for n in range(r, min(r + 2, rounds)):
+            board.once(spec.run_id, layout.dispatch_claim(n), partial(dispatch_shards, spec, n, board))
+        queue_outer_when_ready(spec, store, board, r)  # its shards may all be stored already
+        return f"resumed at round {r} of 0..{rounds - 1}, overlapped"
+
+    def store_output(self, unit: Unit, r: int, k: int, key: str, path: Path) -> None:
+        upload_in_background(unit, r, k, key, path)
+
+    def shard_stored(self, board: RunBoard, spec: RunSpec, r: int, k: int, worker: str) -> None:
+        """(Handed over in :func:`upload_in_background`, before the task ends.)"""
+
+    def after_shard(self, spec: RunSpec, store: Store, board: RunBoard, r: int, worker: str) -> None:
+        queue_outer_when_ready(spec, store, board, r)
+
+    def after_outer(self, spec: RunSpec, board: RunBoard, r: int) -> None:
+        """θ_{r+1} is stored (or this outer step ended without it: then nothing follows yet):
+        round r+2 can train, and round r+1's outer step run once its shards are in."""
+        store = agent_store()
+        if not store.exists(layout.key("global", spec.run_id, r + 1)):
+            return
+        rounds = options(spec).rounds
+        if r + 2 < rounds:
+            board.once(spec.run_id, layout.dispatch_claim(r + 2), lambda: dispatch_shards(spec, r + 2, board))
+        if r + 1 < rounds:
+            queue_outer_when_ready(spec, store, board, r + 1)
+
+    def await_round(self, unit: Unit, r: int) -> str | None:
+        """Wait while round r's outputs upload; a shard whose upload's lease lapsed is trained
+        again, and this outer step ends (the shard's task queues it again when it is stored)."""
+        spec, store, board = unit.spec, unit.store, unit.board
+        run_id, shards = spec.run_id, options(spec).shards
+        board.mark_phase(run_id, str(unit.a.label), "waiting for uploads", unit.a.worker)
+        while True:
+            missing = [k for k in range(shards) if not store.exists(layout.key("shard", run_id, r, k))]
+            if not missing:
+                return None
+            lost = [k for k in missing if not board.claims.uploading(run_id, r, k)
+                    and not store.exists(layout.key("shard", run_id, r, k))]  # looked at after the lease
+            if lost:
+                train_again(spec, board, r, lost, unit.a.worker)
+                return f"shard {', '.join(map(str, lost))} of round {r}: upload lost, trained again"
+            unit.a.check_cancelled()
+            time.sleep(UPLOAD_LOOK_S)
+
+
+def dispatch_shards(spec: RunSpec, r: int, board: RunBoard) -> None:
+    """Queue round r's slots (no chord: its outer step is queued by :func:`queue_outer_when_ready`)."""
+    queue = queue_for(spec.memory_needed_bytes)
+    run_id = spec.run_id
+    sent = [train_slot.s(run_id, r, i, **signed(run_id, str(layout.slot_label(r, i)))).set(queue=queue)
+            .apply_async() for i in range(options(spec).shards)]
+    forget_results(sent)
+
+
+def queue_outer_when_ready(spec: RunSpec, store: Store, board: RunBoard, r: int) -> None:
+    """Queue round r's outer step, once, when θ_r is stored and every shard of the round ended
+    its task (its output stored or uploading). Both facts are written before either side looks
+    at the other's, so whichever comes last queues it."""
+    run_id = spec.run_id
+    if not store.exists(layout.key("global", run_id, r)):
+        return
+    handed = board.claims.handed(run_id, r)
+    if any(k not in handed and not store.exists(layout.key("shard", run_id, r, k))
+           for k in range(options(spec).shards)):
+        return
+    queue = routing.queue_for_outer(board.r, queue_for(spec.memory_needed_bytes))
+
+    def send() -> None:
+        forget_results([outer_step.s([], run_id, r, **signed(run_id, str(layout.outer_label(r))))
+                        .set(queue=queue).apply_async()])
+
+    board.once(run_id, layout.outer_claim(r), send)
+
+
+def train_again(spec: RunSpec, board: RunBoard, r: int, lost: list[int], worker: str) -> None:
+    """Shards of round r whose upload was lost: taken back, the outer step's claim given back
+    (the shard task that stores them queues it again), and each queued as a named shard."""
+    run_id = spec.run_id
+    for k in lost:
+        board.claims.take_back(run_id, r, k)
+    board.release(run_id, layout.outer_claim(r))
+    queue = queue_for(spec.memory_needed_bytes)
+    sent = []
+    for k in lost:
+        board.incident(run_id, "upload_lost", str(layout.shard_label(r, k)), worker,
+                       "its upload's lease lapsed before it was stored (its agent died or lost "
+                       "the network): trained again, from the same weights and seed")
+        sent.append(train_shard.s(run_id, r, k, **signed(run_id, str(layout.shard_label(r, k))))
+                    .set(queue=queue).apply_async())
+    forget_results(sent)
+
+
+def upload_in_background(unit: Unit, r: int, k: int, key: str, path: Path) -> None:
+    """Move the pseudo-gradient at ``path`` to a spool file and upload it in a thread of this
+    process under a lease (refreshed every ``lease_refresh_s``, lasting ``visibility_timeout_s``
+    unrefreshed) — the lease is held before this returns, so the shard's task can end now."""
+    settings = config.current()
+    lease_s, refresh_s = settings.visibility_timeout_s, settings.lease_refresh_s
+    fd, name = tempfile.mkstemp(prefix=f"tt-upload-{unit.spec.run_id}-r{r}-{k}-")
+    os.close(fd)
+    spool = Path(name)
+    shutil.move(path, spool)
+    run_id, board, store, worker = unit.spec.run_id, unit.board, unit.store, unit.a.worker
+    board.claims.hand_over(run_id, r, k, worker, lease_s)
+
+    def upload() -> None:
+        done = threading.Event()
+
+        def put() -> None:
+            try:
+                seals.put_file(store, key, spool)
+            except Exception as exc:  # noqa: BLE001 - the lease ends; the outer step has it trained again
+                log.warning("run %s: the upload of shard %d of round %d failed: %s", run_id, k, r, exc)
+            finally:
+                done.set()
+
+        threading.Thread(target=put, name=f"upload-{run_id}-r{r}-{k}", daemon=True).start()
+        try:
+            while not done.wait(refresh_s):
+                board.claims.refresh_upload(run_id, r, k, worker, lease_s)
+            board.claims.upload_ended(run_id, r, k)
+        except Exception as exc:  # noqa: BLE001 - the broker is away: the lease lapses by itself
+            log.warning("run %s: the lease of shard %d of round %d's upload: %s", run_id, k, r, exc)
+        finally:
+            done.wait()
+            spool.unlink(missing_ok=True)
+
+    threading.Thread(target=upload, name=f"lease-{run_id}-r{r}-{k}", daemon=True).start()
