@@ -1,0 +1,106 @@
+"""``--sync overlap``: rounds one step apart, outputs uploaded behind the next round's training.
+
+The result is defined by rounds alone: the same weights on 1 agent and on 3 with one killed, and
+an upload whose lease lapses is a shard trained again, to the same weights."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import redis
+from conftest import as_agent_of, run_shard, run_to_end, submit_run, wait_for_run
+
+from tensorturn import layout
+from tensorturn.modes.fused.sync import overlapped, rounds
+from tensorturn.state.board import RunBoard
+from tensorturn.tasks.attempt import signed
+
+SPEC = dict(mode="fused", recipe="digits-mlp", sync="overlap", rounds=3, shards=3, sync_every=150,
+            threads_per_task=1)
+
+
+def test_round_r_trains_from_the_weights_one_round_before():
+    policy = overlapped.Overlap()
+    assert [policy.base_round(r) for r in range(4)] == [0, 0, 1, 2]
+    assert [rounds.Rounds().base_round(r) for r in range(3)] == [0, 1, 2]
+
+
+def outer_outcome(world, spec, r: int) -> str:
+    """Round r's outer step in this process; the outcome its attempt recorded."""
+    as_agent_of(spec)
+    rounds.outer_step.apply(args=([], spec.run_id, r), kwargs=signed(spec.run_id, f"r{r}/outer")).get()
+    return [a for a in world.board.attempts(spec.run_id) if a["task"] == f"r{r}/outer"][-1]["outcome"]
+
+
+def drive(world, spec, lose: tuple[int, int] | None = None) -> dict:
+    """Every shard and outer step of ``spec`` in this process, in the order an overlapped pool
+    runs them (round r+1's shards before round r's outer step); with ``lose`` = (r, k), that
+    shard's task first ends as that of an agent that died mid-upload would: handed over under a
+    lease that lapses, nothing stored. The run's description."""
+    board, n = world.board, spec.options.rounds
+    for r in range(n + 1):
+        for k in range(spec.options.shards if r < n else 0):
+            if (r, k) == lose:
+                board.claims.hand_over(spec.run_id, r, k, "gone@nowhere", lease_s=0.3)
+            else:
+                run_shard(spec, r, k)
+        if r == 0:
+            continue
+        outcome = outer_outcome(world, spec, r - 1)
+        if lose and lose[0] == r - 1:  # it waited for the upload and saw its lease lapse
+            assert outcome.startswith(f"refused: shard {lose[1]} of round {lose[0]}: upload lost"), outcome
+            assert lose[1] not in board.claims.handed(spec.run_id, lose[0])
+            run_shard(spec, *lose)  # what the queued train_shard does on some agent
+            outcome = outer_outcome(world, spec, r - 1)
+        assert outcome == "succeeded", outcome
+    return board.describe(spec.run_id)
+
+
+def test_an_upload_whose_lease_lapses_is_trained_again_to_the_same_weights(world):
+    """Round 1's shard 2 ends as if its agent died mid-upload. Round 1's outer step waits for
+    its upload, sees the lease lapse, records ``upload_lost``, gives its claim back and queues
+    the shard again (a named shard task); once that is stored the outer step runs, and the
+    model is the one an undisturbed run gives."""
+    clean = drive(world, world.submit(**SPEC))
+    spec = world.submit(**SPEC)
+    doc = drive(world, spec, lose=(1, 2))
+    assert doc["state"] == "succeeded" and doc["model_sha256"] == clean["model_sha256"]
+    lost = [i for i in doc["incidents"] if i["kind"] == "upload_lost"]
+    assert [i["task"] for i in lost] == ["r1/shard-2"]
+    queued = [m for m in world.board.r.lrange(layout.DEFAULT_QUEUE, 0, -1) + sum(
+        (world.board.r.lrange(q, 0, -1) for q in world.board.r.keys("tt.fits.*")), [])
+        if "tensorturn.fused.train_shard" in m]
+    assert queued, "the lost shard was not queued again"
+
+
+@pytest.mark.e2e
+@pytest.mark.long
+def test_overlapped_runs_give_one_model_on_1_and_3_agents_with_one_killed(pool_factory):
+    """The same overlapped run on one agent, and on three of which the one training a shard of
+    round 1 is killed: the same model, bit for bit (its task comes back after the 4 s lease and
+    trains again from the same θ_0 with the same seed)."""
+    env = {"TENSORTURN_VISIBILITY_TIMEOUT_S": "4"}
+    one = pool_factory(1, step_s=0.01, env=env)
+    alone = run_to_end(one, **SPEC)
+    assert alone["state"] == "succeeded", alone.get("error")
+    one.stop(grace=1.0)
+    three = pool_factory(3, step_s=0.01, env=env)
+    spec = submit_run(three, **SPEC)
+    board = RunBoard(redis.Redis.from_url(three.broker_url, decode_responses=True))
+    victim = None
+    while victim is None:  # polls the run's records until a round-1 shard is training
+        running = [a for a in board.attempts(spec.run_id)
+                   if a["task"].startswith("r1/") and a["outcome"] == "running"]
+        victim = running[0] if running else None
+        assert board.state(spec.run_id) not in ("succeeded", "failed"), "no round-1 shard was caught"
+        time.sleep(0.05)
+    os.killpg(three.agents[int(victim["worker"].split("@")[0].removeprefix("local")) - 1].pid, signal.SIGKILL)
+    doc = wait_for_run(three, spec.run_id)
+    assert doc["state"] == "succeeded", doc.get("error")
+    assert doc["model_sha256"] == alone["model_sha256"]
+    tries = [a for a in doc["attempts"] if a["task"] == victim["task"]]
+    assert tries[0]["outcome"].startswith("lost") and tries[-1]["outcome"] == "succeeded"
+    assert [r["round"] for r in doc["rounds"]] == list(range(SPEC["rounds"]))
