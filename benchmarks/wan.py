@@ -36,6 +36,7 @@ from typing import Any
 
 from _common import figure, machine, run_job, table, write_outputs
 
+from tensorturn.layout import parse_label
 from tensorturn.pool.embedded import free_port, stop_process_group
 from testbed import netlab
 from testbed.s3 import start_moto
@@ -67,23 +68,48 @@ def settled(pool, run_id: str) -> dict[str, Any]:
         time.sleep(0.5)
 
 
+def steady_utilisation(doc: dict[str, Any], sync: str, compute_s: float) -> float | None:
+    """Compute ÷ wall between the starts of consecutive rounds, over the rounds that waited for
+    an outer step's weights (round 1 on in blocking runs; round 2 on with ``--sync overlap``,
+    whose round 1 trains from θ_0 too): for each shard, the time from its start in round r to
+    its start in round r+1, averaged; None with too few rounds."""
+    from tensorturn.modes.fused.policies import policy
+
+    if sync == "async":
+        return None
+    starts: dict[tuple[int, int], float] = {}
+    for a in doc["attempts"]:
+        label = parse_label(a["task"])
+        if a["outcome"] == "succeeded" and label is not None and label.kind == "shard":
+            starts[(label.round, label.shard)] = a["started_at"]
+    base = policy(sync).base_round
+    periods = [starts[(r + 1, k)] - starts[(r, k)] for (r, k) in starts
+               if (r + 1, k) in starts and base(r + 1) >= 1]
+    return compute_s / (sum(periods) / len(periods)) if periods else None
+
+
 def fused(pool, store: str, args, codec: str, sync: str, outer: str, h: int | None = None) -> dict[str, Any]:
+    from tensorturn.runs.records import remove_run
+
     h = h or args.sync_every
+    rounds = args.overlap_rounds if sync == "overlap" else args.rounds
     before, before_store, before_redis = wire(pool), pool.carried("store"), pool.carried("redis")
-    doc = run_job(pool, store, timeout_s=3600, recipe="charlm", mode="fused", rounds=args.rounds,
-                  shards=AGENTS, sync_every=h, codec=codec, sync=sync, batch_size=args.batch,
-                  threads_per_task=1, eval_batches=8, seed=args.seed)
+    doc = run_job(pool, store, timeout_s=7200, recipe=args.recipe, recipe_options=args.options, mode="fused",
+                  rounds=rounds, shards=AGENTS, sync_every=h, codec=codec, sync=sync, batch_size=args.batch,
+                  threads_per_task=1, eval_batches=args.eval_batches, seed=args.seed)
     doc = settled(pool, doc["run_id"])
+    remove_run(doc["run_id"], pool.broker_url, store)  # moto holds objects in memory
     after, after_store, after_redis = wire(pool), pool.carried("store"), pool.carried("redis")
     store_carried = sum(after_store) - sum(before_store)
     broker = sum(after_redis) - sum(before_redis)
     ats = [a for a in doc["attempts"] if a["finished_at"]]
     start = min(a["started_at"] for a in ats)
     span = max(a["finished_at"] for a in ats) - start
-    steps = args.rounds * AGENTS * h
+    steps = rounds * AGENTS * h
     up, down = after[0] - before[0], after[1] - before[1]
     return {"system": f"TensorTurn fused {codec}, {sync}, outer steps {outer}", "H": h, "wall_s": span,
-            "utilisation": steps * args.sim_step / (AGENTS * span),
+            "rounds": rounds, "utilisation": steps * args.sim_step / (AGENTS * span),
+            "steady_utilisation": steady_utilisation(doc, sync, h * args.sim_step),
             "val_loss": doc["rounds"][-1]["val_loss"], "wire_up": up, "wire_down": down,
             "to_own_loss_s": doc["rounds"][-1]["at"] - start,
             "model_bytes": doc["bytes_up"] + doc["bytes_down"],
@@ -113,7 +139,7 @@ def ddp(pool, args) -> dict[str, Any]:
                 ["ip", "netns", "exec", link.ns, sys.executable, str(HERE / "_ddp_worker.py"),
                  "--rank", str(rank), "--world", str(AGENTS), "--master", master,
                  "--steps", str(steps), "--sim-step", str(args.sim_step), "--seed", str(args.seed),
-                 "--recipe", "charlm", "--out", f"{tmp}/rank{rank}.json", "--batch", str(args.batch),
+                 "--recipe", args.recipe, "--out", f"{tmp}/rank{rank}.json", "--batch", str(args.batch),
                  "--eval-every", str(max(1, args.sync_every // 10))], env=env,
                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
         for p in procs:
@@ -138,7 +164,8 @@ def measure(rate: str, store: str, store_env: dict[str, str], args) -> list[dict
     try:
         with tempfile.TemporaryDirectory(prefix="tt-wan-") as tmp, \
                 netlab.LinkPool(AGENTS, store, store_env, rtt_ms=args.rtt_ms, up_mbit=up,
-                                down_mbit=down, workdir=Path(tmp), outer_agent=True) as pool:
+                                down_mbit=down, workdir=Path(tmp), outer_agent=True,
+                                allow=(args.recipe,)) as pool:
             rows = []
 
             def add(row: dict[str, Any]) -> None:
@@ -146,24 +173,18 @@ def measure(rate: str, store: str, store_env: dict[str, str], args) -> list[dict
                 print({k: v for k, v in row.items() if k != "curve"}, flush=True)
 
             beside = "beside the store"
-            for codec, sync in (("fp32", "rounds"), ("int8", "rounds"), ("int8", "async")):
-                add(fused(pool, store, args, codec, sync, beside if sync == "rounds" else "on the trainers"))
+            for variant in args.variants.split(","):
+                codec, sync = variant.split("/")
+                add(fused(pool, store, args, codec, sync, "on the trainers" if sync == "async" else beside))
             if args.long_sync_every and rate == args.rates.split(",")[0]:
                 add(fused(pool, store, args, "int8", "rounds", beside, h=args.long_sync_every))
-            outer = pool.agents[-1]  # a clean stop: the trainers take the outer steps at once
-            outer.terminate()
-            outer.wait(timeout=120)
-            add(fused(pool, store, args, "int8", "rounds", "on the trainers"))
-            add(ddp(pool, args))
-            mark = next(r for r in rows if r["system"].startswith("TensorTurn fused int8, rounds, outer steps beside")
-                        and r["H"] == args.sync_every)
-            target = mark["val_loss"]
-            mark["to_fused_loss_s"] = mark["to_own_loss_s"]  # its own final loss, by definition
-            reached = [p for p in rows[-1]["curve"] if p["val_loss"] <= target]
-            rows[-1]["to_fused_loss_s"] = reached[0]["wall_s"] if reached else None
-            rows[-1]["fused_loss"] = target
-            print(f"DDP reached fused int8's val loss {target:.4f} after "
-                  f"{rows[-1]['to_fused_loss_s'] if reached else 'never'} s", flush=True)
+            if not args.no_ddp:
+                outer = pool.agents[-1]  # a clean stop: the trainers take the outer steps at once
+                outer.terminate()
+                outer.wait(timeout=120)
+                add(fused(pool, store, args, "int8", "rounds", "on the trainers"))
+                add(ddp(pool, args))
+                compare_to_ddp(rows, args)
     finally:
         os.environ.pop("TENSORTURN_SIM_STEP_S", None)
     for row in rows:
@@ -171,16 +192,29 @@ def measure(rate: str, store: str, store_env: dict[str, str], args) -> list[dict
     return rows
 
 
-def real_step_s(batch_size: int) -> float:
-    """Seconds one charlm training step takes here on one thread: the median of 10 steps of a
-    shard task's own training loop, after one that pays for first-time imports."""
+def compare_to_ddp(rows: list[dict[str, Any]], args) -> None:
+    """When DDP (the last row) reached the fused int8 run's final validation loss."""
+    mark = next(r for r in rows if r["system"].startswith("TensorTurn fused int8, rounds, outer steps beside")
+                and r["H"] == args.sync_every)
+    target = mark["val_loss"]
+    mark["to_fused_loss_s"] = mark["to_own_loss_s"]  # its own final loss, by definition
+    reached = [p for p in rows[-1]["curve"] if p["val_loss"] <= target]
+    rows[-1]["to_fused_loss_s"] = reached[0]["wall_s"] if reached else None
+    rows[-1]["fused_loss"] = target
+    print(f"DDP reached fused int8's val loss {target:.4f} after "
+          f"{rows[-1]['to_fused_loss_s'] if reached else 'never'} s", flush=True)
+
+
+def real_step_s(recipe_name: str, options: dict[str, str], batch_size: int) -> float:
+    """Seconds one training step of the recipe takes here on one thread: the median of 10 steps
+    of a shard task's own training loop, after one that pays for first-time imports."""
     import torch
 
     from tensorturn.recipes import resolve
     from tensorturn.train.diloco import initial_state, train_replica
 
     torch.set_num_threads(1)
-    recipe = resolve("charlm", {})
+    recipe = resolve(recipe_name, options)
     x, y, rows = recipe.shard_data(0, AGENTS, 0)
     marks = [time.perf_counter()]
     train_replica(recipe, initial_state(recipe, 0), x, y, rows, 11, recipe.lr, batch_size, 0,
@@ -220,13 +254,23 @@ def main() -> None:
     parser.add_argument("--sim-step", type=float, default=0.3, help="emulated compute per step, seconds")
     parser.add_argument("--batch", type=int, default=16, help="rows per step (fused and DDP)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--recipe", default="charlm", help="charlm, or gpt2-small (85.5M parameters at context 32)")
+    parser.add_argument("--recipe-option", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--variants", default="fp32/rounds,int8/rounds,int8/async",
+                        help="fused runs as codec/sync, comma-separated (sync: rounds, overlap, async)")
+    parser.add_argument("--overlap-rounds", type=int, default=4,
+                        help="rounds of --sync overlap runs (its steady state starts at round 2)")
+    parser.add_argument("--eval-batches", type=int, default=8)
+    parser.add_argument("--no-ddp", action="store_true",
+                        help="no DDP row, nor the outer steps on the trainers (a model of 86M+ on CPU)")
     parser.add_argument("--out-dir", default=None)
     args = parser.parse_args()
     why = netlab.unavailable()
     if why:
         sys.exit(f"wan.py: {why}")
-    real = real_step_s(args.batch) * max(1.0, AGENTS / (os.cpu_count() or 1))
-    print(f"a real charlm step here: {real:.3f} s with {AGENTS} agents sharing the cores", flush=True)
+    args.options = dict(o.split("=", 1) for o in args.recipe_option)
+    real = real_step_s(args.recipe, args.options, args.batch) * max(1.0, AGENTS / (os.cpu_count() or 1))
+    print(f"a real {args.recipe} step here: {real:.3f} s with {AGENTS} agents sharing the cores", flush=True)
     if real * 1.2 > args.sim_step:
         sys.exit(f"wan.py: the emulated step ({args.sim_step} s) is not longer than a real one here "
                  f"({real:.3f} s, +20 %): the figures would measure this machine's cores; pass "
@@ -242,13 +286,17 @@ def main() -> None:
             results += measure(rate, "s3://tt-wan/runs", store_env, args)
     finally:
         stop_process_group(moto, grace=5)
-    print(f"\ncharlm ({args.rounds} rounds × {AGENTS} shards × H; DDP {args.rounds} × H steps per "
+    print(f"\n{args.recipe} {args.options} ({args.rounds} rounds × {AGENTS} shards × H; DDP "
+          f"{args.rounds} × H steps per "
           f"rank: the same samples), batch {args.batch}, emulated compute {args.sim_step} s/step, "
           f"RTT {args.rtt_ms:g} ms\n")
-    print(table(["links Mbit/s", "system", "H", "wall s", "compute utilisation", "val loss",
+    print(table(["links Mbit/s", "system", "H", "rounds", "wall s", "compute utilisation",
+                 "steady utilisation", "val loss",
                  "time to fused int8's loss s", "wire up MB", "wire down MB", "store accounted MB",
                  "S3 carried ÷ accounted", "Redis carried MB", "wire ÷ carried"],
-                [[r["rate"], r["system"], r["H"], f"{r['wall_s']:.1f}", f"{r['utilisation']:.3f}",
+                [[r["rate"], r["system"], r["H"], r.get("rounds", args.rounds), f"{r['wall_s']:.1f}",
+                  f"{r['utilisation']:.3f}",
+                  f"{r['steady_utilisation']:.3f}" if r.get("steady_utilisation") else "—",
                   f"{r['val_loss']:.4f}", to_loss(r), f"{r['wire_up'] / 1e6:.1f}",
                   f"{r['wire_down'] / 1e6:.1f}",
                   f"{r['accounted'] / 1e6:.2f}" if r["accounted"] else "—",

@@ -219,9 +219,10 @@ class LinkPool(LocalPool):
 
     def __init__(self, workers: int, store_url: str, store_env: dict[str, str], rtt_ms: float = 0.0,
                  up_mbit: float | None = None, down_mbit: float | None = None,
-                 workdir: Path | None = None, loglevel: str = "WARNING", outer_agent: bool = False):
+                 workdir: Path | None = None, loglevel: str = "WARNING", outer_agent: bool = False,
+                 allow: tuple[str, ...] = ()):
         super().__init__(workers + outer_agent, store_url, workdir=workdir, loglevel=loglevel,
-                         roles=["train"] * workers + ["outer"] * outer_agent)
+                         roles=["train"] * workers + ["outer"] * outer_agent, allow=allow)
         self.trainers = workers
         self.store_env, self.rtt_ms = store_env, rtt_ms
         self.up_mbit, self.down_mbit = up_mbit, down_mbit

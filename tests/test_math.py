@@ -100,7 +100,7 @@ def test_codecs_round_trip(codec, tol):
     assert torch.equal(back["z"], torch.zeros(3, 1))
 
 
-@pytest.mark.parametrize("codec, low, high", [("int8", 3.8, 4.0), ("int4", 6.7, 7.2)])
+@pytest.mark.parametrize("codec, low, high", [("int8", 3.8, 4.0), ("int4", 6.7, 7.2), ("ternary", 16.5, 17.5)])
 def test_quantised_codecs_shrink_a_transformer_layout_as_their_bits_say(codec, low, high):
     # a matrix and many biases and norm weights the width of a small transformer's: per-tensor
     # blocks pad nothing; each tensor's two entries in the header cost a little
@@ -126,6 +126,36 @@ def test_the_cli_offers_the_codecs_the_store_has():
     from tensorturn.store.tensors import CODECS
 
     assert OFFERED == CODECS
+
+
+def test_ternary_keeps_the_sign_of_values_above_its_threshold_five_codes_a_byte():
+    from tensorturn.store.tensors import TERNARY_BLOCK, decode_tensor, encode_tensor
+
+    # a block of 256: four values of magnitude 1.5 and 0.5, the rest 0.1 → mean magnitude
+    # (4 + 0.1 × 252) / 256 ≈ 0.114, threshold 0.08: all but the zeros are kept
+    value = torch.tensor([1.5, -0.5, 0.5, -1.5, 0.0] + [0.1] * (TERNARY_BLOCK - 5))
+    parts = encode_tensor("v", value, "ternary")
+    assert parts["v@scale"].tolist() == pytest.approx([(4.0 + 0.1 * 251) / 255])
+    # codes -1/0/1 stored +1, five a byte, the first value in the lowest digit
+    assert parts["v@q"][0].item() == 2 + 0 * 3 + 2 * 9 + 0 * 27 + 1 * 81
+    back = decode_tensor("v", parts, "ternary", [TERNARY_BLOCK])
+    assert (back[:5] / parts["v@scale"][0]).tolist() == [1.0, -1.0, 1.0, -1.0, 0.0]
+    # a block of zeros: scale 0, every code 0
+    zeros = encode_tensor("z", torch.zeros(7), "ternary")
+    assert zeros["z@scale"].tolist() == [0.0] and zeros["z@q"].tolist() == [1 + 3 + 9 + 27 + 81, 1 + 3]
+
+
+def test_ternary_zeroes_the_small_values_of_a_dense_block_and_keeps_its_direction():
+    from tensorturn.store.tensors import decode_tensor, encode_tensor
+
+    torch.manual_seed(3)
+    value = torch.randn(4096)
+    back = decode_tensor("v", encode_tensor("v", value, "ternary"), "ternary", [4096])
+    assert set(back.sign().unique().tolist()) <= {-1.0, 0.0, 1.0}
+    kept = back != 0
+    assert 0.4 < kept.float().mean() < 0.6  # about half of a Gaussian passes 0.7 × its mean |x|
+    assert torch.equal(back[kept].sign(), value[kept].sign())
+    assert torch.nn.functional.cosine_similarity(back, value, dim=0) > 0.85
 
 
 def test_int4_packs_two_codes_a_byte_and_decodes_each_as_code_times_its_blocks_scale():
@@ -242,7 +272,7 @@ def test_bf16_and_fp16_train_on_the_cpu():
     assert losses["bf16"] != losses["fp32"]                        # and bf16 did run in bf16
 
 
-@pytest.mark.parametrize("codec", ["fp32", "fp16", "int8", "int4"])
+@pytest.mark.parametrize("codec", ["fp32", "fp16", "int8", "int4", "ternary"])
 def test_a_delta_written_tensor_by_tensor_is_delta_bytes_and_reads_back_alike(tmp_path, codec):
     from tensorturn.store.tensorfile import TensorReader, delta_tensors, write_delta
 

@@ -21,7 +21,7 @@ MODEL_FORMAT = "tensorturn-model/1"
 DELTA_FORMAT = "tensorturn-delta/3"          # a shard's pseudo-gradient (3: int8 per tensor, int4)
 BROADCAST_FORMAT = "tensorturn-broadcast/2"  # θ_{r+1} − θ_r for the download
 ENSEMBLE_FORMAT = "tensorturn-ensemble/1"
-CODECS = ("fp32", "fp16", "int8", "int4")
+CODECS = ("fp32", "fp16", "int8", "int4", "ternary")
 INT8_BLOCK = 256  # values per scale: 1.016 bytes a value, 3.94× fewer than fp32
 INT4_BLOCK = 64   # 0.5625 bytes a value, 7.1× fewer (finer blocks: 15 levels need them)
 
@@ -108,18 +108,34 @@ def float_keys(state: StateDict) -> list[str]:
 # levels): ``NAME@q`` holds the codes (int8: one a byte; int4: two a byte, low nibble first,
 # stored as code + 8), ``NAME@scale`` the scales. A value decodes as its code times its block's
 # scale — one multiplication, so the same bits whichever slice it is computed in.
+#
+# ternary keeps, in blocks of 256 values, the sign of each value above 0.7 × the block's mean
+# magnitude (ternary weight networks' threshold, Li et al. 2016) and zero for the rest; the block's
+# scale is the mean magnitude of the values kept. Codes -1, 0, 1 are stored as 0, 1, 2, five a byte
+# (3^5 = 243 ≤ 256, first value lowest): 1.6 bits a value, 1.725 with the scales — 18.5× below fp32.
 
 CODE, SCALE = "@q", "@scale"
+
+
+TERNARY_BLOCK = 256
+TERNARY_THRESHOLD = 0.7  # × a block's mean magnitude: smaller values are sent as zero
+TRITS = 5                # ternary codes a byte
+TRIT_WEIGHTS = torch.tensor([3 ** i for i in range(TRITS)], dtype=torch.int32)
 
 
 @dataclass(frozen=True)
 class Quantiser:
     levels: int   # codes run from -levels to levels
     block: int    # values per scale
-    bits: int     # bits a code takes in the file
+    bits: int     # bits a code takes in the file (ternary: 8 / TRITS, stored as 0)
+
+    def codes_for(self, n: int) -> int:
+        """Bytes (or int8 codes) that hold ``n`` codes."""
+        return n if self.bits == 8 else -(-n // 2) if self.bits == 4 else -(-n // TRITS)
 
 
-QUANTISERS = {"int8": Quantiser(127, INT8_BLOCK, 8), "int4": Quantiser(7, INT4_BLOCK, 4)}
+QUANTISERS = {"int8": Quantiser(127, INT8_BLOCK, 8), "int4": Quantiser(7, INT4_BLOCK, 4),
+              "ternary": Quantiser(1, TERNARY_BLOCK, 0)}
 
 
 def part_specs(name: str, shape: list[int], codec: str) -> dict[str, tuple[torch.dtype, list[int]]]:
@@ -128,8 +144,7 @@ def part_specs(name: str, shape: list[int], codec: str) -> dict[str, tuple[torch
         return {name: (torch.float32 if codec == "fp32" else torch.float16, list(shape))}
     quant = quantiser(codec)
     n = math.prod(shape)
-    codes = n if quant.bits == 8 else -(-n // 2)
-    return {name + CODE: (torch.int8 if quant.bits == 8 else torch.uint8, [codes]),
+    return {name + CODE: (torch.int8 if quant.bits == 8 else torch.uint8, [quant.codes_for(n)]),
             name + SCALE: (torch.float32, [-(-n // quant.block)])}
 
 
@@ -149,6 +164,11 @@ def encode_tensor(name: str, value: torch.Tensor, codec: str) -> dict[str, torch
     flat = value.detach().float().flatten()
     n = flat.numel()
     blocks = torch.nn.functional.pad(flat, (0, (-n) % quant.block)).view(-1, quant.block)
+    if quant.bits == 0:
+        scale, q = ternary(blocks)
+        trits = torch.nn.functional.pad((q.flatten()[:n] + 1).to(torch.int32), (0, (-n) % TRITS))
+        return {name + CODE: (trits.view(-1, TRITS) * TRIT_WEIGHTS).sum(dim=1).to(torch.uint8),
+                name + SCALE: scale}
     scale = blocks.abs().amax(dim=1) / quant.levels
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     q = torch.round(blocks / safe[:, None]).clamp(-quant.levels, quant.levels).flatten()[:n]
@@ -160,6 +180,16 @@ def encode_tensor(name: str, value: torch.Tensor, codec: str) -> dict[str, torch
     return {name + CODE: codes, name + SCALE: scale}
 
 
+def ternary(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale per block, codes -1/0/1) of float32 ``blocks`` (one a row): a value's sign where
+    its magnitude passes TERNARY_THRESHOLD × its block's mean, the scale the mean magnitude of
+    those values (0 for a block of zeros)."""
+    magnitude = blocks.abs()
+    kept = magnitude > TERNARY_THRESHOLD * magnitude.mean(dim=1, keepdim=True)
+    scale = (magnitude * kept).sum(dim=1) / kept.sum(dim=1).clamp(min=1)
+    return scale, torch.sign(blocks) * kept
+
+
 def decode_tensor(name: str, parts: dict[str, torch.Tensor], codec: str, shape: list[int]) -> torch.Tensor:
     """Inverse of :func:`encode_tensor`: the float32 tensor of ``shape``."""
     if codec == "fp32" or codec == "fp16":
@@ -169,8 +199,11 @@ def decode_tensor(name: str, parts: dict[str, torch.Tensor], codec: str, shape: 
     codes = parts[name + CODE]
     if quant.bits == 8:
         q = codes.float()
-    else:
+    elif quant.bits == 4:
         q = torch.stack([codes & 15, codes >> 4], dim=1).flatten()[:n].float() - 8
+    else:
+        packed = codes.to(torch.int32)[:, None]
+        q = ((packed // TRIT_WEIGHTS) % 3).flatten()[:n].float() - 1
     blocks = torch.nn.functional.pad(q, (0, (-n) % quant.block)).view(-1, quant.block)
     return (blocks * parts[name + SCALE][:, None]).flatten()[:n].view(shape).clone()
 

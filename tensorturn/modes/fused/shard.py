@@ -54,7 +54,9 @@ class ShardUnit(backups.CopyAwareUnit):
 
         def theta_of(recipe: Recipe) -> tuple[StateDict, int, dict[str, str]]:
             prefetch_next(spec, recipe, self.board, r, self.a.worker)
-            return (*fetch_global(spec, recipe, self.store, sync.base_round(r)), {})
+            theta, moved = fetch_global(spec, recipe, self.store, sync.base_round(r))
+            start, more = sync.shard_start(self, r, k, theta)
+            return start, moved + more, {}
 
         watch = sync.shard_watch(self.board, spec, r, k)
         outcome = train_and_store(self, r, k, theta_of, layout.key("shard", spec.run_id, r, k), watch,

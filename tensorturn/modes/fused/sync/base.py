@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from tensorturn.spec import RunSpec
     from tensorturn.state.board import RunBoard
     from tensorturn.store.objects import Store
+    from tensorturn.store.tensors import StateDict
     from tensorturn.tasks.attempt import Unit
 
 
@@ -41,6 +42,11 @@ class SyncPolicy:
         """The round whose global weights round r's shards train from: r (θ_r) unless the
         policy overlaps rounds."""
         return r
+
+    def shard_start(self, unit: Unit, r: int, k: int, theta: StateDict) -> tuple[StateDict, int]:
+        """The weights shard k of round r trains from, given its base round's global weights
+        ``theta`` (not to be changed: it is cached), and the bytes that took to download."""
+        return theta, 0
 
     def store_output(self, unit: Unit, r: int, k: int, key: str, path: Path) -> None:
         """Store shard k of round r's pseudo-gradient, written at ``path``, at ``key``; stored

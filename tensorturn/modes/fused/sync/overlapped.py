@@ -1,23 +1,30 @@
 """``--sync overlap``: rounds whose communication runs while the next round trains — DiLoCo
-with a one-step-delayed outer step (DiLoCoX's one-step delay), defined by rounds alone.
+with a one-step-delayed outer step (DiLoCoX's one-step delay) and an eager start (Streaming
+DiLoCo's eager updates, arXiv 2502.12996, in spirit), defined by rounds alone.
 
-Round r's shards train from θ_{r−1} (round 0 and round 1 both from θ_0), and the outer step of
-round r applies their average pseudo-gradient to θ_r:
+Round r's shard k trains from θ_{r−1} minus its own pseudo-gradient of round r−1 — the weights its
+last round ended at, moved by the outer step it has not yet seen applied (round 0 trains from
+θ_0, round 1 continues from where round 0 ended) — and the outer step of round r applies the
+average of round r's pseudo-gradients to θ_r:
 
-    θ_{r+1} = outer(θ_r, mean_k(θ_{r−1} − trained_k))
+    start_{r,k} = θ_{r−1} − Δ_{r−1,k}          θ_{r+1} = outer(θ_r, mean_k Δ_{r,k})
 
-So round r+1 needs θ_r only, which round r−1's outer step computes while round r trains: a
-machine goes from one round to the next without waiting for an average. Its upload does not hold
-it either: a shard task writes its pseudo-gradient to a local file, hands it to a thread that
-uploads it under a lease of its own (``upload-r<r>-<k>``, refreshed like a task's), and ends; the
-agent takes its next task while the bytes go up. The outer step of round r is queued once every
-shard of the round has ended its task and θ_r is stored, and waits there for the uploads. An
-upload whose lease lapses (its agent died or lost the network) is a shard trained again — from
-the same θ_{r−1} with the same seed, so the same bytes: whichever machines ran it, and whatever
-died, the run's weights are the same.
+So round r+1 needs θ_r and the shard's own last output only: θ_r is computed (round r−1's outer
+step) while round r trains, and the output is on the machine that made it (another machine
+downloads it). Starting from θ_{r−1} alone (plain one-step delay) counts each round's progress
+twice: on ``charlm`` its validation loss ended 20 % worse than with the eager start (BENCHMARKS).
 
-The price is staleness: a pseudo-gradient is applied one outer step after the weights it was
-trained from (measured against ``--sync rounds`` in BENCHMARKS.md).
+A machine's upload does not hold it either: a shard task writes its pseudo-gradient to a local
+file, hands it to a thread that uploads it under a lease of its own (``upload-r<r>-<k>``,
+refreshed as a task's), and ends; the agent takes its next task while the bytes go up. Round r's
+outer step is queued once every shard of the round ended its task and θ_r is stored, and waits
+there for the uploads. An upload whose lease lapses (its agent died or lost the network) is a
+shard trained again — from the same weights with the same seed, so the same bytes: whichever
+machines ran it, and whatever died, the run's weights are the same.
+
+The price is staleness: the outer step applies pseudo-gradients that did not see the last
+average. ``--outer auto`` takes plain averaging (sgd) here: a Nesterov step one round late
+overshoots.
 """
 
 from __future__ import annotations
@@ -41,6 +48,8 @@ from tensorturn.spec import RunSpec
 from tensorturn.state.board import RunBoard
 from tensorturn.store import seals
 from tensorturn.store.objects import Store
+from tensorturn.store.tensorfile import TensorReader, delta_tensors
+from tensorturn.store.tensors import StateDict
 from tensorturn.tasks.attempt import Unit, agent_store, signed
 
 log = logging.getLogger(__name__)
@@ -75,6 +84,22 @@ class Overlap(Rounds):
             board.once(spec.run_id, layout.dispatch_claim(n), partial(dispatch_shards, spec, n, board))
         queue_outer_when_ready(spec, store, board, r)  # its shards may all be stored already
         return f"resumed at round {r} of 0..{rounds - 1}, overlapped"
+
+    def shard_start(self, unit: Unit, r: int, k: int, theta: StateDict) -> tuple[StateDict, int]:
+        """θ_{r−1} minus the shard's own pseudo-gradient of round r−1: the weights its last round
+        ended at, moved by the outer steps it missed (round 0: θ_0)."""
+        if r == 0:
+            return theta, 0
+        path, moved, local = own_output(unit, r - 1, k)
+        try:
+            start = dict(theta)
+            with TensorReader(path) as f:
+                for name, d in delta_tensors(f):
+                    start[name] = (theta[name].float() - d).to(theta[name].dtype)
+        finally:
+            if not local:
+                path.unlink(missing_ok=True)
+        return start, moved
 
     def store_output(self, unit: Unit, r: int, k: int, key: str, path: Path) -> None:
         upload_in_background(unit, r, k, key, path)
@@ -163,6 +188,60 @@ def train_again(spec: RunSpec, board: RunBoard, r: int, lost: list[int], worker:
     forget_results(sent)
 
 
+class UploadLost(RuntimeError):
+    """A shard's previous round's output was lost with its upload: the attempt fails, without
+    using one of its attempts up, and is retried once that output is trained again."""
+
+
+class KeptOutputs:
+    """This process's own shard outputs of the last rounds, as uploaded (the files), so the
+    shard's next round starts from them without a download when it runs here."""
+
+    def __init__(self, rounds: int = 2):
+        self.rounds = rounds
+        self.files: dict[tuple[str, int, int], Path] = {}
+        self.lock = threading.Lock()
+
+    def keep(self, run_id: str, r: int, k: int, path: Path) -> None:
+        """Keep shard k's output of round r; forget (and delete) this run's older than r−1."""
+        with self.lock:
+            self.files[(run_id, r, k)] = path
+            for old in [key for key in self.files if key[0] == run_id and key[1] <= r - self.rounds]:
+                self.files.pop(old).unlink(missing_ok=True)
+
+    def get(self, run_id: str, r: int, k: int) -> Path | None:
+        with self.lock:
+            path = self.files.get((run_id, r, k))
+        return path if path is not None and path.exists() else None
+
+
+kept = KeptOutputs()
+
+
+def own_output(unit: Unit, r: int, k: int) -> tuple[Path, int, bool]:
+    """Shard k's output of round r: (a file of it, bytes downloaded, whether it is kept here).
+    Trained here: the file this process uploaded; else the stored one, waited for while its
+    upload goes on (an upload that was lost is trained again: this task is retried meanwhile)."""
+    run_id, store, board = unit.spec.run_id, unit.store, unit.board
+    local = kept.get(run_id, r, k)
+    if local is not None:
+        return local, 0, True
+    key = layout.key("shard", run_id, r, k)
+    while not store.exists(key):
+        if not board.claims.uploading(run_id, r, k) and not store.exists(key):
+            train_again(unit.spec, board, r, [k], unit.a.worker)
+            board.attempt_log.give_back(run_id, str(unit.a.label))  # retried without using one up
+            raise UploadLost(f"round {r + 1}'s shard {k} starts from shard {k} of round {r}, whose "
+                             f"upload was lost: that is trained again first")
+        unit.a.check_cancelled()
+        time.sleep(UPLOAD_LOOK_S)
+    fd, name = tempfile.mkstemp(prefix=f"tt-own-{run_id}-r{r}-{k}-")
+    os.close(fd)
+    path = Path(name)
+    seals.get_file(store, key, path)
+    return path, path.stat().st_size, False
+
+
 def upload_in_background(unit: Unit, r: int, k: int, key: str, path: Path) -> None:
     """Move the pseudo-gradient at ``path`` to a spool file and upload it in a thread of this
     process under a lease (refreshed every ``lease_refresh_s``, lasting ``visibility_timeout_s``
@@ -174,6 +253,7 @@ def upload_in_background(unit: Unit, r: int, k: int, key: str, path: Path) -> No
     spool = Path(name)
     shutil.move(path, spool)
     run_id, board, store, worker = unit.spec.run_id, unit.board, unit.store, unit.a.worker
+    kept.keep(run_id, r, k, spool)  # the shard's next round here starts from it (deletes it in time)
     board.claims.hand_over(run_id, r, k, worker, lease_s)
 
     def upload() -> None:
@@ -196,6 +276,5 @@ def upload_in_background(unit: Unit, r: int, k: int, key: str, path: Path) -> No
             log.warning("run %s: the lease of shard %d of round %d's upload: %s", run_id, k, r, exc)
         finally:
             done.wait()
-            spool.unlink(missing_ok=True)
 
     threading.Thread(target=upload, name=f"lease-{run_id}-r{r}-{k}", daemon=True).start()
