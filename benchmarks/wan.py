@@ -36,6 +36,7 @@ from typing import Any
 
 from _common import figure, machine, run_job, table, write_outputs
 
+from tensorturn.cli.options import parse_recipe_options
 from tensorturn.layout import parse_label
 from tensorturn.pool.embedded import free_port, stop_process_group
 from testbed import netlab
@@ -268,7 +269,7 @@ def main() -> None:
     why = netlab.unavailable()
     if why:
         sys.exit(f"wan.py: {why}")
-    args.options = dict(o.split("=", 1) for o in args.recipe_option)
+    args.options = parse_recipe_options(tuple(args.recipe_option))  # as the CLI reads them
     real = real_step_s(args.recipe, args.options, args.batch) * max(1.0, AGENTS / (os.cpu_count() or 1))
     print(f"a real {args.recipe} step here: {real:.3f} s with {AGENTS} agents sharing the cores", flush=True)
     if real * 1.2 > args.sim_step:

@@ -108,3 +108,21 @@ def test_overlapped_runs_give_one_model_on_1_and_3_agents_with_one_killed(pool_f
     assert tries[0]["outcome"].startswith("lost")
     assert [t["outcome"] for t in tries].count("succeeded") == 1
     assert [r["round"] for r in doc["rounds"]] == list(range(SPEC["rounds"]))
+
+
+def test_an_agent_keeps_its_outputs_of_the_last_two_rounds_of_its_last_two_runs(tmp_path):
+    kept = overlapped.KeptOutputs()
+
+    def keep(run: str, r: int, k: int):
+        path = tmp_path / f"{run}-{r}-{k}"
+        path.write_bytes(b"x")
+        kept.keep(run, r, k, path)
+        return path
+
+    a0, a1, a2 = keep("a", 0, 0), keep("a", 1, 0), keep("a", 2, 0)
+    assert not a0.exists() and kept.get("a", 0, 0) is None  # round 0 is two rounds back
+    assert kept.get("a", 1, 0) == a1 and kept.get("a", 2, 0) == a2
+    keep("b", 0, 0)
+    keep("c", 0, 1)  # a third run: run a's files go
+    assert not a1.exists() and not a2.exists() and kept.get("a", 2, 0) is None
+    assert kept.get("b", 0, 0) is not None and kept.get("c", 0, 1) is not None

@@ -197,16 +197,20 @@ class KeptOutputs:
     """This process's own shard outputs of the last rounds, as uploaded (the files), so the
     shard's next round starts from them without a download when it runs here."""
 
-    def __init__(self, rounds: int = 2):
-        self.rounds = rounds
-        self.files: dict[tuple[str, int, int], Path] = {}
+    def __init__(self, rounds: int = 2, runs: int = 2):
+        self.rounds, self.runs = rounds, runs
+        self.files: dict[tuple[str, int, int], Path] = {}  # in the order they were kept
         self.lock = threading.Lock()
 
     def keep(self, run_id: str, r: int, k: int, path: Path) -> None:
-        """Keep shard k's output of round r; forget (and delete) this run's older than r−1."""
+        """Keep shard k's output of round r; forget (and delete) this run's older than r−1, and
+        every file of runs before the last ``runs`` kept here."""
         with self.lock:
+            self.files.pop((run_id, r, k), None)
             self.files[(run_id, r, k)] = path
-            for old in [key for key in self.files if key[0] == run_id and key[1] <= r - self.rounds]:
+            recent = list(dict.fromkeys(key[0] for key in reversed(self.files)))[:self.runs]
+            for old in [key for key in self.files
+                        if key[0] not in recent or (key[0] == run_id and key[1] <= r - self.rounds)]:
                 self.files.pop(old).unlink(missing_ok=True)
 
     def get(self, run_id: str, r: int, k: int) -> Path | None:
