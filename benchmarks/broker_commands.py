@@ -17,8 +17,10 @@ queues), which is what a task costs on a pool doing nothing else.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import tempfile
+import threading
 from collections import Counter
 from pathlib import Path
 
@@ -32,6 +34,35 @@ from tensorturn.pool.embedded import LocalPool  # noqa: E402
 from tensorturn.state.broker import redis_client  # noqa: E402
 
 
+def key_shape(command: str) -> str:
+    """``HSET tt:run:<id>:attempts ...`` → ``hset tt:run:*:attempts``: the command and its first
+    key with ids, numbers and hex folded, to tell who sends what."""
+    parts = command.split(" ")
+    name = parts[0].strip('"').lower()
+    key = parts[1].strip('"') if len(parts) > 1 else ""
+    key = re.sub(r"run:[^:\s]+", "run:*", key)
+    key = re.sub(r"[0-9a-f]{8}-[0-9a-f-]{27}", "<uuid>", key)
+    key = re.sub(r"\d+", "N", key)
+    return f"{name} {key}".strip()
+
+
+class Monitor(threading.Thread):
+    """Redis MONITOR in a thread: every command the server runs, by :func:`key_shape`."""
+
+    def __init__(self, url: str):
+        super().__init__(daemon=True)
+        self.url, self.shapes, self.stop = url, Counter(), threading.Event()
+
+    def run(self) -> None:
+        import redis
+
+        with redis.Redis.from_url(self.url).monitor() as m:
+            for event in m.listen():
+                if self.stop.is_set():
+                    return
+                self.shapes[key_shape(event["command"])] += 1
+
+
 def calls(client) -> Counter:
     stats = client.info("commandstats")
     return Counter({name.removeprefix("cmdstat_"): int(v["calls"]) for name, v in stats.items()})
@@ -42,15 +73,22 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--agents", type=int, default=3)
     ap.add_argument("--sync-every", type=int, default=67)
+    ap.add_argument("--sync", default="rounds")
+    ap.add_argument("--by-key", action="store_true", help="also: every command by its key (Redis MONITOR)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="tt-cmds-") as tmp:
         store = (Path(tmp) / "store").as_uri()
         with LocalPool(args.agents, store, workdir=Path(tmp) / "pool") as pool:
             client = redis_client(pool.broker_url)
+            monitor = Monitor(pool.broker_url) if args.by_key else None
+            if monitor:
+                monitor.start()
             before = calls(client)
             doc = run_job(pool, store, mode="fused", recipe="digits-mlp", rounds=args.rounds,
-                          shards=args.agents, sync_every=args.sync_every)
+                          shards=args.agents, sync_every=args.sync_every, sync=args.sync)
             after = calls(client)
+            if monitor:
+                monitor.stop.set()
     used = after - before
     shards = sum(1 for a in succeeded(doc) if getattr(parse_label(a["task"]), "kind", None) == "shard")
     tasks = len([a for a in doc["attempts"] if a["outcome"] == "succeeded"])
@@ -58,6 +96,9 @@ def main() -> None:
     total = sum(used.values())
     rows = [[name, n, round(n / shards, 1)] for name, n in used.most_common(15)]
     print(table(["command", "calls", "per shard task"], rows))
+    if monitor:
+        print(table(["command and key", "calls", "per shard task"],
+                    [[shape, n, round(n / shards, 1)] for shape, n in monitor.shapes.most_common(40)]))
     print(f"\n{total} commands over {wall:.1f} s for {shards} shard tasks ({tasks} tasks in all): "
           f"{total / shards:.1f} per shard task, {total / tasks:.1f} per task")
     fig = figure(7, 4)

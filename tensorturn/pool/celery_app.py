@@ -89,9 +89,14 @@ def settings_for(settings: config.Settings) -> dict:
         result_backend_always_retry=True,
         result_backend_max_retries=30,
         result_extended=True,
-        task_track_started=True,
-        worker_send_task_events=True,
-        task_send_sent_event=True,
+        # Each of these is a broker command (a round trip on a home link) per task. Nothing in
+        # TensorTurn reads them — attempts, progress and heartbeats live on the run board — so
+        # task events start only when a monitor asks (Flower sends ``enable_events`` every few
+        # seconds, which the agents' remote-control guard lets through), and no STARTED state
+        # or task-sent event is written (benchmarks/broker_commands.py).
+        task_track_started=False,
+        worker_send_task_events=False,
+        task_send_sent_event=False,
         worker_hijack_root_logger=False,
         worker_cancel_long_running_tasks_on_connection_loss=False,
         # SIGTERM: give running tasks a few seconds, then stop them and put their messages back
