@@ -51,8 +51,13 @@ def submit(spec: RunSpec, broker_url: str, here: bool = False,
     store = open_store(spec.store_url)
     store.check()
     pool = list_workers(client)
-    if not here and any(w["state"] == WorkerState.IDLE for w in pool):
-        return start_on_an_agent(spec, broker_url)
+    idle = [w for w in pool if w["state"] == WorkerState.IDLE]
+    if not here and idle:
+        # beside the store when an agent there is idle: θ_0 (a whole model) is uploaded from
+        # the machine that starts the run, and a trainer's home uplink is the slow one
+        beside = layout.outer_queue(layout.DEFAULT_QUEUE)
+        return start_on_an_agent(spec, broker_url, beside if any(beside in w["queues"] for w in idle)
+                                 else layout.DEFAULT_QUEUE)
     from tensorturn.tasks.start import start
 
     # built here: the recipe this user named on this machine is theirs to import here
@@ -60,10 +65,10 @@ def submit(spec: RunSpec, broker_url: str, here: bool = False,
     return RunBoard(client).describe(spec.run_id)
 
 
-def start_on_an_agent(spec: RunSpec, broker_url: str) -> dict[str, Any]:
-    """Have an idle agent set the run up (:func:`tensorturn.tasks.start.start_run`), and wait
-    for its answer: the run's description, or the error it met, raised here with its exit code
-    (nothing is queued then)."""
+def start_on_an_agent(spec: RunSpec, broker_url: str, queue: str = layout.DEFAULT_QUEUE) -> dict[str, Any]:
+    """Have an idle agent set the run up (:func:`tensorturn.tasks.start.start_run`), from
+    ``queue``, and wait for its answer: the run's description, or the error it met, raised here
+    with its exit code (nothing is queued then)."""
     from tensorturn import trust
     from tensorturn.pool import remote_control
     from tensorturn.pool.celery_app import app, configure
@@ -74,7 +79,7 @@ def start_on_an_agent(spec: RunSpec, broker_url: str) -> dict[str, Any]:
     # the answer comes back on a Redis list of the run's (no Celery result, no subscription)
     doc = spec.to_json()
     sent = app.send_task(START_TASK, args=[doc], kwargs={"sig": trust.pool_key().sign("submit", doc)},
-                         queue=layout.DEFAULT_QUEUE, ignore_result=True)
+                         queue=queue, ignore_result=True)
     reply = start_answer(client, spec.run_id)
     if reply is None:
         remote_control.send(app, "revoke", {"task_id": sent.id})  # signed: agents refuse others
