@@ -116,13 +116,59 @@ def test_an_agent_keeps_its_outputs_of_the_last_two_rounds_of_its_last_two_runs(
     def keep(run: str, r: int, k: int):
         path = tmp_path / f"{run}-{r}-{k}"
         path.write_bytes(b"x")
-        kept.keep(run, r, k, path)
+        kept.keep(run, r, k, path)  # in use (uploading) until released
+        kept.release(path)
         return path
 
     a0, a1, a2 = keep("a", 0, 0), keep("a", 1, 0), keep("a", 2, 0)
     assert not a0.exists() and kept.get("a", 0, 0) is None  # round 0 is two rounds back
-    assert kept.get("a", 1, 0) == a1 and kept.get("a", 2, 0) == a2
+    assert kept.get("a", 1, 0) == a1 and kept.get("a", 2, 0) == a2  # each in use until released
+    kept.release(a1)
+    kept.release(a2)
     keep("b", 0, 0)
     keep("c", 0, 1)  # a third run: run a's files go
     assert not a1.exists() and not a2.exists() and kept.get("a", 2, 0) is None
-    assert kept.get("b", 0, 0) is not None and kept.get("c", 0, 1) is not None
+    for held in (kept.get("b", 0, 0), kept.get("c", 0, 1)):
+        assert held is not None
+        kept.release(held)
+    # a file in use when it is dropped goes when it is released
+    busy = tmp_path / "busy"
+    busy.write_bytes(b"x")
+    kept.keep("d", 0, 0, busy)
+    keep("e", 0, 0)
+    keep("f", 0, 0)  # run d is dropped while its file is still uploading: it stays until released
+    assert kept.get("d", 0, 0) is None and busy.exists()
+    kept.release(busy)
+    assert not busy.exists()
+
+
+def test_a_shard_whose_last_round_is_not_there_yet_is_queued_again_without_using_an_attempt(world):
+    """Round 1's shard 0 delivered before round 0's shard 0 was trained anywhere (a thief, or
+    more agents than shards): it does not wait in its slot (on one agent that slot is the one
+    that would train it) — its attempt ends refused, is given back, and the shard is queued
+    again a few seconds later."""
+    spec = world.submit(**SPEC)
+    run_shard(spec, 1, 0)
+    attempts = [a for a in world.board.attempts(spec.run_id) if a["task"] == "r1/shard-0"]
+    assert [a["outcome"] for a in attempts] == [
+        "refused: round 1's shard 0 starts from shard 0 of round 0, not stored yet; queued again in 3 s"]
+    assert not [i for i in world.board.describe(spec.run_id)["incidents"] if i["kind"] == "upload_lost"]
+    run_shard(spec, 0, 0)
+    run_shard(spec, 1, 0)  # the attempt given back: this one is number 1 of its allowance again
+    assert [a["outcome"] for a in world.board.attempts(spec.run_id) if a["task"] == "r1/shard-0"][-1] == "succeeded"
+
+
+def test_an_upload_lease_is_refreshed_and_ended_only_by_its_holder(redis_server):
+    from tensorturn.state.claims import Claims
+
+    claims = Claims(redis.Redis.from_url(redis_server.url, decode_responses=True))
+    claims.hand_over("run-x", 0, 1, "a#1", lease_s=30)
+    assert claims.uploading("run-x", 0, 1) and claims.handed("run-x", 0) == {1}
+    assert not claims.refresh_upload("run-x", 0, 1, "b#2", lease_s=30)  # another upload's token
+    claims.upload_ended("run-x", 0, 1, "b#2")
+    assert claims.uploading("run-x", 0, 1)
+    assert claims.refresh_upload("run-x", 0, 1, "a#1", lease_s=30)
+    claims.upload_ended("run-x", 0, 1, "a#1")
+    assert not claims.uploading("run-x", 0, 1)
+    assert claims.take_back("run-x", 0, 1) and not claims.take_back("run-x", 0, 1)  # one taker
+

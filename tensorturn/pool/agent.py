@@ -13,7 +13,8 @@ from tensorturn import config
 
 
 def worker_argv(name: str | None, concurrency: int, loglevel: str) -> list[str]:
-    """Arguments for ``celery worker``: hostname ``NAME@host``, prefork pool, task events on, and
+    """Arguments for ``celery worker``: hostname ``NAME@host``, prefork pool, task events off
+    until a monitor (Flower) enables them, and
     the queues of every model size this machine's device memory can hold — for training, for
     outer steps (:mod:`.routing`), or both, by its role — and its own queue."""
     from tensorturn.layout import agent_queue
@@ -22,7 +23,7 @@ def worker_argv(name: str | None, concurrency: int, loglevel: str) -> list[str]:
     node = f"{name or 'agent'}@{socket.gethostname()}"
     queues = ",".join([*agent_queues(), agent_queue(node)])
     return ["worker", "--hostname", node, "--concurrency", str(concurrency), "--pool", "prefork",
-            "--loglevel", loglevel, "--task-events", "--without-mingle", "--without-gossip",
+            "--loglevel", loglevel, "--without-mingle", "--without-gossip",
             "--queues", queues]
 
 

@@ -165,7 +165,7 @@ def encode_tensor(name: str, value: torch.Tensor, codec: str) -> dict[str, torch
     n = flat.numel()
     blocks = torch.nn.functional.pad(flat, (0, (-n) % quant.block)).view(-1, quant.block)
     if quant.bits == 0:
-        scale, q = ternary(blocks)
+        scale, q = ternary(blocks, n)
         trits = torch.nn.functional.pad((q.flatten()[:n] + 1).to(torch.int32), (0, (-n) % TRITS))
         return {name + CODE: (trits.view(-1, TRITS) * TRIT_WEIGHTS).sum(dim=1).to(torch.uint8),
                 name + SCALE: scale}
@@ -180,13 +180,17 @@ def encode_tensor(name: str, value: torch.Tensor, codec: str) -> dict[str, torch
     return {name + CODE: codes, name + SCALE: scale}
 
 
-def ternary(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(scale per block, codes -1/0/1) of float32 ``blocks`` (one a row): a value's sign where
-    its magnitude passes TERNARY_THRESHOLD × its block's mean, the scale the mean magnitude of
-    those values (0 for a block of zeros)."""
-    magnitude = blocks.abs()
-    kept = magnitude > TERNARY_THRESHOLD * magnitude.mean(dim=1, keepdim=True)
-    scale = (magnitude * kept).sum(dim=1) / kept.sum(dim=1).clamp(min=1)
+def ternary(blocks: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale per block, codes -1/0/1) of float32 ``blocks`` (one a row; ``n`` real values, the
+    last row's rest padding): a value's sign where its magnitude passes TERNARY_THRESHOLD × its
+    block's mean magnitude (over its real values), the scale the mean magnitude of those kept
+    (0 for a block of zeros). The sums are in float64, whose rounding leaves the float32
+    results the same whatever order a CPU's vector units add in."""
+    magnitude = blocks.abs().double()
+    real = (n - torch.arange(blocks.shape[0], dtype=torch.float64) * blocks.shape[1]).clamp(max=blocks.shape[1])
+    mean = (magnitude.sum(dim=1) / real.clamp(min=1)).float()
+    kept = blocks.abs() > TERNARY_THRESHOLD * mean[:, None]
+    scale = ((magnitude * kept).sum(dim=1) / kept.sum(dim=1).clamp(min=1)).float()
     return scale, torch.sign(blocks) * kept
 
 

@@ -127,6 +127,11 @@ class Attempt:
             raise RunCancelled(f"run {self.spec.run_id} was cancelled")
 
 
+class NotYet(Exception):
+    """What the unit needs is not there yet, and it was queued again (by whoever raised this):
+    the attempt ends ``refused: <why>`` without using one of the unit's attempts up."""
+
+
 class RunCancelled(Exception):
     """The run was cancelled (``tensorturn cancel``) while this attempt ran."""
 
@@ -320,6 +325,11 @@ def _execute(task: Task, board: RunBoard, run_id: str, label: Label, unit_class:
         return receipt
     except Retry:
         raise
+    except NotYet as exc:  # queued again already: given back, not retried here
+        if key:
+            board.attempt_log.give_back(run_id, str(label))
+            board.finish_attempt(run_id, key, Outcome.REFUSED.says(str(exc)))
+        return receipt
     except RunCancelled:  # not a failure: recorded, never retried; the run is finished
         if key:
             board.finish_attempt(run_id, key, CANCELLED)

@@ -30,7 +30,7 @@ from tensorturn.modes.fused.options import eval_passes, options, outer_args, sam
 from tensorturn.modes.fused.policies import policy
 from tensorturn.modes.fused.shard import count_data, data_bytes
 from tensorturn.recipes import Recipe, recipe_of
-from tensorturn.spec import Outcome, RunSpec
+from tensorturn.spec import RunSpec
 from tensorturn.state.board import RunBoard
 from tensorturn.state.manifest import write_manifest
 from tensorturn.store import seals
@@ -51,7 +51,7 @@ from tensorturn.store.tensors import (
     model_metadata,
     stored_metadata,
 )
-from tensorturn.tasks.attempt import SUCCEEDED, Unit
+from tensorturn.tasks.attempt import SUCCEEDED, NotYet, Unit
 from tensorturn.train.device import pick_device
 from tensorturn.train.diloco import (
     accumulate,
@@ -112,8 +112,7 @@ class OuterUnit(Unit):
         last = r + 1 == options(spec).rounds
         waiting = policy(options(spec).sync).await_round(self, r)
         if waiting is not None:  # queued again once the round's outputs are in
-            self.board.attempt_log.give_back(spec.run_id, str(self.a.label))
-            return Outcome.REFUSED.says(waiting)
+            raise NotYet(waiting)
         self.phase("averaging")
 
         def stored() -> None:  # the machines train round r+1 (queued once) while this evaluates r

@@ -46,7 +46,8 @@ class ShardUnit(backups.CopyAwareUnit):
     def done(self) -> bool:
         r, k = self.a.label.numbers
         return (self.store.exists(layout.key("shard", self.spec.run_id, r, k))
-                or self.store.exists(layout.key("global", self.spec.run_id, r + 1)))
+                or self.store.exists(layout.key("global", self.spec.run_id, r + 1))
+                or policy(options(self.spec).sync).output_in_flight(self.board, self.spec, r, k))
 
     def run(self) -> str:
         r, k = self.a.label.numbers

@@ -43,6 +43,10 @@ class SyncPolicy:
         policy overlaps rounds."""
         return r
 
+    def output_in_flight(self, board: RunBoard, spec: RunSpec, r: int, k: int) -> bool:
+        """Whether shard k of round r's output is on its way to the store (then it is done)."""
+        return False
+
     def shard_start(self, unit: Unit, r: int, k: int, theta: StateDict) -> tuple[StateDict, int]:
         """The weights shard k of round r trains from, given its base round's global weights
         ``theta`` (not to be changed: it is cached), and the bytes that took to download."""

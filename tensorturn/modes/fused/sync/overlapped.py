@@ -35,10 +35,14 @@ import shutil
 import tempfile
 import threading
 import time
+import uuid
 from functools import partial
 from pathlib import Path
 
+from celery.signals import worker_process_shutdown
+
 from tensorturn import config, layout
+from tensorturn.config import mask_text
 from tensorturn.modes.fused.options import options
 from tensorturn.modes.fused.sync.rounds import Rounds, outer_step, train_shard, train_slot
 from tensorturn.pool import routing
@@ -50,11 +54,12 @@ from tensorturn.store import seals
 from tensorturn.store.objects import Store
 from tensorturn.store.tensorfile import TensorReader, delta_tensors
 from tensorturn.store.tensors import StateDict
-from tensorturn.tasks.attempt import Unit, agent_store, signed
+from tensorturn.tasks.attempt import NotYet, Unit, agent_store, signed
 
 log = logging.getLogger(__name__)
 
 UPLOAD_LOOK_S = 0.5  # how often a waiting outer step looks whether its round's uploads are stored
+NOT_YET_S = 3.0      # a shard whose last round's output is not there yet is queued again this much later
 
 
 class Overlap(Rounds):
@@ -72,7 +77,8 @@ class Overlap(Rounds):
 
     def resume(self, spec: RunSpec, store: Store, board: RunBoard) -> str:
         """Continue from the last round whose global weights are stored: θ_r lets rounds r and
-        r+1 train; what of them is stored already is not redone."""
+        r+1 train; what of them is stored already is not redone, and what was handed over or
+        uploading before is forgotten (those uploads' agents are gone: their tasks run again)."""
         stored = [layout.parse("global", key) for key in store.list(layout.prefix("global", spec.run_id))]
         r = max((parts["round"] for parts in stored if parts), default=0)
         for past in range(r):
@@ -80,10 +86,14 @@ class Overlap(Rounds):
                 board.record_round(spec.run_id, past, seals.get_json(store, layout.key("round", spec.run_id, past)))
         rounds = options(spec).rounds
         r = min(r, rounds - 1)  # every round stored: the last outer step finalizes again
+        board.claims.forget_uploads(spec.run_id, range(max(r - 1, 0), rounds), options(spec).shards)
         for n in range(r, min(r + 2, rounds)):
             board.once(spec.run_id, layout.dispatch_claim(n), partial(dispatch_shards, spec, n, board))
         queue_outer_when_ready(spec, store, board, r)  # its shards may all be stored already
         return f"resumed at round {r} of 0..{rounds - 1}, overlapped"
+
+    def output_in_flight(self, board: RunBoard, spec: RunSpec, r: int, k: int) -> bool:
+        return board.claims.uploading(spec.run_id, r, k)
 
     def shard_start(self, unit: Unit, r: int, k: int, theta: StateDict) -> tuple[StateDict, int]:
         """θ_{r−1} minus the shard's own pseudo-gradient of round r−1: the weights its last round
@@ -97,7 +107,9 @@ class Overlap(Rounds):
                 for name, d in delta_tensors(f):
                     start[name] = (theta[name].float() - d).to(theta[name].dtype)
         finally:
-            if not local:
+            if local:
+                kept.release(path)
+            else:
                 path.unlink(missing_ok=True)
         return start, moved
 
@@ -123,8 +135,9 @@ class Overlap(Rounds):
             queue_outer_when_ready(spec, store, board, r + 1)
 
     def await_round(self, unit: Unit, r: int) -> str | None:
-        """Wait while round r's outputs upload; a shard whose upload's lease lapsed is trained
-        again, and this outer step ends (the shard's task queues it again when it is stored)."""
+        """Wait while round r's outputs upload. A shard whose upload's lease lapsed is trained
+        again, and so is one taken back already: this outer step then ends (the shard's task
+        queues it again once it is handed over)."""
         spec, store, board = unit.spec, unit.store, unit.board
         run_id, shards = spec.run_id, options(spec).shards
         board.mark_phase(run_id, str(unit.a.label), "waiting for uploads", unit.a.worker)
@@ -132,11 +145,14 @@ class Overlap(Rounds):
             missing = [k for k in range(shards) if not store.exists(layout.key("shard", run_id, r, k))]
             if not missing:
                 return None
-            lost = [k for k in missing if not board.claims.uploading(run_id, r, k)
+            handed = board.claims.handed(run_id, r)
+            again = [k for k in missing if k not in handed]  # taken back: trained again now
+            lost = [k for k in missing if k in handed and not board.claims.uploading(run_id, r, k)
                     and not store.exists(layout.key("shard", run_id, r, k))]  # looked at after the lease
             if lost:
-                train_again(spec, board, r, lost, unit.a.worker)
-                return f"shard {', '.join(map(str, lost))} of round {r}: upload lost, trained again"
+                again += train_again(spec, board, r, lost, unit.a.worker)
+            if again:
+                return f"shard {', '.join(map(str, sorted(set(again))))} of round {r}: upload lost, trained again"
             unit.a.check_cancelled()
             time.sleep(UPLOAD_LOOK_S)
 
@@ -170,62 +186,95 @@ def queue_outer_when_ready(spec: RunSpec, store: Store, board: RunBoard, r: int)
     board.once(run_id, layout.outer_claim(r), send)
 
 
-def train_again(spec: RunSpec, board: RunBoard, r: int, lost: list[int], worker: str) -> None:
-    """Shards of round r whose upload was lost: taken back, the outer step's claim given back
-    (the shard task that stores them queues it again), and each queued as a named shard."""
+def queue_shard(spec: RunSpec, r: int, k: int, countdown: float = 0) -> None:
+    """Queue shard k of round r as a named shard task (in ``countdown`` seconds)."""
     run_id = spec.run_id
-    for k in lost:
-        board.claims.take_back(run_id, r, k)
+    forget_results([train_shard.s(run_id, r, k, **signed(run_id, str(layout.shard_label(r, k))))
+                    .set(queue=queue_for(spec.memory_needed_bytes)).apply_async(countdown=countdown)])
+
+
+def train_again(spec: RunSpec, board: RunBoard, r: int, lost: list[int], worker: str) -> list[int]:
+    """Shards of round r whose upload was lost: each taken back — by one caller only, who
+    queues it as a named shard, its attempt given back (the loss was its machine's) — and the
+    outer step's claim given back (the shard task that hands it over queues it again). Returns
+    the shards this call took back."""
+    run_id = spec.run_id
+    taken = [k for k in lost if board.claims.take_back(run_id, r, k)]
+    if not taken:
+        return []
     board.release(run_id, layout.outer_claim(r))
-    queue = queue_for(spec.memory_needed_bytes)
-    sent = []
-    for k in lost:
-        board.incident(run_id, "upload_lost", str(layout.shard_label(r, k)), worker,
+    for k in taken:
+        label = str(layout.shard_label(r, k))
+        board.incident(run_id, "upload_lost", label, worker,
                        "its upload's lease lapsed before it was stored (its agent died or lost "
                        "the network): trained again, from the same weights and seed")
-        sent.append(train_shard.s(run_id, r, k, **signed(run_id, str(layout.shard_label(r, k))))
-                    .set(queue=queue).apply_async())
-    forget_results(sent)
-
-
-class UploadLost(RuntimeError):
-    """A shard's previous round's output was lost with its upload: the attempt fails, without
-    using one of its attempts up, and is retried once that output is trained again."""
+        board.attempt_log.give_back(run_id, label)
+        queue_shard(spec, r, k)
+    return taken
 
 
 class KeptOutputs:
     """This process's own shard outputs of the last rounds, as uploaded (the files), so the
-    shard's next round starts from them without a download when it runs here."""
+    shard's next round starts from them without a download when it runs here. A file in use
+    (uploading, or being read) is deleted only once it is released."""
 
     def __init__(self, rounds: int = 2, runs: int = 2):
         self.rounds, self.runs = rounds, runs
         self.files: dict[tuple[str, int, int], Path] = {}  # in the order they were kept
+        self.busy: dict[Path, int] = {}
+        self.dropped: set[Path] = set()
         self.lock = threading.Lock()
 
     def keep(self, run_id: str, r: int, k: int, path: Path) -> None:
-        """Keep shard k's output of round r; forget (and delete) this run's older than r−1, and
-        every file of runs before the last ``runs`` kept here."""
+        """Keep shard k's output of round r, in use until released; forget this run's older
+        than r−1, and every file of runs before the last ``runs`` kept here."""
         with self.lock:
-            self.files.pop((run_id, r, k), None)
+            self.busy[path] = self.busy.get(path, 0) + 1
+            replaced = self.files.pop((run_id, r, k), None)
+            if replaced is not None and replaced != path:
+                self._drop(replaced)
             self.files[(run_id, r, k)] = path
             recent = list(dict.fromkeys(key[0] for key in reversed(self.files)))[:self.runs]
             for old in [key for key in self.files
                         if key[0] not in recent or (key[0] == run_id and key[1] <= r - self.rounds)]:
-                self.files.pop(old).unlink(missing_ok=True)
+                self._drop(self.files.pop(old))
 
     def get(self, run_id: str, r: int, k: int) -> Path | None:
+        """The kept file, in use until released; None if there is none here."""
         with self.lock:
             path = self.files.get((run_id, r, k))
-        return path if path is not None and path.exists() else None
+            if path is None or not path.exists():
+                return None
+            self.busy[path] = self.busy.get(path, 0) + 1
+            return path
+
+    def release(self, path: Path) -> None:
+        with self.lock:
+            self.busy[path] = self.busy.get(path, 1) - 1
+            if self.busy[path] <= 0:
+                del self.busy[path]
+                if path in self.dropped:
+                    self.dropped.discard(path)
+                    path.unlink(missing_ok=True)
+
+    def _drop(self, path: Path) -> None:
+        if path in self.busy:
+            self.dropped.add(path)  # deleted when released
+        else:
+            path.unlink(missing_ok=True)
 
 
 kept = KeptOutputs()
+uploads: set[threading.Thread] = set()  # this process's uploads in flight
 
 
 def own_output(unit: Unit, r: int, k: int) -> tuple[Path, int, bool]:
-    """Shard k's output of round r: (a file of it, bytes downloaded, whether it is kept here).
-    Trained here: the file this process uploaded; else the stored one, waited for while its
-    upload goes on (an upload that was lost is trained again: this task is retried meanwhile)."""
+    """Shard k's output of round r: (a file of it, bytes downloaded, whether it is a kept file
+    of this process's, to release). Trained here: the file this process uploads or uploaded;
+    else the stored one, waited for while its upload goes on. Not there and not uploading —
+    still training elsewhere, or lost with its upload (then it is trained again) — this task
+    is queued again in a few seconds rather than wait here (it may hold the only slot that
+    would train it), and :class:`~tensorturn.tasks.attempt.NotYet` ends this attempt."""
     run_id, store, board = unit.spec.run_id, unit.store, unit.board
     local = kept.get(run_id, r, k)
     if local is not None:
@@ -233,10 +282,11 @@ def own_output(unit: Unit, r: int, k: int) -> tuple[Path, int, bool]:
     key = layout.key("shard", run_id, r, k)
     while not store.exists(key):
         if not board.claims.uploading(run_id, r, k) and not store.exists(key):
-            train_again(unit.spec, board, r, [k], unit.a.worker)
-            board.attempt_log.give_back(run_id, str(unit.a.label))  # retried without using one up
-            raise UploadLost(f"round {r + 1}'s shard {k} starts from shard {k} of round {r}, whose "
-                             f"upload was lost: that is trained again first")
+            lost = k in board.claims.handed(run_id, r) and train_again(unit.spec, board, r, [k], unit.a.worker)
+            queue_shard(unit.spec, r + 1, k, countdown=NOT_YET_S)
+            raise NotYet(f"round {r + 1}'s shard {k} starts from shard {k} of round {r}, "
+                         + ("whose upload was lost: trained again first" if lost else "not stored yet")
+                         + f"; queued again in {NOT_YET_S:g} s")
         unit.a.check_cancelled()
         time.sleep(UPLOAD_LOOK_S)
     fd, name = tempfile.mkstemp(prefix=f"tt-own-{run_id}-r{r}-{k}-")
@@ -249,7 +299,9 @@ def own_output(unit: Unit, r: int, k: int) -> tuple[Path, int, bool]:
 def upload_in_background(unit: Unit, r: int, k: int, key: str, path: Path) -> None:
     """Move the pseudo-gradient at ``path`` to a spool file and upload it in a thread of this
     process under a lease (refreshed every ``lease_refresh_s``, lasting ``visibility_timeout_s``
-    unrefreshed) — the lease is held before this returns, so the shard's task can end now."""
+    unrefreshed) — the lease is held before this returns, so the shard's task can end now. An
+    output stored meanwhile (another copy's) is not stored over; a failed upload is recorded,
+    and its lease given back at once, so the outer step has the shard trained again."""
     settings = config.current()
     lease_s, refresh_s = settings.visibility_timeout_s, settings.lease_refresh_s
     fd, name = tempfile.mkstemp(prefix=f"tt-upload-{unit.spec.run_id}-r{r}-{k}-")
@@ -257,28 +309,50 @@ def upload_in_background(unit: Unit, r: int, k: int, key: str, path: Path) -> No
     spool = Path(name)
     shutil.move(path, spool)
     run_id, board, store, worker = unit.spec.run_id, unit.board, unit.store, unit.a.worker
-    kept.keep(run_id, r, k, spool)  # the shard's next round here starts from it (deletes it in time)
-    board.claims.hand_over(run_id, r, k, worker, lease_s)
+    token = f"{worker}#{uuid.uuid4().hex[:12]}"
+    kept.keep(run_id, r, k, spool)  # the shard's next round here starts from it
+    board.claims.hand_over(run_id, r, k, token, lease_s)
 
     def upload() -> None:
         done = threading.Event()
 
         def put() -> None:
             try:
-                seals.put_file(store, key, spool)
-            except Exception as exc:  # noqa: BLE001 - the lease ends; the outer step has it trained again
+                if not store.exists(key):  # never over a stored output: it may be in use
+                    seals.put_file(store, key, spool)
+            except Exception as exc:  # noqa: BLE001 - recorded; the outer step has it trained again
                 log.warning("run %s: the upload of shard %d of round %d failed: %s", run_id, k, r, exc)
+                try:
+                    board.incident(run_id, "upload_failed", str(layout.shard_label(r, k)), worker,
+                                   f"its upload failed: {mask_text(str(exc))}")
+                except Exception:  # noqa: BLE001 - the broker is away too: the lease lapses
+                    pass
             finally:
                 done.set()
 
         threading.Thread(target=put, name=f"upload-{run_id}-r{r}-{k}", daemon=True).start()
         try:
             while not done.wait(refresh_s):
-                board.claims.refresh_upload(run_id, r, k, worker, lease_s)
-            board.claims.upload_ended(run_id, r, k)
+                try:
+                    board.claims.refresh_upload(run_id, r, k, token, lease_s)
+                except Exception as exc:  # noqa: BLE001 - a broker blip: the next refresh may pass
+                    log.info("run %s: the lease of shard %d of round %d's upload: %s", run_id, k, r, exc)
+            board.claims.upload_ended(run_id, r, k, token)
         except Exception as exc:  # noqa: BLE001 - the broker is away: the lease lapses by itself
             log.warning("run %s: the lease of shard %d of round %d's upload: %s", run_id, k, r, exc)
         finally:
-            done.wait()
+            kept.release(spool)
+            uploads.discard(threading.current_thread())
 
-    threading.Thread(target=upload, name=f"lease-{run_id}-r{r}-{k}", daemon=True).start()
+    thread = threading.Thread(target=upload, name=f"lease-{run_id}-r{r}-{k}", daemon=True)
+    uploads.add(thread)
+    thread.start()
+
+
+@worker_process_shutdown.connect
+def _finish_uploads(**_: object) -> None:
+    """A pool process ending (the agent stopping) finishes its uploads first, for as long as a
+    stop may take: one cut off is a shard trained again."""
+    deadline = time.monotonic() + config.current().shutdown_grace_s
+    for thread in list(uploads):
+        thread.join(max(0.0, deadline - time.monotonic()))
