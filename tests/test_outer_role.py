@@ -15,6 +15,12 @@ from tensorturn.pool.embedded import stop_process_group
 pytestmark = pytest.mark.long  # minutes of agents: scheduled first (conftest)
 
 
+def runs_store_size(store_url: str, key: str) -> int:
+    from tensorturn.store.objects import open_store
+
+    return open_store(store_url).sizes(key)[key]
+
+
 def outer_workers(doc: dict) -> set[str]:
     return {a["worker"] for a in doc["attempts"]
             if getattr(layout.parse_label(a["task"]), "kind", None) == "outer"}
@@ -50,6 +56,10 @@ def test_outer_steps_run_beside_the_store_and_move_to_the_trainers_when_it_is_go
     assert trainers_up >= beside["bytes_up"] > 0  # their pseudo-gradients, at least
     outer_up = next(v["up"] for w, v in by.items() if w.startswith("local3@"))
     assert outer_up > 0  # θ, the outer state and the broadcasts: stored beside the store
+    # the run was set up beside the store too: θ_0 went up from the outer agent, not a trainer
+    theta0 = layout.key("global", first.run_id, 0)
+    theta0_size = runs_store_size(store_url, theta0)
+    assert outer_up >= theta0_size > 0 and trainers_up < beside["bytes_up"] + theta0_size
 
     # a clean stop mid-round: round 0's outer step was queued for the outer agent when the
     # round began and reaches its queue only after the agent withdrew — it must go on

@@ -10,6 +10,7 @@ transient errors are retried with exponential backoff before they surface as one
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -19,7 +20,7 @@ import tempfile
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO, TypeVar
 from urllib.parse import unquote, urlsplit
@@ -60,10 +61,30 @@ _moved = [0, 0]            # bytes this process stored and fetched (object bodie
 _moved_lock = threading.Lock()
 
 
+_apart = threading.local()   # a thread counting its transfers on its own (counted_apart)
+
+
 def _count(up: int, down: int) -> None:
+    own = getattr(_apart, "moved", None)
+    if own is not None:
+        own[0] += up
+        own[1] += down
+        return
     with _moved_lock:
         _moved[0] += up
         _moved[1] += down
+
+
+@contextlib.contextmanager
+def counted_apart() -> Iterator[list[int]]:
+    """Bytes this thread moves inside the block are counted in the list it yields ([stored,
+    fetched]), not in :func:`moved`: a transfer in the background, beside whatever task the
+    process runs meanwhile, whose bytes its own code records."""
+    _apart.moved = [0, 0]
+    try:
+        yield _apart.moved
+    finally:
+        del _apart.moved
 
 
 def moved() -> tuple[int, int]:

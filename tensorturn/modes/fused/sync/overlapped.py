@@ -51,7 +51,7 @@ from tensorturn.pool.celery_app import forget_results
 from tensorturn.spec import RunSpec
 from tensorturn.state.board import RunBoard
 from tensorturn.store import seals
-from tensorturn.store.objects import Store
+from tensorturn.store.objects import Store, counted_apart
 from tensorturn.store.tensorfile import TensorReader, delta_tensors
 from tensorturn.store.tensors import StateDict
 from tensorturn.tasks.attempt import NotYet, Unit, agent_store, signed
@@ -319,7 +319,9 @@ def upload_in_background(unit: Unit, r: int, k: int, key: str, path: Path) -> No
         def put() -> None:
             try:
                 if not store.exists(key):  # never over a stored output: it may be in use
-                    seals.put_file(store, key, spool)
+                    with counted_apart() as moved:  # not in the task this process runs meanwhile
+                        seals.put_file(store, key, spool)
+                    board.add_store_bytes(run_id, moved[0], moved[1], worker)
             except Exception as exc:  # noqa: BLE001 - recorded; the outer step has it trained again
                 log.warning("run %s: the upload of shard %d of round %d failed: %s", run_id, k, r, exc)
                 try:
