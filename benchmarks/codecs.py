@@ -69,7 +69,7 @@ def main() -> None:
                          "bytes_down": statistics.mean(r["bytes_down"] for r in mine)})
     print(f"\ncharlm, {args.rounds} rounds × {args.shards} shards × H = {args.sync_every}, "
           f"{args.agents} agents, seeds {args.seeds}; loss and bytes: means over seeds\n")
-    print(table(["sync", "codec", "seeds", "val loss", "vs fp32 rounds", "test loss", "bytes up MB",
+    print(table(["sync", "codec", "seeds", "val loss", "vs fp32 (same sync)", "test loss", "bytes up MB",
                  "fp32 ÷ codec (up)", "bytes down MB"],
                 [[r["sync"], r["codec"], r["seeds"], r["val_loss"],
                   f"{r['val_vs_fp32']:+.2%}" if r["val_vs_fp32"] is not None else "—", r["test_loss"],
