@@ -36,7 +36,6 @@ from typing import Any
 
 from _common import figure, machine, run_job, table, write_outputs
 
-from tensorturn.cli.options import parse_recipe_options
 from tensorturn.layout import parse_label
 from tensorturn.pool.embedded import free_port, stop_process_group
 from testbed import netlab
@@ -193,6 +192,19 @@ def measure(rate: str, store: str, store_env: dict[str, str], args) -> list[dict
     return rows
 
 
+def recipe_options(pairs: list[str]) -> dict[str, Any]:
+    """``KEY=VALUE`` pairs, values read as JSON where they parse (``context=32`` is a number), as
+    ``--recipe-option`` reads them."""
+    options: dict[str, Any] = {}
+    for pair in pairs:
+        key, _, value = pair.partition("=")
+        try:
+            options[key] = json.loads(value)
+        except ValueError:
+            options[key] = value
+    return options
+
+
 def compare_to_ddp(rows: list[dict[str, Any]], args) -> None:
     """When DDP (the last row) reached the fused int8 run's final validation loss."""
     mark = next(r for r in rows if r["system"].startswith("TensorTurn fused int8, rounds, outer steps beside")
@@ -269,7 +281,7 @@ def main() -> None:
     why = netlab.unavailable()
     if why:
         sys.exit(f"wan.py: {why}")
-    args.options = parse_recipe_options(tuple(args.recipe_option))  # as the CLI reads them
+    args.options = recipe_options(args.recipe_option)
     real = real_step_s(args.recipe, args.options, args.batch) * max(1.0, AGENTS / (os.cpu_count() or 1))
     print(f"a real {args.recipe} step here: {real:.3f} s with {AGENTS} agents sharing the cores", flush=True)
     if real * 1.2 > args.sim_step:

@@ -317,11 +317,11 @@ def upload_in_background(unit: Unit, r: int, k: int, key: str, path: Path) -> No
         done = threading.Event()
 
         def put() -> None:
+            moved = [0, 0]
             try:
                 if not store.exists(key):  # never over a stored output: it may be in use
                     with counted_apart() as moved:  # not in the task this process runs meanwhile
                         seals.put_file(store, key, spool)
-                    board.add_store_bytes(run_id, moved[0], moved[1], worker)
             except Exception as exc:  # noqa: BLE001 - recorded; the outer step has it trained again
                 log.warning("run %s: the upload of shard %d of round %d failed: %s", run_id, k, r, exc)
                 try:
@@ -331,6 +331,10 @@ def upload_in_background(unit: Unit, r: int, k: int, key: str, path: Path) -> No
                     pass
             finally:
                 done.set()
+            try:
+                board.add_store_bytes(run_id, moved[0], moved[1], worker)
+            except Exception as exc:  # noqa: BLE001 - a figure; the broker may be away
+                log.debug("upload bytes not recorded: %s", exc)
 
         threading.Thread(target=put, name=f"upload-{run_id}-r{r}-{k}", daemon=True).start()
         try:
