@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 
 import pytest
 import redis
-from conftest import as_agent_of, run_shard, run_to_end, submit_run, wait_for_run
+from conftest import as_agent_of, run_shard, run_to_end, submit_run, wait_for, wait_for_run
 
 from tensorturn import layout
 from tensorturn.modes.fused.sync import overlapped, rounds
@@ -91,13 +90,14 @@ def test_overlapped_runs_give_one_model_on_1_and_3_agents_with_one_killed(pool_f
     three = pool_factory(3, step_s=0.01, env=env)
     spec = submit_run(three, **SPEC)
     board = RunBoard(redis.Redis.from_url(three.broker_url, decode_responses=True))
-    victim = None
-    while victim is None:  # polls the run's records until a round-1 shard is training
+
+    def training_in_round_1() -> dict | None:
+        assert board.state(spec.run_id) not in ("succeeded", "failed"), "no round-1 shard was caught"
         running = [a for a in board.attempts(spec.run_id)
                    if a["task"].startswith("r1/") and a["outcome"] == "running"]
-        victim = running[0] if running else None
-        assert board.state(spec.run_id) not in ("succeeded", "failed"), "no round-1 shard was caught"
-        time.sleep(0.05)
+        return running[0] if running else None
+
+    victim = wait_for(training_in_round_1, "a round-1 shard training", pause=0.05)
     os.killpg(three.agents[int(victim["worker"].split("@")[0].removeprefix("local")) - 1].pid, signal.SIGKILL)
     doc = wait_for_run(three, spec.run_id)
     assert doc["state"] == "succeeded", doc.get("error")

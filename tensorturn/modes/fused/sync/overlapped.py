@@ -44,7 +44,7 @@ from celery.signals import worker_process_shutdown
 from tensorturn import config, layout
 from tensorturn.config import mask_text
 from tensorturn.modes.fused.options import options
-from tensorturn.modes.fused.sync.rounds import Rounds, outer_step, train_shard, train_slot
+from tensorturn.modes.fused.sync.rounds import Rounds, last_stored_round, outer_step, train_shard, train_slot
 from tensorturn.pool import routing
 from tensorturn.pool.capacity import queue_for
 from tensorturn.pool.celery_app import forget_results
@@ -55,6 +55,7 @@ from tensorturn.store.objects import Store, counted_apart
 from tensorturn.store.tensorfile import TensorReader, delta_tensors
 from tensorturn.store.tensors import StateDict
 from tensorturn.tasks.attempt import NotYet, Unit, agent_store, signed
+from tensorturn.train.diloco import apply_step
 
 log = logging.getLogger(__name__)
 
@@ -79,13 +80,7 @@ class Overlap(Rounds):
         """Continue from the last round whose global weights are stored: θ_r lets rounds r and
         r+1 train; what of them is stored already is not redone, and what was handed over or
         uploading before is forgotten (those uploads' agents are gone: their tasks run again)."""
-        stored = [layout.parse("global", key) for key in store.list(layout.prefix("global", spec.run_id))]
-        r = max((parts["round"] for parts in stored if parts), default=0)
-        for past in range(r):
-            if store.exists(layout.key("round", spec.run_id, past)):
-                board.record_round(spec.run_id, past, seals.get_json(store, layout.key("round", spec.run_id, past)))
-        rounds = options(spec).rounds
-        r = min(r, rounds - 1)  # every round stored: the last outer step finalizes again
+        r, rounds = last_stored_round(spec, store, board), options(spec).rounds
         board.claims.forget_uploads(spec.run_id, range(max(r - 1, 0), rounds), options(spec).shards)
         for n in range(r, min(r + 2, rounds)):
             board.once(spec.run_id, layout.dispatch_claim(n), partial(dispatch_shards, spec, n, board))
@@ -104,8 +99,8 @@ class Overlap(Rounds):
         try:
             start = dict(theta)
             with TensorReader(path) as f:
-                for name, d in delta_tensors(f):
-                    start[name] = (theta[name].float() - d).to(theta[name].dtype)
+                for name, d in delta_tensors(f):  # θ + (−Δ): the arithmetic every machine uses
+                    start.update(apply_step({name: theta[name]}, {name: -d}))
         finally:
             if local:
                 kept.release(path)

@@ -48,14 +48,7 @@ class Rounds(SyncPolicy):
 
     def resume(self, spec: RunSpec, store: Store, board: RunBoard) -> str:
         """Continue from the last round whose global weights are in the store."""
-        stored = [layout.parse("global", key) for key in store.list(layout.prefix("global", spec.run_id))]
-        r = max((parts["round"] for parts in stored if parts), default=0)
-        for past in range(r):  # rounds the broker forgot are rebuilt from the store
-            if store.exists(layout.key("round", spec.run_id, past)):
-                board.record_round(spec.run_id, past, seals.get_json(store, layout.key("round", spec.run_id, past)))
-        rounds = options(spec).rounds
-        if r >= rounds:  # every round is stored: the outer step of the last one finalizes again
-            r = rounds - 1
+        r, rounds = last_stored_round(spec, store, board), options(spec).rounds
         board.round_log.reset_requeues(spec.run_id)  # each round's errback gets its 3 again
         board.claim(spec.run_id, layout.dispatch_claim(r))
         dispatch_round(spec, r, board)
@@ -64,6 +57,18 @@ class Rounds(SyncPolicy):
     def after_outer(self, spec: RunSpec, board: RunBoard, r: int) -> None:
         if r + 1 < options(spec).rounds:
             board.once(spec.run_id, layout.dispatch_claim(r + 1), lambda: dispatch_round(spec, r + 1, board))
+
+
+def last_stored_round(spec: RunSpec, store: Store, board: RunBoard) -> int:
+    """For a resume: the last round whose global weights θ_r are stored (the last round itself
+    when every round is: its outer step finalizes again), the records of the rounds before it
+    rebuilt on the board from the store (a broker may have forgotten them)."""
+    stored = [layout.parse("global", key) for key in store.list(layout.prefix("global", spec.run_id))]
+    r = max((parts["round"] for parts in stored if parts), default=0)
+    for past in range(r):
+        if store.exists(layout.key("round", spec.run_id, past)):
+            board.record_round(spec.run_id, past, seals.get_json(store, layout.key("round", spec.run_id, past)))
+    return min(r, options(spec).rounds - 1)
 
 
 def dispatch_round(spec: RunSpec, r: int, board: RunBoard) -> None:
