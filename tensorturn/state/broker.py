@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import logging
+from typing import Any
+
 import redis
 
 from tensorturn.config import mask_text, mask_url
 from tensorturn.errors import BrokerError
+
+log = logging.getLogger(__name__)
 
 
 def redis_client(url: str, patient: bool = True) -> redis.Redis:
@@ -18,6 +23,57 @@ def redis_client(url: str, patient: bool = True) -> redis.Redis:
     return redis.Redis.from_url(url, socket_connect_timeout=5, socket_keepalive=True,
                                 health_check_interval=10, decode_responses=True, retry=retry,
                                 retry_on_error=[redis.ConnectionError, redis.TimeoutError])
+
+
+def lease_client(url: str, timeout_s: float) -> redis.Redis:
+    """A client for refreshes that are worthless after ``timeout_s``: no retries, and a command
+    unanswered by then gives up (its connection is dropped). Each thread using it at once gets a
+    connection of its own (redis-py's pool opens one when none is free)."""
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    return redis.Redis.from_url(url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s,
+                                socket_keepalive=True, decode_responses=True,
+                                retry=Retry(NoBackoff(), 0))
+
+
+class Hedged:
+    """Calls sent without waiting for each other — lease refreshes over a link that may be
+    saturated: each on a thread (and so a connection) of its own, at most ``in_flight`` at once; a
+    call finding that many still out is skipped, logged. One whose packets are being dropped does
+    not hold up the next (see :mod:`tensorturn.pool.lease`)."""
+
+    def __init__(self, what: str, in_flight: int = 4):
+        import threading
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.what = what
+        self.limit = in_flight
+        self.out = 0
+        self.lock = threading.Lock()
+        self.threads = ThreadPoolExecutor(in_flight, thread_name_prefix="tt-hedged")
+
+    def send(self, fn: Any, *args: Any) -> bool:
+        """Start ``fn(*args)``; False when ``in_flight`` calls are still out."""
+        with self.lock:
+            if self.out >= self.limit:
+                log.warning("%s: %d still unanswered; skipping this one", self.what, self.out)
+                return False
+            self.out += 1
+        self.threads.submit(self._call, fn, *args)
+        return True
+
+    def _call(self, fn: Any, *args: Any) -> None:
+        try:
+            fn(*args)
+        except Exception as exc:  # noqa: BLE001 - the broker may be restarting; the next call tries
+            log.warning("%s failed: %s", self.what, mask_text(str(exc)))
+        finally:
+            with self.lock:
+                self.out -= 1
+
+    def close(self) -> None:
+        self.threads.shutdown(wait=False, cancel_futures=True)
 
 
 def check_broker(url: str) -> redis.Redis:

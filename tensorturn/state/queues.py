@@ -38,13 +38,33 @@ def drop_queued(client: Any, run_id: str) -> int:
     return dropped
 
 
+# Move each named lease forward to ARGV[1], never back: refreshes of one lease may be in flight
+# on several connections at once (tensorturn.pool.lease), and one that was delayed on a congested
+# link must not land after a newer one and age the lease. A tag no longer in the index (acked
+# meanwhile) is never re-created. (ZADD's GT flag does this from Redis 6.2; a script works on any.)
+_FORWARD = """
+local moved = 0
+for i = 2, #ARGV do
+  local score = redis.call('ZSCORE', KEYS[1], ARGV[i])
+  if score and tonumber(score) < tonumber(ARGV[1]) then
+    redis.call('ZADD', KEYS[1], 'XX', ARGV[1], ARGV[i])
+    moved = moved + 1
+  end
+end
+return moved
+"""
+_forward: list[Any] = []  # the registered script (EVALSHA, loaded once per broker on first use)
+
+
 def refresh_leases(client: Any, tags: list[str], now: float | None = None) -> int:
-    """Move the lease of the messages ``tags`` (delivery tags) to ``now``; only tags still in
-    the index (XX) are touched. Returns how many changed."""
+    """Move the lease of the messages ``tags`` (delivery tags) forward to ``now`` — never back;
+    only tags still in the index are touched. Returns how many moved."""
     if not tags:
         return 0
     now = time.time() if now is None else now
-    return int(client.zadd(layout.UNACKED_INDEX, {tag: now for tag in tags}, xx=True, ch=True))
+    if not _forward:
+        _forward.append(client.register_script(_FORWARD))
+    return int(_forward[0](keys=[layout.UNACKED_INDEX], args=[repr(now), *tags], client=client))
 
 
 def unacked(client: Any) -> int:
