@@ -76,6 +76,43 @@ def test_an_upload_whose_lease_lapses_is_trained_again_to_the_same_weights(world
     assert queued, "the lost shard was not queued again"
 
 
+def finish_uploads() -> None:
+    """Wait for this process's background uploads (the in-process world's "agent")."""
+    for thread in list(overlapped.uploads):
+        thread.join()
+
+
+def test_a_cancelled_overlapped_run_resumes_to_the_model_an_undisturbed_run_gives(world):
+    """Cancelled mid-run — θ_1 stored, round 1 two shards in, round 2 not begun — and resumed:
+    the resume trains only what is missing (round 1's third shard, round 2) and the model is the
+    one an undisturbed run gives, bit for bit."""
+    from tensorturn import runs
+
+    clean = drive(world, world.submit(**SPEC))
+    spec = world.submit(**SPEC)
+    for k in range(3):
+        run_shard(spec, 0, k)
+    run_shard(spec, 1, 0)
+    run_shard(spec, 1, 1)
+    assert outer_outcome(world, spec, 0) == "succeeded"
+    finish_uploads()
+    runs.cancel(spec.run_id, world.broker, spec.store_url, by="test", wait_s=0)
+    assert world.board.state(spec.run_id) == "cancelled"
+
+    _, what = runs.resume(spec.run_id, world.broker, spec.store_url)
+    assert what == "resumed at round 1 of 0..2, overlapped"
+    for r, k in ((1, 2), (2, 0), (2, 1), (2, 2)):
+        run_shard(spec, r, k)
+    for r in (1, 2):
+        assert outer_outcome(world, spec, r) == "succeeded"
+    doc = world.board.describe(spec.run_id)
+    assert doc["state"] == "succeeded", doc.get("error")
+    assert doc["model_sha256"] == clean["model_sha256"]
+    trained = sorted(a["task"] for a in doc["attempts"] if a["outcome"] == "succeeded")
+    assert trained == sorted(set(trained))  # nothing stored before the cancel was trained again
+    assert "r1/shard-0" in trained and "r1/shard-2" in trained
+
+
 @pytest.mark.e2e
 @pytest.mark.long
 def test_overlapped_runs_give_one_model_on_1_and_3_agents_with_one_killed(pool_factory):

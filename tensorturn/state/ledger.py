@@ -25,6 +25,7 @@ from typing import Any
 import redis
 
 from tensorturn import layout
+from tensorturn.state.broker import Hedged
 
 _COMMIT = """
 if redis.call('get', KEYS[1]) ~= ARGV[1] then return -1 end
@@ -172,15 +173,18 @@ class AsyncLedger:
         if not self.r.set(key, token, nx=True, px=ttl_ms):
             yield None
             return
-        stop = threading.Event()
+        stop, lost = threading.Event(), threading.Event()
+        # the applier uploads while it holds the lock: refreshes are hedged (tensorturn.pool.lease)
+        hedged = Hedged(f"run {self.run_id}: the {part} refresh")
+
+        def refresh() -> None:
+            if not self.r.eval(_REFRESH, 1, key, token, ttl_ms):
+                lost.set()  # expired while this process was stopped: commits will say so
 
         def keep() -> None:
-            while not stop.wait(refresh_s):
-                try:
-                    if not self.r.eval(_REFRESH, 1, key, token, ttl_ms):
-                        return  # lost (expired while this process was stopped): commits will say so
-                except redis.RedisError:
-                    continue  # the next refresh tries again; the time to live covers a few misses
+            while not stop.wait(refresh_s) and not lost.is_set():
+                hedged.send(refresh)  # one that fails: the time to live covers a few misses
+            hedged.close()
 
         keeper = threading.Thread(target=keep, name=f"{part}-{self.run_id}", daemon=True)
         keeper.start()
