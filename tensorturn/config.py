@@ -71,10 +71,10 @@ class Settings:
     pool_key: str | None = None
     pool_key_file: str | None = None
     allow_recipes: str | None = None
-    # 8 s, refreshed every 2 s. 4 s (refreshed every second) gave a requeue p95 of 4.8 s, but a
-    # refresh behind a saturated 1 Mbit/s uplink on a loaded machine then arrived late once in
-    # five runs of tests/test_links.py (a redelivery, ignored): see BENCHMARKS.md §5
-    visibility_timeout_s: int = 8
+    # 4 s, refreshed every second (requeue p95 ≤ 5 s, BENCHMARKS.md §5). The refreshes are
+    # hedged (tensorturn.pool.lease): one queued behind a saturated uplink's drops does not hold
+    # up the next, which is what made 4 s unsafe on 1 Mbit/s links before
+    visibility_timeout_s: int = 4
     shutdown_grace_s: float = 5.0
     heartbeat_s: float = 3.0
     store_retries: int = 6
