@@ -12,6 +12,13 @@ It counts commands, not bytes, and includes the pool's idle traffic over the run
 queues), which is what a task costs on a pool doing nothing else.
 
     python benchmarks/broker_commands.py [--rounds 8] [--agents 3]
+    python benchmarks/broker_commands.py --protocol
+
+``--protocol`` instead counts one shard task's own protocol in this process (no agents, no Celery
+transport: the task is applied in this process as the tests' in-process world does): Redis's
+commands, and the round trips the client made (each write of a command or a pipeline to a
+socket), by the TensorTurn line that sent them. Commands a Lua script runs count in Redis's
+statistics but are no round trip of their own.
 """
 
 from __future__ import annotations
@@ -68,7 +75,72 @@ def calls(client) -> Counter:
     return Counter({name.removeprefix("cmdstat_"): int(v["calls"]) for name, v in stats.items()})
 
 
+def protocol() -> None:
+    """One fused shard task of round 1 (after a whole round 0), in this process."""
+    import os
+    import traceback
+
+    from redis.connection import Connection
+
+    from tensorturn import runs
+    from tensorturn.modes.fused import tasks  # noqa: F401 - the fused tasks registered
+    from tensorturn.modes.fused.sync import rounds
+    from tensorturn.pool.celery_app import configure
+    from tensorturn.pool.embedded import RedisServer
+    from tensorturn.spec import RunSpec
+    from tensorturn.tasks.attempt import signed
+    from tensorturn.trust import PoolKey
+
+    os.environ.setdefault("TENSORTURN_POOL_KEY", PoolKey.generate().text())
+    trips: Counter = Counter()
+    send = Connection.send_packed_command
+
+    def counted(self, command, check_health=True):
+        frames = [f for f in traceback.extract_stack()[:-1]
+                  if "/tensorturn/" in f.filename and not f.filename.endswith("state/broker.py")]
+        where = frames[-1] if frames else None
+        trips[f"{Path(where.filename).parent.name}/{Path(where.filename).name}:{where.lineno} "
+              f"{where.name}" if where else "(other)"] += 1
+        return send(self, command, check_health)
+
+    Connection.send_packed_command = counted
+    with tempfile.TemporaryDirectory(prefix="tt-cmds-") as tmp:
+        server = RedisServer(Path(tmp) / "redis").start()
+        try:
+            configure(server.url)
+            from tensorturn import config
+
+            config.use(config.current().with_(store_url=(Path(tmp) / "store").as_uri()))
+            spec = RunSpec.create(store_url=(Path(tmp) / "store").as_uri(), mode="fused",
+                                  recipe="digits-mlp", rounds=2, shards=3, sync_every=20,
+                                  threads_per_task=1)
+            runs.submit(spec, server.url)
+
+            def shard(r: int, k: int) -> None:
+                rounds.train_shard.apply(args=(spec.run_id, r, k),
+                                         kwargs=signed(spec.run_id, f"r{r}/shard-{k}")).get()
+
+            for k in range(3):
+                shard(0, k)
+            rounds.outer_step.apply(args=([], spec.run_id, 0), kwargs=signed(spec.run_id, "r0/outer")).get()
+            client = redis_client(server.url)
+            before = calls(client)
+            trips.clear()
+            shard(1, 0)
+            Connection.send_packed_command = send  # the INFO below is not the task's
+            used = calls(client) - before
+            used["info"] -= 1  # the second INFO
+        finally:
+            server.stop()
+    print(table(["command", "calls"], used.most_common()))
+    print(table(["sent by", "round trips"], trips.most_common()))
+    print(f"\none shard task's protocol: {sum(used.values())} commands in {sum(trips.values())} round trips")
+
+
 def main() -> None:
+    if "--protocol" in sys.argv:
+        protocol()
+        return
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--agents", type=int, default=3)
