@@ -19,8 +19,10 @@ the ``fp32`` and ``ternary`` rows are the runs ``codecs.py`` measures on a pool.
   kept values below and above their median, as float16), with a 12-bit index: bytes counted as
   ``kept × 14 bits + 32 bits a chunk`` (SparseLoCo's top-k with 2-bit values, roughly).
 
-With ``+ef`` the shard's residual is fed back. The broadcast (θ_{r+1} − θ_r, down) uses the run's
-codec (``--broadcast``; the outer step's own error feedback is already shipped).
+With ``+ef`` the shard's residual is fed back (``+ef0.9``: 0.9 of it, a decaying accumulator);
+``@sgd`` (or ``@nesterov``) sets the outer optimizer (default: ``auto``, as ``run`` decides).
+The broadcast (θ_{r+1} − θ_r, down) uses the run's codec (``--broadcast``; the outer step's own
+error feedback is already shipped).
 
     python benchmarks/error_feedback.py [--variants fp32,ternary,ternary+ef,topk3+ef]
         [--broadcast ternary] [--seeds 0,1] [--rounds 8] [--sync-every 50] [--shards 3] [--jobs 2]
@@ -98,13 +100,24 @@ def encode_upload(delta: dict[str, torch.Tensor], codec: str, path: Path,
     return sent, path.stat().st_size
 
 
+def parse_variant(variant: str) -> tuple[str, float | None, str]:
+    """``CODEC[+ef[DECAY]][@OUTER]`` → (upload codec, residual decay or None without error
+    feedback, outer optimizer or ``auto``): ``ternary+ef0.9@sgd`` keeps 0.9 of the residual a
+    round (SparseLoCo's decaying accumulator) under a plain-averaging outer step."""
+    body, _, outer = variant.partition("@")
+    codec, _, ef = body.partition("+ef")
+    decay = None if "+ef" not in body else float(ef) if ef else 1.0
+    return codec, decay, outer or "auto"
+
+
 def run(variant: str, broadcast: str, seed: int, rounds: int, sync_every: int, shards: int) -> dict:
-    codec, ef = variant.removesuffix("+ef"), variant.endswith("+ef")
+    codec, decay, outer = parse_variant(variant)
+    ef = decay is not None
     set_threads(1)
     with tempfile.TemporaryDirectory(prefix="tt-ef-") as tmp:
         spec = RunSpec.create(store_url=(Path(tmp) / "store").as_uri(), mode="fused", recipe="charlm",
-                              rounds=rounds, shards=shards, sync_every=sync_every, seed=seed,
-                              codec="fp32" if variant == "fp32" else broadcast, threads_per_task=1)
+                              rounds=rounds, shards=shards, sync_every=sync_every, seed=seed, outer=outer,
+                              codec="fp32" if codec == "fp32" else broadcast, threads_per_task=1)
         recipe = resolve(spec.recipe, spec.recipe_options)
         settle_options(spec, recipe)  # --outer auto, as `run` decides it
         device = pick_device()
@@ -129,8 +142,8 @@ def run(variant: str, broadcast: str, seed: int, rounds: int, sync_every: int, s
                 sent, size = encode_upload(delta, codec, path, {"samples": str(n), "loss": repr(loss),
                                                                 "bytes_down": f"{0:015d}"})
                 up += size
-                if ef:
-                    residual[k] = {name: delta[name] - sent[name] for name in delta}
+                if decay is not None:
+                    residual[k] = {name: decay * (delta[name] - sent[name]) for name in delta}
                 seals.put_file(store, layout.key("shard", spec.run_id, r, k), path)
             scratch = Path(tmp) / f"round-{r}"
             scratch.mkdir()

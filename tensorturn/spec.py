@@ -214,7 +214,7 @@ class ModeOptions:
         check their own rules after these)."""
         for name, allowed in self.CHOICES.items():
             value = getattr(self, name)
-            if value not in allowed:
+            if value is not None and value not in allowed:  # None: an option left to another
                 raise SpecError(f"{flag(name)} {value!r} is not one of {', '.join(allowed)}")
 
     def workload(self) -> Workload:

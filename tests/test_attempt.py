@@ -126,26 +126,33 @@ def test_slots_bind_to_shards_once_and_give_the_model_shards_give(world):
     assert kinds(doc).count("duplicate_ignored") == 2
 
 
-@pytest.mark.parametrize("outer,codec", [("sgd", "fp32"), ("nesterov", "fp32"), ("nesterov", "int8"),
-                                         ("nesterov", "int4")])
-def test_the_streaming_outer_step_gives_the_list_averages_bits(world, outer, codec):
+@pytest.mark.parametrize("outer,codec,down", [("sgd", "fp32", None), ("nesterov", "fp32", None),
+                                              ("nesterov", "int8", None), ("nesterov", "int4", None),
+                                              ("nesterov", "ternary", "int4"), ("sgd", "fp32", "int8")])
+def test_the_streaming_outer_step_gives_the_list_averages_bits(world, outer, codec, down):
     """The outer step reads one shard and one tensor at a time and writes θ_{r+1} and the
     broadcast the same way; θ_{r+1} must be what averaging the list of all shards' deltas (the
     arithmetic before streaming) and stepping in memory gives, to the bit — for a compressed
     round, θ_r plus the broadcast as :func:`compress_broadcast` encodes it in memory, with the
-    residual it leaves."""
+    residual it leaves. With ``down`` (``--broadcast-codec``) the shards upload in ``codec`` and
+    the broadcast comes down in ``down``."""
     from tensorturn import layout
     from tensorturn.recipes import recipe_of
     from tensorturn.store.objects import open_store, sha256_hex
-    from tensorturn.store.tensors import delta_from_bytes, from_bytes
+    from tensorturn.store.tensors import delta_from_bytes, from_bytes, metadata_of
     from tensorturn.train.diloco import compress_broadcast, outer_update
 
-    spec = world.submit(f"stream-{outer}-{codec}", **{**FUSED, "rounds": 3, "shards": 3,
-                                                        "outer": outer, "codec": codec})
+    spec = world.submit(f"stream-{outer}-{codec}-{down}", **{**FUSED, "rounds": 3, "shards": 3, "outer": outer,
+                                                               "codec": codec, "broadcast_codec": down})
     drive_fused(spec)
     store, recipe, opts = open_store(spec.store_url), recipe_of(spec), spec.options
     compared = 0
+    broadcast = down or codec
     for r in range(3):
+        assert {metadata_of(store.get_bytes(layout.key("shard", spec.run_id, r, k)))["codec"]
+                for k in range(3)} == {codec}
+        if broadcast != "fp32" and r + 1 < 3:
+            assert metadata_of(store.get_bytes(layout.key("broadcast", spec.run_id, r + 1)))["codec"] == broadcast
         decoded = [delta_from_bytes(store.get_bytes(layout.key("shard", spec.run_id, r, k))) for k in range(3)]
         total = float(sum(int(meta["samples"]) for _, meta in decoded))
         listed: dict = {}
@@ -161,8 +168,8 @@ def test_the_streaming_outer_step_gives_the_list_averages_bits(world, outer, cod
         nesterov = outer == "nesterov"
         stepped, _ = outer_update(theta, listed, buf, opts.outer_lr, opts.outer_momentum if nesterov else 0.0,
                                   nesterov=nesterov)
-        if codec != "fp32" and r + 1 < 3:  # the last round's θ is kept exact
-            _, stepped, left = compress_broadcast(theta, stepped, residual, codec)
+        if broadcast != "fp32" and r + 1 < 3:  # the last round's θ is kept exact
+            _, stepped, left = compress_broadcast(theta, stepped, residual, broadcast)
             stored = from_bytes(store.get_bytes(layout.key("outer", spec.run_id, r + 1)))  # its residual
             assert all(torch.equal(stored["residual::" + k], v) for k, v in left.items()), r
         expected = sha256_hex(global_bytes(spec, recipe, stepped))

@@ -153,16 +153,19 @@ def test_custom_data_file_and_options(tmp_path):
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("codec, ratio", [("int8", 3.5), ("int4", 6.0)])
-def test_a_fused_run_with_a_quantising_codec_through_the_cli_moves_compressed_bytes(tmp_path, codec, ratio):
-    """A codec's ratio over fp32, each way, at least ``ratio`` on charlm's small model (whose
-    many small tensors each cost a header entry)."""
+@pytest.mark.parametrize("codec, ratio, down, down_ratio", [("int8", 3.5, None, 3.5), ("int4", 6.0, None, 6.0),
+                                                           ("ternary", 12.0, "int4", 6.0)])
+def test_a_fused_run_with_a_quantising_codec_through_the_cli_moves_compressed_bytes(tmp_path, codec, ratio,
+                                                                                     down, down_ratio):
+    """A codec's ratio over fp32 at least ``ratio`` up and ``down_ratio`` down on charlm's small
+    model (whose many small tensors each cost a header entry); with ``down``, the broadcast's
+    own codec (``--broadcast-codec``)."""
     path = tmp_path / "small.txt"
     path.write_text(SMALL_TEXT * 2, encoding="utf-8")
     store = tmp_path / "store"
     doc = tt_json("run", "--recipe", "charlm", "--recipe-option", f"data={path}", "--rounds", "3",
                   "--sync-every", "5", "--shards", "2", "--local-workers", "1", "--codec", codec,
-                  "--store", str(store), "--json", cwd=tmp_path)
+                  *(["--broadcast-codec", down] if down else []), "--store", str(store), "--json", cwd=tmp_path)
     assert doc["state"] == "succeeded", doc.get("error")
     assert doc["spec"]["recipe_options"] == {"data": str(path)}
     assert len(doc["rounds"]) == 3
@@ -178,8 +181,9 @@ def test_a_fused_run_with_a_quantising_codec_through_the_cli_moves_compressed_by
     for r in (1, 2):
         broadcast = run / "broadcast" / f"r{r:04d}.safetensors"
         assert rounds[r]["bytes_down"] == broadcast.stat().st_size
-        assert model_size / broadcast.stat().st_size > ratio
+        assert model_size / broadcast.stat().st_size > down_ratio
         meta = metadata_of(broadcast.read_bytes())
+        assert meta["codec"] == (down or codec)
         assert meta["sha256"] == hashlib.sha256(
             (run / "global" / f"r{r:04d}.safetensors").read_bytes()).hexdigest()
     assert not (run / "broadcast" / "r0003.safetensors").exists()  # the final θ stays exact

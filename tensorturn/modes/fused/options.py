@@ -50,10 +50,11 @@ class FusedOptions(ModeOptions):
     outer_lr        outer learning rate (default 0.7 for nesterov, 1.0 for sgd)
     outer_momentum  outer momentum
     codec           encoding of pseudo-gradients up and weight moves down (int8 3.9× fewer bytes, int4 7×, ternary 18×)
+    broadcast_codec encoding of the weight moves down, if not the codec (home downlinks are ~5× the uplinks)
     keep            the result: the last round's weights, or those of the round with the lowest validation loss
     sync            rounds: barrier per round; backup: +copies of stragglers; async: none; overlap: one step apart
     """
-    CHOICES = {"outer": OUTERS, "codec": CODECS, "keep": KEEPS, "sync": SYNCS}
+    CHOICES = {"outer": OUTERS, "codec": CODECS, "broadcast_codec": CODECS, "keep": KEEPS, "sync": SYNCS}
 
     rounds: int = 8
     sync_every: int | None = None       # None: from the data at start (see fill_from_data)
@@ -62,6 +63,7 @@ class FusedOptions(ModeOptions):
     outer_lr: float | None = None       # None: default_outer_lr(outer)
     outer_momentum: float = 0.9
     codec: str = "fp32"
+    broadcast_codec: str | None = None  # None: the codec's
     keep: str = "last"
     sync: str = "rounds"
     # a pseudo-gradient whose norm exceeds this multiple of the weights' norm is rejected
@@ -109,6 +111,11 @@ class FusedOptions(ModeOptions):
         return (f"outer optimizer sgd (FedAvg), chosen by --outer auto: each shard goes over its "
                 f"rows {epochs_per_round:.1f} times a round, where DiLoCo's Nesterov step overshoots "
                 f"(--outer nesterov forces it)")
+
+    @property
+    def down_codec(self) -> str:
+        """The broadcast's codec: ``broadcast_codec``, else the pseudo-gradients' ``codec``."""
+        return self.broadcast_codec or self.codec
 
     def validate(self) -> None:
         super().validate()

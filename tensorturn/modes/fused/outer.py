@@ -239,8 +239,8 @@ class OuterStep:
     def __init__(self, spec: RunSpec, recipe: Recipe, store: Store, r: int, scratch: Path):
         self.spec, self.recipe, self.store, self.r, self.scratch = spec, recipe, store, r, scratch
         opts = options(spec)
-        self.codec = opts.codec
-        self.compress = opts.codec != "fp32" and r + 1 < opts.rounds  # the final θ is kept exact
+        self.codec = opts.down_codec  # the broadcast's (the shards' files name their own)
+        self.compress = self.codec != "fp32" and r + 1 < opts.rounds  # the final θ is kept exact
         self.lr, self.momentum, self.nesterov = outer_args(spec)
 
     def take(self, avg: StateDict, norms: dict[int, float]) -> None:

@@ -88,7 +88,7 @@ def fetch_global(spec: RunSpec, recipe: Recipe, store: Store, r: int) -> tuple[S
         else:
             log.warning("run %s: θ_0 rebuilt from the seed differs from the stored one "
                         "(another torch version?); downloading it", spec.run_id)
-    elif held and held[0] == r - 1 and opts.codec != "fp32":
+    elif held and held[0] == r - 1 and opts.down_codec != "fp32":
         theta, sha, moved = rebuild_from_broadcast(spec, recipe, store, r, held)
     if theta is None:
         theta, sha, size = read_theta(store, layout.key("global", spec.run_id, r))
