@@ -49,72 +49,32 @@ def test_a_task_far_longer_than_the_visibility_timeout_runs_once(pool_factory, m
     assert ran_for > 3  # the premise: it really outlived the visibility timeout
 
 
-class FirstConnectionLost:
-    """A TCP forwarder to Redis whose first connection is a black hole (what a refresh whose
-    packets are being dropped looks like from the sender); later connections reach Redis."""
-
-    def __init__(self, target_port: int):
-        import socket
-        import threading
-
-        self.target = ("127.0.0.1", target_port)
-        self.server = socket.create_server(("127.0.0.1", 0))
-        self.port = self.server.getsockname()[1]
-        self.held: list = []
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        import socket
-        import threading
-
-        while True:
-            try:
-                conn, _ = self.server.accept()
-            except OSError:
-                return
-            if not self.held:
-                self.held.append(conn)  # read nothing, answer nothing
-                continue
-            upstream = socket.create_connection(self.target)
-            for a, b in ((conn, upstream), (upstream, conn)):
-                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
-
-    @staticmethod
-    def _pump(a, b) -> None:
-        try:
-            while data := a.recv(65536):
-                b.sendall(data)
-        except OSError:
-            pass
-        finally:
-            b.close()
-
-    def close(self) -> None:
-        self.server.close()
-        for conn in self.held:
-            conn.close()
-
-
-def test_a_refresh_lost_on_the_wire_does_not_hold_up_the_next(redis_server):
-    """The first refresh's connection goes silent (its packets dropped on a saturated uplink);
-    the next tick's refresh goes out on a connection of its own and moves the lease meanwhile."""
-    from urllib.parse import urlsplit
+def test_a_refresh_stuck_on_the_wire_does_not_hold_up_the_next(redis_server):
+    """The first refresh hangs (its packets dropped on a saturated uplink: TCP's back-off); the
+    next tick's refresh goes out on a thread and connection of its own and moves the lease
+    meanwhile."""
+    import threading
 
     from tensorturn.state.broker import Hedged, lease_client
 
     r = redis.Redis.from_url(redis_server.url, decode_responses=True)
     r.zadd(UNACKED_INDEX, {"held": 100.0})
-    proxy = FirstConnectionLost(urlsplit(redis_server.url).port)
-    url = redis_server.url.replace(f":{urlsplit(redis_server.url).port}/", f":{proxy.port}/")
-    client, hedged = lease_client(url, timeout_s=60), Hedged("lease refresh")
+    client, hedged = lease_client(redis_server.url, timeout_s=60), Hedged("lease refresh")
+    wire, stuck = threading.Event(), threading.Event()
+
+    def lost_then_sent(tags: list[str]) -> None:
+        stuck.set()
+        wire.wait()  # until the test lets it through
+        refresh(client, tags)
+
     try:
-        assert hedged.send(refresh, client, ["held"])
-        wait_for(lambda: proxy.held, "the first refresh's connection")
+        assert hedged.send(lost_then_sent, ["held"])
+        wait_for(stuck.is_set, "the first refresh to be under way")
         assert hedged.send(refresh, client, ["held"])  # does not wait for the first
         wait_for(lambda: r.zscore(UNACKED_INDEX, "held") > 100.0, "the second refresh to land")
-        assert hedged.out == 1  # the first is still unanswered
+        assert hedged.out == 1  # the first is still out
     finally:
-        proxy.close()
+        wire.set()
         hedged.close()
 
 
@@ -124,3 +84,22 @@ def test_a_late_refresh_never_moves_a_lease_back(redis_server):
     assert refresh(r, ["held"], now=500.0) == 1
     assert refresh(r, ["held"], now=400.0) == 0  # sent earlier, landed later
     assert r.zscore(UNACKED_INDEX, "held") == 500.0
+
+
+def test_a_refresh_finding_its_limit_still_out_is_skipped():
+    """Refreshes that never come back (a link down) do not pile up threads: past ``in_flight``
+    a tick is skipped, and once they end the next goes out."""
+    import threading
+
+    from tensorturn.state.broker import Hedged
+
+    hedged, wire = Hedged("lease refresh", in_flight=2), threading.Event()
+    try:
+        assert hedged.send(wire.wait) and hedged.send(wire.wait)
+        assert not hedged.send(wire.wait)  # two still out: skipped
+        wire.set()
+        wait_for(lambda: hedged.out == 0, "the stuck refreshes to end")
+        assert hedged.send(wire.wait)
+    finally:
+        wire.set()
+        hedged.close()
