@@ -123,3 +123,24 @@ def test_an_unknown_role_is_one_clear_line(tmp_path):
     assert out.returncode != 0
     assert out.stderr.strip().splitlines() == [
         "error: unknown agent role 'trainer': choose one of train, outer, both"]
+
+
+@pytest.mark.e2e
+def test_an_async_runs_updates_are_applied_beside_the_store(pool_factory):
+    """``--sync async`` with an agent beside the store: it applies every update (θ and the
+    outer state stay on its machine); the trainers only train."""
+    from tensorturn.modes.fused.sync.async_versions import ledger
+    from tensorturn.state.board import RunBoard
+
+    pool = pool_factory(3, roles=["train", "train", "outer"])
+    r = redis.Redis.from_url(pool.broker_url, decode_responses=True)
+    wait_for(lambda: routing.queue_for_outer(r, "celery") == routing.outer_queue("celery"),
+             "the outer agent to say it serves the outer queue")
+    spec = submit_run(pool, recipe="digits-mlp", mode="fused", sync="async", rounds=2, shards=3,
+                      sync_every=20, seed=3)
+    doc = wait_for_run(pool, spec.run_id)
+    assert doc["state"] == "succeeded", doc.get("error")
+    records = ledger(RunBoard(r), spec.run_id).applied()
+    assert [rec["version"] for rec in records] == list(range(1, 7))
+    assert {rec["applied_by"].split("@")[0] for rec in records} == {"local3"}
+    assert {rec["trained_by"].split("@")[0] for rec in records} <= {"local1", "local2"}

@@ -19,6 +19,13 @@ objects carry its own token and are never pointed at); and the task that queued 
 returns only once it is applied (the run's last ones: once the run is finished), trying for the
 lock meanwhile — so a machine killed while applying leaves tasks waiting that take over when its
 lock runs out, and its own task is redelivered.
+
+Where an agent beside the store serves the run's outer queue (``agent --role outer``), it
+applies the updates: each stored update also queues a drain there (:func:`async_drain`), and the
+trainers waiting for their update leave the applying to it — θ and the outer state then never
+cross a trainer's uplink. When that agent stops answering (its advertisement goes stale, about
+three heartbeats) or applies nothing for ``BESIDE_PATIENCE_S``, the waiting trainers apply
+again themselves, as above.
 """
 
 from __future__ import annotations
@@ -41,20 +48,25 @@ from tensorturn.modes.fused.sync.async_versions import (
     trusted_latest,
 )
 from tensorturn.modes.fused.sync.base import SyncPolicy
+from tensorturn.pool import routing
 from tensorturn.pool.capacity import queue_for
 from tensorturn.pool.celery_app import app, forget_results
 from tensorturn.recipes import Recipe
 from tensorturn.spec import RunSpec
 from tensorturn.state.board import RunBoard
 from tensorturn.state.ledger import AsyncLedger
+from tensorturn.state.manifest import load_spec
 from tensorturn.store import seals
 from tensorturn.store.objects import Store
 from tensorturn.store.tensors import StateDict
-from tensorturn.tasks.attempt import SUCCEEDED, execute, signed
+from tensorturn.tasks.attempt import SUCCEEDED, agent_store, authentic, board_for, execute, signed
 
 log = logging.getLogger(__name__)
 
 APPLY_WAIT_S = 0.1  # how often a task whose update waits to be applied looks again
+BESIDE_LOOK_S = 1.0  # how often it looks whether an agent beside the store applies instead
+BESIDE_PATIENCE_S = 30.0  # no new version for this long while one applies: apply here too
+DRAIN = "drain"      # what an async_drain message's signature names
 
 
 class Async(SyncPolicy):
@@ -133,14 +145,26 @@ class UpdateUnit(backups.CopyAwareUnit):
                 outcome = train_and_store(self, r, k, theta_of, out_key, lambda: book.stored(self.j))
             if self.store.exists(out_key):  # this copy's, or another's: queued to be applied once
                 book.push(self.j, self.a.worker, time.time())
+                queue_drain_beside_store(spec, self.board)
         # Returns only once its update is applied (and, for the run's last, the run finished):
         # if the machine applying dies, its lock runs out and a waiting task takes over — with
         # no task left waiting, stored updates could stay unapplied and the run would hang.
         total = total_updates(spec)
+        beside, looked = False, 0.0
+        version, moved = -1, time.monotonic()
         while True:
-            drain(spec, self.store, self.board, self.a.worker)
-            if self.board.is_finished(spec.run_id) or (
-                    book.is_applied(self.j) and book.latest()["version"] < total):
+            now = time.monotonic()
+            if now - looked >= BESIDE_LOOK_S:
+                beside, looked = applier_beside_store(spec, self.board) is not None, now
+            # no agent beside the store, or one that has applied nothing for a while (failing,
+            # say): apply here — under the apply lock, so never beside another applier
+            if not beside or now - moved > BESIDE_PATIENCE_S:
+                drain(spec, self.store, self.board, self.a.worker)
+            applied = book.is_applied(self.j)
+            latest = book.latest()["version"]  # read after: the last update waits for the finish
+            if latest != version:
+                version, moved = latest, time.monotonic()
+            if self.board.is_finished(spec.run_id) or (applied and latest < total):
                 break
             time.sleep(APPLY_WAIT_S)
         try:  # only an optimisation: a failure here must not fail an update that is applied
@@ -148,6 +172,41 @@ class UpdateUnit(backups.CopyAwareUnit):
         except Exception as exc:  # noqa: BLE001
             log.warning("run %s: no backup copy queued (%s)", spec.run_id, exc)
         return outcome
+
+
+def applier_beside_store(spec: RunSpec, board: RunBoard) -> str | None:
+    """The outer queue of an agent beside the store that serves this run's capacity queue (it
+    applies the updates), or None."""
+    queue = queue_for(spec.memory_needed_bytes)
+    outer = routing.queue_for_outer(board.r, queue)
+    return outer if outer != queue else None
+
+
+def queue_drain_beside_store(spec: RunSpec, board: RunBoard) -> None:
+    """A stored update: have the agent beside the store apply what is stored, if one serves."""
+    queue = applier_beside_store(spec, board)
+    if queue is not None:
+        forget_results([async_drain.s(spec.run_id, **signed(spec.run_id, DRAIN)).set(queue=queue).apply_async()])
+
+
+@app.task(bind=True, name="tensorturn.fused.async_drain", max_retries=5)
+def async_drain(self: Any, run_id: str, sig: str | None = None) -> None:
+    """On the agent beside the store: apply every stored update of run ``run_id`` (and evaluate
+    the rounds due). Whoever holds the apply lock applies what is stored meanwhile, so a drain
+    finding it held ends; a failure is retried (the trainers waiting apply themselves once this
+    agent stops answering, or it applies nothing for BESIDE_PATIENCE_S)."""
+    if not authentic(self, run_id, DRAIN, sig):
+        return
+    board = board_for(self.app.conf.broker_url)
+    if board.is_finished(run_id) or board.state(run_id) is None:
+        return
+    try:
+        store = agent_store()
+        spec = load_spec(store, run_id)
+        drain(spec, store, board, self.request.hostname or "?")
+    except Exception as exc:  # noqa: BLE001 - the update stays pending: another drain applies it
+        log.warning("run %s: applying stored updates beside the store failed: %s", run_id, exc)
+        raise self.retry(countdown=2) from None
 
 
 def queue_update_backup(spec: RunSpec, board: RunBoard, book: AsyncLedger, worker: str) -> None:
