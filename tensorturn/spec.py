@@ -212,9 +212,12 @@ class ModeOptions:
     def validate(self) -> None:
         """Raise SpecError with a one-line reason for the first invalid option (subclasses
         check their own rules after these)."""
+        defaults = {f.name: f.default for f in fields(self)}
         for name, allowed in self.CHOICES.items():
             value = getattr(self, name)
-            if value is not None and value not in allowed:  # None: an option left to another
+            if value is None and defaults.get(name) is None:  # left out: another option decides
+                continue
+            if value not in allowed:
                 raise SpecError(f"{flag(name)} {value!r} is not one of {', '.join(allowed)}")
 
     def workload(self) -> Workload:

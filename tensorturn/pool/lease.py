@@ -6,8 +6,11 @@ sweep puts it back in the queue once that score is older than ``visibility_timeo
 timeout a dead machine's task comes back fast — but a live task running longer than the timeout
 would be handed out a second time while it still runs.
 
-The :class:`LeaseKeeper` bootstep re-scores the messages this worker holds (running or reserved)
-every few seconds, so their score never ages past the timeout while the worker is alive. When the
+The :class:`LeaseKeeper` bootstep re-scores the messages this worker holds (running, reserved, or
+waiting out a retry's countdown) every second (four times per timeout), so their score never ages
+past the timeout while the worker is alive. It ticks on a thread of its own, not on the worker's
+event loop: a stopping worker sleeps out its shutdown grace (5 s) in a signal handler on that
+loop's thread, and the task it lets finish meanwhile must keep its lease. When the
 machine dies, its refreshes stop and the sweep restores the task ``visibility_timeout`` seconds
 later (plus at most one sweep interval).
 
@@ -24,6 +27,7 @@ several times over. The refreshes only move a lease forward, so one that lands l
 from __future__ import annotations
 
 import logging
+import threading
 
 from celery import bootsteps
 from celery.worker import state as worker_state
@@ -36,9 +40,12 @@ log = logging.getLogger(__name__)
 
 
 def held_delivery_tags() -> list[str]:
-    """Delivery tags of every message this worker process holds: running or reserved."""
+    """Delivery tags of every message this worker process holds: running, reserved, or waiting
+    for a retry's countdown (kombu scored it when it was delivered)."""
     tags = []
-    for request in list(worker_state.active_requests) + list(worker_state.reserved_requests):
+    held = (*worker_state.active_requests, *worker_state.reserved_requests,
+            *getattr(worker_state, "scheduled_requests", ()))
+    for request in held:
         message = getattr(request, "message", None)
         tag = getattr(message, "delivery_tag", None)
         if tag:
@@ -53,32 +60,35 @@ def refresh(client, tags: list[str], now: float | None = None) -> int:
 
 
 class LeaseKeeper(bootsteps.StartStopStep):
-    """Worker bootstep: refresh this worker's leases four times per visibility timeout, hedged."""
-
-    requires = {"celery.worker.components:Timer"}
+    """Worker bootstep: refresh this worker's leases four times per visibility timeout, hedged,
+    from a thread of its own."""
 
     def __init__(self, worker, **kwargs):
         super().__init__(worker, **kwargs)
-        self.tref = None
-        self.client = None
-        self.hedged: Hedged | None = None
+        self.stopping = threading.Event()
+        self.thread: threading.Thread | None = None
 
     def start(self, worker):
         settings = config.current()
         # a refresh older than a lease is worth nothing: its connection gives up then
-        self.client = lease_client(worker.app.conf.broker_url, settings.visibility_timeout_s)
-        self.hedged = Hedged("lease refresh")
-        self.tref = worker.timer.call_repeatedly(settings.lease_refresh_s, self.tick, priority=10)
+        client = lease_client(worker.app.conf.broker_url, settings.visibility_timeout_s)
+        self.stopping.clear()
+        self.thread = threading.Thread(target=self.keep, args=(client, settings.lease_refresh_s),
+                                       name="tt-lease-keeper", daemon=True)
+        self.thread.start()
 
-    def tick(self):
-        tags = held_delivery_tags()
-        if self.hedged is not None and tags:
-            self.hedged.send(refresh, self.client, tags)  # the time is taken as it is sent
+    def keep(self, client, every_s: float) -> None:
+        hedged = Hedged("lease refresh")
+        try:
+            while not self.stopping.wait(every_s):
+                try:
+                    tags = held_delivery_tags()
+                except RuntimeError:  # the worker changed its sets as they were read: next tick
+                    continue
+                if tags:  # the time is taken when the refresh goes out, on its thread
+                    hedged.send(refresh, client, tags)
+        finally:
+            hedged.close()
 
     def stop(self, worker):
-        if self.tref is not None:
-            self.tref.cancel()
-            self.tref = None
-        if self.hedged is not None:
-            self.hedged.close()
-            self.hedged = None
+        self.stopping.set()

@@ -37,11 +37,24 @@ def lease_client(url: str, timeout_s: float) -> redis.Redis:
                                 retry=Retry(NoBackoff(), 0))
 
 
+def lease_client_like(client: redis.Redis, timeout_s: float) -> redis.Redis:
+    """:func:`lease_client` for the broker ``client`` talks to (same address, credentials, TLS),
+    on connections of its own."""
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    pool = client.connection_pool
+    kwargs = {**pool.connection_kwargs, "socket_timeout": timeout_s, "socket_connect_timeout": timeout_s,
+              "retry": Retry(NoBackoff(), 0)}
+    return redis.Redis(connection_pool=redis.ConnectionPool(connection_class=pool.connection_class, **kwargs))
+
+
 class Hedged:
     """Calls sent without waiting for each other — lease refreshes over a link that may be
     saturated: each on a thread (and so a connection) of its own, at most ``in_flight`` at once; a
     call finding that many still out is skipped, logged. One whose packets are being dropped does
-    not hold up the next (see :mod:`tensorturn.pool.lease`)."""
+    not hold up the next (see :mod:`tensorturn.pool.lease`). Give it a client that gives up
+    (:func:`lease_client`): a call that never returns holds its place for good."""
 
     def __init__(self, what: str, in_flight: int = 4):
         import threading
@@ -50,17 +63,20 @@ class Hedged:
         self.what = what
         self.limit = in_flight
         self.out = 0
+        self.closed = False
         self.lock = threading.Lock()
         self.threads = ThreadPoolExecutor(in_flight, thread_name_prefix="tt-hedged")
 
     def send(self, fn: Any, *args: Any) -> bool:
-        """Start ``fn(*args)``; False when ``in_flight`` calls are still out."""
+        """Start ``fn(*args)``; False when ``in_flight`` calls are still out, or once closed."""
         with self.lock:
+            if self.closed:
+                return False
             if self.out >= self.limit:
                 log.warning("%s: %d still unanswered; skipping this one", self.what, self.out)
                 return False
             self.out += 1
-        self.threads.submit(self._call, fn, *args)
+            self.threads.submit(self._call, fn, *args)  # under the lock: close() cannot come between
         return True
 
     def _call(self, fn: Any, *args: Any) -> None:
@@ -73,6 +89,9 @@ class Hedged:
                 self.out -= 1
 
     def close(self) -> None:
+        """No more calls; those out finish on their own (their client gives up in time)."""
+        with self.lock:
+            self.closed = True
         self.threads.shutdown(wait=False, cancel_futures=True)
 
 

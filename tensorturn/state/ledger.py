@@ -25,7 +25,7 @@ from typing import Any
 import redis
 
 from tensorturn import layout
-from tensorturn.state.broker import Hedged
+from tensorturn.state.broker import Hedged, lease_client_like
 
 _COMMIT = """
 if redis.call('get', KEYS[1]) ~= ARGV[1] then return -1 end
@@ -174,11 +174,12 @@ class AsyncLedger:
             yield None
             return
         stop, lost = threading.Event(), threading.Event()
-        # the applier uploads while it holds the lock: refreshes are hedged (tensorturn.pool.lease)
-        hedged = Hedged(f"run {self.run_id}: the {part} refresh")
+        # the applier uploads while it holds the lock: refreshes are hedged (tensorturn.pool.lease),
+        # on connections that give up after the lock's time to live
+        hedged, quick = Hedged(f"run {self.run_id}: the {part} refresh"), lease_client_like(self.r, ttl_s)
 
         def refresh() -> None:
-            if not self.r.eval(_REFRESH, 1, key, token, ttl_ms):
+            if not quick.eval(_REFRESH, 1, key, token, ttl_ms):
                 lost.set()  # expired while this process was stopped: commits will say so
 
         def keep() -> None:

@@ -49,7 +49,7 @@ class FusedOptions(ModeOptions):
     outer           outer optimizer: nesterov (DiLoCo), sgd (lr 1: FedAvg), auto (sgd if shards see rows >1× a round)
     outer_lr        outer learning rate (default 0.7 for nesterov, 1.0 for sgd)
     outer_momentum  outer momentum
-    codec           encoding of pseudo-gradients up and weight moves down (int8 3.9× fewer bytes, int4 7×, ternary 18×)
+    codec           pseudo-gradients up, weight moves down too if no --broadcast-codec (int8 3.9×, int4 7×, ternary 18×)
     broadcast_codec encoding of the weight moves down, if not the codec (home downlinks are ~5× the uplinks)
     keep            the result: the last round's weights, or those of the round with the lowest validation loss
     sync            rounds: barrier per round; backup: +copies of stragglers; async: none; overlap: one step apart

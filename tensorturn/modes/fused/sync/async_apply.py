@@ -71,8 +71,12 @@ def drain(spec: RunSpec, store: Store, board: RunBoard, worker: str) -> None:
             break
     # evaluation outside the apply lock: updates keep being applied meanwhile
     with book.lock(worker, ttl, refresh, part="eval_lock") as token:
-        if token is not None:
-            catch_up(spec, store, board, book)
+        if token is not None:  # again while versions land meanwhile: a drain that found this
+            while True:        # lock held skipped evaluating them, and may have applied the last
+                seen = book.latest()["version"]
+                catch_up(spec, store, board, book)
+                if board.is_finished(spec.run_id) or book.latest()["version"] == seen:
+                    break
 
 
 def apply_one(spec: RunSpec, store: Store, board: RunBoard, book: AsyncLedger, j: int,

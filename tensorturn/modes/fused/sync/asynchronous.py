@@ -36,6 +36,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from tensorturn import layout
+from tensorturn.config import mask_text
 from tensorturn.modes.fused import backups
 from tensorturn.modes.fused.options import options
 from tensorturn.modes.fused.shard import train_and_store
@@ -145,7 +146,8 @@ class UpdateUnit(backups.CopyAwareUnit):
                 outcome = train_and_store(self, r, k, theta_of, out_key, lambda: book.stored(self.j))
             if self.store.exists(out_key):  # this copy's, or another's: queued to be applied once
                 book.push(self.j, self.a.worker, time.time())
-                queue_drain_beside_store(spec, self.board)
+        if not book.is_applied(self.j):  # (a copy that found it stored too: its first may have died)
+            queue_drain_beside_store(spec, self.board)
         # Returns only once its update is applied (and, for the run's last, the run finished):
         # if the machine applying dies, its lock runs out and a waiting task takes over — with
         # no task left waiting, stored updates could stay unapplied and the run would hang.
@@ -205,7 +207,13 @@ def async_drain(self: Any, run_id: str, sig: str | None = None) -> None:
         spec = load_spec(store, run_id)
         drain(spec, store, board, self.request.hostname or "?")
     except Exception as exc:  # noqa: BLE001 - the update stays pending: another drain applies it
+        worker = self.request.hostname or "?"
         log.warning("run %s: applying stored updates beside the store failed: %s", run_id, exc)
+        if self.request.retries >= (self.max_retries or 0):  # the trainers apply, after their patience
+            board.incident(run_id, "apply_failed", DRAIN, worker,
+                           f"applying updates beside the store failed {self.request.retries + 1} times; "
+                           f"the trainers apply them: {mask_text(str(exc))}")
+            return
         raise self.retry(countdown=2) from None
 
 

@@ -50,7 +50,8 @@ from tensorturn.pool.capacity import queue_for
 from tensorturn.pool.celery_app import forget_results
 from tensorturn.spec import RunSpec
 from tensorturn.state.board import RunBoard
-from tensorturn.state.broker import Hedged
+from tensorturn.state.broker import Hedged, lease_client_like
+from tensorturn.state.claims import Claims
 from tensorturn.store import seals
 from tensorturn.store.objects import Store, counted_apart
 from tensorturn.store.tensorfile import TensorReader, delta_tensors
@@ -333,11 +334,13 @@ def upload_in_background(unit: Unit, r: int, k: int, key: str, path: Path) -> No
                 log.debug("upload bytes not recorded: %s", exc)
 
         threading.Thread(target=put, name=f"upload-{run_id}-r{r}-{k}", daemon=True).start()
-        # this upload saturates the uplink the refreshes share: hedged (tensorturn.pool.lease)
+        # this upload saturates the uplink the refreshes share: hedged (tensorturn.pool.lease),
+        # on connections that give up after a lease
         hedged = Hedged(f"run {run_id}: the lease of shard {k} of round {r}'s upload")
+        quick = Claims(lease_client_like(board.r, lease_s))
         try:
             while not done.wait(refresh_s):
-                hedged.send(board.claims.refresh_upload, run_id, r, k, token, lease_s)
+                hedged.send(quick.refresh_upload, run_id, r, k, token, lease_s)
             board.claims.upload_ended(run_id, r, k, token)
         except Exception as exc:  # noqa: BLE001 - the broker is away: the lease lapses by itself
             log.warning("run %s: the lease of shard %d of round %d's upload: %s", run_id, k, r, exc)
