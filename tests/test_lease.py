@@ -103,3 +103,33 @@ def test_a_refresh_finding_its_limit_still_out_is_skipped():
     finally:
         wire.set()
         hedged.close()
+
+
+@pytest.mark.e2e
+def test_a_task_finishing_in_its_agents_shutdown_grace_keeps_its_lease(pool_factory, monkeypatch):
+    """The agent running a shard is stopped (SIGTERM: Celery's cold shutdown with a soft grace
+    longer than the lease). The shard finishes inside the grace, and its lease is kept all the
+    while — by a thread, since the stopping worker sleeps out its grace on the event loop's
+    thread — so it is never handed to the other agent: one attempt, on the stopped agent."""
+    import os
+    import signal
+
+    from conftest import submit_run, wait_for_run
+
+    from tensorturn.state.board import RunBoard
+
+    monkeypatch.setenv("TENSORTURN_VISIBILITY_TIMEOUT_S", "3")
+    monkeypatch.setenv("TENSORTURN_SHUTDOWN_GRACE_S", "20")  # the shard ends well inside it
+    pool = pool_factory(2, step_s=0.01)  # 600 steps: six seconds of training, two leases
+    spec = submit_run(pool, mode="fused", recipe="digits-mlp", rounds=1, shards=1, sync_every=600)
+    board = RunBoard(redis.Redis.from_url(pool.broker_url, decode_responses=True))
+    running = wait_for(lambda: next((a for a in board.attempts(spec.run_id)
+                                     if a["task"] == "r0/shard-0" and a["outcome"] == "running"), None),
+                       "the shard to start", pause=0.02)
+    victim = int(running["worker"].split("@")[0].removeprefix("local")) - 1
+    os.killpg(pool.agents[victim].pid, signal.SIGTERM)
+    doc = wait_for_run(pool, spec.run_id)
+    assert doc["state"] == "succeeded", doc.get("error")
+    shard = [a for a in doc["attempts"] if a["task"] == "r0/shard-0"]
+    assert [(a["worker"], a["outcome"]) for a in shard] == [(running["worker"], "succeeded")]
+    assert not [i for i in doc["incidents"] if i["kind"] in ("requeued", "duplicate_ignored")]
