@@ -55,11 +55,11 @@ def test_a_refresh_stuck_on_the_wire_does_not_hold_up_the_next(redis_server):
     meanwhile."""
     import threading
 
-    from tensorturn.state.broker import Hedged, lease_client
+    from tensorturn.state.broker import Hedged, lease_client, redis_client
 
     r = redis.Redis.from_url(redis_server.url, decode_responses=True)
     r.zadd(UNACKED_INDEX, {"held": 100.0})
-    client, hedged = lease_client(redis_server.url, timeout_s=60), Hedged("lease refresh")
+    client, hedged = lease_client(redis_client(redis_server.url), timeout_s=60), Hedged("lease refresh")
     wire, stuck = threading.Event(), threading.Event()
 
     def lost_then_sent(tags: list[str]) -> None:

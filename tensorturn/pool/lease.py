@@ -33,7 +33,7 @@ from celery import bootsteps
 from celery.worker import state as worker_state
 
 from tensorturn import config
-from tensorturn.state.broker import Hedged, lease_client
+from tensorturn.state.broker import Hedged, lease_client, redis_client
 from tensorturn.state.queues import refresh_leases
 
 log = logging.getLogger(__name__)
@@ -71,7 +71,7 @@ class LeaseKeeper(bootsteps.StartStopStep):
     def start(self, worker):
         settings = config.current()
         # a refresh older than a lease is worth nothing: its connection gives up then
-        client = lease_client(worker.app.conf.broker_url, settings.visibility_timeout_s)
+        client = lease_client(redis_client(worker.app.conf.broker_url), settings.visibility_timeout_s)
         self.stopping.clear()
         self.thread = threading.Thread(target=self.keep, args=(client, settings.lease_refresh_s),
                                        name="tt-lease-keeper", daemon=True)

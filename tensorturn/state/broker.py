@@ -25,21 +25,11 @@ def redis_client(url: str, patient: bool = True) -> redis.Redis:
                                 retry_on_error=[redis.ConnectionError, redis.TimeoutError])
 
 
-def lease_client(url: str, timeout_s: float) -> redis.Redis:
-    """A client for refreshes that are worthless after ``timeout_s``: no retries, and a command
-    unanswered by then gives up (its connection is dropped). Each thread using it at once gets a
-    connection of its own (redis-py's pool opens one when none is free)."""
-    from redis.backoff import NoBackoff
-    from redis.retry import Retry
-
-    return redis.Redis.from_url(url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s,
-                                socket_keepalive=True, decode_responses=True,
-                                retry=Retry(NoBackoff(), 0))
-
-
-def lease_client_like(client: redis.Redis, timeout_s: float) -> redis.Redis:
-    """:func:`lease_client` for the broker ``client`` talks to (same address, credentials, TLS),
-    on connections of its own."""
+def lease_client(client: redis.Redis, timeout_s: float) -> redis.Redis:
+    """A client of the broker ``client`` talks to (same address, credentials, TLS), on
+    connections of its own, for refreshes that are worthless after ``timeout_s``: no retries,
+    and a command unanswered by then gives up (its connection is dropped). Each thread using it
+    at once gets a connection of its own (redis-py's pool opens one when none is free)."""
     from redis.backoff import NoBackoff
     from redis.retry import Retry
 

@@ -25,7 +25,7 @@ from typing import Any
 import redis
 
 from tensorturn import layout
-from tensorturn.state.broker import Hedged, lease_client_like
+from tensorturn.state.broker import Hedged, lease_client
 
 _COMMIT = """
 if redis.call('get', KEYS[1]) ~= ARGV[1] then return -1 end
@@ -176,7 +176,7 @@ class AsyncLedger:
         stop, lost = threading.Event(), threading.Event()
         # the applier uploads while it holds the lock: refreshes are hedged (tensorturn.pool.lease),
         # on connections that give up after the lock's time to live
-        hedged, quick = Hedged(f"run {self.run_id}: the {part} refresh"), lease_client_like(self.r, ttl_s)
+        hedged, quick = Hedged(f"run {self.run_id}: the {part} refresh"), lease_client(self.r, ttl_s)
 
         def refresh() -> None:
             if not quick.eval(_REFRESH, 1, key, token, ttl_ms):

@@ -50,7 +50,7 @@ from tensorturn.pool.capacity import queue_for
 from tensorturn.pool.celery_app import forget_results
 from tensorturn.spec import RunSpec
 from tensorturn.state.board import RunBoard
-from tensorturn.state.broker import Hedged, lease_client_like
+from tensorturn.state.broker import Hedged, lease_client
 from tensorturn.state.claims import Claims
 from tensorturn.store import seals
 from tensorturn.store.objects import Store, counted_apart
@@ -337,7 +337,7 @@ def upload_in_background(unit: Unit, r: int, k: int, key: str, path: Path) -> No
         # this upload saturates the uplink the refreshes share: hedged (tensorturn.pool.lease),
         # on connections that give up after a lease
         hedged = Hedged(f"run {run_id}: the lease of shard {k} of round {r}'s upload")
-        quick = Claims(lease_client_like(board.r, lease_s))
+        quick = Claims(lease_client(board.r, lease_s))
         try:
             while not done.wait(refresh_s):
                 hedged.send(quick.refresh_upload, run_id, r, k, token, lease_s)
