@@ -65,6 +65,8 @@ def test_bad_training_options_are_one_line_before_anything_starts(tmp_path, flag
     assert proc.returncode == 2 and "'fp8' is not one of" in proc.stderr
     proc = tt("run", "--recipe", "digits-mlp", "--sync", "eventually", cwd=tmp_path)
     assert proc.returncode == 2 and "'eventually' is not one of 'rounds', 'backup', 'async'" in proc.stderr
+    proc = tt("run", "--recipe", "digits-mlp", "--broadcast-codec", "int3", cwd=tmp_path)
+    assert proc.returncode == 2 and "'int3' is not one of" in proc.stderr
     assert not (tmp_path / "tensorturn-store").exists()
 
 
