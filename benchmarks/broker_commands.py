@@ -59,6 +59,7 @@ class Monitor(threading.Thread):
     def __init__(self, url: str):
         super().__init__(daemon=True)
         self.url, self.shapes, self.stop = url, Counter(), threading.Event()
+        self.wire, self.scripted = Counter(), Counter()
 
     def run(self) -> None:
         import redis
@@ -67,7 +68,9 @@ class Monitor(threading.Thread):
             for event in m.listen():
                 if self.stop.is_set():
                     return
-                self.shapes[key_shape(event["command"])] += 1
+                shape = key_shape(event["command"])
+                self.shapes[shape] += 1
+                (self.scripted if event.get("client_type") == "lua" else self.wire)[shape] += 1
 
 
 def calls(client) -> Counter:
@@ -146,7 +149,8 @@ def main() -> None:
     ap.add_argument("--agents", type=int, default=3)
     ap.add_argument("--sync-every", type=int, default=67)
     ap.add_argument("--sync", default="rounds")
-    ap.add_argument("--by-key", action="store_true", help="also: every command by its key (Redis MONITOR)")
+    ap.add_argument("--by-key", nargs="?", const=40, default=0, type=int, metavar="N",
+                    help="also: the N most frequent commands by key (Redis MONITOR), sent or run in scripts")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="tt-cmds-") as tmp:
         store = (Path(tmp) / "store").as_uri()
@@ -169,8 +173,12 @@ def main() -> None:
     rows = [[name, n, round(n / shards, 1)] for name, n in used.most_common(15)]
     print(table(["command", "calls", "per shard task"], rows))
     if monitor:
-        print(table(["command and key", "calls", "per shard task"],
-                    [[shape, n, round(n / shards, 1)] for shape, n in monitor.shapes.most_common(40)]))
+        print(table(["command and key", "sent", "in scripts", "per shard task"],
+                    [[shape, monitor.wire[shape], monitor.scripted[shape], round(n / shards, 1)]
+                     for shape, n in monitor.shapes.most_common(int(args.by_key))]))
+        sent = sum(monitor.wire.values())
+        print(f"\nclients sent {sent} commands ({sent / shards:.1f} per shard task); "
+              f"scripts ran {sum(monitor.scripted.values())} more")
     print(f"\n{total} commands over {wall:.1f} s for {shards} shard tasks ({tasks} tasks in all): "
           f"{total / shards:.1f} per shard task, {total / tasks:.1f} per task")
     fig = figure(7, 4)

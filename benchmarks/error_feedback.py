@@ -19,6 +19,12 @@ the ``fp32`` and ``ternary`` rows are the runs ``codecs.py`` measures on a pool.
   kept values below and above their median, as float16), with a 12-bit index: bytes counted as
   ``kept × 14 bits + 32 bits a chunk`` (SparseLoCo's top-k with 2-bit values, roughly).
 
+``CODEC/DOWN`` sends the broadcast in codec ``DOWN`` instead of ``--broadcast``'s
+(``ternary/int4``: ternary up, int4 down). ``--corpus-chars N`` trains on a longer text than
+charlm's built-in 400,000 characters: the standard library's modules, sorted by name, cut at N
+(written to a file beside the run; the same text for the same Python), so that a long comparison
+does not run many epochs over a small text (fp32 overfits the built-in text after ~32 rounds).
+
 With ``+ef`` the shard's residual is fed back (``+ef0.9``: 0.9 of it, a decaying accumulator);
 ``@sgd`` (or ``@nesterov``) sets the outer optimizer (default: ``auto``, as ``run`` decides).
 The broadcast (θ_{r+1} − θ_r, down) uses the run's codec (``--broadcast``; the outer step's own
@@ -100,6 +106,25 @@ def encode_upload(delta: dict[str, torch.Tensor], codec: str, path: Path,
     return sent, path.stat().st_size
 
 
+def corpus(chars: int, path: Path) -> Path:
+    """The standard library's ``.py`` sources, sorted by relative path, joined and cut at ``chars``."""
+    root = Path(os.__file__).parent
+    parts, total = [], 0
+    for source in sorted(root.rglob("*.py"), key=lambda p: p.relative_to(root).as_posix()):
+        if "site-packages" in source.parts or "test" in source.parts or "tests" in source.parts:
+            continue
+        try:
+            text = source.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        parts.append(f"# ---- {source.relative_to(root).as_posix()} ----\n{text}")
+        total += len(parts[-1])
+        if total >= chars:
+            break
+    path.write_text("\n".join(parts)[:chars], encoding="utf-8")
+    return path
+
+
 def parse_variant(variant: str) -> tuple[str, float | None, str]:
     """``CODEC[+ef[DECAY]][@OUTER]`` → (upload codec, residual decay or None without error
     feedback, outer optimizer or ``auto``): ``ternary+ef0.9@sgd`` keeps 0.9 of the residual a
@@ -110,14 +135,19 @@ def parse_variant(variant: str) -> tuple[str, float | None, str]:
     return codec, decay, outer or "auto"
 
 
-def run(variant: str, broadcast: str, seed: int, rounds: int, sync_every: int, shards: int) -> dict:
-    codec, decay, outer = parse_variant(variant)
+def run(variant: str, broadcast: str, seed: int, rounds: int, sync_every: int, shards: int,
+        corpus_chars: int = 0) -> dict:
+    up_variant, _, down = variant.partition("/")
+    codec, decay, outer = parse_variant(up_variant)
     ef = decay is not None
     set_threads(1)
     with tempfile.TemporaryDirectory(prefix="tt-ef-") as tmp:
+        options = {"data": str(corpus(corpus_chars, Path(tmp) / "corpus.txt"))} if corpus_chars else {}
         spec = RunSpec.create(store_url=(Path(tmp) / "store").as_uri(), mode="fused", recipe="charlm",
+                              recipe_options=options,
                               rounds=rounds, shards=shards, sync_every=sync_every, seed=seed, outer=outer,
-                              codec="fp32" if codec == "fp32" else broadcast, threads_per_task=1)
+                              codec="fp32" if codec == "fp32" and not down else down or broadcast,
+                              threads_per_task=1)
         recipe = resolve(spec.recipe, spec.recipe_options)
         settle_options(spec, recipe)  # --outer auto, as `run` decides it
         device = pick_device()
@@ -171,11 +201,13 @@ def main() -> None:
     ap.add_argument("--sync-every", type=int, default=50)
     ap.add_argument("--shards", type=int, default=3)
     ap.add_argument("--jobs", type=int, default=2, help="runs in parallel processes (1 thread each)")
+    ap.add_argument("--corpus-chars", type=int, default=0,
+                    help="train on this many characters of the standard library (0: charlm's built-in text)")
     ap.add_argument("--name", default="error_feedback")
     args = ap.parse_args()
     os.environ.setdefault("TENSORTURN_POOL_KEY", PoolKey.generate().text())  # the spec is signed
     variants = args.variants.split(",")
-    jobs = [(v, args.broadcast, int(s), args.rounds, args.sync_every, args.shards)
+    jobs = [(v, args.broadcast, int(s), args.rounds, args.sync_every, args.shards, args.corpus_chars)
             for v in variants for s in args.seeds.split(",")]
     with ProcessPoolExecutor(args.jobs, mp_context=get_context("spawn")) as pool:
         runs = list(pool.map(one, jobs))

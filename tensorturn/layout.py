@@ -40,12 +40,12 @@ Redis (besides Celery's and kombu's own keys)::
                                   (per worker: dataset bytes downloaded, read by its tasks),
                                   owners (fused: shard → the worker that last trained it),
                                   slots-r<r> (fused: round r's slot → the shard it trains),
-                                  stored-r<r> (--sync backup: shards stored, so copies stop),
+                                  stored-r<r> (fused: shards stored; the last queues the outer
+                                  step, and backup copies stop),
                                   async (pointer: latest version, its keys), versions (v → key),
                                   applied (update → its record), pending (sorted set of updates
                                   stored, not yet applied), trainers, begun, apply_lock (who
-                                  applies now), eval_lock (who evaluates the rounds due),
-                                  chord_requeues (fused: how often each round's chord was re-queued)
+                                  applies now), eval_lock (who evaluates the rounds due)
     tt:worker:<name>              hash: an agent's inventory, live figures and current task
                                   Every key of a finished run expires after TENSORTURN_RUN_TTL_S
                                   (its record stays in the store's manifest).
@@ -199,7 +199,8 @@ def slots_key(run_id: str, r: int) -> str:
 
 
 def stored_key(run_id: str, r: int) -> str:
-    """``--sync backup``: round r's shards stored (shard → worker), so its backup copies stop."""
+    """Fused: round r's shards stored (shard → worker): the last queues the outer step, and
+    backup copies stop."""
     return run_key(run_id, f"stored-r{r}")
 
 
@@ -357,7 +358,7 @@ def dispatch_claim(r: int) -> str:
 
 
 def outer_claim(r: int) -> str:
-    """``--sync overlap``: claimed by whoever queues round r's outer step (given back when the
+    """Claimed by whoever queues round r's outer step (``--sync overlap`` gives it back when the
     step finds an upload lost, so the shard trained again queues it)."""
     return f"outer-r{r}"
 

@@ -124,7 +124,7 @@ def test_forged_task_messages_are_refused_before_anything_is_read(world, marker)
     assert {x["task"] for x in refusals(r)} == {"tensorturn.fused.train_shard"}
     assert sorted(store.list(layout.RUNS)) == before          # nothing written
     assert r.hlen(layout.run_key(spec.run_id, "attempts")) == 0  # not even an attempt record
-    fused.chord_failed.apply(args=("id", spec.run_id, "the outer step of round 0")).get()  # unsigned
+    fused.outer_step.apply(args=([], spec.run_id, 0)).get()  # unsigned
     assert RunBoard(r).describe(spec.run_id)["state"] == "queued"  # untouched
 
 
@@ -397,7 +397,7 @@ def test_the_embedded_pool_puts_no_secret_on_a_command_line(tmp_path, pool_facto
 
 # ---- from the review: replays, odd signatures, copied documents, weak keys ---------------------
 
-def test_a_replayed_run_request_and_a_late_chord_error_change_nothing(world):
+def test_a_replayed_run_request_changes_nothing(world):
     spec, r, store = world
     doc = store.get_json(layout.key("spec", spec.run_id))
     doc.pop("signature")
@@ -406,28 +406,7 @@ def test_a_replayed_run_request_and_a_late_chord_error_change_nothing(world):
     assert refusals(r)[0]["reason"] == "this run exists already (a replayed request?)"
     after = RunBoard(r).describe(spec.run_id)
     assert (after["state"], after["created_at"]) == (before["state"], before["created_at"])
-    RunBoard(r).record_round(spec.run_id, 0, {"round": 0, "loss": 1.0, "val_loss": 1.0})
-    what = "the outer step of round 0"
-    errback = signed(spec.run_id, fused.chord_failed_label(0, what))
-    fused.chord_failed.apply(args=("id", spec.run_id, what), kwargs={"r": 0, **errback}).get()
-    assert RunBoard(r).describe(spec.run_id)["state"] != "failed"
-    assert not RunBoard(r).incidents(spec.run_id)  # a recorded round: ignored
-
-
-def test_a_replayed_chord_error_without_its_round_or_for_the_current_round_fails_nothing(world):
-    """Issue 26 #1: the errback's signature did not cover the round its handler acts on, so a
-    copy of it sent with ``r`` left out failed any running run."""
-    spec, r, _ = world
-    what = "the outer step of round 0"
-    errback = signed(spec.run_id, fused.chord_failed_label(0, what))
-    fused.chord_failed.apply(args=("id", spec.run_id, what), kwargs=errback).get()  # r left out
-    assert refusals(r)[0]["task"] == "tensorturn.tasks.chord_failed"
-    fused.chord_failed.apply(args=("id", spec.run_id, what), kwargs={"r": 1, **errback}).get()  # another round
-    assert len(refusals(r)) == 2
-    fused.chord_failed.apply(args=("id", spec.run_id, what), kwargs={"r": 0, **errback}).get()  # the round it is in
-    doc = RunBoard(r).describe(spec.run_id)
-    assert doc["state"] != "failed"
-    assert [i["kind"] for i in doc["incidents"]] == ["chord_failed"]  # its round queued again
+    assert not RunBoard(r).incidents(spec.run_id)
 
 
 def test_odd_signatures_and_records_are_refused_not_errors(tmp_path):

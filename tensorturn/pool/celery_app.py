@@ -14,6 +14,8 @@ Choices, each against a known hazard of Celery on Redis (DESIGN.md, "Known hazar
   queue within seconds; a live task keeps its lease through :mod:`tensorturn.pool.lease`, so it is never
   handed to a second machine however long it runs. The sweep's lock expires in 2 s, not kombu's
   300: a machine cut off while holding it must not stop every requeue.
+* A message's lease (kombu's ``unacked`` entries) is taken and given back in one command each
+  (:mod:`tensorturn.pool.transport`) rather than a transaction of four.
 * Remote control answers monitoring (ping, inspect, what Flower uses) and TensorTurn's own
   commands signed with the pool key, nothing else (:mod:`tensorturn.pool.remote_control`): anyone
   with the Redis password can broadcast ``shutdown``.
@@ -28,7 +30,7 @@ from celery.signals import worker_init
 from celery.worker.control import Panel
 
 from tensorturn import config
-from tensorturn.pool import remote_control
+from tensorturn.pool import remote_control, transport
 from tensorturn.pool.lease import LeaseKeeper
 from tensorturn.pool.telemetry import Heartbeat
 from tensorturn.registry import task_modules
@@ -66,29 +68,32 @@ def transport_options(settings: config.Settings) -> dict:
     }
 
 
+def transport_for(broker_url: str) -> str | None:
+    """kombu's transport for ``broker_url``: TensorTurn's (:mod:`tensorturn.pool.transport`: a
+    message's lease in one command each way) for ``redis://``; None — the scheme's own — else."""
+    return transport.NAME if broker_url.startswith("redis://") else None
+
+
 def settings_for(settings: config.Settings) -> dict:
     """Celery's configuration for these settings (``app.conf.update`` takes it as is)."""
     broker = settings.broker_url or DEFAULT_BROKER
     return dict(
         broker_url=broker,
-        result_backend=broker,
+        broker_transport=transport_for(broker),
+        # No result backend: nothing in TensorTurn reads a Celery result (attempts, progress and
+        # a round's barrier live on the run board), and each stored result cost a shard task
+        # six broker commands, a chord's counter about seventeen (benchmarks/broker_commands.py).
+        result_backend=None,
+        task_ignore_result=True,
         task_serializer="json",
-        result_serializer="json",
         accept_content=["json"],
-        result_accept_content=["json"],
         event_serializer="json",
         task_acks_late=True,
         task_reject_on_worker_lost=True,
         worker_prefetch_multiplier=1,
         broker_transport_options=transport_options(settings),
-        result_backend_transport_options={"socket_connect_timeout": 5, "socket_keepalive": True},
         broker_connection_retry_on_startup=True,
         broker_connection_max_retries=None,  # an agent reconnects forever
-        result_expires=7 * 24 * 3600,
-        # ride out a broker restart instead of failing the task that is storing its result
-        result_backend_always_retry=True,
-        result_backend_max_retries=30,
-        result_extended=True,
         # Each of these is a broker command (a round trip on a home link) per task. Nothing in
         # TensorTurn reads them — attempts, progress and heartbeats live on the run board — so
         # task events start only when a monitor asks (Flower sends ``enable_events`` every few
@@ -111,40 +116,15 @@ app.conf.update(settings_for(config.current()))
 
 
 def configure(broker_url: str) -> None:
-    """Point the app (broker and result backend) at ``broker_url``; call before first use."""
-    if app.conf.broker_url == broker_url and app.conf.result_backend == broker_url:
+    """Point the app at the broker ``broker_url``; call before first use."""
+    if app.conf.broker_url == broker_url:
         return
     app.conf.broker_url = broker_url
-    app.conf.result_backend = broker_url
-    # Drop connections and the result backend cached for the previous URL (one process may
-    # follow several pools: tests, or an embedded pool after a remote one). Celery has no public
-    # call for this; these are the caches ``Celery.close`` and ``backend`` fill.
+    app.conf.broker_transport = transport_for(broker_url)
+    # Drop connections cached for the previous URL (one process may follow several pools:
+    # tests, or an embedded pool after a remote one). Celery has no public call for this; these
+    # are the caches ``Celery.close`` fills.
     app._pool = None
     amqp = app.__dict__.get("amqp")
     if amqp is not None:
         amqp._producer_pool = None
-    app._backend_cache = None
-    app._local.__dict__.pop("backend", None)
-
-
-def forget_results(results: list) -> None:
-    """Stop this process listening for these tasks' results.
-
-    Nothing in TensorTurn waits on a Celery result (progress lives on the run board), but the
-    Redis backend subscribes whoever sends a task to its result channel, and a chord keeps a
-    waiter per header task (on result objects of its own, so this goes by task id): without
-    this, a long-lived dispatcher (the CLI during an embedded run, a worker dispatching rounds)
-    gathers one subscription per task it ever sent, and result objects collected after the
-    broker is gone try to unsubscribe from a dead connection.
-    """
-    backend = app.backend
-    consumer = getattr(backend, "result_consumer", None)
-    pending = getattr(backend, "_pending_results", ())  # Celery's waiters, keyed by task id
-    try:
-        for result in results:
-            for waiters in pending:
-                waiters.pop(result.id, None)
-            if consumer is not None:
-                consumer.cancel_for(result.id)
-    except Exception as exc:  # noqa: BLE001 - cleanup only: the tasks are sent either way
-        log.warning("could not release result subscriptions (%s); harmless", exc)

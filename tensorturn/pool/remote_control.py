@@ -5,7 +5,7 @@ the Redis password can send them, and Celery's own set does far more than report
 ``shutdown`` and ``pool_restart`` stop an agent, ``cancel_consumer``, ``rate_limit`` and
 ``pool_shrink``/``autoscale`` stop it from working, ``add_consumer`` makes it take tasks its
 memory cannot hold, ``time_limit`` kills every task it runs, and ``revoke`` (or ``hello``, which
-merges revoked ids) discards a task — a round's member, and its chord fails the run.
+merges revoked ids) discards a task — a round's shard, and the round waits for it.
 
 So an agent's main process answers only (:func:`guard`, at worker start):
 

@@ -12,7 +12,7 @@ Nothing may wait there for an agent that is gone: every agent's heartbeat moves 
 an outer queue whose agents have all missed three heartbeats (or stopped, or were quarantined:
 :func:`withdraw`) back to its capacity queue (:func:`reroute`), where any trainer takes them — a
 message that comes back to an outer queue later (a dead outer agent's lease restored, a retry,
-a chord body queued there when its round began) is moved on the same way. The times are Redis's
+an outer step queued there while its agent was alive) is moved on the same way. The times are Redis's
 own (``TIME``), so the machines' clocks do not matter.
 
 The advertisements are in Redis, so anyone with its password can write one: the mover takes an

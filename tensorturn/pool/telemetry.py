@@ -3,7 +3,8 @@
 Each agent's main process runs the :class:`Heartbeat` bootstep: it writes the machine's inventory
 once and its live figures (CPU, memory, GPU) every ``TENSORTURN_HEARTBEAT_S`` seconds
 to ``tt:worker:<name>``. The task being trained reports its own progress (current task, step,
-samples/s) into the same hash and as Celery ``task-progress`` events, which Flower shows.
+samples/s) into the same hash and, every few seconds, as Celery ``task-progress`` events, which
+Flower shows.
 The pool's roster (:mod:`tensorturn.state.roster`) reads it back.
 
 What a heartbeat says about the machine is signed with the pool key, and so is a quarantine
@@ -42,6 +43,7 @@ from tensorturn.state.workers import Workers
 log = logging.getLogger(__name__)
 
 PROGRESS_EVERY_S = 1.0     # how often a training task reports progress
+PROGRESS_EVENT_EVERY_S = 10.0  # how often it also sends a Celery task-progress event (Flower)
 GB = 1024 ** 3
 MIB = 1024 ** 2
 # This start of the agent: made in the main process before the pool forks, so its tasks share
@@ -243,7 +245,10 @@ def quarantine_mark(node: str, reason: str) -> dict[str, str]:
 
 class TaskReporter:
     """Progress of the task a pool process is training: Redis for ``tensorturn workers``, and
-    Celery ``task-progress`` events for Flower. Reports at most once per PROGRESS_EVERY_S.
+    Celery ``task-progress`` events for Flower. Reports at most once per PROGRESS_EVERY_S, and
+    at the last step; a task shorter than that reports once (the attempt's begin names the task
+    on the worker's hash, its end says it is done). Celery events go at most once per
+    PROGRESS_EVENT_EVERY_S: each is a broker command, and nobody may be listening.
 
     With ``live`` (run id, field) the same report goes to the run's live progress
     (:func:`tensorturn.layout.live_key`), in the same round trip, for ``run`` to show inside a
@@ -256,11 +261,13 @@ class TaskReporter:
         self.task, self.workers, self.label = task, Workers(client), label
         self.steps, self.batch_size, self.live = steps, batch_size, live
         self.run_state: str | None = None  # as the last report read it (with ``live``)
+        self.read_at_end = False  # the last report was the last step's, and read the run's state
         self.worker = task.request.hostname or "?"
         self.t0 = self.last = time.monotonic()
-        self._write({"task": label, "step": 0, "steps": steps, "samples_per_s": None})
+        self.evented = self.t0
 
     def _write(self, progress: dict[str, Any]) -> None:
+        self.read_at_end = False
         try:
             live = None
             if self.live is not None:
@@ -271,7 +278,10 @@ class TaskReporter:
             state = self.workers.report(self.worker, self.label, progress, live)
             if self.live is not None:
                 self.run_state = state
-            self.task.send_event("task-progress", **progress)
+                self.read_at_end = progress["step"] >= self.steps
+            if time.monotonic() - self.evented >= PROGRESS_EVENT_EVERY_S:
+                self.evented = time.monotonic()
+                self.task.send_event("task-progress", **progress)
         except Exception as exc:  # noqa: BLE001 - progress is best effort
             log.debug("progress report failed: %s", exc)
 
@@ -284,10 +294,7 @@ class TaskReporter:
         self._write({"task": self.label, "step": step, "steps": self.steps, "loss": loss,
                      "samples_per_s": round(rate, 1)})
 
-    def done(self) -> None:
-        try:
-            # this machine's training rate over its last whole task (backup copies weigh it)
-            elapsed = max(time.monotonic() - self.t0, 1e-9)
-            self.workers.task_done(self.worker, round(self.steps * self.batch_size / elapsed, 1))
-        except Exception as exc:  # noqa: BLE001
-            log.debug("progress report failed: %s", exc)
+    def done(self) -> float:
+        """This machine's training rate over the whole task, samples/s (backup copies weigh it):
+        the attempt's end records it with the task done."""
+        return round(self.steps * self.batch_size / max(time.monotonic() - self.t0, 1e-9), 1)

@@ -35,6 +35,11 @@ def wait(broker_url: str, run_id: str, on_update: Update | None = None,
     settle_by = None
     while True:
         try:
+            if on_update is None and settle_by is None and not past(deadline):
+                # nobody shows progress: one command a poll until the run finishes
+                if board.state(run_id) not in (*FINISHED, None):
+                    time.sleep(poll_s)
+                    continue
             doc = annotate(board.describe(run_id), board)
         except NotFound:
             raise BrokerError(f"the broker lost run {run_id}'s records while it ran (Redis "
@@ -48,9 +53,13 @@ def wait(broker_url: str, run_id: str, on_update: Update | None = None,
             if (doc["state"] == RunState.FAILED or time.monotonic() >= settle_by
                     or not running_on_live_workers(doc, board)):
                 return doc
-        elif deadline and time.monotonic() > deadline:
+        elif past(deadline):
             return doc
         time.sleep(poll_s)
+
+
+def past(deadline: float | None) -> bool:
+    return deadline is not None and time.monotonic() > deadline
 
 
 def running_on_live_workers(doc: dict[str, Any], board: RunBoard) -> list[dict[str, Any]]:

@@ -52,7 +52,7 @@ end
 # KEYS[1] = ADVERTISED; ARGV[1] as above, ARGV[2] = OUTER_PREFIX. Moves every message of an outer
 # queue that no live agent serves to the front of its capacity queue (kombu pushes left and
 # pops right), unchanged; removes the invalid entries; returns {moved, removed}. A valid entry is
-# never removed while its queue may still receive messages (a late chord body, a retry, a
+# never removed while its queue may still receive messages (a late outer step, a retry, a
 # restored lease): only a day after its agent's last beat, its queue empty.
 _REROUTE = """
 local moved = 0

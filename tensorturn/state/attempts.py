@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from tensorturn import layout
@@ -14,14 +15,111 @@ from tensorturn.config import mask_text
 from tensorturn.spec import Outcome
 from tensorturn.state.incidents import Incidents
 from tensorturn.state.runs import Runs
+from tensorturn.state.traffic import Traffic
+from tensorturn.state.workers import Workers
+
+# Begin an attempt, in one round trip. KEYS: attempt_n, attempt_base, attempts, the run's hash, the
+# worker's hash; ARGV: task, the entry's JSON before and after its number, now, the task's label.
+# Counts the attempt, writes its entry, moves the run queued → running and notes its progress
+# (a whole record only), names the task on the worker's hash; returns the number, the base, the
+# run's state, the entry as written, then the entries of the task's earlier attempts since base.
+_BEGIN = """
+local n = redis.call('hincrby', KEYS[1], ARGV[1], 1)
+local base = tonumber(redis.call('hget', KEYS[2], ARGV[1]) or '0')
+local entry = ARGV[2] .. n .. ARGV[3]
+local out = {n, base, false, entry}
+for i = base + 1, n - 1 do
+  local raw = redis.call('hget', KEYS[3], ARGV[1] .. '#' .. i)
+  if raw then out[#out + 1] = raw end
+end
+redis.call('hset', KEYS[3], ARGV[1] .. '#' .. n, entry)
+if redis.call('hget', KEYS[4], 'state') == 'queued' then
+  redis.call('hset', KEYS[4], 'state', 'running', 'started_at', ARGV[4])
+end
+if redis.call('hexists', KEYS[4], 'spec') == 1 then redis.call('hset', KEYS[4], 'progress_at', ARGV[4]) end
+redis.call('hset', KEYS[5], 'task', ARGV[5])
+out[3] = redis.call('hget', KEYS[4], 'state')
+return out
+"""
+
+# Finish an attempt whose entry this process wrote, with its figures, in one round trip. KEYS:
+# attempts, succeeded, the run's hash, bytes, store_bytes, the worker's hash. ARGV: 1 key, 2 task,
+# 3 the entry as begun, 4 the entry finished, 5-6 the entry finished late, before and after the
+# number of the attempt that stored first, 7 succeeded ('1'/'0'), 8 now, 9 the task's bytes
+# ('up,down', or '' for none), 10-11 store bytes up and down, 12 worker, 13 the store answered
+# ('1'/'0'), 14 the training rate ('' for none). Returns 0; 1 when the entry is not the one begun
+# (a resume restored it, or another agent marked it lost): nothing is written then, and the
+# caller finishes it the long way.
+_FINISH = """
+local raw = redis.call('hget', KEYS[1], ARGV[1])
+if raw and raw ~= ARGV[3] then return 1 end
+local late = false
+if ARGV[7] == '1' then
+  redis.call('hsetnx', KEYS[2], ARGV[2], ARGV[1])
+  local first = redis.call('hget', KEYS[2], ARGV[2])
+  if first ~= ARGV[1] then late = string.match(first, '#(%d+)$') or '?' end
+end
+if raw then
+  if late then redis.call('hset', KEYS[1], ARGV[1], ARGV[5] .. late .. ARGV[6])
+  else redis.call('hset', KEYS[1], ARGV[1], ARGV[4]) end
+  if redis.call('hexists', KEYS[3], 'spec') == 1 then redis.call('hset', KEYS[3], 'progress_at', ARGV[8]) end
+end
+if ARGV[7] == '1' and not late and ARGV[9] ~= '' then redis.call('hsetnx', KEYS[4], ARGV[2], ARGV[9]) end
+local up, down, w = tonumber(ARGV[10]), tonumber(ARGV[11]), ARGV[12]
+if up ~= 0 or down ~= 0 then
+  redis.call('hincrby', KEYS[5], 'up', up)
+  redis.call('hincrby', KEYS[5], 'down', down)
+  redis.call('hincrby', KEYS[5], 'up@' .. w, up)
+  redis.call('hincrby', KEYS[5], 'down@' .. w, down)
+end
+if ARGV[13] == '1' then redis.call('hdel', KEYS[6], 'store_failures', 'store_failing_since') end
+redis.call('hdel', KEYS[6], 'task')
+if ARGV[14] ~= '' then
+  redis.call('hincrby', KEYS[6], 'tasks_done', 1)
+  redis.call('hset', KEYS[6], 'last_rate', ARGV[14])
+end
+return 0
+"""
+
+NUMBER = "\x00attempt\x00"   # where an entry's number goes, split off before Redis fills it in
+
+
+def split_at(doc: dict[str, Any], place: str, in_text: bool = False) -> tuple[str, str]:
+    """``doc`` as JSON, cut where the string ``place`` stands — a whole value, or with
+    ``in_text`` a part of one: the text before it and after it."""
+    encoded = json.dumps(place)
+    head, found, tail = json.dumps(doc).partition(encoded[1:-1] if in_text else encoded)
+    assert found, place
+    return head, tail
+
+
+@dataclass
+class Figures:
+    """What an attempt's end records besides its outcome, in the same round trip: the task's
+    bytes up and down (its output counted once, on success), what the attempt moved through the
+    store, whether the store answered (the worker's failures in a row end), and the worker's
+    training rate over the task (None: it trained nothing)."""
+
+    worker: str
+    bytes_up: int = 0
+    bytes_down: int = 0
+    store_up: int = 0
+    store_down: int = 0
+    store_ok: bool = True
+    rate: float | None = None
 
 
 class Attempts:
     """A run's attempts. Beginning and finishing one also notes the run's progress
-    (:meth:`Runs.touch`) and what was lost on the way (:class:`Incidents`)."""
+    (:meth:`Runs.touch`) and what was lost on the way (:class:`Incidents`).
+
+    Each takes one round trip (a Lua script): an attempt's begin and end are the protocol every
+    task pays, on a home link at its RTT. The entry this process wrote at the begin is kept
+    (``begun``) so that the end can write the finished entry without reading it first."""
 
     def __init__(self, client: Any, runs: Runs, incidents: Incidents):
         self.r, self.runs, self.incidents = client, runs, incidents
+        self.begun: dict[tuple[str, str], str] = {}
 
     def begin(self, run_id: str, task: str, worker: str,
               max_attempts: int) -> tuple[str, int, str | None] | None:
@@ -32,29 +130,23 @@ class Attempts:
         keeps killing its worker is redelivered without end) the attempt is recorded as refused,
         with an incident, and None is returned.
         """
-        # three round trips whatever the history: on a home link each one costs the RTT
-        pipe = self.r.pipeline(transaction=False)
-        pipe.hincrby(layout.run_key(run_id, "attempt_n"), task, 1)
-        pipe.hget(layout.run_key(run_id, "attempt_base"), task)
-        n, base = (int(v or 0) for v in pipe.execute())
+        now = time.time()
+        head, tail = split_at({"task": task, "attempt": NUMBER, "worker": worker, "started_at": now,
+                               "finished_at": None, "outcome": str(Outcome.RUNNING)}, NUMBER)
+        keys = [layout.run_key(run_id, part) for part in ("attempt_n", "attempt_base", "attempts")]
+        n, base, state, entry, *earlier = self.r.eval(
+            _BEGIN, 5, *keys, layout.run_key(run_id), layout.worker_key(worker), task, head, tail, now, task)
+        n, base = int(n), int(base)
         key = f"{task}#{n}"
-        earlier = [f"{task}#{i}" for i in range(base + 1, n)]
-        for i, raw in zip(range(base + 1, n), self.r.hmget(layout.run_key(run_id, "attempts"), earlier)
-                          if earlier else []):
+        self.begun[(run_id, key)] = entry
+        for raw in earlier:
             # an earlier attempt still "running" was lost with its machine
-            if raw and json.loads(raw)["outcome"] == Outcome.RUNNING:
-                self.finish(run_id, f"{task}#{i}", Outcome.LOST.says("requeued to another attempt"))
-                self.incidents.add(run_id, "requeued", task, json.loads(raw)["worker"],
-                                   f"attempt {i} was lost (its worker stopped answering); attempt {n} "
-                                   f"started on {worker}")
-        pipe = self.r.pipeline(transaction=False)
-        pipe.hset(layout.run_key(run_id, "attempts"), key, json.dumps({
-            "task": task, "attempt": n, "worker": worker, "started_at": time.time(),
-            "finished_at": None, "outcome": str(Outcome.RUNNING)}))
-        self.runs.mark_running(run_id, pipe)
-        self.runs.touch(run_id, pipe)
-        self.runs.state_field(run_id, pipe)
-        state = pipe.execute()[-1]
+            lost = json.loads(raw)
+            if lost["outcome"] == Outcome.RUNNING:
+                self.finish(run_id, f"{task}#{lost['attempt']}", Outcome.LOST.says("requeued to another attempt"))
+                self.incidents.add(run_id, "requeued", task, lost["worker"],
+                                   f"attempt {lost['attempt']} was lost (its worker stopped answering); "
+                                   f"attempt {n} started on {worker}")
         if n - base <= max_attempts:
             return key, n - base, state
         self.finish(run_id, key, Outcome.REFUSED.says("attempt limit reached"))
@@ -63,15 +155,20 @@ class Attempts:
         return None
 
     def finish(self, run_id: str, key: str, outcome: str,
-               also: Callable[[Any], None] | None = None, traceback: str | None = None) -> None:
+               also: Callable[[Any], None] | None = None, traceback: str | None = None,
+               figures: Figures | None = None) -> None:
         """Record the attempt's outcome (a failure's ``traceback`` with it: its last frames,
-        bounded — :func:`tensorturn.tracebacks.tail`); ``also(pipeline)`` adds writes that go
-        with it, in the same round trip.
+        bounded — :func:`tensorturn.tracebacks.tail`) and its ``figures``; ``also(pipeline)``
+        adds writes that go with it, in the same round trip, after it.
 
         The first attempt of a task to succeed is the one recorded as succeeded (a marker set
         once, atomically, in the round trip that reads the entry): another copy that stored the
         same output too — a partitioned machine that healed and finished beside the attempt
         that replaced it — is recorded ``late``, so a task is counted once."""
+        begun = self.begun.pop((run_id, key), None)
+        if begun is not None and also is None:
+            if not self._finish_begun(run_id, key, begun, outcome, traceback, figures or Figures("?")):
+                return
         task = key.rpartition("#")[0]
         marker = layout.run_key(run_id, "succeeded")
         pipe = self.r.pipeline(transaction=False)
@@ -81,8 +178,7 @@ class Attempts:
             pipe.hget(marker, task)
         raw, *first = pipe.execute()
         if first and first[-1] != key:
-            outcome = Outcome.LATE.says(f"attempt {first[-1].rpartition('#')[2]} of this task "
-                                        "stored the same output first")
+            outcome = Outcome.LATE.says(late_why(first[-1].rpartition('#')[2]))
         pipe = self.r.pipeline(transaction=False)
         if raw is not None:
             entry = json.loads(raw)
@@ -91,9 +187,45 @@ class Attempts:
                 entry["traceback"] = mask_text(traceback)
             pipe.hset(layout.run_key(run_id, "attempts"), key, json.dumps(entry))
             self.runs.touch(run_id, pipe)
+        if figures is not None:
+            self._figures(run_id, task, outcome, figures, pipe)
         if also is not None:
             also(pipe)
         pipe.execute()
+
+    def _finish_begun(self, run_id: str, key: str, begun: str, outcome: str, traceback: str | None,
+                      figures: Figures) -> bool:
+        """:meth:`finish` in one round trip, for an entry this process began; False when done,
+        True when the entry changed since (the long way is left to do)."""
+        task = key.rpartition("#")[0]
+        now = time.time()
+        entry = {**json.loads(begun), "finished_at": now}
+        finished = {**entry, "outcome": mask_text(str(outcome))}
+        if traceback:
+            finished["traceback"] = mask_text(traceback)
+        late_head, late_tail = split_at({**finished, "outcome": Outcome.LATE.says(late_why(NUMBER))},
+                                        NUMBER, in_text=True)
+        succeeded = outcome == Outcome.SUCCEEDED
+        keys = [layout.run_key(run_id, part) for part in ("attempts", "succeeded")]
+        keys += [layout.run_key(run_id), layout.run_key(run_id, "bytes"), layout.run_key(run_id, "store_bytes"),
+                 layout.worker_key(figures.worker)]
+        changed = self.r.eval(
+            _FINISH, 6, *keys, key, task, begun, json.dumps(finished), late_head, late_tail,
+            "1" if succeeded else "0", now,
+            f"{figures.bytes_up},{figures.bytes_down}" if succeeded else "",
+            figures.store_up, figures.store_down, figures.worker, "1" if figures.store_ok else "0",
+            "" if figures.rate is None else figures.rate)
+        return bool(int(changed))
+
+    def _figures(self, run_id: str, task: str, outcome: str, figures: Figures, pipe: Any) -> None:
+        """The writes of :class:`Figures`, in ``pipe`` (the long way of :meth:`finish`)."""
+        traffic, workers = Traffic(self.r), Workers(self.r)
+        if outcome == Outcome.SUCCEEDED:
+            traffic.add_bytes(run_id, task, figures.bytes_up, figures.bytes_down, pipe)
+        traffic.add_store_bytes(run_id, figures.store_up, figures.store_down, figures.worker, pipe)
+        if figures.store_ok:
+            workers.store_ok(figures.worker, pipe)
+        workers.task_ended(figures.worker, figures.rate, pipe)
 
     def all(self, run_id: str) -> list[dict[str, Any]]:
         entries = [json.loads(v) for v in self.r.hgetall(layout.run_key(run_id, "attempts")).values()]
@@ -119,3 +251,8 @@ class Attempts:
         pipe.delete(layout.run_key(run_id, "succeeded"))  # a task redone after a resume counts again
         if counts:
             pipe.hset(layout.run_key(run_id, "attempt_base"), mapping=counts)
+
+
+def late_why(first: str) -> str:
+    """Why a successful attempt is recorded late: attempt ``first`` of its task stored first."""
+    return f"attempt {first} of this task stored the same output first"

@@ -25,7 +25,7 @@ from typing import Any
 from tensorturn import config, layout
 from tensorturn.config import mask_text
 from tensorturn.spec import FINISHED, RunSpec, RunState
-from tensorturn.state.attempts import Attempts
+from tensorturn.state.attempts import Attempts, Figures
 from tensorturn.state.claims import Claims
 from tensorturn.state.housekeeping import maybe_prune
 from tensorturn.state.incidents import Incidents
@@ -33,9 +33,43 @@ from tensorturn.state.live import Progress
 from tensorturn.state.live import view as live_view
 from tensorturn.state.members import Members
 from tensorturn.state.rounds import Rounds
-from tensorturn.state.runs import Runs, read_state, state_of
+from tensorturn.state.runs import READ_STATE, SMALL, Runs, state_of
 from tensorturn.state.traffic import Traffic
 from tensorturn.state.workers import Workers
+
+# Read whole keys in one command. KEYS: the keys; ARGV: each key's kind, 'hash' or 'list'.
+_READ_KEYS = """
+local out = {}
+for i, key in ipairs(KEYS) do
+  if ARGV[i] == 'hash' then out[i] = redis.call('hgetall', key) else out[i] = redis.call('lrange', key, 0, -1) end
+end
+return out
+"""
+
+
+class Snapshot:
+    """Some keys of a run as one command read them, answering the reads the state classes make
+    of them (``hgetall``, ``hvals``, ``lrange``, ``exists``): ``RunBoard(snapshot)`` describes
+    the run with each class's own parsing, in one round trip instead of one per key. Read-only."""
+
+    def __init__(self, client: Any, hashes: list[str], lists: list[str]):
+        keys = [*hashes, *lists]
+        replies = client.eval(_READ_KEYS, len(keys), *keys, *(["hash"] * len(hashes) + ["list"] * len(lists)))
+        self.hashes = {k: dict(zip(v[::2], v[1::2])) for k, v in zip(hashes, replies)}
+        self.lists = dict(zip(lists, replies[len(hashes):]))
+
+    def hgetall(self, key: str) -> dict[str, str]:
+        return dict(self.hashes[key])
+
+    def hvals(self, key: str) -> list[str]:
+        return list(self.hashes[key].values())
+
+    def lrange(self, key: str, start: int, end: int) -> list[str]:
+        assert (start, end) == (0, -1), "a snapshot holds whole lists"
+        return list(self.lists[key])
+
+    def exists(self, key: str) -> int:
+        return int(bool(self.hashes.get(key) or self.lists.get(key)))
 
 
 class RunBoard:
@@ -73,12 +107,10 @@ class RunBoard:
         return self.state(run_id) in FINISHED
 
     def state_and_quarantine(self, run_id: str, worker: str) -> tuple[str | None, bool]:
-        """The run's state and whether ``worker`` is out of rotation, in one round trip."""
-        pipe = self.r.pipeline(transaction=False)
-        read_state(pipe, run_id)
-        self.workers.quarantine_field(worker, pipe)
-        fields, has_spec, quarantined = pipe.execute()
-        return state_of(fields, has_spec), bool(quarantined)
+        """The run's state and whether ``worker`` is out of rotation, in one command."""
+        fields, has_spec, *quarantined = self.r.eval(
+            READ_STATE, 2, layout.run_key(run_id), layout.worker_key(worker), *SMALL)
+        return state_of(fields, bool(has_spec)), any(quarantined)
 
     def mark_running(self, run_id: str, pipe: Any = None) -> None:
         self.runs.mark_running(run_id, pipe)
@@ -207,8 +239,8 @@ class RunBoard:
 
     def finish_attempt(self, run_id: str, key: str, outcome: str,
                        also: Callable[[Any], None] | None = None,
-                       traceback: str | None = None) -> None:
-        self.attempt_log.finish(run_id, key, outcome, also, traceback)
+                       traceback: str | None = None, figures: Figures | None = None) -> None:
+        self.attempt_log.finish(run_id, key, outcome, also, traceback, figures)
 
     def attempts(self, run_id: str) -> list[dict[str, Any]]:
         return self.attempt_log.all(run_id)
@@ -265,7 +297,15 @@ class RunBoard:
         return self.runs.absent(run_id)
 
     def describe(self, run_id: str) -> dict[str, Any]:
-        """The run as the CLI/JSON contract shows it."""
+        """The run as the CLI/JSON contract shows it, read in one command (:class:`Snapshot`:
+        ``run`` and ``status`` poll it, and every outer step saves it in the manifest)."""
+        hashes = [layout.run_key(run_id)] + [layout.run_key(run_id, part) for part in (
+            "bytes", "store_bytes", "rounds", "attempts", "data_bytes", "data_read", "applied", "members")]
+        hashes.append(layout.live_key(run_id))
+        lists = [layout.run_key(run_id, part) for part in ("incidents", "warnings")]
+        return RunBoard(Snapshot(self.r, hashes, lists))._describe(run_id)
+
+    def _describe(self, run_id: str) -> dict[str, Any]:
         h = self.runs.hash(run_id)
         spec = json.loads(h["spec"])
         bytes_up, bytes_down = self.traffic.bytes_moved(run_id)

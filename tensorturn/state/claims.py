@@ -1,6 +1,6 @@
 """Who does what once in a run: one-time dispatches (``tt:run:<id>:claims``), which shard each
 slot of a round trains (``slots-r<r>``, ``owners``), and which shards of a round are stored
-(``stored-r<r>``: its backup copies stop).
+(``stored-r<r>``: the last one queues the outer step, and backup copies stop).
 
 Every claim name comes from :mod:`tensorturn.layout` (``dispatch_claim``, ``backup_claim``, ...).
 """
@@ -110,7 +110,12 @@ class Claims:
         taken = {int(v) for v in self.r.hvals(layout.slots_key(run_id, r))}
         return [k for k in range(shards) if k not in taken]
 
-    # -- --sync backup: shards stored, so their copies stop --
+    # -- shards stored: the round's last queues its outer step; backup copies stop --
+    def note_stored(self, run_id: str, r: int, k: int, worker: str) -> int:
+        """Shard ``k`` of round ``r`` is stored: how many of the round's shards are (one
+        command; a shard marked again — a redelivery — counts once)."""
+        return int(self.r.eval(_NOTE_STORED, 1, layout.stored_key(run_id, r), str(k), worker))
+
     def mark_stored(self, run_id: str, r: int, k: int, worker: str) -> None:
         """Shard ``k`` of round ``r`` is stored (by ``worker``): a copy still training stops."""
         self.r.hset(layout.stored_key(run_id, r), str(k), worker)
@@ -160,6 +165,10 @@ class Claims:
             self.r.delete(*keys)
 
 
+_NOTE_STORED = """
+redis.call('hsetnx', KEYS[1], ARGV[1], ARGV[2])
+return redis.call('hlen', KEYS[1])
+"""
 _REFRESH_IF_HELD = """
 if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('pexpire', KEYS[1], ARGV[2]) end
 return 0

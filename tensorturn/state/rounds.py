@@ -1,5 +1,4 @@
-"""A fused run's rounds on the broker: each recorded round's figures (``tt:run:<id>:rounds``) and
-how often each round's chord was re-queued (``chord_requeues``)."""
+"""A fused run's rounds on the broker: each recorded round's figures (``tt:run:<id>:rounds``)."""
 
 from __future__ import annotations
 
@@ -25,11 +24,3 @@ class Rounds:
     def all(self, run_id: str) -> list[dict[str, Any]]:
         raw = self.r.hgetall(layout.run_key(run_id, "rounds"))
         return [json.loads(raw[k]) for k in sorted(raw, key=int)]
-
-    def requeued(self, run_id: str, round_: int) -> int:
-        """Count one more re-queue of round ``round_``'s chord; returns how many so far."""
-        return int(self.r.hincrby(layout.run_key(run_id, "chord_requeues"), str(round_), 1))
-
-    def reset_requeues(self, run_id: str) -> None:
-        """Each round's chord gets its re-queues again (a resume)."""
-        self.r.delete(layout.run_key(run_id, "chord_requeues"))

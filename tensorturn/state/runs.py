@@ -31,6 +31,14 @@ _QUEUED_TO_RUNNING = ("if redis.call('hget', KEYS[1], 'state') == 'queued' then 
 
 SMALL = tuple(f for f in layout.RECORD if f != "spec")  # a record's fields besides the spec
 
+# :func:`read_state`'s two replies from one command (a running attempt looks often). KEYS: the
+# run's hash, then optionally a worker's hash (its quarantine mark is read too); ARGV: SMALL.
+READ_STATE = """
+local out = {redis.call('hmget', KEYS[1], unpack(ARGV)), redis.call('hexists', KEYS[1], 'spec')}
+if KEYS[2] then out[3] = redis.call('hget', KEYS[2], 'quarantined') end
+return out
+"""
+
 
 def whole(h: dict[str, str]) -> bool:
     """Whether a run's hash holds every field of a record (:data:`tensorturn.layout.RECORD`)."""
@@ -96,9 +104,8 @@ class Runs:
 
     def state(self, run_id: str) -> str | None:
         """The run's state; None when the broker has no whole record of it."""
-        pipe = self.r.pipeline(transaction=False)
-        read_state(pipe, run_id)
-        return state_of(*pipe.execute())
+        fields, has_spec = self.r.eval(READ_STATE, 1, layout.run_key(run_id), *SMALL)
+        return state_of(fields, bool(has_spec))
 
     def state_field(self, run_id: str, pipe: Any) -> None:
         """Queue in ``pipe`` a read of the hash's ``state`` field alone (whole or not)."""

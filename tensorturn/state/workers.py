@@ -4,7 +4,11 @@ every write to it.
 What goes in it: the agent's signed heartbeat and live figures (:mod:`tensorturn.pool.telemetry`),
 the task it trains and its progress, its training rate over its last task (backup copies weigh it),
 its store failures in a row and a signed quarantine mark (:mod:`tensorturn.tasks.attempt`), and
-when it stopped cleanly. :func:`tensorturn.state.roster.list_workers` reads them back, verified.
+when it stopped cleanly. An attempt's begin and end write its ``task``, ``tasks_done``,
+``last_rate`` and store-failure fields from the attempt's own script
+(:mod:`tensorturn.state.attempts`), so the task's protocol stays one round trip each way; the
+fields mean what :meth:`Workers.task_ended` and :meth:`Workers.store_ok` write.
+:func:`tensorturn.state.roster.list_workers` reads them back, verified.
 """
 
 from __future__ import annotations
@@ -73,14 +77,14 @@ class Workers:
         replies = pipe.execute()
         return replies[-1] if live is not None else None
 
-    def task_done(self, worker: str, rate: float) -> None:
-        """``worker`` finished a task, training at ``rate`` samples/s over the whole of it."""
+    def task_ended(self, worker: str, rate: float | None, pipe: Any) -> None:
+        """``worker``'s task ended, in ``pipe``; with a ``rate`` it trained, at that many
+        samples/s over the whole of it (a task done)."""
         key = layout.worker_key(worker)
-        pipe = self.r.pipeline()
         pipe.hdel(key, "task")
-        pipe.hincrby(key, "tasks_done", 1)
-        pipe.hset(key, "last_rate", rate)
-        pipe.execute()
+        if rate is not None:
+            pipe.hincrby(key, "tasks_done", 1)
+            pipe.hset(key, "last_rate", rate)
 
     def last_rate(self, worker: str) -> float | None:
         """``worker``'s training rate over its last whole task (samples/s); None before one."""

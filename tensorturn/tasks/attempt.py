@@ -41,6 +41,7 @@ from tensorturn.config import mask_text, mask_url
 from tensorturn.errors import RecipeError, StoreError, TensorTurnError
 from tensorturn.layout import Label
 from tensorturn.spec import FINISHED, Outcome, RunSpec, RunState
+from tensorturn.state.attempts import Figures
 from tensorturn.state.board import RunBoard
 from tensorturn.state.broker import redis_client
 from tensorturn.state.manifest import load_spec, try_write_manifest
@@ -108,6 +109,7 @@ class Attempt:
     number: int = 0
     bytes_up: int = 0
     bytes_down: int = 0
+    rate: float | None = None  # samples/s over the whole task, once it trained
 
     looked_at: float = 0.0
 
@@ -218,8 +220,8 @@ def _spec_here(store: Store, run_id: str) -> RunSpec:
 
 def execute(task: Task, run_id: str, label: Label, unit_class: type[Unit], sig: str | None,
             resolve: Callable[[RunBoard, RunSpec, str], Label] | None = None) -> dict[str, Any]:
-    """Run ``label``'s unit through the protocol; returns a small deterministic receipt (chords
-    count receipts, and a duplicate must return exactly what the first attempt returned).
+    """Run ``label``'s unit through the protocol; returns a small deterministic receipt (a
+    duplicate returns exactly what the first attempt returned; Celery stores no result).
 
     ``resolve`` (board, spec, worker) → the label of the unit a message for ``label`` works on,
     when the message names a slot bound to a unit on first delivery (a fused round's shards)."""
@@ -307,16 +309,14 @@ def _execute(task: Task, board: RunBoard, run_id: str, label: Label, unit_class:
                            "a late attempt finished after another stored the output; discarded")
 
         ending = unit.final  # this attempt finishes the run (Unit.finish_run)
+        store_up, store_down = tally.pending()
+        figures = Figures(worker, attempt.bytes_up, attempt.bytes_down, store_up, store_down,
+                          store_ok=True, rate=attempt.rate)
 
-        def also(pipe: Any) -> None:  # in the attempt's last round trip
-            if outcome == SUCCEEDED:
-                board.add_bytes(run_id, str(label), attempt.bytes_up, attempt.bytes_down, pipe)
-            _worker_succeeded(board, worker, pipe)
-            board.add_store_bytes(run_id, *tally.pending(), worker, pipe)
-            if ending is not None:  # last: the run is finished only with all of the above
-                board.finish(run_id, pipe=pipe, **ending)
+        def also(pipe: Any) -> None:  # last, in the attempt's last round trip
+            board.finish(run_id, pipe=pipe, **(ending or {}))  # the run finishes with its records
 
-        board.finish_attempt(run_id, key, outcome, also)
+        board.finish_attempt(run_id, key, outcome, also if ending is not None else None, figures=figures)
         tally.settle()  # recorded with the outcome (were it not, the end of execute() adds them)
         if ending is not None:
             try_write_manifest(store, board, run_id)
@@ -328,11 +328,11 @@ def _execute(task: Task, board: RunBoard, run_id: str, label: Label, unit_class:
     except NotYet as exc:  # queued again already: given back, not retried here
         if key:
             board.attempt_log.give_back(run_id, str(label))
-            board.finish_attempt(run_id, key, Outcome.REFUSED.says(str(exc)))
+            board.finish_attempt(run_id, key, Outcome.REFUSED.says(str(exc)), figures=Figures(worker))
         return receipt
     except RunCancelled:  # not a failure: recorded, never retried; the run is finished
         if key:
-            board.finish_attempt(run_id, key, CANCELLED)
+            board.finish_attempt(run_id, key, CANCELLED, figures=Figures(worker))
         if store is not None:
             try_write_manifest(store, board, run_id)
         return receipt
@@ -342,7 +342,8 @@ def _execute(task: Task, board: RunBoard, run_id: str, label: Label, unit_class:
         if not key:  # failed before its attempt was recorded: the spec or store was unreadable
             begun = board.begin_attempt(run_id, str(label), worker, max_attempts)
             key, number = begun[:2] if begun else (f"{label}#refused", max_attempts + 1)
-        board.finish_attempt(run_id, key, Outcome.FAILED.says(message), traceback=_tail(exc))
+        board.finish_attempt(run_id, key, Outcome.FAILED.says(message), traceback=_tail(exc),
+                             figures=Figures(worker, store_ok=False))
         cause = _machine_fault(exc)
         if cause:
             if _worker_store_failed(task, board, run_id, str(label), worker, key, message, cause):

@@ -24,7 +24,7 @@ from tensorturn.config import mask_text
 from tensorturn.errors import SpecError
 from tensorturn.modes.ensemble import EnsembleOptions
 from tensorturn.pool.capacity import queue_for
-from tensorturn.pool.celery_app import app, forget_results
+from tensorturn.pool.celery_app import app
 from tensorturn.pool.telemetry import TaskReporter
 from tensorturn.recipes import Recipe, load_splits, recipe_of, resolve
 from tensorturn.recipes.result import Predictor
@@ -124,9 +124,8 @@ def start(spec: RunSpec, store: Store, board: RunBoard, allow: Collection[str] =
 
 def queue_segment(spec: RunSpec, m: int, j: int) -> None:
     """Queue segment j of member m on the machines that can hold the model."""
-    forget_results([train_segment.apply_async(
-        (spec.run_id, m, j), signed(spec.run_id, str(layout.segment_label(m, j))),
-        queue=queue_for(spec.memory_needed_bytes))])
+    train_segment.apply_async((spec.run_id, m, j), signed(spec.run_id, str(layout.segment_label(m, j))),
+                              queue=queue_for(spec.memory_needed_bytes))
 
 
 def all_finished(spec: RunSpec, board: RunBoard) -> bool:
@@ -136,9 +135,9 @@ def all_finished(spec: RunSpec, board: RunBoard) -> bool:
 def maybe_vote(spec: RunSpec, board: RunBoard) -> None:
     """Queue the vote once every member has finished (succeeded or dropped)."""
     if all_finished(spec, board):
-        board.once(spec.run_id, layout.VOTE_CLAIM, lambda: forget_results([vote.apply_async(
+        board.once(spec.run_id, layout.VOTE_CLAIM, lambda: vote.apply_async(
             (spec.run_id,), signed(spec.run_id, str(layout.vote_label())),
-            queue=queue_for(spec.memory_needed_bytes))]))
+            queue=queue_for(spec.memory_needed_bytes)))
 
 
 def drop(spec: RunSpec, board: RunBoard, m: int, reason: str, task: str, worker: str | None) -> None:
@@ -270,7 +269,7 @@ class SegmentUnit(Unit):
         seals.put_bytes(store, layout.key("optim", spec.run_id, m, j), optim_blob)
         seals.put_bytes(store, layout.key("segment", spec.run_id, m, j), weights)
         self.a.bytes_up = len(optim_blob) + len(weights)
-        reporter.done()
+        self.a.rate = reporter.done()
         return SUCCEEDED
 
     def _finish_member(self, m: int) -> None:

@@ -11,12 +11,12 @@ Guarantees:
 
 * Shards are *virtual replicas*: the result depends on (S, H, seed, threads) only — not on which
   machines, or how many, ran the shards.
-* A round is a Celery chord: header = one task per shard — a *slot*, bound to a shard by the
-  first worker that runs it, which takes a shard it trained before where it can (its chunks are
-  cached there) — body = the outer step. Every task goes
-  through the attempt protocol (:mod:`tensorturn.tasks.attempt`): outputs sit at fixed keys, a
-  duplicate or late attempt changes nothing, the outer step checks completeness in the store
-  (the chord counter alone is not proof), and the next round is queued once.
+* A round is one task per shard — a *slot*, bound to a shard by the first worker that runs it,
+  which takes a shard it trained before where it can (its chunks are cached there) — and the
+  outer step, queued once by the shard task that finds the round's last shard stored. Every task
+  goes through the attempt protocol (:mod:`tensorturn.tasks.attempt`): outputs sit at fixed
+  keys, a duplicate or late attempt changes nothing, the outer step checks completeness in the
+  store, and the next round is queued once.
 * The inner optimizer state is reset each round: the result stays independent of where a shard
   ran, and nothing but weights moves.
 * Downloads are as small as the run allows: θ_0 is rebuilt from the seed, a machine reuses the θ

@@ -18,7 +18,6 @@ from typing import Any
 
 from tensorturn import layout
 from tensorturn.modes.fused.options import options
-from tensorturn.pool.celery_app import forget_results
 from tensorturn.recipes import recipe_of
 from tensorturn.spec import Outcome, RunSpec
 from tensorturn.state.board import RunBoard
@@ -93,6 +92,5 @@ def queue_backup(spec: RunSpec, board: RunBoard, worker: str, candidates: list[R
     if unit is None or not board.claim(spec.run_id, claim(unit)):
         return
     what = str(label(unit))
-    forget_results([task.s(*args(unit), **signed(spec.run_id, what))
-                    .set(queue=layout.agent_queue(worker)).apply_async()])
+    task.s(*args(unit), **signed(spec.run_id, what)).apply_async(queue=layout.agent_queue(worker))
     board.incident(spec.run_id, "backup_queued", what, worker, why(unit))

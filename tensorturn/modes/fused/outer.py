@@ -96,9 +96,9 @@ def outer_round(spec: RunSpec, store: Store, r: int, scratch: Path,
 
 
 class OuterUnit(Unit):
-    """The outer step of round r (a round's chord body): average, step, queue the next round
-    (:meth:`~tensorturn.modes.fused.sync.base.SyncPolicy.after_outer`) as soon as θ_{r+1} is
-    stored, then evaluate; the last round's finishes the run."""
+    """The outer step of round r (queued by the round's last shard stored): average, step,
+    queue the next round (:meth:`~tensorturn.modes.fused.sync.base.SyncPolicy.after_outer`) as
+    soon as θ_{r+1} is stored, then evaluate; the last round's finishes the run."""
 
     def done(self) -> bool:
         # the last round is done only when the run is finished (checked before this)

@@ -67,8 +67,8 @@ class ShardUnit(backups.CopyAwareUnit):
         return outcome
 
     def then(self) -> None:
-        policy(options(self.spec).sync).after_shard(self.spec, self.store, self.board,
-                                                    self.a.label.numbers[0], self.a.worker)
+        r, k = self.a.label.numbers
+        policy(options(self.spec).sync).after_shard(self.spec, self.store, self.board, r, k, self.a.worker)
 
 
 def train_and_store(unit: Unit, r: int, k: int,
@@ -108,7 +108,8 @@ def train_and_store(unit: Unit, r: int, k: int,
         raise
     if unit.store.exists(out_key):  # never overwrite: it may be in use already
         return LATE
-    a.check_cancelled(now=True)
+    if not reporter.read_at_end:  # else the last step's report read the run's state, just now
+        a.check_cancelled(now=True)
     with tempfile.TemporaryDirectory(prefix="tt-shard-") as tmp:
         # written to a file and uploaded from it (S3: in parts), so the model is never in
         # memory twice; bytes_down is written at a fixed width: it depends on where the shard
@@ -122,7 +123,7 @@ def train_and_store(unit: Unit, r: int, k: int,
             seals.put_file(unit.store, out_key, path)
         else:
             put(out_key, path)
-    reporter.done()
+    a.rate = reporter.done()
     return SUCCEEDED
 
 

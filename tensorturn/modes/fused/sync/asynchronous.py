@@ -51,7 +51,7 @@ from tensorturn.modes.fused.sync.async_versions import (
 from tensorturn.modes.fused.sync.base import SyncPolicy
 from tensorturn.pool import routing
 from tensorturn.pool.capacity import queue_for
-from tensorturn.pool.celery_app import app, forget_results
+from tensorturn.pool.celery_app import app
 from tensorturn.recipes import Recipe
 from tensorturn.spec import RunSpec
 from tensorturn.state.board import RunBoard
@@ -98,9 +98,8 @@ class Async(SyncPolicy):
 def queue_updates(spec: RunSpec, updates: Iterable[int]) -> None:
     queue = queue_for(spec.memory_needed_bytes)
     run_id = spec.run_id
-    sent = [async_step.s(run_id, j, **signed(run_id, str(layout.update_label(j))))
-            .set(queue=queue).apply_async() for j in updates]
-    forget_results(sent)
+    for j in updates:
+        async_step.s(run_id, j, **signed(run_id, str(layout.update_label(j)))).apply_async(queue=queue)
 
 
 @app.task(bind=True, name="tensorturn.fused.async_update", max_retries=None)
@@ -188,7 +187,7 @@ def queue_drain_beside_store(spec: RunSpec, board: RunBoard) -> None:
     """A stored update: have the agent beside the store apply what is stored, if one serves."""
     queue = applier_beside_store(spec, board)
     if queue is not None:
-        forget_results([async_drain.s(spec.run_id, **signed(spec.run_id, DRAIN)).set(queue=queue).apply_async()])
+        async_drain.s(spec.run_id, **signed(spec.run_id, DRAIN)).apply_async(queue=queue)
 
 
 @app.task(bind=True, name="tensorturn.fused.async_drain", max_retries=5)

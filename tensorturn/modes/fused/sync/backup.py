@@ -38,7 +38,9 @@ class Backup(Rounds):
     def shard_stored(self, board: RunBoard, spec: RunSpec, r: int, k: int, worker: str) -> None:
         board.claims.mark_stored(spec.run_id, r, k, worker)  # other copies of the shard stop at their next look
 
-    def after_shard(self, spec: RunSpec, store: Store, board: RunBoard, r: int, worker: str) -> None:
+    def after_shard(self, spec: RunSpec, store: Store, board: RunBoard, r: int, k: int,
+                    worker: str) -> None:
+        super().after_shard(spec, store, board, r, k, worker)  # the round's last queues its outer step
         try:  # only an optimisation: a failure here must not fail a shard that is done
             queue_shard_backup(spec, store, board, r, worker)
         except Exception as exc:  # noqa: BLE001

@@ -70,8 +70,10 @@ class SyncPolicy:
     def shard_stored(self, board: RunBoard, spec: RunSpec, r: int, k: int, worker: str) -> None:
         """Shard k of round r was stored by ``worker`` (this attempt's output counts)."""
 
-    def after_shard(self, spec: RunSpec, store: Store, board: RunBoard, r: int, worker: str) -> None:
-        """A shard task of round r on ``worker`` is done (stored now, or before): what follows."""
+    def after_shard(self, spec: RunSpec, store: Store, board: RunBoard, r: int, k: int,
+                    worker: str) -> None:
+        """A shard task of round r on ``worker`` is done, shard k stored (now, or before): what
+        follows."""
 
     def after_outer(self, spec: RunSpec, board: RunBoard, r: int) -> None:
         """Round r's new weights are stored: queue what follows (the next round)."""

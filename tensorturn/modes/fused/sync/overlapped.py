@@ -44,10 +44,9 @@ from celery.signals import worker_process_shutdown
 from tensorturn import config, layout
 from tensorturn.config import mask_text
 from tensorturn.modes.fused.options import options
-from tensorturn.modes.fused.sync.rounds import Rounds, last_stored_round, outer_step, train_shard, train_slot
+from tensorturn.modes.fused.sync.rounds import Rounds, dispatch_round, last_stored_round, outer_step, train_shard
 from tensorturn.pool import routing
 from tensorturn.pool.capacity import queue_for
-from tensorturn.pool.celery_app import forget_results
 from tensorturn.spec import RunSpec
 from tensorturn.state.board import RunBoard
 from tensorturn.state.broker import Hedged, lease_client
@@ -76,7 +75,7 @@ class Overlap(Rounds):
 
     def start(self, spec: RunSpec, store: Store, board: RunBoard) -> None:
         for r in range(min(2, options(spec).rounds)):  # both train from θ_0
-            board.once(spec.run_id, layout.dispatch_claim(r), partial(dispatch_shards, spec, r, board))
+            board.once(spec.run_id, layout.dispatch_claim(r), partial(dispatch_round, spec, r, board))
 
     def resume(self, spec: RunSpec, store: Store, board: RunBoard) -> str:
         """Continue from the last round whose global weights are stored: θ_r lets rounds r and
@@ -85,7 +84,7 @@ class Overlap(Rounds):
         r, rounds = last_stored_round(spec, store, board), options(spec).rounds
         board.claims.forget_uploads(spec.run_id, range(max(r - 1, 0), rounds), options(spec).shards)
         for n in range(r, min(r + 2, rounds)):
-            board.once(spec.run_id, layout.dispatch_claim(n), partial(dispatch_shards, spec, n, board))
+            board.once(spec.run_id, layout.dispatch_claim(n), partial(dispatch_round, spec, n, board))
         queue_outer_when_ready(spec, store, board, r)  # its shards may all be stored already
         return f"resumed at round {r} of 0..{rounds - 1}, overlapped"
 
@@ -116,7 +115,8 @@ class Overlap(Rounds):
     def shard_stored(self, board: RunBoard, spec: RunSpec, r: int, k: int, worker: str) -> None:
         """(Handed over in :func:`upload_in_background`, before the task ends.)"""
 
-    def after_shard(self, spec: RunSpec, store: Store, board: RunBoard, r: int, worker: str) -> None:
+    def after_shard(self, spec: RunSpec, store: Store, board: RunBoard, r: int, k: int,
+                    worker: str) -> None:
         queue_outer_when_ready(spec, store, board, r)
 
     def after_outer(self, spec: RunSpec, board: RunBoard, r: int) -> None:
@@ -127,7 +127,7 @@ class Overlap(Rounds):
             return
         rounds = options(spec).rounds
         if r + 2 < rounds:
-            board.once(spec.run_id, layout.dispatch_claim(r + 2), lambda: dispatch_shards(spec, r + 2, board))
+            board.once(spec.run_id, layout.dispatch_claim(r + 2), lambda: dispatch_round(spec, r + 2, board))
         if r + 1 < rounds:
             queue_outer_when_ready(spec, store, board, r + 1)
 
@@ -154,15 +154,6 @@ class Overlap(Rounds):
             time.sleep(UPLOAD_LOOK_S)
 
 
-def dispatch_shards(spec: RunSpec, r: int, board: RunBoard) -> None:
-    """Queue round r's slots (no chord: its outer step is queued by :func:`queue_outer_when_ready`)."""
-    queue = queue_for(spec.memory_needed_bytes)
-    run_id = spec.run_id
-    sent = [train_slot.s(run_id, r, i, **signed(run_id, str(layout.slot_label(r, i)))).set(queue=queue)
-            .apply_async() for i in range(options(spec).shards)]
-    forget_results(sent)
-
-
 def queue_outer_when_ready(spec: RunSpec, store: Store, board: RunBoard, r: int) -> None:
     """Queue round r's outer step, once, when θ_r is stored and every shard of the round ended
     its task (its output stored or uploading). Both facts are written before either side looks
@@ -177,8 +168,7 @@ def queue_outer_when_ready(spec: RunSpec, store: Store, board: RunBoard, r: int)
     queue = routing.queue_for_outer(board.r, queue_for(spec.memory_needed_bytes))
 
     def send() -> None:
-        forget_results([outer_step.s([], run_id, r, **signed(run_id, str(layout.outer_label(r))))
-                        .set(queue=queue).apply_async()])
+        outer_step.s([], run_id, r, **signed(run_id, str(layout.outer_label(r)))).apply_async(queue=queue)
 
     board.once(run_id, layout.outer_claim(r), send)
 
@@ -186,8 +176,8 @@ def queue_outer_when_ready(spec: RunSpec, store: Store, board: RunBoard, r: int)
 def queue_shard(spec: RunSpec, r: int, k: int, countdown: float = 0) -> None:
     """Queue shard k of round r as a named shard task (in ``countdown`` seconds)."""
     run_id = spec.run_id
-    forget_results([train_shard.s(run_id, r, k, **signed(run_id, str(layout.shard_label(r, k))))
-                    .set(queue=queue_for(spec.memory_needed_bytes)).apply_async(countdown=countdown)])
+    train_shard.s(run_id, r, k, **signed(run_id, str(layout.shard_label(r, k)))).apply_async(
+        queue=queue_for(spec.memory_needed_bytes), countdown=countdown)
 
 
 def train_again(spec: RunSpec, board: RunBoard, r: int, lost: list[int], worker: str) -> list[int]:

@@ -1,0 +1,81 @@
+"""kombu's Redis transport, with a message's lease taken and given back in one command each.
+
+kombu emulates acknowledgements on Redis: delivering a message writes it to the ``unacked`` hash
+and its delivery time to ``unacked_index`` in a MULTI/EXEC transaction (four commands), and the
+acknowledgement removes both in another (four more). On a home link every command is paid for,
+and these eight were a quarter of what a fused shard task cost the broker
+(``benchmarks/broker_commands.py``). Here each is one Lua script, as atomic as the transaction it
+replaces, writing the same keys with the same values; everything else — the restore sweep,
+requeue on reject, the queues — is kombu's own (:class:`kombu.transport.redis.Transport`).
+
+Used for ``redis://`` brokers (:func:`tensorturn.pool.celery_app.settings_for`); any other URL
+keeps kombu's transport as its scheme names it.
+"""
+
+from __future__ import annotations
+
+from time import time
+from typing import Any
+
+from kombu.transport import redis as kombu_redis
+from kombu.transport import virtual
+from kombu.utils.json import dumps
+
+# KEYS: unacked_index, unacked; ARGV: delivery time, delivery tag, the message as kombu stores it
+_TAKE = """
+redis.call('zadd', KEYS[1], ARGV[1], ARGV[2])
+redis.call('hset', KEYS[2], ARGV[2], ARGV[3])
+return 1
+"""
+# KEYS: unacked_index, unacked; ARGV: delivery tag
+_GIVE_BACK = """
+redis.call('zrem', KEYS[1], ARGV[1])
+redis.call('hdel', KEYS[2], ARGV[1])
+return 1
+"""
+
+NAME = "tensorturn.pool.transport:Transport"
+
+
+class QoS(kombu_redis.QoS):
+    """kombu's QoS for Redis, its two transactions one script each (unless keys are prefixed:
+    then kombu's own, which prefixes them)."""
+
+    def _plain(self) -> bool:
+        return not getattr(self.channel, "global_keyprefix", "")
+
+    def append(self, message: Any, delivery_tag: Any) -> None:
+        if not self._plain():
+            super().append(message, delivery_tag)
+            return
+        delivery = message.delivery_info
+        raw = dumps([message._raw, delivery["exchange"], delivery["routing_key"]])
+        with self.channel.conn_or_acquire() as client:
+            client.eval(_TAKE, 2, self.unacked_index_key, self.unacked_key, time(), delivery_tag, raw)
+        virtual.QoS.append(self, message, delivery_tag)
+
+    def ack(self, delivery_tag: Any) -> None:
+        if not self._plain():
+            super().ack(delivery_tag)
+            return
+        self._give_back(delivery_tag)
+        virtual.QoS.ack(self, delivery_tag)
+
+    def reject(self, delivery_tag: Any, requeue: bool = False) -> None:
+        if requeue or not self._plain():
+            super().reject(delivery_tag, requeue)
+            return
+        self._give_back(delivery_tag)
+        virtual.QoS.ack(self, delivery_tag)
+
+    def _give_back(self, delivery_tag: Any) -> None:
+        with self.channel.conn_or_acquire() as client:
+            client.eval(_GIVE_BACK, 2, self.unacked_index_key, self.unacked_key, delivery_tag)
+
+
+class Channel(kombu_redis.Channel):
+    QoS = QoS
+
+
+class Transport(kombu_redis.Transport):
+    Channel = Channel
