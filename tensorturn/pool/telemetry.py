@@ -246,8 +246,8 @@ def quarantine_mark(node: str, reason: str) -> dict[str, str]:
 class TaskReporter:
     """Progress of the task a pool process is training: Redis for ``tensorturn workers``, and
     Celery ``task-progress`` events for Flower. Reports at most once per PROGRESS_EVERY_S, and
-    at the last step; a task shorter than that reports once (the attempt's begin names the task
-    on the worker's hash, its end says it is done). Celery events go at most once per
+    at the last step if it reported before; a task shorter than that reports nothing (the
+    attempt's begin names the task on the worker's hash, its end says it is done). Celery events go at most once per
     PROGRESS_EVENT_EVERY_S: each is a broker command, and nobody may be listening.
 
     With ``live`` (run id, field) the same report goes to the run's live progress
@@ -262,12 +262,13 @@ class TaskReporter:
         self.steps, self.batch_size, self.live = steps, batch_size, live
         self.run_state: str | None = None  # as the last report read it (with ``live``)
         self.read_at_end = False  # the last report was the last step's, and read the run's state
+        self.reported = False
         self.worker = task.request.hostname or "?"
         self.t0 = self.last = time.monotonic()
         self.evented = self.t0
 
     def _write(self, progress: dict[str, Any]) -> None:
-        self.read_at_end = False
+        self.read_at_end, self.reported = False, True
         try:
             live = None
             if self.live is not None:
@@ -287,8 +288,8 @@ class TaskReporter:
 
     def __call__(self, step: int, loss: float) -> None:
         now = time.monotonic()
-        if now - self.last < PROGRESS_EVERY_S and step < self.steps:
-            return
+        if now - self.last < PROGRESS_EVERY_S and (step < self.steps or not self.reported):
+            return  # the last step is reported when an earlier one was: a short task reports none
         self.last = now
         rate = step * self.batch_size / max(now - self.t0, 1e-9)
         self._write({"task": self.label, "step": step, "steps": self.steps, "loss": loss,

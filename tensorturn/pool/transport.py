@@ -5,7 +5,8 @@ and its delivery time to ``unacked_index`` in a MULTI/EXEC transaction (four com
 acknowledgement removes both in another (four more). On a home link every command is paid for,
 and these eight were a quarter of what a fused shard task cost the broker
 (``benchmarks/broker_commands.py``). Here each is one Lua script, as atomic as the transaction it
-replaces, writing the same keys with the same values; everything else — the restore sweep,
+replaces, writing the same keys with the same values (:func:`tensorturn.state.queues.take_lease`,
+:func:`~tensorturn.state.queues.give_back_lease`); everything else — the restore sweep,
 requeue on reject, the queues — is kombu's own (:class:`kombu.transport.redis.Transport`).
 
 Used for ``redis://`` brokers (:func:`tensorturn.pool.celery_app.settings_for`); any other URL
@@ -21,18 +22,7 @@ from kombu.transport import redis as kombu_redis
 from kombu.transport import virtual
 from kombu.utils.json import dumps
 
-# KEYS: unacked_index, unacked; ARGV: delivery time, delivery tag, the message as kombu stores it
-_TAKE = """
-redis.call('zadd', KEYS[1], ARGV[1], ARGV[2])
-redis.call('hset', KEYS[2], ARGV[2], ARGV[3])
-return 1
-"""
-# KEYS: unacked_index, unacked; ARGV: delivery tag
-_GIVE_BACK = """
-redis.call('zrem', KEYS[1], ARGV[1])
-redis.call('hdel', KEYS[2], ARGV[1])
-return 1
-"""
+from tensorturn.state.queues import give_back_lease, take_lease
 
 NAME = "tensorturn.pool.transport:Transport"
 
@@ -51,7 +41,7 @@ class QoS(kombu_redis.QoS):
         delivery = message.delivery_info
         raw = dumps([message._raw, delivery["exchange"], delivery["routing_key"]])
         with self.channel.conn_or_acquire() as client:
-            client.eval(_TAKE, 2, self.unacked_index_key, self.unacked_key, time(), delivery_tag, raw)
+            take_lease(client, self.unacked_index_key, self.unacked_key, delivery_tag, raw, time())
         virtual.QoS.append(self, message, delivery_tag)
 
     def ack(self, delivery_tag: Any) -> None:
@@ -70,7 +60,7 @@ class QoS(kombu_redis.QoS):
 
     def _give_back(self, delivery_tag: Any) -> None:
         with self.channel.conn_or_acquire() as client:
-            client.eval(_GIVE_BACK, 2, self.unacked_index_key, self.unacked_key, delivery_tag)
+            give_back_lease(client, self.unacked_index_key, self.unacked_key, delivery_tag)
 
 
 class Channel(kombu_redis.Channel):

@@ -67,6 +67,32 @@ def refresh_leases(client: Any, tags: list[str], now: float | None = None) -> in
     return int(_forward[0](keys=[layout.UNACKED_INDEX], args=[repr(now), *tags], client=client))
 
 
+# kombu's two lease transactions as one script each (tensorturn.pool.transport). KEYS:
+# unacked_index, unacked; ARGV: delivery time, delivery tag, the message as kombu stores it — or,
+# to give the lease back, the delivery tag alone.
+_TAKE = """
+redis.call('zadd', KEYS[1], ARGV[1], ARGV[2])
+redis.call('hset', KEYS[2], ARGV[2], ARGV[3])
+return 1
+"""
+_GIVE_BACK = """
+redis.call('zrem', KEYS[1], ARGV[1])
+redis.call('hdel', KEYS[2], ARGV[1])
+return 1
+"""
+
+
+def take_lease(client: Any, index_key: str, unacked_key: str, tag: str, stored: str, now: float) -> None:
+    """A message delivered: ``stored`` (kombu's envelope) under its delivery ``tag`` in the
+    ``unacked`` hash, delivered ``now`` in the index — atomically, in one command."""
+    client.eval(_TAKE, 2, index_key, unacked_key, now, tag, stored)
+
+
+def give_back_lease(client: Any, index_key: str, unacked_key: str, tag: str) -> None:
+    """A message acknowledged (or rejected for good): out of the index and the hash, atomically."""
+    client.eval(_GIVE_BACK, 2, index_key, unacked_key, tag)
+
+
 def unacked(client: Any) -> int:
     """How many delivered messages are not acknowledged yet (tasks running or held somewhere)."""
     return int(client.hlen(layout.UNACKED))

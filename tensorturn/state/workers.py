@@ -41,7 +41,7 @@ class Workers:
         one round trip; ``first`` starts its hash afresh, ``idle`` clears a task a killed pool
         child left behind. Returns its quarantine mark and the mark's signature."""
         key = layout.worker_key(node)
-        pipe = self.r.pipeline()
+        pipe = self.r.pipeline(transaction=False)  # one writer of these fields: no MULTI/EXEC
         if first:
             pipe.delete(key)
             pipe.hset(key, mapping={"started_at": time.time(), "tasks_done": 0})

@@ -1,0 +1,137 @@
+"""TensorTurn against torchft on the same DiLoCo job: the training window, and broker commands.
+
+The job (issue 28): ``digits-mlp``, 3 shards on 3 workers, R rounds of H = 67 steps, one torch
+thread each, on this machine. Each repetition runs, one after the other:
+
+* **torchft 0.2.0** (``pip install -e '.[bench]'``): a lighthouse (min 3 replicas) and 3 replica
+  groups of one process each (``_torchft_worker.py``: torchft's ``Manager`` over gloo and
+  ``torchft.local_sgd.DiLoCo``), each training shard k of the recipe's training split. Its
+  window: from the last replica's first step to the last replica's last sync (allreduce and
+  outer step included).
+* **TensorTurn**: a pool of 3 agents (real Celery workers, private redis-server, file store),
+  ``--sync rounds``. Its window: from the first shard task's start to the last shard task's
+  end (each task fetches θ, trains, uploads its pseudo-gradient; the outer steps between rounds
+  are inside it, the last one — with the final test evaluation and the model's save — is not).
+  The same run counts Redis's commands (``INFO commandstats``) and, with Redis ``MONITOR``, the
+  commands clients sent (a script is one) apart from those scripts ran; MONITOR slows Redis a
+  little, so TensorTurn's window is, if anything, overstated.
+
+What it does not model: links (everything is loopback; on a 40 ms link each round trip costs
+40 ms — TensorTurn's per-task protocol is 5 round trips, torchft's per sync a quorum and an
+allreduce), GPUs, failures (torchft drops a failed replica's work; TensorTurn redoes it).
+
+    python benchmarks/torchft_compare.py [--reps 3] [--rounds 8] [--sync-every 67]
+
+Writes ``benchmarks/torchft_compare.json`` and ``.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+os.environ.setdefault("RUST_LOG", "warn")  # torchft's lighthouse and managers log every quorum at info
+
+from _common import figure, machine, run_job, shard_span, table, write_outputs  # noqa: E402
+from broker_commands import Monitor, calls  # noqa: E402
+
+from tensorturn.layout import parse_label  # noqa: E402
+from tensorturn.pool.embedded import LocalPool, free_port  # noqa: E402
+from tensorturn.state.broker import redis_client  # noqa: E402
+
+RECIPE = "digits-mlp"
+
+
+def torchft_window(rounds: int, sync_every: int, replicas: int, seed: int, tmp: Path) -> dict:
+    from torchft._torchft import LighthouseServer
+
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=replicas, join_timeout_ms=10_000)
+    try:
+        procs, outs = [], []
+        for k in range(replicas):
+            out = tmp / f"torchft-{k}.json"
+            outs.append(out)
+            procs.append(subprocess.Popen(
+                [sys.executable, str(HERE / "_torchft_worker.py"), "--replica", str(k), "--replicas",
+                 str(replicas), "--lighthouse", lighthouse.address(), "--store-port", str(free_port()),
+                 "--rounds", str(rounds), "--sync-every", str(sync_every), "--seed", str(seed),
+                 "--recipe", RECIPE, "--out", str(out)],
+                env={**os.environ, "OMP_NUM_THREADS": "1"}))
+        for p in procs:
+            if p.wait(timeout=900) != 0:
+                raise RuntimeError(f"a torchft replica exited {p.returncode}")
+    finally:
+        lighthouse.shutdown()
+    ends = [json.loads(o.read_text()) for o in outs]
+    return {"window_s": max(e["ended"] for e in ends) - max(e["started"] for e in ends),
+            "syncs": [e["syncs"] for e in ends], "loss": [e["loss"] for e in ends]}
+
+
+def tensorturn_window(rounds: int, sync_every: int, agents: int, seed: int, tmp: Path) -> dict:
+    store = (tmp / "store").as_uri()
+    with LocalPool(agents, store, workdir=tmp / "pool") as pool:
+        client = redis_client(pool.broker_url)
+        monitor = Monitor(pool.broker_url)
+        monitor.start()
+        before = calls(client)
+        doc = run_job(pool, store, mode="fused", recipe=RECIPE, rounds=rounds, shards=agents,
+                      sync_every=sync_every, seed=seed, threads_per_task=1)
+        after = calls(client)
+        monitor.stop.set()
+    used = after - before
+    shards = sum(1 for a in doc["attempts"] if a["outcome"] == "succeeded"
+                 and getattr(parse_label(a["task"]), "kind", None) == "shard")
+    sent = sum(monitor.wire.values())
+    return {"window_s": shard_span(doc), "shard_tasks": shards, "commands": sum(used.values()),
+            "commands_sent": sent, "per_shard_task": sum(used.values()) / shards,
+            "sent_per_shard_task": sent / shards, "val_loss": doc["rounds"][-1]["val_loss"]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--sync-every", type=int, default=67)
+    ap.add_argument("--agents", type=int, default=3)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    pairs = []
+    for rep in range(args.reps):
+        with tempfile.TemporaryDirectory(prefix="tt-vs-torchft-") as tmp:
+            ft = torchft_window(args.rounds, args.sync_every, args.agents, args.seed, Path(tmp))
+            tt = tensorturn_window(args.rounds, args.sync_every, args.agents, args.seed, Path(tmp))
+        pairs.append({"torchft": ft, "tensorturn": tt, "ratio": tt["window_s"] / ft["window_s"]})
+        print(f"rep {rep}: torchft {ft['window_s']:.2f} s, TensorTurn {tt['window_s']:.2f} s "
+              f"(×{pairs[-1]['ratio']:.2f}); {tt['sent_per_shard_task']:.1f} commands sent per shard task, "
+              f"{tt['per_shard_task']:.1f} run by Redis", flush=True)
+    ft_w = [p["torchft"]["window_s"] for p in pairs]
+    tt_w = [p["tensorturn"]["window_s"] for p in pairs]
+    ratios = [p["ratio"] for p in pairs]
+    sent = [p["tensorturn"]["sent_per_shard_task"] for p in pairs]
+    ran = [p["tensorturn"]["per_shard_task"] for p in pairs]
+    print(table(["", "median", "min", "max"], [
+        ["torchft window, s", f"{statistics.median(ft_w):.2f}", f"{min(ft_w):.2f}", f"{max(ft_w):.2f}"],
+        ["TensorTurn window, s", f"{statistics.median(tt_w):.2f}", f"{min(tt_w):.2f}", f"{max(tt_w):.2f}"],
+        ["TensorTurn / torchft (per pair)", f"{statistics.median(ratios):.2f}", f"{min(ratios):.2f}",
+         f"{max(ratios):.2f}"],
+        ["commands sent per shard task", f"{statistics.median(sent):.1f}", f"{min(sent):.1f}", f"{max(sent):.1f}"],
+        ["commands Redis ran per shard task", f"{statistics.median(ran):.1f}", f"{min(ran):.1f}",
+         f"{max(ran):.1f}"]]))
+    fig = figure(6, 4)
+    ax = fig.add_subplot()
+    ax.bar(["torchft 0.2.0", "TensorTurn"], [statistics.median(ft_w), statistics.median(tt_w)])
+    ax.set_ylabel("training window, s (median)")
+    ax.set_title(f"{RECIPE}: {args.agents} workers × {args.rounds} rounds × H = {args.sync_every}")
+    write_outputs("torchft_compare", {"machine": machine(), "args": vars(args), "pairs": pairs}, fig)
+
+
+if __name__ == "__main__":
+    main()
