@@ -7,6 +7,10 @@ results, leases, heartbeats, progress and claims, and this script's own polling 
 every 0.25 s). On a home link each command is a round trip (40 ms on the emulated links of
 BENCHMARKS §13).
 
+With ``--by-key`` (Redis ``MONITOR``) it also tells the commands clients *sent* — what a link
+carries, a Lua script or each command of a pipeline one — from those Redis ran inside scripts
+(``INFO commandstats`` counts both).
+
 It counts commands, not bytes, and includes the pool's idle traffic over the run's wall time
 (heartbeats every 3 s, lease refreshes every second per running task, Celery's polling of its
 queues), which is what a task costs on a pool doing nothing else.
@@ -189,7 +193,10 @@ def main() -> None:
     write_outputs("broker_commands", {
         "machine": machine(), "agents": args.agents, "rounds": args.rounds, "sync_every": args.sync_every,
         "wall_s": wall, "shard_tasks": shards, "tasks": tasks, "commands": total,
-        "per_shard_task": total / shards, "per_task": total / tasks, "by_command": dict(used.most_common())}, fig)
+        "per_shard_task": total / shards, "per_task": total / tasks, "by_command": dict(used.most_common()),
+        **({"sent": sum(monitor.wire.values()), "sent_per_shard_task": sum(monitor.wire.values()) / shards,
+            "sent_by_key": dict(monitor.wire.most_common()), "in_scripts_by_key": dict(monitor.scripted.most_common())}
+           if monitor else {})}, fig)
 
 
 if __name__ == "__main__":

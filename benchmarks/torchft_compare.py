@@ -20,7 +20,7 @@ What it does not model: links (everything is loopback; on a 40 ms link each roun
 40 ms — TensorTurn's per-task protocol is 5 round trips, torchft's per sync a quorum and an
 allreduce), GPUs, failures (torchft drops a failed replica's work; TensorTurn redoes it).
 
-    python benchmarks/torchft_compare.py [--reps 3] [--rounds 8] [--sync-every 67]
+    python benchmarks/torchft_compare.py [--reps 3] [--rounds 8] [--sync-every 67] [--syncs rounds,overlap]
 
 Writes ``benchmarks/torchft_compare.json`` and ``.png``.
 """
@@ -53,6 +53,7 @@ RECIPE = "digits-mlp"
 def torchft_window(rounds: int, sync_every: int, replicas: int, seed: int, tmp: Path) -> dict:
     from torchft._torchft import LighthouseServer
 
+    tmp.mkdir(parents=True, exist_ok=True)
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=replicas, join_timeout_ms=10_000)
     try:
         procs, outs = [], []
@@ -75,7 +76,8 @@ def torchft_window(rounds: int, sync_every: int, replicas: int, seed: int, tmp: 
             "syncs": [e["syncs"] for e in ends], "loss": [e["loss"] for e in ends]}
 
 
-def tensorturn_window(rounds: int, sync_every: int, agents: int, seed: int, tmp: Path) -> dict:
+def tensorturn_window(rounds: int, sync_every: int, agents: int, seed: int, tmp: Path, sync: str) -> dict:
+    tmp.mkdir(parents=True, exist_ok=True)
     store = (tmp / "store").as_uri()
     with LocalPool(agents, store, workdir=tmp / "pool") as pool:
         client = redis_client(pool.broker_url)
@@ -83,7 +85,7 @@ def tensorturn_window(rounds: int, sync_every: int, agents: int, seed: int, tmp:
         monitor.start()
         before = calls(client)
         doc = run_job(pool, store, mode="fused", recipe=RECIPE, rounds=rounds, shards=agents,
-                      sync_every=sync_every, seed=seed, threads_per_task=1)
+                      sync_every=sync_every, seed=seed, threads_per_task=1, sync=sync)
         after = calls(client)
         monitor.stop.set()
     used = after - before
@@ -102,32 +104,36 @@ def main() -> None:
     ap.add_argument("--sync-every", type=int, default=67)
     ap.add_argument("--agents", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--syncs", default="rounds,overlap", help="TensorTurn's --sync values to run")
     args = ap.parse_args()
+    syncs = args.syncs.split(",")
     pairs = []
     for rep in range(args.reps):
         with tempfile.TemporaryDirectory(prefix="tt-vs-torchft-") as tmp:
-            ft = torchft_window(args.rounds, args.sync_every, args.agents, args.seed, Path(tmp))
-            tt = tensorturn_window(args.rounds, args.sync_every, args.agents, args.seed, Path(tmp))
-        pairs.append({"torchft": ft, "tensorturn": tt, "ratio": tt["window_s"] / ft["window_s"]})
-        print(f"rep {rep}: torchft {ft['window_s']:.2f} s, TensorTurn {tt['window_s']:.2f} s "
-              f"(×{pairs[-1]['ratio']:.2f}); {tt['sent_per_shard_task']:.1f} commands sent per shard task, "
-              f"{tt['per_shard_task']:.1f} run by Redis", flush=True)
-    ft_w = [p["torchft"]["window_s"] for p in pairs]
-    tt_w = [p["tensorturn"]["window_s"] for p in pairs]
-    ratios = [p["ratio"] for p in pairs]
-    sent = [p["tensorturn"]["sent_per_shard_task"] for p in pairs]
-    ran = [p["tensorturn"]["per_shard_task"] for p in pairs]
-    print(table(["", "median", "min", "max"], [
-        ["torchft window, s", f"{statistics.median(ft_w):.2f}", f"{min(ft_w):.2f}", f"{max(ft_w):.2f}"],
-        ["TensorTurn window, s", f"{statistics.median(tt_w):.2f}", f"{min(tt_w):.2f}", f"{max(tt_w):.2f}"],
-        ["TensorTurn / torchft (per pair)", f"{statistics.median(ratios):.2f}", f"{min(ratios):.2f}",
-         f"{max(ratios):.2f}"],
-        ["commands sent per shard task", f"{statistics.median(sent):.1f}", f"{min(sent):.1f}", f"{max(sent):.1f}"],
-        ["commands Redis ran per shard task", f"{statistics.median(ran):.1f}", f"{min(ran):.1f}",
-         f"{max(ran):.1f}"]]))
+            ft = torchft_window(args.rounds, args.sync_every, args.agents, args.seed, Path(tmp) / "torchft")
+            pair = {"torchft": ft}
+            for sync in syncs:
+                tt = tensorturn_window(args.rounds, args.sync_every, args.agents, args.seed, Path(tmp) / sync, sync)
+                pair[sync] = {**tt, "ratio": tt["window_s"] / ft["window_s"]}
+                print(f"rep {rep}: torchft {ft['window_s']:.2f} s, TensorTurn --sync {sync} {tt['window_s']:.2f} s "
+                      f"(×{pair[sync]['ratio']:.2f}); {tt['sent_per_shard_task']:.1f} commands sent per shard "
+                      f"task, {tt['per_shard_task']:.1f} run by Redis", flush=True)
+        pairs.append(pair)
+
+    def row(what: str, values: list[float], digits: int = 2) -> list[str]:
+        return [what, *(f"{v:.{digits}f}" for v in (statistics.median(values), min(values), max(values)))]
+
+    rows = [row("torchft window, s", [p["torchft"]["window_s"] for p in pairs])]
+    for sync in syncs:
+        rows += [row(f"TensorTurn --sync {sync} window, s", [p[sync]["window_s"] for p in pairs]),
+                 row("  / torchft's (per pair)", [p[sync]["ratio"] for p in pairs]),
+                 row("  commands sent per shard task", [p[sync]["sent_per_shard_task"] for p in pairs], 1),
+                 row("  commands Redis ran per shard task", [p[sync]["per_shard_task"] for p in pairs], 1)]
+    print(table(["", "median", "min", "max"], rows))
     fig = figure(6, 4)
     ax = fig.add_subplot()
-    ax.bar(["torchft 0.2.0", "TensorTurn"], [statistics.median(ft_w), statistics.median(tt_w)])
+    ax.bar(["torchft 0.2.0", *(f"TensorTurn {sync}" for sync in syncs)],
+           [statistics.median(p[name]["window_s"] for p in pairs) for name in ["torchft", *syncs]])
     ax.set_ylabel("training window, s (median)")
     ax.set_title(f"{RECIPE}: {args.agents} workers × {args.rounds} rounds × H = {args.sync_every}")
     write_outputs("torchft_compare", {"machine": machine(), "args": vars(args), "pairs": pairs}, fig)
