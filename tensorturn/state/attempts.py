@@ -167,7 +167,8 @@ class Attempts:
         that replaced it — is recorded ``late``, so a task is counted once."""
         begun = self.begun.pop((run_id, key), None)
         if begun is not None and also is None:
-            if not self._finish_begun(run_id, key, begun, outcome, traceback, figures or Figures("?")):
+            mine = figures or Figures(json.loads(begun)["worker"], store_ok=False)
+            if not self._finish_begun(run_id, key, begun, outcome, traceback, mine):
                 return
         task = key.rpartition("#")[0]
         marker = layout.run_key(run_id, "succeeded")
