@@ -339,6 +339,32 @@ def outer_steps_queued(world, r: int) -> int:
                if name == "tensorturn.fused.outer_step" and args.endswith(f", {r})"))
 
 
+def test_a_shard_tasks_own_protocol_is_six_round_trips(world, monkeypatch):
+    """On a home link each round trip to the broker costs the RTT: a round's slot task (a short
+    one: no progress report) reads the run's state, claims its shard, begins, looks whether the
+    run was cancelled before storing, ends and marks its shard stored — one write to the socket
+    each. Celery's own message traffic is not in this count (the task is applied in this
+    process)."""
+    from redis.connection import Connection
+
+    spec = world.submit(**FUSED)
+    for k in range(2):
+        shard(spec, 0, k)
+    outer(spec, 0)
+    trips = []
+    send = Connection.send_packed_command
+
+    def counted(self, command, check_health=True):
+        trips.append(command)
+        return send(self, command, check_health)
+
+    monkeypatch.setattr(Connection, "send_packed_command", counted)
+    fused.train_slot.apply(args=(spec.run_id, 1, 0), kwargs=signed(spec.run_id, "r1/slot-0")).get()
+    monkeypatch.setattr(Connection, "send_packed_command", send)
+    assert len(trips) == 6, trips
+    assert world.board.describe(spec.run_id)["attempts"][-1]["outcome"] == "succeeded"
+
+
 def test_the_rounds_last_shard_stored_queues_its_outer_step_once(world):
     """No chord: the shard task that finds every shard of the round stored queues the outer step,
     once, however often shard tasks are delivered; one redelivered after a crash that came

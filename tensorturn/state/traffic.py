@@ -30,7 +30,7 @@ class Traffic:
         included (in ``pipe``, when given): for the run, and for that machine."""
         if up or down:
             own = pipe is None
-            pipe = self.r.pipeline() if own else pipe
+            pipe = self.r.pipeline(transaction=False) if own else pipe
             key = layout.run_key(run_id, "store_bytes")
             for field, value in (("up", up), ("down", down), (f"up@{worker}", up), (f"down@{worker}", down)):
                 pipe.hincrby(key, field, value)
