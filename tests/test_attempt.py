@@ -339,6 +339,28 @@ def outer_steps_queued(world, r: int) -> int:
                if name == "tensorturn.fused.outer_step" and args.endswith(f", {r})"))
 
 
+def test_a_stored_shard_whose_follow_up_fails_is_retried_not_failed(world, monkeypatch):
+    """What follows a stored shard (queuing the outer step) failing — the broker gone for a
+    moment — is retried; the attempt stays succeeded and no attempt of the cap is spent."""
+    from celery.exceptions import Retry
+
+    from tensorturn.modes.fused.sync.rounds import Rounds
+
+    spec = world.submit(**FUSED)
+    shard(spec, 0, 0)
+    real = Rounds.after_shard
+    monkeypatch.setattr(Rounds, "after_shard", lambda *a: (_ for _ in ()).throw(BrokerError("broker gone")))
+    as_agent_of(spec)
+    with pytest.raises(Retry):
+        fused.train_shard.apply(args=(spec.run_id, 0, 1), kwargs=signed(spec.run_id, "r0/shard-1"),
+                                throw=True).get()
+    monkeypatch.setattr(Rounds, "after_shard", real)
+    shard(spec, 0, 1)  # the retry: the shard is stored, what follows is queued now
+    doc = world.board.describe(spec.run_id)
+    assert [a["outcome"] for a in doc["attempts"] if a["task"] == "r0/shard-1"] == ["succeeded"]
+    assert outer_steps_queued(world, 0) == 1
+
+
 def test_a_shard_tasks_own_protocol_is_six_round_trips(world, monkeypatch):
     """On a home link each round trip to the broker costs the RTT: a round's slot task (a short
     one: no progress report) reads the run's state, claims its shard, begins, looks whether the

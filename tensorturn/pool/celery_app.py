@@ -1,7 +1,7 @@
 """The Celery app — the only place Celery is configured.
 
-``celery -A tensorturn.pool.celery_app worker|flower|inspect ...`` work as usual; the broker and result
-backend come from ``TENSORTURN_BROKER_URL``.
+``celery -A tensorturn.pool.celery_app worker|flower|inspect ...`` work as usual; the broker comes from
+``TENSORTURN_BROKER_URL``; there is no result backend (nothing reads a Celery result).
 
 Choices, each against a known hazard of Celery on Redis (DESIGN.md, "Known hazards"):
 

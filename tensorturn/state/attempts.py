@@ -38,6 +38,7 @@ if redis.call('hget', KEYS[4], 'state') == 'queued' then
 end
 if redis.call('hexists', KEYS[4], 'spec') == 1 then redis.call('hset', KEYS[4], 'progress_at', ARGV[4]) end
 redis.call('hset', KEYS[5], 'task', ARGV[5])
+redis.call('hdel', KEYS[5], 'progress')
 out[3] = redis.call('hget', KEYS[4], 'state')
 return out
 """
@@ -166,9 +167,9 @@ class Attempts:
         same output too — a partitioned machine that healed and finished beside the attempt
         that replaced it — is recorded ``late``, so a task is counted once."""
         begun = self.begun.pop((run_id, key), None)
-        if begun is not None and also is None:
-            mine = figures or Figures(json.loads(begun)["worker"], store_ok=False)
-            if not self._finish_begun(run_id, key, begun, outcome, traceback, mine):
+        if begun is not None:
+            figures = figures or Figures(json.loads(begun)["worker"], store_ok=False)
+            if also is None and not self._finish_begun(run_id, key, begun, outcome, traceback, figures):
                 return
         task = key.rpartition("#")[0]
         marker = layout.run_key(run_id, "succeeded")

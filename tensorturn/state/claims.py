@@ -116,6 +116,13 @@ class Claims:
         command; a shard marked again — a redelivery — counts once)."""
         return int(self.r.eval(_NOTE_STORED, 1, layout.stored_key(run_id, r), str(k), worker))
 
+    def forget_stored(self, run_id: str, rounds: range) -> None:
+        """No shard of ``rounds`` counted stored (a resume: its tasks mark what is stored again,
+        so a shard lost from the store is not counted)."""
+        keys = [layout.stored_key(run_id, r) for r in rounds]
+        if keys:
+            self.r.delete(*keys)
+
     def mark_stored(self, run_id: str, r: int, k: int, worker: str) -> None:
         """Shard ``k`` of round ``r`` is stored (by ``worker``): a copy still training stops."""
         self.r.hset(layout.stored_key(run_id, r), str(k), worker)

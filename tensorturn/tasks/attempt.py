@@ -321,7 +321,11 @@ def _execute(task: Task, board: RunBoard, run_id: str, label: Label, unit_class:
         if ending is not None:
             try_write_manifest(store, board, run_id)
             tally.take()  # the manifest holds the run's figures, complete; its own bytes are not among them
-        unit.then()
+        try:
+            unit.then()
+        except Exception as exc:  # noqa: BLE001 - the unit is done and recorded; what follows is queued by a retry
+            log.warning("run %s %s: queuing what follows failed (%s); retrying", run_id, label, exc)
+            raise task.retry(countdown=2, max_retries=None) from None
         return receipt
     except Retry:
         raise

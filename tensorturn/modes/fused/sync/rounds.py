@@ -53,6 +53,7 @@ class Rounds(SyncPolicy):
     def resume(self, spec: RunSpec, store: Store, board: RunBoard) -> str:
         """Continue from the last round whose global weights are in the store."""
         r, rounds = last_stored_round(spec, store, board), options(spec).rounds
+        board.claims.forget_stored(spec.run_id, range(r, rounds))  # counted again from the store
         board.claim(spec.run_id, layout.dispatch_claim(r))
         dispatch_round(spec, r, board)
         return f"resumed at round {r} of 0..{rounds - 1}"
