@@ -123,10 +123,6 @@ class Claims:
         if keys:
             self.r.delete(*keys)
 
-    def mark_stored(self, run_id: str, r: int, k: int, worker: str) -> None:
-        """Shard ``k`` of round ``r`` is stored (by ``worker``): a copy still training stops."""
-        self.r.hset(layout.stored_key(run_id, r), str(k), worker)
-
     def is_stored(self, run_id: str, r: int, k: int) -> bool:
         return bool(self.r.hexists(layout.stored_key(run_id, r), str(k)))
 

@@ -4,7 +4,7 @@ When a round has no shard left to hand out but some still training, a machine th
 queues for itself a copy of the straggler it would beat by most (:mod:`..backups`). The copies
 train the same shard from the same θ and seed, so the first one stored is the round's, whichever
 it is: the result is the same as ``--sync rounds``'s. A copy still training stops at its next
-look once the shard is stored (``stored-r<r>``, :meth:`~tensorturn.state.claims.Claims.mark_stored`).
+look once the shard is stored (``stored-r<r>``, :meth:`~tensorturn.state.claims.Claims.note_stored`).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ class Backup(Rounds):
         return lambda: board.claims.is_stored(spec.run_id, r, k)
 
     def shard_stored(self, board: RunBoard, spec: RunSpec, r: int, k: int, worker: str) -> None:
-        board.claims.mark_stored(spec.run_id, r, k, worker)  # other copies of the shard stop at their next look
+        board.claims.note_stored(spec.run_id, r, k, worker)  # other copies of the shard stop at their next look
 
     def after_shard(self, spec: RunSpec, store: Store, board: RunBoard, r: int, k: int,
                     worker: str) -> None:

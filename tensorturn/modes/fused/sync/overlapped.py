@@ -44,8 +44,7 @@ from celery.signals import worker_process_shutdown
 from tensorturn import config, layout
 from tensorturn.config import mask_text
 from tensorturn.modes.fused.options import options
-from tensorturn.modes.fused.sync.rounds import Rounds, dispatch_round, last_stored_round, outer_step, train_shard
-from tensorturn.pool import routing
+from tensorturn.modes.fused.sync.rounds import Rounds, dispatch_round, last_stored_round, queue_outer, train_shard
 from tensorturn.pool.capacity import queue_for
 from tensorturn.spec import RunSpec
 from tensorturn.state.board import RunBoard
@@ -165,12 +164,7 @@ def queue_outer_when_ready(spec: RunSpec, store: Store, board: RunBoard, r: int)
     if any(k not in handed and not store.exists(layout.key("shard", run_id, r, k))
            for k in range(options(spec).shards)):
         return
-    queue = routing.queue_for_outer(board.r, queue_for(spec.memory_needed_bytes))
-
-    def send() -> None:
-        outer_step.s([], run_id, r, **signed(run_id, str(layout.outer_label(r)))).apply_async(queue=queue)
-
-    board.once(run_id, layout.outer_claim(r), send)
+    queue_outer(spec, board, r)
 
 
 def queue_shard(spec: RunSpec, r: int, k: int, countdown: float = 0) -> None:
