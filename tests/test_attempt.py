@@ -361,6 +361,26 @@ def test_a_stored_shard_whose_follow_up_fails_is_retried_not_failed(world, monke
     assert outer_steps_queued(world, 0) == 1
 
 
+def test_a_task_whose_first_look_at_the_broker_fails_is_retried_not_dropped(world, monkeypatch):
+    """No chord counts a round's tasks any more, so a task must never end without its shard:
+    the broker failing its first look is retried, and nothing is recorded for it."""
+    from celery.exceptions import Retry
+
+    from tensorturn.state.board import RunBoard
+
+    spec = world.submit(**FUSED)
+    as_agent_of(spec)
+    real = RunBoard.state_and_quarantine
+    monkeypatch.setattr(RunBoard, "state_and_quarantine", lambda *a: (_ for _ in ()).throw(BrokerError("gone")))
+    with pytest.raises(Retry):
+        fused.train_shard.apply(args=(spec.run_id, 0, 0), kwargs=signed(spec.run_id, "r0/shard-0"),
+                                throw=True).get()
+    assert world.board.describe(spec.run_id)["attempts"] == []
+    monkeypatch.setattr(RunBoard, "state_and_quarantine", real)
+    shard(spec, 0, 0)
+    assert [a["outcome"] for a in world.board.describe(spec.run_id)["attempts"]] == ["succeeded"]
+
+
 def test_a_shard_tasks_own_protocol_is_six_round_trips(world, monkeypatch):
     """On a home link each round trip to the broker costs the RTT: a round's slot task (a short
     one: no progress report) reads the run's state, claims its shard, begins, looks whether the

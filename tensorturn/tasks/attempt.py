@@ -229,7 +229,11 @@ def execute(task: Task, run_id: str, label: Label, unit_class: type[Unit], sig: 
     if not authentic(task, run_id, str(label), sig):
         return receipt
     board = board_for(task.app.conf.broker_url)
-    state, quarantined = board.state_and_quarantine(run_id, task.request.hostname or "?")
+    try:
+        state, quarantined = board.state_and_quarantine(run_id, task.request.hostname or "?")
+    except Exception as exc:  # noqa: BLE001 - the broker did not answer: nothing began; no round may lose this task
+        log.warning("run %s %s: the broker did not answer (%s); retrying", run_id, label, exc)
+        raise task.retry(countdown=2, max_retries=None) from None
     if state in FINISHED:
         return receipt
     if state is None:  # no whole record (Redis lost it, or its keys were deleted): write nothing
