@@ -33,7 +33,7 @@ from tensorturn.state.live import Progress
 from tensorturn.state.live import view as live_view
 from tensorturn.state.members import Members
 from tensorturn.state.rounds import Rounds
-from tensorturn.state.runs import READ_STATE, SMALL, Runs, state_of
+from tensorturn.state.runs import Runs, read_state, state_of
 from tensorturn.state.traffic import Traffic
 from tensorturn.state.workers import Workers
 
@@ -108,9 +108,8 @@ class RunBoard:
 
     def state_and_quarantine(self, run_id: str, worker: str) -> tuple[str | None, bool]:
         """The run's state and whether ``worker`` is out of rotation, in one command."""
-        fields, has_spec, *quarantined = self.r.eval(
-            READ_STATE, 2, layout.run_key(run_id), layout.worker_key(worker), *SMALL)
-        return state_of(fields, bool(has_spec)), any(quarantined)
+        reply = read_state(self.r, run_id, worker)
+        return state_of(reply), bool(reply[2:] and reply[2])
 
     def mark_running(self, run_id: str, pipe: Any = None) -> None:
         self.runs.mark_running(run_id, pipe)

@@ -75,7 +75,7 @@ def _runs(client: Any) -> tuple[int, int]:
     replies = iter(pipe.execute())
     expiring = 0
     for run_id, keys in by_run.items():
-        state, kept = state_of(next(replies), next(replies)), next(replies)
+        state, kept = state_of(next(replies)), next(replies)
         ttls = {key: next(replies) for key in keys}  # the run's hash among them, if it is there
         ttl = _leftovers_ttl(state, kept, ttls.get(layout.run_key(run_id), -2))
         forever = [key for key, t in ttls.items() if t == -1] if ttl else []

@@ -31,9 +31,10 @@ _QUEUED_TO_RUNNING = ("if redis.call('hget', KEYS[1], 'state') == 'queued' then 
 
 SMALL = tuple(f for f in layout.RECORD if f != "spec")  # a record's fields besides the spec
 
-# :func:`read_state`'s two replies from one command (a running attempt looks often). KEYS: the
-# run's hash, then optionally a worker's hash (its quarantine mark is read too); ARGV: SMALL.
-READ_STATE = """
+# What :func:`state_of` reads, in one command (a running attempt looks often): the record's
+# fields, and of the spec only whether it is there (it may be kilobytes). KEYS: the run's hash,
+# then optionally a worker's hash (its quarantine mark is read too); ARGV: SMALL.
+_READ_STATE = """
 local out = {redis.call('hmget', KEYS[1], unpack(ARGV)), redis.call('hexists', KEYS[1], 'spec')}
 if KEYS[2] then out[3] = redis.call('hget', KEYS[2], 'quarantined') end
 return out
@@ -45,15 +46,16 @@ def whole(h: dict[str, str]) -> bool:
     return all(h.get(field) is not None for field in layout.RECORD)
 
 
-def read_state(pipe: Any, run_id: str) -> None:
-    """Queue in ``pipe`` the two replies :func:`state_of` reads: the record's fields, and of
-    the spec only whether it is there (it may be kilobytes; running attempts read this often)."""
-    pipe.hmget(layout.run_key(run_id), *SMALL)
-    pipe.hexists(layout.run_key(run_id), "spec")
+def read_state(client: Any, run_id: str, worker: str | None = None) -> Any:
+    """Read (with a pipeline: queue) what :func:`state_of` takes, in one command; with a
+    ``worker``, its quarantine mark too (the reply's third item: None when it has none)."""
+    keys = [layout.run_key(run_id)] + ([layout.worker_key(worker)] if worker is not None else [])
+    return client.eval(_READ_STATE, len(keys), *keys, *SMALL)
 
 
-def state_of(fields: list[str | None], has_spec: bool) -> str | None:
-    """The run's state from :func:`read_state`'s replies; None unless its record is whole."""
+def state_of(reply: list[Any]) -> str | None:
+    """The run's state from :func:`read_state`'s reply; None unless its record is whole."""
+    fields, has_spec = reply[0], reply[1]
     return dict(zip(SMALL, fields))["state"] if has_spec and None not in fields else None
 
 
@@ -104,8 +106,7 @@ class Runs:
 
     def state(self, run_id: str) -> str | None:
         """The run's state; None when the broker has no whole record of it."""
-        fields, has_spec = self.r.eval(READ_STATE, 1, layout.run_key(run_id), *SMALL)
-        return state_of(fields, bool(has_spec))
+        return state_of(read_state(self.r, run_id))
 
     def state_field(self, run_id: str, pipe: Any) -> None:
         """Queue in ``pipe`` a read of the hash's ``state`` field alone (whole or not)."""
