@@ -72,7 +72,7 @@ def test_a_refresh_stuck_on_the_wire_does_not_hold_up_the_next(redis_server):
         wait_for(stuck.is_set, "the first refresh to be under way")
         assert hedged.send(refresh, client, ["held"])  # does not wait for the first
         wait_for(lambda: r.zscore(UNACKED_INDEX, "held") > 100.0, "the second refresh to land")
-        assert hedged.out == 1  # the first is still out
+        wait_for(lambda: hedged.out == 1, "the second refresh's thread to end")  # the first is still out
     finally:
         wire.set()
         hedged.close()
