@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 
 import pytest
 import redis
@@ -196,6 +197,25 @@ def test_a_shard_whose_last_round_is_not_there_yet_is_queued_again_without_using
     run_shard(spec, 0, 0)
     run_shard(spec, 1, 0)  # the attempt given back: this one is number 1 of its allowance again
     assert [a["outcome"] for a in world.board.attempts(spec.run_id) if a["task"] == "r1/shard-0"][-1] == "succeeded"
+
+
+def test_a_shard_whose_last_round_trains_on_another_machine_waits_for_it(world, monkeypatch):
+    """Round 1's shard 0 taken while round 0's shard 0 trains elsewhere (its slot bound): the
+    task waits for that output instead of going back to the queue for seconds (a 3 s stall a
+    round, before), and trains once it is stored."""
+    monkeypatch.setattr(overlapped, "BIND_GRACE_S", 0.0)  # only a bound shard is waited for
+    spec = world.submit(**SPEC)
+    world.board.claim_shard(spec.run_id, 0, 0, "elsewhere@host", spec.options.shards)  # r0 slot 0 → shard 0
+    waiting = threading.Thread(target=run_shard, args=(spec, 1, 0))
+    waiting.start()
+    wait_for(lambda: any(a["task"] == "r1/shard-0" for a in world.board.attempts(spec.run_id)),
+             "round 1's shard 0 to begin")
+    run_shard(spec, 0, 0)  # "elsewhere": its output is handed over and uploaded
+    waiting.join(timeout=180)
+    assert not waiting.is_alive()
+    outcomes = [a["outcome"] for a in world.board.attempts(spec.run_id) if a["task"] == "r1/shard-0"]
+    assert outcomes == ["succeeded"]
+    finish_uploads()
 
 
 def test_an_upload_lease_is_refreshed_and_ended_only_by_its_holder(redis_server):

@@ -106,8 +106,12 @@ class Claims:
         """Which worker last trained each shard."""
         return {int(k): w for k, w in self.r.hgetall(layout.run_key(run_id, "owners")).items()}
 
+    def bound_shards(self, run_id: str, r: int) -> set[int]:
+        """The shards of round ``r`` a slot is bound to: their tasks began (one may have died since)."""
+        return {int(v) for v in self.r.hvals(layout.slots_key(run_id, r))}
+
     def unclaimed_shards(self, run_id: str, r: int, shards: int) -> list[int]:
-        taken = {int(v) for v in self.r.hvals(layout.slots_key(run_id, r))}
+        taken = self.bound_shards(run_id, r)
         return [k for k in range(shards) if k not in taken]
 
     # -- shards stored: the round's last queues its outer step; backup copies stop --

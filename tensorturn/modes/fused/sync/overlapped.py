@@ -59,7 +59,9 @@ from tensorturn.train.diloco import apply_step
 
 log = logging.getLogger(__name__)
 
-UPLOAD_LOOK_S = 0.5  # how often a waiting outer step looks whether its round's uploads are stored
+UPLOAD_LOOK_S = 0.5  # how often (at most) a waiting task looks whether the outputs it needs are stored
+BIND_GRACE_S = 1.0  # how long a shard waits for its last round's task to be bound to a machine
+FIRST_LOOK_S = 0.02  # its first look's pause, doubled up to UPLOAD_LOOK_S (an upload on a LAN takes ms)
 NOT_YET_S = 3.0      # a shard whose last round's output is not there yet is queued again this much later
 
 
@@ -137,6 +139,7 @@ class Overlap(Rounds):
         spec, store, board = unit.spec, unit.store, unit.board
         run_id, shards = spec.run_id, options(spec).shards
         board.mark_phase(run_id, str(unit.a.label), "waiting for uploads", unit.a.worker)
+        pause = FIRST_LOOK_S
         while True:
             missing = [k for k in range(shards) if not store.exists(layout.key("shard", run_id, r, k))]
             if not missing:
@@ -150,7 +153,8 @@ class Overlap(Rounds):
             if again:
                 return f"shard {', '.join(map(str, sorted(set(again))))} of round {r}: upload lost, trained again"
             unit.a.check_cancelled()
-            time.sleep(UPLOAD_LOOK_S)
+            time.sleep(pause)
+            pause = min(pause * 2, UPLOAD_LOOK_S)
 
 
 def queue_outer_when_ready(spec: RunSpec, store: Store, board: RunBoard, r: int) -> None:
@@ -252,8 +256,10 @@ uploads: set[threading.Thread] = set()  # this process's uploads in flight
 def own_output(unit: Unit, r: int, k: int) -> tuple[Path, int, bool]:
     """Shard k's output of round r: (a file of it, bytes downloaded, whether it is a kept file
     of this process's, to release). Trained here: the file this process uploads or uploaded;
-    else the stored one, waited for while its upload goes on. Not there and not uploading —
-    still training elsewhere, or lost with its upload (then it is trained again) — this task
+    else the stored one, waited for while its upload goes on, and while its task runs on
+    another machine (a slot of round r is bound to it) for up to a lease (a second, while it is
+    not bound: its slot may have just been taken). Not there otherwise — queued and not yet
+    taken, or lost with its upload (then it is trained again) — this task
     is queued again in a few seconds rather than wait here (it may hold the only slot that
     would train it), and :class:`~tensorturn.tasks.attempt.NotYet` ends this attempt."""
     run_id, store, board = unit.spec.run_id, unit.store, unit.board
@@ -261,15 +267,27 @@ def own_output(unit: Unit, r: int, k: int) -> tuple[Path, int, bool]:
     if local is not None:
         return local, 0, True
     key = layout.key("shard", run_id, r, k)
+    pause, began = FIRST_LOOK_S, time.monotonic()
+    lease_s = config.current().visibility_timeout_s
     while not store.exists(key):
         if not board.claims.uploading(run_id, r, k) and not store.exists(key):
-            lost = k in board.claims.handed(run_id, r) and train_again(unit.spec, board, r, [k], unit.a.worker)
+            handed = k in board.claims.handed(run_id, r)
+            # its task runs on another machine (a slot took it), or is about to (its slot was
+            # taken a moment ago, not yet bound): wait, for up to a lease or BIND_GRACE_S
+            if not handed and time.monotonic() - began < (
+                    lease_s if k in board.claims.bound_shards(run_id, r) else BIND_GRACE_S):
+                unit.a.check_cancelled()
+                time.sleep(pause)
+                pause = min(pause * 2, UPLOAD_LOOK_S)
+                continue
+            lost = handed and train_again(unit.spec, board, r, [k], unit.a.worker)
             queue_shard(unit.spec, r + 1, k, countdown=NOT_YET_S)
             raise NotYet(f"round {r + 1}'s shard {k} starts from shard {k} of round {r}, "
                          + ("whose upload was lost: trained again first" if lost else "not stored yet")
                          + f"; queued again in {NOT_YET_S:g} s")
         unit.a.check_cancelled()
-        time.sleep(UPLOAD_LOOK_S)
+        time.sleep(pause)
+        pause = min(pause * 2, UPLOAD_LOOK_S)
     fd, name = tempfile.mkstemp(prefix=f"tt-own-{run_id}-r{r}-{k}-")
     os.close(fd)
     path = Path(name)
