@@ -264,7 +264,7 @@ def outer_queue(queue: str) -> str:
 class Label:
     """What one task works on. ``str(label)`` is its name in attempts and incidents."""
 
-    kind: str                 # shard | slot | backup | outer | update | segment | vote
+    kind: str                 # shard | slot | backup | outer | eval | update | segment | vote
     round: int | None = None
     shard: int | None = None
     member: int | None = None
@@ -286,6 +286,8 @@ class Label:
             return f"r{self.round}/backup-{self.shard}"
         if self.kind == "outer":
             return f"r{self.round}/outer"
+        if self.kind == "eval":
+            return f"r{self.round}/eval"
         if self.kind == "update":
             return f"u{self.update}"
         if self.kind == "update_backup":
@@ -323,6 +325,11 @@ def outer_label(r: int) -> Label:
     return Label("outer", round=r)
 
 
+def eval_label(r: int) -> Label:
+    """The evaluation of θ_{r+1}, round r's weights, queued by its outer step behind round r+1."""
+    return Label("eval", round=r)
+
+
 def segment_label(m: int, j: int) -> Label:
     return Label("segment", member=m, segment=j)
 
@@ -336,6 +343,7 @@ _LABELS = (
     (re.compile(r"^r(\d+)/slot-(\d+)$"), lambda g: slot_label(int(g[0]), int(g[1]))),
     (re.compile(r"^r(\d+)/backup-(\d+)$"), lambda g: backup_label(int(g[0]), int(g[1]))),
     (re.compile(r"^r(\d+)/outer$"), lambda g: outer_label(int(g[0]))),
+    (re.compile(r"^r(\d+)/eval$"), lambda g: eval_label(int(g[0]))),
     (re.compile(r"^u(\d+)$"), lambda g: update_label(int(g[0]))),
     (re.compile(r"^u(\d+)/backup$"), lambda g: update_backup_label(int(g[0]))),
     (re.compile(r"^m(\d+)/seg-(\d+)$"), lambda g: segment_label(int(g[0]), int(g[1]))),
@@ -361,6 +369,11 @@ def outer_claim(r: int) -> str:
     """Claimed by whoever queues round r's outer step (``--sync overlap`` gives it back when the
     step finds an upload lost, so the shard trained again queues it)."""
     return f"outer-r{r}"
+
+
+def eval_claim(r: int) -> str:
+    """Claimed once by whoever queues the evaluation of round r's weights."""
+    return f"eval-r{r}"
 
 
 def segment_claim(m: int, j: int) -> str:

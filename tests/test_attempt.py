@@ -90,7 +90,7 @@ def test_fused_duplicates_at_every_stage_change_nothing(world, monkeypatch):
     shard(spec, 0, 1)                      # before the outer step: a plain duplicate
     outer(spec, 0)
     shard(spec, 0, 1)                      # after the round
-    outer(spec, 0)                         # the outer step delivered twice
+    outer(spec, 0, evaluate=False)         # the outer step delivered twice
     drive_fused(spec, start=1)
     shard(spec, 1, 0)                      # after the run finished
     outer(spec, 1)
@@ -122,7 +122,7 @@ def test_slots_bind_to_shards_once_and_give_the_model_shards_give(world):
     assert doc["state"] == "succeeded", doc["error"]
     assert doc["model_sha256"] == world.board.describe(clean.run_id)["model_sha256"]
     trained = sorted(a["task"] for a in doc["attempts"] if a["outcome"] == "succeeded")
-    assert trained == ["r0/outer", "r0/shard-0", "r0/shard-1", "r1/outer", "r1/shard-0", "r1/shard-1"]
+    assert trained == ["r0/eval", "r0/outer", "r0/shard-0", "r0/shard-1", "r1/outer", "r1/shard-0", "r1/shard-1"]
     assert kinds(doc).count("duplicate_ignored") == 2
 
 

@@ -12,7 +12,7 @@ import time
 from types import SimpleNamespace
 
 import pytest
-from conftest import as_agent_of, clean_env, tt, wait_for
+from conftest import as_agent_of, clean_env, run_outer, tt, wait_for
 
 from tensorturn import config, layout, runs
 from tensorturn.modes import get_mode
@@ -257,7 +257,7 @@ def drive_fused(spec: RunSpec) -> None:
     for r in range(spec.options.rounds):  # type: ignore[attr-defined]
         for k in range(spec.options.shards):  # type: ignore[attr-defined]
             fused.train_shard.apply(args=(spec.run_id, r, k), kwargs=signed(spec.run_id, f"r{r}/shard-{k}")).get()
-        fused.outer_step.apply(args=([], spec.run_id, r), kwargs=signed(spec.run_id, f"r{r}/outer")).get()
+        run_outer(spec, r)
 
 
 def drive_ensemble(spec: RunSpec) -> None:

@@ -15,7 +15,7 @@ import sys
 import time
 
 import pytest
-from conftest import clean_env, queued_messages, tt, tt_here, tt_json, wait_for
+from conftest import clean_env, queued_messages, run_outer, tt, tt_here, tt_json, wait_for
 
 from tensorturn import config, layout, runs
 from tensorturn.errors import NotFound, StoreError
@@ -55,7 +55,7 @@ def shard(spec: RunSpec, r: int, k: int) -> None:
 
 
 def outer(spec: RunSpec, r: int) -> None:
-    fused.outer_step.apply(args=([], spec.run_id, r), kwargs=signed(spec.run_id, f"r{r}/outer")).get()
+    run_outer(spec, r)  # and the round's evaluation, as a pool runs it next
 
 
 def drive(spec: RunSpec, start: int = 0) -> None:
@@ -346,8 +346,8 @@ def test_a_stale_serving_mark_does_not_block_removal(world, monkeypatch):
 @pytest.mark.e2e
 def test_deleting_a_runs_keys_mid_run_ends_in_one_line_and_a_resume(tmp_path, pool_factory):
     # each training step lasts 10 ms on the agents: a round's shards train ~2 s however loaded
-    # the machine is, so the keys go while round 1 trains
-    pool, store = pool_factory(step_s=0.01), tmp_path / "store"
+    # the machine is, so the keys go while round 1 trains (the third agent evaluates round 0)
+    pool, store = pool_factory(agents=3, step_s=0.01), tmp_path / "store"
     args = ("--broker", pool.broker_url, "--store", str(store))
     run_id = tt_json("run", *args, "--recipe", "digits-mlp", "--rounds", "3", "--shards", "2",
                      "--sync-every", "200", "--detach", "--json")["run_id"]

@@ -90,7 +90,7 @@ def annotate(doc: dict[str, Any], board: RunBoard | None = None) -> dict[str, An
         silent = silent_training(running, board.live(doc["run_id"]), now) if running else []
         if running and not silent:  # work goes on, only nothing started or finished lately
             for o in doc.get("outer_steps") or []:
-                doc["note"] = (f"round {o['round']}'s outer step is {o['phase']} on {o['worker']} "
+                doc["note"] = (f"round {o['round']}'s {o.get('what', 'outer step')} is {o['phase']} on {o['worker']} "
                                f"({now - o['since']:.0f}s)")
             for a in running:
                 if a["task"] == str(layout.vote_label()):

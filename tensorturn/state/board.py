@@ -183,10 +183,12 @@ class RunBoard:
 
     # -- rounds, and what running tasks report --
     def record_round(self, run_id: str, round_: int, info: dict[str, Any]) -> None:
-        """Record round ``round_``; its outer step's live phase goes with it (one round trip)."""
+        """Record round ``round_``; the live phases of its outer step and evaluation go with it
+        (one round trip)."""
         pipe = self.r.pipeline(transaction=False)
         self.round_log.record(run_id, round_, info, pipe)
         self.progress.clear(run_id, str(layout.outer_label(round_)), pipe)
+        self.progress.clear(run_id, str(layout.eval_label(round_)), pipe)
         self.runs.touch(run_id, pipe)
         pipe.execute()
 

@@ -4,8 +4,9 @@ updates stored and not yet applied, the one applier at a time, and what each upd
 Keys (``tt:run:<id>:<part>``): ``async`` (hash: version, key, state_key, sha256 of the latest
 weights), ``versions`` (version → its key), ``pending`` (sorted set: updates stored, not yet
 applied, by arrival), ``trainers`` (update → the worker that trained it), ``begun`` (updates
-handed out), ``applied`` (update → its record: the version it made, its base, its staleness
-...), ``apply_lock`` (the applier's token, with a time to live the applier keeps refreshing).
+handed out → the version their first copy trains from), ``applied`` (update → its record: the
+version it made, its base, its staleness ...), ``apply_lock`` (the applier's token, with a time
+to live the applier keeps refreshing).
 
 An applier commits a version with :meth:`AsyncLedger.commit`, one Redis script that checks that
 it still holds the lock, that the latest version is the one it stepped from and that the update
@@ -121,15 +122,20 @@ class AsyncLedger:
         pipe.zadd(self.k["pending"], {str(j): at}, nx=True)
         pipe.execute()
 
-    def start(self, j: int) -> int:
-        """Update j began training somewhere; returns how many updates have begun."""
+    def start(self, j: int, base_version: int) -> int:
+        """Update j began training somewhere, from ``base_version`` (its first copy's is kept);
+        returns how many updates have begun."""
         pipe = self.r.pipeline()
-        pipe.hsetnx(self.k["begun"], str(j), 1)
+        pipe.hsetnx(self.k["begun"], str(j), base_version)
         pipe.hlen(self.k["begun"])
         return int(pipe.execute()[1])
 
     def begun(self) -> int:
         return int(self.r.hlen(self.k["begun"]))
+
+    def bases(self) -> dict[int, int]:
+        """Each update begun → the version its first copy trains from."""
+        return {int(j): int(v) for j, v in self.r.hgetall(self.k["begun"]).items()}
 
     def stored(self, j: int) -> bool:
         """Whether some copy of update j has stored and queued it."""

@@ -82,16 +82,18 @@ def in_round(doc: dict[str, Any], entries: dict[str, dict[str, Any]]) -> dict[st
 
 
 def outer_steps(doc: dict[str, Any], entries: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
-    """The outer steps running now: round, phase (averaging, evaluating, testing; "starting"
-    before the first), worker, and since when (the phase's start)."""
+    """The outer steps and round evaluations running now: round, what (``outer step`` or
+    ``evaluation``), phase (averaging, evaluating, testing; "starting" before the first),
+    worker, and since when (the phase's start)."""
     out = []
     for a in doc.get("attempts", []):
         named = layout.parse_label(a["task"])
-        if a["outcome"] != Outcome.RUNNING or named is None or named.kind != "outer":
+        if a["outcome"] != Outcome.RUNNING or named is None or named.kind not in ("outer", "eval"):
             continue
         entry = entries.get(a["task"]) or {}
         fresh = entry.get("worker") == a["worker"] and float(entry.get("at") or 0) >= a["started_at"]
-        out.append({"round": named.round, "phase": entry["phase"] if fresh else "starting",
+        out.append({"round": named.round, "what": "outer step" if named.kind == "outer" else "evaluation",
+                    "phase": entry["phase"] if fresh else "starting",
                     "worker": a["worker"], "since": entry["at"] if fresh else a["started_at"]})
     return sorted(out, key=lambda o: o["round"])
 

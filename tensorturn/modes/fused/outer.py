@@ -1,6 +1,9 @@
 """The outer step of a round: average the shards' stored pseudo-gradients and step θ_r to θ_{r+1}
 (DiLoCo, Douillard et al. 2023, arXiv 2311.08105: Nesterov outer momentum; plain averaging —
-FedAvg — with ``--outer sgd``), then evaluate θ_{r+1}.
+FedAvg — with ``--outer sgd``); θ_{r+1} is evaluated by a task of its own (:class:`EvalUnit`),
+queued behind round r+1's shards, so the machine that stepped trains its next shard at once and
+the evaluation fills a machine's wait at the next barrier (the last round's outer step
+evaluates itself: the run's test and the kept round follow).
 
 One streaming implementation, whatever the model's size and the codec: everything goes through
 local files, tensor by tensor, so memory holds one model-sized sum and a tensor at a time — also
@@ -18,7 +21,6 @@ import contextlib
 import json
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -68,22 +70,26 @@ RESIDUAL = "residual::"  # prefix of the broadcast's error-feedback residual in 
 OUTER = "the outer step"  # who refuses a pseudo-gradient here (its checks' messages say so)
 
 
-def outer_round(spec: RunSpec, store: Store, r: int, scratch: Path,
-                stored: Callable[[], None] | None = None) -> dict[str, Any]:
+def outer_round(spec: RunSpec, store: Store, r: int, scratch: Path) -> dict[str, Any]:
     """Average round r's stored pseudo-gradients into θ_{r+1} (or reuse it, when a previous
-    attempt stored it), call ``stored()`` once it is in the store, and evaluate it; returns the
-    round's record. θ_{r+1} is left in ``scratch/next``.
+    attempt stored it) and evaluate it; returns the round's record. θ_{r+1} is left in
+    ``scratch/next``.
 
     Each shard's weight comes from its file's header first, then each shard is downloaded
     (multipart on S3), read one tensor at a time and added in shard order — the list average's
     arithmetic, so the same bits — then θ_{r+1} is written (:func:`step_global`, also to
     ``scratch/next``) and read back to be evaluated."""
-    losses, samples, bytes_up, bytes_down = average_and_step(spec, store, r, scratch)
+    figures = average_and_step(spec, store, r, scratch)
+    return evaluate_round(spec, store, r, scratch, figures)
+
+
+def evaluate_round(spec: RunSpec, store: Store, r: int, scratch: Path,
+                   figures: tuple[list[float], list[int], int, int]) -> dict[str, Any]:
+    """Round r's record: θ_{r+1} (``scratch/next``, downloaded when not there) evaluated on the
+    validation split, beside the shards' ``figures`` (losses, samples, bytes up, bytes down)."""
     path = scratch / "next"
-    if not path.exists():  # a previous attempt stored θ_{r+1}
+    if not path.exists():  # stepped by another attempt, or on another machine
         seals.get_file(store, layout.key("global", spec.run_id, r + 1), path)
-    if stored is not None:
-        stored()
     with TensorReader(path) as f:
         new_theta = f.all()
     recipe = recipe_of(spec)
@@ -92,18 +98,34 @@ def outer_round(spec: RunSpec, store: Store, r: int, scratch: Path,
     model = load_model(recipe, new_theta, recipe.default_config(), device)
     del new_theta
     val, rows = recipe.evaluate_counted(model, "val", device, eval_passes(spec, recipe))
-    return round_figures(losses, samples, val, bytes_up, bytes_down, r, rows)
+    losses, samples, bytes_up, bytes_down = figures
+    info = round_figures(losses, samples, val, bytes_up, bytes_down, r, rows)
+    info["at"] = time.time()  # when the round's weights were evaluated (loss against wall time)
+    return info
+
+
+def shard_figures(spec: RunSpec, store: Store, r: int) -> tuple[list[float], list[int], int, int]:
+    """Round r's shards' (losses, samples, bytes up, bytes down), from their stored files'
+    headers and sizes — what :func:`average_and_step` reads, without the download."""
+    run_id = spec.run_id
+    keys = [layout.key("shard", run_id, r, k) for k in range(options(spec).shards)]
+    sizes = store.sizes(layout.prefix("shard", run_id, r))
+    metas = [stored_metadata(store, key) for key in keys]
+    return ([float(m["loss"]) for m in metas], [int(m["samples"]) for m in metas],
+            sum(sizes[key] for key in keys), sum(int(m["bytes_down"]) for m in metas))
 
 
 class OuterUnit(Unit):
-    """The outer step of round r (queued by the round's last shard stored): average, step,
-    queue the next round (:meth:`~tensorturn.modes.fused.sync.base.SyncPolicy.after_outer`) as
-    soon as θ_{r+1} is stored, then evaluate; the last round's finishes the run."""
+    """The outer step of round r (queued by the round's last shard stored): average, step, and
+    queue the next round and this round's evaluation
+    (:meth:`~tensorturn.modes.fused.sync.base.SyncPolicy.after_outer`) as soon as θ_{r+1} is
+    stored; the last round's evaluates, and finishes the run."""
 
     def done(self) -> bool:
         # the last round is done only when the run is finished (checked before this)
         r = self.a.label.numbers[0]
-        return r + 1 < options(self.spec).rounds and self.board.has_round(self.spec.run_id, r)
+        return r + 1 < options(self.spec).rounds and self.store.exists(
+            layout.key("global", self.spec.run_id, r + 1))
 
     def run(self) -> str:
         spec, store, r = self.spec, self.store, self.a.label.numbers[0]
@@ -114,25 +136,20 @@ class OuterUnit(Unit):
         if waiting is not None:  # queued again once the round's outputs are in
             raise NotYet(waiting)
         self.phase("averaging")
-
-        def stored() -> None:  # the machines train round r+1 (queued once) while this evaluates r
-            if not last:
-                self.then()
-            self.phase("evaluating")
-
         with tempfile.TemporaryDirectory(prefix="tt-outer-") as tmp:
-            info = outer_round(spec, store, r, Path(tmp), stored)
-            info["at"] = time.time()  # when the round's weights were evaluated (loss against wall time)
+            figures = average_and_step(spec, store, r, Path(tmp))
+            if not last:  # the machines train round r+1, and one evaluates θ_{r+1} when free
+                self.then()
+                return SUCCEEDED
+            self.phase("evaluating")
+            info = evaluate_round(spec, store, r, Path(tmp), figures)
             self.a.check_cancelled(now=True)
             seals.put_json(store, layout.key("round", spec.run_id, r), info)  # before the board: done() reads it
             self.board.record_round(spec.run_id, r, info)
-            if last:
-                record_missing_rounds(spec, store, self.board, r, Path(tmp))
-                self.phase("testing")
-                self.a.check_cancelled(now=True)
-                finalize(spec, store, self.board, local=Path(tmp) / "next", finish=self.finish_run)
-            else:
-                write_manifest(store, self.board, spec.run_id)
+            record_missing_rounds(spec, store, self.board, r, Path(tmp))
+            self.phase("testing")
+            self.a.check_cancelled(now=True)
+            finalize(spec, store, self.board, local=Path(tmp) / "next", finish=self.finish_run)
         count_data(self.board, spec.run_id, self.a.worker, data_before)
         return SUCCEEDED
 
@@ -144,10 +161,33 @@ class OuterUnit(Unit):
         policy(options(self.spec).sync).after_outer(self.spec, self.board, self.a.label.numbers[0])
 
 
+class EvalUnit(Unit):
+    """The evaluation of round r's weights θ_{r+1} (queued by round r's outer step, behind
+    round r+1's shards): the round's record, then the manifest."""
+
+    def done(self) -> bool:
+        return self.board.has_round(self.spec.run_id, self.a.label.numbers[0])
+
+    def run(self) -> str:
+        spec, store, r = self.spec, self.store, self.a.label.numbers[0]
+        self.a.check_cancelled(now=True)
+        data_before = data_bytes()
+        self.board.mark_phase(spec.run_id, str(self.a.label), "evaluating", self.a.worker)
+        with tempfile.TemporaryDirectory(prefix="tt-eval-") as tmp:
+            info = evaluate_round(spec, store, r, Path(tmp), shard_figures(spec, store, r))
+        self.a.check_cancelled(now=True)
+        seals.put_json(store, layout.key("round", spec.run_id, r), info)
+        self.board.record_round(spec.run_id, r, info)
+        write_manifest(store, self.board, spec.run_id)
+        count_data(self.board, spec.run_id, self.a.worker, data_before)
+        return SUCCEEDED
+
+
 def record_missing_rounds(spec: RunSpec, store: Store, board: RunBoard, last: int, scratch: Path) -> None:
-    """Before the run finishes, every round before ``last`` in its records: an outer step queues
-    the next round before it evaluates, so one whose evaluation failed (or a broker that lost
-    the record) can leave a round unrecorded; it is read from the store, or evaluated again."""
+    """Before the run finishes, every round before ``last`` in its records: a round is evaluated
+    by a task of its own while the next trains, so one whose evaluation failed or still runs (or
+    a broker that lost the record) can leave a round unrecorded; it is read from the store, or
+    evaluated again (the same weights, so the same figures)."""
     recorded = {rec["round"] for rec in board.rounds(spec.run_id)}
     for k in range(last):
         if k in recorded:
@@ -159,7 +199,6 @@ def record_missing_rounds(spec: RunSpec, store: Store, board: RunBoard, last: in
             folder = scratch / f"round-{k}"
             folder.mkdir()
             info = outer_round(spec, store, k, folder)
-            info["at"] = time.time()
             seals.put_json(store, key, info)
         board.record_round(spec.run_id, k, info)
 

@@ -137,8 +137,8 @@ class UpdateUnit(backups.CopyAwareUnit):
                 r, k = divmod(self.j, options(spec).shards)
 
                 def theta_of(recipe: Recipe) -> tuple[StateDict, int, dict[str, str]]:
-                    book.start(self.j)
                     latest = trusted_latest(spec, self.store, self.board, book, self.a.worker)
+                    book.start(self.j, latest["version"])
                     theta, moved = fetch_version(spec, recipe, self.store, latest)
                     return theta, moved, {"base_version": f"{latest['version']:010d}"}
 
@@ -217,19 +217,35 @@ def async_drain(self: Any, run_id: str, sig: str | None = None) -> None:
 
 
 def queue_update_backup(spec: RunSpec, board: RunBoard, book: AsyncLedger, worker: str) -> None:
-    """When every update is handed out and some still train, a backup copy of a straggler
-    (:func:`~..backups.queue_backup`): this worker would otherwise idle until the run's slowest
-    update is in. The copy trains from the latest weights (a different pseudo-gradient);
-    whichever copy is stored first is the one applied."""
-    if book.begun() < total_updates(spec):
-        return
+    """A backup copy of a straggler (:func:`~..backups.queue_backup`), when this worker would
+    train a whole copy before the straggler ends: once every update is handed out, of any
+    update still training (this worker would otherwise idle until the run's slowest update is
+    in); before that, of one already a round (S versions) behind the latest weights — landing
+    later still, it would be weighted down by its staleness (:func:`~tensorturn.train.diloco.staleness_scale`)
+    and pull the model back to where it trained. The copy trains from the latest weights (a
+    different pseudo-gradient); whichever copy is stored first is applied, the other stops at
+    its next look."""
+    shards = options(spec).shards
+    handed_out = book.begun() >= total_updates(spec)
+    latest = book.latest()["version"]
+    bases = {} if handed_out else book.bases()
 
     def straggler(named: layout.Label) -> int | None:
-        return named.numbers[0] if named.kind == "update" and not book.stored(named.numbers[0]) else None
+        if named.kind != "update":
+            return None
+        j = named.numbers[0]
+        if not handed_out and latest - bases.get(j, latest) < shards:
+            return None
+        return None if book.stored(j) else j
+
+    def why(j: int) -> str:
+        if handed_out:
+            return (f"every update is handed out and u{j} is still training: {worker} trains a "
+                    f"backup copy, by its rate sooner")
+        return (f"u{j} trains from version {bases.get(j)}, {latest - bases.get(j, latest)} versions behind "
+                f"the latest: {worker} trains a backup copy from the latest, by its rate sooner")
 
     backups.queue_backup(
         spec, board, worker, backups.running(board, spec.run_id, straggler),
         claim=layout.update_backup_claim, label=layout.update_backup_label,
-        task=async_backup, args=lambda j: (spec.run_id, j),
-        why=lambda j: (f"every update is handed out and u{j} is still training: {worker} trains a "
-                       f"backup copy, by its rate sooner"))
+        task=async_backup, args=lambda j: (spec.run_id, j), why=why)

@@ -44,7 +44,14 @@ from celery.signals import worker_process_shutdown
 from tensorturn import config, layout
 from tensorturn.config import mask_text
 from tensorturn.modes.fused.options import options
-from tensorturn.modes.fused.sync.rounds import Rounds, dispatch_round, last_stored_round, queue_outer, train_shard
+from tensorturn.modes.fused.sync.rounds import (
+    Rounds,
+    dispatch_round,
+    last_stored_round,
+    queue_eval,
+    queue_outer,
+    train_shard,
+)
 from tensorturn.pool.capacity import queue_for
 from tensorturn.spec import RunSpec
 from tensorturn.state.board import RunBoard
@@ -122,7 +129,8 @@ class Overlap(Rounds):
 
     def after_outer(self, spec: RunSpec, board: RunBoard, r: int) -> None:
         """θ_{r+1} is stored (or this outer step ended without it: then nothing follows yet):
-        round r+2 can train, and round r+1's outer step run once its shards are in."""
+        round r+2 can train, round r+1's outer step run once its shards are in, and θ_{r+1} be
+        evaluated."""
         store = agent_store()
         if not store.exists(layout.key("global", spec.run_id, r + 1)):
             return
@@ -131,6 +139,7 @@ class Overlap(Rounds):
             board.once(spec.run_id, layout.dispatch_claim(r + 2), lambda: dispatch_round(spec, r + 2, board))
         if r + 1 < rounds:
             queue_outer_when_ready(spec, store, board, r + 1)
+            queue_eval(spec, board, r)
 
     def await_round(self, unit: Unit, r: int) -> str | None:
         """Wait while round r's outputs upload. A shard whose upload's lease lapsed is trained

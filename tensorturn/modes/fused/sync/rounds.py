@@ -3,7 +3,9 @@
 A round is one task per shard — a *slot*, bound to a shard by the first worker that runs it,
 which takes a shard it trained before where it can (its chunks are cached there) — and the outer
 step (:class:`~tensorturn.modes.fused.outer.OuterUnit`), queued once by whichever shard task finds
-the round's last shard stored, which queues the next round once θ_{r+1} is stored. The result
+the round's last shard stored, which queues the next round once θ_{r+1} is stored, then the
+round's evaluation (:class:`~tensorturn.modes.fused.outer.EvalUnit`) behind it: the first
+machine done with round r+1's shard evaluates θ_{r+1} while the others finish theirs. The result
 depends on (S, H, seed, threads) only: the same weights on 1 or N machines.
 
 Why not a Celery chord: its counter lives in the result backend — every header task stores a
@@ -25,7 +27,7 @@ from typing import Any
 
 from tensorturn import layout
 from tensorturn.modes.fused.options import options
-from tensorturn.modes.fused.outer import OuterUnit
+from tensorturn.modes.fused.outer import EvalUnit, OuterUnit
 from tensorturn.modes.fused.shard import ShardUnit
 from tensorturn.modes.fused.sync.base import SyncPolicy
 from tensorturn.pool import routing
@@ -66,6 +68,7 @@ class Rounds(SyncPolicy):
     def after_outer(self, spec: RunSpec, board: RunBoard, r: int) -> None:
         if r + 1 < options(spec).rounds:
             board.once(spec.run_id, layout.dispatch_claim(r + 1), lambda: dispatch_round(spec, r + 1, board))
+            queue_eval(spec, board, r)
 
 
 def last_stored_round(spec: RunSpec, store: Store, board: RunBoard) -> int:
@@ -99,6 +102,15 @@ def queue_outer(spec: RunSpec, board: RunBoard, r: int) -> None:
         [], run_id, r, **signed(run_id, str(layout.outer_label(r)))).apply_async(queue=queue))
 
 
+def queue_eval(spec: RunSpec, board: RunBoard, r: int) -> None:
+    """Queue the evaluation of round r's weights, once, where its outer step would go: behind
+    the next round's shards, so a machine takes it when its shard is done."""
+    run_id = spec.run_id
+    queue = routing.queue_for_outer(board.r, queue_for(spec.memory_needed_bytes))
+    board.once(run_id, layout.eval_claim(r), lambda: evaluate.s(
+        run_id, r, **signed(run_id, str(layout.eval_label(r)))).apply_async(queue=queue))
+
+
 # ---- the round's tasks -------------------------------------------------------------------------
 
 @app.task(bind=True, name="tensorturn.fused.train_slot", max_retries=None)
@@ -128,3 +140,9 @@ def outer_step(self: Any, _receipts: list, run_id: str, r: int, sig: str | None 
     """Average round r's pseudo-gradients, step θ, then dispatch r+1 or finish (queued by the
     round's last shard stored; the first argument, once a chord's receipts, is empty)."""
     return execute(self, run_id, layout.outer_label(r), OuterUnit, sig)
+
+
+@app.task(bind=True, name="tensorturn.fused.evaluate", max_retries=None)
+def evaluate(self: Any, run_id: str, r: int, sig: str | None = None) -> dict[str, Any]:
+    """Evaluate round r's weights θ_{r+1} and record the round (queued by its outer step)."""
+    return execute(self, run_id, layout.eval_label(r), EvalUnit, sig)
