@@ -428,6 +428,27 @@ def test_the_rounds_last_shard_stored_queues_its_outer_step_once(world):
     assert [i["kind"] for i in doc["incidents"]] == ["duplicate_ignored"] * 3
 
 
+def test_an_outer_step_queues_its_rounds_evaluation_behind_the_next_round(world):
+    """The outer step of a round before the last stores θ_{r+1} and queues the next round's
+    shards, then the round's evaluation, once (a second delivery queues nothing); the round is
+    recorded by the evaluation, not by the outer step."""
+    spec = world.submit(**FUSED)
+    shard(spec, 0, 0)
+    shard(spec, 0, 1)
+    for queue in world.board.r.scan_iter("tt.*"):  # round 0's slots and outer step (run here)
+        world.board.r.delete(queue)
+    outer(spec, 0, evaluate=False)
+    outer(spec, 0, evaluate=False)  # a duplicate: θ_1 is stored
+    # in the order agents take them (a queue is pushed at its head, taken at its tail)
+    names = [name for name, _ in reversed(queued_tasks(world)) if name]
+    assert names == ["tensorturn.fused.train_slot"] * spec.options.shards + ["tensorturn.fused.evaluate"]
+    assert not world.board.has_round(spec.run_id, 0)
+    from conftest import run_eval
+
+    run_eval(spec, 0)
+    assert [r["round"] for r in world.board.rounds(spec.run_id)] == [0]
+
+
 # ---- a broker that lost its data; a run that makes no progress ----------------------------------
 
 def test_after_redis_loses_its_data_the_run_says_so_and_resumes(world):
