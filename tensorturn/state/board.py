@@ -187,8 +187,7 @@ class RunBoard:
         (one round trip)."""
         pipe = self.r.pipeline(transaction=False)
         self.round_log.record(run_id, round_, info, pipe)
-        self.progress.clear(run_id, str(layout.outer_label(round_)), pipe)
-        self.progress.clear(run_id, str(layout.eval_label(round_)), pipe)
+        self.progress.clear(run_id, pipe, str(layout.outer_label(round_)), str(layout.eval_label(round_)))
         self.runs.touch(run_id, pipe)
         pipe.execute()
 

@@ -92,8 +92,9 @@ def outer_steps(doc: dict[str, Any], entries: dict[str, dict[str, Any]]) -> list
             continue
         entry = entries.get(a["task"]) or {}
         fresh = entry.get("worker") == a["worker"] and float(entry.get("at") or 0) >= a["started_at"]
+        starting = "starting" if named.kind == "outer" else "evaluating"  # (an evaluation says no phase)
         out.append({"round": named.round, "what": "outer step" if named.kind == "outer" else "evaluation",
-                    "phase": entry["phase"] if fresh else "starting",
+                    "phase": entry["phase"] if fresh else starting,
                     "worker": a["worker"], "since": entry["at"] if fresh else a["started_at"]})
     return sorted(out, key=lambda o: o["round"])
 
@@ -127,9 +128,9 @@ class Progress:
         (:func:`live_field`), in ``pipe``."""
         pipe.hset(layout.live_key(run_id), field, json.dumps(entry))
 
-    def clear(self, run_id: str, field: str, pipe: Any) -> None:
-        """``field``'s report goes (its task is over), in ``pipe``."""
-        pipe.hdel(layout.live_key(run_id), field)
+    def clear(self, run_id: str, pipe: Any, *fields: str) -> None:
+        """``fields``' reports go (their tasks are over), in ``pipe``."""
+        pipe.hdel(layout.live_key(run_id), *fields)
 
     def entries(self, run_id: str) -> dict[str, dict[str, Any]]:
         return {k: json.loads(v) for k, v in self.r.hgetall(layout.live_key(run_id)).items()}

@@ -121,6 +121,8 @@ class OuterUnit(Unit):
     (:meth:`~tensorturn.modes.fused.sync.base.SyncPolicy.after_outer`) as soon as θ_{r+1} is
     stored; the last round's evaluates, and finishes the run."""
 
+    followed = False  # what follows the step is queued
+
     def done(self) -> bool:
         # the last round is done only when the run is finished (checked before this)
         r = self.a.label.numbers[0]
@@ -158,7 +160,10 @@ class OuterUnit(Unit):
         self.board.mark_phase(self.spec.run_id, str(self.a.label), what, self.a.worker)
 
     def then(self) -> None:
+        if self.followed:  # queued from run() already (execute calls this again)
+            return
         policy(options(self.spec).sync).after_outer(self.spec, self.board, self.a.label.numbers[0])
+        self.followed = True
 
 
 class EvalUnit(Unit):
@@ -172,8 +177,7 @@ class EvalUnit(Unit):
         spec, store, r = self.spec, self.store, self.a.label.numbers[0]
         self.a.check_cancelled(now=True)
         data_before = data_bytes()
-        self.board.mark_phase(spec.run_id, str(self.a.label), "evaluating", self.a.worker)
-        with tempfile.TemporaryDirectory(prefix="tt-eval-") as tmp:
+        with tempfile.TemporaryDirectory(prefix="tt-eval-") as tmp:  # (its phase: "evaluating" throughout)
             info = evaluate_round(spec, store, r, Path(tmp), shard_figures(spec, store, r))
         self.a.check_cancelled(now=True)
         seals.put_json(store, layout.key("round", spec.run_id, r), info)
