@@ -317,7 +317,7 @@ def update_label(j: int) -> Label:
 
 
 def update_backup_label(j: int) -> Label:
-    """A backup copy of async update j, run when every update is handed out and some straggle."""
+    """A backup copy of async update j, run when j straggles (at the end, or a round behind)."""
     return Label("update_backup", update=j)
 
 

@@ -449,6 +449,28 @@ def test_an_outer_step_queues_its_rounds_evaluation_behind_the_next_round(world)
     assert [r["round"] for r in world.board.rounds(spec.run_id)] == [0]
 
 
+def test_an_evaluation_past_its_attempts_leaves_the_round_to_the_last_outer_step(world):
+    """A round's evaluation that runs out of attempts does not fail the run: an incident says
+    so, and the last round's outer step evaluates that round again before the run finishes."""
+    from conftest import run_eval
+
+    spec = world.submit(**{**FUSED, "max_attempts": 1})
+    shard(spec, 0, 0)
+    shard(spec, 0, 1)
+    outer(spec, 0, evaluate=False)
+    world.board.begin_attempt(spec.run_id, "r0/eval", "gone@host", 1)  # its machine died mid-way
+    run_eval(spec, 0)  # the redelivery: past the cap
+    assert world.board.state(spec.run_id) == "running" and not world.board.has_round(spec.run_id, 0)
+    shard(spec, 1, 0)
+    shard(spec, 1, 1)
+    outer(spec, 1)
+    doc = world.board.describe(spec.run_id)
+    assert doc["state"] == "succeeded"
+    assert [r["round"] for r in doc["rounds"]] == [0, 1]
+    assert [i["task"] for i in doc["incidents"] if i["kind"] == "evaluation_given_up"] == ["r0/eval"]
+    assert [a["outcome"].split(":")[0] for a in doc["attempts"] if a["task"] == "r0/eval"] == ["lost", "refused"]
+
+
 # ---- a broker that lost its data; a run that makes no progress ----------------------------------
 
 def test_after_redis_loses_its_data_the_run_says_so_and_resumes(world):

@@ -165,8 +165,11 @@ def test_redis_restart_mid_run(pool, reference, tmp_path):
 
 def test_duplicate_delivery_is_ignored(pool, reference, tmp_path):
     spec = submit(pool, tmp_path)
-    wait_for(lambda: board(pool).rounds(spec.run_id), "round 0 recorded")
-    # round 0's slot 1 delivered again: it is bound to the shard it trained, which is done
+    # once round 0's outer step is done (its evaluation and record come behind round 1's shards,
+    # too late to be sure the run still goes on), round 0's slot 1 is delivered again: it is
+    # bound to the shard it trained, which is done
+    wait_for(lambda: any(a["task"] == "r0/outer" and a["outcome"] == "succeeded"
+                         for a in board(pool).attempts(spec.run_id)), "round 0 stepped")
     train_slot.apply_async(args=(spec.run_id, 0, 1), kwargs=signed(spec.run_id, "r0/slot-1"))
     doc = finish(pool, spec, reference)
     bound = board(pool).r.hget(layout.run_key(spec.run_id, "slots-r0"), "1")

@@ -13,7 +13,7 @@ import pytest
 import redis
 from conftest import as_agent_of, run_shard, run_to_end, submit_run, wait_for, wait_for_run
 
-from tensorturn import layout
+from tensorturn import config, layout
 from tensorturn.modes.fused.sync import overlapped, rounds
 from tensorturn.state.board import RunBoard
 from tensorturn.tasks.attempt import signed
@@ -203,7 +203,9 @@ def test_a_shard_whose_last_round_trains_on_another_machine_waits_for_it(world, 
     """Round 1's shard 0 taken while round 0's shard 0 trains elsewhere (its slot bound): the
     task waits for that output instead of going back to the queue for seconds (a 3 s stall a
     round, before), and trains once it is stored."""
-    monkeypatch.setattr(overlapped, "BIND_GRACE_S", 0.0)  # only a bound shard is waited for
+    monkeypatch.setattr(overlapped, "BIND_GRACE_S", 0.0)  # only a bound shard is waited for,
+    # for up to a lease: one long enough that round 0's shard trains within it on busy cores
+    monkeypatch.setattr(config, "_current", config.current().with_(visibility_timeout_s=600))
     spec = world.submit(**SPEC)
     world.board.claim_shard(spec.run_id, 0, 0, "elsewhere@host", spec.options.shards)  # r0 slot 0 → shard 0
     waiting = threading.Thread(target=run_shard, args=(spec, 1, 0))

@@ -1,6 +1,7 @@
 """Backup copies for a fused run's stragglers (``--sync backup`` rounds, and the end of
-``--sync async`` runs): when a machine finishes and there is nothing left to hand out, it may
-train a copy of a unit another machine is still training — if by the two machines' measured rates
+``--sync async`` runs): when a machine finishes and there is nothing left to hand out (or, in
+an async run, an update is a round behind the latest weights), it may train a copy of a unit
+another machine is still training — if by the two machines' measured rates
 it would finish first (the *longest approximate time to end* rule of speculative execution in
 MapReduce-style schedulers). The copy goes to this machine's own queue, so the machine that was
 judged faster is the one that runs it; whichever copy stores the unit first counts.

@@ -21,6 +21,7 @@ import contextlib
 import json
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +35,7 @@ from tensorturn.modes.fused.shard import count_data, data_bytes
 from tensorturn.recipes import Recipe, recipe_of
 from tensorturn.spec import RunSpec
 from tensorturn.state.board import RunBoard
-from tensorturn.state.manifest import write_manifest
+from tensorturn.state.manifest import try_write_manifest
 from tensorturn.store import seals
 from tensorturn.store.objects import Store, file_sha256
 from tensorturn.store.tensorfile import (
@@ -53,7 +54,7 @@ from tensorturn.store.tensors import (
     model_metadata,
     stored_metadata,
 )
-from tensorturn.tasks.attempt import SUCCEEDED, NotYet, Unit
+from tensorturn.tasks.attempt import LATE, SUCCEEDED, NotYet, Unit
 from tensorturn.train.device import pick_device
 from tensorturn.train.diloco import (
     accumulate,
@@ -148,7 +149,7 @@ class OuterUnit(Unit):
             self.a.check_cancelled(now=True)
             seals.put_json(store, layout.key("round", spec.run_id, r), info)  # before the board: done() reads it
             self.board.record_round(spec.run_id, r, info)
-            record_missing_rounds(spec, store, self.board, r, Path(tmp))
+            record_missing_rounds(spec, store, self.board, r, Path(tmp), self.a.check_cancelled)
             self.phase("testing")
             self.a.check_cancelled(now=True)
             finalize(spec, store, self.board, local=Path(tmp) / "next", finish=self.finish_run)
@@ -168,7 +169,8 @@ class OuterUnit(Unit):
 
 class EvalUnit(Unit):
     """The evaluation of round r's weights θ_{r+1} (queued by round r's outer step, behind
-    round r+1's shards): the round's record, then the manifest."""
+    round r+1's shards): the round's record, then the manifest. A run that finished meanwhile
+    has the round recorded by its last outer step (:func:`record_missing_rounds`)."""
 
     def done(self) -> bool:
         return self.board.has_round(self.spec.run_id, self.a.label.numbers[0])
@@ -180,21 +182,34 @@ class EvalUnit(Unit):
         with tempfile.TemporaryDirectory(prefix="tt-eval-") as tmp:  # (its phase: "evaluating" throughout)
             info = evaluate_round(spec, store, r, Path(tmp), shard_figures(spec, store, r))
         self.a.check_cancelled(now=True)
+        count_data(self.board, spec.run_id, self.a.worker, data_before)
+        if self.board.is_finished(spec.run_id) or self.board.has_round(spec.run_id, r):
+            return LATE  # recorded by the run's last outer step
         seals.put_json(store, layout.key("round", spec.run_id, r), info)
         self.board.record_round(spec.run_id, r, info)
-        write_manifest(store, self.board, spec.run_id)
-        count_data(self.board, spec.run_id, self.a.worker, data_before)
+        try_write_manifest(store, self.board, spec.run_id)
         return SUCCEEDED
 
+    def give_up(self, message: str) -> None:
+        """Past the attempt cap the run goes on: the last outer step evaluates the round again
+        (:func:`record_missing_rounds`), and fails the run if that fails too."""
+        self.board.incident(self.spec.run_id, "evaluation_given_up", str(self.a.label), self.a.worker,
+                            f"{message}; the last outer step evaluates the round again")
 
-def record_missing_rounds(spec: RunSpec, store: Store, board: RunBoard, last: int, scratch: Path) -> None:
+
+EVAL_WAIT_S = 600  # how long the last outer step waits for a round's running evaluation
+
+
+def record_missing_rounds(spec: RunSpec, store: Store, board: RunBoard, last: int, scratch: Path,
+                          check: Callable[[], None] = lambda: None) -> None:
     """Before the run finishes, every round before ``last`` in its records: a round is evaluated
-    by a task of its own while the next trains, so one whose evaluation failed or still runs (or
-    a broker that lost the record) can leave a round unrecorded; it is read from the store, or
-    evaluated again (the same weights, so the same figures)."""
+    by a task of its own while the next trains, so one whose evaluation still runs is waited for
+    (``check`` raises if the run is cancelled meanwhile), and one whose evaluation failed (or a
+    broker that lost the record) is read from the store or evaluated again: the same weights,
+    so the same figures."""
     recorded = {rec["round"] for rec in board.rounds(spec.run_id)}
     for k in range(last):
-        if k in recorded:
+        if k in recorded or wait_for_evaluation(board, spec.run_id, k, check):
             continue
         key = layout.key("round", spec.run_id, k)
         if store.exists(key):
@@ -205,6 +220,21 @@ def record_missing_rounds(spec: RunSpec, store: Store, board: RunBoard, last: in
             info = outer_round(spec, store, k, folder)
             seals.put_json(store, key, info)
         board.record_round(spec.run_id, k, info)
+
+
+def wait_for_evaluation(board: RunBoard, run_id: str, r: int, check: Callable[[], None]) -> bool:
+    """Wait while an attempt of round r's evaluation runs (at most :data:`EVAL_WAIT_S`); whether
+    it recorded the round."""
+    label, pause, began = str(layout.eval_label(r)), 0.02, time.monotonic()
+    while time.monotonic() - began < EVAL_WAIT_S:
+        if board.has_round(run_id, r):
+            return True
+        if not any(a["task"] == label and a["outcome"] == "running" for a in board.attempts(run_id)):
+            return board.has_round(run_id, r)
+        check()
+        time.sleep(pause)
+        pause = min(pause * 2, 0.5)
+    return False
 
 
 def average_and_step(spec: RunSpec, store: Store, r: int, scratch: Path

@@ -110,8 +110,9 @@ def async_step(self: Any, run_id: str, j: int, sig: str | None = None) -> dict[s
 
 @app.task(bind=True, name="tensorturn.fused.async_backup", max_retries=None)
 def async_backup(self: Any, run_id: str, j: int, sig: str | None = None) -> dict[str, Any]:
-    """A backup copy of update j, queued when every update is handed out and j straggles: the
-    first copy stored is applied, the other stops at its next look."""
+    """A backup copy of update j, queued when j straggles (still training once every update is
+    handed out, or a round behind the latest weights before that): the first copy stored is
+    applied, the other stops at its next look."""
     return execute(self, run_id, layout.update_backup_label(j), UpdateUnit, sig)
 
 

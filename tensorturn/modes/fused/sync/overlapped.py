@@ -137,9 +137,9 @@ class Overlap(Rounds):
         rounds = options(spec).rounds
         if r + 2 < rounds:
             board.once(spec.run_id, layout.dispatch_claim(r + 2), lambda: dispatch_round(spec, r + 2, board))
-        if r + 1 < rounds:
-            queue_outer_when_ready(spec, store, board, r + 1)
+        if r + 1 < rounds:  # the evaluation first: round r+1's outer step may end the run
             queue_eval(spec, board, r)
+            queue_outer_when_ready(spec, store, board, r + 1)
 
     def await_round(self, unit: Unit, r: int) -> str | None:
         """Wait while round r's outputs upload. A shard whose upload's lease lapsed is trained
