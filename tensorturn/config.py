@@ -33,6 +33,7 @@ pool_key_file         where the pool key is kept; `run` and `up` make it if miss
 allow_recipes         comma-separated `module:attr` patterns of other recipes this machine may import (`--allow-recipe`)
 visibility_timeout_s  seconds an unrefreshed task lease lasts before the task goes back to the queue
 shutdown_grace_s      seconds a stopping agent gives its running task before requeueing it
+stop_limit_s          seconds a command stopping on Ctrl-C or SIGTERM may take before it kills what it started and exits
 heartbeat_s           seconds between an agent's telemetry heartbeats (offline after 3 missed)
 store_retries         retries of a failing store call, with exponential backoff, before it is an error
 store_backoff_s       the first of those backoffs; it doubles each time (at most 8 s)
@@ -76,6 +77,7 @@ class Settings:
     # up the next, which is what made 4 s unsafe on 1 Mbit/s links before
     visibility_timeout_s: int = 4
     shutdown_grace_s: float = 5.0
+    stop_limit_s: float = 120.0
     heartbeat_s: float = 3.0
     store_retries: int = 6
     store_backoff_s: float = 0.5

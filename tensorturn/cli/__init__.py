@@ -9,12 +9,15 @@ from __future__ import annotations
 # first of all: a secret on the command line is hidden from `ps` before anything else loads
 from tensorturn.cli import title  # isort: split
 
+import faulthandler
 import functools
 import json
 import logging
 import math
+import os
 import signal
 import sys
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -147,13 +150,47 @@ def stop_on_signals() -> None:
 
     Set explicitly: a process started in the background by a non-interactive shell inherits
     SIGINT *ignored*, and Python then leaves it ignored, so Ctrl-C semantics would silently vanish.
+    The stop the signal begins is bounded (:func:`cut_short_after`).
     """
+    from tensorturn.pool.embedded import kill_started  # imported now, not in a handler or a timer
+
     def interrupt(_signum, _frame):
-        ignore_signals()  # once: a second Ctrl-C must not cut short the cleanup it starts
+        ignore_signals()  # once: a second Ctrl-C must not cut short the cleanup it starts...
+        cut_short_after(config.current().stop_limit_s, kill_started)  # ...but a stuck one ends
+        _interrupted.set()
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGINT, interrupt)
     signal.signal(signal.SIGTERM, interrupt)
+
+
+_interrupted = threading.Event()  # set by the first Ctrl-C or SIGTERM (stop_on_signals)
+
+
+def raise_if_interrupted() -> None:
+    """KeyboardInterrupt again when a signal came and its KeyboardInterrupt was lost: raised
+    while a destructor ran (a Redis client's ``__del__``), it is printed as "Exception ignored"
+    and dropped, and the handler will not raise it twice — a command that waits calls this
+    as it polls."""
+    if _interrupted.is_set():
+        raise KeyboardInterrupt
+
+
+def cut_short_after(limit_s: float, kill: Callable[[], None]) -> None:
+    """Past ``limit_s`` seconds from now, end this process whatever it waits on: every thread's
+    stack to stderr (a stop that hangs is a bug to report), ``kill`` (the local processes it
+    started), one line, exit 130. A daemon thread: a stop that ends in time exits as it would."""
+    def overran() -> None:
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        kill()
+        sys.stderr.write(f"error: stopping took more than {limit_s:g} s (TENSORTURN_STOP_LIMIT_S); "
+                         "its local processes were killed. Please report the stacks above.\n")
+        sys.stderr.flush()
+        os._exit(130)
+
+    timer = threading.Timer(limit_s, overran)
+    timer.daemon = True
+    timer.start()
 
 
 def ignore_signals() -> None:

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from tensorturn import config
-from tensorturn.cli import debugging, emit_json, ignore_signals, stop_on_signals
+from tensorturn.cli import debugging, emit_json, ignore_signals, raise_if_interrupted, stop_on_signals
 from tensorturn.spec import RunState
 
 if TYPE_CHECKING:  # imported when a command runs: `--help` and argument errors load no Redis client
@@ -33,11 +33,15 @@ class Terminal:
     def say(self, line: str) -> None:
         say(line)
 
-    def watch(self, doc: dict[str, Any]) -> "RunProgress":
+    def watch(self, doc: dict[str, Any]) -> Callable[[dict[str, Any]], None]:
         from tensorturn.runs.display import RunProgress
 
-        self.progress = RunProgress(doc, say=say)
-        return self.progress
+        self.progress = progress = RunProgress(doc, say=say)
+
+        def update(later: dict[str, Any]) -> None:
+            raise_if_interrupted()  # the interruption a destructor swallowed, if one did
+            progress(later)
+        return update
 
     def unwatch(self) -> None:
         if self.progress is not None:

