@@ -36,6 +36,7 @@ from tensorturn.recipes import Recipe, recipe_of
 from tensorturn.spec import RunSpec
 from tensorturn.state.board import RunBoard
 from tensorturn.state.manifest import try_write_manifest
+from tensorturn.state.roster import TAKES_TASKS
 from tensorturn.store import seals
 from tensorturn.store.objects import Store, file_sha256
 from tensorturn.store.tensorfile import (
@@ -223,13 +224,15 @@ def record_missing_rounds(spec: RunSpec, store: Store, board: RunBoard, last: in
 
 
 def wait_for_evaluation(board: RunBoard, run_id: str, r: int, check: Callable[[], None]) -> bool:
-    """Wait while an attempt of round r's evaluation runs (at most :data:`EVAL_WAIT_S`); whether
-    it recorded the round."""
+    """Wait while an attempt of round r's evaluation runs on an agent that is online (at most
+    :data:`EVAL_WAIT_S`; one whose machine stopped answering is not waited for: its task, given
+    back, may need this very agent); whether it recorded the round."""
     label, pause, began = str(layout.eval_label(r)), 0.02, time.monotonic()
     while time.monotonic() - began < EVAL_WAIT_S:
         if board.has_round(run_id, r):
             return True
-        if not any(a["task"] == label and a["outcome"] == "running" for a in board.attempts(run_id)):
+        running = {a["worker"] for a in board.attempts(run_id) if a["task"] == label and a["outcome"] == "running"}
+        if not running or not running & {w["name"] for w in board.workers.all() if w["state"] in TAKES_TASKS}:
             return board.has_round(run_id, r)
         check()
         time.sleep(pause)
