@@ -21,8 +21,9 @@ def test_embedded_fused_run_reaches_accuracy_and_is_machine_independent(tmp_path
     assert len(three["rounds"]) == 8
     assert {a["worker"].split("@")[0] for a in three["attempts"]} <= {"local1", "local2", "local3"}
     # every attempt succeeded, but an evaluation that began after the last outer step recorded
-    # its round (it waits only for one running) ends late
-    assert all(a["outcome"] == "succeeded" or (a["task"].endswith("/eval") and a["outcome"].startswith("late"))
+    # its round (it waits only for one running) ends late, or may still run as the run ends
+    assert all(a["outcome"] == "succeeded"
+               or (a["task"].endswith("/eval") and a["outcome"].startswith(("late", "running")))
                for a in three["attempts"])
     # shards (2 by default on digits' 1,257 training rows), outer steps, and the evaluations of
     # rounds 0-6 (the last outer step evaluates its own; one of a round it finds unrecorded too)

@@ -72,8 +72,8 @@ from tensorturn.pool.embedded import RedisServer
 server = RedisServer(Path(sys.argv[1]))
 server.start()
 stop_on_signals()
-print(server.proc.pid, flush=True)
 try:
+    print(server.proc.pid, flush=True)  # the signal may come as soon as this is read
     while True:
         time.sleep(1)
 except KeyboardInterrupt:  # a stop that never ends
@@ -112,7 +112,7 @@ def test_an_interruption_raised_in_a_destructor_is_raised_again_where_the_comman
     only once — a `tensorturn run` then trained on to its end. Its wait raises it again."""
     done = subprocess.run([sys.executable, "-c", SWALLOWED], env=clean_env(), stdin=subprocess.DEVNULL,
                           capture_output=True, text=True, timeout=120)
-    assert "Exception ignored in" in done.stderr and "KeyboardInterrupt" in done.stderr  # dropped there
+    assert "Exception ignored" in done.stderr and "KeyboardInterrupt" in done.stderr  # dropped there
     assert done.stdout.split() == ["went", "on", "interrupted"] and done.returncode == 130
 
 

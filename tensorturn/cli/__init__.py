@@ -18,6 +18,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -150,21 +151,22 @@ def stop_on_signals() -> None:
 
     Set explicitly: a process started in the background by a non-interactive shell inherits
     SIGINT *ignored*, and Python then leaves it ignored, so Ctrl-C semantics would silently vanish.
-    The stop the signal begins is bounded (:func:`cut_short_after`).
+    The stop the signal begins is bounded (:func:`watch_the_stop`).
     """
     from tensorturn.pool.embedded import kill_started  # imported now, not in a handler or a timer
 
     def interrupt(_signum, _frame):
         ignore_signals()  # once: a second Ctrl-C must not cut short the cleanup it starts...
-        cut_short_after(config.current().stop_limit_s, kill_started)  # ...but a stuck one ends
-        _interrupted.set()
+        _interrupted.set()  # ...but a stuck one ends (the watch), and a lost one is raised again
         raise KeyboardInterrupt
 
+    watch_the_stop(config.current().stop_limit_s, kill_started)
     signal.signal(signal.SIGINT, interrupt)
     signal.signal(signal.SIGTERM, interrupt)
 
 
 _interrupted = threading.Event()  # set by the first Ctrl-C or SIGTERM (stop_on_signals)
+_watching: list[threading.Thread] = []
 
 
 def raise_if_interrupted() -> None:
@@ -176,21 +178,29 @@ def raise_if_interrupted() -> None:
         raise KeyboardInterrupt
 
 
-def cut_short_after(limit_s: float, kill: Callable[[], None]) -> None:
-    """Past ``limit_s`` seconds from now, end this process whatever it waits on: every thread's
-    stack to stderr (a stop that hangs is a bug to report), ``kill`` (the local processes it
-    started), one line, exit 130. A daemon thread: a stop that ends in time exits as it would."""
-    def overran() -> None:
-        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-        kill()
-        sys.stderr.write(f"error: stopping took more than {limit_s:g} s (TENSORTURN_STOP_LIMIT_S); "
-                         "its local processes were killed. Please report the stacks above.\n")
-        sys.stderr.flush()
-        os._exit(130)
+def watch_the_stop(limit_s: float, kill: Callable[[], None]) -> None:
+    """From the first interruption on, give the stop ``limit_s`` seconds; past them, end this
+    process whatever it waits on: ``kill`` (the local processes it started), every thread's
+    stack to stderr (a stop that hangs is a bug to report), one line, exit 130. A daemon
+    thread started now, not in the signal handler (starting a thread there could deadlock);
+    a stop that ends in time exits as it would."""
+    def watch() -> None:
+        _interrupted.wait()
+        time.sleep(limit_s)
+        try:
+            kill()
+            faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+            sys.stderr.write(f"error: stopping took more than {limit_s:g} s (TENSORTURN_STOP_LIMIT_S); "
+                             "its local processes were killed. Please report the stacks above.\n")
+            sys.stderr.flush()
+        except Exception:  # noqa: BLE001 - stderr closed or not a file: the exit matters more
+            pass
+        finally:
+            os._exit(130)
 
-    timer = threading.Timer(limit_s, overran)
-    timer.daemon = True
-    timer.start()
+    if not _watching:
+        _watching.append(threading.Thread(target=watch, name="tt-stop-watch", daemon=True))
+        _watching[0].start()
 
 
 def ignore_signals() -> None:
