@@ -150,7 +150,7 @@ class OuterUnit(Unit):
             self.a.check_cancelled(now=True)
             seals.put_json(store, layout.key("round", spec.run_id, r), info)  # before the board: done() reads it
             self.board.record_round(spec.run_id, r, info)
-            record_missing_rounds(spec, store, self.board, r, Path(tmp), self.a.check_cancelled)
+            record_missing_rounds(spec, store, self.board, r, Path(tmp), self.a.worker, self.a.check_cancelled)
             self.phase("testing")
             self.a.check_cancelled(now=True)
             finalize(spec, store, self.board, local=Path(tmp) / "next", finish=self.finish_run)
@@ -202,15 +202,15 @@ EVAL_WAIT_S = 600  # how long the last outer step waits for a round's running ev
 
 
 def record_missing_rounds(spec: RunSpec, store: Store, board: RunBoard, last: int, scratch: Path,
-                          check: Callable[[], None] = lambda: None) -> None:
+                          worker: str = "", check: Callable[[], None] = lambda: None) -> None:
     """Before the run finishes, every round before ``last`` in its records: a round is evaluated
-    by a task of its own while the next trains, so one whose evaluation still runs is waited for
-    (``check`` raises if the run is cancelled meanwhile), and one whose evaluation failed (or a
-    broker that lost the record) is read from the store or evaluated again: the same weights,
-    so the same figures."""
+    by a task of its own while the next trains, so one whose evaluation still runs on another
+    agent than ``worker`` is waited for (``check`` raises if the run is cancelled meanwhile),
+    and one whose evaluation failed (or a broker that lost the record) is read from the store
+    or evaluated again: the same weights, so the same figures."""
     recorded = {rec["round"] for rec in board.rounds(spec.run_id)}
     for k in range(last):
-        if k in recorded or wait_for_evaluation(board, spec.run_id, k, check):
+        if k in recorded or wait_for_evaluation(board, spec.run_id, k, worker, check):
             continue
         key = layout.key("round", spec.run_id, k)
         if store.exists(key):
@@ -223,15 +223,17 @@ def record_missing_rounds(spec: RunSpec, store: Store, board: RunBoard, last: in
         board.record_round(spec.run_id, k, info)
 
 
-def wait_for_evaluation(board: RunBoard, run_id: str, r: int, check: Callable[[], None]) -> bool:
-    """Wait while an attempt of round r's evaluation runs on an agent that is online (at most
-    :data:`EVAL_WAIT_S`; one whose machine stopped answering is not waited for: its task, given
-    back, may need this very agent); whether it recorded the round."""
+def wait_for_evaluation(board: RunBoard, run_id: str, r: int, worker: str, check: Callable[[], None]) -> bool:
+    """Wait while an attempt of round r's evaluation runs on another agent than ``worker`` that
+    is online (at most :data:`EVAL_WAIT_S`); whether it recorded the round. One on a machine
+    that stopped answering is not waited for, nor one marked running on ``worker`` (lost with a
+    pool child, most likely): its task, given back, may need this very agent."""
     label, pause, began = str(layout.eval_label(r)), 0.02, time.monotonic()
     while time.monotonic() - began < EVAL_WAIT_S:
         if board.has_round(run_id, r):
             return True
         running = {a["worker"] for a in board.attempts(run_id) if a["task"] == label and a["outcome"] == "running"}
+        running.discard(worker)
         if not running or not running & {w["name"] for w in board.workers.all() if w["state"] in TAKES_TASKS}:
             return board.has_round(run_id, r)
         check()
