@@ -64,7 +64,7 @@ def test_a_port_taken_after_it_was_chosen_is_chosen_again(redis_server, tmp_path
 
 
 STUCK_STOP = """
-import sys, time
+import sys, threading
 from pathlib import Path
 from tensorturn.cli import stop_on_signals
 from tensorturn.pool.embedded import RedisServer
@@ -74,11 +74,9 @@ server.start()
 stop_on_signals()
 try:
     print(server.proc.pid, flush=True)  # the signal may come as soon as this is read
-    while True:
-        time.sleep(1)
+    threading.Event().wait()  # until the signal
 except KeyboardInterrupt:  # a stop that never ends
-    while True:
-        time.sleep(1)
+    threading.Event().wait()
 """
 
 

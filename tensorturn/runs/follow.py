@@ -13,7 +13,6 @@ from tensorturn.errors import BrokerError, NotFound
 from tensorturn.spec import FINISHED, Outcome, RunState
 from tensorturn.state.board import RunBoard
 from tensorturn.state.broker import check_broker
-from tensorturn.state.roster import TAKES_TASKS
 
 Update = Callable[[dict[str, Any]], None]
 
@@ -68,7 +67,7 @@ def running_on_live_workers(doc: dict[str, Any], board: RunBoard) -> list[dict[s
     running = [a for a in doc.get("attempts", []) if a["outcome"] == Outcome.RUNNING]
     if not running:
         return []
-    live = {w["name"] for w in board.workers.all() if w["state"] in TAKES_TASKS}
+    live = board.workers.online()
     return [a for a in running if a["worker"] in live]
 
 

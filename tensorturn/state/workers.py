@@ -35,6 +35,10 @@ class Workers:
         """Every agent with its state (:func:`tensorturn.state.roster.list_workers`)."""
         return roster.list_workers(self.r, **options)
 
+    def online(self) -> set[str]:
+        """The names of the agents that take tasks now (verified, online, not quarantined)."""
+        return {w["name"] for w in self.all() if w["state"] in roster.TAKES_TASKS}
+
     # -- the agent's own heartbeat --
     def beat(self, node: str, fields: dict[str, Any], first: bool, idle: bool) -> tuple[str | None, str | None]:
         """Write one heartbeat of ``node`` (``fields``: signed inventory, live figures, pid), in

@@ -36,7 +36,6 @@ from tensorturn.recipes import Recipe, recipe_of
 from tensorturn.spec import RunSpec
 from tensorturn.state.board import RunBoard
 from tensorturn.state.manifest import try_write_manifest
-from tensorturn.state.roster import TAKES_TASKS
 from tensorturn.store import seals
 from tensorturn.store.objects import Store, file_sha256
 from tensorturn.store.tensorfile import (
@@ -234,7 +233,7 @@ def wait_for_evaluation(board: RunBoard, run_id: str, r: int, worker: str, check
             return True
         running = {a["worker"] for a in board.attempts(run_id) if a["task"] == label and a["outcome"] == "running"}
         running.discard(worker)
-        if not running or not running & {w["name"] for w in board.workers.all() if w["state"] in TAKES_TASKS}:
+        if not running & board.workers.online():
             return board.has_round(run_id, r)
         check()
         time.sleep(pause)
