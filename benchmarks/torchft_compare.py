@@ -21,6 +21,11 @@ What it does not model: links (everything is loopback; on a 40 ms link each roun
 allreduce), GPUs, failures (torchft drops a failed replica's work; TensorTurn redoes it).
 
     python benchmarks/torchft_compare.py [--reps 3] [--rounds 8] [--sync-every 67] [--syncs rounds,overlap]
+        [--eval-every 0,1]
+
+``--eval-every`` (TensorTurn's; 0, the default, stands for the rounds: only the last round is
+evaluated, by the last outer step, outside the window — torchft evaluates nothing; 1 evaluates
+every round, each evaluation a task of its own taking a machine inside the window).
 
 Writes ``benchmarks/torchft_compare.json`` and ``.png``.
 """
@@ -76,7 +81,8 @@ def torchft_window(rounds: int, sync_every: int, replicas: int, seed: int, tmp: 
             "syncs": [e["syncs"] for e in ends], "loss": [e["loss"] for e in ends]}
 
 
-def tensorturn_window(rounds: int, sync_every: int, agents: int, seed: int, tmp: Path, sync: str) -> dict:
+def tensorturn_window(rounds: int, sync_every: int, agents: int, seed: int, tmp: Path, sync: str,
+                      eval_every: int = 1) -> dict:
     tmp.mkdir(parents=True, exist_ok=True)
     store = (tmp / "store").as_uri()
     with LocalPool(agents, store, workdir=tmp / "pool") as pool:
@@ -85,7 +91,7 @@ def tensorturn_window(rounds: int, sync_every: int, agents: int, seed: int, tmp:
         monitor.start()
         before = calls(client)
         doc = run_job(pool, store, mode="fused", recipe=RECIPE, rounds=rounds, shards=agents,
-                      sync_every=sync_every, seed=seed, threads_per_task=1, sync=sync)
+                      sync_every=sync_every, seed=seed, threads_per_task=1, sync=sync, eval_every=eval_every)
         after = calls(client)
         monitor.stop.set()
     used = after - before
@@ -105,18 +111,24 @@ def main() -> None:
     ap.add_argument("--agents", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--syncs", default="rounds,overlap", help="TensorTurn's --sync values to run")
+    ap.add_argument("--eval-every", default="0",
+                    help="TensorTurn's --eval-every values to run, comma-separated; 0: the rounds, so only "
+                         "the last round is evaluated, outside the window (torchft evaluates nothing)")
     args = ap.parse_args()
-    syncs = args.syncs.split(",")
+    syncs = [(sync, int(every) or args.rounds)
+             for sync in args.syncs.split(",") for every in args.eval_every.split(",")]
     pairs = []
     for rep in range(args.reps):
         with tempfile.TemporaryDirectory(prefix="tt-vs-torchft-") as tmp:
             ft = torchft_window(args.rounds, args.sync_every, args.agents, args.seed, Path(tmp) / "torchft")
             pair = {"torchft": ft}
-            for sync in syncs:
-                tt = tensorturn_window(args.rounds, args.sync_every, args.agents, args.seed, Path(tmp) / sync, sync)
-                pair[sync] = {**tt, "ratio": tt["window_s"] / ft["window_s"]}
-                print(f"rep {rep}: torchft {ft['window_s']:.2f} s, TensorTurn --sync {sync} {tt['window_s']:.2f} s "
-                      f"(×{pair[sync]['ratio']:.2f}); {tt['sent_per_shard_task']:.1f} commands sent per shard "
+            for sync, every in syncs:
+                name = f"{sync} --eval-every {every}"
+                tt = tensorturn_window(args.rounds, args.sync_every, args.agents, args.seed,
+                                       Path(tmp) / f"{sync}-{every}", sync, every)
+                pair[name] = {**tt, "ratio": tt["window_s"] / ft["window_s"]}
+                print(f"rep {rep}: torchft {ft['window_s']:.2f} s, TensorTurn --sync {name} {tt['window_s']:.2f} s "
+                      f"(×{pair[name]['ratio']:.2f}); {tt['sent_per_shard_task']:.1f} commands sent per shard "
                       f"task, {tt['per_shard_task']:.1f} run by Redis", flush=True)
         pairs.append(pair)
 
@@ -124,16 +136,17 @@ def main() -> None:
         return [what, *(f"{v:.{digits}f}" for v in (statistics.median(values), min(values), max(values)))]
 
     rows = [row("torchft window, s", [p["torchft"]["window_s"] for p in pairs])]
-    for sync in syncs:
-        rows += [row(f"TensorTurn --sync {sync} window, s", [p[sync]["window_s"] for p in pairs]),
-                 row("  / torchft's (per pair)", [p[sync]["ratio"] for p in pairs]),
-                 row("  commands sent per shard task", [p[sync]["sent_per_shard_task"] for p in pairs], 1),
-                 row("  commands Redis ran per shard task", [p[sync]["per_shard_task"] for p in pairs], 1)]
+    names = [f"{sync} --eval-every {every}" for sync, every in syncs]
+    for name in names:
+        rows += [row(f"TensorTurn --sync {name} window, s", [p[name]["window_s"] for p in pairs]),
+                 row("  / torchft's (per pair)", [p[name]["ratio"] for p in pairs]),
+                 row("  commands sent per shard task", [p[name]["sent_per_shard_task"] for p in pairs], 1),
+                 row("  commands Redis ran per shard task", [p[name]["per_shard_task"] for p in pairs], 1)]
     print(table(["", "median", "min", "max"], rows))
     fig = figure(6, 4)
     ax = fig.add_subplot()
-    ax.bar(["torchft 0.2.0", *(f"TensorTurn {sync}" for sync in syncs)],
-           [statistics.median(p[name]["window_s"] for p in pairs) for name in ["torchft", *syncs]])
+    ax.bar(["torchft 0.2.0", *(f"TT {name}" for name in names)],
+           [statistics.median(p[name]["window_s"] for p in pairs) for name in ["torchft", *names]])
     ax.set_ylabel("training window, s (median)")
     ax.set_title(f"{RECIPE}: {args.agents} workers × {args.rounds} rounds × H = {args.sync_every}")
     write_outputs("torchft_compare", {"machine": machine(), "args": vars(args), "pairs": pairs}, fig)

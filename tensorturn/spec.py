@@ -144,6 +144,7 @@ LIMITS: dict[str, Bound] = {
     "shards": Bound(1, 1024, "each is a task on the broker every round"),
     "outer_lr": Bound(0.0, 10.0, low_open=True),
     "outer_momentum": Bound(0.0, 1.0, high_open=True),
+    "eval_every": Bound(1, 10_000),
     # ensemble
     "members": Bound(2, 64, "each is a whole model, trained, stored and run for every answer"),
     "min_members": Bound(1, 64),

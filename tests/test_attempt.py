@@ -592,6 +592,34 @@ def test_keep_best_keeps_the_round_with_the_lowest_validation_loss(world):
         layout.key("global", spec.run_id, best["round"] + 1))
 
 
+def test_eval_every_evaluates_every_nth_round_and_the_last(world):
+    """--eval-every 2 over 4 rounds: rounds 1 and 3 are evaluated (3 by the last outer step),
+    rounds 0 and 2 recorded by their outer steps with their training figures and no evaluation
+    queued; --keep best keeps among the evaluated; the weights are those of every round
+    evaluated."""
+    every = world.submit(**{**FUSED, "rounds": 4, "keep": "best"}, eval_every=2)
+    drive_fused(every)
+    doc = world.board.describe(every.run_id)
+    assert doc["state"] == "succeeded", doc["error"]
+    records = {rec["round"]: rec for rec in doc["rounds"]}
+    assert [r for r in sorted(records) if records[r]["val_loss"] is not None] == [1, 3]
+    assert all(records[r]["val_rows"] == 0 and records[r]["loss"] > 0 and records[r]["samples"] > 0
+               for r in (0, 2))
+    assert not {a["task"] for a in world.board.attempts(every.run_id)} & {"r0/eval", "r2/eval"}
+    for r, queued in ((0, False), (1, True), (2, False)):  # a claim is taken where one is queued
+        assert world.board.claims.claim(every.run_id, layout.eval_claim(r)) is not queued
+    assert doc["metrics"]["kept_round"] == min((1, 3), key=lambda r: (records[r]["val_loss"], -r))
+
+    each = world.submit("store2", **{**FUSED, "rounds": 4, "keep": "best"})
+    drive_fused(each)
+    reference = {rec["round"]: rec for rec in world.board.rounds(each.run_id)}
+    assert [records[r]["val_loss"] for r in (1, 3)] == [reference[r]["val_loss"] for r in (1, 3)]
+    assert [records[r]["loss"] for r in range(4)] == [reference[r]["loss"] for r in range(4)]
+    kept = open_store(every.store_url).get_bytes(layout.key("final_model", every.run_id))
+    assert kept == open_store(each.store_url).get_bytes(
+        layout.key("global", each.run_id, doc["metrics"]["kept_round"] + 1))  # evaluation moves no weight
+
+
 def test_a_shard_with_little_data_for_its_steps_is_warned_about(world):
     spec = world.submit(**{**FUSED, "shards": 8, "sync_every": 200})
     warned = world.board.describe(spec.run_id)["warnings"]

@@ -50,7 +50,7 @@ def test_without_error_feedback_the_error_would_accumulate():
     assert err_fed < 0.2 * err_plain
 
 
-@pytest.fixture(params=["int8", "int4", "ternary"])
+@pytest.fixture(params=["int8", "int4", "ternary", "int2"])
 def run(tmp_path, request):
     """A digits-mlp run's θ_0 and θ_1 in a real file store, as ``fused`` writes them, with each
     quantising codec."""
@@ -81,7 +81,7 @@ def test_shard_tasks_fetch_the_fewest_bytes(run):
     got, moved = fetch_global(spec, recipe, store, 1)
     broadcast = store.get_bytes(layout.key("broadcast", spec.run_id, 1))
     full = store.get_bytes(layout.key("global", spec.run_id, 1))
-    ratio = {"int8": 3.5, "int4": 6, "ternary": 12}[spec.options.codec]
+    ratio = {"int8": 3.5, "int4": 6, "ternary": 12, "int2": 11}[spec.options.codec]
     assert moved == len(broadcast) and len(full) > ratio * len(broadcast)
     assert to_bytes(got) == to_bytes(from_bytes(full))           # bit for bit the stored θ_1
     assert all(torch.equal(got[k], theta1[k]) for k in theta1)

@@ -149,7 +149,9 @@ def _loss_plot(doc: dict[str, Any]) -> bytes:
         else:
             xs = [r["round"] for r in rounds]
             ax.plot(xs, [r.get("loss") for r in rounds], "o-", label="training loss (shards' mean)")
-            ax.plot(xs, [r.get("val_loss") for r in rounds], "s-", label="validation loss")
+            validated = [r for r in rounds if r.get("val_loss") is not None]  # --eval-every skips some
+            ax.plot([r["round"] for r in validated], [r["val_loss"] for r in validated], "s-",
+                    label="validation loss")
             ax.set_xlabel("round")
             ax.set_ylabel("loss (NLL, nats)")
             ax.set_xticks(xs)

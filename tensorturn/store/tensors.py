@@ -21,7 +21,7 @@ MODEL_FORMAT = "tensorturn-model/1"
 DELTA_FORMAT = "tensorturn-delta/3"          # a shard's pseudo-gradient (3: int8 per tensor, int4)
 BROADCAST_FORMAT = "tensorturn-broadcast/2"  # θ_{r+1} − θ_r for the download
 ENSEMBLE_FORMAT = "tensorturn-ensemble/1"
-CODECS = ("fp32", "fp16", "int8", "int4", "ternary")
+CODECS = ("fp32", "fp16", "int8", "int4", "ternary", "int2")
 INT8_BLOCK = 256  # values per scale: 1.016 bytes a value, 3.94× fewer than fp32
 INT4_BLOCK = 64   # 0.5625 bytes a value, 7.1× fewer (finer blocks: 15 levels need them)
 
@@ -113,6 +113,14 @@ def float_keys(state: StateDict) -> list[str]:
 # magnitude (ternary weight networks' threshold, Li et al. 2016) and zero for the rest; the block's
 # scale is the mean magnitude of the values kept. Codes -1, 0, 1 are stored as 0, 1, 2, five a byte
 # (3^5 = 243 ≤ 256, first value lowest): 1.6 bits a value, 1.725 with the scales — 18.5× below fp32.
+#
+# int2 sends each value as its sign and one magnitude bit: per block of 1,024 values two
+# magnitudes, ``low`` and ``high`` (a two-level Lloyd-Max quantiser of the magnitudes: four passes
+# of "split at the midpoint, each level the mean of its side", from 0.5 and 2 × the block's mean
+# magnitude). Codes 0..3 stand for -high, -low, low, high, four a byte (first value in the lowest
+# bits); ``NAME@scale`` holds low, high for each block in turn: 2.06 bits a value, 15.5× below
+# fp32, with a third less squared error than ternary on pseudo-gradients (30.9 % relative
+# error against 38.3 % on a charlm round's).
 
 CODE, SCALE = "@q", "@scale"
 
@@ -121,6 +129,9 @@ TERNARY_BLOCK = 256
 TERNARY_THRESHOLD = 0.7  # × a block's mean magnitude: smaller values are sent as zero
 TRITS = 5                # ternary codes a byte
 TRIT_WEIGHTS = torch.tensor([3 ** i for i in range(TRITS)], dtype=torch.int32)
+INT2_BLOCK = 1024
+INT2_PASSES = 4
+CRUMB_SHIFTS = torch.tensor([0, 2, 4, 6], dtype=torch.int32)  # four 2-bit codes a byte
 
 
 @dataclass(frozen=True)
@@ -128,14 +139,16 @@ class Quantiser:
     levels: int   # codes run from -levels to levels
     block: int    # values per scale
     bits: int     # bits a code takes in the file (ternary: 8 / TRITS, stored as 0)
+    scales: int = 1  # float32 scales a block (int2: its two magnitudes)
 
     def codes_for(self, n: int) -> int:
         """Bytes (or int8 codes) that hold ``n`` codes."""
-        return n if self.bits == 8 else -(-n // 2) if self.bits == 4 else -(-n // TRITS)
+        per_byte = {8: 1, 4: 2, 2: 4, 0: TRITS}[self.bits]
+        return -(-n // per_byte)
 
 
 QUANTISERS = {"int8": Quantiser(127, INT8_BLOCK, 8), "int4": Quantiser(7, INT4_BLOCK, 4),
-              "ternary": Quantiser(1, TERNARY_BLOCK, 0)}
+              "ternary": Quantiser(1, TERNARY_BLOCK, 0), "int2": Quantiser(2, INT2_BLOCK, 2, scales=2)}
 
 
 def part_specs(name: str, shape: list[int], codec: str) -> dict[str, tuple[torch.dtype, list[int]]]:
@@ -145,7 +158,7 @@ def part_specs(name: str, shape: list[int], codec: str) -> dict[str, tuple[torch
     quant = quantiser(codec)
     n = math.prod(shape)
     return {name + CODE: (torch.int8 if quant.bits == 8 else torch.uint8, [quant.codes_for(n)]),
-            name + SCALE: (torch.float32, [-(-n // quant.block)])}
+            name + SCALE: (torch.float32, [-(-n // quant.block) * quant.scales])}
 
 
 def quantiser(codec: str) -> Quantiser:
@@ -169,6 +182,11 @@ def encode_tensor(name: str, value: torch.Tensor, codec: str) -> dict[str, torch
         trits = torch.nn.functional.pad((q.flatten()[:n] + 1).to(torch.int32), (0, (-n) % TRITS))
         return {name + CODE: (trits.view(-1, TRITS) * TRIT_WEIGHTS).sum(dim=1).to(torch.uint8),
                 name + SCALE: scale}
+    if quant.bits == 2:
+        levels, codes = two_level(blocks, n)
+        crumbs = torch.nn.functional.pad(codes.flatten()[:n], (0, (-n) % 4)).view(-1, 4)
+        return {name + CODE: (crumbs << CRUMB_SHIFTS).sum(dim=1).to(torch.uint8),
+                name + SCALE: levels.flatten()}
     scale = blocks.abs().amax(dim=1) / quant.levels
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     q = torch.round(blocks / safe[:, None]).clamp(-quant.levels, quant.levels).flatten()[:n]
@@ -194,6 +212,30 @@ def ternary(blocks: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     return scale, torch.sign(blocks) * kept
 
 
+def two_level(blocks: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(low and high magnitude per block, shape [blocks, 2]; codes 0..3 as int32) of float32
+    ``blocks`` with ``n`` real values: INT2_PASSES passes of a two-level Lloyd-Max quantiser of
+    the magnitudes. Sums in float64 and levels rounded to float32 each pass, so the split points
+    are the same bits whatever order a CPU's vector units add in."""
+    magnitude = blocks.abs()
+    real = (torch.arange(blocks.numel()).view(blocks.shape) < n)
+    wide = magnitude.double() * real
+    mean = (wide.sum(dim=1) / real.sum(dim=1).clamp(min=1)).float()
+    low, high = 0.5 * mean, 2.0 * mean
+    for _ in range(INT2_PASSES):
+        upper = magnitude > ((low + high) / 2)[:, None]
+        count_high = (upper & real).sum(dim=1)
+        count_low = real.sum(dim=1) - count_high
+        new_high = ((wide * upper).sum(dim=1) / count_high.clamp(min=1)).float()
+        new_low = ((wide * ~upper).sum(dim=1) / count_low.clamp(min=1)).float()
+        # a side left empty keeps its level (a block of equal magnitudes: one level serves all)
+        high = torch.where(count_high > 0, new_high, high)
+        low = torch.where(count_low > 0, new_low, low)
+    upper = magnitude > ((low + high) / 2)[:, None]
+    codes = torch.where(blocks < 0, 1 - upper.int(), 2 + upper.int())
+    return torch.stack([low, high], dim=1), codes
+
+
 def decode_tensor(name: str, parts: dict[str, torch.Tensor], codec: str, shape: list[int]) -> torch.Tensor:
     """Inverse of :func:`encode_tensor`: the float32 tensor of ``shape``."""
     if codec == "fp32" or codec == "fp16":
@@ -205,6 +247,13 @@ def decode_tensor(name: str, parts: dict[str, torch.Tensor], codec: str, shape: 
         q = codes.float()
     elif quant.bits == 4:
         q = torch.stack([codes & 15, codes >> 4], dim=1).flatten()[:n].float() - 8
+    elif quant.bits == 2:
+        crumbs = ((codes.to(torch.int32)[:, None] >> CRUMB_SHIFTS) & 3).flatten()[:n]
+        crumbs = torch.nn.functional.pad(crumbs, (0, (-n) % quant.block)).view(-1, quant.block)
+        levels = parts[name + SCALE].view(-1, 2)
+        magnitude = torch.where((crumbs == 0) | (crumbs == 3), levels[:, 1:2], levels[:, 0:1])
+        sign = torch.where(crumbs < 2, -1.0, 1.0)
+        return (sign * magnitude).flatten()[:n].view(shape).clone()
     else:
         packed = codes.to(torch.int32)[:, None]
         q = ((packed // TRIT_WEIGHTS) % 3).flatten()[:n].float() - 1

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
 OUTERS = ("auto", "nesterov", "sgd")
 # store.tensors.CODECS, named here without importing torch (test_math checks they agree)
-CODECS = ("fp32", "fp16", "int8", "int4", "ternary")
+CODECS = ("fp32", "fp16", "int8", "int4", "ternary", "int2")
 KEEPS = ("last", "best")
 AUTO_NESTEROV_EPOCHS = 1.0  # --outer auto: Nesterov when a shard's round covers its rows at most this often
 # a shard going over its rows more often than this per round, with --shards or --sync-every
@@ -49,9 +49,10 @@ class FusedOptions(ModeOptions):
     outer           outer optimizer: nesterov (DiLoCo), sgd (lr 1: FedAvg), auto (sgd if shards see rows >1× a round)
     outer_lr        outer learning rate (default 0.7 for nesterov, 1.0 for sgd)
     outer_momentum  outer momentum
-    codec           pseudo-gradients up, weight moves down too if no --broadcast-codec (int8 3.9×, int4 7×, ternary 18×)
+    codec           pseudo-gradients up, moves down unless --broadcast-codec (int8 3.9×, int4 7×, int2 15×, ternary 18×)
     broadcast_codec encoding of the weight moves down, if not the codec (home downlinks are ~5× the uplinks)
     keep            the result: the last round's weights, or those of the round with the lowest validation loss
+    eval_every      validation figures every this many rounds and for the last; the others record training figures only
     sync            rounds: barrier per round; backup: +copies of stragglers; async: none; overlap: one step apart
     """
     CHOICES = {"outer": OUTERS, "codec": CODECS, "broadcast_codec": CODECS, "keep": KEEPS, "sync": SYNCS}
@@ -65,6 +66,7 @@ class FusedOptions(ModeOptions):
     codec: str = "fp32"
     broadcast_codec: str | None = None  # None: the codec's
     keep: str = "last"
+    eval_every: int = 1
     sync: str = "rounds"
     # a pseudo-gradient whose norm exceeds this multiple of the weights' norm is rejected
     max_update_ratio: float = 10.0
@@ -120,7 +122,8 @@ class FusedOptions(ModeOptions):
     def validate(self) -> None:
         super().validate()
         check_bounds({"rounds": self.rounds, "sync_every": self.sync_every, "shards": self.shards,
-                      "outer_lr": self.outer_lr, "outer_momentum": self.outer_momentum})
+                      "outer_lr": self.outer_lr, "outer_momentum": self.outer_momentum,
+                      "eval_every": self.eval_every})
 
     def workload(self) -> Workload:
         """A task per shard and round; ``--sync async`` queues them all at once. Shards and H
@@ -162,6 +165,13 @@ def default_sync_every(train_rows: int, shards: int, samples_per_step: int,
 def options(spec: RunSpec) -> StartedOptions:
     """The run's fused options, as the tasks see them: shards and H are filled at start."""
     return cast(StartedOptions, spec.opts(FusedOptions))
+
+
+def evaluated(spec: RunSpec, r: int) -> bool:
+    """Whether round r's weights are evaluated on the validation split: every ``--eval-every``
+    rounds, and the last round always (the run's test and ``--keep`` follow it)."""
+    opts = options(spec)
+    return (r + 1) % opts.eval_every == 0 or r + 1 >= opts.rounds
 
 
 def outer_args(spec: RunSpec) -> tuple[float, float, bool]:

@@ -29,7 +29,7 @@ import torch
 
 from tensorturn import layout
 from tensorturn.modes.fused.finalize import finalize
-from tensorturn.modes.fused.options import eval_passes, options, outer_args, samples_per_step
+from tensorturn.modes.fused.options import eval_passes, evaluated, options, outer_args, samples_per_step
 from tensorturn.modes.fused.policies import policy
 from tensorturn.modes.fused.shard import count_data, data_bytes
 from tensorturn.recipes import Recipe, recipe_of
@@ -105,6 +105,16 @@ def evaluate_round(spec: RunSpec, store: Store, r: int, scratch: Path,
     return info
 
 
+def unevaluated_round(r: int, figures: tuple[list[float], list[int], int, int]) -> dict[str, Any]:
+    """Round r's record where ``--eval-every`` skips its evaluation: the shards' ``figures``
+    (losses, samples, bytes up, bytes down), no validation figures (as for a dataset without
+    validation rows: ``--keep best`` never keeps such a round)."""
+    losses, samples, bytes_up, bytes_down = figures
+    info = round_figures(losses, samples, {}, bytes_up, bytes_down, r, 0)
+    info["at"] = time.time()
+    return info
+
+
 def shard_figures(spec: RunSpec, store: Store, r: int) -> tuple[list[float], list[int], int, int]:
     """Round r's shards' (losses, samples, bytes up, bytes down), from their stored files'
     headers and sizes — what :func:`average_and_step` reads, without the download."""
@@ -143,6 +153,10 @@ class OuterUnit(Unit):
             figures = average_and_step(spec, store, r, Path(tmp))
             if not last:  # the machines train round r+1, and one evaluates θ_{r+1} when free
                 self.then()
+                if not evaluated(spec, r):  # --eval-every: the training figures only, now
+                    info = unevaluated_round(r, figures)
+                    seals.put_json(store, layout.key("round", spec.run_id, r), info)
+                    self.board.record_round(spec.run_id, r, info)
                 return SUCCEEDED
             self.phase("evaluating")
             info = evaluate_round(spec, store, r, Path(tmp), figures)
@@ -206,14 +220,17 @@ def record_missing_rounds(spec: RunSpec, store: Store, board: RunBoard, last: in
     by a task of its own while the next trains, so one whose evaluation still runs on another
     agent than ``worker`` is waited for (``check`` raises if the run is cancelled meanwhile),
     and one whose evaluation failed (or a broker that lost the record) is read from the store
-    or evaluated again: the same weights, so the same figures."""
+    or evaluated again: the same weights, so the same figures (a round ``--eval-every`` skips:
+    its training figures)."""
     recorded = {rec["round"] for rec in board.rounds(spec.run_id)}
     for k in range(last):
-        if k in recorded or wait_for_evaluation(board, spec.run_id, k, worker, check):
+        if k in recorded or (evaluated(spec, k) and wait_for_evaluation(board, spec.run_id, k, worker, check)):
             continue
         key = layout.key("round", spec.run_id, k)
         if store.exists(key):
             info = seals.get_json(store, key)
+        elif not evaluated(spec, k):
+            info = unevaluated_round(k, shard_figures(spec, store, k))
         else:
             folder = scratch / f"round-{k}"
             folder.mkdir()

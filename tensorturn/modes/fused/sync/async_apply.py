@@ -19,7 +19,7 @@ import torch
 
 from tensorturn import config, layout
 from tensorturn.modes.fused.finalize import finalize
-from tensorturn.modes.fused.options import eval_passes, options, outer_args, samples_per_step
+from tensorturn.modes.fused.options import eval_passes, evaluated, options, outer_args, samples_per_step
 from tensorturn.modes.fused.sync.async_versions import (
     check_version_key,
     get_version,
@@ -168,7 +168,8 @@ def check_update_here(spec: RunSpec, j: int, delta: StateDict, samples: int, nom
 
 
 def catch_up(spec: RunSpec, store: Store, board: RunBoard, book: AsyncLedger) -> None:
-    """Evaluate every S-th version not recorded yet as a round; finish the run at R·S."""
+    """Evaluate every S-th version not recorded yet as a round (``--eval-every``: every so many
+    such rounds, the others recorded with their training figures only); finish the run at R·S."""
     opts = options(spec)
     version = book.latest()["version"]
     recorded = {rec["round"] for rec in board.rounds(spec.run_id)}
@@ -177,7 +178,7 @@ def catch_up(spec: RunSpec, store: Store, board: RunBoard, book: AsyncLedger) ->
         if r in recorded:
             continue
         records = records or book.applied()
-        info = evaluate_round(spec, store, book, r, records)
+        info = evaluate_round(spec, store, book, r, records, evaluated(spec, r))
         seals.put_json(store, layout.key("round", spec.run_id, r), info)
         board.record_round(spec.run_id, r, info)
     if version >= total_updates(spec) and not board.is_finished(spec.run_id):
@@ -185,21 +186,15 @@ def catch_up(spec: RunSpec, store: Store, board: RunBoard, book: AsyncLedger) ->
 
 
 def evaluate_round(spec: RunSpec, store: Store, book: AsyncLedger, r: int,
-                   records: list[dict[str, Any]]) -> dict[str, Any]:
+                   records: list[dict[str, Any]], evaluate: bool = True) -> dict[str, Any]:
     """Round r of an asynchronous run: the S updates that made versions rS+1 .. (r+1)S, and the
-    weights after them on the validation split."""
+    weights after them on the validation split (unless not ``evaluate``)."""
     shards = options(spec).shards
     mine = [rec for rec in records if r * shards < rec["version"] <= (r + 1) * shards]
-    recipe = recipe_of(spec)
-    set_threads(spec.threads_per_task)
-    with tempfile.TemporaryDirectory(prefix="tt-eval-") as tmp:
-        path = Path(tmp) / "theta"
-        seals.get_file(store, version_key(spec, store, book, (r + 1) * shards), path)
-        with TensorReader(path) as f:
-            theta = f.all()
-    device = pick_device()
-    model = load_model(recipe, theta, recipe.default_config(), device)
-    val, rows = recipe.evaluate_counted(model, "val", device, eval_passes(spec, recipe))
+    val: dict[str, float] = {}
+    rows = 0
+    if evaluate:
+        val, rows = validation(spec, store, book, (r + 1) * shards)
     info = round_figures([rec["loss"] for rec in mine], [rec["samples"] for rec in mine], val,
                          sum(rec["bytes_up"] for rec in mine), sum(rec["bytes_down"] for rec in mine), r,
                          rows)
@@ -207,3 +202,17 @@ def evaluate_round(spec: RunSpec, store: Store, book: AsyncLedger, r: int,
     info.update(at=time.time(), staleness=staleness, max_staleness=max(staleness, default=0),
                 mean_staleness=sum(staleness) / max(len(staleness), 1))
     return info
+
+
+def validation(spec: RunSpec, store: Store, book: AsyncLedger, version: int) -> tuple[dict[str, float], int]:
+    """The weights of ``version`` on the validation split: (figures, rows read)."""
+    recipe = recipe_of(spec)
+    set_threads(spec.threads_per_task)
+    with tempfile.TemporaryDirectory(prefix="tt-eval-") as tmp:
+        path = Path(tmp) / "theta"
+        seals.get_file(store, version_key(spec, store, book, version), path)
+        with TensorReader(path) as f:
+            theta = f.all()
+    device = pick_device()
+    model = load_model(recipe, theta, recipe.default_config(), device)
+    return recipe.evaluate_counted(model, "val", device, eval_passes(spec, recipe))

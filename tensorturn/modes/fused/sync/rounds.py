@@ -26,7 +26,7 @@ import logging
 from typing import Any
 
 from tensorturn import layout
-from tensorturn.modes.fused.options import options
+from tensorturn.modes.fused.options import evaluated, options
 from tensorturn.modes.fused.outer import EvalUnit, OuterUnit
 from tensorturn.modes.fused.shard import ShardUnit
 from tensorturn.modes.fused.sync.base import SyncPolicy
@@ -104,7 +104,10 @@ def queue_outer(spec: RunSpec, board: RunBoard, r: int) -> None:
 
 def queue_eval(spec: RunSpec, board: RunBoard, r: int) -> None:
     """Queue the evaluation of round r's weights, once, where its outer step would go: behind
-    the next round's shards, so a machine takes it when its shard is done."""
+    the next round's shards, so a machine takes it when its shard is done (a round
+    ``--eval-every`` skips has none: its outer step records it)."""
+    if not evaluated(spec, r):
+        return
     run_id = spec.run_id
     queue = routing.queue_for_outer(board.r, queue_for(spec.memory_needed_bytes))
     board.once(run_id, layout.eval_claim(r), lambda: evaluate.s(
