@@ -11,6 +11,7 @@ for; code that starts other processes (the embedded pool, agents) passes values 
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from collections.abc import Mapping
@@ -59,6 +60,10 @@ class Variable:
     field: str
     default: Any
     doc: str
+
+
+# numeric settings that may be 0 (the others must be more): no retries, no grace, no emulated step
+MAY_BE_ZERO = {"store_retries", "store_backoff_s", "shutdown_grace_s", "sim_step_s", "cache_gb"}
 
 
 @dataclass(frozen=True)
@@ -117,6 +122,12 @@ class Settings:
                     values[var.field] = raw
             except ValueError:
                 raise SpecError(f"{var.env} must be a number (got {raw!r})") from None
+            number = values[var.field]
+            if isinstance(number, (int, float)):
+                low = 0 if var.field in MAY_BE_ZERO else None
+                if not math.isfinite(number) or number < 0 or (low is None and number == 0):
+                    bound = "≥ 0" if low == 0 else "> 0"
+                    raise SpecError(f"{var.env} must be a finite number {bound} (got {raw!r})")
         return cls(**values)
 
     @property

@@ -42,6 +42,12 @@ def test_settings_from_the_environment():
     assert s.visibility_timeout_s == 4 and s.lease_refresh_s == 1
     with pytest.raises(SpecError, match="TENSORTURN_HEARTBEAT_S must be a number"):
         config.Settings.from_env({"TENSORTURN_HEARTBEAT_S": "often"})
+    for raw in ("-1", "nan", "inf", "0"):  # a stop limit of -1 s, NaN or none at all: refused
+        with pytest.raises(SpecError, match=f"TENSORTURN_STOP_LIMIT_S must be a finite number > 0 \\(got '{raw}'\\)"):
+            config.Settings.from_env({"TENSORTURN_STOP_LIMIT_S": raw})
+    assert config.Settings.from_env({"TENSORTURN_STORE_RETRIES": "0"}).store_retries == 0
+    with pytest.raises(SpecError, match="TENSORTURN_STORE_RETRIES must be a finite number ≥ 0"):
+        config.Settings.from_env({"TENSORTURN_STORE_RETRIES": "-2"})
 
 
 def test_spec_splits_common_and_mode_options():
