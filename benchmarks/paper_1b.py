@@ -31,7 +31,10 @@ from pathlib import Path
 
 from _common import HERE, machine, table, write_outputs
 
-CODECS = ("fp32", "int8", "int4", "ternary")
+CODECS = ("fp32", "int8", "int4", "ternary", "int2")
+# (uploaded pseudo-gradients, downloaded moves): each codec both ways, and ternary up with a
+# finer codec down (`--codec ternary --broadcast-codec ...`)
+PAIRS = [*((c, c) for c in CODECS), ("ternary", "int4"), ("ternary", "int2")]
 HS = (25, 50, 100, 200, 500)
 
 
@@ -60,6 +63,7 @@ def outer_s_per_param() -> dict[str, float]:
     doc = json.loads((HERE / "bigmodel_codecs.json").read_text())
     rates = {r["codec"]: r["seconds"] / r["params"] for r in doc["outer"] if r["how"] == "streaming"}
     rates.setdefault("ternary", rates["int4"])
+    rates.setdefault("int2", rates["int4"])
     return rates
 
 
@@ -74,12 +78,14 @@ def main() -> None:
     per_param, outer_rate = bytes_per_param(), outer_s_per_param()
     step_s = args.tokens_per_step / args.tokens_per_s
     rows = []
-    for codec in CODECS:
-        up = per_param[codec] * args.params * 8 / (args.up * 1e6)
-        down = per_param[codec] * args.params * 8 / (args.down * 1e6)  # the broadcast move
-        outer = outer_rate[codec] * args.params
+    for up_codec, down_codec in PAIRS:
+        codec = up_codec if up_codec == down_codec else f"{up_codec} up, {down_codec} down"
+        up = per_param[up_codec] * args.params * 8 / (args.up * 1e6)
+        down = per_param[down_codec] * args.params * 8 / (args.down * 1e6)  # the broadcast move
+        outer = outer_rate[down_codec] * args.params
         comm = up + outer + down
-        row = {"codec": codec, "bytes_per_param": per_param[codec], "fp32_over": per_param["fp32"] / per_param[codec],
+        both = per_param[up_codec] + per_param[down_codec]
+        row = {"codec": codec, "bytes_per_param": both / 2, "fp32_over": 2 * per_param["fp32"] / both,
                "up_s": up, "outer_s": outer, "down_s": down}
         for h in HS:
             c = h * step_s
@@ -90,7 +96,7 @@ def main() -> None:
         rows.append(row)
     print(f"{args.params / 1e9:g}B parameters; links {args.up:g}/{args.down:g} Mbit/s; a step "
           f"{step_s:.2f} s ({args.tokens_per_step:,.0f} tokens at {args.tokens_per_s:,.0f} tokens/s)\n")
-    print(table(["codec", "bytes/param", "fp32 ÷", "up s", "outer s", "down s",
+    print(table(["codec", "bytes/param (mean of up and down)", "fp32 ÷", "up s", "outer s", "down s",
                  *[f"blocking H={h}" for h in HS], *[f"overlap H={h}" for h in HS],
                  "H for 0.9 blocking", "H for 0.9 overlap"],
                 [[r["codec"], f"{r['bytes_per_param']:.4f}", f"{r['fp32_over']:.1f}×", f"{r['up_s']:.0f}",

@@ -21,6 +21,18 @@ def pick_device() -> torch.device:
     return torch.device("cpu")
 
 
+def seed_global_generators(value: int) -> None:
+    """Seed torch's global generators — the CPU's, and CUDA's and MPS's where this machine has
+    them — as ``torch.manual_seed`` does, without its cost on a machine that has neither: there
+    it queues a seeding for CUDA, and for other accelerators, each with a formatted stack trace
+    (1.7 ms a task on this project's CPU runs, whose tasks are 50 ms)."""
+    torch.random.default_generator.manual_seed(value)
+    if torch.cuda.is_available():
+        torch.cuda.manual_seed_all(value)
+    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+        torch.mps.manual_seed(value)
+
+
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 
 

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from tensorturn.store.tensors import StateDict, decode_delta, encode_delta, float_keys, is_finite
+from tensorturn.train.device import seed_global_generators
 from tensorturn.train.loop import load_model, train_steps
 from tensorturn.train.seeding import derive_seed
 from tensorturn.train.seeding import shard_rows as shard_rows  # a shard's rows are part of what a replica does
@@ -34,7 +35,7 @@ class UpdateRejected(Exception):
 def initial_state(recipe: Recipe, seed: int) -> StateDict:
     """θ_0: the recipe's model initialized from the run's seed (the global RNG is left as it was)."""
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(derive_seed(seed, "init"))
+        seed_global_generators(derive_seed(seed, "init"))
         model = recipe.model(recipe.default_config())
     return {name: value.detach().clone() for name, value in model.state_dict().items()}
 

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from tensorturn import config
-from tensorturn.train.device import autocast, grad_scaler
+from tensorturn.train.device import autocast, grad_scaler, seed_global_generators
 from tensorturn.train.seeding import derive_seed as derive_seed  # where the tasks and benchmarks take it from
 
 if TYPE_CHECKING:  # the train layer sits below recipes: a recipe is handed in
@@ -100,7 +100,7 @@ def train_steps(recipe: Recipe, model: nn.Module, optimizer: torch.optim.Optimiz
     samples seen).
     """
     gen = torch.Generator().manual_seed(seed)
-    torch.manual_seed(seed)  # dropout and other in-model randomness
+    seed_global_generators(seed)  # dropout and other in-model randomness
     model.train()
     order = rows[torch.randperm(len(rows), generator=gen)]
     pos, total, samples = 0, 0.0, 0

@@ -43,7 +43,7 @@ from tensorturn.store.tensors import (
     to_bytes,
 )
 from tensorturn.tasks.attempt import LATE, SUCCEEDED, Unit, execute, signed, watch_cancelled
-from tensorturn.train.device import pick_device
+from tensorturn.train.device import pick_device, seed_global_generators
 from tensorturn.train.loop import derive_seed, load_model, set_threads, train_steps
 
 log = logging.getLogger(__name__)
@@ -240,7 +240,7 @@ class SegmentUnit(Unit):
                                 f"{opts.init_sha256[:12]}…)")
             model = load_model(recipe, from_bytes(blob), plan["model"], device)
         elif j == 0:
-            torch.manual_seed(plan["seed"])
+            seed_global_generators(plan["seed"])
             model = recipe.model(plan["model"]).to(device)
         else:
             blob = seals.get_bytes(store, layout.key("segment", spec.run_id, m, j - 1))
@@ -360,7 +360,7 @@ def untrained_model(recipe: Recipe, plan: dict[str, Any], device: torch.device) 
     """Member ``plan``'s architecture initialised from its seed, as its first segment builds it
     (the global RNG is left as it was)."""
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(plan["seed"])
+        seed_global_generators(plan["seed"])
         return recipe.model(plan["model"]).to(device)
 
 
