@@ -183,6 +183,27 @@ def test_an_async_run_resumes_from_the_stores_log_after_redis_lost_it(world):
     assert [r["round"] for r in doc["rounds"]] == [0, 1]
 
 
+def test_an_async_run_with_eval_every_evaluates_every_nth_round_and_the_last(world):
+    """--sync async --eval-every 2 over 3 rounds of 2 shards: rounds 1 and 2 (the last) carry
+    validation figures, round 0 its updates' training figures and staleness only."""
+    from tensorturn.modes.fused.sync import asynchronous
+    from tensorturn.modes.fused.weights import cache
+
+    cache.clear()
+    spec = world.submit(mode="fused", recipe="digits-mlp", sync="async", rounds=3, shards=2,
+                        sync_every=10, eval_every=2)
+    for j in range(6):
+        as_agent_of(spec)
+        asynchronous.async_step.apply(args=(spec.run_id, j), kwargs=signed(spec.run_id, f"u{j}")).get()
+    doc = world.board.describe(spec.run_id)
+    assert doc["state"] == "succeeded", doc.get("error")
+    records = {r["round"]: r for r in doc["rounds"]}
+    assert sorted(records) == [0, 1, 2]
+    assert records[0]["val_loss"] is None and records[0]["val_rows"] == 0
+    assert records[0]["samples"] > 0 and "max_staleness" in records[0]
+    assert all(records[r]["val_loss"] is not None and records[r]["val_rows"] > 0 for r in (1, 2))
+
+
 def test_a_ledger_put_back_from_the_log_applies_again_what_the_log_lacks(redis_server):
     """A ledger rolled back by someone with the broker's password (issue 26 #2) is repaired from
     the store's log: an update applied since, which the log does not hold, is pending again —
