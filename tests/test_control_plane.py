@@ -74,6 +74,21 @@ def test_the_mover_takes_only_entries_naming_an_outer_queue_and_removes_the_othe
 
 # ---- heartbeats --------------------------------------------------------------------------------
 
+def test_heartbeats_keep_the_brokers_clock_whatever_the_machines_clocks(redis_server, monkeypatch):
+    """An agent whose clock is two hours behind beats on the broker's clock, and a `workers`
+    run on a machine two hours ahead still sees it live (each measured its offset to Redis)."""
+    from tensorturn.state import clock
+
+    r = redis.Redis.from_url(redis_server.url, decode_responses=True)
+    for by_s, who in ((-7200, "agent"), (+7200, "reader")):
+        monkeypatch.setattr(clock, "_wall", lambda by_s=by_s: time.time() + by_s)
+        clock._clocks.clear()
+        if who == "agent":
+            beat(r, "behind@h")
+    (seen,) = list_workers(r)
+    assert seen["name"] == "behind@h" and seen["state"] == "idle" and abs(seen["last_seen_s"]) < 5
+
+
 def test_a_forged_heartbeat_is_unverified_and_counts_for_nothing(redis_server):
     r = redis.Redis.from_url(redis_server.url, decode_responses=True)
     real = beat(r, "real@h")

@@ -5,6 +5,7 @@ transport leaves, so kombu's restore sweep requeues it the same way."""
 from __future__ import annotations
 
 import json
+import time
 
 import redis
 from kombu import Connection, Exchange, Queue
@@ -70,3 +71,51 @@ def test_a_message_rejected_for_good_leaves_no_lease_and_a_requeued_one_goes_bac
     message.requeue()
     assert lease(r) == ([], []) and r.llen(QUEUE) == 1
     conn.release()
+
+
+def test_leases_and_the_restore_sweep_keep_the_brokers_time_whatever_this_machines_clock(
+        redis_server, monkeypatch):
+    """A machine whose clock is two hours off (a laptop just awake) writes its leases, and
+    sweeps for lapsed ones, on the broker's clock: its own lease is fresh to everyone, another
+    machine's fresh lease is not requeued by it, and a lease lapsed on the broker is."""
+    from tensorturn.state import clock, queues
+
+    r = redis.Redis.from_url(redis_server.url, decode_responses=True)
+
+    def broker() -> float:
+        seconds, micros = r.time()
+        return seconds + micros / 1e6
+
+    def skewed(by_s: float) -> None:
+        monkeypatch.setattr(clock, "_wall", lambda: time.time() + by_s)
+        clock._clocks.clear()  # measured afresh, as by a process started now
+
+    skewed(+7200)  # ahead by more than the test's 3600 s visibility timeout
+    conn, message = deliver(redis_server.url, transport.NAME, {"n": 4})
+    (tag, score), = r.zrange(layout.UNACKED_INDEX, 0, -1, withscores=True)
+    assert abs(score - broker()) < 5  # not two hours ahead
+    message.channel.qos.restore_visible(interval=1)  # kombu's sweep, from the machine ahead
+    assert r.zscore(layout.UNACKED_INDEX, tag) is not None and r.llen(QUEUE) == 0  # not requeued
+
+    skewed(-7200)  # behind: a refresh still moves the lease to the broker's now
+    r.zadd(layout.UNACKED_INDEX, {tag: broker() - 100})
+    assert queues.refresh_leases(r, [tag]) == 1
+    assert abs(r.zscore(layout.UNACKED_INDEX, tag) - broker()) < 5
+
+    r.zadd(layout.UNACKED_INDEX, {tag: broker() - 4000})  # lapsed on the broker's clock
+    message.channel.qos.restore_visible(interval=1)
+    assert r.zscore(layout.UNACKED_INDEX, tag) is None and r.llen(QUEUE) == 1  # back in its queue
+    conn.release()
+
+
+def test_the_broker_clock_measures_again_when_this_machines_clock_jumps(redis_server, monkeypatch):
+    from tensorturn.state import clock
+
+    r = redis.Redis.from_url(redis_server.url, decode_responses=True)
+    jump = [0.0]
+    monkeypatch.setattr(clock, "_wall", lambda: time.time() + jump[0])
+    seconds, _ = r.time()
+    measured = clock.BrokerClock(r)
+    assert abs(measured.now() - seconds) < 5
+    jump[0] = 120.0  # a two-minute sleep the monotonic clock did not see, or a manual change
+    assert abs(measured.now() - r.time()[0]) < 5

@@ -38,6 +38,7 @@ from tensorturn.pool import routing
 from tensorturn.pool.capacity import queues_for
 from tensorturn.state import roster
 from tensorturn.state.broker import redis_client
+from tensorturn.state.clock import broker_now
 from tensorturn.state.workers import Workers
 
 log = logging.getLogger(__name__)
@@ -185,7 +186,8 @@ class Heartbeat(bootsteps.StartStopStep):
             # without AOF) lists the machine again at the next heartbeat; a killed pool child
             # leaves its progress behind (cleared while no task runs)
             mark, sig = self.workers.beat(
-                self.node, {**signed_beat(self.node), "live": json.dumps(live_figures()), "pid": os.getpid()},
+                self.node, {**signed_beat(self.node, broker_now(self.client)), "live": json.dumps(live_figures()),
+                            "pid": os.getpid()},
                 first=first, idle=not worker_state.active_requests)
             quarantined = self.quarantined(mark, sig)
             if self.outer and not quarantined:
@@ -224,11 +226,11 @@ class Heartbeat(bootsteps.StartStopStep):
         self.stop(worker)
 
 
-def signed_beat(node: str) -> dict[str, str]:
+def signed_beat(node: str, now: float) -> dict[str, str]:
     """This agent's heartbeat fields, signed with the pool key (unsigned without one: such an
     agent refuses every task anyway, and the roster says ``unverified``)."""
     fields = {"name": node, "inventory": json.dumps(inventory()),
-              "queues": json.dumps(agent_queues()), "last_seen": repr(time.time()),
+              "queues": json.dumps(agent_queues()), "last_seen": repr(now),
               "incarnation": INCARNATION}
     key = trust.find_key()
     if key is not None:

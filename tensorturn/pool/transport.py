@@ -6,8 +6,9 @@ acknowledgement removes both in another (four more). On a home link every comman
 and these eight were a quarter of what a fused shard task cost the broker
 (``benchmarks/broker_commands.py``). Here each is one Lua script, as atomic as the transaction it
 replaces, writing the same keys with the same values (:func:`tensorturn.state.queues.take_lease`,
-:func:`~tensorturn.state.queues.give_back_lease`); everything else — the restore sweep,
-requeue on reject, the queues — is kombu's own (:class:`kombu.transport.redis.Transport`).
+:func:`~tensorturn.state.queues.give_back_lease`), but the lease's time is the broker's clock
+(:mod:`tensorturn.state.clock`), and so is the restore sweep's; everything else — requeue on
+reject, the queues — is kombu's own (:class:`kombu.transport.redis.Transport`).
 
 Used for ``redis://`` brokers (:func:`tensorturn.pool.celery_app.settings_for`); any other URL
 keeps kombu's transport as its scheme names it.
@@ -15,13 +16,14 @@ keeps kombu's transport as its scheme names it.
 
 from __future__ import annotations
 
-from time import time
 from typing import Any
 
 from kombu.transport import redis as kombu_redis
 from kombu.transport import virtual
+from kombu.transport.redis import Mutex, MutexHeld
 from kombu.utils.json import dumps
 
+from tensorturn.state.clock import broker_now
 from tensorturn.state.queues import give_back_lease, take_lease
 
 NAME = "tensorturn.pool.transport:Transport"
@@ -41,7 +43,7 @@ class QoS(kombu_redis.QoS):
         delivery = message.delivery_info
         raw = dumps([message._raw, delivery["exchange"], delivery["routing_key"]])
         with self.channel.conn_or_acquire() as client:
-            take_lease(client, self.unacked_index_key, self.unacked_key, delivery_tag, raw, time())
+            take_lease(client, self.unacked_index_key, self.unacked_key, delivery_tag, raw, broker_now(client))
         virtual.QoS.append(self, message, delivery_tag)
 
     def ack(self, delivery_tag: Any) -> None:
@@ -57,6 +59,29 @@ class QoS(kombu_redis.QoS):
             return
         self._give_back(delivery_tag)
         virtual.QoS.ack(self, delivery_tag)
+
+    def restore_visible(self, start: int = 0, num: int = 10, interval: int = 10) -> None:
+        """kombu's restore sweep (every ``interval``-th call, under its mutex: the ``num``
+        newest leases older than the visibility timeout go back to their queues), with the
+        lapse reckoned on the broker's clock, as the leases are written (:mod:`tensorturn.state.clock`):
+        a machine whose clock runs ahead would otherwise requeue every other machine's running
+        task."""
+        if not self._plain():
+            super().restore_visible(start, num, interval)
+            return
+        self._vrestore_count += 1
+        if (self._vrestore_count - 1) % (interval or 1):
+            return
+        with self.channel.conn_or_acquire() as client:
+            ceil = broker_now(client) - self.visibility_timeout
+            try:
+                with Mutex(client, self.unacked_mutex_key, self.unacked_mutex_expire):
+                    lapsed = client.zrange(self.unacked_index_key, ceil, 0, desc=True, byscore=True,
+                                           offset=num and start, num=num, withscores=True)
+                    for tag, _ in lapsed or []:
+                        self.restore_by_tag(tag, client)
+            except MutexHeld:
+                pass
 
     def _give_back(self, delivery_tag: Any) -> None:
         with self.channel.conn_or_acquire() as client:

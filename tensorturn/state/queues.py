@@ -10,10 +10,10 @@ restore sweep puts it back in the queue once that score is older than ``visibili
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from tensorturn import layout
+from tensorturn.state.clock import broker_now
 
 
 def task_queues(client: Any) -> list[str]:
@@ -57,11 +57,12 @@ _forward: list[Any] = []  # the registered script (EVALSHA, loaded once per brok
 
 
 def refresh_leases(client: Any, tags: list[str], now: float | None = None) -> int:
-    """Move the lease of the messages ``tags`` (delivery tags) forward to ``now`` — never back;
+    """Move the lease of the messages ``tags`` (delivery tags) forward to ``now`` (by default the
+    broker's clock, :mod:`tensorturn.state.clock`) — never back;
     only tags still in the index are touched. Returns how many moved."""
     if not tags:
         return 0
-    now = time.time() if now is None else now
+    now = broker_now(client) if now is None else now
     if not _forward:
         _forward.append(client.register_script(_FORWARD))
     return int(_forward[0](keys=[layout.UNACKED_INDEX], args=[repr(now), *tags], client=client))

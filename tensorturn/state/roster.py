@@ -16,12 +16,12 @@ says what the heartbeats claim, ``verified`` None.
 from __future__ import annotations
 
 import json
-import time
 from enum import StrEnum
 from typing import Any
 
 from tensorturn import config, trust
 from tensorturn.layout import WORKER_PATTERN, worker_key
+from tensorturn.state.clock import broker_now
 
 OFFLINE_AFTER = 3  # heartbeats
 SIGNED = ("name", "inventory", "queues", "last_seen", "incarnation")  # a heartbeat's signed fields
@@ -85,7 +85,7 @@ def list_workers(client, now: float | None = None, heartbeat_s: float | None = N
     default this machine's: it takes no part in any decision). ``stopped_s`` is the time since
     a clean stop, None for a machine that did not stop cleanly (its ``last_seen_s`` says when
     it was last heard of)."""
-    now = time.time() if now is None else now
+    now = broker_now(client) if now is None else now  # the heartbeats' clock
     heartbeat_s = config.current().heartbeat_s if heartbeat_s is None else heartbeat_s
     key = key or trust.find_key()
     out = []

@@ -19,6 +19,7 @@ from typing import Any
 
 from tensorturn import layout
 from tensorturn.state import roster
+from tensorturn.state.clock import broker_now
 from tensorturn.state.live import Progress
 from tensorturn.state.runs import Runs
 
@@ -48,7 +49,7 @@ class Workers:
         pipe = self.r.pipeline(transaction=False)  # one writer of these fields: no MULTI/EXEC
         if first:
             pipe.delete(key)
-            pipe.hset(key, mapping={"started_at": time.time(), "tasks_done": 0})
+            pipe.hset(key, mapping={"started_at": broker_now(self.r), "tasks_done": 0})
         pipe.hset(key, mapping=fields)
         if idle:
             pipe.hdel(key, "task", "progress")
@@ -63,7 +64,7 @@ class Workers:
 
     def stopped(self, node: str) -> None:
         """``node`` stopped cleanly: offline at once, not after three missed heartbeats."""
-        self.r.hset(layout.worker_key(node), "stopped_at", time.time())
+        self.r.hset(layout.worker_key(node), "stopped_at", broker_now(self.r))
 
     # -- the task it trains --
     def report(self, worker: str, label: str, progress: dict[str, Any],
