@@ -24,7 +24,7 @@ from kombu.transport.redis import Mutex, MutexHeld
 from kombu.utils.json import dumps
 
 from tensorturn.state.clock import broker_now
-from tensorturn.state.queues import give_back_lease, take_lease
+from tensorturn.state.queues import give_back_lease, lapsed_leases, take_lease
 
 NAME = "tensorturn.pool.transport:Transport"
 
@@ -76,9 +76,7 @@ class QoS(kombu_redis.QoS):
             ceil = broker_now(client) - self.visibility_timeout
             try:
                 with Mutex(client, self.unacked_mutex_key, self.unacked_mutex_expire):
-                    lapsed = client.zrange(self.unacked_index_key, ceil, 0, desc=True, byscore=True,
-                                           offset=num and start, num=num, withscores=True)
-                    for tag, _ in lapsed or []:
+                    for tag in lapsed_leases(client, self.unacked_index_key, ceil, start, num):
                         self.restore_by_tag(tag, client)
             except MutexHeld:
                 pass

@@ -94,6 +94,14 @@ def give_back_lease(client: Any, index_key: str, unacked_key: str, tag: str) -> 
     client.eval(_GIVE_BACK, 2, index_key, unacked_key, tag)
 
 
+def lapsed_leases(client: Any, index_key: str, before: float, start: int, num: int) -> list[Any]:
+    """Delivery tags of the ``num`` newest leases in ``index_key`` dated before ``before``
+    (skipping ``start``), as kombu's restore sweep reads them."""
+    found = client.zrange(index_key, before, 0, desc=True, byscore=True, offset=num and start, num=num,
+                          withscores=True)
+    return [tag for tag, _ in found or []]
+
+
 def unacked(client: Any) -> int:
     """How many delivered messages are not acknowledged yet (tasks running or held somewhere)."""
     return int(client.hlen(layout.UNACKED))
