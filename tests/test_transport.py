@@ -119,3 +119,34 @@ def test_the_broker_clock_measures_again_when_this_machines_clock_jumps(redis_se
     assert abs(measured.now() - seconds) < 5
     jump[0] = 120.0  # a two-minute sleep the monotonic clock did not see, or a manual change
     assert abs(measured.now() - r.time()[0]) < 5
+
+
+def test_the_broker_clock_never_waits_for_another_threads_measurement():
+    """A lease refresh whose clock measurement is stuck on a slow link does not hold up the
+    next refresh's clock: that one uses the offset already held."""
+    import threading
+
+    from tensorturn.state import clock
+
+    release, asked = threading.Event(), threading.Event()
+
+    class SlowBroker:
+        answers = [(1000, 0)]
+
+        def time(self):
+            if not self.answers:
+                asked.set()
+                release.wait(30)  # stuck behind a saturated uplink
+                return (2000, 0)
+            return self.answers.pop()
+
+    measured = clock.BrokerClock(SlowBroker())
+    first = measured.now()  # measured at once: the broker says 1000
+    assert abs(first - 1000) < 5
+    measured.mono -= clock.MEASURE_EVERY_S + 1  # the offset is old now: the next call measures
+    stuck = threading.Thread(target=measured.now)
+    stuck.start()
+    assert asked.wait(30)
+    assert abs(measured.now() - 1000) < 5  # answered with the held offset, without waiting
+    release.set()
+    stuck.join(30)

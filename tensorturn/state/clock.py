@@ -25,6 +25,7 @@ log = logging.getLogger(__name__)
 
 MEASURE_EVERY_S = 30.0  # how long an offset is trusted
 JUMP_S = 0.5            # the local clock moving this much more or less than the monotonic one: measure again
+MAX_RTT_S = 0.5         # a measurement whose round trip took longer replaces the offset only after a jump
 
 
 def _wall() -> float:
@@ -37,19 +38,24 @@ class BrokerClock:
 
     def __init__(self, client: Any):
         self.client = client
-        self.lock = threading.Lock()
-        self.offset: float | None = None  # broker time − local time
-        self.wall = self.mono = 0.0       # both clocks when it was measured
+        self.measuring = threading.Lock()  # one measurement at a time; nobody waits for it
+        self.offset: float | None = None   # broker time − local time
+        self.wall = self.mono = 0.0        # both clocks when it was measured
 
     def now(self) -> float:
+        """Never waits on another thread's measurement (a lease refresh stuck behind a slow
+        link must not hold up the next one's clock): while one measures, the others use the
+        offset they have."""
         wall, mono = _wall(), time.monotonic()
-        with self.lock:
-            stale = (self.offset is None or mono - self.mono > MEASURE_EVERY_S
-                     or abs((wall - self.wall) - (mono - self.mono)) > JUMP_S)
-            if stale:
+        stale = (self.offset is None or mono - self.mono > MEASURE_EVERY_S
+                 or abs((wall - self.wall) - (mono - self.mono)) > JUMP_S)
+        if stale and self.measuring.acquire(blocking=False):
+            try:
                 self._measure()
-                wall = _wall()
-            return wall + (self.offset or 0.0)
+            finally:
+                self.measuring.release()
+            wall = _wall()
+        return wall + (self.offset or 0.0)
 
     def _measure(self) -> None:
         try:
@@ -59,7 +65,12 @@ class BrokerClock:
         except Exception as exc:  # noqa: BLE001 - the broker may be restarting: the last offset stands
             log.debug("broker clock not measured: %s", exc)
             return
-        self.offset = seconds + micros / 1e6 - (before + after) / 2
+        offset = seconds + micros / 1e6 - (before + after) / 2
+        rtt = after - before
+        # a slow round trip errs by up to half of it: keep the offset held unless this one
+        # moved by more than that (the local clock jumped)
+        if self.offset is None or rtt <= MAX_RTT_S or abs(offset - self.offset) > rtt:
+            self.offset = offset
         self.wall, self.mono = _wall(), time.monotonic()
 
 
