@@ -25,6 +25,7 @@ from typing import Any
 
 from tensorturn import config, layout
 from tensorturn.spec import FINISHED
+from tensorturn.state.clock import broker_now
 from tensorturn.state.roster import WorkerState
 from tensorturn.state.runs import read_state, state_of
 
@@ -120,7 +121,7 @@ def _agents(client: Any) -> list[str]:
     """Forget the agents offline too long, and the queues of agents with no heartbeat left;
     returns their names. A heartbeat hash with no expiry (a field written after it was gone)
     gets one."""
-    now, ttl = time.time(), max(1, int(config.current().agent_ttl_s))
+    now, ttl = broker_now(client), max(1, int(config.current().agent_ttl_s))  # the heartbeats' clock
     head = layout.worker_key("")
     names = []
     for key in client.scan_iter(match=layout.WORKER_PATTERN, count=1000):
