@@ -166,21 +166,20 @@ def test_a_machine_that_sleeps_mid_task_wakes_and_goes_back_to_work(pool, refere
     victim = running_attempt(pool, spec.run_id)
     index = agent_index(victim)
     group = pool.agents[index].pid
+
+    def listed(state: str) -> bool:
+        return {w["name"]: w["state"] for w in list_workers(r)}.get(victim["worker"]) == state
+
     os.killpg(group, signal.SIGSTOP)
     try:
-        deadline = time.monotonic() + 180
-        while (board(pool).state(spec.run_id) not in ("succeeded", "failed")
-               or {w["name"]: w["state"] for w in list_workers(r)}.get(victim["worker"]) != "offline"):
-            assert time.monotonic() < deadline, "the run did not finish, or the sleeper stayed listed online"
-            time.sleep(0.2)
+        wait_for(lambda: board(pool).state(spec.run_id) in ("succeeded", "failed") and listed("offline"),
+                 "the run to finish around the sleeper, and the sleeper to be listed offline")
     finally:
         os.killpg(group, signal.SIGCONT)  # wakes
     finish(pool, spec, reference)
-    deadline = time.monotonic() + 60
-    while (not attempts_of(board(pool).describe(spec.run_id), victim["task"])[0]["outcome"].startswith("late")
-           or {w["name"]: w["state"] for w in list_workers(r)}.get(victim["worker"]) == "offline"):
-        assert time.monotonic() < deadline, "the woken agent's attempt never ended late, or it stayed offline"
-        time.sleep(0.2)
+    wait_for(lambda: attempts_of(board(pool).describe(spec.run_id), victim["task"])[0]["outcome"].startswith("late")
+             and not listed("offline"), "the woken agent's attempt to end late and the agent to be listed again",
+             timeout=60)
     # the next run's first round queues a slot per agent, each taken by an idle agent's waiting
     # fetch: the woken one's too (an agent put to sleep *idle* would have taken its slot into
     # the sleep with it — the broker hands a message to a fetch already waiting — which is
