@@ -47,6 +47,11 @@ cache_dir             where an agent keeps dataset chunks (default `~/.cache/ten
 cache_gb              the most disk the chunk cache may use; least recently used chunks go first (`agent --cache-gb`)
 device_memory_gb      cap on the device memory an agent offers to the pool (`agent --memory-gb`)
 loglevel              an agent's Celery log level
+hours                 the local hours an agent may work, e.g. `22:00-08:00` (comma-separated ranges; `agent --hours`)
+pause_on_battery      1: an agent pauses while its machine runs on battery (`agent --pause-on-battery`)
+pause_busy_percent    an agent pauses while other processes use over this % of the CPU; 0: never (`--pause-when-busy`)
+pause_gpu_shared      1: an agent pauses while another process uses its GPU (`agent --pause-when-gpu-shared`)
+fake_battery_file     tests only: a file saying `battery` or `ac` stands in for the battery sensor
 role                  what an agent takes: `train`, `outer` (outer steps, beside the store) or `both` (`agent --role`)
 slowdown              benchmarks and tests only: train this many times slower, to emulate a slow machine
 sim_step_s            benchmarks and tests only: each training step lasts this many seconds (sleeping): emulated speed
@@ -63,7 +68,8 @@ class Variable:
 
 
 # numeric settings that may be 0 (the others must be more): no retries, no grace, no emulated step
-MAY_BE_ZERO = {"store_retries", "store_backoff_s", "shutdown_grace_s", "sim_step_s", "cache_gb"}
+MAY_BE_ZERO = {"store_retries", "store_backoff_s", "shutdown_grace_s", "sim_step_s", "cache_gb",
+               "pause_on_battery", "pause_busy_percent", "pause_gpu_shared"}
 
 
 @dataclass(frozen=True)
@@ -95,6 +101,11 @@ class Settings:
     cache_gb: float = 4.0
     device_memory_gb: float | None = None
     loglevel: str = "INFO"
+    hours: str | None = None
+    pause_on_battery: int = 0
+    pause_busy_percent: float = 0.0
+    pause_gpu_shared: int = 0
+    fake_battery_file: str | None = None
     role: str = "train"
     slowdown: float = 1.0
     sim_step_s: float = 0.0

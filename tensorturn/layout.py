@@ -219,6 +219,12 @@ def worker_key(name: str) -> str:
     return f"{PREFIX}worker:{name}"
 
 
+def owner_key(name: str) -> str:
+    """What the owner of agent ``name`` asked of it from any machine (``tensorturn pause``,
+    ``tensorturn policy``): signed marks its agent reads every second."""
+    return f"{PREFIX}owner:{name}"
+
+
 ADVERTISED = f"{PREFIX}outer-queues"  # sorted set: "<outer queue>|<agent>" → when that agent last beat
 
 

@@ -41,6 +41,7 @@ class Outcome(StrEnum):
     CANCELLED = "cancelled"
     LOST = "lost"
     REFUSED = "refused"
+    HANDED_BACK = "handed back"  # its machine's owner needed it: the task went to another (no attempt spent)
 
     def says(self, why: str) -> str:
         """The outcome ``<word>: why`` as stored."""

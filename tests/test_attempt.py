@@ -370,13 +370,13 @@ def test_a_task_whose_first_look_at_the_broker_fails_is_retried_not_dropped(worl
 
     spec = world.submit(**FUSED)
     as_agent_of(spec)
-    real = RunBoard.state_and_quarantine
-    monkeypatch.setattr(RunBoard, "state_and_quarantine", lambda *a: (_ for _ in ()).throw(BrokerError("gone")))
+    real = RunBoard.state_and_standing
+    monkeypatch.setattr(RunBoard, "state_and_standing", lambda *a: (_ for _ in ()).throw(BrokerError("gone")))
     with pytest.raises(Retry):
         fused.train_shard.apply(args=(spec.run_id, 0, 0), kwargs=signed(spec.run_id, "r0/shard-0"),
                                 throw=True).get()
     assert world.board.describe(spec.run_id)["attempts"] == []
-    monkeypatch.setattr(RunBoard, "state_and_quarantine", real)
+    monkeypatch.setattr(RunBoard, "state_and_standing", real)
     shard(spec, 0, 0)
     assert [a["outcome"] for a in world.board.describe(spec.run_id)["attempts"]] == ["succeeded"]
 

@@ -96,7 +96,9 @@ def test_a_link_down_past_the_lease_requeues_the_shard_and_the_healed_machine_re
     assert doc["state"] == "succeeded", doc.get("error")
     assert doc["model_sha256"] == reference["model_sha256"]
     tries = [a for a in doc["attempts"] if a["task"] == victim["task"]]
-    assert tries[0]["worker"] == victim["worker"] and tries[1]["worker"].startswith("local2@")
+    # (on a loaded machine local1's lease may lapse once before the link goes down: then it took
+    # its own shard back first — what matters is that local2 took it over while it was cut off)
+    assert tries[0]["worker"] == victim["worker"] and any(t["worker"].startswith("local2@") for t in tries[1:])
     assert any(i["kind"] == "requeued" and i["task"] == victim["task"] for i in doc["incidents"])
     assert sum(1 for a in tries if a["outcome"] == "succeeded") == 1  # counted once
     # the healed machine takes work again (this run's round 1, or the next run's)

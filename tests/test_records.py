@@ -83,7 +83,7 @@ def test_a_hash_without_its_spec_is_no_record(world):
     world.r.hdel(layout.run_key(spec.run_id), "spec")   # what is left once a task wrote to a deleted record
     board = world.board
     assert not board.exists(spec.run_id) and board.state(spec.run_id) is None
-    assert board.state_and_quarantine(spec.run_id, "w1@host") == (None, False)
+    assert board.state_and_standing(spec.run_id, "w1@host") == (None, False, None)
     assert board.list_runs() == []
     with pytest.raises(NotFound, match="record of run .* is incomplete.*tensorturn resume"):
         board.describe(spec.run_id)

@@ -158,7 +158,7 @@ def report(broker, store, run_id, as_json):
                    "queues; expire keys finished or lost runs left.")
 @pool_options()
 def workers(broker, store, as_json, prune):
-    """List the pool's machines: state (idle/busy/offline/quarantined), device, memory, task.
+    """List the pool's machines: state (idle/busy/paused/offline/quarantined), device, memory, task.
 
     An agent offline for longer than TENSORTURN_AGENT_TTL_S (a day) is forgotten.
     """
@@ -197,6 +197,8 @@ def workers(broker, store, as_json, prune):
             line += f"  last seen {_ago(w['last_seen_s'])} ago (no clean stop)"
         if w["state"] == WorkerState.QUARANTINED:
             line += f"  ({w['quarantined']})"
+        if w["state"] == WorkerState.PAUSED:
+            line += f"  ({w['paused']})"
         click.echo(line)
     total, refused = records.refusals(broker)
     if total:

@@ -8,16 +8,24 @@ import click
 
 from tensorturn import config
 from tensorturn.cli import cli, pool_options, stop_on_signals
+from tensorturn.cli.owner import policy_options
 from tensorturn.errors import TensorTurnError
 
 
 def agent_flags(settings: config.Settings, broker: str | None, options: dict[str, Any]) -> config.Settings:
     """What ``agent`` was told on its command line overrides the environment, for this process
     and its pool (:func:`tensorturn.cli.pool_options` applies it once, at the start)."""
+    def given(option: str, field: str) -> Any:
+        return getattr(settings, field) if options[option] is None else options[option]
+
     return settings.with_(broker_url=broker,
                           device_memory_gb=options["memory_gb"] or settings.device_memory_gb,
                           cache_gb=options["cache_gb"] or settings.cache_gb,
-                          role=options["role"] or settings.role)
+                          role=options["role"] or settings.role,
+                          hours=given("hours", "hours"),
+                          pause_on_battery=int(given("pause_on_battery", "pause_on_battery")),
+                          pause_busy_percent=float(given("pause_when_busy", "pause_busy_percent")),
+                          pause_gpu_shared=int(given("pause_when_gpu_shared", "pause_gpu_shared")))
 
 
 @cli.command()
@@ -40,8 +48,10 @@ def agent_flags(settings: config.Settings, broker: str | None, options: dict[str
                    "through the store, so run one on the machine that holds it), or both "
                    "[default: TENSORTURN_ROLE or train].")
 @click.option("--loglevel", default=None, help="Celery log level [default: INFO].")
+@policy_options
 @pool_options(flags=agent_flags)
-def agent(broker, store, name, concurrency, memory_gb, cache_gb, role, loglevel):
+def agent(broker, store, name, concurrency, memory_gb, cache_gb, role, loglevel, hours, pause_on_battery,
+          pause_when_busy, pause_when_gpu_shared):
     """Run this machine's agent: a Celery worker that trains what the pool queues.
 
     \b
@@ -58,6 +68,12 @@ def agent(broker, store, name, concurrency, memory_gb, cache_gb, role, loglevel)
     On the coordinator (beside the store), take the outer steps off the home links:
       tensorturn agent --join-file .tensorturn/join --name coordinator --role outer
     If that agent goes away, the trainers take the outer steps again within a few heartbeats.
+
+    
+    The owner comes first: a gaming PC that trains at night, a laptop that stops on battery:
+      tensorturn agent --join-file join --name gaming-pc --hours 22:00-08:00 --pause-when-busy 30
+    Paused, it hands its running task back within a few seconds and takes nothing new until the
+    policy allows; `tensorturn pause/resume/policy MACHINE` change it from any machine.
     """
     import os
 
@@ -75,6 +91,9 @@ def agent(broker, store, name, concurrency, memory_gb, cache_gb, role, loglevel)
     from tensorturn.pool.routing import check_role
 
     check_role(role or config.current().role)  # TENSORTURN_ROLE may say anything
+    from tensorturn.pool.owner import Policy
+
+    Policy.from_settings(config.current())  # bad hours: one clear line now, not a silent agent
     trust.pool_key()  # one clear error now rather than every task refused later
     check_broker(broker)
     open_store(store).check()

@@ -69,16 +69,24 @@ def run(broker, store, mode, recipe, recipe_options, merge, local_workers, detac
 
 
 @cli.command()
-@click.argument("run_id")
+@click.argument("run_id", metavar="RUN|MACHINE")
 @follow_options("resume")
 def resume(broker, store, run_id, local_workers, detach, timeout_s, as_json):
-    """Continue a run from the last complete round or checkpoints in the store.
+    """Continue a run from the last complete round or checkpoints in the store — or, given a
+    machine's name, end its pause (`tensorturn pause MACHINE`).
 
     For a run whose chain was lost (Redis lost its data, the embedded pool was stopped) or that
     failed and whose cause is fixed: every task gets a fresh allowance of attempts. Needs only
     the store (and a pool, or --local-workers).
     """
     from tensorturn import runs
+    from tensorturn.runs.owners import names_an_agent
+
+    if broker and names_an_agent(broker, run_id):
+        from tensorturn.cli.owner import resume_machine
+
+        resume_machine(broker, run_id, as_json)
+        return
 
     print_results(launched(lambda observer: runs.launch_resume(run_id, broker, store, local_workers,
                                                                detach, timeout_s, observer)), as_json)

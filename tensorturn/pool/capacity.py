@@ -67,7 +67,9 @@ def estimate(recipe: Recipe, config: dict[str, Any], batch_size: int) -> dict[st
             "outer_step_bytes": outer, "total_bytes": total, "total_gb": round(total / GB, 3)}
 
 
-LIVE = TAKES_TASKS  # roster states of a machine that takes tasks (verified, not quarantined)
+# roster states of a machine that takes tasks (verified, not quarantined), or will again by
+# itself: a machine its owner paused comes back, so a run it can hold waits for it
+LIVE = (*TAKES_TASKS, WorkerState.PAUSED)
 
 
 def check_fits(need: dict[str, Any], workers: list[dict[str, Any]]) -> None:

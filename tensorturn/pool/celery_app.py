@@ -32,6 +32,7 @@ from celery.worker.control import Panel
 from tensorturn import config
 from tensorturn.pool import remote_control, transport
 from tensorturn.pool.lease import LeaseKeeper
+from tensorturn.pool.owner import OwnerWatch
 from tensorturn.pool.telemetry import Heartbeat
 from tensorturn.registry import task_modules
 
@@ -44,6 +45,7 @@ DEFAULT_BROKER = "redis://127.0.0.1:6379/0"
 app = Celery("tensorturn", include=["tensorturn.tasks.attempt", "tensorturn.tasks.start", *task_modules()])
 app.steps["worker"].add(LeaseKeeper)  # keeps running tasks' leases alive
 app.steps["worker"].add(Heartbeat)    # inventory and live figures for `tensorturn workers`
+app.steps["worker"].add(OwnerWatch)   # steps aside while the machine's owner needs it
 
 
 @worker_init.connect

@@ -36,6 +36,7 @@ from tensorturn import config, trust
 from tensorturn.layout import OUTER_PREFIX
 from tensorturn.pool import routing
 from tensorturn.pool.capacity import queues_for
+from tensorturn.pool.owner import standing
 from tensorturn.state import roster
 from tensorturn.state.broker import redis_client
 from tensorturn.state.clock import broker_now
@@ -169,6 +170,7 @@ class Heartbeat(bootsteps.StartStopStep):
     def start(self, worker):
         self.node = worker.hostname
         self.client = redis_client(worker.app.conf.broker_url)
+        worker.tt_heartbeat = self.beat  # the owner watch beats at once when it pauses or resumes
         self.outer = outer_queues()
         psutil.cpu_percent(interval=None)  # prime the counter
         self.beat(first=True)
@@ -189,9 +191,11 @@ class Heartbeat(bootsteps.StartStopStep):
                 self.node, {**signed_beat(self.node, broker_now(self.client)), "live": json.dumps(live_figures()),
                             "pid": os.getpid()},
                 first=first, idle=not worker_state.active_requests)
-            quarantined = self.quarantined(mark, sig)
-            if self.outer and not quarantined:
+            quarantined = standing.quarantined = self.quarantined(mark, sig)
+            if self.outer and not quarantined and not standing.paused:
                 routing.advertise(self.client, self.node, self.outer)
+            elif self.outer and standing.paused:  # its owner needs it: no outer step waits for it
+                routing.withdraw(self.client, self.node, self.outer)
             routing.reroute(self.client)
         except Exception as exc:  # noqa: BLE001 - the broker may be restarting
             log.warning("heartbeat failed: %s", exc)
@@ -228,10 +232,11 @@ class Heartbeat(bootsteps.StartStopStep):
 
 def signed_beat(node: str, now: float) -> dict[str, str]:
     """This agent's heartbeat fields, signed with the pool key (unsigned without one: such an
-    agent refuses every task anyway, and the roster says ``unverified``)."""
+    agent refuses every task anyway, and the roster says ``unverified``). ``paused``: why its
+    owner's policy has it step aside (:mod:`.owner`), empty while it works."""
     fields = {"name": node, "inventory": json.dumps(inventory()),
               "queues": json.dumps(agent_queues()), "last_seen": repr(now),
-              "incarnation": INCARNATION}
+              "incarnation": INCARNATION, "paused": standing.paused or ""}
     key = trust.find_key()
     if key is not None:
         fields[roster.SIGNATURE] = key.sign("inventory", roster.heartbeat_doc(fields))
@@ -255,14 +260,16 @@ class TaskReporter:
     With ``live`` (run id, field) the same report goes to the run's live progress
     (:func:`tensorturn.layout.live_key`), in the same round trip, for ``run`` to show inside a
     round; the field is the task's place (``shard-3``, ``m1``), so the hash stays that small.
-    That round trip also reads the run's state (``run_state``): a training loop learns of a
-    cancel from its progress report, with no call of its own."""
+    That round trip also reads the run's state (``run_state``) and whether the agent is paused
+    (``paused``): a training loop learns of a cancel, or that its machine's owner needs it, from
+    its progress report, with no call of its own."""
 
     def __init__(self, task, client, label: str, steps: int, batch_size: int,
                  live: tuple[str, str] | None = None):
         self.task, self.workers, self.label = task, Workers(client), label
         self.steps, self.batch_size, self.live = steps, batch_size, live
         self.run_state: str | None = None  # as the last report read it (with ``live``)
+        self.paused: str | None = None     # why this machine's owner needs it, as the last report read
         self.read_at_end = False  # the last report was the last step's, and read the run's state
         self.reported = False
         self.worker = task.request.hostname or "?"
@@ -277,8 +284,8 @@ class TaskReporter:
                 run_id, field = self.live
                 live = (run_id, field, {
                     "label": self.label, "step": progress["step"], "steps": self.steps,
-                    "loss": progress.get("loss"), "worker": self.worker, "at": time.time()})
-            state = self.workers.report(self.worker, self.label, progress, live)
+                    "loss": progress.get("loss"), "worker": self.worker, "at": broker_now(self.workers.r)})
+            state, self.paused = self.workers.report(self.worker, self.label, progress, live)
             if self.live is not None:
                 self.run_state = state
                 self.read_at_end = progress["step"] >= self.steps

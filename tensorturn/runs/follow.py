@@ -13,6 +13,8 @@ from tensorturn.errors import BrokerError, NotFound
 from tensorturn.spec import FINISHED, Outcome, RunState
 from tensorturn.state.board import RunBoard
 from tensorturn.state.broker import check_broker
+from tensorturn.state.clock import broker_now
+from tensorturn.state.roster import TAKES_TASKS, WorkerState
 
 Update = Callable[[dict[str, Any]], None]
 
@@ -79,7 +81,7 @@ def annotate(doc: dict[str, Any], board: RunBoard | None = None) -> dict[str, An
 
     if doc.get("state") in FINISHED or not doc.get("progress_at"):
         return doc
-    now = time.time()
+    now = broker_now(board.r) if board is not None else time.time()  # progress_at's clock
     idle = now - float(doc["progress_at"])
     if idle < config.current().stall_s:
         return doc
@@ -101,8 +103,12 @@ def annotate(doc: dict[str, Any], board: RunBoard | None = None) -> dict[str, An
                            f"training step for {quiet:.0f}s (a slow download, or stuck?)")
             return doc
         pool = board.workers.all()
+        paused = [w for w in pool if w["state"] == WorkerState.PAUSED]
         if not pool:
             why = "no agent is online to take its tasks"
+        elif paused and not [w for w in pool if w["state"] in TAKES_TASKS]:  # paused, not lost
+            why = "every machine is paused by its owner: " + ", ".join(
+                f"{w['name']} ({w['paused']})" for w in paused) + "; they resume by themselves"
         else:  # a machine that could hold it may join: the run waits, and says so
             why = why_unheld((doc.get("spec") or {}).get("memory_needed_bytes"), pool) or why
     failed = [a for a in doc.get("attempts", []) if Outcome.of(a["outcome"]) == Outcome.FAILED]

@@ -5,7 +5,6 @@ or resumed (``attempt_base``: the count when it was)."""
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -13,6 +12,7 @@ from typing import Any
 from tensorturn import layout
 from tensorturn.config import mask_text
 from tensorturn.spec import Outcome
+from tensorturn.state.clock import broker_now
 from tensorturn.state.incidents import Incidents
 from tensorturn.state.runs import Runs
 from tensorturn.state.traffic import Traffic
@@ -131,7 +131,7 @@ class Attempts:
         keeps killing its worker is redelivered without end) the attempt is recorded as refused,
         with an incident, and None is returned.
         """
-        now = time.time()
+        now = broker_now(self.r)  # every machine's attempts on one clock
         head, tail = split_at({"task": task, "attempt": NUMBER, "worker": worker, "started_at": now,
                                "finished_at": None, "outcome": str(Outcome.RUNNING)}, NUMBER)
         keys = [layout.run_key(run_id, part) for part in ("attempt_n", "attempt_base", "attempts")]
@@ -184,7 +184,7 @@ class Attempts:
         pipe = self.r.pipeline(transaction=False)
         if raw is not None:
             entry = json.loads(raw)
-            entry.update(finished_at=time.time(), outcome=mask_text(str(outcome)))
+            entry.update(finished_at=broker_now(self.r), outcome=mask_text(str(outcome)))
             if traceback:
                 entry["traceback"] = mask_text(traceback)
             pipe.hset(layout.run_key(run_id, "attempts"), key, json.dumps(entry))
@@ -200,7 +200,7 @@ class Attempts:
         """:meth:`finish` in one round trip, for an entry this process began; False when done,
         True when the entry changed since (the long way is left to do)."""
         task = key.rpartition("#")[0]
-        now = time.time()
+        now = broker_now(self.r)
         entry = {**json.loads(begun), "finished_at": now}
         finished = {**entry, "outcome": mask_text(str(outcome))}
         if traceback:

@@ -106,10 +106,11 @@ class RunBoard:
     def is_finished(self, run_id: str) -> bool:
         return self.state(run_id) in FINISHED
 
-    def state_and_quarantine(self, run_id: str, worker: str) -> tuple[str | None, bool]:
-        """The run's state and whether ``worker`` is out of rotation, in one command."""
-        reply = read_state(self.r, run_id, worker)
-        return state_of(reply), bool(reply[2:] and reply[2])
+    def state_and_standing(self, run_id: str, worker: str) -> tuple[str | None, bool, str | None]:
+        """The run's state, whether ``worker`` is out of rotation, and why it is paused (None
+        when it is not), in one command."""
+        reply = list(read_state(self.r, run_id, worker)) + [None, None]
+        return state_of(reply), bool(reply[2]), reply[3] or None
 
     def mark_running(self, run_id: str, pipe: Any = None) -> None:
         self.runs.mark_running(run_id, pipe)

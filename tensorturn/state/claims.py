@@ -7,11 +7,11 @@ Every claim name comes from :mod:`tensorturn.layout` (``dispatch_claim``, ``back
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
 from tensorturn import layout
+from tensorturn.state.clock import broker_now
 
 # A round's slot → the shard it trains (see Claims.claim_shard). KEYS: the round's slots, the run's
 # owners; ARGV: slot, worker, shards, then the shards whose data this worker holds. Preference: a
@@ -66,7 +66,7 @@ class Claims:
 
     def claim(self, run_id: str, what: str) -> bool:
         """True the first time ``what`` is claimed for this run (guards one-time dispatches)."""
-        return bool(self.r.hsetnx(layout.run_key(run_id, "claims"), what, time.time()))
+        return bool(self.r.hsetnx(layout.run_key(run_id, "claims"), what, broker_now(self.r)))
 
     def release(self, run_id: str, what: str) -> None:
         self.r.hdel(layout.run_key(run_id, "claims"), what)

@@ -5,11 +5,11 @@ about how it was set up (``warnings``). Both are lists, their texts masked."""
 from __future__ import annotations
 
 import json
-import time
 from typing import Any
 
 from tensorturn import layout
 from tensorturn.config import mask_text
+from tensorturn.state.clock import broker_now
 
 
 class Incidents:
@@ -21,7 +21,7 @@ class Incidents:
     def add(self, run_id: str, kind: str, task: str, worker: str | None, detail: str,
             pipe: Any = None) -> None:
         (pipe or self.r).rpush(layout.run_key(run_id, "incidents"), json.dumps({
-            "kind": kind, "task": task, "worker": worker, "at": time.time(),
+            "kind": kind, "task": task, "worker": worker, "at": broker_now(self.r),
             "detail": mask_text(detail)}))
 
     def all(self, run_id: str) -> list[dict[str, Any]]:

@@ -12,11 +12,11 @@ hash. No torch, no Celery here.
 from __future__ import annotations
 
 import json
-import time
 from typing import Any
 
 from tensorturn import layout
 from tensorturn.spec import MemberState, Outcome, options_json
+from tensorturn.state.clock import broker_now
 
 WIDTH = 80  # a progress line fits a terminal of this many columns
 
@@ -121,7 +121,7 @@ class Progress:
     def mark_phase(self, run_id: str, label: str, phase: str, worker: str) -> None:
         """Say what the task ``label`` is doing now (an outer step: averaging, evaluating)."""
         self.r.hset(layout.live_key(run_id), label, json.dumps(
-            {"label": label, "phase": phase, "worker": worker, "at": time.time()}))
+            {"label": label, "phase": phase, "worker": worker, "at": broker_now(self.r)}))
 
     def write(self, run_id: str, field: str, entry: dict[str, Any], pipe: Any) -> None:
         """A training task's report (``entry``: label, step, loss, worker, time) at ``field``

@@ -4,10 +4,10 @@ config, metrics) and which have finished (``members_done``)."""
 from __future__ import annotations
 
 import json
-import time
 from typing import Any
 
 from tensorturn import layout
+from tensorturn.state.clock import broker_now
 
 
 class Members:
@@ -35,7 +35,7 @@ class Members:
 
     def done(self, run_id: str, member: int) -> int:
         """Mark a member finished (succeeded or dropped) once; returns how many are finished."""
-        self.r.hsetnx(layout.run_key(run_id, "members_done"), str(member), time.time())
+        self.r.hsetnx(layout.run_key(run_id, "members_done"), str(member), broker_now(self.r))
         return self.done_count(run_id)
 
     def done_count(self, run_id: str) -> int:

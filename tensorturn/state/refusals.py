@@ -9,10 +9,10 @@ refusals the same way.
 from __future__ import annotations
 
 import json
-import time
 from typing import Any
 
 from tensorturn import layout
+from tensorturn.state.clock import broker_now
 
 KEPT = 100  # the last hundred are enough to see an attack
 
@@ -20,7 +20,7 @@ KEPT = 100  # the last hundred are enough to see an attack
 def refuse(r: Any, worker: str, task_name: str | None, run_id: Any, reason: str) -> None:
     """Keep one refusal on the broker ``r``: the last :data:`KEPT` in a list, and a count of
     them all that a flood of refusals cannot hide."""
-    entry = {"at": time.time(), "worker": worker, "task": task_name, "run_id": str(run_id)[:80],
+    entry = {"at": broker_now(r), "worker": worker, "task": task_name, "run_id": str(run_id)[:80],
              "reason": reason}
     pipe = r.pipeline()
     pipe.lpush(layout.REFUSED, json.dumps(entry))

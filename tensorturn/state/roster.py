@@ -24,7 +24,7 @@ from tensorturn.layout import WORKER_PATTERN, worker_key
 from tensorturn.state.clock import broker_now
 
 OFFLINE_AFTER = 3  # heartbeats
-SIGNED = ("name", "inventory", "queues", "last_seen", "incarnation")  # a heartbeat's signed fields
+SIGNED = ("name", "inventory", "queues", "last_seen", "incarnation", "paused")  # a heartbeat's signed fields
 SIGNATURE = "signature"
 QUARANTINE_SIGNATURE = "quarantined_sig"
 
@@ -36,10 +36,11 @@ class WorkerState(StrEnum):
     BUSY = "busy"
     OFFLINE = "offline"            # stopped, or silent for three heartbeats
     QUARANTINED = "quarantined"    # taken out of rotation
+    PAUSED = "paused"              # its owner needs the machine (pool.owner): it comes back by itself
     UNVERIFIED = "unverified"      # its heartbeat is not signed with the pool key
 
 
-TAKES_TASKS = (WorkerState.IDLE, WorkerState.BUSY)  # verified, online, not quarantined
+TAKES_TASKS = (WorkerState.IDLE, WorkerState.BUSY)  # verified, online, not quarantined, not paused
 
 
 def heartbeat_doc(fields: dict[str, Any]) -> dict[str, Any]:
@@ -81,8 +82,9 @@ def list_workers(client, now: float | None = None, heartbeat_s: float | None = N
                  key: trust.PoolKey | None = None) -> list[dict[str, Any]]:
     """Every agent that ever sent a heartbeat to this broker, with its state: ``idle``, ``busy``,
     ``offline`` (stopped, or silent for three heartbeats), ``quarantined`` (taken out of
-    rotation) or ``unverified`` (its heartbeat is not signed with the pool key ``key``, by
-    default this machine's: it takes no part in any decision). ``stopped_s`` is the time since
+    rotation), ``paused`` (its owner needs it: ``paused`` says why) or ``unverified`` (its
+    heartbeat is not signed with the pool key ``key``, by default this machine's: it takes no
+    part in any decision). ``stopped_s`` is the time since
     a clean stop, None for a machine that did not stop cleanly (its ``last_seen_s`` says when
     it was last heard of)."""
     now = broker_now(client) if now is None else now  # the heartbeats' clock
@@ -107,6 +109,8 @@ def list_workers(client, now: float | None = None, heartbeat_s: float | None = N
             state = WorkerState.UNVERIFIED
         elif quarantined:
             state = WorkerState.QUARANTINED
+        elif h.get("paused"):
+            state = WorkerState.PAUSED
         else:
             state = WorkerState.BUSY if h.get("task") else WorkerState.IDLE
         progress = _object(h.get("progress"))
@@ -118,7 +122,8 @@ def list_workers(client, now: float | None = None, heartbeat_s: float | None = N
             "task": h.get("task") if state == WorkerState.BUSY else None,
             "samples_per_s": progress.get("samples_per_s") if state == WorkerState.BUSY else None,
             "tasks_done": int(_number(h.get("tasks_done"))),
-            "quarantined": quarantined, "incarnation": h.get("incarnation"),
+            "quarantined": quarantined, "paused": h.get("paused") if state == WorkerState.PAUSED else None,
+            "incarnation": h.get("incarnation"),
             "queues": [q for q in _list(h.get("queues")) if isinstance(q, str)],
         })
     return out

@@ -11,12 +11,12 @@ writer creates or completes one.
 from __future__ import annotations
 
 import json
-import time
 from typing import Any
 
 from tensorturn import layout
 from tensorturn.errors import NotFound
 from tensorturn.spec import FINISHED, RunSpec, RunState
+from tensorturn.state.clock import broker_now
 
 # Writers of the run's hash leave alone a hash without a spec: they must not make one up (a task
 # still running when the run's keys were deleted would otherwise leave a partial record behind).
@@ -36,7 +36,10 @@ SMALL = tuple(f for f in layout.RECORD if f != "spec")  # a record's fields besi
 # then optionally a worker's hash (its quarantine mark is read too); ARGV: SMALL.
 _READ_STATE = """
 local out = {redis.call('hmget', KEYS[1], unpack(ARGV)), redis.call('hexists', KEYS[1], 'spec')}
-if KEYS[2] then out[3] = redis.call('hget', KEYS[2], 'quarantined') end
+if KEYS[2] then
+  out[3] = redis.call('hget', KEYS[2], 'quarantined')
+  out[4] = redis.call('hget', KEYS[2], 'paused')
+end
 return out
 """
 
@@ -48,7 +51,8 @@ def whole(h: dict[str, str]) -> bool:
 
 def read_state(client: Any, run_id: str, worker: str | None = None) -> Any:
     """Read (with a pipeline: queue) what :func:`state_of` takes, in one command; with a
-    ``worker``, its quarantine mark too (the reply's third item: None when it has none)."""
+    ``worker``, its quarantine mark and why it is paused too (the reply's third and fourth
+    items: None, or a false value, when it has none)."""
     keys = [layout.run_key(run_id)] + ([layout.worker_key(worker)] if worker is not None else [])
     return client.eval(_READ_STATE, len(keys), *keys, *SMALL)
 
@@ -77,7 +81,7 @@ class Runs:
         pipe.hset(layout.run_key(spec.run_id), mapping={
             "run_id": spec.run_id, "mode": spec.mode, "state": str(state),
             "spec": json.dumps(spec.to_json()), "created_at": spec.created_at,
-            "progress_at": time.time()})
+            "progress_at": broker_now(self.r)})
         pipe.zadd(layout.RUN_INDEX, {spec.run_id: spec.created_at})
         pipe.execute()
 
@@ -114,18 +118,18 @@ class Runs:
 
     def mark_running(self, run_id: str, pipe: Any = None) -> None:
         """queued → running only; never overwrites a finished state (in ``pipe``, when given)."""
-        (pipe or self.r).eval(_QUEUED_TO_RUNNING, 1, layout.run_key(run_id), time.time())
+        (pipe or self.r).eval(_QUEUED_TO_RUNNING, 1, layout.run_key(run_id), broker_now(self.r))
 
     def touch(self, run_id: str, pipe: Any = None) -> None:
         """Note that the run made progress now (``status`` reports runs that stop doing so)."""
-        (pipe or self.r).eval(_SET_IF_WHOLE, 1, layout.run_key(run_id), "progress_at", time.time())
+        (pipe or self.r).eval(_SET_IF_WHOLE, 1, layout.run_key(run_id), "progress_at", broker_now(self.r))
 
     def finish(self, run_id: str, state: str, pipe: Any = None, **fields: Any) -> bool:
         """Move to a finished state once (its live progress goes); False for a run that had
         finished or has no whole record. In ``pipe``, when given: then the answer is not known
         here (True)."""
         mapping = encode(fields)
-        mapping.update(state=str(state), finished_at=time.time())
+        mapping.update(state=str(state), finished_at=broker_now(self.r))
         args = [x for kv in mapping.items() for x in kv]
         keys = (layout.run_key(run_id), layout.live_key(run_id))
         if pipe is not None:
@@ -136,7 +140,7 @@ class Runs:
     def reopen(self, run_id: str, pipe: Any) -> None:
         """Back to running (a resume), its failure and finish cleared, in ``pipe``."""
         pipe.hset(layout.run_key(run_id), mapping={"state": str(RunState.RUNNING),
-                                                    "progress_at": time.time()})
+                                                    "progress_at": broker_now(self.r)})
         pipe.hdel(layout.run_key(run_id), "error", "finished_at", "cancelled_by")
 
     # -- how long the run's keys live --
@@ -164,7 +168,7 @@ class Runs:
     def keep(self, run_id: str) -> None:
         """Keep every key of the run, marked ``kept``: the broker holds its only whole record."""
         self.persist(run_id)
-        self.r.eval(_SET_IF_WHOLE, 1, layout.run_key(run_id), "kept", time.time())
+        self.r.eval(_SET_IF_WHOLE, 1, layout.run_key(run_id), "kept", broker_now(self.r))
 
     def forget(self, run_id: str) -> int:
         """Delete every key of the run, and its place in the list of runs; returns how many."""

@@ -14,7 +14,6 @@ fields mean what :meth:`Workers.task_ended` and :meth:`Workers.store_ok` write.
 from __future__ import annotations
 
 import json
-import time
 from typing import Any
 
 from tensorturn import layout
@@ -68,19 +67,22 @@ class Workers:
 
     # -- the task it trains --
     def report(self, worker: str, label: str, progress: dict[str, Any],
-               live: tuple[str, str, dict[str, Any]] | None = None) -> str | None:
+               live: tuple[str, str, dict[str, Any]] | None = None) -> tuple[str | None, str | None]:
         """Say which task ``worker`` trains and how far it is, in one round trip; with ``live``
         (run id, field, entry) the same report goes to the run's live hash
         (:class:`tensorturn.state.live.Progress`) and the run's state is read back (a training
-        loop learns of a cancel from its report). Returns that state (None without ``live``)."""
+        loop learns of a cancel from its report). Returns that state (None without ``live``)
+        and why ``worker`` is paused (None when it is not: :mod:`tensorturn.pool.owner`)."""
+        key = layout.worker_key(worker)
         pipe = self.r.pipeline(transaction=False)
-        pipe.hset(layout.worker_key(worker), mapping={"task": label, "progress": json.dumps(progress)})
+        pipe.hset(key, mapping={"task": label, "progress": json.dumps(progress)})
+        pipe.hget(key, "paused")
         if live is not None:
             run_id, field, entry = live
             Progress(self.r).write(run_id, field, entry, pipe)
             Runs(self.r).state_field(run_id, pipe)
         replies = pipe.execute()
-        return replies[-1] if live is not None else None
+        return (replies[-1] if live is not None else None), (replies[1] or None)
 
     def task_ended(self, worker: str, rate: float | None, pipe: Any) -> None:
         """``worker``'s task ended, in ``pipe``; with a ``rate`` it trained, at that many
@@ -107,9 +109,9 @@ class Workers:
     def store_failed(self, worker: str) -> tuple[int, float]:
         """Count a store failure of ``worker``; returns its failures in a row and since when."""
         key = layout.worker_key(worker)
-        self.r.hsetnx(key, "store_failing_since", time.time())
+        self.r.hsetnx(key, "store_failing_since", broker_now(self.r))
         failures = int(self.r.hincrby(key, "store_failures", 1))
-        since = float(self.r.hget(key, "store_failing_since") or time.time())
+        since = float(self.r.hget(key, "store_failing_since") or broker_now(self.r))
         return failures, since
 
     def quarantine(self, worker: str, mark: dict[str, str]) -> None:

@@ -40,6 +40,7 @@ from tensorturn import config, layout, tracebacks, trust
 from tensorturn.config import mask_text, mask_url
 from tensorturn.errors import RecipeError, StoreError, TensorTurnError
 from tensorturn.layout import Label
+from tensorturn.pool.owner import HandedBack
 from tensorturn.spec import FINISHED, Outcome, RunSpec, RunState
 from tensorturn.state.attempts import Figures
 from tensorturn.state.board import RunBoard
@@ -141,12 +142,15 @@ class RunCancelled(Exception):
 def watch_cancelled(on_step: Callable[[int, float], None], attempt: Attempt,
                     reporter: Any = None) -> Callable[[int, float], None]:
     """``on_step`` (a training loop's per-step callback), then a look whether the run was
-    cancelled. With a ``reporter`` (:class:`tensorturn.pool.telemetry.TaskReporter` with a live
+    cancelled, and whether this machine's owner needs it (:class:`HandedBack`, read from the
+    reporter's progress report). With a ``reporter`` (:class:`tensorturn.pool.telemetry.TaskReporter` with a live
     field, called by ``on_step``) the look is the run state its progress report read — no round
     trip of its own, about once a second; else :meth:`Attempt.check_cancelled`."""
 
     def step(n: int, loss: float) -> None:
         on_step(n, loss)
+        if reporter is not None and reporter.paused:
+            raise HandedBack(reporter.paused)
         if reporter is None or reporter.live is None:
             attempt.check_cancelled()
         elif reporter.run_state == RunState.CANCELLED:
@@ -230,7 +234,7 @@ def execute(task: Task, run_id: str, label: Label, unit_class: type[Unit], sig: 
         return receipt
     board = board_for(task.app.conf.broker_url)
     try:
-        state, quarantined = board.state_and_quarantine(run_id, task.request.hostname or "?")
+        state, quarantined, paused = board.state_and_standing(run_id, task.request.hostname or "?")
     except Exception as exc:  # noqa: BLE001 - the broker did not answer: nothing began; no round may lose this task
         log.warning("run %s %s: the broker did not answer (%s); retrying", run_id, label, exc)
         raise task.retry(countdown=2, max_retries=None) from None
@@ -240,7 +244,7 @@ def execute(task: Task, run_id: str, label: Label, unit_class: type[Unit], sig: 
         log.warning("run %s: %s ignored: the broker has no record of the run; `tensorturn "
                     "resume %s` rebuilds it from the store", run_id, label, run_id)
         return receipt
-    if quarantined:  # a task it held when taken out of rotation
+    if quarantined or paused:  # a task it held when taken out of rotation, or when its owner came
         raise task.retry(countdown=1, max_retries=None)   # back to the queue, for another machine
     tally = Tally()
     try:
@@ -338,6 +342,12 @@ def _execute(task: Task, board: RunBoard, run_id: str, label: Label, unit_class:
             board.attempt_log.give_back(run_id, str(label))
             board.finish_attempt(run_id, key, Outcome.REFUSED.says(str(exc)), figures=Figures(worker))
         return receipt
+    except HandedBack as exc:  # the machine's owner needs it: another machine takes the task
+        if key:
+            board.attempt_log.give_back(run_id, str(label))
+            board.finish_attempt(run_id, key, Outcome.HANDED_BACK.says(str(exc)), figures=Figures(worker))
+        log.warning("run %s %s: handed back (%s)", run_id, label, exc)
+        raise task.retry(countdown=0, max_retries=None) from None
     except RunCancelled:  # not a failure: recorded, never retried; the run is finished
         if key:
             board.finish_attempt(run_id, key, CANCELLED, figures=Figures(worker))

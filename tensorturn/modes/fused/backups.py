@@ -12,7 +12,6 @@ running, which task trains a copy, and the words of the incident.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +21,7 @@ from tensorturn.modes.fused.options import options
 from tensorturn.recipes import recipe_of
 from tensorturn.spec import Outcome, RunSpec
 from tensorturn.state.board import RunBoard
+from tensorturn.state.clock import broker_now
 from tensorturn.tasks.attempt import Unit, signed
 
 COPY_KINDS = ("backup", "update_backup")  # labels of backup copies (r<r>/backup-<k>, u<j>/backup)
@@ -68,7 +68,7 @@ def pick(board: RunBoard, running: list[Running], me: str, samples: int) -> int 
     mine = board.workers.last_rate(me)
     if not mine:
         return None
-    own_s, now = samples / mine, time.time()
+    own_s, now = samples / mine, broker_now(board.r)  # the attempts' clock
     best, best_left = None, own_s
     for unit in running:
         if unit.worker == me:

@@ -55,6 +55,7 @@ from tensorturn.pool.celery_app import app
 from tensorturn.recipes import Recipe
 from tensorturn.spec import RunSpec
 from tensorturn.state.board import RunBoard
+from tensorturn.state.clock import broker_now
 from tensorturn.state.ledger import AsyncLedger
 from tensorturn.state.manifest import load_spec
 from tensorturn.store import seals
@@ -145,7 +146,7 @@ class UpdateUnit(backups.CopyAwareUnit):
 
                 outcome = train_and_store(self, r, k, theta_of, out_key, lambda: book.stored(self.j))
             if self.store.exists(out_key):  # this copy's, or another's: queued to be applied once
-                book.push(self.j, self.a.worker, time.time())
+                book.push(self.j, self.a.worker, broker_now(self.board.r))
         if not book.is_applied(self.j):  # (a copy that found it stored too: its first may have died)
             queue_drain_beside_store(spec, self.board)
         # Returns only once its update is applied (and, for the run's last, the run finished):

@@ -1,0 +1,110 @@
+"""``pause``, ``policy`` and ``resume MACHINE``: a machine's owner comes first
+(:mod:`tensorturn.pool.owner`). ``resume`` is one command for runs and machines
+(:mod:`tensorturn.cli.run`): what it names decides."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import click
+
+from tensorturn.cli import cli, emit_json, pool_options
+from tensorturn.errors import TensorTurnError
+
+MACHINE = click.argument("machine", metavar="MACHINE")
+
+
+def policy_options(fn: Callable) -> Callable:
+    """The policy's flags, shared by ``agent`` (its policy from the start) and ``policy``."""
+    for decorate in reversed((
+        click.option("--hours", default=None, metavar="HH:MM-HH:MM",
+                     help="Work only in these local hours, e.g. 22:00-08:00 (ranges comma-separated; "
+                          "a range may pass midnight)."),
+        click.option("--pause-on-battery", is_flag=True, default=None,
+                     help="Pause while the machine runs on battery."),
+        click.option("--pause-when-busy", type=click.FloatRange(0, 100), default=None, metavar="PERCENT",
+                     help="Pause while other processes use more than PERCENT of the CPU (a game, a "
+                          "build), for 2 s in a row; resume after 5 s under it. 0: never."),
+        click.option("--pause-when-gpu-shared", is_flag=True, default=None,
+                     help="Pause while another process uses the GPU (NVIDIA: nvidia-smi)."),
+    )):
+        fn = decorate(fn)
+    return fn
+
+
+def resume_machine(broker: str, machine: str, as_json: bool) -> None:
+    """`tensorturn resume MACHINE`: end the machine's pause (its policy — hours, battery, a busy
+    CPU — may still hold it)."""
+    from tensorturn.runs import owners
+
+    doc = owners.resume(broker, machine)
+    if as_json:
+        emit_json(doc)
+    elif doc["was_paused"]:
+        click.echo(f"{doc['machine']} resumes within a few seconds, unless its policy holds it")
+    else:
+        click.echo(f"{doc['machine']} was not paused by `tensorturn pause` (its policy may hold it: "
+                   f"see `tensorturn workers`)")
+
+
+def _need(broker: str | None, what: str) -> str:
+    if not broker:
+        raise TensorTurnError(f"`{what}` needs a pool: pass --join-file JOIN or --broker URL")
+    return broker
+
+
+@cli.command()
+@MACHINE
+@click.option("--reason", default="", help="Why (shown by `workers` and `status`).")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@pool_options()
+def pause(broker, store, machine, reason, as_json):
+    """Pause MACHINE's agent: its running training task goes back to the queue within a few
+    seconds (another machine redoes it, at no cost to the run's attempts), and it takes nothing
+    until `tensorturn resume MACHINE` — also across a restart of the agent.
+
+    MACHINE is the agent's name as `workers` lists it (NAME@host), or NAME alone.
+    """
+    from tensorturn.runs import owners
+
+    doc = owners.pause(_need(broker, "pause"), machine, reason)
+    if as_json:
+        emit_json(doc)
+    else:
+        click.echo(f"{doc['machine']} pauses within a few seconds ({doc['paused']}); "
+                   f"`tensorturn resume {machine}` ends it")
+
+
+@cli.command()
+@MACHINE
+@policy_options
+@click.option("--clear", is_flag=True, help="Back to the policy the agent was started with.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@pool_options()
+def policy(broker, store, machine, hours, pause_on_battery, pause_when_busy, pause_when_gpu_shared,
+           clear, as_json):
+    """Set MACHINE's policy while its agent runs (it replaces the one the agent was started
+    with, until --clear): the hours it may work, and when it steps aside for its owner.
+
+    \b
+      tensorturn policy gaming-pc --hours 22:00-08:00 --pause-when-busy 30
+      tensorturn policy laptop --pause-on-battery
+    """
+    from tensorturn.pool.owner import Policy
+    from tensorturn.runs import owners
+
+    given = (hours, pause_on_battery, pause_when_busy, pause_when_gpu_shared)
+    if clear and any(v is not None for v in given):
+        raise click.UsageError("--clear goes alone: it drops the policy set here")
+    if not clear and all(v is None for v in given):
+        raise click.UsageError("say what the policy is (--hours, --pause-on-battery, --pause-when-busy, "
+                               "--pause-when-gpu-shared), or --clear")
+    rule = None if clear else Policy(hours=hours, on_battery=bool(pause_on_battery),
+                                     busy_percent=pause_when_busy or 0.0,
+                                     gpu_shared=bool(pause_when_gpu_shared))
+    doc = owners.set_policy(_need(broker, "policy"), machine, None if rule is None else rule.to_json())
+    if as_json:
+        emit_json({**doc, "policy": None if rule is None else rule.__dict__})
+    else:
+        click.echo(f"{doc['machine']}: " + ("back to the policy it was started with" if rule is None
+                                            else rule.describe()) + " (within a second)")

@@ -1,0 +1,355 @@
+"""The owner comes first: an agent that steps aside while its machine's owner needs it.
+
+A gaming PC trains at night and is played on in the evening; a laptop runs on battery; a
+workstation is used by day. Each agent has a **policy** — allowed hours, pause on battery, pause
+while other processes keep the CPU busy or use the GPU — from its command line
+(``tensorturn agent --hours 22:00-08:00 --pause-on-battery ...``) or ``TENSORTURN_*`` variables,
+replaced while it runs by ``tensorturn policy MACHINE ...`` from any machine holding the join file,
+and the owner may pause it outright (``tensorturn pause MACHINE`` / ``resume``).
+
+:class:`OwnerWatch` (a worker bootstep, on a thread of its own) looks every second. When the
+machine should step aside it
+
+1. stops consuming every queue (nothing new is fetched),
+2. says so in its signed heartbeat — ``paused`` with the reason, for ``workers``, ``status`` and
+   Flower — and in the same field the running task's progress report reads: a training task
+   hands itself back within about a second (:class:`HandedBack`): the attempt is recorded
+   ``handed back``, costs none of the run's attempts, and its message goes back to the queue for
+   another machine — from the same weights with the same seed, so the same result;
+3. and when the policy allows again, consumes its queues again.
+
+Outer steps and evaluations finish first (they are short, and usually on the coordinator).
+
+The readings (hours, battery, CPU, GPU) are the machine's own, so the hours are its local
+time — the owner's clock, not the broker's. CPU: the share of all cores that processes other than
+this agent and its pool used since the last look, over :data:`BUSY_LOOKS` looks in a row to pause
+and :data:`CALM_LOOKS` to resume (a game's loading screen must not flap the agent). GPU: another
+process on it, from ``nvidia-smi`` (where there is none, the policy has nothing to read).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import subprocess
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from datetime import datetime
+from datetime import time as clock_time
+from pathlib import Path
+from typing import Any
+
+import psutil
+from celery import bootsteps
+
+from tensorturn import config, trust
+from tensorturn.errors import SpecError
+from tensorturn.state.broker import redis_client
+from tensorturn.state.owners import Owners
+
+log = logging.getLogger(__name__)
+
+LOOK_S = 1.0     # how often the agent looks at its owner's marks and its machine
+BUSY_LOOKS = 2   # looks in a row over the CPU threshold before it pauses
+CALM_LOOKS = 5   # looks in a row under it before it resumes
+HOURS = re.compile(r"^([01]?\d|2[0-3]):([0-5]\d)-([01]?\d|2[0-3]):([0-5]\d)$")
+
+
+class HandedBack(Exception):
+    """This machine's owner needs it: the attempt ends ``handed back: <why>``, costs none of the
+    run's attempts, and its task goes back to the queue for another machine."""
+
+
+# ---- the policy --------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Policy:
+    """When an agent steps aside. ``hours``: the local times it may work, ``HH:MM-HH:MM``
+    ranges, comma-separated (a range may pass midnight); None: any time. ``busy_percent``: pause
+    while other processes use more than this share of the CPU (0: never)."""
+
+    hours: str | None = None
+    on_battery: bool = False
+    busy_percent: float = 0.0
+    gpu_shared: bool = False
+
+    def __post_init__(self) -> None:
+        if self.hours is not None:
+            parse_hours(self.hours)
+        if not 0 <= self.busy_percent <= 100:
+            raise SpecError(f"the CPU threshold must be a percentage from 0 to 100 (got {self.busy_percent:g})")
+
+    @classmethod
+    def from_settings(cls, settings: config.Settings) -> Policy:
+        return cls(hours=settings.hours or None, on_battery=bool(settings.pause_on_battery),
+                   busy_percent=float(settings.pause_busy_percent), gpu_shared=bool(settings.pause_gpu_shared))
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> Policy:
+        doc = json.loads(text)
+        return cls(hours=doc.get("hours"), on_battery=bool(doc.get("on_battery")),
+                   busy_percent=float(doc.get("busy_percent") or 0), gpu_shared=bool(doc.get("gpu_shared")))
+
+    def describe(self) -> str:
+        parts = [f"hours {self.hours}" if self.hours else "any hour"]
+        if self.on_battery:
+            parts.append("pause on battery")
+        if self.busy_percent:
+            parts.append(f"pause while others use > {self.busy_percent:g}% CPU")
+        if self.gpu_shared:
+            parts.append("pause while another process uses the GPU")
+        return ", ".join(parts)
+
+
+def parse_hours(text: str) -> list[tuple[clock_time, clock_time]]:
+    """``22:00-08:00,12:00-13:30`` as (start, end) pairs; SpecError for anything else."""
+    ranges = []
+    for part in text.replace(" ", "").split(","):
+        m = HOURS.match(part)
+        if not m:
+            raise SpecError(f"hours must be HH:MM-HH:MM ranges, comma-separated, e.g. 22:00-08:00 (got {text!r})")
+        start, end = clock_time(int(m[1]), int(m[2])), clock_time(int(m[3]), int(m[4]))
+        if start == end:
+            raise SpecError(f"the hours {part} are empty: start and end are the same")
+        ranges.append((start, end))
+    return ranges
+
+
+def within_hours(text: str, now: clock_time) -> bool:
+    """Whether the local time ``now`` is in one of the ranges of ``text``."""
+    for start, end in parse_hours(text):
+        if (start <= now < end) if start < end else (now >= start or now < end):
+            return True
+    return False
+
+
+@dataclass
+class Readings:
+    """What the machine says now."""
+
+    local_time: clock_time
+    on_battery: bool | None = None          # None: no battery, or no sensor
+    others_busy: bool = False               # other processes over the CPU threshold, held
+    others_percent: float | None = None
+    gpu_others: list[tuple[int, float]] = field(default_factory=list)  # (pid, MiB) of others on the GPU
+
+
+def why_paused(policy: Policy, readings: Readings) -> str | None:
+    """Why the policy wants the machine left alone now, in words; None when it may work."""
+    if policy.hours and not within_hours(policy.hours, readings.local_time):
+        return f"outside hours ({policy.hours})"
+    if policy.on_battery and readings.on_battery:
+        return "on battery"
+    if policy.busy_percent and readings.others_busy:
+        return f"owner: other processes use {readings.others_percent or 0:.0f}% of the CPU"
+    if policy.gpu_shared and readings.gpu_others:
+        pid, mib = readings.gpu_others[0]
+        return f"owner: another process uses the GPU (pid {pid}, {mib / 1024:.1f} GB)"
+    return None
+
+
+# ---- the machine's readings --------------------------------------------------------------------
+
+def on_battery(fake: str | None = None) -> bool | None:
+    """Whether the machine runs on battery now; None without a battery. ``fake`` (tests: the
+    ``TENSORTURN_FAKE_BATTERY_FILE`` setting) is a file saying ``battery`` or ``ac``."""
+    if fake:
+        try:
+            return Path(fake).read_text().strip() == "battery"
+        except OSError:
+            return None
+    try:
+        battery = psutil.sensors_battery()
+    except (AttributeError, NotImplementedError, OSError):
+        return None
+    return None if battery is None or battery.power_plugged is None else not battery.power_plugged
+
+
+def own_processes(root: int | None = None) -> list[psutil.Process]:
+    """This agent's processes: its main process and every descendant (the pool, a spawned helper)."""
+    try:
+        me = psutil.Process(root or os.getpid())
+        return [me, *me.children(recursive=True)]
+    except psutil.Error:
+        return []
+
+
+class CpuWatch:
+    """The share of all cores that processes other than this agent's used between two looks,
+    and whether it stayed over a threshold for :data:`BUSY_LOOKS` looks (then until it stayed
+    under for :data:`CALM_LOOKS`)."""
+
+    def __init__(self, processes: Callable[[], list[psutil.Process]] = own_processes,
+                 clock: Callable[[], float] = time.monotonic):
+        self.processes, self.clock = processes, clock
+        self.last: tuple[float, float, dict[int, float]] | None = None
+        self.over = self.under = 0
+        self.busy = False
+        self.percent: float | None = None
+
+    def look(self, threshold: float) -> bool:
+        """Whether others keep the CPU busy over ``threshold`` percent (0: not watched)."""
+        if not threshold:  # not watched: nothing read, and a later threshold starts afresh
+            self.last, self.over, self.under, self.busy, self.percent = None, 0, 0, False, None
+            return False
+        self.percent = self.sample()
+        if self.percent is None:
+            return self.busy
+        if self.percent > threshold:
+            self.over, self.under = self.over + 1, 0
+        else:
+            self.over, self.under = 0, self.under + 1
+        if not self.busy and self.over >= BUSY_LOOKS:
+            self.busy = True
+        elif self.busy and self.under >= CALM_LOOKS:
+            self.busy = False
+        return self.busy
+
+    def sample(self) -> float | None:
+        """Others' percent of the machine since the last call (None on the first)."""
+        times = psutil.cpu_times()
+        busy = sum(times) - times.idle - getattr(times, "iowait", 0.0)
+        own = {}
+        for p in self.processes():
+            try:
+                t = p.cpu_times()
+                own[p.pid] = t.user + t.system
+            except psutil.Error:
+                continue
+        now, last = self.clock(), self.last
+        self.last = (now, busy, own)
+        if last is None:
+            return None
+        then, busy_then, own_then = last
+        mine = sum(cpu - own_then.get(pid, 0.0) for pid, cpu in own.items())
+        span = (now - then) * (psutil.cpu_count() or 1)
+        return max(0.0, min(100.0, 100.0 * (busy - busy_then - mine) / span)) if span > 0 else None
+
+
+def gpu_others(own: set[int]) -> list[tuple[int, float]]:
+    """(pid, MiB) of the processes other than ``own`` on this machine's GPUs, from ``nvidia-smi``;
+    empty without one."""
+    try:
+        done = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory",
+                               "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return parse_compute_apps(done.stdout, own) if done.returncode == 0 else []
+
+
+def parse_compute_apps(text: str, own: set[int]) -> list[tuple[int, float]]:
+    """``nvidia-smi --query-compute-apps=pid,used_memory``'s lines, less ``own`` processes."""
+    out = []
+    for line in text.strip().splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) != 2 or not parts[0].isdigit():
+            continue
+        try:
+            mib = float(parts[1])
+        except ValueError:  # "[N/A]" where the driver does not say
+            mib = 0.0
+        if int(parts[0]) not in own:
+            out.append((int(parts[0]), mib))
+    return out
+
+
+# ---- the agent's side --------------------------------------------------------------------------
+
+class Standing:
+    """Whether this agent is paused and why (None: at work): what its heartbeat says, set by
+    :class:`OwnerWatch`. One per agent process (its pool processes read the broker instead)."""
+
+    def __init__(self) -> None:
+        self.paused: str | None = None
+        self.policy: Policy | None = None
+        self.quarantined = False  # as its last heartbeat read its quarantine mark
+
+
+standing = Standing()
+
+
+class OwnerWatch(bootsteps.StartStopStep):
+    """Worker bootstep: look at the owner's marks and the machine every :data:`LOOK_S`, and
+    step aside (or back) as the policy says."""
+
+    requires = {"tensorturn.pool.telemetry:Heartbeat"}
+
+    def __init__(self, worker, **kwargs):
+        super().__init__(worker, **kwargs)
+        self.stopping = threading.Event()
+        self.thread: threading.Thread | None = None
+        self.worker = worker
+        self.cpu = CpuWatch()
+        self.cancelled: list[str] = []
+
+    def start(self, worker):
+        self.worker = worker
+        self.stopping.clear()
+        self.thread = threading.Thread(target=self.keep, args=(redis_client(worker.app.conf.broker_url),),
+                                       name="tt-owner-watch", daemon=True)
+        self.thread.start()
+
+    def stop(self, worker):
+        self.stopping.set()
+
+    terminate = stop
+
+    def keep(self, client: Any) -> None:
+        local = Policy.from_settings(config.current())
+        owners = Owners(client)
+        while not self.stopping.wait(LOOK_S):
+            try:
+                self.look(owners, local)
+            except Exception as exc:  # noqa: BLE001 - the broker may be restarting: the next look
+                log.warning("owner policy: %s", exc)
+
+    def look(self, owners: Owners, local: Policy) -> None:
+        node = self.worker.hostname
+        marks = owners.read(node, trust.find_key())
+        try:
+            policy = Policy.from_json(marks["policy"]) if "policy" in marks else local
+        except (ValueError, SpecError) as exc:
+            log.warning("ignored the policy set for %s: %s", node, exc)
+            policy = local
+        settings = config.current()
+        readings = Readings(local_time=datetime.now().time(),
+                            on_battery=on_battery(settings.fake_battery_file) if policy.on_battery else None,
+                            others_busy=self.cpu.look(policy.busy_percent), others_percent=self.cpu.percent,
+                            gpu_others=gpu_others({p.pid for p in own_processes()}) if policy.gpu_shared else [])
+        why = ("owner: " + marks["paused"]) if "paused" in marks else why_paused(policy, readings)
+        standing.policy = policy
+        if why == standing.paused:
+            return
+        was, standing.paused = standing.paused, why
+        if why is not None and was is None:
+            log.warning("pausing: %s", why)
+            self.consume(False)
+        elif why is None:
+            log.warning("resuming: %s no longer holds", was)
+            self.consume(True)
+        beat = getattr(self.worker, "tt_heartbeat", None)
+        if beat is not None:  # at once: the running task reads it, `workers` shows it
+            beat()
+
+    def consume(self, on: bool) -> None:
+        """Stop consuming every task queue (remembering which), or consume them again."""
+        consumer = getattr(self.worker, "consumer", None)
+        if consumer is None or consumer.task_consumer is None:
+            return
+        if not on:
+            self.cancelled = [q.name for q in consumer.task_consumer.queues]
+            for name in self.cancelled:
+                consumer.call_soon(consumer.cancel_task_queue, name)
+            return
+        if standing.quarantined:  # out of rotation meanwhile: it stays so until restarted
+            return
+        for name in self.cancelled:
+            consumer.call_soon(consumer.add_task_queue, name)
+        self.cancelled = []

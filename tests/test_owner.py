@@ -1,0 +1,164 @@
+"""The owner comes first (issue 29): real agents that step aside — by `tensorturn pause`, on
+battery, outside their hours, while other processes keep the CPU busy — hand their running task
+back at no cost to the run's attempts, take nothing until the policy allows, and come back.
+
+Owners are simulated: a file stands in for the battery sensor (TENSORTURN_FAKE_BATTERY_FILE), the
+hours are set around the machine's own clock, and processes that spin busy the CPU.
+"""
+
+from __future__ import annotations
+
+import datetime
+import subprocess
+import sys
+
+import pytest
+import redis
+from conftest import clean_env, run_to_end, start_pool, submit_run, tt, wait_for, wait_for_run
+
+from tensorturn.state.board import RunBoard
+from tensorturn.state.roster import list_workers
+
+pytestmark = [pytest.mark.e2e, pytest.mark.long]
+
+# each of the 3 shards trains 1.5 s (emulated steps), long enough to be paused mid-task;
+# max_attempts 1: an attempt a pause cost would fail the run
+SPEC = dict(mode="fused", recipe="digits-mlp", rounds=2, shards=3, sync_every=30, max_attempts=1)
+STEP_S = 0.05
+
+
+@pytest.fixture(scope="module")
+def owned(tmp_path_factory):
+    """Two agents whose battery sensor is a file (saying ``ac``)."""
+    tmp = tmp_path_factory.mktemp("owner")
+    battery = tmp / "battery"
+    battery.write_text("ac")
+    pool = start_pool(tmp, 2, step_s=STEP_S, loglevel="INFO",
+                      env={"TENSORTURN_FAKE_BATTERY_FILE": str(battery)})
+    pool.battery = battery
+    yield pool
+    pool.stop(grace=1.0)
+
+
+@pytest.fixture
+def pool(owned):
+    """The module's pool with both agents at work, their policies as they were started."""
+    yield owned
+    owned.battery.write_text("ac")
+    for name in ("local1", "local2"):
+        tt("resume", name, env=cli_env(owned))
+        tt("policy", name, "--clear", env=cli_env(owned))
+    wait_for(lambda: {w["state"] for w in workers(owned)} <= {"idle", "busy"}, "both agents back at work")
+
+
+@pytest.fixture(scope="module")
+def reference(owned):
+    """The undisturbed run of SPEC on the same pool."""
+    doc = run_to_end(owned, **SPEC)
+    assert doc["state"] == "succeeded" and not doc["incidents"]
+    return doc
+
+
+def cli_env(pool) -> dict[str, str]:
+    return clean_env(TENSORTURN_BROKER_URL=pool.broker_url)
+
+
+def workers(pool) -> list[dict]:
+    return list_workers(redis.Redis.from_url(pool.broker_url, decode_responses=True))
+
+
+def standing(pool, name: str) -> dict:
+    return next(w for w in workers(pool) if w["name"].startswith(name + "@"))
+
+
+def running_shard(pool, run_id: str) -> dict:
+    board = RunBoard(redis.Redis.from_url(pool.broker_url, decode_responses=True))
+    return wait_for(lambda: next((a for a in board.attempts(run_id)
+                                  if a["outcome"] == "running" and "/shard-" in a["task"]), None),
+                    "a shard to be training")
+
+
+def handed_back(pool, run_id: str) -> list[dict]:
+    board = RunBoard(redis.Redis.from_url(pool.broker_url, decode_responses=True))
+    return [a for a in board.attempts(run_id) if a["outcome"].startswith("handed back")]
+
+
+def check_same_run(doc: dict, reference: dict, victim: dict) -> None:
+    """The run succeeded with the undisturbed run's model, the handed-back task was redone by
+    another agent, and it cost no attempt (max_attempts is 1)."""
+    assert doc["state"] == "succeeded", doc.get("error")
+    assert doc["model_sha256"] == reference["model_sha256"]
+    redone = [a for a in doc["attempts"] if a["task"] == victim["task"] and a["outcome"] == "succeeded"]
+    assert len(redone) == 1 and redone[0]["worker"] != victim["worker"]
+    assert not [a for a in doc["attempts"] if a["outcome"].startswith("failed")]
+
+
+def test_pause_hands_the_running_task_back_and_resume_brings_the_agent_back(pool, reference):
+    spec = submit_run(pool, **SPEC)
+    victim = running_shard(pool, spec.run_id)
+    name = victim["worker"].split("@")[0]
+    out = tt("pause", name, "--reason", "game night", env=cli_env(pool))
+    assert out.returncode == 0, out.stderr
+    wait_for(lambda: handed_back(pool, spec.run_id), "the running shard to be handed back")
+    [back] = handed_back(pool, spec.run_id)
+    assert back["task"] == victim["task"] and back["outcome"] == "handed back: owner: game night"
+    paused = standing(pool, name)
+    assert paused["state"] == "paused" and paused["paused"] == "owner: game night"
+    listed = tt("workers", "--json", env=cli_env(pool))
+    assert '"paused": "owner: game night"' in listed.stdout
+    doc = wait_for_run(pool, spec.run_id)
+    check_same_run(doc, reference, victim)
+    assert not [a for a in doc["attempts"] if a["worker"] == victim["worker"]
+                and a["started_at"] > back["finished_at"]]  # it took nothing while paused
+    assert tt("resume", name, env=cli_env(pool)).returncode == 0
+    wait_for(lambda: standing(pool, name)["state"] == "idle", "the agent to resume")
+
+
+def test_on_battery_the_agent_hands_back_and_resumes_on_mains(pool, reference):
+    spec = submit_run(pool, **SPEC)
+    victim = running_shard(pool, spec.run_id)
+    name = victim["worker"].split("@")[0]
+    assert tt("policy", name, "--pause-on-battery", env=cli_env(pool)).returncode == 0
+    pool.battery.write_text("battery")  # unplugged
+    wait_for(lambda: handed_back(pool, spec.run_id), "the running shard to be handed back")
+    assert standing(pool, name)["paused"] == "on battery"
+    check_same_run(wait_for_run(pool, spec.run_id), reference, victim)
+    pool.battery.write_text("ac")
+    wait_for(lambda: standing(pool, name)["state"] == "idle", "the agent to resume on mains")
+
+
+def test_outside_its_hours_the_agent_pauses_and_the_policy_changes_while_it_runs(pool):
+    now = datetime.datetime.now()
+
+    def hours(start: datetime.datetime, end: datetime.datetime) -> str:
+        return f"{start:%H:%M}-{end:%H:%M}"
+
+    later = hours(now + datetime.timedelta(hours=2), now + datetime.timedelta(hours=3))
+    assert tt("policy", "local2", "--hours", later, env=cli_env(pool)).returncode == 0
+    wait_for(lambda: standing(pool, "local2")["state"] == "paused", "the agent to pause outside its hours")
+    assert standing(pool, "local2")["paused"] == f"outside hours ({later})"
+    around = hours(now - datetime.timedelta(hours=1), now + datetime.timedelta(hours=1))
+    assert tt("policy", "local2", "--hours", around, env=cli_env(pool)).returncode == 0
+    wait_for(lambda: standing(pool, "local2")["state"] == "idle", "the agent to resume within its hours")
+
+
+def test_a_busy_cpu_pauses_the_agent_until_the_owner_leaves(pool):
+    assert tt("policy", "local2", "--pause-when-busy", "40", env=cli_env(pool)).returncode == 0
+    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(4)]
+    try:
+        wait_for(lambda: standing(pool, "local2")["state"] == "paused", "the agent to pause for the busy CPU")
+        assert standing(pool, "local2")["paused"].startswith("owner: other processes use ")
+    finally:
+        for p in burners:
+            p.kill()
+            p.wait()
+    wait_for(lambda: standing(pool, "local2")["state"] == "idle", "the agent to resume once the CPU is calm")
+
+
+def test_owner_commands_name_a_machine_that_exists(pool):
+    out = tt("pause", "nosuch", env=cli_env(pool))
+    assert out.returncode != 0 and "no agent named 'nosuch'" in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1
+    bad = tt("policy", "local1", "--hours", "25:00-08:00", env=cli_env(pool))
+    assert bad.returncode != 0 and "hours must be HH:MM-HH:MM" in bad.stderr
+    assert tt("policy", "local1", env=cli_env(pool)).returncode == 2
