@@ -43,7 +43,7 @@ stall_s               seconds without progress after which `status` and `run` sa
 run_ttl_s             seconds a finished run's Redis keys are kept; then `status`, `runs`, `report` read its manifest
 agent_ttl_s           seconds a stopped or silent agent stays listed (offline); then it is forgotten, its queue too
 device                force a torch device: `cpu`, `cuda:1`, `mps`
-cache_dir             where an agent keeps dataset chunks (default `~/.cache/tensorturn/chunks`)
+cache_dir             where an agent keeps dataset chunks (default: the user's cache, `~/.cache/tensorturn/chunks`)
 cache_gb              the most disk the chunk cache may use; least recently used chunks go first (`agent --cache-gb`)
 device_memory_gb      cap on the device memory an agent offers to the pool (`agent --memory-gb`)
 loglevel              an agent's Celery log level
@@ -52,6 +52,7 @@ pause_on_battery      1: an agent pauses while its machine runs on battery (`age
 pause_busy_percent    an agent pauses while other processes use over this % of the CPU; 0: never (`--pause-when-busy`)
 pause_gpu_shared      1: an agent pauses while another process uses its GPU (`agent --pause-when-gpu-shared`)
 fake_battery_file     tests only: a file saying `battery` or `ac` stands in for the battery sensor
+agent_pool            how an agent runs tasks: `prefork` (Linux's default) or `threads` (elsewhere; `agent --pool`)
 role                  what an agent takes: `train`, `outer` (outer steps, beside the store) or `both` (`agent --role`)
 slowdown              benchmarks and tests only: train this many times slower, to emulate a slow machine
 sim_step_s            benchmarks and tests only: each training step lasts this many seconds (sleeping): emulated speed
@@ -106,6 +107,7 @@ class Settings:
     pause_busy_percent: float = 0.0
     pause_gpu_shared: int = 0
     fake_battery_file: str | None = None
+    agent_pool: str | None = None
     role: str = "train"
     slowdown: float = 1.0
     sim_step_s: float = 0.0

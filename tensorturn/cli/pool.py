@@ -22,6 +22,7 @@ def agent_flags(settings: config.Settings, broker: str | None, options: dict[str
                           device_memory_gb=options["memory_gb"] or settings.device_memory_gb,
                           cache_gb=options["cache_gb"] or settings.cache_gb,
                           role=options["role"] or settings.role,
+                          agent_pool=options["pool"] or settings.agent_pool,
                           hours=given("hours", "hours"),
                           pause_on_battery=int(given("pause_on_battery", "pause_on_battery")),
                           pause_busy_percent=float(given("pause_when_busy", "pause_busy_percent")),
@@ -48,10 +49,14 @@ def agent_flags(settings: config.Settings, broker: str | None, options: dict[str
                    "through the store, so run one on the machine that holds it), or both "
                    "[default: TENSORTURN_ROLE or train].")
 @click.option("--loglevel", default=None, help="Celery log level [default: INFO].")
+@click.option("--pool", type=click.Choice(["prefork", "threads"]), default=None,
+              help="How tasks run: in forked pool processes (prefork) or on a thread of the agent's "
+                   "own process (threads) [default: TENSORTURN_AGENT_POOL, else prefork on Linux, "
+                   "threads on Windows and macOS, which cannot fork a process that loaded torch].")
 @policy_options
 @pool_options(flags=agent_flags)
-def agent(broker, store, name, concurrency, memory_gb, cache_gb, role, loglevel, hours, pause_on_battery,
-          pause_when_busy, pause_when_gpu_shared):
+def agent(broker, store, name, concurrency, memory_gb, cache_gb, role, loglevel, pool, hours,
+          pause_on_battery, pause_when_busy, pause_when_gpu_shared):
     """Run this machine's agent: a Celery worker that trains what the pool queues.
 
     \b
@@ -80,7 +85,10 @@ def agent(broker, store, name, concurrency, memory_gb, cache_gb, role, loglevel,
     # SIGTERM (systemd, Ctrl-C of a supervisor) becomes Celery's cold shutdown with a short soft
     # grace: running tasks get a few seconds, then their messages go straight back to the queue.
     # billiard reads this when first imported, so it is set before anything imports Celery.
-    os.environ.setdefault("REMAP_SIGTERM", "SIGQUIT")
+    from tensorturn import platforms
+
+    for variable, value in platforms.cold_stop().items():
+        os.environ.setdefault(variable, value)
     from tensorturn import trust
     from tensorturn.state.broker import check_broker
     from tensorturn.store.objects import open_store
@@ -94,6 +102,9 @@ def agent(broker, store, name, concurrency, memory_gb, cache_gb, role, loglevel,
     from tensorturn.pool.owner import Policy
 
     Policy.from_settings(config.current())  # bad hours: one clear line now, not a silent agent
+    from tensorturn.pool.agent import pool_of
+
+    pool_of(config.current())  # a bad TENSORTURN_AGENT_POOL: the same
     trust.pool_key()  # one clear error now rather than every task refused later
     check_broker(broker)
     open_store(store).check()

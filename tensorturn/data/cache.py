@@ -12,7 +12,6 @@ The cache holds what the store keeps private, so it is as private: its folder 07
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import logging
 import os
@@ -24,14 +23,16 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
-from tensorturn import layout
+from filelock import FileLock
+
+from tensorturn import layout, platforms
 from tensorturn.errors import StoreError
 from tensorturn.store.objects import Store
 
 log = logging.getLogger(__name__)
 
 ORPHAN_AGE_S = 3600
-DEFAULT_DIR = Path.home() / ".cache" / "tensorturn" / "chunks"
+DEFAULT_DIR = platforms.cache_dir()
 SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
@@ -72,12 +73,8 @@ class ChunkCache:
                     continue
             except FileNotFoundError:
                 continue
-            try:
-                os.kill(int(pid), 0)
-            except ProcessLookupError:
+            if not platforms.pid_alive(int(pid)):
                 tmp.unlink(missing_ok=True)
-            except PermissionError:  # alive, another user's
-                pass
 
     def thread_bytes(self) -> tuple[int, int]:
         """(downloaded, read): bytes this thread has downloaded into the cache, and bytes of
@@ -86,12 +83,8 @@ class ChunkCache:
 
     @contextmanager
     def _locked(self):
-        with os.fdopen(os.open(self.dir / ".lock", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(lock, fcntl.LOCK_UN)
+        with FileLock(self.dir / ".lock", mode=0o600):  # flock on POSIX, LockFileEx on Windows
+            yield
 
     def path(self, store: Store, chunk: dict[str, Any]) -> Path:
         """The local file of ``chunk`` (an index entry: sha256, bytes), downloaded if needed.

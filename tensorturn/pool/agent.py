@@ -8,13 +8,27 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 
-from tensorturn import config
+from tensorturn import config, platforms
+from tensorturn.errors import SpecError
+from tensorturn.pool.threads import CLASS as THREADS
+from tensorturn.pool.threads import POOLS
 
 
-def worker_argv(name: str | None, concurrency: int, loglevel: str) -> list[str]:
-    """Arguments for ``celery worker``: hostname ``NAME@host``, prefork pool, task events off
-    until a monitor (Flower) enables them, and
+def pool_of(settings: config.Settings) -> str:
+    """The pool this agent runs its tasks in: ``--pool``/``TENSORTURN_AGENT_POOL``, else the
+    platform's (:func:`tensorturn.platforms.default_pool`)."""
+    pool = settings.agent_pool or platforms.default_pool(sys.platform)
+    if pool not in POOLS:
+        raise SpecError(f"TENSORTURN_AGENT_POOL must be one of {', '.join(POOLS)} (got {pool!r})")
+    return pool
+
+
+def worker_argv(name: str | None, concurrency: int, loglevel: str, pool: str = "prefork") -> list[str]:
+    """Arguments for ``celery worker``: hostname ``NAME@host``, its pool (prefork; the threads
+    pool is set in the app's configuration, :mod:`.threads`), task events off until a monitor
+    (Flower) enables them, and
     the queues of every model size this machine's device memory can hold — for training, for
     outer steps (:mod:`.routing`), or both, by its role — and its own queue."""
     from tensorturn.layout import agent_queue
@@ -22,9 +36,9 @@ def worker_argv(name: str | None, concurrency: int, loglevel: str) -> list[str]:
 
     node = f"{name or 'agent'}@{socket.gethostname()}"
     queues = ",".join([*agent_queues(), agent_queue(node)])
-    return ["worker", "--hostname", node, "--concurrency", str(concurrency), "--pool", "prefork",
-            "--loglevel", loglevel, "--without-mingle", "--without-gossip",
-            "--queues", queues]
+    argv = ["worker", "--hostname", node, "--concurrency", str(concurrency),
+            "--loglevel", loglevel, "--without-mingle", "--without-gossip", "--queues", queues]
+    return argv + (["--pool", "prefork"] if pool == "prefork" else [])
 
 
 def run_agent(name: str | None, concurrency: int, loglevel: str | None = None) -> None:
@@ -32,8 +46,15 @@ def run_agent(name: str | None, concurrency: int, loglevel: str | None = None) -
     from tensorturn.recipes import warm_up
 
     level = loglevel or config.current().loglevel
+    pool = pool_of(config.current())
     # CUDA must not start in this process, whose forks run the tasks: torch's look for a GPU
     # asks the driver through NVML instead (telemetry asks nvidia-smi; tasks start CUDA themselves)
     os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
     warm_up()  # before the pool forks: every pool process starts with torch and the recipes loaded
-    app.worker_main(worker_argv(name, concurrency, level))
+    from celery.signals import worker_ready
+
+    # once Celery's stop handlers are in place: Ctrl-Break (Windows) stops as Ctrl-C does
+    worker_ready.connect(lambda **_: platforms.stop_on_break(), weak=False)
+    if pool == "threads":
+        app.conf.worker_pool = THREADS  # a class path: Celery's --pool takes only its own names
+    app.worker_main(worker_argv(name, concurrency, level, pool))

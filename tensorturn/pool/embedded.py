@@ -15,7 +15,6 @@ import os
 import re
 import secrets
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -25,7 +24,7 @@ import weakref
 from collections.abc import Collection
 from pathlib import Path
 
-from tensorturn import config, trust
+from tensorturn import config, platforms, trust
 from tensorturn.errors import TensorTurnError
 
 log = logging.getLogger(__name__)
@@ -62,10 +61,7 @@ def kill_started() -> None:
     its agents): a stop that overran its limit must leave none of them behind."""
     for proc in list(_started):
         if proc.poll() is None:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            platforms.kill_group(proc)
 
 
 class RedisServer:
@@ -125,7 +121,7 @@ class RedisServer:
         logged = log_file.stat().st_size if log_file.exists() else 0  # AOF restarts append to it
         args = [redis_server_binary(), str(conf)]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                     start_new_session=True)
+                                     **platforms.new_group())
         _started.add(self.proc)
         # one try per probe, bounded: a program on the port may accept and never answer
         client = redis.Redis(host=_dial_host(self.bind), port=self.port,
@@ -283,10 +279,7 @@ def stop_process_group(proc: subprocess.Popen, grace: float = 10.0, term: bool =
             proc.terminate()
         proc.wait(grace)
     except subprocess.TimeoutExpired:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        platforms.kill_group(proc)
         proc.wait()
 
 
@@ -377,7 +370,7 @@ class LocalPool:
         with open(log_path, "ab") as out:
             proc = subprocess.Popen(self.agent_argv(i), env=env, stdout=out,
                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    start_new_session=True)
+                                    **platforms.new_group())
         _started.add(proc)
         if i < len(self.agents):
             self.agents[i], self.logs[i] = proc, log_path
@@ -417,20 +410,14 @@ class LocalPool:
         if not self._in_flight():
             for proc in self.agents:
                 if proc.poll() is None:
-                    try:
-                        os.killpg(proc.pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
+                    platforms.kill_group(proc)
             for proc in self.agents:
                 proc.wait()
             self._close()
             return
         for proc in self.agents:
             if proc.poll() is None:
-                try:
-                    os.killpg(proc.pid, signal.SIGCONT)  # a stopped agent cannot shut down
-                except ProcessLookupError:
-                    pass
+                platforms.wake_group(proc)  # a stopped agent cannot shut down
                 proc.terminate()
         deadline = time.monotonic() + grace
         for proc in self.agents:

@@ -32,7 +32,7 @@ import psutil
 from celery import bootsteps
 from celery.worker import state as worker_state
 
-from tensorturn import config, trust
+from tensorturn import config, platforms, trust
 from tensorturn.layout import OUTER_PREFIX
 from tensorturn.pool import routing
 from tensorturn.pool.capacity import queues_for
@@ -95,6 +95,7 @@ def inventory() -> dict[str, Any]:
         offered = min(offered, cap)
     info["device_memory_gb"] = offered
     info["role"] = config.current().role
+    info["pool"] = config.current().agent_pool or platforms.default_pool()
     return info
 
 

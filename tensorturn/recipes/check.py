@@ -35,6 +35,7 @@ import time
 from collections.abc import Callable, Collection
 from typing import Any
 
+from tensorturn import platforms
 from tensorturn.errors import RecipeError, TensorTurnError
 
 ROWS = 16       # rows each step works on
@@ -335,7 +336,7 @@ def check_in_child(name: str, options: dict[str, Any] | None = None,
             [sys.executable, "-P", "-c", "from tensorturn.recipes.check import in_child; in_child()",
              str(write_end), request],
             env={**os.environ, **settings.environ()}, pass_fds=(write_end,),
-            stdin=subprocess.PIPE, stdout=2, start_new_session=True)
+            stdin=subprocess.PIPE, stdout=2, **platforms.new_group())
     finally:
         os.close(write_end)
     try:
@@ -383,10 +384,7 @@ def _how(returncode: int | None) -> str:
 def _end(child: subprocess.Popen) -> None:
     """Kill the child's whole group (a recipe's own workers included) unless it is gone."""
     if child.poll() is None:
-        try:
-            os.killpg(child.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        platforms.kill_group(child)
     child.wait()
     if child.stdin:
         child.stdin.close()

@@ -41,6 +41,7 @@ from tensorturn.config import mask_text, mask_url
 from tensorturn.errors import RecipeError, StoreError, TensorTurnError
 from tensorturn.layout import Label
 from tensorturn.pool.owner import HandedBack
+from tensorturn.pool.threads import stopping
 from tensorturn.spec import FINISHED, Outcome, RunSpec, RunState
 from tensorturn.state.attempts import Figures
 from tensorturn.state.board import RunBoard
@@ -151,6 +152,8 @@ def watch_cancelled(on_step: Callable[[int, float], None], attempt: Attempt,
         on_step(n, loss)
         if reporter is not None and reporter.paused:
             raise HandedBack(reporter.paused)
+        if stopping.is_set():  # the threads pool's agent stops: its task goes back to the queue
+            raise HandedBack("its agent is stopping")
         if reporter is None or reporter.live is None:
             attempt.check_cancelled()
         elif reporter.run_state == RunState.CANCELLED:

@@ -39,7 +39,7 @@ import uuid
 from functools import partial
 from pathlib import Path
 
-from celery.signals import worker_process_shutdown
+from celery.signals import worker_process_shutdown, worker_shutdown
 
 from tensorturn import config, layout
 from tensorturn.config import mask_text
@@ -366,6 +366,7 @@ def upload_in_background(unit: Unit, r: int, k: int, key: str, path: Path) -> No
 
 
 @worker_process_shutdown.connect
+@worker_shutdown.connect  # the threads pool: its uploads are the agent's process's own
 def _finish_uploads(**_: object) -> None:
     """A pool process ending (the agent stopping) finishes its uploads first, for as long as a
     stop may take: one cut off is a shard trained again."""
