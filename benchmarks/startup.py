@@ -10,6 +10,12 @@ trial runs the real command a user types — ``tensorturn run --broker URL --rec
   validating, the memory check, θ_0 and following the run to its end;
 * per-round wall time: from a round's first shard attempt starting to its outer step finishing.
 
+An embedded block runs ``tensorturn run --local-workers 3 --recipe digits-mlp --rounds 1 --json``
+(no broker: the command starts Redis and three agents itself, and the run begins once the first
+agent answers) and reads command → first shard attempt, on this machine as it is ("idle") and
+with two processes spinning on its two cores ("loaded"). The attempt's start is when the agent
+begins the task (the recipe built, θ fetched next and the first step a few ms later).
+
 A second block measures the commands that train nothing (``runs``, ``status``, ``run`` with an
 unknown recipe): wall and CPU seconds of the whole process.
 
@@ -66,6 +72,25 @@ def first_attempt(doc: dict) -> float:
                if getattr(parse_label(a["task"]), "kind", None) == "shard")
 
 
+def embedded_trials(tt: list[str], env: dict[str, str], trials: int, agents: int, loaded: bool) -> list[float]:
+    """Command → first shard attempt of ``tensorturn run`` on an embedded pool of ``agents``."""
+    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2 if loaded else 0)]
+    try:
+        out = []
+        with tempfile.TemporaryDirectory(prefix="tt-startup-embedded-") as tmp:
+            for _ in range(trials):
+                t0, _, _, text = timed([*tt, "run", "--local-workers", str(agents), "--recipe", "digits-mlp",
+                                        "--rounds", "1", "--store", tmp, "--json"], env)
+                out.append(first_attempt(json.loads(text)) - t0)
+                print(f"  embedded ({'loaded' if loaded else 'idle'}): first attempt {out[-1]:.2f}s "
+                      f"after the command", flush=True)
+        return out
+    finally:
+        for p in burners:
+            p.kill()
+            p.wait()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--agents", type=int, default=2)
@@ -73,6 +98,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--shards", type=int, default=4)
     parser.add_argument("--sync-every", type=int, default=50)
+    parser.add_argument("--embedded-agents", type=int, default=3)
     args = parser.parse_args()
 
     tt = [sys.executable, "-m", "tensorturn"]
@@ -104,6 +130,8 @@ def main() -> None:
                 light[name] = {"wall_s": statistics.median(s[0] for s in samples),
                                "cpu_s": statistics.median(s[1] for s in samples)}
 
+    embedded = {state: embedded_trials(tt, env, args.trials, args.embedded_agents, state == "loaded")
+                for state in ("idle", "loaded")}
     med = lambda key: statistics.median(t[key] for t in trials)  # noqa: E731
     per_round = [x for t in trials for x in t["rounds_s"]]
     summary = {
@@ -112,6 +140,7 @@ def main() -> None:
         "median_command_to_first_attempt_s": med("command_to_first_attempt_s"),
         "median_cli_cpu_s": med("cli_cpu_s"), "median_round_s": statistics.median(per_round),
         "config": {"rounds": args.rounds, "shards": args.shards, "sync_every": args.sync_every},
+        "embedded_command_to_first_attempt_s": embedded,
     }
     print()
     print(table(["figure", "median"], [
@@ -119,6 +148,8 @@ def main() -> None:
         ["`run` CLI process, CPU", f"{summary['median_cli_cpu_s']:.2f} CPU-s"],
         ["per round (first shard start → outer step end)", f"{summary['median_round_s']:.2f} s"],
         ["cold pool: submit → first attempt", f"{cold_first:.2f} s"],
+        *[[f"embedded pool of {args.embedded_agents}, {state}: command → first shard attempt",
+           f"{statistics.median(v):.2f} s (min {min(v):.2f}, max {max(v):.2f})"] for state, v in embedded.items()],
         *[[f"`{name}`", f"{v['wall_s']:.2f} s wall, {v['cpu_s']:.2f} CPU-s"] for name, v in light.items()],
     ]))
     fig = figure(7, 3.5)

@@ -151,3 +151,13 @@ def test_members_past_the_deadline_drop_out_and_the_run_says_why(tmp_path):
     assert "only 0 of 2 members finished" in doc["error"]
     assert all(m["state"] == "dropped" and "missed the deadline" in m["reason"]
                for m in doc["members"])
+
+
+@pytest.mark.e2e
+def test_an_embedded_ensemble_has_a_member_per_agent_though_one_agent_starts_it(tmp_path):
+    """The embedded pool queues the run once its first agent answers (the others join later);
+    the members are still one per agent of the pool asked for."""
+    doc = tt_json("run", "--mode", "ensemble", "--recipe", "digits-mlp", "--segments", "1",
+                  "--segment-steps", "10", "--local-workers", "3", "--json", cwd=tmp_path)
+    assert doc["state"] == "succeeded"
+    assert len(doc["members"]) == 3 and doc["spec"]["options"]["members"] == 3

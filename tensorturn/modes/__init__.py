@@ -32,6 +32,9 @@ class Mode(Protocol):
     def prepare(self, spec: "RunSpec", online_workers: int) -> None:
         """Fill options that depend on the pool (say, one ensemble member per machine)."""
 
+    def size(self, spec: "RunSpec", workers: int) -> None:
+        """Fill what the pool's size decides, for a pool of ``workers`` machines."""
+
     def model_configs(self, spec: "RunSpec", recipe: "Recipe") -> list[dict[str, Any]]:
         """The model configurations the run trains (the memory check takes the largest)."""
 
@@ -65,6 +68,10 @@ class ModeBase:
 
     def prepare(self, spec: "RunSpec", online_workers: int) -> None:
         pass
+
+    def size(self, spec: "RunSpec", workers: int) -> None:
+        """Fill in what the pool's size decides (ensemble members by default), for a pool of
+        ``workers`` machines: an embedded pool's, known before its agents are all up."""
 
     def start(self, spec: "RunSpec", store: "Store", board: "RunBoard", allow: Collection[str] = ()) -> None:
         importlib.import_module(self.tasks).start(spec, store, board, allow)

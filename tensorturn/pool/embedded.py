@@ -292,8 +292,9 @@ class LocalPool:
     def __init__(self, workers: int, store_url: str, workdir: Path | None = None,
                  loglevel: str = "WARNING", appendonly: bool = False,
                  roles: list[str] | None = None, keep_logs: Path | None = None,
-                 allow: Collection[str] = ()):
+                 allow: Collection[str] = (), first_alone: bool = False):
         self.workers = workers
+        self.first_alone = first_alone  # start() returns once the first agent answers
         self.allow = tuple(allow)
         self.keep_logs = keep_logs  # where the agents' logs are kept once the pool stops
         self.roles = roles or ["train"] * workers
@@ -333,10 +334,31 @@ class LocalPool:
             return True
 
     def start(self, timeout: float = 90) -> None:
+        """Start Redis and the agents and wait until every agent answers; with ``first_alone``,
+        only until the first does (:meth:`start_first_alone`)."""
+        if self.first_alone and self.workers > 1:
+            self.start_first_alone(timeout)
+            return
         self.redis.start()
         for i in range(self.workers):
             self.start_agent(i)
         self.wait_ready(timeout)
+
+    def start_first_alone(self, timeout: float = 90) -> None:
+        """Start the first agent, then Redis while it imports torch, and return as soon as it
+        answers; then start the others, which join as they come up. An agent's start is a few
+        seconds of imports (torch, the recipes) on one core: three at once on two cores make
+        the first ready 60 % later (7.4 s against 4.7 s, idle, BENCHMARKS §8), and a run needs one
+        to begin — the others steal its work as they arrive."""
+        port = self.redis.port
+        self.start_agent(0)
+        self.redis.start()
+        if self.redis.port != port:  # the port was taken before Redis bound it: the agent dials the old one
+            stop_process_group(self.agents[0], grace=0.1, term=False)
+            self.start_agent(0)
+        self.wait_ready(timeout, count=1)
+        for i in range(1, self.workers):
+            self.start_agent(i)
 
     def agent_settings(self, i: int) -> config.Settings:
         """The settings agent ``local<i+1>`` starts with (a pool whose agents reach Redis by
@@ -379,8 +401,9 @@ class LocalPool:
             self.logs.append(log_path)
         return proc
 
-    def wait_ready(self, timeout: float = 90) -> None:
-        """Until every agent answers a ping; an agent that exits early is an error with its log."""
+    def wait_ready(self, timeout: float = 90, count: int | None = None) -> None:
+        """Until every agent (or ``count`` of them) answers a ping; an agent that exits early is
+        an error with its log."""
         from tensorturn.pool.celery_app import app, configure
 
         configure(self.broker_url)
@@ -395,7 +418,7 @@ class LocalPool:
             except Exception as exc:  # noqa: BLE001 - the broker may be restarting
                 log.debug("ping failed: %s", exc)
                 replies = []
-            if len(replies) >= len(self.agents):
+            if len(replies) >= (len(self.agents) if count is None else count):
                 return
             if time.monotonic() > deadline:
                 raise TensorTurnError(f"only {len(replies)} of {len(self.agents)} local agents "

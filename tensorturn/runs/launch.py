@@ -173,7 +173,8 @@ def embedded(stages: list[Stage], store_url: str, local_workers: int, timeout_s:
     docs = [] if docs is None else docs
     try:
         logs = logs_dir(run_id)  # kept once the pool stops: a failure is explained there too
-        with LocalPool(local_workers, store_url, keep_logs=logs, allow=recipes) as pool:
+        # the run begins once one agent answers; the others join as they come up
+        with LocalPool(local_workers, store_url, keep_logs=logs, allow=recipes, first_alone=True) as pool:
             observer.say(f"pool ready in {time.monotonic() - t0:.1f}s; run {run_id}")
             board = RunBoard(check_broker(pool.broker_url))
             for run_id, start in stages:
@@ -250,6 +251,10 @@ def launch_run(spec: RunSpec, broker: str | None, local_workers: int | None = 2,
     if merge != "none" and spec.mode != "ensemble":
         raise SpecError(f"--merge {merge} merges an ensemble's members into one model: it needs "
                         f"--mode ensemble (a {spec.mode} run is one model already)")
+    if not broker:  # its embedded pool will have local_workers agents, though one starts it
+        from tensorturn.modes import get_mode
+
+        get_mode(spec.mode).size(spec, local_workers or 1)
     recipes = [spec.recipe, "distill"] if merge == "distill" else [spec.recipe]
     stages = [submitting(spec, recipes)]  # named by the caller: built here, imported by an embedded pool
     if merge == "distill":

@@ -90,13 +90,18 @@ class EnsembleOptions(ModeOptions):
 
 class Ensemble(ModeBase):
     def prepare(self, spec: "RunSpec", online_workers: int) -> None:
+        self.size(spec, online_workers)
         opts = spec.opts(EnsembleOptions)
-        if opts.members is None:
-            opts.members = min(max(2, opts.min_members, online_workers), int(LIMITS["members"].high))
         if opts.init_from:
             from tensorturn.modes.ensemble.tasks import pin_init
 
             pin_init(spec)
+
+    def size(self, spec: "RunSpec", workers: int) -> None:
+        """Members by default: one per machine of the pool (``workers``), at least two."""
+        opts = spec.opts(EnsembleOptions)
+        if opts.members is None:
+            opts.members = min(max(2, opts.min_members, workers), int(LIMITS["members"].high))
 
     def model_configs(self, spec: "RunSpec", recipe: "Recipe") -> list[dict[str, Any]]:
         from tensorturn.modes.ensemble.tasks import member_plan
