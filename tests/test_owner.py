@@ -106,6 +106,11 @@ def test_pause_hands_the_running_task_back_and_resume_brings_the_agent_back(pool
     assert paused["state"] == "paused" and paused["paused"] == "owner: game night"
     listed = tt("workers", "--json", env=cli_env(pool))
     assert '"paused": "owner: game night"' in listed.stdout
+    # what Flower shows (Celery's inspect): the paused agent runs nothing
+    from tensorturn.pool.celery_app import app, configure
+
+    configure(pool.broker_url)
+    assert app.control.inspect(destination=[victim["worker"]], timeout=2).active() == {victim["worker"]: []}
     doc = wait_for_run(pool, spec.run_id)
     check_same_run(doc, reference, victim)
     assert not [a for a in doc["attempts"] if a["worker"] == victim["worker"]

@@ -82,6 +82,7 @@ def annotate(doc: dict[str, Any], board: RunBoard | None = None) -> dict[str, An
     if doc.get("state") in FINISHED or not doc.get("progress_at"):
         return doc
     now = broker_now(board.r) if board is not None else time.time()  # progress_at's clock
+    doc["as_of"] = now  # the broker's time of this reading: ages shown are reckoned from it
     idle = now - float(doc["progress_at"])
     if idle < config.current().stall_s:
         return doc

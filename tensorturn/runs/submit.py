@@ -48,6 +48,10 @@ def submit(spec: RunSpec, broker_url: str, here: bool = False,
     validate(spec)
     trust.pool_key()  # one clear error now rather than a refusal from every agent
     client = check_broker(broker_url)
+    from tensorturn.state.clock import broker_now
+
+    # on the broker's clock, as every time an agent compares with it (an ensemble's --deadline)
+    spec.created_at = broker_now(client)
     store = open_store(spec.store_url)
     store.check()
     pool = list_workers(client)

@@ -13,7 +13,6 @@ import json
 import logging
 import math
 import random
-import time
 from collections.abc import Collection, Iterable
 from typing import Any
 
@@ -30,6 +29,7 @@ from tensorturn.recipes import Recipe, load_splits, recipe_of, resolve
 from tensorturn.recipes.result import Predictor
 from tensorturn.spec import MemberState, Outcome, RunSpec, RunState
 from tensorturn.state.board import RunBoard
+from tensorturn.state.clock import broker_now
 from tensorturn.state.live import live_field
 from tensorturn.state.manifest import save_spec, try_write_manifest, write_manifest
 from tensorturn.store import seals
@@ -203,7 +203,7 @@ class SegmentUnit(Unit):
     def run(self) -> str:
         spec, board, (m, j) = self.spec, self.board, self.a.label.numbers
         opts = options(spec)
-        if opts.deadline is not None and time.time() > spec.created_at + opts.deadline:
+        if opts.deadline is not None and broker_now(self.board.r) > spec.created_at + opts.deadline:
             drop(spec, board, m, f"missed the deadline ({opts.deadline:g}s) before {self.a.label}",
                  str(self.a.label), self.a.worker)
             return Outcome.REFUSED.says("past the deadline")

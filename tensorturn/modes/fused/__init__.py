@@ -85,7 +85,7 @@ class Fused(ModeBase):
     def live_line(self, doc: dict[str, Any], width: int = WIDTH) -> str:
         """The round being trained (shards done, inner steps) and any outer step running, with
         its phase: ``round 3 (4 of 8): 5/8 shards, 130/200 steps; round 2 evaluating on w1 (12s)``."""
-        now = time.time()
+        now = doc.get("as_of") or time.time()  # the broker's clock, as the phases' times are
         parts = []
         live = doc.get("in_round")
         if live:
