@@ -46,6 +46,7 @@ from tensorturn.spec import FINISHED, Outcome, RunSpec, RunState
 from tensorturn.state.attempts import Figures
 from tensorturn.state.board import RunBoard
 from tensorturn.state.broker import redis_client
+from tensorturn.state.clock import broker_now
 from tensorturn.state.manifest import load_spec, try_write_manifest
 from tensorturn.state.refusals import refuse
 from tensorturn.store.objects import ObjectMissing, Store, open_store
@@ -95,6 +96,14 @@ def authentic(task: Task, run_id: Any, what: str, sig: Any) -> bool:
 @lru_cache(maxsize=1)
 def board_for(broker_url: str) -> RunBoard:
     return RunBoard(redis_client(broker_url))
+
+
+def broker_time() -> float:
+    """Now on the broker's clock, as this process's tasks reckon it: what a record that other
+    machines' records are compared with says (:mod:`tensorturn.state.clock`)."""
+    from tensorturn.pool.celery_app import app
+
+    return broker_now(board_for(app.conf.broker_url).r)
 
 
 @dataclass

@@ -54,7 +54,7 @@ from tensorturn.store.tensors import (
     model_metadata,
     stored_metadata,
 )
-from tensorturn.tasks.attempt import LATE, SUCCEEDED, NotYet, Unit
+from tensorturn.tasks.attempt import LATE, SUCCEEDED, NotYet, Unit, broker_time
 from tensorturn.train.device import pick_device
 from tensorturn.train.diloco import (
     accumulate,
@@ -101,7 +101,7 @@ def evaluate_round(spec: RunSpec, store: Store, r: int, scratch: Path,
     val, rows = recipe.evaluate_counted(model, "val", device, eval_passes(spec, recipe))
     losses, samples, bytes_up, bytes_down = figures
     info = round_figures(losses, samples, val, bytes_up, bytes_down, r, rows)
-    info["at"] = time.time()  # when the round's weights were evaluated (loss against wall time)
+    info["at"] = broker_time()  # when the round's weights were evaluated (loss against wall time)
     return info
 
 
@@ -111,7 +111,7 @@ def unevaluated_round(r: int, figures: tuple[list[float], list[int], int, int]) 
     validation rows: ``--keep best`` never keeps such a round)."""
     losses, samples, bytes_up, bytes_down = figures
     info = round_figures(losses, samples, {}, bytes_up, bytes_down, r, 0)
-    info["at"] = time.time()
+    info["at"] = broker_time()
     return info
 
 

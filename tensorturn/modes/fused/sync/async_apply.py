@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +35,7 @@ from tensorturn.store import seals
 from tensorturn.store.objects import Store
 from tensorturn.store.tensorfile import DTYPES, TensorReader, TensorWriter, delta_tensors
 from tensorturn.store.tensors import StateDict, model_metadata
+from tensorturn.tasks.attempt import broker_time
 from tensorturn.train.device import pick_device
 from tensorturn.train.diloco import (
     async_update,
@@ -140,7 +140,7 @@ def apply_one(spec: RunSpec, store: Store, board: RunBoard, book: AsyncLedger, j
         sha = seals.put_file(store, key, scratch / "next")
         record = {"update": j, "version": v + 1, "base_version": base, "staleness": v - base,
                   "samples": samples, "loss": float(meta["loss"]), "weight": weight,
-                  "trained_by": book.trainer(j), "applied_by": worker, "at": time.time(),
+                  "trained_by": book.trainer(j), "applied_by": worker, "at": broker_time(),
                   "bytes_up": (scratch / "update").stat().st_size,
                   "bytes_down": int(meta["bytes_down"])}
     try:
@@ -199,7 +199,7 @@ def evaluate_round(spec: RunSpec, store: Store, book: AsyncLedger, r: int,
                          sum(rec["bytes_up"] for rec in mine), sum(rec["bytes_down"] for rec in mine), r,
                          rows)
     staleness = [rec["staleness"] for rec in mine]
-    info.update(at=time.time(), staleness=staleness, max_staleness=max(staleness, default=0),
+    info.update(at=broker_time(), staleness=staleness, max_staleness=max(staleness, default=0),
                 mean_staleness=sum(staleness) / max(len(staleness), 1))
     return info
 
