@@ -256,9 +256,12 @@ def test_a_dataset_larger_than_the_cache_trains_fused_with_the_same_result_on_1_
             shard_tasks = sum("/shard-" in t for t in ran)
             assert 0 < downloaded[w] <= read[w] + shard_tasks * max(shard_bytes)
     assert len(set(shard_bytes)) > 1 or len(index["splits"]["train"]) % 8 == 0  # whole chunks
-    for cache, agents in (("cache-1", 1), ("cache-3", 3)):  # each local agent has its own folder
+    for (cache, agents), doc in zip((("cache-1", 1), ("cache-3", 3)), (one, three)):  # a folder per agent
         folders = sorted(p for p in (tmp_path / cache).iterdir() if p.is_dir())
-        assert [p.name for p in folders] == [f"local{i + 1}" for i in range(agents)]
+        # every agent that trained has one (the embedded pool begins with its first agent: on a
+        # loaded machine the others may join after the run is done)
+        trainers = {a["worker"].split("@")[0] for a in doc["attempts"] if "/shard-" in a["task"]}
+        assert trainers <= {p.name for p in folders} <= {f"local{i + 1}" for i in range(agents)}
         for folder in folders:
             assert 0 < sum(p.stat().st_size for p in folder.glob("*.parquet")) <= budget_gb * 1024 ** 3
     assert pushed["rows"]["train"] == 32000

@@ -21,9 +21,9 @@ from tensorturn.state.roster import list_workers
 
 pytestmark = [pytest.mark.e2e, pytest.mark.long]
 
-# each of the 3 shards trains 1.5 s (emulated steps), long enough to be paused mid-task;
-# max_attempts 1: an attempt a pause cost would fail the run
-SPEC = dict(mode="fused", recipe="digits-mlp", rounds=2, shards=3, sync_every=30, max_attempts=1)
+# each of the 3 shards trains 3 s (emulated steps), long enough to be paused mid-task (the CPU
+# policy takes a few looks); max_attempts 1: an attempt a pause cost would fail the run
+SPEC = dict(mode="fused", recipe="digits-mlp", rounds=2, shards=3, sync_every=60, max_attempts=1)
 STEP_S = 0.05
 
 
@@ -84,8 +84,8 @@ def handed_back(pool, run_id: str) -> list[dict]:
 
 
 def check_same_run(doc: dict, reference: dict, victim: dict) -> None:
-    """The run succeeded with the undisturbed run's model, the handed-back task was redone by
-    another agent, and it cost no attempt (max_attempts is 1)."""
+    """The run succeeded with the undisturbed run's model, the handed-back task (``victim``:
+    its attempt) was redone by another agent, and it cost no attempt (max_attempts is 1)."""
     assert doc["state"] == "succeeded", doc.get("error")
     assert doc["model_sha256"] == reference["model_sha256"]
     redone = [a for a in doc["attempts"] if a["task"] == victim["task"] and a["outcome"] == "succeeded"]
@@ -132,32 +132,51 @@ def test_on_battery_the_agent_hands_back_and_resumes_on_mains(pool, reference):
     wait_for(lambda: standing(pool, name)["state"] == "idle", "the agent to resume on mains")
 
 
-def test_outside_its_hours_the_agent_pauses_and_the_policy_changes_while_it_runs(pool):
+def paused_mid_task(pool, reference, pause) -> str:
+    """Submit SPEC, let ``pause(name)`` make the owner of the agent training its first shard
+    come; that shard is handed back and redone elsewhere, giving the undisturbed run's model at
+    no cost to the attempts. Returns the agent's short name."""
+    spec = submit_run(pool, **SPEC)
+    victim = running_shard(pool, spec.run_id)
+    name = victim["worker"].split("@")[0]
+    pause(name)
+    # (a policy that needs a few looks, the CPU's, may take hold in the agent's next shard)
+    back = wait_for(lambda: handed_back(pool, spec.run_id), "a running shard to be handed back")[0]
+    assert back["worker"] == victim["worker"]
+    check_same_run(wait_for_run(pool, spec.run_id), reference, back)
+    return name
+
+
+def test_outside_its_hours_the_agent_pauses_and_the_policy_changes_while_it_runs(pool, reference):
     now = datetime.datetime.now()
 
     def hours(start: datetime.datetime, end: datetime.datetime) -> str:
         return f"{start:%H:%M}-{end:%H:%M}"
 
     later = hours(now + datetime.timedelta(hours=2), now + datetime.timedelta(hours=3))
-    assert tt("policy", "local2", "--hours", later, env=cli_env(pool)).returncode == 0
-    wait_for(lambda: standing(pool, "local2")["state"] == "paused", "the agent to pause outside its hours")
-    assert standing(pool, "local2")["paused"] == f"outside hours ({later})"
+    name = paused_mid_task(pool, reference, lambda name: tt("policy", name, "--hours", later, env=cli_env(pool)))
+    assert standing(pool, name)["state"] == "paused"
+    assert standing(pool, name)["paused"] == f"outside hours ({later})"
     around = hours(now - datetime.timedelta(hours=1), now + datetime.timedelta(hours=1))
-    assert tt("policy", "local2", "--hours", around, env=cli_env(pool)).returncode == 0
-    wait_for(lambda: standing(pool, "local2")["state"] == "idle", "the agent to resume within its hours")
+    assert tt("policy", name, "--hours", around, env=cli_env(pool)).returncode == 0
+    wait_for(lambda: standing(pool, name)["state"] == "idle", "the agent to resume within its hours")
 
 
-def test_a_busy_cpu_pauses_the_agent_until_the_owner_leaves(pool):
-    assert tt("policy", "local2", "--pause-when-busy", "40", env=cli_env(pool)).returncode == 0
-    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(4)]
+def test_a_busy_cpu_pauses_the_agent_until_the_owner_leaves(pool, reference):
+    burners: list[subprocess.Popen] = []
+
+    def owner_plays(name: str) -> None:
+        assert tt("policy", name, "--pause-when-busy", "40", env=cli_env(pool)).returncode == 0
+        burners.extend(subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2))
+
     try:
-        wait_for(lambda: standing(pool, "local2")["state"] == "paused", "the agent to pause for the busy CPU")
-        assert standing(pool, "local2")["paused"].startswith("owner: other processes use ")
+        name = paused_mid_task(pool, reference, owner_plays)
+        assert standing(pool, name)["paused"].startswith("owner: other processes use ")
     finally:
         for p in burners:
             p.kill()
             p.wait()
-    wait_for(lambda: standing(pool, "local2")["state"] == "idle", "the agent to resume once the CPU is calm")
+    wait_for(lambda: standing(pool, name)["state"] == "idle", "the agent to resume once the CPU is calm")
 
 
 def test_owner_commands_name_a_machine_that_exists(pool):

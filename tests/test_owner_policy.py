@@ -12,7 +12,16 @@ import redis
 from tensorturn import trust
 from tensorturn.errors import SpecError
 from tensorturn.pool import owner
-from tensorturn.pool.owner import CpuWatch, Policy, Readings, parse_compute_apps, parse_hours, why_paused, within_hours
+from tensorturn.pool.owner import (
+    CpuWatch,
+    MarkMemory,
+    Policy,
+    Readings,
+    parse_compute_apps,
+    parse_hours,
+    why_paused,
+    within_hours,
+)
 from tensorturn.state.owners import Owners
 
 
@@ -39,7 +48,7 @@ def test_why_paused_says_what_holds_first():
     assert why_paused(Policy(on_battery=True), Readings(local_time=at(23), on_battery=True)) == "on battery"
     assert why_paused(Policy(on_battery=True), Readings(local_time=at(23), on_battery=None)) is None
     busy = Readings(local_time=at(23), others_busy=True, others_percent=87.4)
-    assert why_paused(Policy(busy_percent=30), busy) == "owner: other processes use 87% of the CPU"
+    assert why_paused(Policy(busy_percent=30), busy) == "owner: other processes use over 30% of the CPU"
     assert why_paused(Policy(), busy) is None  # no threshold: the CPU is not watched
     gpu = Readings(local_time=at(23), gpu_others=[(4242, 2150.0)])
     assert why_paused(Policy(gpu_shared=True), gpu) == "owner: another process uses the GPU (pid 4242, 2.1 GB)"
@@ -111,11 +120,25 @@ def test_owner_marks_count_only_when_signed_with_the_pool_key(redis_server):
     client = redis.Redis.from_url(redis_server.url, decode_responses=True)
     owners, key = Owners(client), trust.pool_key()
     owners.set("pc@home", "paused", "game night", key)
-    assert owners.read("pc@home", key) == {"paused": "game night"}
+    [(at, value)] = owners.read("pc@home", key).values()
+    assert value == "game night" and at > 0
     assert owners.read("pc@home", None) == {}  # nothing verifies without a key
     client.hset("tt:owner:pc@home", "paused", "forged")  # the Redis password is not the pool key
     assert owners.read("pc@home", key) == {}
     assert owners.clear("pc@home", "paused") and not owners.clear("pc@home", "paused")
-    client.hset("tt:owner:laptop@home", mapping={"policy": "{}", "policy_sig": key.sign("owner", {
-        "worker": "pc@home", "field": "policy", "value": "{}"})})  # signed for another machine
+    at = "1.0"
+    client.hset("tt:owner:laptop@home", mapping={"policy": "{}", "policy_at": at, "policy_sig": key.sign(
+        "owner", {"worker": "pc@home", "field": "policy", "value": "{}", "at": at})})  # another machine's
     assert owners.read("laptop@home", key) == {}
+
+
+def test_a_removed_mark_written_back_is_not_taken_again():
+    """Someone with the Redis password copies a signed pause, waits for `resume`, and writes it
+    back: the agent saw it removed, and takes only newer ones."""
+    memory = MarkMemory()
+    assert memory.fresh({"paused": (10.0, "game night")}) == {"paused": "game night"}
+    assert memory.fresh({}) == {}                                    # resumed
+    assert memory.fresh({"paused": (10.0, "game night")}) == {}      # the copy, written back
+    assert memory.fresh({"paused": (12.0, "late game")}) == {"paused": "late game"}  # a new pause
+    assert memory.fresh({"paused": (12.0, "late game"), "policy": (5.0, "{}")}) == \
+        {"paused": "late game", "policy": "{}"}

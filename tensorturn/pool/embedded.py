@@ -345,17 +345,14 @@ class LocalPool:
         self.wait_ready(timeout)
 
     def start_first_alone(self, timeout: float = 90) -> None:
-        """Start the first agent, then Redis while it imports torch, and return as soon as it
-        answers; then start the others, which join as they come up. An agent's start is a few
-        seconds of imports (torch, the recipes) on one core: three at once on two cores make
-        the first ready 60 % later (7.4 s against 4.7 s, idle, BENCHMARKS §8), and a run needs one
-        to begin — the others steal its work as they arrive."""
-        port = self.redis.port
-        self.start_agent(0)
+        """Start Redis and the first agent, and return as soon as it answers; then start the
+        others, which join as they come up. An agent's start is a few seconds of imports (torch,
+        the recipes) on one core: three at once on two cores make the first ready 60 % later
+        (7.4 s against 4.7 s, idle, BENCHMARKS §8b), and a run needs one to begin — the others
+        steal its work as they arrive. (Redis first: an agent checks the broker before its
+        imports, and Redis answers within a fraction of a second.)"""
         self.redis.start()
-        if self.redis.port != port:  # the port was taken before Redis bound it: the agent dials the old one
-            stop_process_group(self.agents[0], grace=0.1, term=False)
-            self.start_agent(0)
+        self.start_agent(0)
         self.wait_ready(timeout, count=1)
         for i in range(1, self.workers):
             self.start_agent(i)

@@ -147,8 +147,8 @@ def why_paused(policy: Policy, readings: Readings) -> str | None:
         return f"outside hours ({policy.hours})"
     if policy.on_battery and readings.on_battery:
         return "on battery"
-    if policy.busy_percent and readings.others_busy:
-        return f"owner: other processes use {readings.others_percent or 0:.0f}% of the CPU"
+    if policy.busy_percent and readings.others_busy:  # (not the live figure: the reason stays put)
+        return f"owner: other processes use over {policy.busy_percent:g}% of the CPU"
     if policy.gpu_shared and readings.gpu_others:
         pid, mib = readings.gpu_others[0]
         return f"owner: another process uses the GPU (pid {pid}, {mib / 1024:.1f} GB)"
@@ -277,7 +277,13 @@ standing = Standing()
 
 class OwnerWatch(bootsteps.StartStopStep):
     """Worker bootstep: look at the owner's marks and the machine every :data:`LOOK_S`, and
-    step aside (or back) as the policy says."""
+    step aside (or back) as the policy says.
+
+    What it wants (``standing.paused``) and what Celery does are kept apart: each look asks the
+    event loop (:meth:`apply`, on the loop's thread, where Celery's consumer lives) to make the
+    consumer match, until it does — so a pause decided before the consumer exists (an agent
+    started outside its hours) still takes hold, and a pause, resume and pause in quick
+    succession cannot leave it consuming."""
 
     requires = {"tensorturn.pool.telemetry:Heartbeat"}
 
@@ -287,7 +293,7 @@ class OwnerWatch(bootsteps.StartStopStep):
         self.thread: threading.Thread | None = None
         self.worker = worker
         self.cpu = CpuWatch()
-        self.cancelled: list[str] = []
+        self.marks = MarkMemory()
 
     def start(self, worker):
         self.worker = worker
@@ -312,7 +318,7 @@ class OwnerWatch(bootsteps.StartStopStep):
 
     def look(self, owners: Owners, local: Policy) -> None:
         node = self.worker.hostname
-        marks = owners.read(node, trust.find_key())
+        marks = self.marks.fresh(owners.read(node, trust.find_key()))
         try:
             policy = Policy.from_json(marks["policy"]) if "policy" in marks else local
         except (ValueError, SpecError) as exc:
@@ -325,31 +331,56 @@ class OwnerWatch(bootsteps.StartStopStep):
                             gpu_others=gpu_others({p.pid for p in own_processes()}) if policy.gpu_shared else [])
         why = ("owner: " + marks["paused"]) if "paused" in marks else why_paused(policy, readings)
         standing.policy = policy
+        consumer = getattr(self.worker, "consumer", None)
+        if consumer is not None and consumer.task_consumer is not None:
+            consumer.call_soon(self.apply)  # until Celery does what is wanted (idempotent)
         if why == standing.paused:
             return
         was, standing.paused = standing.paused, why
-        if why is not None and was is None:
-            log.warning("pausing: %s", why)
-            self.consume(False)
-        elif why is None:
+        if why is None:
             log.warning("resuming: %s no longer holds", was)
-            self.consume(True)
+        elif was is None:
+            log.warning("pausing: %s", why)
         beat = getattr(self.worker, "tt_heartbeat", None)
         if beat is not None:  # at once: the running task reads it, `workers` shows it
             beat()
 
-    def consume(self, on: bool) -> None:
-        """Stop consuming every task queue (remembering which), or consume them again."""
-        consumer = getattr(self.worker, "consumer", None)
-        if consumer is None or consumer.task_consumer is None:
+    def apply(self) -> None:
+        """On the event loop's thread: consume every queue of this agent, or none, as
+        ``standing`` wants (an agent out of rotation stays so: its quarantine cancelled them)."""
+        consumer = self.worker.consumer
+        if consumer.task_consumer is None:
             return
-        if not on:
-            self.cancelled = [q.name for q in consumer.task_consumer.queues]
-            for name in self.cancelled:
-                consumer.call_soon(consumer.cancel_task_queue, name)
-            return
-        if standing.quarantined:  # out of rotation meanwhile: it stays so until restarted
-            return
-        for name in self.cancelled:
-            consumer.call_soon(consumer.add_task_queue, name)
-        self.cancelled = []
+        mine = list(getattr(self.worker, "tt_queues", []))  # the queues it was started with
+        consuming = [q.name for q in consumer.task_consumer.queues]
+        if standing.paused is not None:
+            for name in set(consuming) | set(mine):
+                if consumer.task_consumer.consuming_from(name):
+                    consumer.cancel_task_queue(name)
+        elif not standing.quarantined:
+            for name in mine:
+                if not consumer.task_consumer.consuming_from(name):
+                    consumer.add_task_queue(name)
+
+
+class MarkMemory:
+    """An owner's mark that was removed (``resume``, ``policy --clear``) is not taken again:
+    someone with only the Redis password could write back a signed mark they copied before.
+    A mark names when it was set (:class:`tensorturn.state.owners.Owners`); this remembers,
+    per field, the newest one seen removed, and drops any mark no newer than that."""
+
+    def __init__(self) -> None:
+        self.seen: dict[str, tuple[float, str]] = {}     # field → (its time, its value) as last read
+        self.removed: dict[str, float] = {}              # field → the newest time seen removed
+
+    def fresh(self, marks: dict[str, tuple[float, str]]) -> dict[str, str]:
+        for name, (at, _) in list(self.seen.items()):
+            if name not in marks or marks[name][0] != at:
+                self.removed[name] = max(self.removed.get(name, 0.0), at)
+                del self.seen[name]
+        out = {}
+        for name, (at, value) in marks.items():
+            if at > self.removed.get(name, float("-inf")):
+                self.seen[name] = (at, value)
+                out[name] = value
+        return out

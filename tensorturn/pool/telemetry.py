@@ -33,7 +33,7 @@ from celery import bootsteps
 from celery.worker import state as worker_state
 
 from tensorturn import config, platforms, trust
-from tensorturn.layout import OUTER_PREFIX
+from tensorturn.layout import OUTER_PREFIX, agent_queue
 from tensorturn.pool import routing
 from tensorturn.pool.capacity import queues_for
 from tensorturn.pool.owner import standing
@@ -172,6 +172,7 @@ class Heartbeat(bootsteps.StartStopStep):
         self.node = worker.hostname
         self.client = redis_client(worker.app.conf.broker_url)
         worker.tt_heartbeat = self.beat  # the owner watch beats at once when it pauses or resumes
+        worker.tt_queues = [*agent_queues(), agent_queue(self.node)]  # what it consumes again on resume
         self.outer = outer_queues()
         psutil.cpu_percent(interval=None)  # prime the counter
         self.beat(first=True)

@@ -35,4 +35,7 @@ class TaskPool(CeleryThreads):
         super().on_start()
 
     def terminate_job(self, pid: Any, signal: Any = None) -> None:
+        # reached only by a stop's cancel of running tasks (revoke is refused by the agents'
+        # remote-control guard, and a lost connection cancels nothing: celery_app), so the
+        # flag holds until the agent has stopped; a new start clears it (on_start)
         stopping.set()

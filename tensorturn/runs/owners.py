@@ -28,12 +28,21 @@ def resolve_machine(client: Any, machine: str) -> str:
 
 
 def names_an_agent(broker_url: str, name: str) -> bool:
-    """Whether ``name`` is an agent of the pool (``resume`` takes a run or a machine)."""
+    """Whether ``name`` is an agent of the pool (``resume`` takes a run or a machine); a name
+    several agents share is one clear error, as for ``pause``. A broker that does not answer
+    names no agent: the run's resume says what it needs."""
+    from tensorturn.errors import BrokerError
+
     try:
-        resolve_machine(check_broker(broker_url), name)
-    except SpecError:
+        client = check_broker(broker_url)
+    except BrokerError:
         return False
-    return True
+    names = [w["name"] for w in list_workers(client)]
+    if name in names:
+        return True
+    if sum(n.split("@", 1)[0] == name for n in names) > 1:
+        resolve_machine(client, name)  # raises, naming them
+    return any(n.split("@", 1)[0] == name for n in names)
 
 
 def pause(broker_url: str, machine: str, reason: str) -> dict[str, Any]:

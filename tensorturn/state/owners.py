@@ -14,13 +14,16 @@ from __future__ import annotations
 from typing import Any
 
 from tensorturn import layout, trust
+from tensorturn.state.clock import broker_now
 
 PURPOSE = "owner"
 
 
-def mark_doc(worker: str, field: str, value: str) -> dict[str, str]:
-    """What a mark's signature covers: the agent, which mark, and what it says."""
-    return {"worker": worker, "field": field, "value": value}
+def mark_doc(worker: str, field: str, value: str, at: str) -> dict[str, str]:
+    """What a mark's signature covers: the agent, which mark, what it says, and when it was set
+    (on the broker's clock: an agent does not take again a mark no newer than one it saw
+    removed — :class:`tensorturn.pool.owner.MarkMemory`)."""
+    return {"worker": worker, "field": field, "value": value, "at": at}
 
 
 class Owners:
@@ -31,17 +34,28 @@ class Owners:
 
     def set(self, worker: str, field: str, value: str, key: trust.PoolKey) -> None:
         """Write ``worker``'s mark ``field`` (``paused`` or ``policy``), signed with ``key``."""
+        at = repr(broker_now(self.r))
         self.r.hset(layout.owner_key(worker), mapping={
-            field: value, f"{field}_sig": key.sign(PURPOSE, mark_doc(worker, field, value))})
+            field: value, f"{field}_at": at, f"{field}_sig": key.sign(PURPOSE, mark_doc(worker, field, value, at))})
 
     def clear(self, worker: str, field: str) -> bool:
         """Remove ``worker``'s mark ``field``; whether there was one."""
-        return bool(self.r.hdel(layout.owner_key(worker), field, f"{field}_sig"))
+        return bool(self.r.hdel(layout.owner_key(worker), field, f"{field}_at", f"{field}_sig"))
 
-    def read(self, worker: str, key: trust.PoolKey | None) -> dict[str, str]:
-        """``worker``'s marks that verify with ``key`` (none without a key), by field."""
+    def read(self, worker: str, key: trust.PoolKey | None) -> dict[str, tuple[float, str]]:
+        """``worker``'s marks that verify with ``key`` (none without a key), by field: (when it
+        was set, what it says)."""
         h = self.r.hgetall(layout.owner_key(worker))
         if key is None:
             return {}
-        return {field: h[field] for field in ("paused", "policy")
-                if field in h and key.verify(PURPOSE, mark_doc(worker, field, h[field]), h.get(f"{field}_sig"))}
+        out = {}
+        for field in ("paused", "policy"):
+            value, at = h.get(field), h.get(f"{field}_at")
+            if value is None or at is None:
+                continue
+            if key.verify(PURPOSE, mark_doc(worker, field, value, at), h.get(f"{field}_sig")):
+                try:
+                    out[field] = (float(at), value)
+                except ValueError:
+                    continue
+        return out

@@ -355,10 +355,13 @@ def _execute(task: Task, board: RunBoard, run_id: str, label: Label, unit_class:
             board.finish_attempt(run_id, key, Outcome.REFUSED.says(str(exc)), figures=Figures(worker))
         return receipt
     except HandedBack as exc:  # the machine's owner needs it: another machine takes the task
-        if key:
-            board.attempt_log.give_back(run_id, str(label))
-            board.finish_attempt(run_id, key, Outcome.HANDED_BACK.says(str(exc)), figures=Figures(worker))
         log.warning("run %s %s: handed back (%s)", run_id, label, exc)
+        try:
+            if key:
+                board.attempt_log.give_back(run_id, str(label))
+                board.finish_attempt(run_id, key, Outcome.HANDED_BACK.says(str(exc)), figures=Figures(worker))
+        except Exception as record_exc:  # noqa: BLE001 - the broker stumbled: the task goes back all the same
+            log.warning("run %s %s: the hand-back was not recorded (%s)", run_id, label, record_exc)
         raise task.retry(countdown=0, max_retries=None) from None
     except RunCancelled:  # not a failure: recorded, never retried; the run is finished
         if key:
