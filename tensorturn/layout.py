@@ -99,6 +99,7 @@ teacher         runs/{run_id}/teacher/{tag}/shard-{shard:03d}-of-{shards:03d}.sa
 final_ensemble  runs/{run_id}/final/ensemble.safetensors
 report          runs/{run_id}/report/{name}.png
 serving         runs/{run_id}/serving/{server}.json
+clock           clock/{token}
 token           auth/tokens/{token_id}.json
 dataset         datasets/{name}/v{version:04d}.json
 chunk           datasets/chunks/{sha256}.parquet

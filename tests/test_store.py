@@ -373,3 +373,28 @@ def test_a_failed_part_is_a_transient_error_and_the_upload_is_retried(s3store, t
             raise S3UploadFailedError("Failed to upload: AccessDenied")  # noqa: B904 - as boto3 does
     except S3UploadFailedError as denied:
         assert not s3store._transient(denied)
+
+
+@pytest.mark.parametrize("kind", ["file", "s3"])
+def test_the_stores_own_clock_dates_what_it_wrote(kind, tmp_path, request):
+    """`modified` says when the store wrote each object, and `now` reads the store's clock by
+    writing an empty object (then removes it): what a time written on one machine is compared
+    with on another (a server's mark, read by `runs rm`)."""
+    store = open_store((tmp_path / "store").as_uri()) if kind == "file" else request.getfixturevalue("s3store")
+    store.put_bytes("runs/r/serving/a.json", b"{}")
+    [(key, written)] = store.modified("runs/r/serving/").items()
+    assert key == "runs/r/serving/a.json"
+    now = store.now()
+    assert now >= written - 1  # (S3 dates to the second)
+    assert store.list("clock/") == []
+
+
+def test_a_servers_mark_is_aged_on_the_stores_clock_not_the_servers(tmp_path):
+    """A server whose clock is an hour behind marks a run served: the mark is live, since its
+    age is when the store wrote it, not the time the server put in it."""
+    from tensorturn.state.manifest import servers
+
+    store = open_store((tmp_path / "store").as_uri())
+    store.put_json("runs/r/serving/pc-1.json", {"where": "pc:8000", "host": "pc", "pid": 1, "at": 0.0})
+    [mark] = servers(store, "r")
+    assert mark["where"] == "pc:8000" and mark["age_s"] < 60

@@ -102,7 +102,7 @@ def finished_ensemble(store: Store, run_id: str, merge: str) -> dict[str, Any]:
 
 SERVING_EVERY_S = 30.0    # how often a server refreshes its mark
 SERVING_STALE_S = 300.0   # an older mark is a server that stopped without removing it (SIGKILL);
-                          # generous: the machines' clocks may differ by a minute or two
+                          # reckoned on the store's clock (servers), generous for a read-only store
 
 
 @contextmanager
@@ -153,14 +153,24 @@ def _terminated(signum: int, _frame: Any) -> None:
 
 
 def servers(store: Store, run_id: str) -> list[dict[str, Any]]:
-    """The servers that marked ``run_id`` as served within SERVING_STALE_S (with ``age_s``)."""
+    """The servers that marked ``run_id`` as served within SERVING_STALE_S (with ``age_s``).
+    A mark's age is reckoned on the store's clock — when the store wrote it, against an object
+    written now (:meth:`Store.now`) — as a server may be another machine, whose clock is its own
+    (a store this command cannot write to: this machine's clock, and the tolerance above)."""
+    written = store.modified(layout.prefix("serving", run_id))
+    if not written:
+        return []
+    try:
+        now = store.now()
+    except StoreError:
+        now = time.time()
     out = []
-    for key in store.list(layout.prefix("serving", run_id)):
+    for key, at in written.items():
         try:
             mark = store.get_json(key)
-            age = time.time() - float(mark["at"])
-        except (ObjectMissing, ValueError, TypeError, KeyError):  # gone meanwhile, or not a mark
+        except (ObjectMissing, ValueError, TypeError):  # gone meanwhile, or not a mark
             continue
+        age = now - at
         if age < SERVING_STALE_S:
             out.append({**mark, "age_s": round(max(age, 0.0), 1)})
     return out

@@ -15,6 +15,7 @@ import hashlib
 import json
 import logging
 import os
+import secrets
 import shutil
 import tempfile
 import threading
@@ -25,7 +26,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, TypeVar
 from urllib.parse import unquote, urlsplit
 
-from tensorturn import config
+from tensorturn import config, layout
 from tensorturn.config import mask_url
 from tensorturn.errors import StoreError
 
@@ -129,6 +130,9 @@ class Store(ABC):
     def _sizes(self, prefix: str) -> dict[str, int]: ...
 
     @abstractmethod
+    def _modified(self, prefix: str) -> dict[str, float]: ...
+
+    @abstractmethod
     def _delete_folder(self, prefix: str) -> None: ...
 
     @abstractmethod
@@ -202,6 +206,21 @@ class Store(ABC):
     def sizes(self, prefix: str) -> dict[str, int]:
         """Keys under ``prefix`` with their sizes in bytes."""
         return self._retrying("list", prefix, lambda: self._sizes(prefix))
+
+    def modified(self, prefix: str) -> dict[str, float]:
+        """Keys under ``prefix`` with when they were last written, on the store's own clock
+        (S3's LastModified; a file's mtime, which its file server sets)."""
+        return self._retrying("list", prefix, lambda: self._modified(prefix))
+
+    def now(self) -> float:
+        """The store's clock now: the time it gives an empty object written for the purpose
+        (then removed). What a time a machine wrote is compared with, on another machine."""
+        probe = layout.key("clock", secrets.token_hex(8))
+        self.put_bytes(probe, b"")
+        try:
+            return self.modified(probe)[probe]
+        finally:
+            self.delete(probe)
 
     def delete_folder(self, prefix: str) -> None:
         """Delete every object under ``prefix``, a folder (``runs/<id>/``)."""
@@ -296,6 +315,9 @@ class FileStore(Store):
 
     def _sizes(self, prefix: str) -> dict[str, int]:
         return {key: self._path(key).stat().st_size for key in self._list(prefix)}
+
+    def _modified(self, prefix: str) -> dict[str, float]:
+        return {key: self._path(key).stat().st_mtime for key in self._list(prefix)}
 
     def _delete_folder(self, prefix: str) -> None:
         folder = self._path(prefix.rstrip("/"))
@@ -400,11 +422,17 @@ class S3Store(Store):
         self.client.delete_object(Bucket=self.bucket, Key=self._key(key))
 
     def _sizes(self, prefix: str) -> dict[str, int]:
+        return {key: int(obj["Size"]) for key, obj in self._objects(prefix)}
+
+    def _modified(self, prefix: str) -> dict[str, float]:
+        return {key: obj["LastModified"].timestamp() for key, obj in self._objects(prefix)}
+
+    def _objects(self, prefix: str) -> list[tuple[str, dict[str, Any]]]:
         strip = len(self.prefix) + 1 if self.prefix else 0
-        return {obj["Key"][strip:]: int(obj["Size"])
+        return [(obj["Key"][strip:], obj)
                 for page in self.client.get_paginator("list_objects_v2").paginate(
                     Bucket=self.bucket, Prefix=self._key(prefix))
-                for obj in page.get("Contents", [])}
+                for obj in page.get("Contents", [])]
 
     def _delete_folder(self, prefix: str) -> None:
         keys = [self._key(key) for key in self._sizes(prefix)]
