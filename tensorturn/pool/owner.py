@@ -294,6 +294,7 @@ class OwnerWatch(bootsteps.StartStopStep):
         self.worker = worker
         self.cpu = CpuWatch()
         self.marks = MarkMemory()
+        self.applied = False  # the consumer was paused by this watch (apply: the loop's thread only)
 
     def start(self, worker):
         self.worker = worker
@@ -346,21 +347,23 @@ class OwnerWatch(bootsteps.StartStopStep):
             beat()
 
     def apply(self) -> None:
-        """On the event loop's thread: consume every queue of this agent, or none, as
-        ``standing`` wants (an agent out of rotation stays so: its quarantine cancelled them)."""
+        """On the event loop's thread: while ``standing`` wants a pause, consume no queue; once
+        it no longer does, consume again the queues it was started with — only after a pause of
+        its own (a quarantine cancels them too, and this leaves that alone)."""
         consumer = self.worker.consumer
         if consumer.task_consumer is None:
             return
-        mine = list(getattr(self.worker, "tt_queues", []))  # the queues it was started with
-        consuming = [q.name for q in consumer.task_consumer.queues]
         if standing.paused is not None:
-            for name in set(consuming) | set(mine):
+            for name in {q.name for q in consumer.task_consumer.queues}:
                 if consumer.task_consumer.consuming_from(name):
                     consumer.cancel_task_queue(name)
-        elif not standing.quarantined:
-            for name in mine:
-                if not consumer.task_consumer.consuming_from(name):
-                    consumer.add_task_queue(name)
+            self.applied = True
+        elif self.applied:
+            self.applied = False
+            if not standing.quarantined:  # out of rotation meanwhile: it stays so until restarted
+                for name in getattr(self.worker, "tt_queues", []):  # the queues it was started with
+                    if not consumer.task_consumer.consuming_from(name):
+                        consumer.add_task_queue(name)
 
 
 class MarkMemory:
