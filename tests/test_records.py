@@ -10,6 +10,7 @@ lost record or a machine gone for good leaves in Redis does not stay there forev
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -335,8 +336,12 @@ def test_a_stale_serving_mark_does_not_block_removal(world, monkeypatch):
     spec = submit(world)
     world.board.cancel(spec.run_id, "test")
     key = layout.key("serving", spec.run_id, "crashed-1-abc")
-    world.store.put_json(key, {"where": "h:1", "host": "h", "pid": 1,
-                               "at": time.time() - manifest.SERVING_STALE_S - 1})
+    world.store.put_json(key, {"where": "h:1", "host": "h", "pid": 1, "at": time.time()})
+    assert manifest.servers(world.store, spec.run_id)  # fresh: served
+    # a server killed without removing its mark stops refreshing it: the store last wrote it
+    # longer ago than SERVING_STALE_S (its age is reckoned on the store's clock, not the mark's)
+    old = time.time() - manifest.SERVING_STALE_S - 1
+    os.utime(world.store._path(key), (old, old))
     assert manifest.servers(world.store, spec.run_id) == []
     assert runs.remove_run(spec.run_id, world.broker, world.store_url, lambda plan: True)
 
