@@ -142,3 +142,15 @@ def test_a_removed_mark_written_back_is_not_taken_again():
     assert memory.fresh({"paused": (12.0, "late game")}) == {"paused": "late game"}  # a new pause
     assert memory.fresh({"paused": (12.0, "late game"), "policy": (5.0, "{}")}) == \
         {"paused": "late game", "policy": "{}"}
+
+
+def test_an_agent_with_bad_hours_or_pool_stops_at_once_in_one_line():
+    """Before it connects or imports torch: one line, exit 2, nothing started."""
+    from conftest import clean_env, tt
+
+    for flags, says in ((["--hours", "25:00-08:00"], "hours must be HH:MM-HH:MM"),
+                        ([], "TENSORTURN_AGENT_POOL must be one of prefork, threads")):
+        env = clean_env(TENSORTURN_AGENT_POOL="gevent") if not flags else None
+        out = tt("agent", "--broker", "redis://127.0.0.1:1/0", *flags, env=env)
+        assert out.returncode == 2 and says in out.stderr, out.stderr
+        assert len(out.stderr.strip().splitlines()) == 1

@@ -42,9 +42,10 @@ def test_killing_a_group_kills_its_children_on_every_platform():
     import psutil
 
     for platform in ("linux", "win32"):
-        proc = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time; "
-                                 "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
-                                 "print('up', flush=True); time.sleep(60)"],
+        # a parent and its child, each waiting for a signal until killed
+        proc = subprocess.Popen([sys.executable, "-c", "import signal, subprocess, sys; "
+                                 "subprocess.Popen([sys.executable, '-c', 'import signal; signal.pause()']); "
+                                 "print('up', flush=True); signal.pause()"],
                                 stdout=subprocess.PIPE, text=True, **platforms.new_group("linux"))
         assert proc.stdout is not None and proc.stdout.readline().strip() == "up"
         children = psutil.Process(proc.pid).children(recursive=True)
@@ -90,8 +91,11 @@ def test_a_process_is_alive_without_signalling_it():
 @pytest.mark.parametrize("platform", ["win32", "darwin", "linux"])
 def test_an_agent_picks_its_pool_by_platform_unless_told(platform, monkeypatch):
     from tensorturn import config
-    from tensorturn.pool import agent
+    from tensorturn.errors import SpecError
+    from tensorturn.pool import threads
 
-    monkeypatch.setattr(agent.sys, "platform", platform)
-    assert agent.pool_of(config.Settings()) == platforms.default_pool(platform)
-    assert agent.pool_of(config.Settings(agent_pool="threads")) == "threads"
+    monkeypatch.setattr(threads.sys, "platform", platform)
+    assert threads.pool_of(config.Settings()) == platforms.default_pool(platform)
+    assert threads.pool_of(config.Settings(agent_pool="threads")) == "threads"
+    with pytest.raises(SpecError, match="TENSORTURN_AGENT_POOL must be one of prefork, threads"):
+        threads.pool_of(config.Settings(agent_pool="gevent"))

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 
 import click
@@ -104,7 +105,7 @@ def policy(broker, store, machine, hours, pause_on_battery, pause_when_busy, pau
                                      gpu_shared=bool(pause_when_gpu_shared))
     doc = owners.set_policy(_need(broker, "policy"), machine, None if rule is None else rule.to_json())
     if as_json:
-        emit_json({**doc, "policy": None if rule is None else rule.__dict__})
+        emit_json({**doc, "policy": None if rule is None else json.loads(rule.to_json())})
     else:
         click.echo(f"{doc['machine']}: " + ("back to the policy it was started with" if rule is None
                                             else rule.describe()) + " (within a second)")

@@ -102,7 +102,7 @@ def agent(broker, store, name, concurrency, memory_gb, cache_gb, role, loglevel,
     from tensorturn.pool.owner import Policy
 
     Policy.from_settings(config.current())  # bad hours: one clear line now, not a silent agent
-    from tensorturn.pool.agent import pool_of
+    from tensorturn.pool.threads import pool_of
 
     pool_of(config.current())  # a bad TENSORTURN_AGENT_POOL: the same
     trust.pool_key()  # one clear error now rather than every task refused later

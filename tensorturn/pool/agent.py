@@ -8,21 +8,10 @@ from __future__ import annotations
 
 import os
 import socket
-import sys
 
 from tensorturn import config, platforms
-from tensorturn.errors import SpecError
 from tensorturn.pool.threads import CLASS as THREADS
-from tensorturn.pool.threads import POOLS
-
-
-def pool_of(settings: config.Settings) -> str:
-    """The pool this agent runs its tasks in: ``--pool``/``TENSORTURN_AGENT_POOL``, else the
-    platform's (:func:`tensorturn.platforms.default_pool`)."""
-    pool = settings.agent_pool or platforms.default_pool(sys.platform)
-    if pool not in POOLS:
-        raise SpecError(f"TENSORTURN_AGENT_POOL must be one of {', '.join(POOLS)} (got {pool!r})")
-    return pool
+from tensorturn.pool.threads import pool_of
 
 
 def worker_argv(name: str | None, concurrency: int, loglevel: str, pool: str = "prefork") -> list[str]:

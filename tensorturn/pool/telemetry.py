@@ -32,11 +32,12 @@ import psutil
 from celery import bootsteps
 from celery.worker import state as worker_state
 
-from tensorturn import config, platforms, trust
+from tensorturn import config, trust
 from tensorturn.layout import OUTER_PREFIX, agent_queue
 from tensorturn.pool import routing
 from tensorturn.pool.capacity import queues_for
 from tensorturn.pool.owner import standing
+from tensorturn.pool.threads import pool_of
 from tensorturn.state import roster
 from tensorturn.state.broker import redis_client
 from tensorturn.state.clock import broker_now
@@ -95,7 +96,7 @@ def inventory() -> dict[str, Any]:
         offered = min(offered, cap)
     info["device_memory_gb"] = offered
     info["role"] = config.current().role
-    info["pool"] = config.current().agent_pool or platforms.default_pool()
+    info["pool"] = pool_of(config.current())
     return info
 
 

@@ -16,10 +16,14 @@ keeps every guarantee of the prefork pool:
 
 from __future__ import annotations
 
+import sys
 import threading
 from typing import Any
 
 from celery.concurrency.thread import TaskPool as CeleryThreads
+
+from tensorturn import config, platforms
+from tensorturn.errors import SpecError
 
 POOLS = ("prefork", "threads")
 CLASS = "tensorturn.pool.threads:TaskPool"
@@ -39,3 +43,12 @@ class TaskPool(CeleryThreads):
         # remote-control guard, and a lost connection cancels nothing: celery_app), so the
         # flag holds until the agent has stopped; a new start clears it (on_start)
         stopping.set()
+
+
+def pool_of(settings: config.Settings) -> str:
+    """The pool an agent runs its tasks in: ``--pool``/``TENSORTURN_AGENT_POOL``, else the
+    platform's (:func:`tensorturn.platforms.default_pool`)."""
+    pool = settings.agent_pool or platforms.default_pool(sys.platform)
+    if pool not in POOLS:
+        raise SpecError(f"TENSORTURN_AGENT_POOL must be one of {', '.join(POOLS)} (got {pool!r})")
+    return pool

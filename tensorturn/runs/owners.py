@@ -12,19 +12,25 @@ from tensorturn.state.owners import Owners
 from tensorturn.state.roster import list_workers
 
 
-def resolve_machine(client: Any, machine: str) -> str:
+def find_machine(client: Any, machine: str) -> str | None:
     """The agent ``machine`` names: its full name (``gaming-pc@host``) or the part before ``@``
-    when only one agent has it. SpecError, listing the agents, for anything else."""
+    when only one agent has it; None when none has it; SpecError when several do."""
     names = [w["name"] for w in list_workers(client)]
     if machine in names:
         return machine
     matches = [n for n in names if n.split("@", 1)[0] == machine]
-    if len(matches) == 1:
-        return matches[0]
-    known = ", ".join(names) or "none has connected to this broker"
-    if matches:
+    if len(matches) > 1:
         raise SpecError(f"{machine!r} names several agents ({', '.join(matches)}): give the full NAME@host")
-    raise SpecError(f"no agent named {machine!r} (agents: {known})")
+    return matches[0] if matches else None
+
+
+def resolve_machine(client: Any, machine: str) -> str:
+    """:func:`find_machine`, and SpecError, listing the agents, when none has the name."""
+    name = find_machine(client, machine)
+    if name is None:
+        known = ", ".join(w["name"] for w in list_workers(client)) or "none has connected to this broker"
+        raise SpecError(f"no agent named {machine!r} (agents: {known})")
+    return name
 
 
 def names_an_agent(broker_url: str, name: str) -> bool:
@@ -37,12 +43,7 @@ def names_an_agent(broker_url: str, name: str) -> bool:
         client = check_broker(broker_url)
     except BrokerError:
         return False
-    names = [w["name"] for w in list_workers(client)]
-    if name in names:
-        return True
-    if sum(n.split("@", 1)[0] == name for n in names) > 1:
-        resolve_machine(client, name)  # raises, naming them
-    return any(n.split("@", 1)[0] == name for n in names)
+    return find_machine(client, name) is not None
 
 
 def pause(broker_url: str, machine: str, reason: str) -> dict[str, Any]:
