@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import orjson
 
-from tensorturn.recipes.kinds import Kind
+from tensorturn.recipes.kinds import Kind, Output
 
 
 class Prediction(NamedTuple):
@@ -35,14 +35,21 @@ def _tensor(name: str, datatype: str, data: np.ndarray) -> dict[str, Any]:
             "data": flat.tolist() if flat.dtype == object else flat}
 
 
+def served_outputs(pred: Prediction, members: list[dict] | None, kind: Kind,
+                   classes: list[str] | None = None) -> list[Output]:
+    """The outputs the recipe's kind serves (``label``, ``probabilities`` and ``class_name``
+    where the recipe names its ``classes``; or ``prediction``), and each member's when asked:
+    what the inference API answers and what an exported model's ``predict`` returns."""
+    outputs = list(kind.served(pred.combined, classes))
+    for entry, p in zip(members or [], pred.per_member):
+        outputs.append(Output(kind.member_output(entry["member"]), "FP32", p))
+    return outputs
+
+
 def encode_answer(name: str, version: str, request_id: str | None, pred: Prediction,
                   members: list[dict] | None, kind: Kind, classes: list[str] | None = None) -> bytes:
-    """The Open Inference Protocol answer: the outputs the recipe's kind serves (``label``,
-    ``probabilities`` and ``class_name`` where the recipe names its ``classes``; or
-    ``prediction``), and each member's when asked."""
-    outputs = [_tensor(o.name, o.datatype, o.data) for o in kind.served(pred.combined, classes)]
-    for entry, p in zip(members or [], pred.per_member):
-        outputs.append(_tensor(kind.member_output(entry["member"]), "FP32", p))
+    """The Open Inference Protocol answer: :func:`served_outputs` as JSON."""
+    outputs = [_tensor(o.name, o.datatype, o.data) for o in served_outputs(pred, members, kind, classes)]
     return orjson.dumps({"model_name": name, "model_version": version,
                          "id": request_id or str(uuid.uuid4()), "outputs": outputs},
                         option=orjson.OPT_SERIALIZE_NUMPY)

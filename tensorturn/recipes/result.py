@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
 from tensorturn import layout
 from tensorturn.errors import TensorTurnError
 from tensorturn.recipes import BUILTIN, Recipe, resolve
+from tensorturn.recipes.answer import Prediction
 from tensorturn.spec import RunState
 from tensorturn.store.objects import ObjectMissing, Store, sha256_hex
 from tensorturn.store.tensors import ENSEMBLE_FORMAT, MODEL_FORMAT, from_bytes, metadata_of
@@ -28,12 +31,14 @@ class Predictor:
     members: list[dict]
 
     @classmethod
-    def from_bytes(cls, data: bytes) -> "Predictor":
+    def from_bytes(cls, data: bytes, allow: Collection[str] = ()) -> "Predictor":
+        """The model file's predictor; ``allow``: recipe names allowed for this call besides the
+        machine's allowlist (:func:`tensorturn.recipes.resolve`)."""
         meta = metadata_of(data)
         fmt = meta.get("format")
         if fmt not in (MODEL_FORMAT, ENSEMBLE_FORMAT):
             raise TensorTurnError(f"not a TensorTurn model file (format {fmt!r})")
-        recipe = resolve(meta["recipe"], json.loads(meta.get("recipe_options", "{}")))
+        recipe = resolve(meta["recipe"], json.loads(meta.get("recipe_options", "{}")), allow)
         tensors = from_bytes(data)
         if fmt == MODEL_FORMAT:
             model = recipe.model(json.loads(meta["config"]))
@@ -68,6 +73,13 @@ class Predictor:
             return unscale(combined), torch.stack([unscale(p) for p in per_member])
         return combined, per_member
 
+    def serve_rows(self, x: np.ndarray) -> Prediction:
+        """The outputs for raw rows ``x`` (the recipe preprocesses them), as served: what
+        ``tensorturn serve`` answers and an exported model's ``predict`` returns, one code path."""
+        with torch.inference_mode():
+            combined, per_member = self.predict(self.recipe.preprocess(torch.from_numpy(x)))
+            return Prediction(combined.float().numpy(), per_member.float().numpy())
+
     def as_model(self, vote: str | None = None) -> nn.Module:
         """The result as one model for ``Recipe.evaluate``: the fused model, or the ensemble
         (:class:`EnsembleModel`) voting by ``vote`` (default: its own rule)."""
@@ -97,6 +109,12 @@ def load_result(store: Store, run_id: str) -> tuple[Predictor, dict[str, Any]]:
     """The run's final artifact, trusted only as far as it proves itself: the manifest must be
     signed by the pool key, its recipe allowed on this machine (checked before the model file is
     read), and the file must match the manifest's sha256 and name the same recipe."""
+    data, manifest = result_bytes(store, run_id)
+    return Predictor.from_bytes(data), manifest
+
+
+def result_bytes(store: Store, run_id: str) -> tuple[bytes, dict[str, Any]]:
+    """The run's final model file, checked as :func:`load_result` checks it, and its manifest."""
     from tensorturn.state.manifest import read_manifest
 
     try:
@@ -114,4 +132,4 @@ def load_result(store: Store, run_id: str) -> tuple[Predictor, dict[str, Any]]:
     if named != manifest["recipe"]:
         raise UntrustedError(f"run {run_id}: the model file names recipe {named!r}, its manifest "
                              f"{manifest['recipe']!r}; refused")
-    return Predictor.from_bytes(data), manifest
+    return data, manifest

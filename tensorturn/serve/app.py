@@ -117,10 +117,9 @@ class ServedModel:
                        for o in self.kind.served(probe.combined, self.classes)]
 
     def run(self, x: np.ndarray) -> Prediction:
-        """The model on raw rows ``x`` (the recipe preprocesses them), as served."""
-        with torch.inference_mode():
-            combined, per_member = self.predictor.predict(self.recipe.preprocess(torch.from_numpy(x)))
-            return Prediction(combined.float().numpy(), per_member.float().numpy())
+        """The model on raw rows ``x`` (the recipe preprocesses them), as served
+        (:meth:`Predictor.serve_rows`: an exported model's ``predict`` runs the same)."""
+        return self.predictor.serve_rows(x)
 
     def check_name(self, name: str) -> None:
         """404 unless this server serves a model called ``name`` (the run id or its alias)."""

@@ -1,0 +1,216 @@
+"""``tensorturn export RUN DIR``: a succeeded run's model as a folder that describes itself.
+
+Why the model file is the run's own, byte for byte: its sha256 is the run's ``model_sha256``
+(lineage a reader can check), it is the very file ``tensorturn serve`` loads (so the folder
+cannot predict otherwise than the API), and an ensemble stays one file — its members' weights
+under ``m<member>.`` and the vote rule in the metadata — rather than one file per member that
+could be copied apart from the others.
+
+The folder is written beside ``DIR`` under a temporary name and renamed into place when whole:
+a failure (a format that does not map, a disk that fills) leaves no half-written folder.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tensorturn import layout
+from tensorturn.config import mask_url
+from tensorturn.errors import NotFound, SpecError
+from tensorturn.export import card
+from tensorturn.export.loaded import (
+    CARD_FILE,
+    CONFIG_FILE,
+    DATASET_DIR,
+    EXPORT_FORMAT,
+    MODEL_FILE,
+    ONNX_FILE,
+    TRANSFORMERS_DIR,
+)
+from tensorturn.recipes.answer import served_outputs
+from tensorturn.recipes.result import Predictor, result_bytes
+from tensorturn.spec import FINISHED, RunState
+from tensorturn.store.objects import ObjectMissing, Store
+from tensorturn.store.tensors import metadata_of
+
+log = logging.getLogger(__name__)
+
+FORMATS = ("onnx", "transformers")
+
+
+@dataclass
+class ExportResult:
+    """What ``export`` wrote: the folder, its files (name → bytes) and the run it holds."""
+
+    path: str
+    run_id: str
+    mode: str
+    recipe: str
+    model_sha256: str
+    formats: list[str]
+    files: dict[str, int] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def check_destination(dest: Path) -> None:
+    """SpecError unless ``dest`` is free: absent, or an empty folder (nothing there is replaced)."""
+    if dest.is_symlink() or (dest.exists() and not dest.is_dir()):
+        raise SpecError(f"{dest} exists and is not a folder; nothing was written")
+    if dest.is_dir() and any(dest.iterdir()):
+        raise SpecError(f"{dest} exists and is not empty; export into a new or empty folder "
+                        f"(nothing was written)")
+
+
+def check_formats(formats: Sequence[str]) -> list[str]:
+    unknown = [f for f in formats if f not in FORMATS]
+    if unknown:
+        raise SpecError(f"unknown export format {unknown[0]!r}: use {' or '.join(FORMATS)}")
+    return list(dict.fromkeys(formats))
+
+
+def finished_manifest(store: Store, run_id: str) -> dict[str, Any]:
+    """The run's manifest if it succeeded; one clear error otherwise."""
+    from tensorturn.state.manifest import read_manifest
+
+    if not layout.RUN_ID.fullmatch(run_id):
+        raise SpecError(f"{run_id!r} is not a run id (see `tensorturn runs`)")
+    try:
+        manifest = read_manifest(store, run_id)
+    except ObjectMissing:
+        raise NotFound(f"no run {run_id!r} in the store (see `tensorturn runs`)") from None
+    state = manifest.get("state")
+    if state not in FINISHED:
+        raise SpecError(f"run {run_id} is {state}: only a run that succeeded can be exported "
+                        f"(wait for it: `tensorturn status {run_id} --follow`)")
+    if state != RunState.SUCCEEDED or not manifest.get("model_uri"):
+        raise SpecError(f"run {run_id} {state}: it has no model to export")
+    return manifest
+
+
+def export_run(store: Store, run_id: str, dest: str | Path, formats: Sequence[str] = ()) -> ExportResult:
+    """Write run ``run_id``'s model from ``store`` into the new folder ``dest`` (module docstring);
+    ``formats``: also ``onnx`` and/or ``transformers``. Refused, with nothing written, for a run
+    that did not succeed, a ``dest`` that is not empty, or a format the model does not map to."""
+    dest = Path(dest).expanduser()
+    wanted = check_formats(formats)
+    check_destination(dest)
+    finished_manifest(store, run_id)
+    data, manifest = result_bytes(store, run_id)  # verified: signed manifest, sha256, recipe allowed
+    predictor = Predictor.from_bytes(data)
+    dataset = _dataset_index(store, manifest)
+    doc = describe(predictor, manifest, metadata_of(data), dataset)
+
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
+    try:
+        (work / MODEL_FILE).write_bytes(data)
+        if dataset is not None:  # as a file store lays it out, so the recipe reads it unchanged
+            index_file = work / DATASET_DIR / layout.key("dataset", dataset["name"], dataset["version"])
+            index_file.parent.mkdir(parents=True)
+            index_file.write_text(json.dumps(dataset, sort_keys=True), encoding="utf-8")
+        for fmt in wanted:
+            doc["formats"][fmt] = _write_format(fmt, predictor, doc, work)
+        (work / CONFIG_FILE).write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        (work / CARD_FILE).write_text(card.model_card(doc, manifest), encoding="utf-8")
+        files = {str(p.relative_to(work)): p.stat().st_size for p in sorted(work.rglob("*")) if p.is_file()}
+        check_destination(dest)  # still free: nothing another process wrote meanwhile is replaced
+        if dest.is_dir():
+            dest.rmdir()
+        work.rename(dest)
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)
+        raise
+    return ExportResult(str(dest), run_id, manifest["mode"], manifest["recipe"], manifest["model_sha256"],
+                        wanted, files)
+
+
+def _write_format(fmt: str, predictor: Predictor, doc: dict[str, Any], work: Path) -> str:
+    from tensorturn.export import formats
+
+    if fmt == "onnx":
+        formats.write_onnx(predictor, doc["input"]["shape"], work / ONNX_FILE)
+        return ONNX_FILE
+    formats.write_gpt2(predictor, work / TRANSFORMERS_DIR)
+    return TRANSFORMERS_DIR
+
+
+def _dataset_index(store: Store, manifest: dict[str, Any]) -> dict[str, Any] | None:
+    """The pushed dataset version the run's recipe read (its index: no rows), or None."""
+    options = (manifest.get("spec") or {}).get("recipe_options") or {}
+    if not options.get("dataset"):
+        return None
+    from tensorturn.data.index import show
+
+    return show(store, str(options["dataset"]), options.get("version"))
+
+
+def describe(predictor: Predictor, manifest: dict[str, Any], file_meta: dict[str, str],
+             dataset: dict[str, Any] | None) -> dict[str, Any]:
+    """``config.json``: everything needed to rebuild and understand the model, no secret (the
+    store's URL is masked; the spec's signature is not copied)."""
+    recipe = predictor.recipe
+    spec = dict(manifest.get("spec") or {})
+    input_shape = recipe.input_shape()
+    probe = predictor.serve_rows(np.zeros([1, *input_shape], np.float32))
+    outputs = [{"name": o.name, "datatype": o.datatype, "shape": [-1, *np.asarray(o.data).shape[1:]]}
+               for o in served_outputs(probe, None, recipe.kind, recipe.classes)]
+    if predictor.vote == "single":
+        model: dict[str, Any] = {"kind": "single", "config": json.loads(file_meta["config"])}
+    else:
+        model = {"kind": "ensemble", "vote": predictor.vote, "members": predictor.members}
+    options = spec.get("recipe_options") or {}
+    doc: dict[str, Any] = {
+        "format": EXPORT_FORMAT,
+        "model_file": MODEL_FILE,
+        "model_sha256": manifest["model_sha256"],
+        "recipe": {"name": manifest["recipe"], "options": options},
+        "task": recipe.kind.name,
+        "input": {"shape": input_shape, "datatype": recipe.input_dtype,
+                  "preprocessing": "the recipe's preprocess (applied by predict and the API)"},
+        "outputs": outputs,
+        "classes": list(recipe.classes) if recipe.classes else None,
+        "model": model,
+        "run": {k: v for k, v in spec.items() if k not in ("store_url", "run_id", "created_at")},
+        "metrics": manifest.get("metrics") or {},
+        "lineage": {
+            "run_id": manifest["run_id"],
+            "mode": manifest["mode"],
+            "created_at": manifest.get("created_at"),
+            "finished_at": manifest.get("finished_at"),
+            "store": mask_url(spec.get("store_url")),
+            "data": data_version(options, dataset),
+            "parents": {k: v for k, v in (("init_from", (spec.get("options") or {}).get("init_from")),
+                                          ("teacher", options.get("teacher"))) if v},
+        },
+        "formats": {},
+        "exported_at": time.time(),
+    }
+    vocab = getattr(recipe, "vocab", None)
+    if recipe.kind.name == "language_model" and callable(vocab):
+        doc["vocabulary"] = vocab()  # token id → character (charlm) or byte (gpt2-small, textlm)
+    if dataset is not None:
+        doc["dataset"] = DATASET_DIR
+    return doc
+
+
+def data_version(options: dict[str, Any], dataset: dict[str, Any] | None) -> dict[str, Any]:
+    """What the model was trained on, as precisely as the run records it."""
+    if dataset is not None:
+        return {"dataset": dataset.get("name"), "version": dataset.get("version"),
+                "rows": dataset.get("rows"), "created_at": dataset.get("created_at"),
+                "source": dataset.get("source")}
+    if options.get("data"):
+        return {"file": str(options["data"])}
+    return {"built_in": "the recipe's own data"}

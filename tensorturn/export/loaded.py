@@ -1,0 +1,153 @@
+"""An exported folder loaded back: the torch module(s) and the served predictions, no pool.
+
+Nothing here talks to a broker, a pool or an object store: the weights come from the folder's
+``model.safetensors`` (safetensors only, never ``torch.load``), the recipe is built from the name
+and options in the file (a user's recipe must be importable here and allowed, as for ``serve``),
+and a recipe over a pushed dataset reads that dataset's index from the folder's ``dataset/``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Collection, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from torch import nn
+
+from tensorturn import config
+from tensorturn.errors import SpecError, TensorTurnError
+from tensorturn.recipes import Recipe
+from tensorturn.recipes.answer import served_outputs
+from tensorturn.recipes.result import Predictor
+from tensorturn.store.objects import sha256_hex
+from tensorturn.store.tensors import metadata_of
+from tensorturn.trust import UntrustedError
+
+EXPORT_FORMAT = "tensorturn-export/1"
+CONFIG_FILE = "config.json"
+MODEL_FILE = "model.safetensors"
+CARD_FILE = "README.md"
+DATASET_DIR = "dataset"      # a file store holding the pushed dataset's index only
+ONNX_FILE = "model.onnx"
+TRANSFORMERS_DIR = "transformers"
+
+
+@dataclass
+class ExportedModel:
+    """An exported run: ``module`` (the fused model, or the ensemble as one module that votes),
+    ``models`` (each member), ``recipe``, ``config`` (``config.json``) and :meth:`predict`."""
+
+    path: Path
+    config: dict[str, Any]
+    predictor: Predictor
+
+    @property
+    def recipe(self) -> Recipe:
+        return self.predictor.recipe
+
+    @property
+    def models(self) -> list[nn.Module]:
+        """The trained models: one for a fused run, one per member for an ensemble."""
+        return self.predictor.models
+
+    @property
+    def module(self) -> nn.Module:
+        """One module: the fused model, or the ensemble whose forward pass returns its vote in the
+        form one member's output takes (:class:`tensorturn.recipes.result.EnsembleModel`). It
+        takes *preprocessed* inputs: ``recipe.preprocess(raw)``."""
+        return self.predictor.as_model()
+
+    @property
+    def input_shape(self) -> list[int]:
+        return list(self.config["input"]["shape"])
+
+    def predict(self, inputs: Any, members: bool = False) -> dict[str, np.ndarray]:
+        """The served outputs for raw rows ``inputs`` (array-like ``[N, *input_shape]``), by
+        name — ``label``, ``probabilities`` (and ``class_name``), or ``prediction`` — exactly as
+        ``tensorturn serve`` answers them for this run; ``members``: each ensemble member's too
+        (``member_<m>_probabilities``), as the API's ``"parameters": {"members": true}``."""
+        x = _rows(inputs, self.input_shape)
+        wrong = self.recipe.check_input(x)
+        if wrong:
+            raise SpecError(wrong)
+        pred = self.predictor.serve_rows(x)
+        wanted = self.predictor.members if members else None
+        return {o.name: np.asarray(o.data)
+                for o in served_outputs(pred, wanted, self.recipe.kind, self.recipe.classes)}
+
+
+def _rows(inputs: Any, shape: list[int]) -> np.ndarray:
+    """``inputs`` as the API parses a request's data: float32 rows of ``shape``, finite."""
+    try:
+        x = np.asarray(inputs, dtype=np.float32)
+    except (TypeError, ValueError) as exc:
+        raise SpecError(f"inputs must be numbers shaped [N, {', '.join(map(str, shape))}]: {exc}") from None
+    if list(x.shape[1:]) != shape or x.ndim != len(shape) + 1:
+        raise SpecError(f"inputs of shape {list(x.shape)} do not fit this model: expected "
+                        f"[N, {', '.join(map(str, shape))}]")
+    if x.size and not np.isfinite(x).all():
+        raise SpecError("inputs contain non-finite values (NaN, Infinity, or beyond the FP32 range)")
+    return np.ascontiguousarray(x)
+
+
+def read_config(folder: Path) -> dict[str, Any]:
+    """The folder's ``config.json``; TensorTurnError when it is no exported model folder."""
+    if not folder.is_dir():
+        raise TensorTurnError(f"{folder} is not a folder (an exported model is a folder from "
+                              f"`tensorturn export RUN DIR`)")
+    try:
+        doc = json.loads((folder / CONFIG_FILE).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise TensorTurnError(f"{folder} holds no {CONFIG_FILE}: not a folder from `tensorturn export`") from None
+    except (OSError, ValueError) as exc:
+        raise TensorTurnError(f"{folder / CONFIG_FILE} is not readable JSON: {exc}") from None
+    if not isinstance(doc, dict) or doc.get("format") != EXPORT_FORMAT:
+        found = doc.get("format") if isinstance(doc, dict) else None
+        raise TensorTurnError(f"{folder / CONFIG_FILE} is format {found!r}, not {EXPORT_FORMAT!r}")
+    return doc
+
+
+@contextmanager
+def dataset_store(folder: Path, doc: dict[str, Any]) -> Iterator[None]:
+    """While the recipe is built: a recipe over a pushed dataset reads its index from the folder's
+    ``dataset/`` (a file store holding the index only), not from a pool's store. The process's
+    settings are swapped back afterwards (a recipe reads them while it is built, nothing later)."""
+    if not doc.get("dataset"):
+        yield
+        return
+    saved = config.current()
+    config.use(saved.with_(store_url=(folder / DATASET_DIR).resolve().as_uri()))
+    try:
+        yield
+    finally:
+        config.use(saved)
+
+
+def load(path: str | Path, allow: Collection[str] = ()) -> ExportedModel:
+    """The folder ``tensorturn export`` wrote at ``path``: checked (``model.safetensors`` must be
+    the file ``config.json`` names by sha256, of the same recipe), its recipe built (``allow``:
+    recipe names allowed for this call besides this machine's allowlist — a user recipe is code),
+    its weights loaded. TensorTurnError (one line) for a folder that is not one."""
+    folder = Path(path).expanduser()
+    doc = read_config(folder)
+    try:
+        data = (folder / MODEL_FILE).read_bytes()
+    except OSError as exc:
+        raise TensorTurnError(f"{folder / MODEL_FILE} is not readable: {exc.strerror or exc}") from None
+    if sha256_hex(data) != doc.get("model_sha256"):
+        raise UntrustedError(f"{folder / MODEL_FILE} is not the file {CONFIG_FILE} names (its sha256 "
+                             f"differs): the folder was changed after export")
+    try:
+        named = metadata_of(data).get("recipe")
+    except ValueError:
+        named = None
+    if named != doc["recipe"]["name"]:
+        raise UntrustedError(f"{folder / MODEL_FILE} names recipe {named!r}, {CONFIG_FILE} "
+                             f"{doc['recipe']['name']!r}; refused")
+    with dataset_store(folder, doc):
+        predictor = Predictor.from_bytes(data, allow)
+    return ExportedModel(folder, doc, predictor)
