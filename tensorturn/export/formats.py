@@ -162,4 +162,12 @@ def write_gpt2(predictor: Predictor, path: Path) -> None:
     if missing or unexpected:
         raise TensorTurnError(f"--format transformers: the GPT-2 layout did not map (missing {missing[:3]}, "
                               f"unexpected {unexpected[:3]})")
-    model.save_pretrained(str(path), safe_serialization=True)
+    from transformers.utils import logging as hf_logging
+
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # a bar per shard written, on the export command's stderr
+    try:
+        model.save_pretrained(str(path), safe_serialization=True)
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
