@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from functools import lru_cache
 from itertools import accumulate
 from pathlib import Path
@@ -55,6 +57,23 @@ def shard_bounds(chunk_rows: list[int], shards: int) -> list[int]:
     return bounds
 
 
+# Where a Dataset built without a store reads: this machine's store, unless a caller holding the
+# dataset's index elsewhere says so while it builds a recipe (:func:`reading_from`; an exported
+# model folder carries the index its recipe's preprocessing needs). A context variable, not the
+# process's settings: it ends with the call and is seen by no other thread.
+_READ_FROM: ContextVar[Store | None] = ContextVar("tensorturn_dataset_store", default=None)
+
+
+@contextmanager
+def reading_from(store: Store) -> Iterator[None]:
+    """Datasets built in this block without a store of their own read ``store``."""
+    token = _READ_FROM.set(store)
+    try:
+        yield
+    finally:
+        _READ_FROM.reset(token)
+
+
 class Dataset:
     """A version of a pushed dataset, read from this machine's store and cache."""
 
@@ -62,7 +81,7 @@ class Dataset:
                  cache: ChunkCache | None = None):
         from tensorturn.store.objects import open_store
 
-        self.store = store or open_store(config.current().resolved_store_url())
+        self.store = store or _READ_FROM.get() or open_store(config.current().resolved_store_url())
         self.cache = cache or machine_cache()
         self.index: dict[str, Any] = show(self.store, name, version)
         self._bounds: dict[tuple[str, int], list[int]] = {}

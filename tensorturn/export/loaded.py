@@ -18,7 +18,6 @@ from typing import Any
 import numpy as np
 from torch import nn
 
-from tensorturn import config
 from tensorturn.errors import SpecError, TensorTurnError
 from tensorturn.recipes import Recipe
 from tensorturn.recipes.answer import served_outputs
@@ -114,17 +113,15 @@ def read_config(folder: Path) -> dict[str, Any]:
 @contextmanager
 def dataset_store(folder: Path, doc: dict[str, Any]) -> Iterator[None]:
     """While the recipe is built: a recipe over a pushed dataset reads its index from the folder's
-    ``dataset/`` (a file store holding the index only), not from a pool's store. The process's
-    settings are swapped back afterwards (a recipe reads them while it is built, nothing later)."""
+    ``dataset/`` (a file store holding the index only), not from a pool's store."""
     if not doc.get("dataset"):
         yield
         return
-    saved = config.current()
-    config.use(saved.with_(store_url=(folder / DATASET_DIR).resolve().as_uri()))
-    try:
+    from tensorturn.data.source import reading_from
+    from tensorturn.store.objects import FileStore
+
+    with reading_from(FileStore((folder / DATASET_DIR).resolve().as_uri())):
         yield
-    finally:
-        config.use(saved)
 
 
 def load(path: str | Path, allow: Collection[str] = ()) -> ExportedModel:
