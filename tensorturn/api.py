@@ -45,9 +45,13 @@ def run_settings(options: dict[str, Any], config_file: str | Path | None = None)
     """A run's settings, complete: those of the run file ``config_file``, ``options`` over them
     (``None``: not given), every default filled in — what ``--print-config`` prints and the run
     keeps. Checked as ``tensorturn run`` checks them: a one-line SpecError (or RecipeError)."""
+    from tensorturn.runs.launch import check_merge
+
     file = runfile.read(config_file) if config_file else {}
     settings = runfile.combine(file, runfile.check(options))
-    return runfile.resolved(run_spec(settings, ""), settings)
+    spec = run_spec(settings, "")
+    check_merge(spec.mode, settings["merge"])
+    return runfile.resolved(spec, settings)
 
 
 def run_spec(settings: dict[str, Any], store_url: str) -> "RunSpec":

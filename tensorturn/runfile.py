@@ -143,6 +143,13 @@ def resolved(spec: "RunSpec", settings: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in out.items() if v is not None}
 
 
+def ordered(settings: dict[str, Any]) -> dict[str, Any]:
+    """``settings`` in the order ``run --help`` lists them (mode and recipe first; a copy read
+    back from the store has its keys sorted)."""
+    order = {k: i for i, k in enumerate(kinds())}
+    return dict(sorted(settings.items(), key=lambda kv: order.get(kv[0], len(order))))
+
+
 def dumps(settings: dict[str, Any]) -> str:
     """``settings`` as a run file (TOML), after a comment on how to use it. A recipe option
     that is null (``--recipe-option k=null``) has no TOML form: a one-line SpecError."""
@@ -152,9 +159,7 @@ def dumps(settings: dict[str, Any]) -> str:
         if value is None:
             raise SpecError(f"recipe option {key!r} is null, which a TOML run file cannot hold: "
                             f"leave it out or give it a value")
-    order = {k: i for i, k in enumerate(kinds())}  # as `run --help` lists them (a stored copy is sorted)
-    doc = {k: v for k, v in sorted(settings.items(), key=lambda kv: order.get(kv[0], len(order)))
-           if v is not None and (k != "recipe_options" or v)}
+    doc = {k: v for k, v in ordered(settings).items() if v is not None and (k != "recipe_options" or v)}
     try:
         return HEADER + tomli_w.dumps(doc)
     except TypeError as exc:  # a value TOML has no form for (a null inside a list)

@@ -69,7 +69,9 @@ def status(broker, store, run_id, as_json, watch, print_config):
                        + (f" val_loss {val:.4f}" if val is not None else "")
                        + (f" val_acc {acc:.3f}" if acc is not None else "") + f" bytes {r['bytes']}")
         if ran_with:  # what ran, as its run file holds it (--print-config writes that file)
-            click.echo("  ran with: " + " ".join(f"{k}={v}" for k, v in ran_with.items()))
+            from tensorturn.runfile import ordered
+
+            click.echo("  ran with: " + " ".join(f"{k}={v}" for k, v in ordered(ran_with).items()))
     print_result(doc, as_json)
 
 

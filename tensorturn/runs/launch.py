@@ -253,14 +253,19 @@ def launch_run(spec: RunSpec, broker: str | None, local_workers: int | None = 2,
     return launch_stages(stages, broker, spec.store_url, local_workers, detach, timeout_s, recipes, docs, observer)
 
 
+def check_merge(mode: str, merge: str) -> None:
+    """SpecError unless ``merge`` fits a run of ``mode``: only an ensemble's members merge."""
+    if merge != "none" and mode != "ensemble":
+        raise SpecError(f"--merge {merge} merges an ensemble's members into one model: it needs "
+                        f"--mode ensemble (a {mode} run is one model already)")
+
+
 def run_stages(spec: RunSpec, merge: str = "none", training: dict[str, Any] | None = None,
                pool_size: int | None = None) -> tuple[list[Stage], list[str]]:
     """The stages of :func:`launch_run` (``spec``'s run; with ``merge="distill"``, then its
     distillation) and the recipes they build. ``pool_size``: the agents of the embedded pool the
     run will have (a mode sizes its run by them: an ensemble's members); None on a standing pool."""
-    if merge != "none" and spec.mode != "ensemble":
-        raise SpecError(f"--merge {merge} merges an ensemble's members into one model: it needs "
-                        f"--mode ensemble (a {spec.mode} run is one model already)")
+    check_merge(spec.mode, merge)
     if pool_size is not None:
         from tensorturn.modes import get_mode
 
