@@ -8,12 +8,13 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT, clean_env, tt_here
+from conftest import ROOT, TEST_POOL_KEY, clean_env, tt_here
 from safetensors.torch import load_file
 
 import tensorturn
 from tensorturn import runfile
 from tensorturn.errors import BrokerError, RunFailed, SpecError, TensorTurnError
+from tensorturn.pool.coordinator import make_join
 
 pytestmark = pytest.mark.e2e
 
@@ -49,10 +50,14 @@ def test_the_readme_example_on_an_embedded_pool(tmp_path, monkeypatch, capsys):
 
 
 def test_the_readme_example_on_a_standing_pool_and_a_run_file(pool, tmp_path, capsys):
+    """The example with the pool `tensorturn up` would make: its join file names the broker,
+    the store and the pool key."""
+    join = tmp_path / "join"
+    join.write_text(make_join(pool.broker_url, pool.store_url, key=TEST_POOL_KEY))
     example = readme_example().replace("tensorturn.Pool.embedded(workers=2)",
-                                       "tensorturn.Pool.connect(broker=BROKER, store=STORE)")
+                                       f"tensorturn.Pool.connect(join_file={str(join)!r})")
     assert "Pool.connect" in example
-    scope: dict = {"BROKER": pool.broker_url, "STORE": pool.store_url}
+    scope: dict = {}
     exec(compile(example, "README.md", "exec"), scope)
     standing, run, doc = scope["pool"], scope["run"], scope["doc"]
     assert doc["state"] == "succeeded" and standing.local is None
@@ -63,6 +68,18 @@ def test_the_readme_example_on_a_standing_pool_and_a_run_file(pool, tmp_path, ca
     (tmp_path / "run.toml").write_text(runfile.dumps(settings))
     again = standing.run(config=tmp_path / "run.toml").result()
     assert again["run_id"] != doc["run_id"] and again["model_sha256"] == doc["model_sha256"]
+
+
+def test_merge_distill_is_the_ensemble_then_its_student(pool):
+    """``merge="distill"``, as ``run --merge distill``: one Run, the student's once it starts."""
+    run = tensorturn.Pool.connect(broker=pool.broker_url, store=pool.store_url).run(
+        mode="ensemble", recipe="digits-mlp", members=2, segments=1, segment_steps=50, merge="distill")
+    ensemble_id = run.run_id
+    doc = run.result()
+    assert doc["ensemble"]["run_id"] == ensemble_id and doc["ensemble"]["state"] == "succeeded"
+    assert doc["run_id"] == run.run_id != ensemble_id and doc["state"] == "succeeded"
+    assert doc["lineage"]["distilled_from"] == ensemble_id
+    assert len(list(run.model().parameters())) > 0
 
 
 def test_a_cancelled_run_raises_on_result(pool):
