@@ -173,8 +173,12 @@ class Pool:
             if launch_only in options:
                 raise SpecError(f"{launch_only} is not a setting of Pool.run: use {instead}")
         settings = run_settings({"mode": mode, "recipe": recipe, **options}, config)
-        spec = run_spec(settings, self.store_url)
         pool_size = self.local.workers if self.local is not None else None
+        # the run keeps what ran: this embedded pool's size; a standing pool has none to keep
+        settings = {k: v for k, v in settings.items() if k != "local_workers"}
+        if pool_size is not None:
+            settings = runfile.ordered({**settings, "local_workers": pool_size})
+        spec = run_spec(settings, self.store_url)
         stages, recipes = run_stages(spec, settings["merge"], training_of(settings), pool_size)
         run = Run(self, stages, tuple(recipes) + self.allow)
         self.runs.append(run)

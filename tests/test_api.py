@@ -46,6 +46,7 @@ def test_the_readme_example_on_an_embedded_pool(tmp_path, monkeypatch, capsys):
     # closed with the block: its processes are gone, and the run is read back from the store
     assert pool.closed and all(agent.poll() is not None for agent in pool.local.agents)
     assert run.status()["model_sha256"] == doc["model_sha256"]
+    assert run.status()["spec"]["run_config"]["local_workers"] == 2  # the pool it ran on
     assert (tmp_path / "tensorturn-store" / "runs" / run.run_id).is_dir()
 
 
@@ -64,7 +65,7 @@ def test_the_readme_example_on_a_standing_pool_and_a_run_file(pool, tmp_path, ca
     the_model_is_the_stored_one(run, scope["model"])
     # what ran is kept with the run; a run from it as a run file is the same run
     settings = run.status()["spec"]["run_config"]
-    assert settings["rounds"] == 2 and settings["recipe"] == "digits-mlp"
+    assert settings["rounds"] == 2 and settings["recipe"] == "digits-mlp" and "local_workers" not in settings
     (tmp_path / "run.toml").write_text(runfile.dumps(settings))
     again = standing.run(config=tmp_path / "run.toml").result()
     assert again["run_id"] != doc["run_id"] and again["model_sha256"] == doc["model_sha256"]

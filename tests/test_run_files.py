@@ -58,6 +58,7 @@ def test_flags_given_win_over_the_file_and_defaults_do_not(tmp_path):
     assert (settings["max_attempts"], settings["vote"], settings["local_workers"]) == (3, "soft", 2)
 
 
+@pytest.mark.e2e
 def test_a_run_from_the_printed_file_is_the_same_run_and_status_shows_it(tmp_path):
     flags = ("--recipe", "digits-mlp", "--rounds", "1", "--local-workers", "1", "--seed", "3")
     printed = tt_here("run", *flags, "--print-config")
