@@ -19,6 +19,7 @@ whose message is the command's one line. Nothing here imports torch until a run 
 
 from __future__ import annotations
 
+import atexit
 import logging
 import socket
 import time
@@ -122,7 +123,9 @@ class Pool:
                           allow=tuple(allow), first_alone=True)
         local.__enter__()  # which stops what it started if it fails
         log.info("embedded pool up: %d agents, store %s", workers, config.mask_url(store_url))
-        return cls(local.broker_url, store_url, local, tuple(allow))
+        pool = cls(local.broker_url, store_url, local, tuple(allow))
+        atexit.register(pool.close)  # a script that never closes it leaves no process behind
+        return pool
 
     @classmethod
     def connect(cls, join_file: str | Path | None = None, broker: str | None = None,
@@ -194,8 +197,9 @@ class Pool:
         """An embedded pool: cancel its unfinished runs (their finished work stays in the store;
         ``tensorturn resume RUN`` continues them), save every run's manifest, stop its processes.
         A standing pool: nothing to stop (its runs go on)."""
-        if self.local is None:
+        if self.local is None or self.closed:
             return
+        atexit.unregister(self.close)
         try:
             for run in self.runs:
                 run.settle()

@@ -6,10 +6,12 @@ its settings kept with it for `status`."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import tomllib
 
 import pytest
-from conftest import tt, tt_here, tt_json_many
+from conftest import clean_env, tt, tt_here, tt_json_many
 
 
 def write(path, text: str):
@@ -79,3 +81,14 @@ def test_a_run_from_the_printed_file_is_the_same_run_and_status_shows_it(tmp_pat
     assert again.stdout == printed.stdout
     text = tt_here("status", by_flags["run_id"], "--store", str(tmp_path / "a")).stdout
     assert "  ran with: mode=fused recipe=digits-mlp" in text and " seed=3 " in text
+
+
+def test_print_config_answers_without_torch_celery_or_boto3(tmp_path):
+    probe = ("import sys\nfrom tensorturn.cli import main\n"
+             "sys.argv = ['tensorturn', 'run', '--recipe', 'digits-mlp', '--print-config']\n"
+             "try:\n    main()\nexcept SystemExit as exc:\n    assert not exc.code\n"
+             "print(sorted(m for m in ('torch', 'celery', 'boto3') if m in sys.modules), file=sys.stderr)")
+    proc = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, env=clean_env(), capture_output=True,
+                          text=True, timeout=120, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0 and proc.stderr.strip() == "[]", proc.stderr
+    assert tomllib.loads(proc.stdout)["recipe"] == "digits-mlp"
