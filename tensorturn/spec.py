@@ -261,6 +261,9 @@ class RunSpec:
     # derived when the run starts: bytes one task needs on a machine (capacity.estimate)
     memory_needed_bytes: int | None = None
     created_at: float = 0.0
+    # the settings `tensorturn run` (or Pool.run) resolved from its flags and run file, as
+    # `--print-config` prints them: kept so that `status` shows exactly what ran (not read by a task)
+    run_config: dict[str, Any] | None = None
 
     def batch_for(self, recipe: Any) -> int:
         """The inner batch of this run with ``recipe``: the run's ``--batch-size``, else the recipe's

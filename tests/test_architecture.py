@@ -72,7 +72,8 @@ def test_tests_and_benchmarks_use_the_package_not_the_command_line():
 
 # where a process's settings may be replaced (:func:`tensorturn.config.use`, ``reload``): the
 # command line's entry point, once, from the environment and the command's flags
-SETTINGS_SET_IN = {"tensorturn/cli/__init__.py"}
+# and the Python API's Pool.connect, the same once (a join file's pool key, the recipes the user allowed)
+SETTINGS_SET_IN = {"tensorturn/cli/__init__.py", "tensorturn/api.py"}
 
 
 def test_settings_are_passed_not_swapped():

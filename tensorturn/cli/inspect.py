@@ -31,9 +31,13 @@ class BrokerDownWarning:
 @click.argument("run_id")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @click.option("--watch", is_flag=True, help="Follow the run until it finishes.")
+@click.option("--print-config", is_flag=True,
+              help="Print the settings the run was started with as a run file (TOML), for "
+                   "`tensorturn run --config`, and exit.")
 @pool_options()
-def status(broker, store, run_id, as_json, watch):
-    """Show a run: state, metrics, rounds, attempts (from the broker, else the store).
+def status(broker, store, run_id, as_json, watch, print_config):
+    """Show a run: state, metrics, rounds, attempts, the settings it ran with (from the broker,
+    else the store).
 
     Exits 1 when the run failed. A run that made no progress for a while says why. With --debug,
     the traceback each failed task's last attempt recorded on its agent.
@@ -44,6 +48,15 @@ def status(broker, store, run_id, as_json, watch):
 
     down = BrokerDownWarning(store)
     doc = describe(run_id, broker, store, on_broker_down=down)
+    ran_with = (doc.get("spec") or {}).get("run_config")
+    if print_config:
+        from tensorturn.runfile import dumps
+
+        if not ran_with:
+            raise TensorTurnError(f"run {run_id} keeps no run settings (it was not started by "
+                                  f"`tensorturn run` or Pool.run of this version)")
+        click.echo(dumps(ran_with), nl=False)
+        return
     if watch and broker and not down.seen and doc["state"] not in FINISHED:
         from tensorturn.runs.launch import follow_on_pool
 
@@ -55,6 +68,10 @@ def status(broker, store, run_id, as_json, watch):
             click.echo(f"  round {r['round']}: loss {r['loss']:.4f}"
                        + (f" val_loss {val:.4f}" if val is not None else "")
                        + (f" val_acc {acc:.3f}" if acc is not None else "") + f" bytes {r['bytes']}")
+        if ran_with:  # what ran, as its run file holds it (--print-config writes that file)
+            from tensorturn.runfile import ordered
+
+            click.echo("  ran with: " + " ".join(f"{k}={v}" for k, v in ordered(ran_with).items()))
     print_result(doc, as_json)
 
 

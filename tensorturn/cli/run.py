@@ -7,7 +7,6 @@ import click
 
 from tensorturn.cli import cli, debugging, emit_json, fail, pool_options
 from tensorturn.cli.options import (
-    TRAINING,
     follow_options,
     mode_options,
     parse_recipe_options,
@@ -25,9 +24,9 @@ from tensorturn.recipes.check import HOOK_TIMEOUT_S
 @click.option("--mode", type=click.Choice(mode_names()), default="fused", show_default=True,
               help="fused: shard the data, average weights every H steps into one model. "
                    "ensemble: diverse full models that vote.")
-@click.option("--recipe", required=True, metavar="NAME|module:attr",
+@click.option("--recipe", metavar="NAME|module:attr",
               help="What to train: a built-in recipe (digits-mlp, charlm) or package.module:attr "
-                   "importable on every machine.")
+                   "importable on every machine. Required, here or in --config's file.")
 @click.option("--recipe-option", "recipe_options", multiple=True, metavar="KEY=VALUE",
               help="An option for the recipe (repeatable), e.g. --recipe-option data=book.txt. "
                    "Values are parsed as JSON when they can be (numbers, lists), else strings.")
@@ -39,8 +38,14 @@ from tensorturn.recipes.check import HOOK_TIMEOUT_S
                    "student's run).")
 @training_options
 @follow_options("run")
+@click.option("--config", "config_file", type=click.Path(dir_okay=False), metavar="FILE",
+              help="Read the run's settings from a run file (TOML: one key a flag, e.g. rounds = 4, "
+                   "and a [recipe_options] table); flags given here override it.")
+@click.option("--print-config", is_flag=True,
+              help="Print the settings the run would have (the run file's and the flags, with every "
+                   "default) as a run file, and exit without running.")
 def run(broker, store, mode, recipe, recipe_options, merge, local_workers, detach, timeout_s,
-        as_json, **options):
+        as_json, config_file, print_config, **options):
     """Train a model on the pool and print the result.
 
     \b
@@ -48,19 +53,28 @@ def run(broker, store, mode, recipe, recipe_options, merge, local_workers, detac
       tensorturn run --mode fused --recipe digits-mlp --local-workers 3 --json
       tensorturn run --mode ensemble --recipe digits-mlp --members 4 --local-workers 2
       tensorturn run --mode ensemble --recipe digits-mlp --members 4 --merge distill
+      tensorturn run --recipe charlm --rounds 4 --print-config > run.toml
+      tensorturn run --config run.toml --seed 1
     """
-    from tensorturn import runs
-    from tensorturn.spec import RunSpec
+    from click.core import ParameterSource
 
-    training = {k: options.pop(k) for k in TRAINING}
-    given = {k: v for k, v in options.items() if v is not None}
-    spec = RunSpec.create(mode, recipe, store, recipe_options=parse_recipe_options(recipe_options),
-                          **training, **given)
-    runs.validate(spec)  # before anything starts or anything heavy is imported
+    from tensorturn import api, runfile
+
+    ctx = click.get_current_context()
+    values = {"mode": mode, "recipe": recipe, "merge": merge, "local_workers": local_workers,
+              "timeout_s": timeout_s, **options}
+    # a flag given (not its default) wins over the run file; every default is the file's to set
+    given = {("timeout" if k == "timeout_s" else k): v for k, v in values.items()
+             if ctx.get_parameter_source(k) is not ParameterSource.DEFAULT}
+    if recipe_options:
+        given["recipe_options"] = parse_recipe_options(recipe_options)
+    settings = api.run_settings(given, config_file)  # before anything starts or anything heavy is imported
+    if print_config:
+        click.echo(runfile.dumps(settings), nl=False)
+        return
     docs: list[dict] = []
     try:
-        launched(lambda observer: runs.launch_run(spec, broker, local_workers, detach, timeout_s,
-                                                  merge, training, docs, observer))
+        launched(lambda observer: api.launch(settings, broker, store, detach, docs, observer))
     except TensorTurnError:
         if docs:  # a later stage was refused: what finished is still the user's to see
             print_result(docs[-1], as_json, exit_on_failure=False)

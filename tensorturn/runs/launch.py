@@ -248,13 +248,28 @@ def launch_run(spec: RunSpec, broker: str | None, local_workers: int | None = 2,
     then distill it into one model with the distillation's defaults and the ``training`` options
     (seed, lr, ...) given for the ensemble. Refused before anything starts: a merge of a
     one-model run, or of a recipe whose ensemble cannot be distilled."""
-    if merge != "none" and spec.mode != "ensemble":
+    # its embedded pool will have local_workers agents, though one starts it
+    stages, recipes = run_stages(spec, merge, training, None if broker else local_workers or 1)
+    return launch_stages(stages, broker, spec.store_url, local_workers, detach, timeout_s, recipes, docs, observer)
+
+
+def check_merge(mode: str, merge: str) -> None:
+    """SpecError unless ``merge`` fits a run of ``mode``: only an ensemble's members merge."""
+    if merge != "none" and mode != "ensemble":
         raise SpecError(f"--merge {merge} merges an ensemble's members into one model: it needs "
-                        f"--mode ensemble (a {spec.mode} run is one model already)")
-    if not broker:  # its embedded pool will have local_workers agents, though one starts it
+                        f"--mode ensemble (a {mode} run is one model already)")
+
+
+def run_stages(spec: RunSpec, merge: str = "none", training: dict[str, Any] | None = None,
+               pool_size: int | None = None) -> tuple[list[Stage], list[str]]:
+    """The stages of :func:`launch_run` (``spec``'s run; with ``merge="distill"``, then its
+    distillation) and the recipes they build. ``pool_size``: the agents of the embedded pool the
+    run will have (a mode sizes its run by them: an ensemble's members); None on a standing pool."""
+    check_merge(spec.mode, merge)
+    if pool_size is not None:
         from tensorturn.modes import get_mode
 
-        get_mode(spec.mode).size(spec, local_workers or 1)
+        get_mode(spec.mode).size(spec, pool_size)
     recipes = [spec.recipe, "distill"] if merge == "distill" else [spec.recipe]
     stages = [submitting(spec, recipes)]  # named by the caller: built here, imported by an embedded pool
     if merge == "distill":
@@ -262,7 +277,7 @@ def launch_run(spec: RunSpec, broker: str | None, local_workers: int | None = 2,
 
         check_distillable(spec.recipe, spec.recipe_options)  # before the ensemble, not after it
         stages.append(distilling(spec.run_id, spec.store_url, recipes, **(training or {})))
-    return launch_stages(stages, broker, spec.store_url, local_workers, detach, timeout_s, recipes, docs, observer)
+    return stages, recipes
 
 
 def launch_distill(spec: RunSpec, broker: str | None, local_workers: int | None = 2,

@@ -1,0 +1,94 @@
+"""Run files: `tensorturn run --config FILE` runs a TOML file's settings, flags given with it win,
+`--print-config` writes the resolved settings and starts nothing, a bad file is one line and
+exit 2, and a run from `--print-config`'s file is the run from the flags again (same sha256),
+its settings kept with it for `status`."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tomllib
+
+import pytest
+from conftest import clean_env, tt, tt_here, tt_json_many
+
+
+def write(path, text: str):
+    path.write_text(text)
+    return str(path)
+
+
+@pytest.mark.parametrize("text,line", [
+    ('recipe = "digits-mlp"\nroundz = 2\n', "{f}: unknown setting 'roundz'; did you mean 'rounds'?"),
+    ('recipe = "digits-mlp"\nrounds = "two"\n', "{f}: rounds must be a whole number (got 'two')"),
+    ('recipe = "digits-mlp"\nbootstrap = 1\n', "{f}: bootstrap must be true or false (got 1)"),
+    ('recipe = "digits-mlp"\nrecipe_options = 3\n', "{f}: recipe_options must be a table ([recipe_options]) (got 3)"),
+    ('recipe = "digits-mlp"\nrounds = 0\n', "--rounds must be a whole number ≥ 1 (got 0)"),
+    ('recipe = "digits-mlp"\nmembers = 3\n',
+     "--members is an option of --mode ensemble; it does not apply to --mode fused"),
+    ('recipe = "digits-mlp"\nmerge = "soup"\n', "--merge 'soup' is not one of none, distill"),
+    ('recipe = "digits-mlp"\nbroker = "redis://default:hunter2@10.0.0.1:6379/0"\n',
+     "{f}: 'broker' is where the run goes, not what runs: give --broker (or its environment variable) instead"),
+    ('recipe = "digits-mlp\n', "{f} is not a valid TOML file: Illegal character '\\n' (at line 1, column 21)"),
+    ('rounds = 2\n', "--recipe is required"),
+])
+def test_a_bad_run_file_is_one_line_and_exit_2(tmp_path, text, line):
+    f = write(tmp_path / "run.toml", text)
+    proc = tt_here("run", "--config", f, "--store", str(tmp_path / "store"))
+    assert (proc.returncode, proc.stderr) == (2, f"error: {line.format(f=f)}\n")
+    assert "hunter2" not in proc.stdout + proc.stderr
+    assert not (tmp_path / "store").exists()  # nothing started
+
+
+def test_a_missing_run_file_is_one_line(tmp_path):
+    proc = tt_here("run", "--config", str(tmp_path / "nope.toml"))
+    assert (proc.returncode, proc.stderr) == (2, f"error: no run file {tmp_path / 'nope.toml'}\n")
+
+
+def test_flags_given_win_over_the_file_and_defaults_do_not(tmp_path):
+    f = write(tmp_path / "run.toml", 'mode = "ensemble"\nrecipe = "digits-mlp"\nseed = 7\nmembers = 3\n'
+                                     'segment-steps = 50\n[recipe_options]\na = 1\nb = "x"\n')
+    proc = tt_here("run", "--config", f, "--members", "4", "--recipe-option", "b=y", "--print-config")
+    assert proc.returncode == 0, proc.stderr
+    settings = tomllib.loads(proc.stdout)
+    # the file's mode and seed stand (the flags' defaults do not override them); given flags win
+    chosen = (settings["mode"], settings["seed"], settings["members"], settings["segment_steps"])
+    assert chosen == ("ensemble", 7, 4, 50)
+    assert settings["recipe_options"] == {"a": 1, "b": "y"}
+    # every default is written out, so the file says all that ran
+    assert (settings["max_attempts"], settings["vote"], settings["local_workers"]) == (3, "soft", 2)
+
+
+@pytest.mark.e2e
+def test_a_run_from_the_printed_file_is_the_same_run_and_status_shows_it(tmp_path):
+    flags = ("--recipe", "digits-mlp", "--rounds", "1", "--local-workers", "1", "--seed", "3")
+    printed = tt_here("run", *flags, "--print-config")
+    assert printed.returncode == 0, printed.stderr
+    f = write(tmp_path / "run.toml", printed.stdout)
+    by_flags, by_file = tt_json_many(("run", *flags, "--store", str(tmp_path / "a"), "--json"),
+                                     ("run", "--config", f, "--store", str(tmp_path / "b"), "--json"),
+                                     cwd=tmp_path)
+    assert by_flags["state"] == by_file["state"] == "succeeded"
+    assert by_flags["run_id"] != by_file["run_id"]
+    assert by_flags["model_sha256"] == by_file["model_sha256"]
+    # what ran is kept with each run: in status --json, on status's `ran with:` line, as a file again
+    settings = tomllib.loads(printed.stdout)
+    for doc, store in ((by_flags, "a"), (by_file, "b")):
+        shown = tt("status", doc["run_id"], "--store", str(tmp_path / store), "--json", cwd=tmp_path)
+        assert json.loads(shown.stdout)["spec"]["run_config"] == settings
+    again = tt_here("status", by_file["run_id"], "--store", str(tmp_path / "b"), "--print-config")
+    assert again.stdout == printed.stdout
+    text = tt_here("status", by_flags["run_id"], "--store", str(tmp_path / "a")).stdout
+    assert "  ran with: mode=fused recipe=digits-mlp" in text and " seed=3 " in text
+
+
+def test_print_config_answers_without_torch_celery_or_boto3(tmp_path):
+    probe = ("import sys\nfrom tensorturn.cli import main\n"
+             "sys.argv = ['tensorturn', 'run', '--recipe', 'digits-mlp', '--print-config']\n"
+             "try:\n    main()\nexcept SystemExit as exc:\n    assert not exc.code\n"
+             "print(sorted(m for m in ('torch', 'celery', 'boto3') if m in sys.modules), file=sys.stderr)")
+    proc = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, env=clean_env(), capture_output=True,
+                          text=True, timeout=120, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0 and proc.stderr.strip() == "[]", proc.stderr
+    assert tomllib.loads(proc.stdout)["recipe"] == "digits-mlp"
