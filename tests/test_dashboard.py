@@ -185,6 +185,45 @@ def test_beyond_loopback_the_data_needs_an_api_token(tmp_path):
     assert got["right"].json()["runs"] == [] and got["right"].json()["problems"][0].startswith("no broker given")
 
 
+def test_the_page_asks_for_a_token_and_then_shows_the_data(tmp_path):
+    """The token form in the browser, on a dashboard that requires one (as one bound beyond
+    loopback does), served in this process."""
+    import threading
+
+    import uvicorn
+
+    from tensorturn.dashboard.app import DashboardOptions, create_app
+    from tensorturn.serve import tokens
+    from tensorturn.store.objects import open_store
+
+    url = (tmp_path / "store").as_uri()
+    secret, _ = tokens.create(open_store(url), "dash")
+    app = create_app(None, url, DashboardOptions(require_token=True, auth_tarpit_s=0, refresh_s=0.3))
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    driver = None
+    try:
+        wait_for(lambda: server.started, "the dashboard listens")
+        driver = chromium_driver()
+        driver.get(f"http://127.0.0.1:{port}/")
+        js = driver.execute_script
+        wait_for(lambda: js("return getComputedStyle(document.getElementById('token-form')).display") == "block",
+                 "the token form")
+        assert "no runs yet" not in js("return document.getElementById('runs').textContent")
+        driver.find_element("id", "token").send_keys(secret)
+        driver.find_element("css selector", "#token-form button").click()
+        wait_for(lambda: "no runs yet" in js("return document.getElementById('runs').textContent"),
+                 "the data, with the token")
+        assert secret not in driver.page_source
+    finally:
+        if driver is not None:
+            driver.quit()
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
 def test_loopback_is_told_from_other_addresses():
     from tensorturn.dashboard.app import is_loopback
 
@@ -224,5 +263,6 @@ def test_public_masks_every_string_and_drops_fields_named_like_secrets():
     from tensorturn.dashboard.view import public
 
     doc = public({"error": "cannot reach redis://u:pw1@h:6379/0", "nested": [{"signature": "abc", "ok": 1.0}],
-                  "token": "t", "loss": float("nan")})
-    assert doc == {"error": "cannot reach redis://u:***@h:6379/0", "nested": [{"ok": 1.0}], "loss": None}
+                  "token": "t", "loss": float("nan"), "val_loss": float("inf")})
+    assert doc == {"error": "cannot reach redis://u:***@h:6379/0", "nested": [{"ok": 1.0}], "loss": None,
+                   "val_loss": None}

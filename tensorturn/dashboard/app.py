@@ -203,10 +203,12 @@ def run_dashboard(broker_url: str | None, store_url: str, host: str, port: int,
     shown = f"[{host}]" if ":" in host else host
     url = f"http://{shown}:{port}"
     pool = config.mask_url(broker_url) if broker_url else "none (runs from the store only)"
-    banner = (f"TensorTurn dashboard at {url}  (pool {pool}, store {config.mask_url(store_url)})\n"
-              + ("  bound beyond this machine: the page asks for an API token "
-                 "(tensorturn token create --name NAME, same --store / --join-file)\n"
-                 if opts.require_token else ""))
+    banner = f"TensorTurn dashboard at {url}  (pool {pool}, store {config.mask_url(store_url)})\n"
+    if opts.require_token:
+        none_yet = not tokens.active_digests(open_store(store_url))
+        banner += ("  bound beyond this machine: the page asks for an API token"
+                   + (" (none exists yet)" if none_yet else "")
+                   + ": tensorturn token create --name NAME (same --store / --join-file)\n")
     uconfig = uvicorn.Config(app, host=host, port=port, log_level="warning", server_header=False,
                              access_log=False, timeout_graceful_shutdown=2, lifespan="on")
 

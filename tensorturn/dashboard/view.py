@@ -10,6 +10,7 @@ signature can reach the page, whatever a recipe or an error message quoted.
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
@@ -48,7 +49,7 @@ def public(value: Any) -> Any:
                 if not any(word in str(k).lower() for word in SECRET_WORDS)}
     if isinstance(value, (list, tuple)):
         return [public(v) for v in value]
-    if isinstance(value, float) and value != value:  # NaN: JSON has no such number
+    if isinstance(value, float) and not math.isfinite(value):  # a diverged loss: JSON has no NaN
         return None
     return value
 
