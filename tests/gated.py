@@ -45,3 +45,18 @@ class Gated(DigitsMLP):
         while closed(k):
             time.sleep(0.05)
         return super().shard_data(k, shards, seed)
+
+
+class FailsOnce(Gated):
+    """Gated, and shard 1's first attempt fails (a URL with a password in its message, which
+    must reach nobody unmasked): the file ``TT_FAIL_ONCE`` names records that it did, so the
+    retry succeeds. A run with one failed attempt to show, however its tasks are scheduled."""
+
+    name = "fails-once"
+
+    def shard_data(self, k, shards, seed):
+        marker = Path(os.environ.get("TT_FAIL_ONCE", "/nonexistent/marker"))
+        if k == 1 and marker.parent.is_dir() and not marker.exists():
+            marker.write_text("failed once")
+            raise RuntimeError("shard 1 failed once on purpose (cache at redis://:hunter2-not-shown@10.9.8.7:6379/0)")
+        return super().shard_data(k, shards, seed)
