@@ -512,8 +512,8 @@ def save_report(doc: dict[str, Any], store, out: str | Path | None = None) -> li
     :data:`PAGE`. With ``out``, the same files are written to that local folder too (made if
     missing; files of the same names are replaced). Returns the store's URIs in that order, then
     the local files' ``file://`` URIs."""
+    folder = _local_folder(out) if out is not None else None  # refused before anything is drawn
     files = report_files(doc)
-    folder = _local_folder(out) if out is not None else None  # refused before the store is touched
     uris = []
     for name, data in files.items():
         key = (layout.key("report_page", doc["run_id"]) if name == PAGE
