@@ -1,6 +1,6 @@
 """``report.html``: one run's report as one self-contained page, to share as a single file.
 
-The page holds the figures of :mod:`tensorturn.runs.report` as ``data:`` URIs (no file beside it,
+The page holds the figures of :mod:`.figures` as ``data:`` URIs (no file beside it,
 no script, no request to anywhere) and the run's description as tables: a summary (run, mode,
 recipe, options, machines, rounds or members, final metrics, bytes, times), the rounds or the
 members, the machines, what went wrong (the error, failed, lost and handed-back attempts with
@@ -21,6 +21,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from tensorturn.config import mask_text, mask_url
+from tensorturn.runs.report.facts import clock, machines, origin, size, timeline
 from tensorturn.spec import Outcome, options_json
 
 # what each figure shows, under it on the page
@@ -147,24 +148,6 @@ Times are on the broker's clock (UTC); "+12.3s" is time since the run was create
 """
 
 
-def clock(seconds: float) -> str:
-    """A duration as a person reads it: ``8.2s``, ``4m05s``, ``2h03m``."""
-    if seconds < 60:
-        return f"{seconds:.1f}s"
-    if seconds < 3600:
-        return f"{int(seconds // 60)}m{int(seconds % 60):02d}s"
-    return f"{int(seconds // 3600)}h{int(seconds % 3600 // 60):02d}m"
-
-
-def size(n: float | int | None) -> str:
-    """Bytes as a person reads them: ``1.2 MiB``."""
-    value = float(n or 0)
-    for factor, unit in ((1024 ** 3, "GiB"), (1024 ** 2, "MiB"), (1024, "KiB")):
-        if value >= factor:
-            return f"{value / factor:.1f} {unit}"
-    return f"{int(value)} B"
-
-
 def _when(t: Any) -> str:
     return "—" if t is None else datetime.fromtimestamp(float(t), UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
 
@@ -187,7 +170,7 @@ def _pairs(values: dict[str, Any]) -> str:
     return ", ".join(shown) or "—"
 
 
-def _summary(doc: dict[str, Any], machines: list[dict[str, Any]], t0: float | None) -> list[tuple[str, str]]:
+def _summary(doc: dict[str, Any], workers: list[dict[str, Any]], t0: float | None) -> list[tuple[str, str]]:
     spec = doc.get("spec") or {}
     options = options_json(spec)
     chosen = {k: v for k, v in {**spec, **options}.items() if k not in _NOT_OPTIONS and v is not None}
@@ -198,7 +181,7 @@ def _summary(doc: dict[str, Any], machines: list[dict[str, Any]], t0: float | No
             ("recipe", doc.get("recipe") or spec.get("recipe") or "?"),
             ("recipe options", _pairs(spec.get("recipe_options") or {})),
             ("options", _pairs(dict(sorted(chosen.items())))),
-            ("machines", f"{len(machines)}: " + ", ".join(m["worker"] for m in machines) if machines else "none yet")]
+            ("machines", f"{len(workers)}: " + ", ".join(m["worker"] for m in workers) if workers else "none yet")]
     if doc.get("mode") == "fused":
         rounds = doc.get("rounds") or []
         of = options.get("rounds")
@@ -215,8 +198,8 @@ def _summary(doc: dict[str, Any], machines: list[dict[str, Any]], t0: float | No
     rows.append(("model bytes", f"{size(doc.get('bytes_up'))} up, {size(doc.get('bytes_down'))} down"))
     rows.append(("store bytes", f"{size(doc.get('store_bytes_up'))} stored, "
                                 f"{size(doc.get('store_bytes_down'))} fetched (every object, retries included)"))
-    rows.append(("dataset bytes", f"{size(sum(m['data_downloaded'] for m in machines))} downloaded, "
-                                  f"{size(sum(m['data_read'] for m in machines))} read by tasks"))
+    rows.append(("dataset bytes", f"{size(sum(m['data_downloaded'] for m in workers))} downloaded, "
+                                  f"{size(sum(m['data_read'] for m in workers))} read by tasks"))
     if spec.get("store_url"):
         rows.append(("store", mask_url(spec["store_url"])))
     ended: dict[str, int] = {}
@@ -267,9 +250,9 @@ def _members(doc: dict[str, Any]) -> dict[str, Any] | None:
             "rows": rows}
 
 
-def _machines(machines: list[dict[str, Any]]) -> dict[str, Any]:
+def _machines(workers: list[dict[str, Any]]) -> dict[str, Any]:
     rows = []
-    for m in machines:
+    for m in workers:
         rate = m.get("samples_per_s")
         rows.append([m["worker"], m["tasks"], f"{rate:.1f}" if rate else "—", clock(m["busy_s"]),
                      ", ".join(f"{n} {w}" for w, n in m["attempts"].items()) or "—",
@@ -279,35 +262,33 @@ def _machines(machines: list[dict[str, Any]]) -> dict[str, Any]:
                      "store: stored / fetched", "dataset: downloaded / read"], "rows": rows}
 
 
-def render(doc: dict[str, Any], figures: dict[str, bytes], machines: list[dict[str, Any]],
-           bars: list[dict[str, Any]], origin: float | None) -> str:
-    """The page of one run: its description ``doc``, its PNG ``figures`` by name, its
-    ``machines`` and attempt ``bars`` (:func:`tensorturn.runs.report.machines`, ``timeline``),
-    and the time its ``+`` offsets count from (``origin``)."""
+def render(doc: dict[str, Any], figures: dict[str, bytes]) -> str:
+    """The page of one run: its description ``doc`` and its PNG ``figures`` by name."""
     import jinja2
 
+    workers, bars, t0 = machines(doc), timeline(doc), origin(doc)
     env = jinja2.Environment(autoescape=True, undefined=jinja2.StrictUndefined)
     tracebacks = {(a.get("task"), a.get("attempt")): a.get("traceback") for a in doc.get("attempts", [])}
     problems = [{"task": b["task"], "attempt": b["attempt"], "worker": b["worker"],
                  "start": "+" + clock(b["start"]), "outcome": mask_text(b["outcome"]),
                  "traceback": mask_text(tracebacks.get((b["task"], b["attempt"])) or "")}
                 for b in bars if b["ended"] not in (Outcome.SUCCEEDED, Outcome.RUNNING)]
-    incidents = [{"at": _since(i.get("at"), origin), "kind": i.get("kind", "?"), "task": i.get("task") or "—",
+    incidents = [{"at": _since(i.get("at"), t0), "kind": i.get("kind", "?"), "task": i.get("task") or "—",
                   "worker": i.get("worker") or "—", "detail": mask_text(i.get("detail") or "")}
                  for i in doc.get("incidents", [])]
     attempts = [{"start": "+" + clock(b["start"]), "end": "running" if b["running"] else "+" + clock(b["end"]),
                  "worker": b["worker"], "task": b["task"], "attempt": _number(b["attempt"]),
                  "outcome": mask_text(b["outcome"])} for b in bars]
     recipe = doc.get("recipe") or (doc.get("spec") or {}).get("recipe") or "?"
-    headline = f"{doc.get('mode', '?')} run of {recipe} on {len(machines)} machine(s)"
+    headline = f"{doc.get('mode', '?')} run of {recipe} on {len(workers)} machine(s)"
     if doc.get("finished_at") is not None and doc.get("created_at") is not None:
         headline += f", {clock(float(doc['finished_at']) - float(doc['created_at']))} from creation to end"
     return env.from_string(TEMPLATE).render(
         run_id=doc.get("run_id", "?"), state=doc.get("state", "?"), headline=headline,
-        error=mask_text(doc.get("error") or ""), summary=_summary(doc, machines, origin),
+        error=mask_text(doc.get("error") or ""), summary=_summary(doc, workers, t0),
         figures=[{"name": name, "caption": CAPTIONS.get(name, ""),
                   "src": "data:image/png;base64," + base64.b64encode(png).decode("ascii")}
                  for name, png in figures.items()],
-        rounds=_rounds(doc, origin), members=_members(doc), machines=_machines(machines),
+        rounds=_rounds(doc, t0), members=_members(doc), machines=_machines(workers),
         problems=problems, incidents=incidents, warnings=[mask_text(w) for w in doc.get("warnings", [])],
         attempts=attempts, made_at=_when(doc.get("progress_at")) if doc.get("progress_at") else "")

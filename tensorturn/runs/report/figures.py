@@ -1,53 +1,16 @@
-"""Figures of one run, drawn from its description (the JSON of ``status --json``, the manifest),
-and a page that holds them.
-
-:func:`plots` returns PNG bytes by name and needs nothing but the description; :func:`save_report`
-puts them beside the run's manifest, at ``runs/<id>/report/<name>.png``, with ``report.html``
-(:mod:`tensorturn.runs.report_page`: the figures embedded and the run's figures as tables, one
-file to share), through the store — and, when asked, in a local folder too.
-
-* ``loss`` — fused: the shards' mean training loss and the validation loss per round, with the
-  validation accuracy beside it; a second axis gives each round's time since the run was created
-  (broker clock, so rounds written by different machines line up). Ensemble: each member's test
-  loss and accuracy as bars, with the vote's as a line.
-* ``timeline`` — who ran what, when: every task attempt as a bar on its machine's row, coloured
-  by how it ended (succeeded, failed, lost and requeued, handed back to its machine's owner,
-  cancelled, late, still running); outer steps, evaluations and the vote hatched; the run's
-  incidents as crosses and each fused round's end as a dotted line.
-* ``samples_per_worker`` — samples/s of each worker while it trained, from the task attempts
-  (samples of a task / its duration), with the number of tasks it did.
-* ``bytes`` — the model's bytes (fused: uploaded and downloaded per round; ensemble: per task,
-  or the mean per task when the description carries only the run's totals) beside, per machine,
-  what it moved through the store and the dataset bytes it downloaded and its tasks read.
-
-Only successful attempts count towards rates. A run that has not produced a figure yet (no round
-finished, no member evaluated) still gets its PNG, saying so, so the set of names is fixed.
-Drawing uses matplotlib's Agg renderer through :class:`matplotlib.figure.Figure` (no pyplot, no
-display, no global state), and PNGs carry no timestamp or version metadata. Times on the figures
-are seconds since the run was created, on the broker's clock (every ``at``, ``started_at`` and
-``finished_at`` of a description is).
-"""
+"""The report's PNG figures, drawn from a run's description with matplotlib's Agg renderer through
+:class:`matplotlib.figure.Figure` (no pyplot, no display, no global state); PNGs carry no
+timestamp or version metadata. What each shows: :mod:`tensorturn.runs.report`."""
 
 from __future__ import annotations
 
 import io
-from collections import defaultdict
-from pathlib import Path
 from typing import Any
 
-from tensorturn import layout
-from tensorturn.errors import TensorTurnError
-from tensorturn.layout import parse_label
-from tensorturn.runs import report_page
-from tensorturn.runs.report_page import clock
-from tensorturn.spec import Outcome, options_json
+from tensorturn.runs.report.facts import clock, machines, origin, timeline, worker_stats
+from tensorturn.spec import Outcome
 
 NAMES = ("loss", "timeline", "samples_per_worker", "bytes")
-PAGE = "report.html"
-
-# the task kinds that train (a bar of their own colour); the others — outer steps, evaluations,
-# the vote — are hatched, so a machine's coordination work stands out from its training
-TRAINING = frozenset({"shard", "backup", "update", "update_backup", "segment"})
 
 # how an attempt's bar looks, by the first word of its outcome (spec.Outcome)
 OUTCOME_STYLE: dict[str, tuple[str, str]] = {
@@ -60,146 +23,6 @@ OUTCOME_STYLE: dict[str, tuple[str, str]] = {
     Outcome.LATE: ("tab:olive", "late (ignored)"),
     Outcome.REFUSED: ("tab:brown", "refused"),
 }
-
-
-# ---- figures from the description ---------------------------------------------------------------
-
-def _batch_size(doc: dict[str, Any]) -> int | None:
-    spec = doc.get("spec") or {}
-    if spec.get("batch_size"):
-        return int(spec["batch_size"])
-    try:  # the recipe's default; an unimportable recipe only costs the fallback estimate
-        from tensorturn.recipes import resolve
-
-        return int(resolve(spec["recipe"], spec.get("recipe_options") or {}).batch_size)
-    except Exception:  # noqa: BLE001
-        return None
-
-
-def task_samples(doc: dict[str, Any]) -> dict[str, int]:
-    """Samples trained by each task of the run, by task name (``r3/shard-2``, ``m1/seg-0``).
-
-    Fused: a round's samples divided by its shard count (every shard takes H full batches), or
-    H × batch size for a round not recorded yet. Ensemble: segment steps × batch size.
-    """
-    spec = doc.get("spec") or {}
-    tasks = {a["task"] for a in doc.get("attempts", [])}
-    options = options_json(spec)
-    out: dict[str, int] = {}
-    batch = None
-    if doc.get("mode") == "fused":
-        shards = int(options.get("shards") or 1)
-        per_round = {int(r["round"]): int(r["samples"]) // shards
-                     for r in doc.get("rounds", []) if r.get("samples") is not None}
-        for task in tasks:
-            label = parse_label(task)
-            if label is None or label.kind != "shard" or label.round is None:
-                continue
-            r = label.round
-            if r in per_round:
-                out[task] = per_round[r]
-            else:
-                batch = batch or _batch_size(doc)
-                if batch:
-                    out[task] = int(options.get("sync_every") or 0) * batch
-    else:
-        batch = _batch_size(doc)
-        if batch:
-            for task in tasks:
-                label = parse_label(task)
-                if label is not None and label.kind == "segment":
-                    out[task] = int(options.get("segment_steps") or 0) * batch
-    return out
-
-
-def worker_stats(doc: dict[str, Any]) -> list[dict[str, Any]]:
-    """Per worker, from its successful training attempts (shards, segments): tasks, samples,
-    seconds busy, samples/s.
-
-    Sorted by worker name. ``samples_per_s`` is the worker's rate while it trained (samples over
-    the summed durations of its tasks), so idle time between tasks does not lower it.
-    """
-    samples = task_samples(doc)
-    acc: dict[str, dict[str, Any]] = defaultdict(lambda: {"tasks": 0, "samples": 0, "busy_s": 0.0})
-    for a in doc.get("attempts", []):
-        if a.get("outcome") != Outcome.SUCCEEDED or a.get("finished_at") is None:
-            continue
-        label = parse_label(a["task"])
-        if label is None or label.kind not in ("shard", "segment"):
-            continue
-        w = acc[a.get("worker") or "?"]
-        w["tasks"] += 1
-        w["samples"] += samples.get(a["task"], 0)
-        w["busy_s"] += max(0.0, float(a["finished_at"]) - float(a["started_at"]))
-    return [{"worker": name, **v,
-             "samples_per_s": v["samples"] / v["busy_s"] if v["busy_s"] > 0 else None}
-            for name, v in sorted(acc.items())]
-
-
-def machines(doc: dict[str, Any]) -> list[dict[str, Any]]:
-    """Per machine that worked on the run: its training rate (:func:`worker_stats`), its attempts
-    by how they ended, what it moved through the store and the dataset bytes it downloaded and
-    its tasks read. Sorted by name."""
-    stats = {s["worker"]: s for s in worker_stats(doc)}
-    ended: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
-    for a in doc.get("attempts", []):
-        word = Outcome.of(a.get("outcome") or "")
-        ended[a.get("worker") or "?"][word.value if word else "other"] += 1
-    store = doc.get("store_bytes_by_worker") or {}
-    downloaded, read = doc.get("data_bytes") or {}, doc.get("data_read_bytes") or {}
-    names = sorted(set(stats) | set(ended) | set(store) | set(downloaded) | set(read))
-    out = []
-    for name in names:
-        s = stats.get(name, {})
-        out.append({"worker": name, "tasks": s.get("tasks", 0), "samples": s.get("samples", 0),
-                    "busy_s": s.get("busy_s", 0.0), "samples_per_s": s.get("samples_per_s"),
-                    "attempts": dict(sorted(ended[name].items())),
-                    "store_up": int((store.get(name) or {}).get("up", 0)),
-                    "store_down": int((store.get(name) or {}).get("down", 0)),
-                    "data_downloaded": int(downloaded.get(name, 0)),
-                    "data_read": int(read.get(name, 0))})
-    return out
-
-
-def origin(doc: dict[str, Any]) -> float | None:
-    """Time zero of the run's figures: when it was created (broker clock), else its first start."""
-    for key in ("created_at", "started_at"):
-        if doc.get(key) is not None:
-            return float(doc[key])
-    starts = [float(a["started_at"]) for a in doc.get("attempts", []) if a.get("started_at") is not None]
-    return min(starts, default=None)
-
-
-def _latest(doc: dict[str, Any]) -> float | None:
-    """The latest time the description knows: where a still-running attempt's bar ends."""
-    times = [doc.get(k) for k in ("finished_at", "progress_at", "started_at", "created_at")]
-    for a in doc.get("attempts", []):
-        times += [a.get("started_at"), a.get("finished_at")]
-    times += [i.get("at") for i in doc.get("incidents", [])]
-    times += [r.get("at") for r in doc.get("rounds", [])]
-    known = [float(t) for t in times if t is not None]
-    return max(known, default=None)
-
-
-def timeline(doc: dict[str, Any]) -> list[dict[str, Any]]:
-    """Every task attempt as a bar: worker, task, attempt number, whether it trains, the first word
-    of its outcome and the whole of it, and start and end in seconds since :func:`origin` (an
-    attempt still running ends at the latest time the description knows). In start order."""
-    t0, now = origin(doc), _latest(doc)
-    bars = []
-    for a in doc.get("attempts", []):
-        if a.get("started_at") is None or t0 is None:
-            continue
-        label = parse_label(a["task"])
-        word = Outcome.of(a.get("outcome") or "")
-        end = a.get("finished_at")
-        running = end is None
-        end = float(end if end is not None else (now or a["started_at"]))
-        bars.append({"worker": a.get("worker") or "?", "task": a["task"], "attempt": a.get("attempt"),
-                     "training": label is not None and label.kind in TRAINING,
-                     "ended": word.value if word else "other", "outcome": a.get("outcome") or "",
-                     "start": float(a["started_at"]) - t0, "end": end - t0, "running": running})
-    return sorted(bars, key=lambda b: (b["start"], b["worker"], b["task"]))
 
 
 def _short(worker: str) -> str:
@@ -482,61 +305,7 @@ def _bytes_plot(doc: dict[str, Any]) -> bytes:
     return _png(fig)
 
 
-def _check(doc: Any) -> None:
-    if not isinstance(doc, dict) or not doc.get("run_id") or doc.get("mode") not in ("fused", "ensemble"):
-        raise TensorTurnError("not a run description: expected the JSON of `tensorturn status --json`")
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        raise TensorTurnError("reports need matplotlib: pip install matplotlib") from None
-
-
-def plots(doc: dict[str, Any]) -> dict[str, bytes]:
-    """PNG bytes by name (:data:`NAMES`) for one run's description."""
-    _check(doc)
+def draw(doc: dict[str, Any]) -> dict[str, bytes]:
+    """PNG bytes by name (:data:`NAMES`)."""
     return {"loss": _loss_plot(doc), "timeline": _timeline_plot(doc),
             "samples_per_worker": _rate_plot(doc), "bytes": _bytes_plot(doc)}
-
-
-def report_files(doc: dict[str, Any]) -> dict[str, bytes]:
-    """The report's files by name: ``<name>.png`` for each of :data:`NAMES`, then :data:`PAGE`
-    (the page holds the PNGs too, so it can be shared alone)."""
-    figures = plots(doc)
-    page = report_page.render(doc, figures, machines(doc), timeline(doc), origin(doc))
-    return {**{f"{name}.png": png for name, png in figures.items()}, PAGE: page.encode()}
-
-
-def save_report(doc: dict[str, Any], store, out: str | Path | None = None) -> list[str]:
-    """Draw the run's figures and page and put them at ``runs/<id>/report/`` in ``store``
-    (a :class:`tensorturn.store.objects.Store`): ``<name>.png`` for each of :data:`NAMES`, then
-    :data:`PAGE`. With ``out``, the same files are written to that local folder too (made if
-    missing; files of the same names are replaced). Returns the store's URIs in that order, then
-    the local files' ``file://`` URIs."""
-    folder = _local_folder(out) if out is not None else None  # refused before anything is drawn
-    files = report_files(doc)
-    uris = []
-    for name, data in files.items():
-        key = (layout.key("report_page", doc["run_id"]) if name == PAGE
-               else layout.key("report", doc["run_id"], name.removesuffix(".png")))
-        store.put_bytes(key, data)
-        uris.append(store.uri(key))
-    if folder is not None:
-        for name, data in files.items():
-            path = folder / name
-            try:
-                path.write_bytes(data)
-            except OSError as exc:
-                raise TensorTurnError(f"cannot write the report to {path}: {exc.strerror or exc}") from None
-            uris.append(path.resolve().as_uri())
-    return uris
-
-
-def _local_folder(out: str | Path) -> Path:
-    folder = Path(out).expanduser()
-    if folder.exists() and not folder.is_dir():
-        raise TensorTurnError(f"--out {out}: not a folder (the report is several files)")
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise TensorTurnError(f"--out {out}: cannot make the folder: {exc.strerror or exc}") from None
-    return folder
