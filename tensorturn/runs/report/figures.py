@@ -219,7 +219,7 @@ def _timeline_plot(doc: dict[str, Any]) -> bytes:
                   + ("; dotted: a round's end" if rounds else ""))
     ax.grid(alpha=0.3, axis="x")
     ax.legend(handles, labels, fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    ax.set_title(_title(doc, "who ran what"), fontsize=9)
+    ax.set_title(_title(doc, "who ran what"), fontsize=9, pad=14 if rounds else 6)  # above the round labels
     return _png(fig)
 
 
@@ -228,7 +228,7 @@ def _rate_plot(doc: dict[str, Any]) -> bytes:
     ax = fig.add_subplot()
     stats = [s for s in worker_stats(doc) if s["samples_per_s"]]
     if not stats:
-        _empty(ax, "no task finished yet")
+        _empty(ax, "no training rate yet (no task finished, or its samples are unknown)")
     else:
         names = _names([s["worker"] for s in stats])
         bars = ax.bar([names[s["worker"]] for s in stats], [s["samples_per_s"] for s in stats], color="tab:green")
