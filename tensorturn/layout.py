@@ -22,6 +22,7 @@ Object store (one folder per run)::
                                                       a distillation's shard k of S (tag: T, k, mixup, seed, threads)
     runs/<id>/final/ensemble.safetensors              ensemble: the result (every member)
     runs/<id>/report/<name>.png                       `tensorturn report`'s plots
+    runs/<id>/report/report.html                      … and its page (the plots embedded, tables)
     runs/<id>/serving/<server>.json                   a `tensorturn serve` of the run, while it runs
                                                       (refreshed; `runs rm` refuses a served run)
     auth/tokens/<token-id>.json                       API tokens (hashes only)
@@ -98,6 +99,7 @@ final_model     runs/{run_id}/final/model.safetensors
 teacher         runs/{run_id}/teacher/{tag}/shard-{shard:03d}-of-{shards:03d}.safetensors
 final_ensemble  runs/{run_id}/final/ensemble.safetensors
 report          runs/{run_id}/report/{name}.png
+report_page     runs/{run_id}/report/report.html
 serving         runs/{run_id}/serving/{server}.json
 clock           clock/{token}
 token           auth/tokens/{token_id}.json

@@ -147,11 +147,19 @@ def _megabytes(n: int) -> str:
 
 @cli.command()
 @click.argument("run_id")
-@click.option("--json", "as_json", is_flag=True, help="Print the plots' locations as JSON.")
+@click.option("--out", "out", metavar="DIR",
+              help="Also write the files to this local folder (made if missing), e.g. to share report.html.")
+@click.option("--json", "as_json", is_flag=True, help="Print the files' locations as a JSON list of URIs.")
 @pool_options()
-def report(broker, store, run_id, as_json):
-    """Plot a run (loss per round or member, samples/s per worker, bytes moved) as PNG files
-    saved beside its manifest; prints where they are."""
+def report(broker, store, run_id, as_json, out):
+    """Plot a run and write its report page, saved beside its manifest; prints where they are.
+
+    PNGs: loss (with validation accuracy, per round and over time; per member for an ensemble),
+    timeline (every task attempt per machine over time: failed, requeued, handed back, incidents),
+    samples_per_worker, bytes (the model's, and per machine the store's and the dataset's).
+    report.html holds them all with the run's summary, rounds or members, machines and what went
+    wrong, as one self-contained file. Works on a running, finished or failed run.
+    """
     from tensorturn.runs.records import describe
 
     # an unknown run fails before matplotlib loads
@@ -159,7 +167,7 @@ def report(broker, store, run_id, as_json):
     from tensorturn.runs.report import save_report
     from tensorturn.store.objects import open_store
 
-    uris = save_report(doc, open_store(store))
+    uris = save_report(doc, open_store(store), out=out)
     if as_json:
         emit_json(uris)
         return
