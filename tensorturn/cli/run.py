@@ -14,6 +14,7 @@ from tensorturn.cli.options import (
     training_options,
 )
 from tensorturn.cli.output import launched, print_result, print_results, say
+from tensorturn.cli.track import track_options, tracking
 from tensorturn.errors import SpecError, TensorTurnError
 from tensorturn.modes import mode_names
 from tensorturn.recipes.check import HOOK_TIMEOUT_S
@@ -39,8 +40,9 @@ from tensorturn.recipes.check import HOOK_TIMEOUT_S
                    "student's run).")
 @training_options
 @follow_options("run")
+@track_options
 def run(broker, store, mode, recipe, recipe_options, merge, local_workers, detach, timeout_s,
-        as_json, **options):
+        as_json, track, track_dir, **options):
     """Train a model on the pool and print the result.
 
     \b
@@ -57,10 +59,11 @@ def run(broker, store, mode, recipe, recipe_options, merge, local_workers, detac
     spec = RunSpec.create(mode, recipe, store, recipe_options=parse_recipe_options(recipe_options),
                           **training, **given)
     runs.validate(spec)  # before anything starts or anything heavy is imported
+    tracked = tracking(track, track_dir, detach)
     docs: list[dict] = []
     try:
         launched(lambda observer: runs.launch_run(spec, broker, local_workers, detach, timeout_s,
-                                                  merge, training, docs, observer))
+                                                  merge, training, docs, tracked(observer)))
     except TensorTurnError:
         if docs:  # a later stage was refused: what finished is still the user's to see
             print_result(docs[-1], as_json, exit_on_failure=False)
@@ -71,7 +74,8 @@ def run(broker, store, mode, recipe, recipe_options, merge, local_workers, detac
 @cli.command()
 @click.argument("run_id", metavar="RUN|MACHINE")
 @follow_options("resume")
-def resume(broker, store, run_id, local_workers, detach, timeout_s, as_json):
+@track_options
+def resume(broker, store, run_id, local_workers, detach, timeout_s, as_json, track, track_dir):
     """Continue a run from the last complete round or checkpoints in the store — or, given a
     machine's name, end its pause (`tensorturn pause MACHINE`).
 
@@ -88,8 +92,9 @@ def resume(broker, store, run_id, local_workers, detach, timeout_s, as_json):
         resume_machine(broker, run_id, as_json)
         return
 
+    tracked = tracking(track, track_dir, detach)
     print_results(launched(lambda observer: runs.launch_resume(run_id, broker, store, local_workers,
-                                                               detach, timeout_s, observer)), as_json)
+                                                               detach, timeout_s, tracked(observer))), as_json)
 
 
 @cli.command()

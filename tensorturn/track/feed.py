@@ -42,10 +42,18 @@ def check(names: tuple[str, ...] | list[str]) -> None:
         if name not in NEEDS:
             raise SpecError(f"unknown tracker {name!r}: choose from {', '.join(BACKENDS)}")
         modules, extra = NEEDS[name]
-        missing = [m for m in modules if importlib.util.find_spec(m) is None]
+        missing = [m for m in modules if absent(m)]
         if missing:
             raise SpecError(f"--track {name} needs {', '.join(missing)}, not installed here: "
                             f"pip install 'tensorturn[{extra}]'")
+
+
+def absent(module: str) -> bool:
+    """Whether ``module`` cannot be imported here (found without importing it: MLflow takes seconds)."""
+    try:
+        return importlib.util.find_spec(module) is None
+    except ValueError:  # sys.modules holds None for it: imports of it are blocked
+        return True
 
 
 def open_tracker(name: str, track_dir: Path) -> Tracker:

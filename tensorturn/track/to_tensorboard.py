@@ -8,6 +8,7 @@ beside the events (``tensorturn-logged.json``): event files are append-only, and
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from tensorturn.track.base import Final, Logged
 
@@ -20,7 +21,7 @@ class TensorBoardTracker:
     def __init__(self, track_dir: Path):
         self.root = track_dir / "runs"
         self.dir = self.root
-        self.writer = None
+        self.writer: Any = None
 
     def where(self) -> str:
         return str(self.dir)

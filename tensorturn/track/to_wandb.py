@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
+from typing import Any
 
 from tensorturn.track.base import Final, Logged
 
@@ -38,11 +39,12 @@ class WandbTracker:
     def __init__(self, track_dir: Path):
         self.dir = track_dir / "wandb"
         self.mode = mode()
-        self.run = None
+        self.run: Any = None  # a wandb Run while one is open
         self.kept = self.dir
 
     def where(self) -> str:
-        where = getattr(self.run, "dir", None) or self.dir
+        run_dir = getattr(self.run, "dir", None)  # the run's files/; its folder is the one `wandb sync` takes
+        where = Path(run_dir).parent if run_dir else self.dir
         return f"{where} ({self.mode}{'; `wandb sync` uploads it' if self.mode == 'offline' else ''})"
 
     def start(self, run_id: str, params: dict[str, str]) -> Logged:
@@ -52,8 +54,9 @@ class WandbTracker:
         self.kept = self.dir / f"tensorturn-{run_id}.json"
         self.run = wandb.init(project=os.environ.get("WANDB_PROJECT") or "tensorturn", name=run_id,
                               id=re.sub(r"[^\w-]", "-", run_id), resume="allow", dir=str(self.dir.parent),
-                              mode=self.mode, config=params, reinit="create_new",
-                              settings=wandb.Settings(silent=True, console="off"))
+                              mode=self.mode,  # type: ignore[arg-type]  # WANDB_MODE's own words
+                              config=params, reinit="create_new",
+                              settings=wandb.Settings(silent=True, console="off", save_code=False))
         # rounds and members share one x axis of their own ("step"), not W&B's call counter
         self.run.define_metric("step")
         self.run.define_metric("*", step_metric="step")
