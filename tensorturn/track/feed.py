@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from tensorturn import config
 from tensorturn.errors import SpecError
 from tensorturn.spec import FINISHED, MemberState
 from tensorturn.track.base import Logged, Tracker, final, member_metrics, params, round_metrics
@@ -127,8 +128,10 @@ class Feed:
             call(tracker)
         except Exception as exc:  # noqa: BLE001 - a tracker's failure must not stop the run it logs
             self.trackers.remove(tracker)
-            self.say(f"warning: --track {tracker.name} stopped logging: {type(exc).__name__}: {exc} "
-                     f"(the run goes on; `tensorturn track RUN --to {tracker.name}` logs it later)")
+            why = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]  # one line, whatever it says
+            run = (self.last or {}).get("run_id", "RUN")
+            self.say(f"warning: --track {tracker.name} stopped logging: {config.mask_text(why)} (the run "
+                     f"goes on; `tensorturn track {run} --to {tracker.name}` logs it later)")
 
 
 class Tracking:
