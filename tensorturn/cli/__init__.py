@@ -226,4 +226,4 @@ def main() -> None:
     cli(args=args, prog_name="tensorturn")
 
 
-from tensorturn.cli import dashboard, data, distill, export, inspect, owner, pool, run, serve  # noqa: E402,F401 - each module adds its commands
+from tensorturn.cli import dashboard, data, distill, export, inspect, owner, pool, run, serve, track  # noqa: E402,F401 - each module adds its commands

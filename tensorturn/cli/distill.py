@@ -9,6 +9,7 @@ import click
 from tensorturn.cli import cli, pool_options
 from tensorturn.cli.options import TRAINING, bounded, follow_options, mode_options, training_options
 from tensorturn.cli.output import launched, print_results
+from tensorturn.cli.track import track_options, tracking
 from tensorturn.merge.distill import ALPHA, MIXUP, ROUNDS, SYNC_EVERY, TEMPERATURE, TOP_K
 
 
@@ -36,8 +37,9 @@ from tensorturn.merge.distill import ALPHA, MIXUP, ROUNDS, SYNC_EVERY, TEMPERATU
 @mode_options("fused", defaults={"rounds": str(ROUNDS), "sync_every": f"{SYNC_EVERY} for a distillation"})
 @training_options
 @follow_options("distill")
+@track_options
 def distill(broker, store, teacher, student, temperature, alpha, top_k, mixup, local_workers, detach,
-            timeout_s, as_json, **options):
+            timeout_s, as_json, track, track_dir, **options):
     """Distill a finished ensemble into one model, trained on the pool.
 
     RUN is an ensemble run that has succeeded. The student — the ensemble's recipe with its
@@ -66,8 +68,9 @@ def distill(broker, store, teacher, student, temperature, alpha, top_k, mixup, l
     spec = distill_spec(teacher, store, student=parse_student(student), temperature=temperature,
                         alpha=alpha, top_k=top_k, mixup=mixup, allow=[str(ensemble.get("recipe"))],
                         **training, **given)
+    tracked = tracking(track, track_dir, detach)
     print_results(launched(lambda observer: runs.launch_distill(spec, broker, local_workers, detach,
-                                                                timeout_s, observer)), as_json)
+                                                                timeout_s, tracked(observer))), as_json)
 
 
 @cli.command()

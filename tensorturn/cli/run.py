@@ -13,6 +13,7 @@ from tensorturn.cli.options import (
     training_options,
 )
 from tensorturn.cli.output import launched, print_result, print_results, say
+from tensorturn.cli.track import track_options, tracking
 from tensorturn.errors import SpecError, TensorTurnError
 from tensorturn.modes import mode_names
 from tensorturn.recipes.check import HOOK_TIMEOUT_S
@@ -44,8 +45,9 @@ from tensorturn.recipes.check import HOOK_TIMEOUT_S
 @click.option("--print-config", is_flag=True,
               help="Print the settings the run would have (the run file's and the flags, with every "
                    "default) as a run file, and exit without running.")
+@track_options
 def run(broker, store, mode, recipe, recipe_options, merge, local_workers, detach, timeout_s,
-        as_json, config_file, print_config, **options):
+        as_json, config_file, print_config, track, track_dir, **options):
     """Train a model on the pool and print the result.
 
     \b
@@ -72,9 +74,10 @@ def run(broker, store, mode, recipe, recipe_options, merge, local_workers, detac
     if print_config:
         click.echo(runfile.dumps(settings), nl=False)
         return
+    tracked = tracking(track, track_dir, detach)
     docs: list[dict] = []
     try:
-        launched(lambda observer: api.launch(settings, broker, store, detach, docs, observer))
+        launched(lambda observer: api.launch(settings, broker, store, detach, docs, tracked(observer)))
     except TensorTurnError:
         if docs:  # a later stage was refused: what finished is still the user's to see
             print_result(docs[-1], as_json, exit_on_failure=False)
@@ -85,7 +88,8 @@ def run(broker, store, mode, recipe, recipe_options, merge, local_workers, detac
 @cli.command()
 @click.argument("run_id", metavar="RUN|MACHINE")
 @follow_options("resume")
-def resume(broker, store, run_id, local_workers, detach, timeout_s, as_json):
+@track_options
+def resume(broker, store, run_id, local_workers, detach, timeout_s, as_json, track, track_dir):
     """Continue a run from the last complete round or checkpoints in the store — or, given a
     machine's name, end its pause (`tensorturn pause MACHINE`).
 
@@ -102,8 +106,9 @@ def resume(broker, store, run_id, local_workers, detach, timeout_s, as_json):
         resume_machine(broker, run_id, as_json)
         return
 
+    tracked = tracking(track, track_dir, detach)
     print_results(launched(lambda observer: runs.launch_resume(run_id, broker, store, local_workers,
-                                                               detach, timeout_s, observer)), as_json)
+                                                               detach, timeout_s, tracked(observer))), as_json)
 
 
 @cli.command()

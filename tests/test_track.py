@@ -1,0 +1,192 @@
+"""Experiment trackers: a fused and an ensemble run on a pool of real agents, each tracked by
+`tensorturn run --track` to MLflow, TensorBoard and W&B (offline), read back with each library's
+own reader; `tensorturn track RUN` logs a finished run again without logging a round twice."""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import struct
+import sys
+
+import pytest
+from conftest import clean_env, tt, tt_here, tt_many
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def tracked(pool, tmp_path_factory):
+    """One fused and one ensemble run, side by side on the module's pool, both tracked to all
+    three trackers under a folder of their own: (description, that folder) by mode."""
+    where = {mode: tmp_path_factory.mktemp(f"track-{mode}") for mode in ("fused", "ensemble")}
+    common = ("--broker", pool.broker_url, "--store", pool.store_url, "--json", "--track", "mlflow",
+              "--track", "tensorboard", "--track", "wandb")
+    procs = tt_many(
+        ("run", "--mode", "fused", "--recipe", "digits-mlp", "--rounds", "3", *common,
+         "--track-dir", str(where["fused"])),
+        ("run", "--mode", "ensemble", "--recipe", "digits-mlp", "--members", "2", "--segments", "1",
+         "--segment-steps", "60", *common, "--track-dir", str(where["ensemble"])),
+        envs=[_env()] * 2)
+    out = {}
+    for mode, proc in zip(where, procs):
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        out[mode] = (json.loads(proc.stdout), where[mode])
+    return out
+
+
+def _env() -> dict[str, str]:
+    env = clean_env()
+    for key in [k for k in env if k.startswith(("WANDB_", "MLFLOW_"))]:
+        del env[key]  # the trackers' defaults: everything on this machine
+    return env
+
+
+def mlflow_run(folder, run_id):
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{folder / 'mlflow.db'}")
+    experiment = client.get_experiment_by_name("tensorturn")
+    found = client.search_runs([experiment.experiment_id], f"tags.`tensorturn.run_id` = '{run_id}'")
+    assert len(found) == 1
+    return client, found[0]
+
+
+def events(folder, run_id):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(folder / "runs" / run_id), size_guidance={"scalars": 0, "tensors": 0})
+    acc.Reload()
+    return acc
+
+
+def wandb_records(folder):
+    """The records of the one offline W&B run under ``folder``, parsed with wandb's own protobuf
+    messages. wandb (0.31) has no Python reader of an offline run's file (its Go core writes and
+    syncs it): the file is a LevelDB-style log — a 7-byte header, 32 KiB blocks of chunks with a
+    7-byte head each (crc32, length, type: 1 full, 2 first, 3 middle, 4 last)."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    (path,) = glob.glob(str(folder / "wandb" / "offline-run-*" / "run-*.wandb"))
+    data = open(path, "rb").read()
+    assert data[:4] == b":W&B"
+    records, pos, chunk = [], 7, b""
+    while pos + 7 <= len(data):
+        left = 32768 - pos % 32768
+        if left < 7:
+            pos += left
+            continue
+        _, n, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        pos += 7
+        chunk += data[pos:pos + n]
+        pos += n
+        if kind in (1, 4):
+            record = pb.Record()
+            record.ParseFromString(chunk)
+            records.append(record)
+            chunk = b""
+    return records
+
+
+def test_fused_rounds_read_back_from_mlflow(tracked):
+    doc, folder = tracked["fused"]
+    client, run = mlflow_run(folder, doc["run_id"])
+    for name, key in (("train/loss", "loss"), ("val/loss", "val_loss"), ("val/accuracy", "val_accuracy"),
+                      ("samples", "samples"), ("bytes/up", "bytes_up")):
+        history = sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, name))
+        assert history == [(r["round"], r[key]) for r in doc["rounds"]], name
+    assert {k for k in run.data.metrics if k.startswith("rate/")}  # each machine's samples/s
+    assert run.data.metrics["final/test_accuracy"] == doc["metrics"]["test_accuracy"]
+    assert run.data.params["mode"] == "fused" and run.data.params["option.rounds"] == "3"
+    assert run.info.status == "FINISHED"
+    # the model itself, as the store holds it (the store is a folder here)
+    path = client.download_artifacts(run.info.run_id, "model/model.safetensors", str(folder / "dl"))
+    assert hashlib.sha256(open(path, "rb").read()).hexdigest() == doc["model_sha256"]
+    assert run.data.tags["tensorturn.model_uri"] == doc["model_uri"]
+
+
+def test_fused_rounds_read_back_from_tensorboard(tracked):
+    doc, folder = tracked["fused"]
+    acc = events(folder, doc["run_id"])
+    for tag, key in (("train/loss", "loss"), ("val/loss", "val_loss"), ("bytes/down", "bytes_down")):
+        scalars = [(e.step, e.value) for e in acc.Scalars(tag)]
+        assert scalars == [(r["round"], pytest.approx(r[key], rel=1e-6)) for r in doc["rounds"]], tag
+    (model,) = acc.Tensors("run/model/text_summary")
+    assert doc["model_uri"] in model.tensor_proto.string_val[0].decode()
+    assert "fused" in acc.Tensors("run/settings/text_summary")[0].tensor_proto.string_val[0].decode()
+    assert acc.PluginTagToContent("hparams")  # the options, in the HParams tab
+
+
+def test_fused_rounds_in_the_offline_wandb_run(tracked):
+    doc, folder = tracked["fused"]
+    records = wandb_records(folder)
+    history = [{i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item}
+               for r in records if r.WhichOneof("record_type") == "history"]
+    rounds = [h for h in history if "train/loss" in h]
+    assert [(h["step"], h["train/loss"]) for h in rounds] == [(r["round"], r["loss"]) for r in doc["rounds"]]
+    assert [h for h in history if h.get("final/test_accuracy") == doc["metrics"]["test_accuracy"]]
+    (artifact,) = [r.artifact for r in records if r.WhichOneof("record_type") == "artifact"]
+    assert artifact.type == "model" and [e.path for e in artifact.manifest.contents] == ["model.safetensors"]
+    (run,) = [r.run for r in records if r.WhichOneof("record_type") == "run"]
+    assert run.display_name == doc["run_id"]
+
+
+def test_ensemble_members_and_vote_read_back(tracked):
+    doc, folder = tracked["ensemble"]
+    client, run = mlflow_run(folder, doc["run_id"])
+    acc = events(folder, doc["run_id"])
+    assert len(doc["members"]) == 2
+    for member in doc["members"]:
+        for key, value in member["metrics"].items():
+            name = f"m{member['member']}/{key}"
+            assert run.data.metrics[name] == value
+            assert acc.Scalars(name)[-1].value == pytest.approx(value, rel=1e-6)
+    for key in ("test_accuracy", "test_loss", "disagreement"):  # the vote's
+        assert run.data.metrics[f"final/{key}"] == doc["metrics"][key]
+        assert acc.Scalars(f"final/{key}")[-1].value == pytest.approx(doc["metrics"][key], rel=1e-6)
+    assert run.data.params["mode"] == "ensemble" and run.data.params["option.members"] == "2"
+
+
+def test_track_afterwards_logs_each_round_once(tracked, pool, tmp_path):
+    """`tensorturn track RUN` into the folder `run --track` logged to adds nothing; into a new
+    folder it logs the recorded rounds and end, as `--track` did."""
+    from mlflow import MlflowClient
+
+    from tensorturn.track import track_run
+
+    doc, folder = tracked["fused"]
+    proc = tt("track", doc["run_id"], "--to", "mlflow", "--to", "tensorboard", "--store", pool.store_url,
+              "--track-dir", str(folder), "--json", env=_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rounds = [r["round"] for r in doc["rounds"]]
+    assert [(t["to"], t["rounds"], t["finished"]) for t in json.loads(proc.stdout)["trackers"]] == [
+        ("mlflow", rounds, True), ("tensorboard", rounds, True)]
+    client, run = mlflow_run(folder, doc["run_id"])
+    assert len(client.get_metric_history(run.info.run_id, "train/loss")) == len(rounds)
+    assert len(events(folder, doc["run_id"]).Scalars("train/loss")) == len(rounds)
+
+    track_run(doc["run_id"], ["mlflow"], tmp_path, None, pool.store_url)  # as the command does, here
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    _, replayed = mlflow_run(tmp_path, doc["run_id"])
+    assert sorted((m.step, m.value) for m in client.get_metric_history(replayed.info.run_id, "train/loss")) == [
+        (r["round"], r["loss"]) for r in doc["rounds"]]
+    assert replayed.data.metrics["final/test_loss"] == doc["metrics"]["test_loss"]
+
+
+def test_a_missing_tracker_library_is_one_line_before_anything_starts(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # as if it were not installed (imports of it fail)
+    monkeypatch.chdir(tmp_path)
+    proc = tt_here("run", "--mode", "fused", "--recipe", "digits-mlp", "--track", "wandb", env=_env())
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == ("error: --track wandb needs wandb, not installed here: "
+                                   "pip install 'tensorturn[wandb]'")
+    assert list(tmp_path.iterdir()) == []  # no pool, no store, no log
+
+
+def test_track_with_detach_or_an_unknown_run_is_refused(tmp_path):
+    proc = tt("run", "--mode", "fused", "--recipe", "digits-mlp", "--broker", "redis://127.0.0.1:1/0",
+              "--detach", "--track", "mlflow", env=_env(), cwd=tmp_path)
+    assert proc.returncode == 2 and "drop --detach" in proc.stderr and len(proc.stderr.splitlines()) == 1
+    proc = tt("track", "20200101-000000-abcdef", "--to", "tensorboard", env=_env(), cwd=tmp_path)
+    assert proc.returncode != 0 and "no run" in proc.stderr and not (tmp_path / "runs").exists()
