@@ -100,7 +100,7 @@ def test_the_folder_describes_the_model_and_how_it_was_trained(runs, folders):
 @pytest.mark.e2e
 def test_load_predicts_exactly_what_the_api_serves(runs, folders):
     """The fused model and the ensemble's vote (and each member), as `tensorturn serve` answers
-    them over HTTP and as `tensorturn.export.load(DIR).predict` returns them: the same bits."""
+    them over HTTP and as `tensorturn.load(DIR).predict` returns them: the same bits."""
     x, y = load_digits(return_X_y=True)
     body = {"inputs": [{"name": "input", "shape": list(x.shape), "datatype": "FP32", "data": x.flatten().tolist()}],
             "parameters": {"members": True}}
@@ -112,7 +112,7 @@ def test_load_predicts_exactly_what_the_api_serves(runs, folders):
                            headers=bearer(runs["token"]), timeout=60)
             assert r.status_code == 200, r.text
             served = {o["name"]: np.asarray(o["data"]).reshape(o["shape"]) for o in r.json()["outputs"]}
-            model = tensorturn.export.load(runs["work"] / "exported" / name)
+            model = tensorturn.load(runs["work"] / "exported" / name)
             predicted = model.predict(x, members=True)
             assert sorted(predicted) == sorted(served)
             assert np.array_equal(predicted["label"], served["label"])
