@@ -264,5 +264,30 @@ def mask_text(text: str) -> str:
     return _KEY_IN_TEXT.sub(r"\1.***", _SECRET_PARAM.sub(r"\1***", text))
 
 
+# A field whose name says it holds a secret (``password``, ``api_token``, ``pool_key``,
+# ``aws_secret_access_key``, ``sig``): a word of its name, the words split at ``_``, ``-`` or ``.``
+# (so ``tokens_per_step`` or ``design`` are not).
+_SECRET_NAME = re.compile(r"(?i)(?:^|[_.\-])(?:password|passwd|pwd|secret|token|signature|sig|credentials?|apikey"
+                          r"|(?:api|pool|access|private|auth)[_.\-]?key)(?:$|[_.\-])")
+
+
+def secret_name(name: object) -> bool:
+    """Whether a field called ``name`` holds a secret by its name."""
+    return bool(_SECRET_NAME.search(str(name)))
+
+
+def public(value: Any) -> Any:
+    """``value`` (JSON-like) safe to show, log or write into a file that leaves the machine:
+    every string masked (:func:`mask_text`) and the value of every field named like a secret
+    (:func:`secret_name`) replaced by ``***`` — for a user's recipe options, a run's settings."""
+    if isinstance(value, str):
+        return mask_text(value)
+    if isinstance(value, dict):
+        return {k: "***" if secret_name(k) else public(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [public(v) for v in value]
+    return value
+
+
 if __name__ == "__main__":
     print(markdown_table())

@@ -174,3 +174,18 @@ def test_an_embedded_pools_kept_logs_are_readable_by_their_owner_only(tmp_path, 
              for p in (tmp_path / ".tensorturn", tmp_path / ".tensorturn" / "logs", dest, dest / "agent-1.log")}
     assert modes == {".tensorturn": 0o700, ".tensorturn/logs": 0o700, ".tensorturn/logs/r1": 0o700,
                      ".tensorturn/logs/r1/agent-1.log": 0o600}
+
+
+def test_public_masks_strings_and_the_values_of_fields_named_like_secrets():
+    """What leaves the machine (tracker parameters, an exported folder): a user's recipe options
+    with their secrets masked, by the field's name or inside the text; names that only look
+    alike (``tokens_per_step``, ``design``) kept."""
+    from tensorturn import config
+
+    options = {"data": "s3://AKIA:wJalr@minio:9000/b/book.txt", "api_token": "hf_abc",
+               "nested": [{"password": "p", "design": "wide"}], "tokens_per_step": 512,
+               "aws_secret_access_key": "k", "hf-token": "x", "sig": "s", "note": "join ttk1.c2VjcmV0c2VjcmV0"}
+    assert config.public(options) == {
+        "data": "s3://AKIA:***@minio:9000/b/book.txt", "api_token": "***",
+        "nested": [{"password": "***", "design": "wide"}], "tokens_per_step": 512,
+        "aws_secret_access_key": "***", "hf-token": "***", "sig": "***", "note": "join ttk1.***"}

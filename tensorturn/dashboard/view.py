@@ -36,17 +36,17 @@ INCIDENT_FIELDS = ("kind", "task", "worker", "at", "detail")
 MEMBER_FIELDS = ("member", "state", "workers", "segments_done", "reason", "metrics", "live")
 # what ended an attempt without its output: red on the timeline
 FAILURES = (Outcome.FAILED, Outcome.LOST, Outcome.REFUSED, Outcome.LATE)
-SECRET_WORDS = ("signature", "password", "secret", "token", "pool_key", "sig")
 
 
 def public(value: Any) -> Any:
-    """``value`` safe to show: every string masked, and any field named like a secret dropped
-    (the last line of defence behind the field lists above)."""
+    """``value`` safe to show: every string masked, and any field named like a secret
+    (:func:`tensorturn.config.secret_name`) dropped — the last line of defence behind the field
+    lists above."""
     if isinstance(value, str):
         return config.mask_text(value)
     if isinstance(value, dict):
         return {k: public(v) for k, v in value.items()
-                if not any(word in str(k).lower() for word in SECRET_WORDS)}
+                if not config.secret_name(k)}
     if isinstance(value, (list, tuple)):
         return [public(v) for v in value]
     if isinstance(value, float) and not math.isfinite(value):  # a diverged loss: JSON has no NaN
