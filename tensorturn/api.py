@@ -182,10 +182,25 @@ class Pool:
         if pool_size is not None:
             settings = runfile.ordered({**settings, "local_workers": pool_size})
         spec = run_spec(settings, self.store_url)
+        if self.local is not None:
+            self._check_agents_allow(spec.recipe)
         stages, recipes = run_stages(spec, settings["merge"], training_of(settings), pool_size)
         run = Run(self, stages, tuple(recipes) + self.allow)
         self.runs.append(run)
         return run
+
+    def _check_agents_allow(self, recipe: str) -> None:
+        """An embedded pool's agents import the recipes allowed when it started (``allow=``, and
+        this machine's allowlist): a run of another is refused here, in one line, rather than by
+        every agent."""
+        from tensorturn import trust
+        from tensorturn.recipes import BUILTIN
+
+        try:
+            trust.check_recipe_allowed(recipe, BUILTIN, trust.with_allowed(config.current(), self.allow))
+        except trust.UntrustedError:
+            raise SpecError(f"recipe {recipe!r} is not allowed on this embedded pool's agents: start "
+                            f"it with Pool.embedded(allow=[{recipe!r}])") from None
 
     def workers(self) -> list[dict[str, Any]]:
         """The pool's agents, as ``tensorturn workers --json`` lists them."""
@@ -294,7 +309,7 @@ class Run:
         from tensorturn.store.objects import open_store
 
         self.result()
-        predictor, _ = load_result(open_store(self.pool.store_url), self.run_id)
+        predictor, _ = load_result(open_store(self.pool.store_url), self.run_id, self.recipes)
         return predictor.as_model()
 
     def _save(self) -> dict[str, Any]:

@@ -265,6 +265,21 @@ class RunSpec:
     # `--print-config` prints them: kept so that `status` shows exactly what ran (not read by a task)
     run_config: dict[str, Any] | None = None
 
+    def settle_run_config(self) -> None:
+        """The kept settings (``run_config``) completed with what the run decided at its start —
+        the options the recipe pinned (the dataset version it found) and the mode's options the
+        pool sized (an ensemble's ``members``) — so that a run from them is this run again."""
+        if self.run_config is None:
+            return
+        settled = dict(self.run_config)
+        options = asdict(self.options)
+        for name, _ in type(self.options).flags():
+            if settled.get(name) is None and options.get(name) is not None:
+                settled[name] = options[name]
+        if self.recipe_options:
+            settled["recipe_options"] = {**(settled.get("recipe_options") or {}), **self.recipe_options}
+        self.run_config = settled
+
     def batch_for(self, recipe: Any) -> int:
         """The inner batch of this run with ``recipe``: the run's ``--batch-size``, else the recipe's
         (one place for a fact the memory check, the shards, the backups and the members all use)."""

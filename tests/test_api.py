@@ -50,6 +50,22 @@ def test_the_readme_example_on_an_embedded_pool(tmp_path, monkeypatch, capsys):
     assert (tmp_path / "tensorturn-store" / "runs" / run.run_id).is_dir()
 
 
+@pytest.mark.e2e
+def test_a_user_recipe_runs_on_an_embedded_pool_that_allows_it(tmp_path):
+    """A user's recipe on an embedded pool: refused in one line unless the pool allows it, and
+    then trained, and loaded by ``run.model()`` with the same allowance (the machine's own
+    allowlist does not name it)."""
+    recipe = "regress:Diabetes"
+    with tensorturn.Pool.embedded(workers=1, store=str(tmp_path / "store")) as plain:
+        with pytest.raises(SpecError, match=r"^recipe 'regress:Diabetes' is not allowed on this embedded "
+                                            r"pool's agents: start it with Pool.embedded\(allow="):
+            plain.run(recipe=recipe, rounds=1)
+    with tensorturn.Pool.embedded(workers=1, store=str(tmp_path / "store"), allow=[recipe]) as pool:
+        run = pool.run(recipe=recipe, rounds=1, sync_every=5)
+        assert run.result()["state"] == "succeeded"
+        the_model_is_the_stored_one(run, run.model())
+
+
 def test_the_readme_example_on_a_standing_pool_and_a_run_file(pool, tmp_path, capsys):
     """The example with the pool `tensorturn up` would make: its join file names the broker,
     the store and the pool key."""

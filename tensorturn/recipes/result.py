@@ -105,15 +105,16 @@ class EnsembleModel(nn.Module):
         return self.recipe.kind.ensemble_forward(raw, lambda p: self.recipe.combine(p, self.vote))
 
 
-def load_result(store: Store, run_id: str) -> tuple[Predictor, dict[str, Any]]:
+def load_result(store: Store, run_id: str, allow: Collection[str] = ()) -> tuple[Predictor, dict[str, Any]]:
     """The run's final artifact, trusted only as far as it proves itself: the manifest must be
-    signed by the pool key, its recipe allowed on this machine (checked before the model file is
-    read), and the file must match the manifest's sha256 and name the same recipe."""
-    data, manifest = result_bytes(store, run_id)
-    return Predictor.from_bytes(data), manifest
+    signed by the pool key, its recipe allowed on this machine or named in ``allow`` (checked
+    before the model file is read), and the file must match the manifest's sha256 and name the
+    same recipe."""
+    data, manifest = result_bytes(store, run_id, allow)
+    return Predictor.from_bytes(data, allow), manifest
 
 
-def result_bytes(store: Store, run_id: str) -> tuple[bytes, dict[str, Any]]:
+def result_bytes(store: Store, run_id: str, allow: Collection[str] = ()) -> tuple[bytes, dict[str, Any]]:
     """The run's final model file, checked as :func:`load_result` checks it, and its manifest."""
     from tensorturn.state.manifest import read_manifest
 
@@ -123,7 +124,8 @@ def result_bytes(store: Store, run_id: str) -> tuple[bytes, dict[str, Any]]:
         raise TensorTurnError(f"no run {run_id!r} in the store (see `tensorturn runs`)") from None
     if manifest.get("state") != RunState.SUCCEEDED or not manifest.get("model_uri"):
         raise TensorTurnError(f"run {run_id} has no model to serve (state {manifest.get('state')})")
-    check_recipe_allowed(manifest["recipe"], BUILTIN)
+    if manifest["recipe"] not in allow:  # the caller's own, as `resolve` takes them
+        check_recipe_allowed(manifest["recipe"], BUILTIN)
     final = "final_ensemble" if manifest["mode"] == "ensemble" else "final_model"
     data = store.get_bytes(layout.key(final, run_id))
     if sha256_hex(data) != manifest["model_sha256"]:

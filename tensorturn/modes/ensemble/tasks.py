@@ -112,6 +112,7 @@ def start(spec: RunSpec, store: Store, board: RunBoard, allow: Collection[str] =
     """Record the run and its member plan, then queue every member's first segment (``allow``:
     recipe names allowed here besides the machine's allowlist, :func:`tensorturn.recipes.resolve`)."""
     plan = member_plan(spec, resolve(spec.recipe, spec.recipe_options, allow))
+    spec.settle_run_config()  # kept: the members the pool sized, the dataset version pinned
     save_spec(store, spec)
     board.create(spec)
     for entry in plan:
