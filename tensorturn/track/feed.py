@@ -4,9 +4,11 @@ not logged yet (each round, member and end once); :class:`Tracking` is the launc
 :func:`track_run` logs a run afterwards (``tensorturn track RUN``), following it first when it
 still runs.
 
-A tracker that fails while a run trains is dropped with one warning line: the run is worth more
+A tracker that fails while a run trains — starting included: it opens its files and database in
+its ``start``, inside the feed's guard — is dropped with one warning line: the run is worth more
 than its log, and ``tensorturn track RUN --to ...`` logs it again later, once (what the tracker
-holds is skipped)."""
+holds is skipped). What can be checked before a run starts is: the library installed
+(:func:`check`), the folder writable (:func:`check_dir`)."""
 
 from __future__ import annotations
 
