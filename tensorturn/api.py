@@ -161,11 +161,14 @@ class Pool:
         return cls(broker, store_url, None, tuple(allow))
 
     def run(self, mode: str | None = None, recipe: str | None = None, *,
-            config: str | Path | None = None, **options: Any) -> "Run":
+            config: str | Path | None = None, track: str | list[str] | tuple[str, ...] = (),
+            track_dir: str | Path | None = None, **options: Any) -> "Run":
         """Queue a run and return at once: ``tensorturn run``'s settings as keyword arguments
         (``rounds=2``, ``recipe_options={"data": "book.txt"}``, ``merge="distill"``), over those
-        of the run file ``config``; the defaults are the command's. Raises the command's
-        one-line errors (SpecError...) before anything is queued."""
+        of the run file ``config``; the defaults are the command's. ``track`` (``"mlflow"``,
+        ``["mlflow", "tensorboard"]``) and ``track_dir`` are ``--track`` and ``--track-dir``:
+        the run is logged as :meth:`Run.wait` follows it, and its end once it has ended. Raises
+        the command's one-line errors (SpecError...) before anything is queued."""
         from tensorturn.runs.launch import run_stages
 
         if self.closed:
@@ -175,6 +178,7 @@ class Pool:
                                      "Pool.run returns at once")):
             if launch_only in options:
                 raise SpecError(f"{launch_only} is not a setting of Pool.run: use {instead}")
+        trackers = _trackers(track, track_dir)
         settings = run_settings({"mode": mode, "recipe": recipe, **options}, config)
         pool_size = self.local.workers if self.local is not None else None
         # the run keeps what ran: this embedded pool's size; a standing pool has none to keep
@@ -185,7 +189,7 @@ class Pool:
         if self.local is not None:
             self._check_agents_allow(spec.recipe)
         stages, recipes = run_stages(spec, settings["merge"], training_of(settings), pool_size)
-        run = Run(self, stages, tuple(recipes) + self.allow)
+        run = Run(self, stages, tuple(recipes) + self.allow, trackers)
         self.runs.append(run)
         return run
 
@@ -229,13 +233,53 @@ class Pool:
         self.close()
 
 
+def _trackers(track: str | list[str] | tuple[str, ...], track_dir: str | Path | None
+              ) -> tuple[tuple[str, ...], Path] | None:
+    """``Pool.run``'s ``track`` and ``track_dir``, checked as ``--track`` is (the library
+    installed, the folder writable): (names, folder), or None for no tracking."""
+    names = (track,) if isinstance(track, str) else tuple(track or ())
+    if not names:
+        if track_dir is not None:
+            raise SpecError("track_dir is where trackers write: name them too, e.g. track=['mlflow']")
+        return None
+    from tensorturn.track import check, check_dir
+
+    folder = Path(track_dir if track_dir is not None else ".")
+    check(names)
+    check_dir(folder)
+    return names, folder
+
+
+class _Logging:
+    """The observer of a run the Python API follows: its lines go to this module's log (a
+    warning, such as a tracker that stopped, as a warning)."""
+
+    def say(self, line: str) -> None:
+        log.log(logging.WARNING if line.startswith("warning:") else logging.INFO, "%s", line)
+
+    def watch(self, doc: dict[str, Any]) -> None:
+        return None
+
+    def unwatch(self) -> None:
+        pass
+
+    def guard(self) -> None:
+        pass
+
+    def unguard(self) -> None:
+        pass
+
+
 class Run:
     """A run queued by :meth:`Pool.run`. With ``merge="distill"`` it is two runs, the ensemble
     then its student: :attr:`run_id` names the one under way (the student once it starts)."""
 
-    def __init__(self, pool: Pool, stages: "list[Stage]", recipes: tuple[str, ...]):
+    def __init__(self, pool: Pool, stages: "list[Stage]", recipes: tuple[str, ...],
+                 track: tuple[tuple[str, ...], Path] | None = None):
         self.pool = pool
         self.recipes = recipes
+        self.track = track  # (trackers, folder): what --track and --track-dir would say
+        self.tracked: set[str] = set()  # the runs whose end their trackers were shown
         self.docs: list[dict[str, Any]] = []  # the finished stages' last descriptions
         self._later = list(stages)
         self.run_id = ""
@@ -267,9 +311,10 @@ class Run:
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            doc = follow(self.pool.broker_url, self.run_id, left)
+            doc = follow(self.pool.broker_url, self.run_id, left, self._observer())
             if doc["state"] not in FINISHED:
                 return doc
+            self.tracked.add(self.run_id)
             doc = self._save()
             if doc["state"] != RunState.SUCCEEDED or not self._later:
                 return doc
@@ -312,6 +357,15 @@ class Run:
         predictor, _ = load_result(open_store(self.pool.store_url), self.run_id, self.recipes)
         return predictor.as_model()
 
+    def _observer(self) -> "Observer | None":
+        """Who hears of the run as :meth:`wait` follows it: its trackers, fed each description
+        (:class:`~tensorturn.track.Tracking`, as ``run --track``), or nobody."""
+        if self.track is None:
+            return None
+        from tensorturn.track import Tracking
+
+        return Tracking(_Logging(), *self.track)
+
     def _save(self) -> dict[str, Any]:
         """Save the run's manifest (its final state, before an embedded pool's Redis goes)."""
         from tensorturn.state.board import RunBoard
@@ -331,6 +385,10 @@ class Run:
         try:
             if self.status()["state"] not in FINISHED:
                 self.cancel()
-            self._save()
+            doc = self._save()
+            if self.track is not None and self.run_id not in self.tracked:  # nobody waited for its end
+                from tensorturn.track import log_ended
+
+                log_ended(doc, *self.track, say=_Logging().say)
         except TensorTurnError as exc:  # the pool stops whatever happens: say why this one is not saved
             log.warning("run %s: %s", self.run_id, exc)

@@ -41,6 +41,8 @@ MERGES = ("none", "distill")
 DEFAULTS: dict[str, Any] = {"mode": "fused", "merge": "none", "local_workers": 2}
 WHERE = {"broker": "--broker", "store": "--store", "join_file": "--join-file", "join": "--join-file",
          "allow_recipe": "--allow-recipe"}
+# How a run is logged, not what runs: given with the command (or Pool.run), never kept with the run
+TRACKING = {"track": "--track (Pool.run(track=...))", "track_dir": "--track-dir (Pool.run(track_dir=...))"}
 KIND_WORDS = {"int": "a whole number", "float": "a number", "str": "a string", "bool": "true or false",
               "table": "a table ([recipe_options])"}
 HEADER = ("# A TensorTurn run file: `tensorturn run --config FILE` runs it (flags given with it win),\n"
@@ -90,6 +92,9 @@ def check(settings: dict[str, Any], where: str = "") -> dict[str, Any]:
         if name in WHERE:
             raise SpecError(f"{prefix}{key!r} is where the run goes, not what runs: give {WHERE[name]} "
                             f"(or its environment variable) instead")
+        if name in TRACKING:
+            raise SpecError(f"{prefix}{key!r} is how the run is logged, not what runs: give {TRACKING[name]} "
+                            f"instead, or log a run afterwards with `tensorturn track RUN --to ...`")
         if name not in known:
             close = difflib.get_close_matches(name, list(known), n=1)
             hint = f"; did you mean {close[0]!r}?" if close else " (see `tensorturn run --help`)"

@@ -7,6 +7,8 @@ from __future__ import annotations
 import glob
 import hashlib
 import json
+import logging
+import os
 import struct
 import sys
 
@@ -190,3 +192,95 @@ def test_track_with_detach_or_an_unknown_run_is_refused(tmp_path):
     assert proc.returncode == 2 and "drop --detach" in proc.stderr and len(proc.stderr.splitlines()) == 1
     proc = tt("track", "20200101-000000-abcdef", "--to", "tensorboard", env=_env(), cwd=tmp_path)
     assert proc.returncode != 0 and "no run" in proc.stderr and not (tmp_path / "runs").exists()
+
+
+def test_a_track_dir_that_is_a_file_is_one_line_before_anything_starts(tmp_path, monkeypatch):
+    (tmp_path / "notes").write_text("mine")
+    monkeypatch.chdir(tmp_path)
+    for where in ("notes", "notes/logs"):
+        proc = tt_here("run", "--mode", "fused", "--recipe", "digits-mlp", "--track", "tensorboard",
+                       "--track-dir", where, env=_env())
+        assert proc.returncode == 2
+        assert proc.stderr.count("\n") == 1 and "is a file, not a folder" in proc.stderr, proc.stderr
+    proc = tt_here("track", "20200101-000000-abcdef", "--to", "mlflow", "--track-dir", "notes", env=_env())
+    assert proc.returncode == 2 and proc.stderr.strip() == (
+        "error: --track-dir notes is a file, not a folder: name a folder the trackers may write in")
+    assert [p.name for p in tmp_path.iterdir()] == ["notes"]  # no pool, no store, no log
+
+
+def test_track_in_a_run_file_or_track_dir_alone_is_one_line(tmp_path):
+    import tensorturn
+    from tensorturn.errors import SpecError
+
+    (tmp_path / "run.toml").write_text('recipe = "digits-mlp"\ntrack = ["mlflow"]\n')
+    proc = tt_here("run", "--config", str(tmp_path / "run.toml"), env=_env())
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1
+    assert f"{tmp_path / 'run.toml'}: 'track' is how the run is logged, not what runs: give --track" in proc.stderr
+    pool = tensorturn.Pool("redis://127.0.0.1:1/0", (tmp_path / "store").as_uri())  # never reached
+    with pytest.raises(SpecError, match="track_dir is where trackers write: name them too"):
+        pool.run(recipe="digits-mlp", track_dir=tmp_path)
+    with pytest.raises(SpecError, match="unknown tracker 'neptune'"):
+        pool.run(recipe="digits-mlp", track="neptune")
+
+
+def test_secrets_in_options_are_masked_in_what_trackers_log(tmp_path):
+    """A recipe option named like a secret is ``***`` and a URL's password masked, in every
+    parameter a tracker logs (MLflow params, W&B config) and TensorBoard's settings table."""
+    from tensorturn.track.base import params
+    from tensorturn.track.to_tensorboard import TensorBoardTracker
+
+    options = {"dataset": "https://bob:hunter2@data.example/rows.csv", "api_token": "tok-4f2a9c"}
+    doc = {"run_id": "20200101-000000-abcdef", "mode": "fused", "recipe": "tabular",
+           "spec": {"store_url": "s3://AKIA:s3cret-pw@minio.example:9000/bucket", "seed": 0,
+                    "recipe_options": options, "options": {"rounds": 2},
+                    "run_config": {"recipe": "tabular", "rounds": 2, "recipe_options": options}}}
+    logged = params(doc)
+    assert logged["recipe.api_token"] == "***" and "run_config" not in logged
+    assert logged["recipe.dataset"] == "https://bob:***@data.example/rows.csv"
+    assert logged["option.rounds"] == "2" and logged["store"].startswith("s3://AKIA:***@")
+    for secret in ("hunter2", "tok-4f2a9c", "s3cret-pw"):
+        assert [k for k, v in logged.items() if secret in v] == [], secret
+    tracker = TensorBoardTracker(tmp_path)
+    tracker.start(doc["run_id"], logged)
+    tracker.close()
+    (table,) = events(tmp_path, doc["run_id"]).Tensors("run/settings/text_summary")
+    text = table.tensor_proto.string_val[0].decode()
+    assert "| recipe.api_token | *** |" in text and "tok-4f2a9c" not in text and "hunter2" not in text
+
+
+def test_pool_run_tracks_like_the_command_and_a_tracker_that_cannot_start_is_dropped(
+        pool, tmp_path, monkeypatch, caplog):
+    """``Pool.run(track=..., track_dir=...)`` logs the run as ``--track`` does, as ``result()``
+    follows it. A tracker that fails to start (TensorBoard, its disk full) is dropped with one
+    warning and the run goes on. An asynchronous run's rounds carry each machine's samples/s
+    (its updates train, not shards), and so does its report."""
+    import tensorturn
+    from tensorturn.runs.report import worker_stats
+    from tensorturn.track.to_tensorboard import TensorBoardTracker
+
+    def disk_full(self, run_id, params):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(TensorBoardTracker, "start", disk_full)
+    for key in [k for k in os.environ if k.startswith(("WANDB_", "MLFLOW_"))]:
+        monkeypatch.delenv(key)
+    caplog.set_level(logging.INFO, logger="tensorturn.api")
+    run = tensorturn.Pool.connect(broker=pool.broker_url, store=pool.store_url).run(
+        recipe="digits-mlp", rounds=2, sync="async", track=["mlflow", "tensorboard"], track_dir=tmp_path)
+    doc = run.result()
+    assert doc["state"] == "succeeded"
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == [
+        f"warning: --track tensorboard stopped logging: OSError: [Errno 28] No space left on device "
+        f"(the run goes on; `tensorturn track {doc['run_id']} --to tensorboard` logs it later)"]
+    client, logged = mlflow_run(tmp_path, doc["run_id"])
+    assert sorted(m.step for m in client.get_metric_history(logged.info.run_id, "train/loss")) == [0, 1]
+    assert logged.data.metrics["final/test_accuracy"] == doc["metrics"]["test_accuracy"]
+    assert logged.info.status == "FINISHED"
+    assert "run_config" not in logged.data.params and logged.data.params["option.sync"] == "async"
+    rates = {k for k in logged.data.metrics if k.startswith("rate/")}
+    steps = {m.step for name in rates for m in client.get_metric_history(logged.info.run_id, name)}
+    assert {0, 1} <= steps  # each round's, then the run's at the end
+    stats = worker_stats(doc)
+    assert stats and all(s["samples_per_s"] > 0 for s in stats)
+    assert sum(s["samples"] for s in stats) >= sum(u["samples"] for u in doc["updates"]) > 0
+    assert not (tmp_path / "runs").exists()  # TensorBoard never started

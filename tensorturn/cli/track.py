@@ -24,7 +24,7 @@ TRACK_DIR_HELP = ("Where trackers write on this machine: mlflow.db + mlruns/ (ML
 
 def track_options(fn: Callable) -> Callable:
     """``--track`` (repeatable) and ``--track-dir``."""
-    fn = click.option("--track-dir", type=click.Path(file_okay=False, path_type=Path), default=Path("."),
+    fn = click.option("--track-dir", type=click.Path(path_type=Path), default=Path("."),
                       help=TRACK_DIR_HELP)(fn)
     return click.option(
         "--track", "track", multiple=True, type=click.Choice(BACKENDS),
@@ -37,16 +37,18 @@ def track_options(fn: Callable) -> Callable:
 def tracking(track: tuple[str, ...], track_dir: Path, detach: bool = False
              ) -> Callable[["Observer"], "Observer"]:
     """The launch's observer, feeding ``track``'s trackers when any are named; refused before
-    anything starts: a tracker whose library is missing, and ``--detach`` (nothing follows the run)."""
+    anything starts: a tracker whose library is missing, a ``--track-dir`` that cannot be written,
+    and ``--detach`` (nothing follows the run)."""
     if not track:
         return lambda observer: observer
     from tensorturn.errors import SpecError
-    from tensorturn.track import Tracking, check
+    from tensorturn.track import Tracking, check, check_dir
 
     if detach:
         raise SpecError("--track logs the run as this command follows it: drop --detach, or log it "
                         "afterwards with `tensorturn track RUN --to ...`")
     check(track)
+    check_dir(track_dir)
     return lambda observer: Tracking(observer, track, track_dir)
 
 
@@ -54,7 +56,7 @@ def tracking(track: tuple[str, ...], track_dir: Path, detach: bool = False
 @click.argument("run_id", metavar="RUN")
 @click.option("--to", "to", multiple=True, required=True, type=click.Choice(BACKENDS),
               help="The tracker to log to (repeatable).")
-@click.option("--track-dir", type=click.Path(file_okay=False, path_type=Path), default=Path("."),
+@click.option("--track-dir", type=click.Path(path_type=Path), default=Path("."),
               help=TRACK_DIR_HELP)
 @click.option("--timeout", "timeout_s", type=float, default=None,
               help="A live run: stop following it after this many seconds (it goes on; track it again later).")

@@ -11,7 +11,17 @@
 """
 
 from tensorturn.track.base import Final, Logged, ModelRef, Tracker
-from tensorturn.track.feed import BACKENDS, Feed, Tracking, check, open_tracker, track_run
+from tensorturn.track.feed import (
+    BACKENDS,
+    Feed,
+    Tracking,
+    check,
+    check_dir,
+    log_ended,
+    open_tracker,
+    opened,
+    track_run,
+)
 
 __all__ = ["BACKENDS", "Feed", "Final", "Logged", "ModelRef", "Tracker", "Tracking", "check",
-           "open_tracker", "track_run"]
+           "check_dir", "log_ended", "open_tracker", "opened", "track_run"]

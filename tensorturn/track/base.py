@@ -17,8 +17,9 @@ from tensorturn.runs.report import worker_stats
 from tensorturn.spec import options_json
 
 # the spec's fields that are not settings of the training (or could hold a secret: the store URL
-# is logged masked, as `store`)
-NOT_PARAMS = ("run_id", "created_at", "store_url", "options", "recipe_options", "memory_needed_bytes")
+# is logged masked, as `store`); `run_config` repeats the settings logged one by one
+NOT_PARAMS = ("run_id", "created_at", "store_url", "options", "recipe_options", "memory_needed_bytes",
+              "run_config")
 # characters every backend takes in a metric name (MLflow is the strictest: no '@' in a name)
 _UNSAFE = re.compile(r"[^\w.\-/ ]")
 
@@ -97,14 +98,17 @@ class Tracker(Protocol):
 
 def params(doc: dict[str, Any]) -> dict[str, str]:
     """The run's settings, flat: the spec's common fields, ``option.<name>`` for the mode's options
-    and ``recipe.<name>`` for the recipe's; values as text (JSON for lists and objects)."""
-    spec = doc.get("spec") or {}
+    and ``recipe.<name>`` for the recipe's; values as text (JSON for lists and objects). Safe to
+    log (:func:`tensorturn.config.public`): a recipe option named like a secret (``api_token``)
+    is ``***``, and every URL's password in any value is masked — a tracker's records leave the
+    machine (W&B, a shared MLflow server)."""
+    spec = config.public(doc.get("spec") or {})
     out = {"mode": str(doc.get("mode")), "recipe": str(doc.get("recipe"))}
-    out["store"] = config.mask_url(spec.get("store_url")) if spec.get("store_url") else ""
+    out["store"] = spec.get("store_url") or ""
     for key, value in spec.items():
         if key not in NOT_PARAMS:
             out[key] = _text(value)
-    for key, value in options_json(spec).items():
+    for key, value in config.public(options_json(doc.get("spec") or {})).items():
         if key not in NOT_PARAMS:
             out[f"option.{key}"] = _text(value)
     for key, value in (spec.get("recipe_options") or {}).items():
@@ -122,11 +126,19 @@ def _number(value: Any) -> float | None:
 
 def rates(doc: dict[str, Any], round_: int | None = None) -> dict[str, float]:
     """``rate/<machine>``: samples/s of each machine while it trained (:func:`worker_stats`), over
-    the round ``round_``'s attempts, or the whole run's."""
+    the round ``round_``'s attempts, or the whole run's. An asynchronous run's round r is the
+    updates that made its versions rS+1 .. (r+1)S (S shards), as its round record counts them."""
     if round_ is not None:
-        attempts = [a for a in doc.get("attempts") or []
-                    if (label := parse_label(a.get("task", ""))) is not None and label.round == round_]
-        doc = {**doc, "attempts": attempts}
+        shards = int(options_json(doc.get("spec") or {}).get("shards") or 1)
+        updates = {int(u["update"]) for u in doc.get("updates") or []
+                   if round_ * shards < int(u.get("version", 0)) <= (round_ + 1) * shards}
+
+        def of_round(task: str) -> bool:
+            label = parse_label(task)
+            if label is None:
+                return False
+            return label.round == round_ if label.update is None else label.update in updates
+        doc = {**doc, "attempts": [a for a in doc.get("attempts") or [] if of_round(a.get("task", ""))]}
     return {metric_name(f"rate/{s['worker']}"): float(s["samples_per_s"])
             for s in worker_stats(doc) if s.get("samples_per_s")}
 

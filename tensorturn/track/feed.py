@@ -4,14 +4,17 @@ not logged yet (each round, member and end once); :class:`Tracking` is the launc
 :func:`track_run` logs a run afterwards (``tensorturn track RUN``), following it first when it
 still runs.
 
-A tracker that fails while a run trains is dropped with one warning line: the run is worth more
+A tracker that fails while a run trains — starting included: it opens its files and database in
+its ``start``, inside the feed's guard — is dropped with one warning line: the run is worth more
 than its log, and ``tensorturn track RUN --to ...`` logs it again later, once (what the tracker
-holds is skipped)."""
+holds is skipped). What can be checked before a run starts is: the library installed
+(:func:`check`), the folder writable (:func:`check_dir`)."""
 
 from __future__ import annotations
 
 import importlib.util
 import logging
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -49,6 +52,21 @@ def check(names: tuple[str, ...] | list[str]) -> None:
                             f"pip install 'tensorturn[{extra}]'")
 
 
+def check_dir(track_dir: Path) -> None:
+    """SpecError, before anything starts, when ``track_dir`` cannot be a folder trackers write
+    in: it is a file, or it (or the folder it would be made in) cannot be written."""
+    path = Path(track_dir).expanduser()
+    if path.exists() and not path.is_dir():
+        raise SpecError(f"--track-dir {track_dir} is a file, not a folder: name a folder the trackers may write in")
+    where = path
+    while not where.exists():  # made when the first tracker starts: its first existing parent decides
+        where = where.parent
+    if not where.is_dir():
+        raise SpecError(f"--track-dir {track_dir} cannot be made: {where} is a file, not a folder")
+    if not os.access(where, os.W_OK | os.X_OK):
+        raise SpecError(f"--track-dir {track_dir} cannot be written here: {where} is not writable by this user")
+
+
 def absent(module: str) -> bool:
     """Whether ``module`` cannot be imported here (found without importing it: MLflow takes seconds)."""
     try:
@@ -57,9 +75,29 @@ def absent(module: str) -> bool:
         return True
 
 
+def opened(names: tuple[str, ...] | list[str], track_dir: Path, say: Say, run_id: str = "RUN") -> list[Tracker]:
+    """The trackers of ``names`` under ``track_dir``: one that cannot even be made is left out
+    with its one warning line (:func:`stopped`), as one that fails later is."""
+    out = []
+    for name in dict.fromkeys(names):
+        try:
+            out.append(open_tracker(name, track_dir))
+        except Exception as exc:  # noqa: BLE001 - a tracker's failure must not stop the run it logs
+            say(stopped(name, exc, run_id))
+    return out
+
+
+def stopped(name: str, exc: BaseException, run_id: str = "RUN") -> str:
+    """The one warning line of a tracker dropped for ``exc``: the run goes on, and how to log it later."""
+    why = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]  # one line, whatever it says
+    return (f"warning: --track {name} stopped logging: {config.mask_text(why)} (the run goes on; "
+            f"`tensorturn track {run_id} --to {name}` logs it later)")
+
+
 def open_tracker(name: str, track_dir: Path) -> Tracker:
     """A tracker of backend ``name`` writing under ``track_dir`` (unless its own settings, such as
-    MLFLOW_TRACKING_URI or a W&B login, send it elsewhere)."""
+    MLFLOW_TRACKING_URI or a W&B login, send it elsewhere). Nothing is written or opened until
+    its ``start``."""
     if name == "mlflow":
         from tensorturn.track.to_mlflow import MlflowTracker
 
@@ -127,11 +165,9 @@ class Feed:
         try:
             call(tracker)
         except Exception as exc:  # noqa: BLE001 - a tracker's failure must not stop the run it logs
+            # any exception: a tracking library raises its own (sqlite3, alembic, OSError...)
             self.trackers.remove(tracker)
-            why = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]  # one line, whatever it says
-            run = (self.last or {}).get("run_id", "RUN")
-            self.say(f"warning: --track {tracker.name} stopped logging: {config.mask_text(why)} (the run "
-                     f"goes on; `tensorturn track {run} --to {tracker.name}` logs it later)")
+            self.say(stopped(tracker.name, exc, (self.last or {}).get("run_id", "RUN")))
 
 
 class Tracking:
@@ -141,6 +177,7 @@ class Tracking:
 
     def __init__(self, inner: "Observer", names: tuple[str, ...] | list[str], track_dir: Path):
         check(names)
+        check_dir(track_dir)
         self.inner, self.names, self.track_dir = inner, tuple(dict.fromkeys(names)), track_dir
         self.feed: Feed | None = None
         self.feeds: list[Feed] = []
@@ -150,7 +187,10 @@ class Tracking:
 
     def watch(self, doc: dict[str, Any]) -> "Update | None":
         update = self.inner.watch(doc)
-        self.feed = feed = Feed([open_tracker(n, self.track_dir) for n in self.names], self.inner.say)
+        # each tracker starts (opens its files, its database) inside the feed's guard: one that
+        # cannot start is dropped with its warning line, and the run is followed all the same
+        self.feed = feed = Feed(opened(self.names, self.track_dir, self.inner.say, doc["run_id"]),
+                                self.inner.say)
         self.feeds.append(feed)
         feed(doc)
         for line in feed.summary():
@@ -186,6 +226,7 @@ def track_run(run_id: str, names: tuple[str, ...] | list[str], track_dir: Path, 
     from tensorturn.runs.records import describe
 
     check(names)
+    check_dir(track_dir)
     observer = observer or Quiet()
     doc = describe(run_id, broker, store)
     if doc.get("state") not in FINISHED:
@@ -195,7 +236,15 @@ def track_run(run_id: str, names: tuple[str, ...] | list[str], track_dir: Path, 
         tracking = Tracking(observer, names, track_dir)
         follow_on_pool(broker, run_id, timeout_s, tracking)
         return tracking.feeds[-1].summary()
-    feed = Feed([open_tracker(n, track_dir) for n in dict.fromkeys(names)], observer.say)
+    return log_ended(doc, names, track_dir, observer.say)
+
+
+def log_ended(doc: dict[str, Any], names: tuple[str, ...] | list[str], track_dir: Path,
+              say: Say | None = None) -> list[dict[str, Any]]:
+    """Log an ended run's description ``doc`` (what it recorded, then its end) to the trackers
+    ``names`` — what each already holds is not logged again. Where each logged, and what it holds."""
+    say = say or (lambda line: log.warning(line))
+    feed = Feed(opened(names, track_dir, say, doc["run_id"]), say)
     feed(doc)
     feed.end(doc)
     return feed.summary()

@@ -14,6 +14,7 @@ import logging
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from tensorturn import config
 from tensorturn.track.base import Final, Logged
@@ -28,26 +29,28 @@ class MlflowTracker:
     def __init__(self, track_dir: Path):
         import os
 
-        from mlflow import MlflowClient
-
-        # MLflow's schema migrations log a line each at INFO; the run's lines matter more
-        logging.getLogger("alembic").setLevel(logging.WARNING)
-        logging.getLogger("mlflow.store.db.utils").setLevel(logging.WARNING)
-        track_dir = track_dir.resolve()
-        self.uri = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{track_dir / 'mlflow.db'}"
-        self.artifacts = (track_dir / "mlruns").as_uri()
+        # nothing here touches the disk or the database: that is start()'s, which the feed
+        # guards (a tracker that cannot start is dropped with a warning, the run goes on)
+        self.track_dir = track_dir.resolve()
+        self.uri = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{self.track_dir / 'mlflow.db'}"
+        self.artifacts = (self.track_dir / "mlruns").as_uri()
         self.experiment = os.environ.get("MLFLOW_EXPERIMENT_NAME") or "tensorturn"
-        if self.uri.startswith("sqlite:///"):
-            track_dir.mkdir(parents=True, exist_ok=True)
-        self.client = MlflowClient(tracking_uri=self.uri)
+        self.client: Any = None
         self.run_id = ""
 
     def where(self) -> str:
         return f"{config.mask_url(self.uri)}, experiment {self.experiment}, MLflow run {self.run_id}"
 
     def start(self, run_id: str, params: dict[str, str]) -> Logged:
+        from mlflow import MlflowClient
         from mlflow.entities import Param
 
+        # MLflow's schema migrations log a line each at INFO; the run's lines matter more
+        logging.getLogger("alembic").setLevel(logging.WARNING)
+        logging.getLogger("mlflow.store.db.utils").setLevel(logging.WARNING)
+        if self.uri.startswith("sqlite:///"):
+            self.track_dir.mkdir(parents=True, exist_ok=True)
+        self.client = MlflowClient(tracking_uri=self.uri)
         found = self.client.get_experiment_by_name(self.experiment)
         experiment_id = (found.experiment_id if found is not None else
                          self.client.create_experiment(self.experiment, artifact_location=self.artifacts

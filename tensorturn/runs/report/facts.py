@@ -32,7 +32,9 @@ def task_samples(doc: dict[str, Any]) -> dict[str, int]:
     """Samples trained by each task of the run, by task name (``r3/shard-2``, ``m1/seg-0``).
 
     Fused: a round's samples divided by its shard count (every shard takes H full batches), or
-    H × batch size for a round not recorded yet. Ensemble: segment steps × batch size.
+    H × batch size for a round not recorded yet; an asynchronous run's update ``u<j>`` (and its
+    backup copy) the samples its applied record holds, or H × batch size before it is applied.
+    Ensemble: segment steps × batch size.
     """
     spec = doc.get("spec") or {}
     tasks = {a["task"] for a in doc.get("attempts", [])}
@@ -43,8 +45,18 @@ def task_samples(doc: dict[str, Any]) -> dict[str, int]:
         shards = int(options.get("shards") or 1)
         per_round = {int(r["round"]): int(r["samples"]) // shards
                      for r in doc.get("rounds", []) if r.get("samples") is not None}
+        per_update = {int(u["update"]): int(u["samples"])
+                      for u in doc.get("updates") or [] if u.get("samples") is not None}
         for task in tasks:
             label = parse_label(task)
+            if label is not None and label.kind in ("update", "update_backup") and label.update is not None:
+                if label.update in per_update:
+                    out[task] = per_update[label.update]
+                else:
+                    batch = batch or _batch_size(doc)
+                    if batch:
+                        out[task] = int(options.get("sync_every") or 0) * batch
+                continue
             if label is None or label.kind != "shard" or label.round is None:
                 continue
             r = label.round
@@ -65,8 +77,8 @@ def task_samples(doc: dict[str, Any]) -> dict[str, int]:
 
 
 def worker_stats(doc: dict[str, Any]) -> list[dict[str, Any]]:
-    """Per worker, from its successful training attempts (shards, segments): tasks, samples,
-    seconds busy, samples/s.
+    """Per worker, from its successful training attempts (shards, an asynchronous run's updates,
+    segments): tasks, samples, seconds busy, samples/s.
 
     Sorted by worker name. ``samples_per_s`` is the worker's rate while it trained (samples over
     the summed durations of its tasks), so idle time between tasks does not lower it.
@@ -77,7 +89,7 @@ def worker_stats(doc: dict[str, Any]) -> list[dict[str, Any]]:
         if a.get("outcome") != Outcome.SUCCEEDED or a.get("finished_at") is None:
             continue
         label = parse_label(a["task"])
-        if label is None or label.kind not in ("shard", "segment"):
+        if label is None or label.kind not in ("shard", "update", "update_backup", "segment"):
             continue
         w = acc[a.get("worker") or "?"]
         w["tasks"] += 1
