@@ -99,3 +99,29 @@ def test_an_embedded_run_interrupted_before_it_is_queued_says_so_and_exits_130(t
     assert proc.stderr.splitlines()[-1].startswith("error: interrupted before run ")
     assert proc.stderr.splitlines()[-1].endswith(" was queued; nothing to resume")
     assert "Traceback" not in proc.stderr and proc.stdout == ""
+
+
+@pytest.mark.e2e
+def test_an_embedded_run_whose_following_fails_is_cancelled_and_kept_before_the_pool_stops(tmp_path, monkeypatch):
+    """Following the run failed (here its observer raises — a tracker, a display): the run is
+    cancelled as `tensorturn cancel` would and its manifest saved before the embedded pool and
+    its Redis go, so `tensorturn resume` continues it from the store."""
+    from tensorturn.spec import RunSpec
+    from tensorturn.state.manifest import read_manifest
+    from tensorturn.store.objects import open_store
+
+    class Failing(launch.Quiet):
+        def watch(self, doc):
+            def update(_doc):
+                raise RuntimeError("the display broke")
+            return update
+
+    monkeypatch.chdir(tmp_path)
+    spec = RunSpec.create("fused", "digits-mlp", (tmp_path / "store").as_uri(), rounds=50)
+    said = []
+    observer = Failing()
+    observer.say = said.append
+    with pytest.raises(RuntimeError, match="the display broke"):
+        launch.launch_run(spec, None, 1, observer=observer)
+    assert read_manifest(open_store(spec.store_url), spec.run_id)["state"] == "cancelled"
+    assert said[-1].startswith(f"run {spec.run_id} cancelled"), said

@@ -157,7 +157,6 @@ def embedded(stages: list[Stage], store_url: str, local_workers: int, timeout_s:
     machine's pool key (made on first use, ``.tensorturn/pool-key``)."""
     from tensorturn import trust
     from tensorturn.pool.embedded import LocalPool, logs_dir
-    from tensorturn.runs.control import cancel
     from tensorturn.state.board import RunBoard
     from tensorturn.state.broker import check_broker
     from tensorturn.state.manifest import write_manifest
@@ -182,16 +181,11 @@ def embedded(stages: list[Stage], store_url: str, local_workers: int, timeout_s:
                 try:
                     start(pool.broker_url, observer.say)
                     doc = follow(pool.broker_url, run_id, timeout_s, observer)
-                except KeyboardInterrupt:
-                    queued = board.exists(run_id)
-                    if queued:  # cancelled as `tensorturn cancel` would, then the pool stops
-                        try:
-                            _, what = cancel(run_id, pool.broker_url, store_url,
-                                             by="interrupting its `tensorturn run` (embedded pool)",
-                                             wait_s=10.0)
-                            observer.say(what)
-                        except TensorTurnError:  # it finished just now: nothing to cancel
-                            write_manifest(open_store(store_url), board, run_id)
+                except BaseException as exc:  # interrupted, or following failed (a tracker, a bug)
+                    why = ("interrupting its `tensorturn run`" if isinstance(exc, KeyboardInterrupt)
+                           else f"an error following it ({type(exc).__name__})")
+                    queued = stop_run(run_id, pool.broker_url, store_url, board, f"{why} (embedded pool)",
+                                      observer.say)
                     raise
                 if doc["state"] not in FINISHED:
                     board.fail(run_id, f"did not finish within --timeout {timeout_s}s; "
@@ -210,6 +204,27 @@ def embedded(stages: list[Stage], store_url: str, local_workers: int, timeout_s:
         raise Interrupted(f"interrupted before run {run_id} was queued; nothing to resume",
                           stopped=True) from None
     return docs
+
+
+def stop_run(run_id: str, broker_url: str, store_url: str, board: Any, by: str, say: Say) -> bool:
+    """Before an embedded pool stops early: cancel its run as ``tensorturn cancel`` would, or, if
+    it just finished, save its manifest — so the store holds its final state once the pool's
+    Redis is gone. Whether the run was queued at all."""
+    from tensorturn.runs.control import cancel
+    from tensorturn.state.manifest import write_manifest
+    from tensorturn.store.objects import open_store
+
+    try:
+        if not board.exists(run_id):
+            return False
+        try:
+            _, what = cancel(run_id, broker_url, store_url, by=by, wait_s=10.0)
+            say(what)
+        except TensorTurnError:  # it finished just now: nothing to cancel
+            write_manifest(open_store(store_url), board, run_id)
+    except TensorTurnError as exc:  # the broker or store failed too: the pool stops all the same
+        say(f"run {run_id} could not be cancelled before the pool stopped: {exc}")
+    return True
 
 
 def submitting(spec: RunSpec, allow: Collection[str] = ()) -> Stage:
