@@ -152,6 +152,36 @@ def test_custom_data_file_and_options(tmp_path):
         resolve("charlm", {"n_embd": 30, "n_head": 4})
 
 
+def test_a_fixed_vocabulary_builds_the_model_without_the_text(tmp_path):
+    """``vocabulary`` (what an exported folder loads with): the model, its input check and its
+    input shape need no text; a text with a character outside it is refused in one line."""
+    (tmp_path / "small.txt").write_text(SMALL_TEXT, encoding="utf-8")
+    from_text = resolve("charlm", {"data": str(tmp_path / "small.txt"), "context": 16})
+    vocabulary = from_text.standalone_options()["vocabulary"]
+    assert vocabulary == sorted(set(SMALL_TEXT))
+    fixed = resolve("charlm", {"data": str(tmp_path / "gone.txt"), "context": 16, "vocabulary": vocabulary})
+    assert fixed.vocab() == vocabulary and fixed.input_shape() == [16]
+    assert fixed.model(fixed.default_config()).tok.weight.shape[0] == len(vocabulary)
+    assert fixed.check_input(torch.tensor([[len(vocabulary)]]).numpy()) is not None
+    assert resolve("charlm", {"vocabulary": "".join(vocabulary)}).vocab() == vocabulary  # a string too
+    short = resolve("charlm", {"data": str(tmp_path / "small.txt"), "vocabulary": "abc"})
+    with pytest.raises(ValueError, match="not in the vocabulary"):
+        short.raw_data()
+    for bad in ("", ["ab"], "aa", 3):
+        with pytest.raises(RecipeError, match="vocabulary"):
+            resolve("charlm", {"vocabulary": bad})
+    assert resolve("gpt2-small", {"n_layer": 1}).standalone_options() == {}  # 256 bytes: nothing to carry
+    student = {"teacher": "20990101-000000-abcdef", "recipe": "charlm",
+               "recipe_options": {"data": str(tmp_path / "small.txt"), "context": 16}}
+    carried = resolve("distill", student).standalone_options()
+    assert carried == {"recipe_options": {**student["recipe_options"], "vocabulary": vocabulary}}
+    (tmp_path / "small.txt").unlink()
+    for cache in (charlm.load_text, charlm._vocab, charlm._ids):  # what was read of it is gone too
+        cache.cache_clear()
+    rebuilt = resolve("distill", {**student, **carried})  # as an exported student loads
+    assert rebuilt.model(from_text.default_config()).tok.weight.shape[0] == len(vocabulary)
+
+
 @pytest.mark.e2e
 @pytest.mark.parametrize("codec, ratio, down, down_ratio", [("int8", 3.5, None, 3.5), ("int4", 6.0, None, 6.0),
                                                            ("ternary", 12.0, "int4", 6.0)])

@@ -4,9 +4,11 @@ its ONNX graph and GPT-2 folder load in onnxruntime and transformers with the sa
 from __future__ import annotations
 
 import csv
+import errno
 import json
 import shutil
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -18,11 +20,14 @@ from sklearn.datasets import load_digits
 import tensorturn.export
 from tensorturn import layout
 from tensorturn.errors import SpecError, TensorTurnError
+from tensorturn.recipes import charlm
 from tensorturn.store.objects import open_store
 from tensorturn.trust import UntrustedError
 
-TINY_LM = ("--recipe", "charlm", "--recipe-option", "n_layer=1", "--recipe-option", "context=16",
-           "--rounds", "1", "--sync-every", "2", "--shards", "2", "--local-workers", "1")
+# over a text at a relative path, as a user names it: the folder must load where it is not
+TINY_LM = ("--recipe", "charlm", "--recipe-option", "data=lm.txt", "--recipe-option", "n_layer=1",
+           "--recipe-option", "context=16", "--rounds", "1", "--sync-every", "2", "--shards", "2",
+           "--local-workers", "1")
 
 
 @pytest.fixture(scope="module")
@@ -31,6 +36,7 @@ def runs(tmp_path_factory):
     store of its own, a tabular run over a pushed table (a regression); an API token."""
     work = tmp_path_factory.mktemp("export")
     store, table_store = str(work / "store"), str(work / "tables")
+    (work / "lm.txt").write_text(Path(charlm.__file__).read_text(encoding="utf-8"), encoding="utf-8")
     table = work / "houses.csv"
     rng = np.random.default_rng(0)
     with open(table, "w", newline="") as f:
@@ -57,14 +63,18 @@ def runs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def folders(runs):
-    """Each run exported (in this process: the command is thin and torch is loaded here)."""
+    """Each run exported (in this process: the command is thin and torch is loaded here), from
+    the folder the runs ran in (where the language model's text is)."""
     out = runs["work"] / "exported"
     wanted = {"fused": ("--format", "onnx"), "ensemble": ("--format", "onnx"),
               "lm": ("--format", "transformers", "--format", "onnx"), "tabular": ()}
     done = {}
-    for name, flags in wanted.items():
-        store = runs["table_store"] if name == "tabular" else runs["store"]
-        done[name] = tt_here_json("export", runs[name]["run_id"], str(out / name), *flags, "--store", store, "--json")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(runs["work"])
+        for name, flags in wanted.items():
+            store = runs["table_store"] if name == "tabular" else runs["store"]
+            done[name] = tt_here_json("export", runs[name]["run_id"], str(out / name), *flags, "--store", store,
+                                      "--json")
     return done
 
 
@@ -165,8 +175,6 @@ def test_charlm_exports_as_a_gpt2_folder_transformers_loads(runs, folders):
 def test_a_pushed_datasets_model_loads_without_its_store(runs, folders):
     """tabular's preprocessing reads the dataset's statistics: the folder carries its index, so
     the model predicts with the store gone, exactly as it served from the store."""
-    from pathlib import Path
-
     from tensorturn import config as settings
     from tensorturn.recipes.result import load_result
 
@@ -186,6 +194,125 @@ def test_a_pushed_datasets_model_loads_without_its_store(runs, folders):
         assert np.array_equal(model.predict(rows)["prediction"], served.combined[..., 0])
     finally:
         shutil.move(moved, runs["table_store"])
+
+
+def forget_texts_read() -> None:
+    """charlm keeps the texts it read by path for the process: as a new process on another
+    machine, nothing read here before counts."""
+    for cache in (charlm.load_text, charlm._vocab, charlm._ids):
+        cache.cache_clear()
+
+
+def test_a_language_model_loads_anywhere_without_its_text(runs, folders, tmp_path, monkeypatch):
+    """charlm's vocabulary is its text's characters: the folder carries it, so the model loads in
+    another folder with no text there (nor, for the built-in corpus, the run's Python) and
+    predicts what the run's model serves."""
+    from tensorturn.recipes.result import load_result
+
+    folder = runs["work"] / "exported" / "lm"
+    config = json.loads((folder / "config.json").read_text())
+    text = (runs["work"] / "lm.txt").read_text(encoding="utf-8")
+    assert config["vocabulary"] == sorted(set(text))
+    assert config["recipe"]["standalone_options"] == {"vocabulary": config["vocabulary"]}
+    rows = np.random.default_rng(3).integers(0, len(config["vocabulary"]), (5, 16)).astype(np.float32)
+    monkeypatch.chdir(runs["work"])  # the model as the store serves it, where its text is
+    served = load_result(open_store(Path(runs["store"]).as_uri()), runs["lm"]["run_id"])[0].serve_rows(rows)
+    moved = tmp_path / "elsewhere" / "lm"
+    shutil.copytree(folder, moved)
+    monkeypatch.chdir(tmp_path)
+    forget_texts_read()
+    model = tensorturn.export.load(moved)
+    assert np.array_equal(model.predict(rows)["probabilities"], served.combined)
+    assert model.recipe.vocab() == config["vocabulary"] and not (tmp_path / "lm.txt").exists()
+
+
+def test_export_reads_a_relative_data_path_from_the_current_folder(runs, folders, tmp_path, monkeypatch):
+    """Where the run's text is not at the path its options name, export says so in one line and
+    writes nothing; where it is, export works from any folder."""
+    lm, store = runs["lm"]["run_id"], runs["store"]
+    monkeypatch.chdir(tmp_path)
+    forget_texts_read()
+    proc = tt_here("export", lm, str(tmp_path / "lm"), "--store", store)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "No such file or directory: lm.txt" in proc.stderr and "export where the run's data is" in proc.stderr
+    assert list(tmp_path.iterdir()) == []
+    shutil.copy(runs["work"] / "lm.txt", tmp_path / "lm.txt")
+    tt_here_json("export", lm, str(tmp_path / "lm"), "--store", store, "--json")
+    exported = json.loads((tmp_path / "lm" / "config.json").read_text())
+    assert exported["recipe"]["standalone_options"] == folders_config(runs, "lm")["recipe"]["standalone_options"]
+
+
+def folders_config(runs, name):
+    return json.loads((runs["work"] / "exported" / name / "config.json").read_text())
+
+
+def test_config_and_card_hold_no_secret_of_the_run(runs, folders):
+    """What is written for people is ``config.public``: a secret-named option's value is ***, a URL's
+    password masked, the rest exact; a model file whose own options hold a secret is not exported."""
+    from tensorturn.export.folder import check_no_secret, describe, texts
+    from tensorturn.state.manifest import read_manifest
+    from tensorturn.store.tensors import metadata_of
+
+    manifest = read_manifest(open_store(Path(runs["store"]).as_uri()), runs["fused"]["run_id"])
+    url = "s3://AKIAEXAMPLE:pw-SECRET-1@minio.local:9000/bucket?X-Amz-Signature=SECRET-3"
+    options = {"api_token": "tok-SECRET-2", "source": url, "hidden": [256], "data": "notes.txt"}
+    manifest["spec"].update(store_url=url, recipe_options=options,
+                            run_config={**manifest["spec"]["run_config"], "store": url, "recipe_options": options})
+    model = tensorturn.export.load(runs["work"] / "exported" / "fused")
+    data = (runs["work"] / "exported" / "fused" / "model.safetensors").read_bytes()
+    doc = describe(model.predictor, manifest, metadata_of(data), None)
+    written = texts(doc, manifest)
+    for name, text in written.items():
+        assert "SECRET" not in text and "pw-" not in text, name
+    assert doc["recipe"]["options"] == {"api_token": "***", "hidden": [256], "data": "notes.txt",
+                                        "source": "s3://AKIAEXAMPLE:***@minio.local:9000/bucket?X-Amz-Signature=***"}
+    assert '"api_token": "***"' in written["README.md"] and "`notes.txt`" in written["README.md"]
+    with pytest.raises(SpecError, match=r"option 'api_token' holds a secret") as refused:
+        check_no_secret({"recipe_options": json.dumps({"api_token": "tok-SECRET-2", "n_layer": 1})}, "r")
+    assert "SECRET" not in str(refused.value)
+    with pytest.raises(SpecError, match=r"option 'source' holds a secret"):
+        check_no_secret({"recipe_options": json.dumps({"source": url})}, "r")
+    check_no_secret(metadata_of(data), "r")  # digits-mlp's: nothing secret
+
+
+def test_the_card_describes_the_kept_round(runs, folders):
+    """The card's figures are those of the round whose weights were exported: the last, or with
+    ``--keep best`` an earlier one (``metrics.kept_round``)."""
+    from tensorturn.export import card
+    from tensorturn.state.manifest import read_manifest
+
+    manifest = read_manifest(open_store(Path(runs["store"]).as_uri()), runs["fused"]["run_id"])
+    first, last = manifest["rounds"]
+    assert manifest["metrics"]["kept_round"] == 1
+    written = (runs["work"] / "exported" / "fused" / "README.md").read_text()
+    assert f"Round 1, the last, is the exported model: train loss {last['loss']:.4g}" in written
+    best = {**manifest, "metrics": {**manifest["metrics"], "kept_round": 0}}  # as --keep best records it
+    text = card.model_card(folders_config(runs, "fused"), best)
+    assert (f"Round 0, kept by `--keep best` (lowest validation loss; the run's last was round 1), is the "
+            f"exported model: train loss {first['loss']:.4g}, validation loss {first['val_loss']:.4g}") in text
+    assert f"train loss {last['loss']:.4g}" not in text
+
+
+def test_export_into_a_folder_it_cannot_write_is_one_line_and_leaves_nothing(runs, folders, tmp_path, monkeypatch):
+    store, fused = runs["store"], runs["fused"]["run_id"]
+    (tmp_path / "a-file").write_text("mine")
+    proc = tt_here("export", fused, str(tmp_path / "a-file" / "sub" / "model"), "--store", store)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "cannot write" in proc.stderr and "Not a directory" in proc.stderr and "Traceback" not in proc.stderr
+    assert [p.name for p in tmp_path.iterdir()] == ["a-file"] and (tmp_path / "a-file").read_text() == "mine"
+    # the disk fills while the folder is written: its temporary folder and the parents made for it go
+    write_text = Path.write_text
+
+    def disk_full(self, *args, **kwargs):
+        if self.name == "README.md":
+            raise OSError(errno.ENOSPC, "No space left on device", str(self))
+        return write_text(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", disk_full)
+    proc = tt_here("export", fused, str(tmp_path / "new" / "deeper" / "model"), "--store", store)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "No space left on device" in proc.stderr and "nothing was written" in proc.stderr
+    assert [p.name for p in tmp_path.iterdir()] == ["a-file"]
 
 
 def test_export_refuses_what_it_cannot_write_in_one_line_and_writes_nothing(runs, folders, tmp_path):

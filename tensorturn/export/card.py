@@ -67,6 +67,17 @@ def training(manifest: dict[str, Any]) -> list[tuple[str, str]]:
     return rows
 
 
+def kept_round(manifest: dict[str, Any]) -> dict[str, Any] | None:
+    """The record of the round whose weights the run kept (``metrics.kept_round``: the last, or
+    with ``--keep best`` the one of lowest validation loss), or None (an ensemble has no rounds);
+    a run that recorded no kept round kept its last."""
+    rounds = manifest.get("rounds") or []
+    kept = (manifest.get("metrics") or {}).get("kept_round")
+    if kept is None:
+        return rounds[-1] if rounds else None
+    return next((r for r in rounds if r.get("round") == kept), None)
+
+
 def model_card(doc: dict[str, Any], manifest: dict[str, Any]) -> str:
     """The card's Markdown for ``config.json``'s ``doc`` and the run's ``manifest``."""
     lineage, recipe = doc["lineage"], doc["recipe"]
@@ -95,12 +106,16 @@ def model_card(doc: dict[str, Any], manifest: dict[str, Any]) -> str:
         lines += [f"| {k} | {_number(v)} |" for k, v in sorted(metrics.items())]
     else:
         lines.append("The run recorded no metrics.")
-    rounds = manifest.get("rounds") or []
-    if rounds:
-        last = rounds[-1]
-        lines += ["", f"Last round ({last.get('round')}): train loss {_number(last.get('loss'))}, "
-                      f"validation loss {_number(last.get('val_loss'))}, validation accuracy "
-                      f"{_number(last.get('val_accuracy'))}."]
+    kept = kept_round(manifest)
+    if kept is not None:
+        rounds = manifest.get("rounds") or []
+        last = rounds[-1].get("round")
+        which = (f"Round {kept.get('round')}, the last," if kept.get("round") == last else
+                 f"Round {kept.get('round')}, kept by `--keep best` (lowest validation loss; the run's "
+                 f"last was round {last}),")
+        lines += ["", f"{which} is the exported model: train loss {_number(kept.get('loss'))}, "
+                      f"validation loss {_number(kept.get('val_loss'))}, validation accuracy "
+                      f"{_number(kept.get('val_accuracy'))}."]
     lines += ["", "## Data", ""]
     data = lineage["data"]
     if "dataset" in data:

@@ -17,7 +17,7 @@ import logging
 import shutil
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,8 +25,8 @@ from typing import Any
 import numpy as np
 
 from tensorturn import layout
-from tensorturn.config import mask_url
-from tensorturn.errors import NotFound, SpecError
+from tensorturn.config import mask_url, public
+from tensorturn.errors import NotFound, RecipeError, SpecError, TensorTurnError
 from tensorturn.export import card
 from tensorturn.export.loaded import (
     CARD_FILE,
@@ -36,6 +36,7 @@ from tensorturn.export.loaded import (
     MODEL_FILE,
     ONNX_FILE,
     TRANSFORMERS_DIR,
+    rebuilt,
 )
 from tensorturn.recipes.answer import served_outputs
 from tensorturn.recipes.result import Predictor, result_bytes
@@ -105,13 +106,65 @@ def export_run(store: Store, run_id: str, dest: str | Path, formats: Sequence[st
     that did not succeed, a ``dest`` that is not empty, or a format the model does not map to."""
     dest = Path(dest).expanduser()
     wanted = check_formats(formats)
-    check_destination(dest)
+    _writing(dest, lambda: check_destination(dest))
     finished_manifest(store, run_id)
     data, manifest = result_bytes(store, run_id)  # verified: signed manifest, sha256, recipe allowed
-    predictor = Predictor.from_bytes(data)
+    check_no_secret(metadata_of(data), run_id)
+    hint = ("a relative path is read from the current folder: export where the run's data is "
+            "at the path its options name")
+    predictor = rebuilt(data, hint=hint)
     dataset = _dataset_index(store, manifest)
-    doc = describe(predictor, manifest, metadata_of(data), dataset)
+    try:
+        doc = describe(predictor, manifest, metadata_of(data), dataset)
+    except OSError as exc:  # the recipe read its data again (a vocabulary, an input shape)
+        raise RecipeError(f"recipe {manifest['recipe']!r} cannot describe its model here "
+                          f"({_said(exc)}, from {Path.cwd()}); {hint}") from None
+    _writing(dest, lambda: _write_folder(dest, data, dataset, wanted, predictor, doc, manifest))
+    files = {str(p.relative_to(dest)): p.stat().st_size for p in sorted(dest.rglob("*")) if p.is_file()}
+    return ExportResult(str(dest), run_id, manifest["mode"], manifest["recipe"], manifest["model_sha256"],
+                        wanted, files)
 
+
+def _said(exc: OSError) -> str:
+    return f"{exc.strerror}: {exc.filename}" if exc.strerror and exc.filename else str(exc)
+
+
+def _writing(dest: Path, write: Callable[[], None]) -> None:
+    """``write()``, where a folder that cannot be made or written (under a file, no permission,
+    a full disk) is one line, with nothing left behind: the temporary folder is gone (its
+    writer removes it) and so are the parents made for ``dest``."""
+    made = []
+    for parent in dest.parents:  # the parents that do not exist yet, deepest first
+        if parent.exists() or parent.is_symlink():
+            break
+        made.append(parent)
+    try:
+        write()
+    except OSError as exc:
+        for parent in made:
+            try:
+                parent.rmdir()
+            except OSError:
+                break
+        raise TensorTurnError(f"cannot write {dest}: {_said(exc)}; nothing was written") from None
+
+
+def check_no_secret(file_meta: dict[str, str], run_id: str) -> None:
+    """SpecError when the model file's recipe options hold a secret: the file is copied byte for
+    byte and its options rebuild the recipe (they cannot be masked), so the secret would leave
+    the store with the folder."""
+    options = json.loads(file_meta.get("recipe_options") or "{}")
+    secret = sorted(k for k, v in options.items() if public({k: v}) != {k: v})
+    if secret:
+        raise SpecError(f"run {run_id}: recipe option {', '.join(map(repr, secret))} holds a secret (a "
+                        f"password, token or key), and the model file carries the options that rebuild "
+                        f"its recipe: export refused, nothing was written (pass secrets to a recipe by "
+                        f"environment, not as options)")
+
+
+def _write_folder(dest: Path, data: bytes, dataset: dict[str, Any] | None, wanted: list[str],
+                  predictor: Predictor, doc: dict[str, Any], manifest: dict[str, Any]) -> None:
+    """The folder, written under a temporary name beside ``dest`` and renamed into place."""
     dest.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
     try:
@@ -122,9 +175,8 @@ def export_run(store: Store, run_id: str, dest: str | Path, formats: Sequence[st
             index_file.write_text(json.dumps(dataset, sort_keys=True), encoding="utf-8")
         for fmt in wanted:
             doc["formats"][fmt] = _write_format(fmt, predictor, doc, work)
-        (work / CONFIG_FILE).write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-        (work / CARD_FILE).write_text(card.model_card(doc, manifest), encoding="utf-8")
-        files = {str(p.relative_to(work)): p.stat().st_size for p in sorted(work.rglob("*")) if p.is_file()}
+        for name, text in texts(doc, manifest).items():
+            (work / name).write_text(text, encoding="utf-8")
         check_destination(dest)  # still free: nothing another process wrote meanwhile is replaced
         if dest.is_dir():
             dest.rmdir()
@@ -132,8 +184,13 @@ def export_run(store: Store, run_id: str, dest: str | Path, formats: Sequence[st
     except BaseException:
         shutil.rmtree(work, ignore_errors=True)
         raise
-    return ExportResult(str(dest), run_id, manifest["mode"], manifest["recipe"], manifest["model_sha256"],
-                        wanted, files)
+
+
+def texts(doc: dict[str, Any], manifest: dict[str, Any]) -> dict[str, str]:
+    """``config.json`` and the model card, as written: for people and other machines, so what
+    the card quotes of the run's record is :func:`public` too (:func:`describe` made ``doc``)."""
+    return {CONFIG_FILE: json.dumps(doc, indent=2, sort_keys=True) + "\n",
+            CARD_FILE: card.model_card(doc, public(manifest))}
 
 
 def _write_format(fmt: str, predictor: Predictor, doc: dict[str, Any], work: Path) -> str:
@@ -158,8 +215,11 @@ def _dataset_index(store: Store, manifest: dict[str, Any]) -> dict[str, Any] | N
 
 def describe(predictor: Predictor, manifest: dict[str, Any], file_meta: dict[str, str],
              dataset: dict[str, Any] | None) -> dict[str, Any]:
-    """``config.json``: everything needed to rebuild and understand the model, no secret (the
-    store's URL is masked; the spec's signature is not copied)."""
+    """``config.json``: everything needed to rebuild and understand the model, no secret: what
+    is there for people (the recipe's and the run's options, lineage) is :func:`public` — every
+    string masked, secret-named values ``***`` — and what rebuilds the model with none of its data
+    (the recipe's :meth:`~tensorturn.recipes.Recipe.standalone_options`) is exact, so it must hold
+    no secret (SpecError). The spec's signature is not copied."""
     recipe = predictor.recipe
     spec = dict(manifest.get("spec") or {})
     input_shape = recipe.input_shape()
@@ -170,19 +230,24 @@ def describe(predictor: Predictor, manifest: dict[str, Any], file_meta: dict[str
         model: dict[str, Any] = {"kind": "single", "config": json.loads(file_meta["config"])}
     else:
         model = {"kind": "ensemble", "vote": predictor.vote, "members": predictor.members}
-    options = spec.get("recipe_options") or {}
+    options = public(spec.get("recipe_options") or {})
+    standalone = recipe.standalone_options()
+    if public(standalone) != standalone:
+        raise SpecError(f"run {manifest['run_id']}: recipe {manifest['recipe']!r} needs a secret to "
+                        f"rebuild its model: export refused, nothing was written")
     doc: dict[str, Any] = {
         "format": EXPORT_FORMAT,
         "model_file": MODEL_FILE,
         "model_sha256": manifest["model_sha256"],
-        "recipe": {"name": manifest["recipe"], "options": options},
+        "recipe": {"name": manifest["recipe"], "options": options,
+                   **({"standalone_options": standalone} if standalone else {})},
         "task": recipe.kind.name,
         "input": {"shape": input_shape, "datatype": recipe.input_dtype,
                   "preprocessing": "the recipe's preprocess (applied by predict and the API)"},
         "outputs": outputs,
         "classes": list(recipe.classes) if recipe.classes else None,
         "model": model,
-        "run": {k: v for k, v in spec.items() if k not in ("store_url", "run_id", "created_at")},
+        "run": public({k: v for k, v in spec.items() if k not in ("store_url", "run_id", "created_at")}),
         "metrics": manifest.get("metrics") or {},
         "lineage": {
             "run_id": manifest["run_id"],
@@ -190,9 +255,9 @@ def describe(predictor: Predictor, manifest: dict[str, Any], file_meta: dict[str
             "created_at": manifest.get("created_at"),
             "finished_at": manifest.get("finished_at"),
             "store": mask_url(spec.get("store_url")),
-            "data": data_version(options, dataset),
-            "parents": {k: v for k, v in (("init_from", (spec.get("options") or {}).get("init_from")),
-                                          ("teacher", options.get("teacher"))) if v},
+            "data": public(data_version(options, dataset)),
+            "parents": public({k: v for k, v in (("init_from", (spec.get("options") or {}).get("init_from")),
+                                                 ("teacher", options.get("teacher"))) if v}),
         },
         "formats": {},
         "exported_at": time.time(),

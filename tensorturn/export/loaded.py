@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 from torch import nn
 
-from tensorturn.errors import SpecError, TensorTurnError
+from tensorturn.errors import RecipeError, SpecError, TensorTurnError
 from tensorturn.recipes import Recipe
 from tensorturn.recipes.answer import served_outputs
 from tensorturn.recipes.result import Predictor
@@ -145,6 +145,31 @@ def load(path: str | Path, allow: Collection[str] = ()) -> ExportedModel:
     if named != doc["recipe"]["name"]:
         raise UntrustedError(f"{folder / MODEL_FILE} names recipe {named!r}, {CONFIG_FILE} "
                              f"{doc['recipe']['name']!r}; refused")
+    standalone = doc["recipe"].get("standalone_options") or {}
+    if not isinstance(standalone, dict):
+        raise TensorTurnError(f"{folder / CONFIG_FILE}: recipe.standalone_options is not an object")
     with dataset_store(folder, doc):
-        predictor = Predictor.from_bytes(data, allow)
+        predictor = rebuilt(data, allow, standalone,
+                            hint="this folder's recipe needs that data wherever it loads" if standalone
+                            or not doc.get("vocabulary") else "the folder was exported by a TensorTurn "
+                            "that did not save what rebuilds the model without its data: export the run again")
     return ExportedModel(folder, doc, predictor)
+
+
+def rebuilt(data: bytes, allow: Collection[str] = (), options: dict[str, Any] | None = None,
+            hint: str = "") -> Predictor:
+    """:meth:`Predictor.from_bytes`, where what the recipe cannot rebuild on this machine — a
+    file its model reads that is not here, a model of other shapes than the file's weights (its
+    data differs from the run's) — is one line (RecipeError) ending in ``hint``."""
+    name = metadata_of(data).get("recipe")
+    try:
+        return Predictor.from_bytes(data, allow, options)
+    except OSError as exc:
+        said = f"{exc.strerror}: {exc.filename}" if exc.strerror and exc.filename else str(exc)
+        raise RecipeError(f"recipe {name!r} cannot build its model here ({said}, from {Path.cwd()}); "
+                          f"{hint}") from None
+    except RuntimeError as exc:  # load_state_dict: "size mismatch for tok.weight: ..."
+        detail = next((line.strip() for line in str(exc).splitlines()[1:] if line.strip()),
+                      str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+        raise RecipeError(f"recipe {name!r} built here does not fit the model file ({detail}): the "
+                          f"recipe's data here is not the run's; {hint}") from None

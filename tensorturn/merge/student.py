@@ -82,6 +82,10 @@ class Distilled(Recipe):
         return f"T{self.temperature:.12g}-k{self.top_k}" + (f"-mix{self.mixup}" if self.mixup else "")
 
     # ---- the base recipe, unchanged ------------------------------------------------------------
+    def standalone_options(self) -> dict[str, Any]:
+        base = self.base.standalone_options()  # charlm's vocabulary: the student's too
+        return {"recipe_options": {**self.base_options, **base}} if base else {}
+
     def raw_data(self):
         return self.base.raw_data()
 

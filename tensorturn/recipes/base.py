@@ -107,6 +107,13 @@ class Recipe:
         the served model) builds the very same recipe: a pushed dataset's version, say."""
         return {}
 
+    def standalone_options(self) -> dict[str, Any]:
+        """Options that, given besides the run's, build this very recipe's model (and its
+        :meth:`check_input`) with none of its data at hand: what an exported folder is loaded
+        with on another machine (``charlm``: its vocabulary, otherwise read from its text).
+        Empty by default: a model that depends on the options alone needs nothing more."""
+        return {}
+
     def check_input(self, raw: Any) -> str | None:
         """What is wrong with served raw inputs (a numpy array), or None; the API answers 400."""
         return None

@@ -10,6 +10,10 @@ Options (``--recipe-option KEY=VALUE``):
 * ``context`` — characters per window (default 64).
 * ``n_layer``, ``n_head``, ``n_embd``, ``dropout`` — the model's size (default 2, 4, 128, 0.0);
   they set :meth:`CharLM.default_config`, the configuration a fused run trains.
+* ``vocabulary`` — the characters, in id order (a string or a list of characters), instead of
+  the text's: the model and its input check are then built without reading the text. An
+  exported folder loads with it (:meth:`CharLM.standalone_options`), so it needs no text file;
+  a text with a character outside it cannot be trained on.
 
 Data. The vocabulary is the sorted set of the text's characters. The text is split by position:
 the first 90 % is the training text, the next 5 % validation, the last 5 % test. Each part is cut
@@ -154,6 +158,9 @@ class ByteVocabulary:
     def vocab(self) -> list[str]:
         return [chr(i) for i in range(256)]
 
+    def standalone_options(self) -> dict[str, Any]:
+        return {}  # the 256 bytes, whatever the text: nothing to carry
+
     def encode(self, s: str) -> torch.Tensor:
         return torch.tensor(list(s.encode("utf-8")), dtype=torch.int64)
 
@@ -171,7 +178,8 @@ class CharLM(Recipe):
     input_dtype = "INT64"
 
     def __init__(self, data: str | None = None, context: int = 64, n_layer: int = 2,
-                 n_head: int = 4, n_embd: int = 128, dropout: float = 0.0):
+                 n_head: int = 4, n_embd: int = 128, dropout: float = 0.0,
+                 vocabulary: str | list[str] | None = None):
         for key, value in (("context", context), ("n_layer", n_layer), ("n_head", n_head),
                            ("n_embd", n_embd)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -181,6 +189,7 @@ class CharLM(Recipe):
         if not 0 <= float(dropout) < 1:
             raise ValueError(f"dropout must be in [0, 1) (got {dropout!r})")
         self.data = None if data is None else str(data)
+        self.vocabulary = None if vocabulary is None else _fixed_vocabulary(vocabulary)
         self.context = context
         self._config = {"n_layer": n_layer, "n_head": n_head, "n_embd": n_embd,
                         "dropout": float(dropout)}
@@ -191,10 +200,22 @@ class CharLM(Recipe):
         return load_text(self.data)
 
     def vocab(self) -> list[str]:
-        return _vocab(self.data)
+        return list(self.vocabulary) if self.vocabulary is not None else _vocab(self.data)
+
+    def standalone_options(self) -> dict[str, Any]:
+        """The vocabulary: without it the model's size is that of the text's character set,
+        which a machine without the text (or, for the built-in corpus, with another Python)
+        cannot rebuild."""
+        return {"vocabulary": self.vocab()}
+
+    def input_shape(self) -> list[int]:
+        return [self.context]  # a window of ids: known without reading the text
 
     def encode(self, s: str) -> torch.Tensor:
         index = {ch: i for i, ch in enumerate(self.vocab())}
+        unknown = next((ch for ch in s if ch not in index), None)
+        if unknown is not None:
+            raise ValueError(f"character {unknown!r} is not in the vocabulary")
         return torch.tensor([index[ch] for ch in s], dtype=torch.int64)
 
     def decode(self, ids) -> str:
@@ -203,7 +224,7 @@ class CharLM(Recipe):
 
     def raw_data(self):
         text = self.text()
-        ids = torch.tensor(_ids(self.data), dtype=torch.int64)
+        ids = torch.tensor(_ids(self.data), dtype=torch.int64) if self.vocabulary is None else self.encode(text)
         a, b = int(len(ids) * TRAIN_FRACTION), int(len(ids) * (TRAIN_FRACTION + VAL_FRACTION))
         x_train, y_train = windows(ids[:a], self.context)
         x_val, y_val = windows(ids[a:b], self.context, MAX_EVAL_WINDOWS)
@@ -255,6 +276,16 @@ class CharLM(Recipe):
             correct += int((logits.argmax(-1) == yb).sum())
             count += yb.numel()
         return {"accuracy": correct / max(count, 1), "loss": nll / max(count, 1)}
+
+
+def _fixed_vocabulary(vocabulary: Any) -> tuple[str, ...]:
+    """The ``vocabulary`` option as a tuple of distinct characters, or ValueError."""
+    chars = list(vocabulary) if isinstance(vocabulary, (str, list, tuple)) else None
+    if not chars or not all(isinstance(c, str) and len(c) == 1 for c in chars):
+        raise ValueError("vocabulary must be a non-empty string or list of single characters")
+    if len(set(chars)) != len(chars):
+        raise ValueError("vocabulary lists a character twice")
+    return tuple(chars)
 
 
 @lru_cache(maxsize=4)

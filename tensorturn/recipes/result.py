@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,14 +31,16 @@ class Predictor:
     members: list[dict]
 
     @classmethod
-    def from_bytes(cls, data: bytes, allow: Collection[str] = ()) -> "Predictor":
+    def from_bytes(cls, data: bytes, allow: Collection[str] = (),
+                   options: Mapping[str, Any] | None = None) -> "Predictor":
         """The model file's predictor; ``allow``: recipe names allowed for this call besides the
-        machine's allowlist (:func:`tensorturn.recipes.resolve`)."""
+        machine's allowlist (:func:`tensorturn.recipes.resolve`); ``options``: recipe options
+        given besides the file's (an exported folder's :meth:`Recipe.standalone_options`)."""
         meta = metadata_of(data)
         fmt = meta.get("format")
         if fmt not in (MODEL_FORMAT, ENSEMBLE_FORMAT):
             raise TensorTurnError(f"not a TensorTurn model file (format {fmt!r})")
-        recipe = resolve(meta["recipe"], json.loads(meta.get("recipe_options", "{}")), allow)
+        recipe = resolve(meta["recipe"], {**json.loads(meta.get("recipe_options", "{}")), **(options or {})}, allow)
         tensors = from_bytes(data)
         if fmt == MODEL_FORMAT:
             model = recipe.model(json.loads(meta["config"]))
