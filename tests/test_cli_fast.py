@@ -146,3 +146,27 @@ def test_status_runs_and_report_read_the_store_when_the_coordinator_is_stopped(r
     assert proc.returncode == 3, proc.stderr
     assert proc.stderr.splitlines()[-1].startswith("error: cannot reach broker redis://default:***@")
 
+
+
+def test_an_interruption_lost_in_a_destructor_prints_no_traceback():
+    """Ctrl-C or SIGTERM landing while a destructor runs (a Redis client's ``__del__``) raises
+    there, where Python prints "Exception ignored ... Traceback" and drops it; the command raises
+    it again as it polls (``raise_if_interrupted``), so nothing is printed. Other errors in
+    destructors still are."""
+    code = ("import gc\n"
+            "from tensorturn import cli\n"
+            "cli.stop_on_signals()\n"
+            "class Closing:\n"
+            "    def __init__(self, error): self.error = error\n"
+            "    def __del__(self): raise self.error\n"
+            "cli._interrupted.set()\n"
+            "Closing(KeyboardInterrupt()); gc.collect()\n"
+            "Closing(ValueError('a real one')); gc.collect()\n"
+            "try:\n"
+            "    cli.raise_if_interrupted()\n"
+            "except KeyboardInterrupt:\n"
+            "    print('raised again')\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.stdout == "raised again\n"
+    assert "KeyboardInterrupt" not in proc.stderr
+    assert "ValueError: a real one" in proc.stderr

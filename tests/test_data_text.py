@@ -20,9 +20,10 @@ SPLITS = ("train", "val", "test")
 
 
 def copy_sources(to: Path) -> int:
-    """tensorturn's own .py files copied to ``to`` (no caches); how many."""
+    """tensorturn's own files copied to ``to`` (no caches): its .py files and the dashboard's page,
+    script and styles, all UTF-8 text; how many."""
     shutil.copytree(Path(tensorturn.__file__).parent, to, ignore=shutil.ignore_patterns("__pycache__"))
-    return sum(1 for _ in to.rglob("*.py"))
+    return sum(1 for path in to.rglob("*") if path.is_file())
 
 
 def split_texts(store: str, name: str, tmp_path: Path) -> dict[str, list[tuple[str, str]]]:
@@ -35,7 +36,7 @@ def split_texts(store: str, name: str, tmp_path: Path) -> dict[str, list[tuple[s
 
 def test_a_folder_of_source_files_pushes_every_text_file_with_rows_in_every_split(tmp_path):
     src = tmp_path / "src"
-    n_py = copy_sources(src)
+    n_texts = copy_sources(src)
     (src / "logo.png").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR")   # one image: still text
     (src / "latin1.txt").write_bytes("café au lait\n".encode("latin-1"))      # not UTF-8
     (src / "blank.py").write_text("\n\n")                                    # no text
@@ -45,9 +46,9 @@ def test_a_folder_of_source_files_pushes_every_text_file_with_rows_in_every_spli
     store = (tmp_path / "store").as_uri()
     doc = tt_json("data", "push", str(src), "--name", "code", "--store", store, "--json")
     assert doc["kind"] == "text" and doc["split_by"] == "file"
-    assert doc["files"] == {"text": n_py + 1, "skipped": 2, "skipped_names": ["latin1.txt", "logo.png"],
+    assert doc["files"] == {"text": n_texts + 1, "skipped": 2, "skipped_names": ["latin1.txt", "logo.png"],
                             "empty": 1}
-    assert all(doc["rows"][s] > 0 for s in SPLITS) and sum(doc["rows"].values()) == n_py + 1
+    assert all(doc["rows"][s] > 0 for s in SPLITS) and sum(doc["rows"].values()) == n_texts + 1
     texts = split_texts(store, "code", tmp_path)
     chars = {s: sum(len(t) for _, t in texts[s]) for s in SPLITS}
     total = sum(chars.values())
@@ -58,7 +59,7 @@ def test_a_folder_of_source_files_pushes_every_text_file_with_rows_in_every_spli
     assert again.returncode == 0, again.stderr
     first, second = again.stdout.strip().splitlines()
     assert first.startswith("dataset code v2 (text): ") and " validation / " in first
-    assert second == (f"  {n_py + 1} text files; skipped 2 binary or not UTF-8 (latin1.txt, logo.png); "
+    assert second == (f"  {n_texts + 1} text files; skipped 2 binary or not UTF-8 (latin1.txt, logo.png); "
                       f"skipped 1 empty; split by file (whole files held out, by share of the characters)")
 
 

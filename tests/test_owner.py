@@ -16,6 +16,8 @@ import pytest
 import redis
 from conftest import clean_env, run_to_end, start_pool, submit_run, tt, wait_for, wait_for_run
 
+from tensorturn.pool.owner import Policy
+from tensorturn.runs.owners import set_policy
 from tensorturn.state.board import RunBoard
 from tensorturn.state.roster import list_workers
 
@@ -166,8 +168,10 @@ def test_a_busy_cpu_pauses_the_agent_until_the_owner_leaves(pool, reference):
     burners: list[subprocess.Popen] = []
 
     def owner_plays(name: str) -> None:
-        assert tt("policy", name, "--pause-when-busy", "40", env=cli_env(pool)).returncode == 0
+        # the owner's programs first, then the policy — set from here, not by a command whose
+        # start on a loaded machine could outlast the shard (the command is tested above)
         burners.extend(subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2))
+        set_policy(pool.broker_url, name, Policy(busy_percent=40.0).to_json())
 
     try:
         name = paused_mid_task(pool, reference, owner_plays)

@@ -160,7 +160,13 @@ def stop_on_signals() -> None:
         _interrupted.set()  # ...but a stuck one ends (the watch), and a lost one is raised again
         raise KeyboardInterrupt
 
+    def unraisable(what: Any) -> None:
+        if isinstance(what.exc_value, KeyboardInterrupt) and _interrupted.is_set():
+            return  # raised in a destructor and lost there: raise_if_interrupted raises it again
+        sys.__unraisablehook__(what)
+
     watch_the_stop(config.current().stop_limit_s, kill_started)
+    sys.unraisablehook = unraisable  # no "Exception ignored ... Traceback" on the way out
     signal.signal(signal.SIGINT, interrupt)
     signal.signal(signal.SIGTERM, interrupt)
 
