@@ -150,3 +150,17 @@ def test_the_broker_clock_never_waits_for_another_threads_measurement():
     assert abs(measured.now() - 1000) < 5  # answered with the held offset, without waiting
     release.set()
     stuck.join(30)
+
+
+def test_a_broker_clock_is_one_per_address_and_credentials():
+    """A clock measures with the client it was made with: a broker started later on the same
+    port with another password (a second embedded pool in one script) gets a clock of its own,
+    not one whose client no longer logs in (it would retry its login for a minute a measure)."""
+    import redis
+
+    from tensorturn.state import clock
+
+    first = redis.Redis(host="127.0.0.1", port=6390, password="one")
+    assert clock.broker_clock(first) is clock.broker_clock(redis.Redis(host="127.0.0.1", port=6390, password="one"))
+    assert clock.broker_clock(first) is not clock.broker_clock(redis.Redis(host="127.0.0.1", port=6390, password="two"))
+    assert clock.broker_clock(first) is not clock.broker_clock(redis.Redis(host="127.0.0.1", port=6390))

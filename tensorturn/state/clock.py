@@ -79,9 +79,13 @@ _clocks_lock = threading.Lock()
 
 
 def broker_clock(client: Any) -> BrokerClock:
-    """The clock of the broker ``client`` talks to, one per broker address in this process."""
+    """The clock of the broker ``client`` talks to, one per broker address and credentials in
+    this process: the clock measures with the client it was made with, so a broker started later
+    on a freed port with another password (a second embedded pool in one script, a test) gets a
+    clock of its own rather than one whose client no longer logs in."""
     kwargs = client.connection_pool.connection_kwargs
-    where = (kwargs.get("host"), kwargs.get("port"), kwargs.get("path"))
+    where = (kwargs.get("host"), kwargs.get("port"), kwargs.get("path"), kwargs.get("username"),
+             kwargs.get("password"))
     with _clocks_lock:
         clock = _clocks.get(where)
         if clock is None:
