@@ -25,6 +25,9 @@ from tensorturn.store.objects import open_store
 from tensorturn.trust import UntrustedError
 
 # over a text at a relative path, as a user names it: the folder must load where it is not
+# the module's runs are real agent pools (its fixture): the end-to-end lane
+pytestmark = pytest.mark.e2e
+
 TINY_LM = ("--recipe", "charlm", "--recipe-option", "data=lm.txt", "--recipe-option", "n_layer=1",
            "--recipe-option", "context=16", "--rounds", "1", "--sync-every", "2", "--shards", "2",
            "--local-workers", "1")
@@ -107,7 +110,6 @@ def test_the_folder_describes_the_model_and_how_it_was_trained(runs, folders):
     assert [m["member"] for m in ensemble["model"]["members"]] == [0, 1]
 
 
-@pytest.mark.e2e
 def test_load_predicts_exactly_what_the_api_serves(runs, folders):
     """The fused model and the ensemble's vote (and each member), as `tensorturn serve` answers
     them over HTTP and as `tensorturn.load(DIR).predict` returns them: the same bits."""

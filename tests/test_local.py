@@ -106,11 +106,12 @@ except KeyboardInterrupt:
 
 def test_an_interruption_raised_in_a_destructor_is_raised_again_where_the_command_waits():
     """The first Ctrl-C or SIGTERM raises KeyboardInterrupt wherever the main thread is; in a
-    destructor Python drops it ("Exception ignored in ... __del__"), and the handler raises
-    only once — a `tensorturn run` then trained on to its end. Its wait raises it again."""
+    destructor Python drops it, and the handler raises only once — a `tensorturn run` then
+    trained on to its end. Its wait raises it again; the drop prints nothing (no "Exception
+    ignored ... Traceback" on a clean stop)."""
     done = subprocess.run([sys.executable, "-c", SWALLOWED], env=clean_env(), stdin=subprocess.DEVNULL,
                           capture_output=True, text=True, timeout=120)
-    assert "Exception ignored" in done.stderr and "KeyboardInterrupt" in done.stderr  # dropped there
+    assert done.stderr == ""
     assert done.stdout.split() == ["went", "on", "interrupted"] and done.returncode == 130
 
 
