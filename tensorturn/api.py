@@ -250,24 +250,16 @@ def _trackers(track: str | list[str] | tuple[str, ...], track_dir: str | Path | 
     return names, folder
 
 
-class _Logging:
+def _logging() -> "Observer":
     """The observer of a run the Python API follows: its lines go to this module's log (a
     warning, such as a tracker that stopped, as a warning)."""
+    from tensorturn.runs.launch import Quiet
 
-    def say(self, line: str) -> None:
-        log.log(logging.WARNING if line.startswith("warning:") else logging.INFO, "%s", line)
+    class Logging(Quiet):
+        def say(self, line: str) -> None:
+            log.log(logging.WARNING if line.startswith("warning:") else logging.INFO, "%s", line)
 
-    def watch(self, doc: dict[str, Any]) -> None:
-        return None
-
-    def unwatch(self) -> None:
-        pass
-
-    def guard(self) -> None:
-        pass
-
-    def unguard(self) -> None:
-        pass
+    return Logging()
 
 
 class Run:
@@ -364,7 +356,7 @@ class Run:
             return None
         from tensorturn.track import Tracking
 
-        return Tracking(_Logging(), *self.track)
+        return Tracking(_logging(), *self.track)
 
     def _save(self) -> dict[str, Any]:
         """Save the run's manifest (its final state, before an embedded pool's Redis goes)."""
@@ -389,6 +381,6 @@ class Run:
             if self.track is not None and self.run_id not in self.tracked:  # nobody waited for its end
                 from tensorturn.track import log_ended
 
-                log_ended(doc, *self.track, say=_Logging().say)
+                log_ended(doc, *self.track, say=_logging().say)
         except TensorTurnError as exc:  # the pool stops whatever happens: say why this one is not saved
             log.warning("run %s: %s", self.run_id, exc)
