@@ -20,7 +20,7 @@ import json
 from datetime import UTC, datetime
 from typing import Any
 
-from tensorturn.config import mask_text, mask_url
+from tensorturn.config import mask_text, mask_url, public
 from tensorturn.runs.report.facts import clock, machines, origin, size, timeline
 from tensorturn.spec import Outcome, options_json
 
@@ -179,8 +179,8 @@ def _summary(doc: dict[str, Any], workers: list[dict[str, Any]], t0: float | Non
         mode += f" (--sync {options['sync']})"
     rows = [("run", doc.get("run_id", "?")), ("state", doc.get("state", "?")), ("mode", mode),
             ("recipe", doc.get("recipe") or spec.get("recipe") or "?"),
-            ("recipe options", _pairs(spec.get("recipe_options") or {})),
-            ("options", _pairs(dict(sorted(chosen.items())))),
+            ("recipe options", _pairs(public(spec.get("recipe_options") or {}))),
+            ("options", _pairs(public(dict(sorted(chosen.items()))))),
             ("machines", f"{len(workers)}: " + ", ".join(m["worker"] for m in workers) if workers else "none yet")]
     if doc.get("mode") == "fused":
         rounds = doc.get("rounds") or []
