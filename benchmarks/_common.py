@@ -93,6 +93,20 @@ def shard_span(doc: dict[str, Any]) -> float:
     return max(a["finished_at"] for a in done) - min(a["started_at"] for a in done)
 
 
+def training_window(doc: dict[str, Any], store_dir: Path) -> float:
+    """Seconds from the moment every shard of round 0 trains (the last one's first step: its
+    attempt's ``trained_from``, after fetching θ_0 and its data) to the final weights θ_R stored
+    (their file's time in the file store ``store_dir``: the last outer step's average and step
+    done, its evaluation not) — the window torchft's replicas are timed by (from the last
+    replica's first step to its last sync)."""
+    from tensorturn import layout
+
+    first = [a for a in succeeded(doc) if (label := parse_label(a["task"])) is not None
+             and label.kind == "shard" and label.round == 0]
+    final = store_dir / layout.key("global", doc["run_id"], len(doc["rounds"]))
+    return final.stat().st_mtime - max(a["trained_from"] for a in first)
+
+
 def total_samples(doc: dict[str, Any]) -> int:
     return sum(int(r["samples"]) for r in doc["rounds"])
 

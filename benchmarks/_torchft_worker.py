@@ -58,7 +58,7 @@ def main() -> None:
     gen = torch.Generator().manual_seed(args.seed + args.replica)
     order, pos = rows[torch.randperm(len(rows), generator=gen)], 0
     steps, loss = args.rounds * args.sync_every, float("nan")
-    started = time.time()
+    started, cpu = time.time(), time.process_time()
     with DiLoCo(manager, [model], inner, outer, sync_every=args.sync_every, pin_memory=False):
         for _ in range(steps):
             if pos + recipe.batch_size > len(order):
@@ -70,10 +70,10 @@ def main() -> None:
             value.backward()
             inner.step()  # DiLoCo's hook syncs every sync_every steps
             loss = float(value.detach())
-    ended = time.time()
+    ended, cpu = time.time(), time.process_time() - cpu
     with open(args.out, "w") as f:
         json.dump({"replica": args.replica, "started": started, "ended": ended, "steps": steps,
-                   "syncs": manager.current_step(), "loss": loss}, f)
+                   "syncs": manager.current_step(), "loss": loss, "cpu_s": cpu}, f)
     manager.shutdown(wait=False)
     del store
 

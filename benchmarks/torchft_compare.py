@@ -7,11 +7,13 @@ thread each, on this machine. Each repetition runs, one after the other:
   groups of one process each (``_torchft_worker.py``: torchft's ``Manager`` over gloo and
   ``torchft.local_sgd.DiLoCo``), each training shard k of the recipe's training split. Its
   window: from the last replica's first step to the last replica's last sync (allreduce and
-  outer step included).
+  outer step included); torchft's replicas read their data and build their model before it.
 * **TensorTurn**: a pool of 3 agents (real Celery workers, private redis-server, file store),
-  ``--sync rounds``. Its window: from the first shard task's start to the last shard task's
-  end (each task fetches θ, trains, uploads its pseudo-gradient; the outer steps between rounds
-  are inside it, the last one — with the final test evaluation and the model's save — is not).
+  ``--sync rounds``. Its window, timed as torchft's: from the last round-0 shard's first step
+  (its attempt's ``trained_from``: θ_0 fetched and its data read) to the final weights θ_R
+  stored (the last outer step's average and step; its evaluation, the test and the model's save
+  are not inside). Printed beside: the span of its shard tasks, from the first one's start to
+  the last one's end (the setup of round 0 inside, the last outer step not).
   The same run counts Redis's commands (``INFO commandstats``); a second run of the same job,
   with Redis ``MONITOR`` watched from this process, counts the commands clients sent (a script
   is one) apart from those scripts ran. The window is the first run's: on these two cores the
@@ -47,7 +49,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 os.environ.setdefault("RUST_LOG", "warn")  # torchft's lighthouse and managers log every quorum at info
 
-from _common import figure, machine, run_job, shard_span, table, write_outputs  # noqa: E402
+from _common import figure, machine, run_job, shard_span, table, training_window, write_outputs  # noqa: E402
 from broker_commands import Monitor, calls  # noqa: E402
 
 from tensorturn.layout import parse_label  # noqa: E402
@@ -80,7 +82,8 @@ def torchft_window(rounds: int, sync_every: int, replicas: int, seed: int, tmp: 
         lighthouse.shutdown()
     ends = [json.loads(o.read_text()) for o in outs]
     return {"window_s": max(e["ended"] for e in ends) - max(e["started"] for e in ends),
-            "syncs": [e["syncs"] for e in ends], "loss": [e["loss"] for e in ends]}
+            "syncs": [e["syncs"] for e in ends], "loss": [e["loss"] for e in ends],
+            "cpu_s": sum(e["cpu_s"] for e in ends)}
 
 
 def tensorturn_window(rounds: int, sync_every: int, agents: int, seed: int, tmp: Path, sync: str,
@@ -101,7 +104,8 @@ def tensorturn_window(rounds: int, sync_every: int, agents: int, seed: int, tmp:
     used = after - before
     shards = sum(1 for a in doc["attempts"] if a["outcome"] == "succeeded"
                  and getattr(parse_label(a["task"]), "kind", None) == "shard")
-    out = {"window_s": shard_span(doc), "shard_tasks": shards, "commands": sum(used.values()),
+    out = {"window_s": training_window(doc, tmp / "store"), "task_window_s": shard_span(doc),
+           "shard_tasks": shards, "commands": sum(used.values()),
            "per_shard_task": sum(used.values()) / shards, "val_loss": doc["rounds"][-1]["val_loss"]}
     if watch is not None:
         sent = sum(watch.wire.values())
@@ -136,9 +140,11 @@ def main() -> None:
                                             Path(tmp) / f"{sync}-{every}-monitored", sync, every)
                 tt.update(window_monitored_s=counted["window_s"], commands_sent=counted["commands_sent"],
                           sent_per_shard_task=counted["sent_per_shard_task"])
-                pair[name] = {**tt, "ratio": tt["window_s"] / ft["window_s"]}
+                pair[name] = {**tt, "ratio": tt["window_s"] / ft["window_s"],
+                              "task_ratio": tt["task_window_s"] / ft["window_s"]}
                 print(f"rep {rep}: torchft {ft['window_s']:.2f} s, TensorTurn --sync {name} {tt['window_s']:.2f} s "
-                      f"(×{pair[name]['ratio']:.2f}); {tt['sent_per_shard_task']:.1f} commands sent per shard "
+                      f"(×{pair[name]['ratio']:.2f}; its tasks' span {tt['task_window_s']:.2f} s, "
+                      f"×{pair[name]['task_ratio']:.2f}); {tt['sent_per_shard_task']:.1f} commands sent per shard "
                       f"task, {tt['per_shard_task']:.1f} run by Redis", flush=True)
         pairs.append(pair)
 
@@ -150,6 +156,8 @@ def main() -> None:
     for name in names:
         rows += [row(f"TensorTurn --sync {name} window, s", [p[name]["window_s"] for p in pairs]),
                  row("  / torchft's (per pair)", [p[name]["ratio"] for p in pairs]),
+                 row("  first shard task's start to last one's end, s", [p[name]["task_window_s"] for p in pairs]),
+                 row("    / torchft's window (per pair)", [p[name]["task_ratio"] for p in pairs]),
                  row("  window of the run watched by MONITOR, s", [p[name]["window_monitored_s"] for p in pairs]),
                  row("  commands sent per shard task", [p[name]["sent_per_shard_task"] for p in pairs], 1),
                  row("  commands Redis ran per shard task", [p[name]["per_shard_task"] for p in pairs], 1)]

@@ -658,3 +658,73 @@ def test_a_round_whose_record_was_lost_is_evaluated_again_before_the_run_finishe
     assert doc["state"] == "succeeded"
     assert {rec["round"]: rec["val_loss"] for rec in doc["rounds"]} == reference
     assert doc["model_sha256"] == world.board.describe(spec.run_id)["model_sha256"]
+
+
+# ---- the outer step taken in the task of the round's last shard -----------------------------------
+
+def shard_in_a_worker(spec: RunSpec, r: int, k: int, delivery: str = "delivery-1") -> None:
+    """Shard ``k`` of round ``r`` as an agent's worker runs its message ``delivery`` (Celery's
+    task id: the same for the message delivered again) — not an eager ``apply``, so the round's
+    last shard takes the outer step in its own task."""
+    as_agent_of(spec)
+    task = fused.train_shard
+    task.push_request(id=delivery, hostname="local9@test", is_eager=False, retries=0)
+    try:
+        task.run(spec.run_id, r, k, **signed(spec.run_id, f"r{r}/shard-{k}"))
+    finally:
+        task.pop_request()
+
+
+def test_the_round_s_last_shard_takes_the_outer_step_in_its_own_task(world):
+    spec = world.submit(**FUSED)
+    shard(spec, 0, 0)
+    shard_in_a_worker(spec, 0, 1)
+    store = open_store(spec.store_url)
+    assert store.exists(layout.key("global", spec.run_id, 1))
+    doc = world.board.describe(spec.run_id)
+    steps = [a for a in doc["attempts"] if a["task"] == "r0/outer"]
+    assert [(a["outcome"], a["worker"]) for a in steps] == [("succeeded", "local9@test")]
+    last = next(a for a in doc["attempts"] if a["task"] == "r0/shard-1")
+    assert steps[0]["started_at"] >= last["finished_at"] and last["trained_from"] >= last["started_at"]
+    assert outer_steps_queued(world, 0) == 0  # no message, no queue hop
+    assert sorted(args for name, args in queued_tasks(world) if name == "tensorturn.fused.train_slot"
+                  and ", 1, " in args) == [f"('{spec.run_id}', 1, {i})" for i in range(2)]  # round 1 queued
+
+
+def test_an_outer_step_that_fails_in_the_task_is_queued_for_its_retries(world, monkeypatch):
+    """The outer step failing in the last shard's task is an attempt like any (recorded, with
+    its traceback); its message is queued then, and its retries finish the round."""
+    spec = world.submit(**{**FUSED, "recipe": "failing:Failing", "rounds": 1})  # the last round evaluates
+    shard(spec, 0, 0)
+    monkeypatch.setenv("TT_FAIL_IN", "evaluate")
+    shard_in_a_worker(spec, 0, 1)
+    doc = world.board.describe(spec.run_id)
+    failed = [a for a in doc["attempts"] if a["task"] == "r0/outer"]
+    assert [a["outcome"].split(":")[0] for a in failed] == ["failed"] and "boom in evaluate" in failed[0]["traceback"]
+    assert doc["state"] == "running" and outer_steps_queued(world, 0) == 1
+    monkeypatch.delenv("TT_FAIL_IN")
+    outer(spec, 0)  # the queued message's delivery
+    doc = world.board.describe(spec.run_id)
+    assert doc["state"] == "succeeded", doc["error"]
+    assert [a["outcome"] for a in doc["attempts"] if a["task"] == "r0/outer"][-1] == "succeeded"
+
+
+def test_a_shard_delivered_again_takes_the_outer_step_its_first_delivery_claimed(world):
+    """The machine that took a round's outer step in its shard's task is lost mid-step: the
+    shard's message, delivered again (the same task id), holds the claim and steps; another
+    task that finds the round complete does not."""
+    spec = world.submit(**FUSED)
+    shard(spec, 0, 0)
+    shard(spec, 0, 1)  # (eager: it queues the outer step's message, which this test drops)
+    for key in world.board.r.scan_iter("*"):
+        if world.board.r.type(key) == "list":
+            world.board.r.delete(key)
+    world.board.release(spec.run_id, layout.outer_claim(0))
+    world.board.claims.claim_for(spec.run_id, layout.outer_claim(0), "task:lost-one")  # claimed, then lost
+    store = open_store(spec.store_url)
+    shard_in_a_worker(spec, 0, 1, delivery="another")
+    assert not store.exists(layout.key("global", spec.run_id, 1))
+    shard_in_a_worker(spec, 0, 1, delivery="lost-one")
+    assert store.exists(layout.key("global", spec.run_id, 1))
+    assert [a["outcome"] for a in world.board.describe(spec.run_id)["attempts"]
+            if a["task"] == "r0/outer"] == ["succeeded"]

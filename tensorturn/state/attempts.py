@@ -99,7 +99,8 @@ class Figures:
     """What an attempt's end records besides its outcome, in the same round trip: the task's
     bytes up and down (its output counted once, on success), what the attempt moved through the
     store, whether the store answered (the worker's failures in a row end), and the worker's
-    training rate over the task (None: it trained nothing)."""
+    training rate over the task (None: it trained nothing), and when its training began (the
+    entry's ``trained_from``: what came before it was fetching the weights and the data)."""
 
     worker: str
     bytes_up: int = 0
@@ -108,6 +109,11 @@ class Figures:
     store_down: int = 0
     store_ok: bool = True
     rate: float | None = None
+    trained_from: float | None = None  # when it began training, on the broker's clock (before: θ and data)
+
+    def entry(self) -> dict[str, Any]:
+        """What the figures add to the attempt's own entry."""
+        return {} if self.trained_from is None else {"trained_from": self.trained_from}
 
 
 class Attempts:
@@ -184,7 +190,8 @@ class Attempts:
         pipe = self.r.pipeline(transaction=False)
         if raw is not None:
             entry = json.loads(raw)
-            entry.update(finished_at=broker_now(self.r), outcome=mask_text(str(outcome)))
+            entry.update(finished_at=broker_now(self.r), outcome=mask_text(str(outcome)),
+                         **(figures.entry() if figures is not None else {}))
             if traceback:
                 entry["traceback"] = mask_text(traceback)
             pipe.hset(layout.run_key(run_id, "attempts"), key, json.dumps(entry))
@@ -201,7 +208,7 @@ class Attempts:
         True when the entry changed since (the long way is left to do)."""
         task = key.rpartition("#")[0]
         now = broker_now(self.r)
-        entry = {**json.loads(begun), "finished_at": now}
+        entry = {**json.loads(begun), "finished_at": now, **figures.entry()}
         finished = {**entry, "outcome": mask_text(str(outcome))}
         if traceback:
             finished["traceback"] = mask_text(traceback)

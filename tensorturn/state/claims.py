@@ -68,6 +68,16 @@ class Claims:
         """True the first time ``what`` is claimed for this run (guards one-time dispatches)."""
         return bool(self.r.hsetnx(layout.run_key(run_id, "claims"), what, broker_now(self.r)))
 
+    def claim_for(self, run_id: str, what: str, holder: str) -> bool:
+        """True the first time ``what`` is claimed for this run, and again for the same
+        ``holder`` (a task delivered again after its machine was lost, which must finish what its
+        first delivery claimed); one round trip."""
+        key = layout.run_key(run_id, "claims")
+        pipe = self.r.pipeline(transaction=False)
+        pipe.hsetnx(key, what, holder)
+        pipe.hget(key, what)
+        return pipe.execute()[1] == holder
+
     def release(self, run_id: str, what: str) -> None:
         self.r.hdel(layout.run_key(run_id, "claims"), what)
 

@@ -121,6 +121,8 @@ class Attempt:
     bytes_up: int = 0
     bytes_down: int = 0
     rate: float | None = None  # samples/s over the whole task, once it trained
+    trained_from: float | None = None  # when it began training (broker clock), once it did
+    tally: Tally | None = None  # the store bytes of this task's process not yet recorded
 
     looked_at: float = 0.0
 
@@ -303,7 +305,7 @@ def _execute(task: Task, board: RunBoard, run_id: str, label: Label, unit_class:
         max_attempts = spec.max_attempts
         if resolve is not None:
             label = resolve(board, spec, worker)
-        attempt = Attempt(task, board, store, spec, label, worker)
+        attempt = Attempt(task, board, store, spec, label, worker, tally=tally)
         unit = unit_class(attempt)
         if unit.done():
             board.incident(run_id, "duplicate_ignored", str(label), worker,
@@ -323,24 +325,7 @@ def _execute(task: Task, board: RunBoard, run_id: str, label: Label, unit_class:
         attempt.key, attempt.number = key, number
         if state == RunState.CANCELLED:  # cancelled since the look above: stop before any download
             raise RunCancelled(f"run {run_id} was cancelled")
-        outcome = unit.run()
-        if outcome == LATE:
-            board.incident(run_id, "late_ignored", str(label), worker,
-                           "a late attempt finished after another stored the output; discarded")
-
-        ending = unit.final  # this attempt finishes the run (Unit.finish_run)
-        store_up, store_down = tally.pending()
-        figures = Figures(worker, attempt.bytes_up, attempt.bytes_down, store_up, store_down,
-                          store_ok=True, rate=attempt.rate)
-
-        def also(pipe: Any) -> None:  # last, in the attempt's last round trip
-            board.finish(run_id, pipe=pipe, **(ending or {}))  # the run finishes with its records
-
-        board.finish_attempt(run_id, key, outcome, also if ending is not None else None, figures=figures)
-        tally.settle()  # recorded with the outcome (were it not, the end of execute() adds them)
-        if ending is not None:
-            try_write_manifest(store, board, run_id)
-            tally.take()  # the manifest holds the run's figures, complete; its own bytes are not among them
+        record_outcome(unit, unit.run(), tally)
         try:
             unit.then()
         except Exception as exc:  # noqa: BLE001 - the unit is done and recorded; what follows is queued by a retry
@@ -394,6 +379,75 @@ def _execute(task: Task, board: RunBoard, run_id: str, label: Label, unit_class:
             board.fail(run_id, final)
         try_write_manifest(store, board, run_id)
         return receipt
+
+
+def record_outcome(unit: Unit, outcome: str, tally: Tally) -> None:
+    """Record the end of ``unit``'s attempt with ``outcome`` and its figures (the store bytes
+    ``tally`` has not recorded yet among them); the run's end with it when the attempt finishes
+    the run (:meth:`Unit.finish_run`), then the manifest."""
+    a, board, run_id = unit.a, unit.board, unit.spec.run_id
+    if outcome == LATE:
+        board.incident(run_id, "late_ignored", str(a.label), a.worker,
+                       "a late attempt finished after another stored the output; discarded")
+    ending = unit.final
+    store_up, store_down = tally.pending()
+    figures = Figures(a.worker, a.bytes_up, a.bytes_down, store_up, store_down, store_ok=True, rate=a.rate,
+                      trained_from=a.trained_from)
+
+    def also(pipe: Any) -> None:  # last, in the attempt's last round trip
+        board.finish(run_id, pipe=pipe, **(ending or {}))  # the run finishes with its records
+
+    board.finish_attempt(run_id, a.key, outcome, also if ending is not None else None, figures=figures)
+    tally.settle()  # recorded with the outcome (were it not, the end of execute() adds them)
+    if ending is not None:
+        try_write_manifest(unit.store, board, run_id)
+        tally.take()  # the manifest holds the run's figures, complete; its own bytes are not among them
+
+
+def run_here(parent: Attempt, label: Label, unit_class: type[Unit]) -> bool:
+    """Run ``label``'s unit in the task of ``parent``, whose work made it ready: no queue hop,
+    no wait for a machine to take a message. Its attempt is recorded as a queued one's would be.
+
+    True when the unit is done (now or before), or ended in a way that needs nothing more (the
+    run cancelled; ``NotYet``: queued again by whoever raised it). False when this attempt
+    failed (recorded, with its traceback) or the unit is past its attempt cap: the caller then
+    queues the unit's message, whose retries, cap and failure handling take over. The parent's
+    message is acknowledged only when its task ends, so a machine lost meanwhile has the parent
+    delivered again, which runs the unit again (its unfinished attempt recorded lost)."""
+    board, store, spec, worker = parent.board, parent.store, parent.spec, parent.worker
+    run_id, tally = spec.run_id, parent.tally or Tally()
+    attempt = Attempt(parent.task, board, store, spec, label, worker, tally=tally)
+    unit = unit_class(attempt)
+    try:
+        if unit.done():
+            unit.then()
+            return True
+        begun = board.begin_attempt(run_id, str(label), worker, spec.max_attempts)
+        if begun is None:  # past the cap: the queued message gives up, as any task does
+            return False
+        attempt.key, attempt.number, state = begun
+        if state == RunState.CANCELLED:
+            raise RunCancelled(f"run {run_id} was cancelled")
+        record_outcome(unit, unit.run(), tally)
+        unit.then()
+        return True
+    except NotYet as exc:
+        if attempt.key:
+            board.attempt_log.give_back(run_id, str(label))
+            board.finish_attempt(run_id, attempt.key, Outcome.REFUSED.says(str(exc)), figures=Figures(worker))
+        return True
+    except RunCancelled:
+        if attempt.key:
+            board.finish_attempt(run_id, attempt.key, CANCELLED, figures=Figures(worker))
+        try_write_manifest(store, board, run_id)
+        return True
+    except Exception as exc:  # noqa: BLE001 - recorded; the queued message retries it
+        message = describe_failure(exc, worker)
+        log.warning("run %s %s failed on %s: %s; queued for a retry", run_id, label, worker, message)
+        if attempt.key:
+            board.finish_attempt(run_id, attempt.key, Outcome.FAILED.says(message), traceback=_tail(exc),
+                                 figures=Figures(worker, store_ok=False))
+        return False
 
 
 # ---- agents that keep failing ------------------------------------------------------------------

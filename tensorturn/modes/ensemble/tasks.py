@@ -257,6 +257,7 @@ class SegmentUnit(Unit):
             rows = torch.randint(n, (n,), generator=torch.Generator().manual_seed(plan["seed"]))
         else:
             rows = torch.arange(n)
+        self.a.trained_from = broker_now(self.board.r)
         train_steps(recipe, model, opt, splits.x_train, splits.y_train, rows, opts.segment_steps,
                     batch, derive_seed(plan["seed"], j), device, on_step=watch_cancelled(reporter, self.a, reporter),
                     precision=spec.precision, accumulate=spec.accumulate)

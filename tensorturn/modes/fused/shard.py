@@ -25,6 +25,7 @@ from tensorturn.pool.telemetry import TaskReporter
 from tensorturn.recipes import Recipe, recipe_of
 from tensorturn.spec import RunSpec
 from tensorturn.state.board import RunBoard
+from tensorturn.state.clock import broker_now
 from tensorturn.state.live import live_field
 from tensorturn.store import seals
 from tensorturn.store.tensorfile import write_delta
@@ -68,7 +69,8 @@ class ShardUnit(backups.CopyAwareUnit):
 
     def then(self) -> None:
         r, k = self.a.label.numbers
-        policy(options(self.spec).sync).after_shard(self.spec, self.store, self.board, r, k, self.a.worker)
+        policy(options(self.spec).sync).after_shard(self.spec, self.store, self.board, r, k, self.a.worker,
+                                                     here=self.a)
 
 
 def train_and_store(unit: Unit, r: int, k: int,
@@ -93,6 +95,7 @@ def train_and_store(unit: Unit, r: int, k: int,
     theta, a.bytes_down, meta = theta_of(recipe)
     on_step = reporter if watch is None else watch_superseded(reporter, watch, str(a.label))
     on_step = watch_cancelled(on_step, a, reporter)
+    a.trained_from = broker_now(unit.board.r)
     try:
         delta, loss, samples = train_replica(
             recipe, theta, x, y, rows, opts.sync_every,

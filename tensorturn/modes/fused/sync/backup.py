@@ -22,7 +22,7 @@ from tensorturn.pool.celery_app import app
 from tensorturn.spec import RunSpec
 from tensorturn.state.board import RunBoard
 from tensorturn.store.objects import Store
-from tensorturn.tasks.attempt import execute
+from tensorturn.tasks.attempt import Attempt, execute
 
 log = logging.getLogger(__name__)
 
@@ -39,8 +39,8 @@ class Backup(Rounds):
         board.claims.note_stored(spec.run_id, r, k, worker)  # other copies of the shard stop at their next look
 
     def after_shard(self, spec: RunSpec, store: Store, board: RunBoard, r: int, k: int,
-                    worker: str) -> None:
-        super().after_shard(spec, store, board, r, k, worker)  # the round's last queues its outer step
+                    worker: str, here: Attempt | None = None) -> None:
+        super().after_shard(spec, store, board, r, k, worker, here)  # the round's last steps
         try:  # only an optimisation: a failure here must not fail a shard that is done
             queue_shard_backup(spec, store, board, r, worker)
         except Exception as exc:  # noqa: BLE001

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from tensorturn.state.board import RunBoard
     from tensorturn.store.objects import Store
     from tensorturn.store.tensors import StateDict
-    from tensorturn.tasks.attempt import Unit
+    from tensorturn.tasks.attempt import Attempt, Unit
 
 
 class SyncPolicy:
@@ -71,9 +71,9 @@ class SyncPolicy:
         """Shard k of round r was stored by ``worker`` (this attempt's output counts)."""
 
     def after_shard(self, spec: RunSpec, store: Store, board: RunBoard, r: int, k: int,
-                    worker: str) -> None:
+                    worker: str, here: Attempt | None = None) -> None:
         """A shard task of round r on ``worker`` is done, shard k stored (now, or before): what
-        follows."""
+        follows — run in that task (``here``, its attempt) where the policy can, else queued."""
 
     def after_outer(self, spec: RunSpec, board: RunBoard, r: int) -> None:
         """Round r's new weights are stored: queue what follows (the next round)."""

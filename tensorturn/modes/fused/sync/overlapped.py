@@ -61,7 +61,7 @@ from tensorturn.store import seals
 from tensorturn.store.objects import Store, counted_apart
 from tensorturn.store.tensorfile import TensorReader, delta_tensors
 from tensorturn.store.tensors import StateDict
-from tensorturn.tasks.attempt import NotYet, Unit, agent_store, signed
+from tensorturn.tasks.attempt import Attempt, NotYet, Unit, agent_store, signed
 from tensorturn.train.diloco import apply_step
 
 log = logging.getLogger(__name__)
@@ -124,7 +124,7 @@ class Overlap(Rounds):
         """(Handed over in :func:`upload_in_background`, before the task ends.)"""
 
     def after_shard(self, spec: RunSpec, store: Store, board: RunBoard, r: int, k: int,
-                    worker: str) -> None:
+                    worker: str, here: Attempt | None = None) -> None:
         queue_outer_when_ready(spec, store, board, r)
 
     def after_outer(self, spec: RunSpec, board: RunBoard, r: int) -> None:

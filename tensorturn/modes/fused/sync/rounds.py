@@ -2,20 +2,24 @@
 
 A round is one task per shard — a *slot*, bound to a shard by the first worker that runs it,
 which takes a shard it trained before where it can (its chunks are cached there) — and the outer
-step (:class:`~tensorturn.modes.fused.outer.OuterUnit`), queued once by whichever shard task finds
-the round's last shard stored, which queues the next round once θ_{r+1} is stored, then the
-round's evaluation (:class:`~tensorturn.modes.fused.outer.EvalUnit`) behind it: the first
-machine done with round r+1's shard evaluates θ_{r+1} while the others finish theirs. The result
-depends on (S, H, seed, threads) only: the same weights on 1 or N machines.
+step (:class:`~tensorturn.modes.fused.outer.OuterUnit`), taken once by whichever shard task finds
+the round's last shard stored: in that task itself, unless an agent beside the store serves
+outer steps (then queued there; also queued when the step failed in the task, for its retries).
+The outer step queues the next round once θ_{r+1} is stored, then the round's evaluation
+(:class:`~tensorturn.modes.fused.outer.EvalUnit`) behind it: the first machine done with round
+r+1's shard evaluates θ_{r+1} while the others finish theirs. The result depends on (S, H, seed,
+threads) only: the same weights on 1 or N machines.
 
 Why not a Celery chord: its counter lives in the result backend — every header task stores a
 result, and the chord's bookkeeping adds about 17 broker commands a shard task (a round trip
 each on a home link, ``benchmarks/broker_commands.py``) — and a count of returned tasks is no
 proof that a shard is stored. Here a shard task that ends with its shard stored (or finds it
 stored: a redelivery after a crash) marks it in ``stored-r<r>`` and reads how many are, in one
-round trip; the one that sees all S queues the outer step under a one-time claim. A crash
-before the claim is harmless (the redelivered task marks and counts again); a dispatch that
-fails gives the claim back.
+round trip; the one that sees all S takes the outer step under a one-time claim that names its
+task. A crash before the claim is harmless (the redelivered task marks and counts again); a
+crash during an outer step taken in the task delivers that task again (its message is
+acknowledged only when it ends), which holds the claim already and steps again; a dispatch
+that fails gives the claim back.
 
 The round's Celery tasks are defined here; ``--sync backup`` (:mod:`.backup`) queues the same.
 """
@@ -38,7 +42,7 @@ from tensorturn.spec import RunSpec
 from tensorturn.state.board import RunBoard
 from tensorturn.store import seals
 from tensorturn.store.objects import Store
-from tensorturn.tasks.attempt import execute, signed
+from tensorturn.tasks.attempt import Attempt, execute, run_here, signed
 
 log = logging.getLogger(__name__)
 
@@ -61,9 +65,9 @@ class Rounds(SyncPolicy):
         return f"resumed at round {r} of 0..{rounds - 1}"
 
     def after_shard(self, spec: RunSpec, store: Store, board: RunBoard, r: int, k: int,
-                    worker: str) -> None:
+                    worker: str, here: Attempt | None = None) -> None:
         if board.claims.note_stored(spec.run_id, r, k, worker) >= options(spec).shards:
-            queue_outer(spec, board, r)
+            queue_outer(spec, board, r, here)
 
     def after_outer(self, spec: RunSpec, board: RunBoard, r: int) -> None:
         if r + 1 < options(spec).rounds:
@@ -93,13 +97,27 @@ def dispatch_round(spec: RunSpec, r: int, board: RunBoard) -> None:
         train_slot.s(run_id, r, i, **signed(run_id, str(layout.slot_label(r, i)))).apply_async(queue=queue)
 
 
-def queue_outer(spec: RunSpec, board: RunBoard, r: int) -> None:
-    """Queue round r's outer step, once: beside the store while an agent there serves it
-    (:mod:`tensorturn.pool.routing`), else on machines that can hold the model."""
+def queue_outer(spec: RunSpec, board: RunBoard, r: int, here: Attempt | None = None) -> None:
+    """Round r's outer step, once: beside the store while an agent there serves it
+    (:mod:`tensorturn.pool.routing`), else on machines that can hold the model — and there,
+    when the round's last shard task calls (``here``, its attempt), taken by that task itself
+    (:func:`~tensorturn.tasks.attempt.run_here`): it holds the model and is free, and no queue
+    hop or machine's pick-up stands between the round's last shard and the next round. Its
+    message is queued only when that attempt fails (then retries and the attempt cap work as
+    for any task). The claim names the task, so the same task delivered again after its
+    machine was lost takes the step again."""
     run_id = spec.run_id
-    queue = routing.queue_for_outer(board.r, queue_for(spec.memory_needed_bytes))
-    board.once(run_id, layout.outer_claim(r), lambda: outer_step.s(
-        [], run_id, r, **signed(run_id, str(layout.outer_label(r)))).apply_async(queue=queue))
+    anywhere = queue_for(spec.memory_needed_bytes)
+    queue = routing.queue_for_outer(board.r, anywhere)
+
+    def send() -> None:
+        outer_step.s([], run_id, r, **signed(run_id, str(layout.outer_label(r)))).apply_async(queue=queue)
+
+    if here is None or queue != anywhere or here.task.request.is_eager:
+        board.once(run_id, layout.outer_claim(r), send)
+    elif board.claims.claim_for(run_id, layout.outer_claim(r), f"task:{here.task.request.id}"):
+        if not run_here(here, layout.outer_label(r), OuterUnit):
+            send()
 
 
 def queue_eval(spec: RunSpec, board: RunBoard, r: int) -> None:
