@@ -728,3 +728,24 @@ def test_a_shard_delivered_again_takes_the_outer_step_its_first_delivery_claimed
     assert store.exists(layout.key("global", spec.run_id, 1))
     assert [a["outcome"] for a in world.board.describe(spec.run_id)["attempts"]
             if a["task"] == "r0/outer"] == ["succeeded"]
+
+
+def test_the_last_outer_step_waits_in_the_queue_behind_an_evaluation_not_yet_recorded(world):
+    """The last round's outer step finishes the run: taken in the shard's task only once every
+    earlier round is recorded, else queued behind that round's evaluation (not evaluating the
+    round a second time itself)."""
+    from conftest import run_eval
+
+    spec = world.submit(**FUSED)  # 2 rounds, every round evaluated
+    shard(spec, 0, 0)
+    shard(spec, 0, 1)
+    outer(spec, 0, evaluate=False)  # round 0's evaluation is queued, not run
+    shard(spec, 1, 0)
+    shard_in_a_worker(spec, 1, 1)
+    assert outer_steps_queued(world, 1) == 1
+    assert not [a for a in world.board.describe(spec.run_id)["attempts"] if a["task"] == "r1/outer"]
+    run_eval(spec, 0)
+    outer(spec, 1)
+    doc = world.board.describe(spec.run_id)
+    assert doc["state"] == "succeeded", doc["error"]
+    assert [a["task"] for a in doc["attempts"]].count("r0/eval") == 1

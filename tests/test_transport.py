@@ -164,3 +164,28 @@ def test_a_broker_clock_is_one_per_address_and_credentials():
     assert clock.broker_clock(first) is clock.broker_clock(redis.Redis(host="127.0.0.1", port=6390, password="one"))
     assert clock.broker_clock(first) is not clock.broker_clock(redis.Redis(host="127.0.0.1", port=6390, password="two"))
     assert clock.broker_clock(first) is not clock.broker_clock(redis.Redis(host="127.0.0.1", port=6390))
+
+
+def test_messages_published_together_reach_the_broker_at_the_blocks_end_or_not_at_all(world):
+    """A round's slots are queued in one round trip (kombu's publish batch): none is queued
+    before the block ends, all are after it, and none when the block raises."""
+    import pytest
+
+    from tensorturn.modes.fused.sync.rounds import train_slot
+    from tensorturn.pool.celery_app import publishing
+    from tensorturn.tasks.attempt import signed
+
+    r = world.board.r
+
+    def queue(producer, i: int) -> None:
+        train_slot.s("run", 1, i, **signed("run", f"r1/slot-{i}")).apply_async(queue="tt.test", producer=producer)
+
+    with publishing() as producer:
+        for i in range(3):
+            queue(producer, i)
+        assert r.llen("tt.test") == 0
+    assert r.llen("tt.test") == 3
+    with pytest.raises(RuntimeError), publishing() as producer:
+        queue(producer, 3)
+        raise RuntimeError("the dispatch failed half way")
+    assert r.llen("tt.test") == 3

@@ -24,6 +24,9 @@ Choices, each against a known hazard of Celery on Redis (DESIGN.md, "Known hazar
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from typing import Any
 
 from celery import Celery
 from celery.signals import worker_init
@@ -130,3 +133,16 @@ def configure(broker_url: str) -> None:
     amqp = app.__dict__.get("amqp")
     if amqp is not None:
         amqp._producer_pool = None
+
+
+@contextmanager
+def publishing() -> Iterator[Any]:
+    """A producer whose messages (``apply_async(..., producer=it)``) reach the broker together,
+    in one round trip when the block ends — kombu's publish batch (kombu ≥ 5.7; one round trip
+    a message with an older kombu). On a home link a round of S shards is then queued in one
+    round trip, not S. Nothing is queued if the block raises, or if the batch's pipeline
+    fails (its error is raised)."""
+    with app.producer_or_acquire() as producer:
+        batch = getattr(producer, "batch", None)
+        with batch() if batch is not None else nullcontext():
+            yield producer

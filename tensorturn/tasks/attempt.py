@@ -20,7 +20,7 @@ the vote — and :func:`execute` runs it in this order:
 
 So every failure ends in a recorded state; none is left only in an agent's log. An agent whose
 store calls keep failing while other machines' succeed (wrong credentials, say) is taken out of
-rotation (:func:`quarantine`) with an incident, so it cannot burn the run's attempts.
+rotation (:func:`~tensorturn.tasks.quarantine.quarantine`) with an incident, so it cannot burn the run's attempts.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from typing import Any
 from celery import Task
 from celery.exceptions import Retry
 
-from tensorturn import config, layout, tracebacks, trust
+from tensorturn import config, tracebacks, trust
 from tensorturn.config import mask_text, mask_url
 from tensorturn.errors import RecipeError, StoreError, TensorTurnError
 from tensorturn.layout import Label
@@ -51,13 +51,13 @@ from tensorturn.state.manifest import load_spec, try_write_manifest
 from tensorturn.state.refusals import refuse
 from tensorturn.store.objects import ObjectMissing, Store, open_store
 from tensorturn.store.objects import moved as store_moved
+from tensorturn.tasks.quarantine import machine_fault, worker_store_failed, worker_succeeded
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_ATTEMPTS = 3      # when the spec itself cannot be read
 SUCCEEDED: str = Outcome.SUCCEEDED
 LATE = Outcome.LATE.says("output already stored")
-QUARANTINE_AFTER = 2          # store failures in a row on one agent while others succeed
 CANCEL_LOOK_S = 1.0           # how often (at most) a running attempt looks whether its run was cancelled
 CANCELLED = Outcome.CANCELLED.says("the run was cancelled; nothing stored")
 
@@ -322,7 +322,7 @@ def _execute(task: Task, board: RunBoard, run_id: str, label: Label, unit_class:
             try_write_manifest(store, board, run_id)
             return receipt
         key, number, state = begun
-        attempt.key, attempt.number = key, number
+        attempt.key, attempt.number, attempt.looked_at = key, number, time.monotonic()
         if state == RunState.CANCELLED:  # cancelled since the look above: stop before any download
             raise RunCancelled(f"run {run_id} was cancelled")
         record_outcome(unit, unit.run(), tally)
@@ -362,13 +362,13 @@ def _execute(task: Task, board: RunBoard, run_id: str, label: Label, unit_class:
             key, number = begun[:2] if begun else (f"{label}#refused", max_attempts + 1)
         board.finish_attempt(run_id, key, Outcome.FAILED.says(message), traceback=_tail(exc),
                              figures=Figures(worker, store_ok=False))
-        cause = _machine_fault(exc)
+        cause = machine_fault(exc)
         if cause:
-            if _worker_store_failed(task, board, run_id, str(label), worker, key, message, cause):
+            if worker_store_failed(task, board, run_id, str(label), worker, key, message, cause):
                 # the machine's fault, not the task's: its failed attempts were given back
                 raise task.retry(countdown=1, max_retries=None) from None
         else:
-            _worker_succeeded(board, worker)  # the store answered: this is not the machine's fault
+            worker_succeeded(board, worker)  # the store answered: this is not the machine's fault
         if number < max_attempts:
             raise task.retry(countdown=min(2 ** (number - 1), 8), max_retries=None) from None
         final = (f"{label} failed {number} attempts; last: {message}" if number <= max_attempts
@@ -426,6 +426,7 @@ def run_here(parent: Attempt, label: Label, unit_class: type[Unit]) -> bool:
         if begun is None:  # past the cap: the queued message gives up, as any task does
             return False
         attempt.key, attempt.number, state = begun
+        attempt.looked_at = time.monotonic()  # the begin read the run's state
         if state == RunState.CANCELLED:
             raise RunCancelled(f"run {run_id} was cancelled")
         record_outcome(unit, unit.run(), tally)
@@ -448,62 +449,3 @@ def run_here(parent: Attempt, label: Label, unit_class: type[Unit]) -> bool:
             board.finish_attempt(run_id, attempt.key, Outcome.FAILED.says(message), traceback=_tail(exc),
                                  figures=Figures(worker, store_ok=False))
         return False
-
-
-# ---- agents that keep failing ------------------------------------------------------------------
-
-def _machine_fault(exc: BaseException) -> str | None:
-    """What a failure says of the machine, when it may be the machine's alone: its store
-    unreachable, or it refusing the run's recipe (not on its allowlist). Quarantine decides."""
-    if isinstance(exc, StoreError) and not isinstance(exc, ObjectMissing):
-        return "on the object store (wrong credentials or endpoint on that machine?)"
-    if isinstance(exc, trust.UntrustedError):
-        return "refusing the run's recipe or spec (start it with --allow-recipe for this recipe?)"
-    return None
-
-
-def _worker_succeeded(board: RunBoard, worker: str, pipe: Any = None) -> None:
-    board.workers.store_ok(worker, pipe)
-
-
-def _worker_store_failed(task: Task, board: RunBoard, run_id: str, label: str, worker: str,
-                         attempt_key: str, message: str, cause: str) -> bool:
-    """Count a store failure of this agent; quarantine it (and say True) when it keeps failing
-    and this attempt began *after* another agent's attempt succeeded, itself after this agent's
-    failures began: the store demonstrably worked for others while this machine could not reach
-    it. In an outage of the store itself nobody succeeds, so nobody is quarantined and the
-    attempts run out as they should; an attempt that began during an outage that then ended
-    is not held against its machine either."""
-    failures, since = board.workers.store_failed(worker)
-    attempts = board.attempts(run_id)
-    began = next((a["started_at"] for a in attempts
-                  if f"{a['task']}#{a['attempt']}" == attempt_key), time.time())
-    others_ok = any(a["outcome"] == Outcome.SUCCEEDED and a["worker"] != worker
-                    and since <= (a["finished_at"] or 0) <= began for a in attempts)
-    if failures < QUARANTINE_AFTER or not others_ok:
-        return False
-    quarantine(task, board, run_id, label, worker,
-               f"{worker} failed {failures} tasks in a row {cause} while other machines' tasks "
-               f"succeeded; it takes no more tasks until restarted. Last error: {message}")
-    for a in attempts:  # its failures were the machine's: the tasks get those attempts back
-        if a["worker"] == worker and a["started_at"] >= since and Outcome.of(a["outcome"]) == Outcome.FAILED:
-            board.attempt_log.give_back(run_id, a["task"])
-    return True
-
-
-def quarantine(task: Task, board: RunBoard, run_id: str, label: str, worker: str,
-               reason: str) -> None:
-    """Take ``worker`` — this task's own agent — out of rotation: it stops consuming every
-    queue, and says why. Both are signed with the pool key for this start of the agent (a mark
-    or a ``cancel_consumer`` without it is refused: anyone with the Redis password could send
-    one), so a restart ends the quarantine."""
-    from tensorturn.pool.remote_control import send
-    from tensorturn.pool.routing import withdraw
-    from tensorturn.pool.telemetry import agent_queues, quarantine_mark
-
-    board.workers.quarantine(worker, quarantine_mark(worker, mask_text(reason)))
-    board.incident(run_id, "worker_quarantined", label, worker, reason)
-    queues = agent_queues()
-    withdraw(board.r, worker, queues)  # the outer steps waiting for it go to the trainers
-    for queue in [*queues, layout.agent_queue(worker)]:
-        send(task.app, "cancel_consumer", {"queue": queue}, worker=worker)

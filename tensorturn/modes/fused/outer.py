@@ -142,7 +142,7 @@ class OuterUnit(Unit):
 
     def run(self) -> str:
         spec, store, r = self.spec, self.store, self.a.label.numbers[0]
-        self.a.check_cancelled(now=True)
+        self.a.check_cancelled()  # (the attempt's begin read the run's state a moment ago)
         data_before = data_bytes()  # evaluation data this machine had to download
         last = r + 1 == options(spec).rounds
         waiting = policy(options(spec).sync).await_round(self, r)

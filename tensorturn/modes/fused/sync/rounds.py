@@ -36,7 +36,7 @@ from tensorturn.modes.fused.shard import ShardUnit
 from tensorturn.modes.fused.sync.base import SyncPolicy
 from tensorturn.pool import routing
 from tensorturn.pool.capacity import queue_for
-from tensorturn.pool.celery_app import app
+from tensorturn.pool.celery_app import app, publishing
 from tensorturn.recipes import recipe_of
 from tensorturn.spec import RunSpec
 from tensorturn.state.board import RunBoard
@@ -93,8 +93,10 @@ def dispatch_round(spec: RunSpec, r: int, board: RunBoard) -> None:
     can, so its cached chunks are read again rather than downloaded."""
     queue = queue_for(spec.memory_needed_bytes)
     run_id = spec.run_id
-    for i in range(options(spec).shards):
-        train_slot.s(run_id, r, i, **signed(run_id, str(layout.slot_label(r, i)))).apply_async(queue=queue)
+    with publishing() as producer:  # one round trip for the round
+        for i in range(options(spec).shards):
+            train_slot.s(run_id, r, i, **signed(run_id, str(layout.slot_label(r, i)))).apply_async(
+                queue=queue, producer=producer)
 
 
 def queue_outer(spec: RunSpec, board: RunBoard, r: int, here: Attempt | None = None) -> None:
@@ -105,7 +107,10 @@ def queue_outer(spec: RunSpec, board: RunBoard, r: int, here: Attempt | None = N
     hop or machine's pick-up stands between the round's last shard and the next round. Its
     message is queued only when that attempt fails (then retries and the attempt cap work as
     for any task). The claim names the task, so the same task delivered again after its
-    machine was lost takes the step again."""
+    machine was lost takes the step again. The last round's outer step finishes the run, and
+    is taken here only once every earlier round's evaluation is recorded: else it goes behind
+    them in the queue rather than evaluate such a round again itself. (A task applied in a
+    caller's process — tests that drive each unit — queues it, as it queues what else follows.)"""
     run_id = spec.run_id
     anywhere = queue_for(spec.memory_needed_bytes)
     queue = routing.queue_for_outer(board.r, anywhere)
@@ -113,7 +118,8 @@ def queue_outer(spec: RunSpec, board: RunBoard, r: int, here: Attempt | None = N
     def send() -> None:
         outer_step.s([], run_id, r, **signed(run_id, str(layout.outer_label(r)))).apply_async(queue=queue)
 
-    if here is None or queue != anywhere or here.task.request.is_eager:
+    if (here is None or queue != anywhere or here.task.request.is_eager
+            or (r + 1 == options(spec).rounds and len(board.rounds(run_id)) < r)):
         board.once(run_id, layout.outer_claim(r), send)
     elif board.claims.claim_for(run_id, layout.outer_claim(r), f"task:{here.task.request.id}"):
         if not run_here(here, layout.outer_label(r), OuterUnit):
