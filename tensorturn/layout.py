@@ -207,6 +207,12 @@ def stored_key(run_id: str, r: int) -> str:
     return run_key(run_id, f"stored-r{r}")
 
 
+def global_stored_key(run_id: str, r: int) -> str:
+    """Fused: θ_r is stored — the list round r's slots, queued while θ_r was being stepped, wait
+    on (:meth:`tensorturn.state.claims.Claims.await_global`)."""
+    return run_key(run_id, f"global-r{r}")
+
+
 def handed_key(run_id: str, r: int) -> str:
     """``--sync overlap``: round r's shards whose task ended, their output stored or uploading."""
     return run_key(run_id, f"handed-r{r}")

@@ -327,7 +327,7 @@ def queued_tasks(world) -> list[tuple[str, str]]:
     r = world.board.r
     found = []
     for key in r.scan_iter(count=1000):
-        if r.type(key) == "list":
+        if r.type(key) == "list" and not key.startswith(layout.run_key("")):  # (a run's own lists)
             for raw in r.lrange(key, 0, -1):
                 headers = json.loads(raw).get("headers", {})
                 found.append((headers.get("task", ""), headers.get("argsrepr", "")))
@@ -749,3 +749,44 @@ def test_the_last_outer_step_waits_in_the_queue_behind_an_evaluation_not_yet_rec
     doc = world.board.describe(spec.run_id)
     assert doc["state"] == "succeeded", doc["error"]
     assert [a["task"] for a in doc["attempts"]].count("r0/eval") == 1
+
+
+def test_a_slot_queued_ahead_of_its_weights_waits_for_them_and_trains_from_them(world):
+    """Round r+1's slots are queued as round r's outer step begins: one that starts before
+    θ_{r+1} is stored waits for its announcement, then trains from it."""
+    import threading
+
+    spec = world.submit(**FUSED)
+    shard(spec, 0, 0)
+    shard(spec, 0, 1)
+    waiting = threading.Thread(target=shard, args=(spec, 1, 0))
+    waiting.start()
+    outer(spec, 0, evaluate=False)  # θ_1 stored and announced while shard 0 of round 1 waits
+    waiting.join(timeout=60)
+    assert not waiting.is_alive()
+    doc = world.board.describe(spec.run_id)
+    done = [a for a in doc["attempts"] if a["task"] == "r1/shard-0"]
+    assert [a["outcome"] for a in done] == ["succeeded"]
+    stepped = next(a for a in doc["attempts"] if a["task"] == "r0/outer")
+    assert done[0]["started_at"] < stepped["finished_at"] <= done[0]["trained_from"] + 0.5
+
+
+def test_a_slot_waiting_for_weights_no_outer_step_is_making_goes_back_to_the_queue(world, monkeypatch):
+    """θ_{r+1} not stored and round r's outer step not running (it failed, or its machine
+    stopped answering): after a grace the slot is queued again a little later, its attempt
+    refused (not one of its attempts used), so its machine takes the next message."""
+    from tensorturn.modes.fused.sync import rounds
+
+    monkeypatch.setattr(rounds, "STEP_GRACE_S", 0.0)
+    spec = world.submit(**FUSED)
+    shard(spec, 0, 0)
+    shard(spec, 0, 1)
+    shard(spec, 1, 0)  # round 0's outer step never ran
+    tries = [a for a in world.board.describe(spec.run_id)["attempts"] if a["task"] == "r1/shard-0"]
+    assert [a["outcome"].split(":")[0] for a in tries] == ["refused"]
+    assert "θ_1 is not stored and round 0's outer step is not running" in tries[0]["outcome"]
+    assert ("tensorturn.fused.train_shard", f"('{spec.run_id}', 1, 0)") in queued_tasks(world)
+    outer(spec, 0, evaluate=False)
+    shard(spec, 1, 0)  # the message queued again
+    assert [a["outcome"] for a in world.board.describe(spec.run_id)["attempts"]
+            if a["task"] == "r1/shard-0"][-1] == "succeeded"

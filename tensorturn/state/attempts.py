@@ -82,6 +82,13 @@ end
 return 0
 """
 
+# The latest attempt's entry of a task (KEYS: attempt_n, attempts; ARGV: the task), or nil.
+_LATEST = """
+local n = redis.call('hget', KEYS[1], ARGV[1])
+if not n then return nil end
+return redis.call('hget', KEYS[2], ARGV[1] .. '#' .. n)
+"""
+
 NUMBER = "\x00attempt\x00"   # where an entry's number goes, split off before Redis fills it in
 
 
@@ -235,6 +242,11 @@ class Attempts:
         if figures.store_ok:
             workers.store_ok(figures.worker, pipe)
         workers.task_ended(figures.worker, figures.rate, pipe)
+
+    def latest(self, run_id: str, task: str) -> dict[str, Any] | None:
+        """The entry of ``task``'s latest attempt, or None before its first (one round trip)."""
+        raw = self.r.eval(_LATEST, 2, layout.run_key(run_id, "attempt_n"), layout.run_key(run_id, "attempts"), task)
+        return json.loads(raw) if raw else None
 
     def all(self, run_id: str) -> list[dict[str, Any]]:
         entries = [json.loads(v) for v in self.r.hgetall(layout.run_key(run_id, "attempts")).values()]

@@ -13,6 +13,8 @@ from typing import Any
 from tensorturn import layout
 from tensorturn.state.clock import broker_now
 
+ANNOUNCED_KEEP_S = 24 * 3600  # how long a round's "θ stored" announcement is kept (waiters come within a lease)
+
 # A round's slot → the shard it trains (see Claims.claim_shard). KEYS: the round's slots, the run's
 # owners; ARGV: slot, worker, shards, then the shards whose data this worker holds. Preference: a
 # shard it trained before (lowest first), else one nobody has whose data it holds, else one nobody
@@ -129,6 +131,21 @@ class Claims:
         """Shard ``k`` of round ``r`` is stored: how many of the round's shards are (one
         command; a shard marked again — a redelivery — counts once)."""
         return int(self.r.eval(_NOTE_STORED, 1, layout.stored_key(run_id, r), str(k), worker))
+
+    def announce_global(self, run_id: str, r: int) -> None:
+        """θ_r is stored: the slots of round r waiting for it go on (one round trip)."""
+        key = layout.global_stored_key(run_id, r)
+        pipe = self.r.pipeline(transaction=False)
+        pipe.rpush(key, "stored")
+        pipe.expire(key, ANNOUNCED_KEEP_S)
+        pipe.execute()
+
+    def await_global(self, run_id: str, r: int, timeout_s: int) -> bool:
+        """Wait up to ``timeout_s`` (whole seconds) for θ_r's announcement; whether it came. A
+        blocking pop that pushes what it popped back onto the same list: every waiter sees the
+        one announcement, and one that comes later sees it at once."""
+        key = layout.global_stored_key(run_id, r)
+        return self.r.brpoplpush(key, key, timeout_s) is not None
 
     def forget_stored(self, run_id: str, rounds: range) -> None:
         """No shard of ``rounds`` counted stored (a resume: its tasks mark what is stored again,

@@ -56,6 +56,7 @@ class ShardUnit(backups.CopyAwareUnit):
 
         def theta_of(recipe: Recipe) -> tuple[StateDict, int, dict[str, str]]:
             prefetch_next(spec, recipe, self.board, r, self.a.worker)
+            sync.await_global(self, sync.base_round(r))
             theta, moved = fetch_global(spec, recipe, self.store, sync.base_round(r))
             start, more = sync.shard_start(self, r, k, theta)
             return start, moved + more, {}

@@ -43,6 +43,11 @@ class SyncPolicy:
         policy overlaps rounds."""
         return r
 
+    def await_global(self, unit: Unit, r: int) -> None:
+        """Before a shard of round r fetches θ_r: wait while θ_r is still being stepped, when
+        the policy queues a round's shards ahead of its weights (``NotYet`` when they will not
+        come soon: the shard is queued again)."""
+
     def output_in_flight(self, board: RunBoard, spec: RunSpec, r: int, k: int) -> bool:
         """Whether shard k of round r's output is on its way to the store (then it is done)."""
         return False

@@ -45,14 +45,14 @@ from tensorturn import config, layout
 from tensorturn.config import mask_text
 from tensorturn.modes.fused.options import options
 from tensorturn.modes.fused.sync.rounds import (
+    NOT_YET_S,
     Rounds,
     dispatch_round,
     last_stored_round,
     queue_eval,
     queue_outer,
-    train_shard,
+    queue_shard,
 )
-from tensorturn.pool.capacity import queue_for
 from tensorturn.spec import RunSpec
 from tensorturn.state.board import RunBoard
 from tensorturn.state.broker import Hedged, lease_client
@@ -61,7 +61,7 @@ from tensorturn.store import seals
 from tensorturn.store.objects import Store, counted_apart
 from tensorturn.store.tensorfile import TensorReader, delta_tensors
 from tensorturn.store.tensors import StateDict
-from tensorturn.tasks.attempt import Attempt, NotYet, Unit, agent_store, signed
+from tensorturn.tasks.attempt import Attempt, NotYet, Unit, agent_store
 from tensorturn.train.diloco import apply_step
 
 log = logging.getLogger(__name__)
@@ -69,7 +69,6 @@ log = logging.getLogger(__name__)
 UPLOAD_LOOK_S = 0.5  # how often (at most) a waiting task looks whether the outputs it needs are stored
 BIND_GRACE_S = 1.0  # how long a shard waits for its last round's task to be bound to a machine
 FIRST_LOOK_S = 0.02  # its first look's pause, doubled up to UPLOAD_LOOK_S (an upload on a LAN takes ms)
-NOT_YET_S = 3.0      # a shard whose last round's output is not there yet is queued again this much later
 
 
 class Overlap(Rounds):
@@ -98,6 +97,9 @@ class Overlap(Rounds):
 
     def output_in_flight(self, board: RunBoard, spec: RunSpec, r: int, k: int) -> bool:
         return board.claims.uploading(spec.run_id, r, k)
+
+    def await_global(self, unit: Unit, r: int) -> None:
+        """(Round r+2 is queued once θ_{r+1} is stored: its base is there before it.)"""
 
     def shard_start(self, unit: Unit, r: int, k: int, theta: StateDict) -> tuple[StateDict, int]:
         """θ_{r−1} minus the shard's own pseudo-gradient of round r−1: the weights its last round
@@ -178,13 +180,6 @@ def queue_outer_when_ready(spec: RunSpec, store: Store, board: RunBoard, r: int)
            for k in range(options(spec).shards)):
         return
     queue_outer(spec, board, r)
-
-
-def queue_shard(spec: RunSpec, r: int, k: int, countdown: float = 0) -> None:
-    """Queue shard k of round r as a named shard task (in ``countdown`` seconds)."""
-    run_id = spec.run_id
-    train_shard.s(run_id, r, k, **signed(run_id, str(layout.shard_label(r, k)))).apply_async(
-        queue=queue_for(spec.memory_needed_bytes), countdown=countdown)
 
 
 def train_again(spec: RunSpec, board: RunBoard, r: int, lost: list[int], worker: str) -> list[int]:

@@ -27,6 +27,7 @@ The round's Celery tasks are defined here; ``--sync backup`` (:mod:`.backup`) qu
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 from tensorturn import layout
@@ -38,13 +39,16 @@ from tensorturn.pool import routing
 from tensorturn.pool.capacity import queue_for
 from tensorturn.pool.celery_app import app, publishing
 from tensorturn.recipes import recipe_of
-from tensorturn.spec import RunSpec
+from tensorturn.spec import Outcome, RunSpec
 from tensorturn.state.board import RunBoard
 from tensorturn.store import seals
 from tensorturn.store.objects import Store
-from tensorturn.tasks.attempt import Attempt, execute, run_here, signed
+from tensorturn.tasks.attempt import Attempt, NotYet, Unit, execute, run_here, signed
 
 log = logging.getLogger(__name__)
+
+STEP_GRACE_S = 2.0  # how long a slot waits for θ_r once round r−1's outer step is not seen running
+NOT_YET_S = 3.0     # a slot that stopped waiting is queued again this much later
 
 class Rounds(SyncPolicy):
     """A barrier per round: its last shard stored queues the outer step; the outer step of
@@ -71,8 +75,36 @@ class Rounds(SyncPolicy):
 
     def after_outer(self, spec: RunSpec, board: RunBoard, r: int) -> None:
         if r + 1 < options(spec).rounds:
+            board.claims.announce_global(spec.run_id, r + 1)  # for slots queued ahead of θ_{r+1}
             board.once(spec.run_id, layout.dispatch_claim(r + 1), lambda: dispatch_round(spec, r + 1, board))
             queue_eval(spec, board, r)
+
+    def await_global(self, unit: Unit, r: int) -> None:
+        """Round r's slots are queued when round r−1's outer step begins in its last shard's
+        task (:func:`queue_outer`), so the machines waiting at the barrier take them, read their
+        data and wait here for θ_r — announced the moment it is stored — rather than be queued
+        and picked up after it. A wait lasts while round r−1's outer step runs on a machine that
+        answers; one that failed, or whose machine stopped answering, is waited for only
+        :data:`STEP_GRACE_S` more: the shard is queued again a few seconds later, and its
+        machine takes the next message — the outer step's own, queued again, or the lost
+        machine's shard delivered again."""
+        spec, store, board = unit.spec, unit.store, unit.board
+        key, label = layout.key("global", spec.run_id, r), str(layout.outer_label(r - 1))
+        unsure_since: float | None = None
+        while r > 0 and not store.exists(key):
+            if board.claims.await_global(spec.run_id, r, 1):
+                continue
+            unit.a.check_cancelled()
+            step = board.attempt_log.latest(spec.run_id, label)
+            if step is not None and step["outcome"] == Outcome.RUNNING and step["worker"] in board.workers.online():
+                unsure_since = None
+                continue
+            unsure_since = unsure_since or time.monotonic()
+            if time.monotonic() - unsure_since >= STEP_GRACE_S and not store.exists(key):
+                k = unit.a.label.numbers[1]
+                queue_shard(spec, r, k, countdown=NOT_YET_S)
+                raise NotYet(f"θ_{r} is not stored and round {r - 1}'s outer step is not running; "
+                             f"queued again in {NOT_YET_S:g} s")
 
 
 def last_stored_round(spec: RunSpec, store: Store, board: RunBoard) -> int:
@@ -118,12 +150,22 @@ def queue_outer(spec: RunSpec, board: RunBoard, r: int, here: Attempt | None = N
     def send() -> None:
         outer_step.s([], run_id, r, **signed(run_id, str(layout.outer_label(r)))).apply_async(queue=queue)
 
+    last = r + 1 == options(spec).rounds
     if (here is None or queue != anywhere or here.task.request.is_eager
-            or (r + 1 == options(spec).rounds and len(board.rounds(run_id)) < r)):
+            or (last and len(board.rounds(run_id)) < r)):
         board.once(run_id, layout.outer_claim(r), send)
     elif board.claims.claim_for(run_id, layout.outer_claim(r), f"task:{here.task.request.id}"):
+        if not last:  # the next round's slots, queued now, wait for θ_{r+1} (Rounds.await_global)
+            board.once(run_id, layout.dispatch_claim(r + 1), lambda: dispatch_round(spec, r + 1, board))
         if not run_here(here, layout.outer_label(r), OuterUnit):
             send()
+
+
+def queue_shard(spec: RunSpec, r: int, k: int, countdown: float = 0) -> None:
+    """Queue shard k of round r as a named shard task (in ``countdown`` seconds)."""
+    run_id = spec.run_id
+    train_shard.s(run_id, r, k, **signed(run_id, str(layout.shard_label(r, k)))).apply_async(
+        queue=queue_for(spec.memory_needed_bytes), countdown=countdown)
 
 
 def queue_eval(spec: RunSpec, board: RunBoard, r: int) -> None:
