@@ -51,8 +51,9 @@ STEP_GRACE_S = 2.0  # how long a slot waits for θ_r once round r−1's outer st
 NOT_YET_S = 3.0     # a slot that stopped waiting is queued again this much later
 
 class Rounds(SyncPolicy):
-    """A barrier per round: its last shard stored queues the outer step; the outer step of
-    round r queues round r+1."""
+    """A barrier per round: the task that stores its last shard takes the outer step (or queues
+    it, :func:`queue_outer`); round r+1 is queued as that step begins, its slots waiting for
+    θ_{r+1} (:meth:`await_global`), or once θ_{r+1} is stored where the step was queued."""
 
     name = "rounds"
 
