@@ -784,7 +784,7 @@ def test_a_slot_waiting_for_weights_no_outer_step_is_making_goes_back_to_the_que
     shard(spec, 1, 0)  # round 0's outer step never ran
     tries = [a for a in world.board.describe(spec.run_id)["attempts"] if a["task"] == "r1/shard-0"]
     assert [a["outcome"].split(":")[0] for a in tries] == ["refused"]
-    assert "θ_1 is not stored and round 0's outer step is not running" in tries[0]["outcome"]
+    assert "θ_1 is not stored yet (round 0's outer step is not running)" in tries[0]["outcome"]
     assert ("tensorturn.fused.train_shard", f"('{spec.run_id}', 1, 0)") in queued_tasks(world)
     outer(spec, 0, evaluate=False)
     shard(spec, 1, 0)  # the message queued again

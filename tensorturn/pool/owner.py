@@ -18,7 +18,8 @@ machine should step aside it
    another machine — from the same weights with the same seed, so the same result;
 3. and when the policy allows again, consumes its queues again.
 
-Outer steps and evaluations finish first (they are short, and usually on the coordinator).
+Outer steps and evaluations finish first (they are short: the outer step runs in the task of a
+round's last shard, or beside the store where an agent serves there).
 
 The readings (hours, battery, CPU, GPU) are the machine's own, so the hours are its local
 time — the owner's clock, not the broker's. CPU: the share of all cores that processes other than

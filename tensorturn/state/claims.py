@@ -10,9 +10,13 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import redis
+
 from tensorturn import layout
+from tensorturn.state.broker import lease_client
 from tensorturn.state.clock import broker_now
 
+BLOCKING_SLACK_S = 5  # a blocking wait's connection gives up this long after the wait
 ANNOUNCED_KEEP_S = 24 * 3600  # how long a round's "θ stored" announcement is kept (waiters come within a lease)
 
 # A round's slot → the shard it trains (see Claims.claim_shard). KEYS: the round's slots, the run's
@@ -65,6 +69,7 @@ class Claims:
 
     def __init__(self, client: Any):
         self.r = client
+        self.blocking: Any = None  # for blocking waits: a client whose calls give up (lease_client)
 
     def claim(self, run_id: str, what: str) -> bool:
         """True the first time ``what`` is claimed for this run (guards one-time dispatches)."""
@@ -143,14 +148,22 @@ class Claims:
     def await_global(self, run_id: str, r: int, timeout_s: int) -> bool:
         """Wait up to ``timeout_s`` (whole seconds) for θ_r's announcement; whether it came. A
         blocking pop that pushes what it popped back onto the same list: every waiter sees the
-        one announcement, and one that comes later sees it at once."""
+        one announcement, and one that comes later sees it at once. On a connection of its own
+        that gives up a few seconds after the wait (a link dropped mid-wait is not waited on for
+        hours); a broker that does not answer counts as no announcement."""
         key = layout.global_stored_key(run_id, r)
-        return self.r.brpoplpush(key, key, timeout_s) is not None
+        if self.blocking is None:
+            self.blocking = lease_client(self.r, timeout_s + BLOCKING_SLACK_S)
+        try:
+            return self.blocking.brpoplpush(key, key, timeout_s) is not None
+        except (redis.ConnectionError, redis.TimeoutError):
+            return False
 
     def forget_stored(self, run_id: str, rounds: range) -> None:
         """No shard of ``rounds`` counted stored (a resume: its tasks mark what is stored again,
         so a shard lost from the store is not counted)."""
         keys = [layout.stored_key(run_id, r) for r in rounds]
+        keys += [layout.global_stored_key(run_id, r) for r in rounds]  # announcements of weights it steps again
         if keys:
             self.r.delete(*keys)
 

@@ -39,6 +39,11 @@ class Workers:
         """The names of the agents that take tasks now (verified, online, not quarantined)."""
         return {w["name"] for w in self.all() if w["state"] in roster.TAKES_TASKS}
 
+    def not_offline(self) -> set[str]:
+        """The names of the agents whose heartbeat goes on (paused or quarantined ones too: a
+        task they run still runs)."""
+        return {w["name"] for w in self.all() if w["state"] != roster.WorkerState.OFFLINE}
+
     # -- the agent's own heartbeat --
     def beat(self, node: str, fields: dict[str, Any], first: bool, idle: bool) -> tuple[str | None, str | None]:
         """Write one heartbeat of ``node`` (``fields``: signed inventory, live figures, pid), in

@@ -48,7 +48,9 @@ from tensorturn.tasks.attempt import Attempt, NotYet, Unit, execute, run_here, s
 log = logging.getLogger(__name__)
 
 STEP_GRACE_S = 2.0  # how long a slot waits for θ_r once round r−1's outer step is not seen running
+WAIT_CAP_S = 20.0   # how long a slot waits for θ_r at most (a step's process may die unseen)
 NOT_YET_S = 3.0     # a slot that stopped waiting is queued again this much later
+QUICK_STEP_S = 1.0  # the next round is queued ahead of θ only after an outer step this short
 
 class Rounds(SyncPolicy):
     """A barrier per round: the task that stores its last shard takes the outer step (or queues
@@ -81,31 +83,35 @@ class Rounds(SyncPolicy):
             queue_eval(spec, board, r)
 
     def await_global(self, unit: Unit, r: int) -> None:
-        """Round r's slots are queued when round r−1's outer step begins in its last shard's
-        task (:func:`queue_outer`), so the machines waiting at the barrier take them, read their
-        data and wait here for θ_r — announced the moment it is stored — rather than be queued
-        and picked up after it. A wait lasts while round r−1's outer step runs on a machine that
-        answers; one that failed, or whose machine stopped answering, is waited for only
-        :data:`STEP_GRACE_S` more: the shard is queued again a few seconds later, and its
-        machine takes the next message — the outer step's own, queued again, or the lost
-        machine's shard delivered again."""
+        """Round r's slots may be queued when round r−1's outer step begins in its last shard's
+        task (:func:`queue_outer`, for short outer steps), so the machines waiting at the
+        barrier take them, read their data and wait here for θ_r — announced the moment it is
+        stored — rather than be queued and picked up after it. A wait lasts while round r−1's
+        outer step runs on a machine that is not offline, for at most :data:`WAIT_CAP_S`; one
+        that failed, or whose machine went offline, is waited for :data:`STEP_GRACE_S` more.
+        Then the shard is queued again a few seconds later (behind whatever the round needs
+        first: the outer step's message queued again, or the shard task that was taking it,
+        delivered again), and its machine takes the next message."""
         spec, store, board = unit.spec, unit.store, unit.board
         key, label = layout.key("global", spec.run_id, r), str(layout.outer_label(r - 1))
-        unsure_since: float | None = None
+        began, unsure_since = time.monotonic(), None
         while r > 0 and not store.exists(key):
             if board.claims.await_global(spec.run_id, r, 1):
-                continue
+                if store.exists(key):
+                    return
+                time.sleep(0.2)  # announced but not there: a store that lags, or an old announcement
             unit.a.check_cancelled()
             step = board.attempt_log.latest(spec.run_id, label)
-            if step is not None and step["outcome"] == Outcome.RUNNING and step["worker"] in board.workers.online():
-                unsure_since = None
-                continue
-            unsure_since = unsure_since or time.monotonic()
-            if time.monotonic() - unsure_since >= STEP_GRACE_S and not store.exists(key):
-                k = unit.a.label.numbers[1]
-                queue_shard(spec, r, k, countdown=NOT_YET_S)
-                raise NotYet(f"θ_{r} is not stored and round {r - 1}'s outer step is not running; "
-                             f"queued again in {NOT_YET_S:g} s")
+            running = (step is not None and step["outcome"] == Outcome.RUNNING
+                       and step["worker"] in board.workers.not_offline())
+            unsure_since = None if running else (unsure_since or time.monotonic())
+            now = time.monotonic()
+            if now - began >= WAIT_CAP_S or (unsure_since is not None and now - unsure_since >= STEP_GRACE_S):
+                if store.exists(key):
+                    return
+                queue_shard(spec, r, unit.a.label.numbers[1], countdown=NOT_YET_S)
+                raise NotYet(f"θ_{r} is not stored yet (round {r - 1}'s outer step "
+                             + ("still runs" if running else "is not running") + f"); queued again in {NOT_YET_S:g} s")
 
 
 def last_stored_round(spec: RunSpec, store: Store, board: RunBoard) -> int:
@@ -151,15 +157,33 @@ def queue_outer(spec: RunSpec, board: RunBoard, r: int, here: Attempt | None = N
     def send() -> None:
         outer_step.s([], run_id, r, **signed(run_id, str(layout.outer_label(r)))).apply_async(queue=queue)
 
-    last = r + 1 == options(spec).rounds
-    if (here is None or queue != anywhere or here.task.request.is_eager
-            or (last and len(board.rounds(run_id)) < r)):
+    if here is None or here.task.request.is_eager:
         board.once(run_id, layout.outer_claim(r), send)
-    elif board.claims.claim_for(run_id, layout.outer_claim(r), f"task:{here.task.request.id}"):
-        if not last:  # the next round's slots, queued now, wait for θ_{r+1} (Rounds.await_global)
-            board.once(run_id, layout.dispatch_claim(r + 1), lambda: dispatch_round(spec, r + 1, board))
-        if not run_here(here, layout.outer_label(r), OuterUnit):
+        return
+    if not board.claims.claim_for(run_id, layout.outer_claim(r), f"task:{here.task.request.id}"):
+        return  # another task has it (this one's earlier delivery would hold it)
+    last = r + 1 == options(spec).rounds
+    if queue != anywhere or (last and len(board.rounds(run_id)) < r):
+        try:
             send()
+        except BaseException:
+            board.release(run_id, layout.outer_claim(r))
+            raise
+        return
+    if not last and quick_step(board, run_id, r - 1):  # its slots wait for θ_{r+1} (Rounds.await_global)
+        board.once(run_id, layout.dispatch_claim(r + 1), lambda: dispatch_round(spec, r + 1, board))
+    if not run_here(here, layout.outer_label(r), OuterUnit):
+        send()
+
+
+def quick_step(board: RunBoard, run_id: str, r: int) -> bool:
+    """Whether round r's outer step took under :data:`QUICK_STEP_S` — then the next one will
+    most likely be as quick, and the round after it is worth queueing ahead of its weights (a
+    few milliseconds a round, which only short rounds notice; a slot waits at most
+    :data:`WAIT_CAP_S`, so long steps do not have machines wait on them)."""
+    step = board.attempt_log.latest(run_id, str(layout.outer_label(r))) if r >= 0 else None
+    return (step is not None and step["outcome"] == Outcome.SUCCEEDED
+            and (step["finished_at"] or 0) - step["started_at"] < QUICK_STEP_S)
 
 
 def queue_shard(spec: RunSpec, r: int, k: int, countdown: float = 0) -> None:
