@@ -36,7 +36,6 @@ import tempfile
 import threading
 import time
 import uuid
-from functools import partial
 from pathlib import Path
 
 from celery.signals import worker_process_shutdown, worker_shutdown
@@ -47,10 +46,10 @@ from tensorturn.modes.fused.options import options
 from tensorturn.modes.fused.sync.rounds import (
     NOT_YET_S,
     Rounds,
-    dispatch_round,
     last_stored_round,
     queue_eval,
     queue_outer,
+    queue_round,
     queue_shard,
 )
 from tensorturn.spec import RunSpec
@@ -82,7 +81,7 @@ class Overlap(Rounds):
 
     def start(self, spec: RunSpec, store: Store, board: RunBoard) -> None:
         for r in range(min(2, options(spec).rounds)):  # both train from θ_0
-            board.once(spec.run_id, layout.dispatch_claim(r), partial(dispatch_round, spec, r, board))
+            queue_round(spec, board, r)
 
     def resume(self, spec: RunSpec, store: Store, board: RunBoard) -> str:
         """Continue from the last round whose global weights are stored: θ_r lets rounds r and
@@ -91,7 +90,7 @@ class Overlap(Rounds):
         r, rounds = last_stored_round(spec, store, board), options(spec).rounds
         board.claims.forget_uploads(spec.run_id, range(max(r - 1, 0), rounds), options(spec).shards)
         for n in range(r, min(r + 2, rounds)):
-            board.once(spec.run_id, layout.dispatch_claim(n), partial(dispatch_round, spec, n, board))
+            queue_round(spec, board, n)
         queue_outer_when_ready(spec, store, board, r)  # its shards may all be stored already
         return f"resumed at round {r} of 0..{rounds - 1}, overlapped"
 
@@ -138,7 +137,7 @@ class Overlap(Rounds):
             return
         rounds = options(spec).rounds
         if r + 2 < rounds:
-            board.once(spec.run_id, layout.dispatch_claim(r + 2), lambda: dispatch_round(spec, r + 2, board))
+            queue_round(spec, board, r + 2)
         if r + 1 < rounds:  # the evaluation first: round r+1's outer step may end the run
             queue_eval(spec, board, r)
             queue_outer_when_ready(spec, store, board, r + 1)

@@ -35,6 +35,7 @@ from tensorturn.modes.fused.options import evaluated, options
 from tensorturn.modes.fused.outer import EvalUnit, OuterUnit
 from tensorturn.modes.fused.shard import ShardUnit
 from tensorturn.modes.fused.sync.base import SyncPolicy
+from tensorturn.modes.fused.weights import cache
 from tensorturn.pool import routing
 from tensorturn.pool.capacity import queue_for
 from tensorturn.pool.celery_app import app, publishing
@@ -79,7 +80,7 @@ class Rounds(SyncPolicy):
     def after_outer(self, spec: RunSpec, board: RunBoard, r: int) -> None:
         if r + 1 < options(spec).rounds:
             board.claims.announce_global(spec.run_id, r + 1)  # for slots queued ahead of θ_{r+1}
-            board.once(spec.run_id, layout.dispatch_claim(r + 1), lambda: dispatch_round(spec, r + 1, board))
+            queue_round(spec, board, r + 1)
             queue_eval(spec, board, r)
 
     def await_global(self, unit: Unit, r: int) -> None:
@@ -93,9 +94,12 @@ class Rounds(SyncPolicy):
         first: the outer step's message queued again, or the shard task that was taking it,
         delivered again), and its machine takes the next message."""
         spec, store, board = unit.spec, unit.store, unit.board
+        held = cache.get(spec.run_id)
+        if r == 0 or (held is not None and held[0] >= r):  # θ_r is here already: no look at the store
+            return
         key, label = layout.key("global", spec.run_id, r), str(layout.outer_label(r - 1))
         began, unsure_since = time.monotonic(), None
-        while r > 0 and not store.exists(key):
+        while not store.exists(key):
             if board.claims.await_global(spec.run_id, r, 1):
                 if store.exists(key):
                     return
@@ -138,6 +142,12 @@ def dispatch_round(spec: RunSpec, r: int, board: RunBoard) -> None:
                 queue=queue, producer=producer)
 
 
+def queue_round(spec: RunSpec, board: RunBoard, r: int) -> None:
+    """Queue round r once (whoever comes first: the outer step that begins, or stores, the
+    weights it trains from)."""
+    board.once(spec.run_id, layout.dispatch_claim(r), lambda: dispatch_round(spec, r, board))
+
+
 def queue_outer(spec: RunSpec, board: RunBoard, r: int, here: Attempt | None = None) -> None:
     """Round r's outer step, once: beside the store while an agent there serves it
     (:mod:`tensorturn.pool.routing`), else on machines that can hold the model — and there,
@@ -171,7 +181,7 @@ def queue_outer(spec: RunSpec, board: RunBoard, r: int, here: Attempt | None = N
             raise
         return
     if not last and quick_step(board, run_id, r - 1):  # its slots wait for θ_{r+1} (Rounds.await_global)
-        board.once(run_id, layout.dispatch_claim(r + 1), lambda: dispatch_round(spec, r + 1, board))
+        queue_round(spec, board, r + 1)
     if not run_here(here, layout.outer_label(r), OuterUnit):
         send()
 
