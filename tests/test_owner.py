@@ -12,6 +12,7 @@ import datetime
 import subprocess
 import sys
 
+import psutil
 import pytest
 import redis
 from conftest import clean_env, run_to_end, start_pool, submit_run, tt, wait_for, wait_for_run
@@ -95,15 +96,53 @@ def check_same_run(doc: dict, reference: dict, victim: dict) -> None:
     assert not [a for a in doc["attempts"] if a["outcome"].startswith("failed")]
 
 
-def test_pause_hands_the_running_task_back_and_resume_brings_the_agent_back(pool, reference):
+def held_mid_shard(pool, run_id: str) -> tuple[dict, list[psutil.Process]]:
+    """A shard's running attempt, with the pool processes of the agent training it stopped
+    (SIGSTOP; the agent's own process — its heartbeat, lease and owner watch — runs on): the
+    shard stays mid-task, however long the owner's policy takes to read (the CPU's takes a few
+    looks) and however loaded the machine. Returns the attempt and the stopped processes."""
+    board = RunBoard(redis.Redis.from_url(pool.broker_url, decode_responses=True))
+    while True:
+        victim = running_shard(pool, run_id)
+        index = int(victim["worker"].split("@")[0].removeprefix("local")) - 1
+        held = psutil.Process(pool.agents[index].pid).children(recursive=True)
+        for p in held:
+            p.suspend()
+        if any(a["task"] == victim["task"] and a["worker"] == victim["worker"] and a["outcome"] == "running"
+               for a in board.attempts(run_id)):
+            return victim, held
+        for p in held:  # it ended before it was held: hold the next one
+            p.resume()
+
+
+def paused_mid_task(pool, reference, pause) -> tuple[str, dict, dict]:
+    """Submit SPEC and let ``pause(name)`` make the owner of the agent training a shard come,
+    while that shard is held (:func:`held_mid_shard`) until the agent says it is paused. The
+    shard is handed back and redone elsewhere, giving the undisturbed run's model at no cost to
+    the attempts. Returns the agent's short name, the handed-back attempt and the run."""
     spec = submit_run(pool, **SPEC)
-    victim = running_shard(pool, spec.run_id)
+    victim, held = held_mid_shard(pool, spec.run_id)
     name = victim["worker"].split("@")[0]
-    out = tt("pause", name, "--reason", "game night", env=cli_env(pool))
-    assert out.returncode == 0, out.stderr
-    wait_for(lambda: handed_back(pool, spec.run_id), "the running shard to be handed back")
-    [back] = handed_back(pool, spec.run_id)
-    assert back["task"] == victim["task"] and back["outcome"] == "handed back: owner: game night"
+    try:
+        pause(name)
+        wait_for(lambda: standing(pool, name)["state"] == "paused", "the agent to step aside")
+    finally:
+        for p in held:
+            p.resume()
+    [back] = wait_for(lambda: handed_back(pool, spec.run_id), "the running shard to be handed back")
+    assert back["task"] == victim["task"] and back["worker"] == victim["worker"]
+    doc = wait_for_run(pool, spec.run_id)
+    check_same_run(doc, reference, back)
+    return name, back, doc
+
+
+def test_pause_hands_the_running_task_back_and_resume_brings_the_agent_back(pool, reference):
+    def owner_pauses(name: str) -> None:
+        out = tt("pause", name, "--reason", "game night", env=cli_env(pool))
+        assert out.returncode == 0, out.stderr
+
+    name, back, doc = paused_mid_task(pool, reference, owner_pauses)
+    assert back["outcome"] == "handed back: owner: game night"
     paused = standing(pool, name)
     assert paused["state"] == "paused" and paused["paused"] == "owner: game night"
     listed = tt("workers", "--json", env=cli_env(pool))
@@ -112,41 +151,23 @@ def test_pause_hands_the_running_task_back_and_resume_brings_the_agent_back(pool
     from tensorturn.pool.celery_app import app, configure
 
     configure(pool.broker_url)
-    assert app.control.inspect(destination=[victim["worker"]], timeout=2).active() == {victim["worker"]: []}
-    doc = wait_for_run(pool, spec.run_id)
-    check_same_run(doc, reference, victim)
-    assert not [a for a in doc["attempts"] if a["worker"] == victim["worker"]
+    assert app.control.inspect(destination=[back["worker"]], timeout=2).active() == {back["worker"]: []}
+    assert not [a for a in doc["attempts"] if a["worker"] == back["worker"]
                 and a["started_at"] > back["finished_at"]]  # it took nothing while paused
     assert tt("resume", name, env=cli_env(pool)).returncode == 0
     wait_for(lambda: standing(pool, name)["state"] == "idle", "the agent to resume")
 
 
 def test_on_battery_the_agent_hands_back_and_resumes_on_mains(pool, reference):
-    spec = submit_run(pool, **SPEC)
-    victim = running_shard(pool, spec.run_id)
-    name = victim["worker"].split("@")[0]
-    assert tt("policy", name, "--pause-on-battery", env=cli_env(pool)).returncode == 0
-    pool.battery.write_text("battery")  # unplugged
-    wait_for(lambda: handed_back(pool, spec.run_id), "the running shard to be handed back")
+    def unplugged(name: str) -> None:
+        assert tt("policy", name, "--pause-on-battery", env=cli_env(pool)).returncode == 0
+        pool.battery.write_text("battery")
+
+    name, back, _ = paused_mid_task(pool, reference, unplugged)
+    assert back["outcome"] == "handed back: on battery"
     assert standing(pool, name)["paused"] == "on battery"
-    check_same_run(wait_for_run(pool, spec.run_id), reference, victim)
     pool.battery.write_text("ac")
     wait_for(lambda: standing(pool, name)["state"] == "idle", "the agent to resume on mains")
-
-
-def paused_mid_task(pool, reference, pause) -> str:
-    """Submit SPEC, let ``pause(name)`` make the owner of the agent training its first shard
-    come; that shard is handed back and redone elsewhere, giving the undisturbed run's model at
-    no cost to the attempts. Returns the agent's short name."""
-    spec = submit_run(pool, **SPEC)
-    victim = running_shard(pool, spec.run_id)
-    name = victim["worker"].split("@")[0]
-    pause(name)
-    # (a policy that needs a few looks, the CPU's, may take hold in the agent's next shard)
-    back = wait_for(lambda: handed_back(pool, spec.run_id), "a running shard to be handed back")[0]
-    assert back["worker"] == victim["worker"]
-    check_same_run(wait_for_run(pool, spec.run_id), reference, back)
-    return name
 
 
 def test_outside_its_hours_the_agent_pauses_and_the_policy_changes_while_it_runs(pool, reference):
@@ -156,7 +177,7 @@ def test_outside_its_hours_the_agent_pauses_and_the_policy_changes_while_it_runs
         return f"{start:%H:%M}-{end:%H:%M}"
 
     later = hours(now + datetime.timedelta(hours=2), now + datetime.timedelta(hours=3))
-    name = paused_mid_task(pool, reference, lambda name: tt("policy", name, "--hours", later, env=cli_env(pool)))
+    name, _, _ = paused_mid_task(pool, reference, lambda name: tt("policy", name, "--hours", later, env=cli_env(pool)))
     assert standing(pool, name)["state"] == "paused"
     assert standing(pool, name)["paused"] == f"outside hours ({later})"
     around = hours(now - datetime.timedelta(hours=1), now + datetime.timedelta(hours=1))
@@ -168,13 +189,12 @@ def test_a_busy_cpu_pauses_the_agent_until_the_owner_leaves(pool, reference):
     burners: list[subprocess.Popen] = []
 
     def owner_plays(name: str) -> None:
-        # the owner's programs first, then the policy — set from here, not by a command whose
-        # start on a loaded machine could outlast the shard (the command is tested above)
         burners.extend(subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2))
         set_policy(pool.broker_url, name, Policy(busy_percent=40.0).to_json())
 
     try:
-        name = paused_mid_task(pool, reference, owner_plays)
+        name, back, _ = paused_mid_task(pool, reference, owner_plays)
+        assert back["outcome"].startswith("handed back: owner: other processes use ")
         assert standing(pool, name)["paused"].startswith("owner: other processes use ")
     finally:
         for p in burners:
