@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import as_agent_of
+from conftest import as_agent_of, wait_for
 from conftest import run_outer as outer
 from conftest import run_rounds as drive_fused
 from conftest import run_shard as shard
@@ -788,5 +788,44 @@ def test_a_slot_waiting_for_weights_no_outer_step_is_making_goes_back_to_the_que
     assert ("tensorturn.fused.train_shard", f"('{spec.run_id}', 1, 0)") in queued_tasks(world)
     outer(spec, 0, evaluate=False)
     shard(spec, 1, 0)  # the message queued again
+    assert [a["outcome"] for a in world.board.describe(spec.run_id)["attempts"]
+            if a["task"] == "r1/shard-0"][-1] == "succeeded"
+
+
+def test_a_slot_waiting_for_weights_is_handed_back_when_its_owner_pauses_the_machine(world, monkeypatch):
+    """An owner who pauses the machine gets it back from a slot waiting for θ_{r+1} within
+    about a second, as from a training one: the attempt ends handed back, costs none of the
+    shard's attempts, and its message goes back to the queue for another machine."""
+    import threading
+
+    from celery.exceptions import Retry
+
+    from tensorturn.modes.fused.sync import rounds
+
+    monkeypatch.setattr(rounds, "STEP_GRACE_S", 600.0)  # it would wait on: only the owner ends the wait
+    monkeypatch.setattr(rounds, "WAIT_CAP_S", 600.0)
+    spec = world.submit(**{**FUSED, "max_attempts": 1})
+    shard(spec, 0, 0)
+    shard(spec, 0, 1)  # round 0's outer step is queued, never run: θ_1 does not come
+    ended: list[BaseException] = []
+
+    def waits() -> None:
+        try:
+            shard_in_a_worker(spec, 1, 0)
+        except BaseException as exc:  # noqa: BLE001 - what the task raised, for the test to look at
+            ended.append(exc)
+
+    waiting = threading.Thread(target=waits)
+    waiting.start()
+    wait_for(lambda: any(a["task"] == "r1/shard-0" and a["outcome"] == "running"
+                         for a in world.board.describe(spec.run_id)["attempts"]), "the slot to wait")
+    world.board.r.hset(layout.worker_key("local9@test"), "paused", "owner: game night")
+    waiting.join(timeout=60)
+    assert not waiting.is_alive() and [type(e) for e in ended] == [Retry]  # Celery queues it again
+    tries = [a for a in world.board.describe(spec.run_id)["attempts"] if a["task"] == "r1/shard-0"]
+    assert [a["outcome"] for a in tries] == ["handed back: owner: game night"]
+    world.board.r.hdel(layout.worker_key("local9@test"), "paused")
+    outer(spec, 0, evaluate=False)
+    shard(spec, 1, 0)  # delivered again, on a machine at work: its one attempt was not used up
     assert [a["outcome"] for a in world.board.describe(spec.run_id)["attempts"]
             if a["task"] == "r1/shard-0"][-1] == "succeeded"

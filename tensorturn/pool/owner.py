@@ -18,6 +18,7 @@ machine should step aside it
    another machine — from the same weights with the same seed, so the same result;
 3. and when the policy allows again, consumes its queues again.
 
+A round's slot waiting for its weights reads the same field and hands itself back too.
 Outer steps and evaluations finish first (they are short: the outer step runs in the task of a
 round's last shard, or beside the store where an agent serves there).
 

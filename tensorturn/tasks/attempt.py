@@ -141,6 +141,19 @@ class Attempt:
         if self.board.state(self.spec.run_id) == RunState.CANCELLED:
             raise RunCancelled(f"run {self.spec.run_id} was cancelled")
 
+    def check_standing(self) -> None:
+        """:meth:`check_cancelled` now, and whether this machine's owner needs it or its agent
+        stops (:class:`HandedBack`), in one round trip: for a unit that waits rather than trains
+        (a training loop reads the same from its progress report)."""
+        self.looked_at = time.monotonic()
+        state, _, paused = self.board.state_and_standing(self.spec.run_id, self.worker)
+        if state == RunState.CANCELLED:
+            raise RunCancelled(f"run {self.spec.run_id} was cancelled")
+        if paused:
+            raise HandedBack(paused)
+        if stopping.is_set():
+            raise HandedBack("its agent is stopping")
+
 
 class NotYet(Exception):
     """What the unit needs is not there yet, and it was queued again (by whoever raised this):

@@ -92,7 +92,8 @@ class Rounds(SyncPolicy):
         that failed, or whose machine went offline, is waited for :data:`STEP_GRACE_S` more.
         Then the shard is queued again a few seconds later (behind whatever the round needs
         first: the outer step's message queued again, or the shard task that was taking it,
-        delivered again), and its machine takes the next message."""
+        delivered again), and its machine takes the next message. A machine whose owner pauses
+        it, or whose agent stops, hands the slot back within about a second of waiting."""
         spec, store, board = unit.spec, unit.store, unit.board
         held = cache.get(spec.run_id)
         if r == 0 or (held is not None and held[0] >= r):  # θ_r is here already: no look at the store
@@ -104,7 +105,7 @@ class Rounds(SyncPolicy):
                 if store.exists(key):
                     return
                 time.sleep(0.2)  # announced but not there: a store that lags, or an old announcement
-            unit.a.check_cancelled()
+            unit.a.check_standing()  # a cancel; the owner, who may need the machine back
             step = board.attempt_log.latest(spec.run_id, label)
             running = (step is not None and step["outcome"] == Outcome.RUNNING
                        and step["worker"] in board.workers.not_offline())
