@@ -829,3 +829,19 @@ def test_a_slot_waiting_for_weights_is_handed_back_when_its_owner_pauses_the_mac
     shard(spec, 1, 0)  # delivered again, on a machine at work: its one attempt was not used up
     assert [a["outcome"] for a in world.board.describe(spec.run_id)["attempts"]
             if a["task"] == "r1/shard-0"][-1] == "succeeded"
+
+
+def test_an_outer_step_past_its_attempts_in_the_task_gives_the_run_up_once(world, monkeypatch):
+    """The shard's message delivered again (its machine lost after the step failed there) finds
+    the step past its attempt cap: the run fails in that task, as the queued message would, and
+    no second message or refusal is added."""
+    spec = world.submit(**{**FUSED, "recipe": "failing:Failing", "rounds": 1, "max_attempts": 1})
+    shard(spec, 0, 0)
+    monkeypatch.setenv("TT_FAIL_IN", "evaluate")
+    shard_in_a_worker(spec, 0, 1, delivery="lost-one")  # the step fails in the task: its message is queued
+    assert outer_steps_queued(world, 0) == 1
+    shard_in_a_worker(spec, 0, 1, delivery="lost-one")
+    doc = world.board.describe(spec.run_id)
+    assert doc["state"] == "failed" and "r0/outer failed 1 attempts" in doc["error"]
+    assert outer_steps_queued(world, 0) == 1
+    assert kinds(doc).count("attempt_limit") == 1

@@ -422,29 +422,29 @@ def run_here(parent: Attempt, label: Label, unit_class: type[Unit]) -> bool:
     no wait for a machine to take a message. Its attempt is recorded as a queued one's would be.
 
     True when the unit is done (now or before), or ended in a way that needs nothing more (the
-    run cancelled; ``NotYet``: queued again by whoever raised it). False when this attempt
-    failed (recorded, with its traceback) or the unit is past its attempt cap: the caller then
-    queues the unit's message, whose retries, cap and failure handling take over. The parent's
-    message is acknowledged only when its task ends, so a machine lost meanwhile has the parent
-    delivered again, which runs the unit again (its unfinished attempt recorded lost)."""
+    run cancelled; ``NotYet``: queued again by whoever raised it; past its attempt cap: given
+    up, as a queued message would). False when this attempt failed (recorded, with its
+    traceback), or what follows a unit done could not be queued (its record stays): the caller
+    then queues the unit's message, whose retries, cap and failure handling take over (a
+    delivery that finds the unit done queues what follows). The parent's message is
+    acknowledged only when its task ends, so a machine lost meanwhile has the parent delivered
+    again, which runs the unit again (its unfinished attempt recorded lost)."""
     board, store, spec, worker = parent.board, parent.store, parent.spec, parent.worker
     run_id, tally = spec.run_id, parent.tally or Tally()
     attempt = Attempt(parent.task, board, store, spec, label, worker, tally=tally)
     unit = unit_class(attempt)
     try:
-        if unit.done():
-            unit.then()
-            return True
-        begun = board.begin_attempt(run_id, str(label), worker, spec.max_attempts)
-        if begun is None:  # past the cap: the queued message gives up, as any task does
-            return False
-        attempt.key, attempt.number, state = begun
-        attempt.looked_at = time.monotonic()  # the begin read the run's state
-        if state == RunState.CANCELLED:
-            raise RunCancelled(f"run {run_id} was cancelled")
-        record_outcome(unit, unit.run(), tally)
-        unit.then()
-        return True
+        if not unit.done():
+            begun = board.begin_attempt(run_id, str(label), worker, spec.max_attempts)
+            if begun is None:  # past the cap: given up here, as its queued message would
+                unit.give_up(f"{label} failed {spec.max_attempts} attempts")
+                try_write_manifest(store, board, run_id)
+                return True
+            attempt.key, attempt.number, state = begun
+            attempt.looked_at = time.monotonic()  # the begin read the run's state
+            if state == RunState.CANCELLED:
+                raise RunCancelled(f"run {run_id} was cancelled")
+            record_outcome(unit, unit.run(), tally)
     except NotYet as exc:
         if attempt.key:
             board.attempt_log.give_back(run_id, str(label))
@@ -462,3 +462,9 @@ def run_here(parent: Attempt, label: Label, unit_class: type[Unit]) -> bool:
             board.finish_attempt(run_id, attempt.key, Outcome.FAILED.says(message), traceback=_tail(exc),
                                  figures=Figures(worker, store_ok=False))
         return False
+    try:
+        unit.then()
+    except Exception as exc:  # noqa: BLE001 - the unit is done and recorded: its message queues what follows
+        log.warning("run %s %s: queuing what follows failed (%s); its message is queued", run_id, label, exc)
+        return False
+    return True
