@@ -815,7 +815,7 @@ def test_a_slot_waiting_for_weights_is_handed_back_when_its_owner_pauses_the_mac
         except BaseException as exc:  # noqa: BLE001 - what the task raised, for the test to look at
             ended.append(exc)
 
-    waiting = threading.Thread(target=waits)
+    waiting = threading.Thread(target=waits, daemon=True)
     waiting.start()
     wait_for(lambda: any(a["task"] == "r1/shard-0" and a["outcome"] == "running"
                          for a in world.board.describe(spec.run_id)["attempts"]), "the slot to wait")

@@ -8,7 +8,9 @@ hours are set around the machine's own clock, and processes that spin busy the C
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import json
 import subprocess
 import sys
 
@@ -17,6 +19,7 @@ import pytest
 import redis
 from conftest import clean_env, run_to_end, start_pool, submit_run, tt, wait_for, wait_for_run
 
+from tensorturn import layout
 from tensorturn.pool.owner import Policy
 from tensorturn.runs.owners import set_policy
 from tensorturn.state.board import RunBoard
@@ -97,21 +100,38 @@ def check_same_run(doc: dict, reference: dict, victim: dict) -> None:
 
 
 def held_mid_shard(pool, run_id: str) -> tuple[dict, list[psutil.Process]]:
-    """A shard's running attempt, with the pool processes of the agent training it stopped
-    (SIGSTOP; the agent's own process — its heartbeat, lease and owner watch — runs on): the
-    shard stays mid-task, however long the owner's policy takes to read (the CPU's takes a few
-    looks) and however loaded the machine. Returns the attempt and the stopped processes."""
-    board = RunBoard(redis.Redis.from_url(pool.broker_url, decode_responses=True))
+    """A shard's running attempt, early in its training, with the pool processes of the agent
+    training it stopped (SIGSTOP; the agent's own process — its heartbeat, lease and owner
+    watch — runs on): the shard stays mid-task, however long the owner's policy takes to read
+    (the CPU's takes a few looks) and however loaded the machine. Returns the attempt and the
+    stopped processes (:func:`let_go` starts them again)."""
+    r = redis.Redis.from_url(pool.broker_url, decode_responses=True)
+    board = RunBoard(r)
+
+    def running(victim: dict) -> bool:
+        return any(a["task"] == victim["task"] and a["worker"] == victim["worker"] and a["outcome"] == "running"
+                   for a in board.attempts(run_id))
+
     while True:
         victim = running_shard(pool, run_id)
-        index = int(victim["worker"].split("@")[0].removeprefix("local")) - 1
-        held = psutil.Process(pool.agents[index].pid).children(recursive=True)
-        for p in held:
-            p.suspend()
-        if any(a["task"] == victim["task"] and a["worker"] == victim["worker"] and a["outcome"] == "running"
-               for a in board.attempts(run_id)):
-            return victim, held
-        for p in held:  # it ended before it was held: hold the next one
+        agent = psutil.Process(pool.agents[int(victim["worker"].split("@")[0].removeprefix("local")) - 1].pid)
+        held = [p for p in agent.children() if "PoolWorker" in " ".join(p.cmdline())]
+        try:
+            for p in held:
+                p.suspend()
+            step = json.loads(r.hget(layout.worker_key(victim["worker"]), "progress") or "{}").get("step", 0)
+            if step <= SPEC["sync_every"] // 2 and running(victim):
+                return victim, held
+        except BaseException:
+            let_go(held)
+            raise
+        let_go(held)  # it ended, or nears its end, before it was held: hold the next one
+        wait_for(lambda v=victim: not running(v), "the shard to end")
+
+
+def let_go(held: list[psutil.Process]) -> None:
+    for p in held:
+        with contextlib.suppress(psutil.NoSuchProcess):
             p.resume()
 
 
@@ -127,8 +147,7 @@ def paused_mid_task(pool, reference, pause) -> tuple[str, dict, dict]:
         pause(name)
         wait_for(lambda: standing(pool, name)["state"] == "paused", "the agent to step aside")
     finally:
-        for p in held:
-            p.resume()
+        let_go(held)
     [back] = wait_for(lambda: handed_back(pool, spec.run_id), "the running shard to be handed back")
     assert back["task"] == victim["task"] and back["worker"] == victim["worker"]
     doc = wait_for_run(pool, spec.run_id)

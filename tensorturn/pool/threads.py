@@ -8,7 +8,8 @@ keeps every guarantee of the prefork pool:
 * leases, heartbeats, the owner's policy and quarantine run in the agent's process anyway;
 * a stop hands the running task back: Celery's cold shutdown (SIGTERM, Ctrl-C, Ctrl-Break)
   cancels a running task by *terminating its job*, which a thread cannot be; here that sets
-  :data:`stopping`, which a training task reads at its next step and hands itself back
+  :data:`stopping`, which a training task reads at its next step (a round's slot waiting for
+  its weights, within a second) and hands itself back
   (:class:`tensorturn.pool.owner.HandedBack`: its message goes back to the queue, and the
   attempt costs the run nothing). A task that trains no steps (an outer step) finishes first.
 * a killed agent is a killed task: its lease lapses and another machine takes it, as ever.

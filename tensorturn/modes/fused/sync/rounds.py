@@ -155,8 +155,9 @@ def queue_outer(spec: RunSpec, board: RunBoard, r: int, here: Attempt | None = N
     when the round's last shard task calls (``here``, its attempt), taken by that task itself
     (:func:`~tensorturn.tasks.attempt.run_here`): it holds the model and is free, and no queue
     hop or machine's pick-up stands between the round's last shard and the next round. Its
-    message is queued only when that attempt fails (then retries and the attempt cap work as
-    for any task). The claim names the task, so the same task delivered again after its
+    message is queued only when that attempt fails, or what follows it could not be queued
+    (then retries and the attempt cap work as for any task; past the cap the run fails there,
+    as the message would). The claim names the task, so the same task delivered again after its
     machine was lost takes the step again. The last round's outer step finishes the run, and
     is taken here only once every earlier round's evaluation is recorded: else it goes behind
     them in the queue rather than evaluate such a round again itself. (A task applied in a
