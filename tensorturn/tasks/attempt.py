@@ -349,15 +349,13 @@ def _execute(task: Task, board: RunBoard, run_id: str, label: Label, unit_class:
         raise
     except NotYet as exc:  # queued again already: given back, not retried here
         if key:
-            board.attempt_log.give_back(run_id, str(label))
-            board.finish_attempt(run_id, key, Outcome.REFUSED.says(str(exc)), figures=Figures(worker))
+            end_given_back(board, run_id, key, Outcome.REFUSED.says(str(exc)), worker)
         return receipt
     except HandedBack as exc:  # the machine's owner needs it: another machine takes the task
         log.warning("run %s %s: handed back (%s)", run_id, label, exc)
         try:
             if key:
-                board.attempt_log.give_back(run_id, str(label))
-                board.finish_attempt(run_id, key, Outcome.HANDED_BACK.says(str(exc)), figures=Figures(worker))
+                end_given_back(board, run_id, key, Outcome.HANDED_BACK.says(str(exc)), worker)
         except Exception as record_exc:  # noqa: BLE001 - the broker stumbled: the task goes back all the same
             log.warning("run %s %s: the hand-back was not recorded (%s)", run_id, label, record_exc)
         raise task.retry(countdown=0, max_retries=None) from None
@@ -373,8 +371,7 @@ def _execute(task: Task, board: RunBoard, run_id: str, label: Label, unit_class:
         if not key:  # failed before its attempt was recorded: the spec or store was unreadable
             begun = board.begin_attempt(run_id, str(label), worker, max_attempts)
             key, number = begun[:2] if begun else (f"{label}#refused", max_attempts + 1)
-        board.finish_attempt(run_id, key, Outcome.FAILED.says(message), traceback=_tail(exc),
-                             figures=Figures(worker, store_ok=False))
+        end_failed(board, run_id, key, message, exc, worker)
         cause = machine_fault(exc)
         if cause:
             if worker_store_failed(task, board, run_id, str(label), worker, key, message, cause):
@@ -392,6 +389,19 @@ def _execute(task: Task, board: RunBoard, run_id: str, label: Label, unit_class:
             board.fail(run_id, final)
         try_write_manifest(store, board, run_id)
         return receipt
+
+
+def end_given_back(board: RunBoard, run_id: str, key: str, outcome: str, worker: str) -> None:
+    """End attempt ``key`` with ``outcome`` at no cost to its task's attempts: refused or handed
+    back, the task is taken again (its message queued again)."""
+    board.attempt_log.give_back(run_id, key.rpartition("#")[0])
+    board.finish_attempt(run_id, key, outcome, figures=Figures(worker))
+
+
+def end_failed(board: RunBoard, run_id: str, key: str, message: str, exc: BaseException, worker: str) -> None:
+    """End attempt ``key`` failed with ``message`` and ``exc``'s traceback."""
+    board.finish_attempt(run_id, key, Outcome.FAILED.says(message), traceback=_tail(exc),
+                         figures=Figures(worker, store_ok=False))
 
 
 def record_outcome(unit: Unit, outcome: str, tally: Tally) -> None:
@@ -447,8 +457,7 @@ def run_here(parent: Attempt, label: Label, unit_class: type[Unit]) -> bool:
             record_outcome(unit, unit.run(), tally)
     except NotYet as exc:
         if attempt.key:
-            board.attempt_log.give_back(run_id, str(label))
-            board.finish_attempt(run_id, attempt.key, Outcome.REFUSED.says(str(exc)), figures=Figures(worker))
+            end_given_back(board, run_id, attempt.key, Outcome.REFUSED.says(str(exc)), worker)
         return True
     except RunCancelled:
         if attempt.key:
@@ -459,8 +468,7 @@ def run_here(parent: Attempt, label: Label, unit_class: type[Unit]) -> bool:
         message = describe_failure(exc, worker)
         log.warning("run %s %s failed on %s: %s; queued for a retry", run_id, label, worker, message)
         if attempt.key:
-            board.finish_attempt(run_id, attempt.key, Outcome.FAILED.says(message), traceback=_tail(exc),
-                                 figures=Figures(worker, store_ok=False))
+            end_failed(board, run_id, attempt.key, message, exc, worker)
         return False
     try:
         unit.then()
