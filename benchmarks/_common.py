@@ -3,10 +3,12 @@ its attempts, printing a table, and writing ``<name>.json`` / ``<name>.png`` bes
 
 from __future__ import annotations
 
+import bisect
 import json
 import os
 import platform
 import sys
+import threading
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -15,6 +17,7 @@ from typing import Any
 # the repository's root: benchmarks use the link harness in testbed/, which is not installed
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import psutil
 import torch
 
 from tensorturn import runs
@@ -70,6 +73,71 @@ def short(worker: str) -> str:
     return worker.split("@", 1)[0]
 
 
+def cpu_seconds(pool) -> float:
+    """CPU seconds used so far by the pool: its agents' process trees and its redis-server."""
+    total = 0.0
+    roots = [p.pid for p in pool.agents] + [pool.redis.proc.pid]
+    for pid in roots:
+        try:
+            root = psutil.Process(pid)
+            for proc in [root, *root.children(recursive=True)]:
+                t = proc.cpu_times()
+                total += t.user + t.system
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
+class CpuTrace:
+    """The CPU seconds a pool's processes have used, sampled every ``every_s`` in a thread while
+    in use (``with``), so the CPU of any span inside — a training window known only afterwards
+    — is read back by interpolation (:meth:`between`). The processes are listed once, at the
+    start (a pool's agents, their pool processes, its redis-server); a sample reads each one's
+    ``/proc`` times, about 20 µs a process."""
+
+    def __init__(self, pool, every_s: float = 0.02):
+        self.every_s, self.samples = every_s, []
+        roots = [psutil.Process(p.pid) for p in pool.agents] + [psutil.Process(pool.redis.proc.pid)]
+        self.procs = [proc for root in roots for proc in [root, *root.children(recursive=True)]]
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _cpu(self) -> float:
+        total = 0.0
+        for proc in self.procs:
+            try:
+                t = proc.cpu_times()
+                total += t.user + t.system
+            except psutil.NoSuchProcess:
+                pass
+        return total
+
+    def _run(self) -> None:
+        while True:
+            self.samples.append((time.time(), self._cpu()))
+            if self.stop.wait(self.every_s):
+                self.samples.append((time.time(), self._cpu()))
+                return
+
+    def __enter__(self) -> CpuTrace:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join()
+
+    def at(self, t: float) -> float:
+        """The CPU seconds used by time ``t`` (linear between the samples around it)."""
+        times = [s[0] for s in self.samples]
+        i = min(max(bisect.bisect_left(times, t), 1), len(times) - 1)
+        (t0, c0), (t1, c1) = self.samples[i - 1], self.samples[i]
+        return c0 + (c1 - c0) * min(max((t - t0) / max(t1 - t0, 1e-9), 0.0), 1.0)
+
+    def between(self, start: float, end: float) -> float:
+        return self.at(end) - self.at(start)
+
+
 def run_job(pool, store_url: str, timeout_s: float = 900, **spec_fields: Any) -> dict[str, Any]:
     """Submit one run to ``pool`` and wait for it; raises unless it succeeded."""
     spec = RunSpec.create(recipe=spec_fields.pop("recipe", "digits-mlp"), store_url=store_url,
@@ -94,17 +162,23 @@ def shard_span(doc: dict[str, Any]) -> float:
 
 
 def training_window(doc: dict[str, Any], store_dir: Path) -> float:
-    """Seconds from the moment every shard of round 0 trains (the last one's first step: its
-    attempt's ``trained_from``, after fetching θ_0 and its data) to the final weights θ_R stored
-    (their file's time in the file store ``store_dir``: the last outer step's average and step
-    done, its evaluation not) — the window torchft's replicas are timed by (from the last
-    replica's first step to its last sync)."""
+    """The seconds of :func:`window_bounds`."""
+    start, end = window_bounds(doc, store_dir)
+    return end - start
+
+
+def window_bounds(doc: dict[str, Any], store_dir: Path) -> tuple[float, float]:
+    """(start, end), seconds since the epoch: from the moment every shard of round 0 trains (the
+    last one's first step: its attempt's ``trained_from``, after fetching θ_0 and its data) to
+    the final weights θ_R stored (their file's time in the file store ``store_dir``: the last
+    outer step's average and step done, its evaluation not) — the window torchft's replicas are
+    timed by (from the last replica's first step to its last sync)."""
     from tensorturn import layout
 
     first = [a for a in succeeded(doc) if (label := parse_label(a["task"])) is not None
              and label.kind == "shard" and label.round == 0]
     final = store_dir / layout.key("global", doc["run_id"], len(doc["rounds"]))
-    return final.stat().st_mtime - max(a["trained_from"] for a in first)
+    return max(a["trained_from"] for a in first), final.stat().st_mtime
 
 
 def total_samples(doc: dict[str, Any]) -> int:

@@ -33,9 +33,9 @@ import tempfile
 import time
 from pathlib import Path
 
-import psutil
 import torch
 from _common import (
+    cpu_seconds,
     figure,
     machine,
     replot,
@@ -81,21 +81,6 @@ def step_seconds(recipe, batch: int) -> float:
         if steps * batch / rate >= 1.0 or steps >= 4096:
             return batch / rate
         steps *= 2
-
-
-def cpu_seconds(pool) -> float:
-    """CPU seconds used so far by the pool: its agents' process trees and its redis-server."""
-    total = 0.0
-    roots = [p.pid for p in pool.agents] + [pool.redis.proc.pid]
-    for pid in roots:
-        try:
-            root = psutil.Process(pid)
-            for proc in [root, *root.children(recursive=True)]:
-                t = proc.cpu_times()
-                total += t.user + t.system
-        except psutil.NoSuchProcess:
-            pass
-    return total
 
 
 def nice(x: float) -> int:

@@ -20,6 +20,13 @@ thread each, on this machine. Each repetition runs, one after the other:
   watching (Redis writing every command out, this process parsing it) takes CPU the trainers
   need — its window is printed beside, as ``window_monitored_s``.
 
+Beside each window, the CPU seconds each side used in it (``cpu_s``): torchft's replicas' in
+their training loops (each replica's ``time.process_time``, its manager's threads inside), and
+TensorTurn's pool's — its agents' process trees and its redis-server — sampled every 20 ms
+while the job runs (:class:`_common.CpuTrace`) and read at the window's ends. Divided by
+cores × window: the share of the machine's cores each kept busy, which tells CPU spent apart
+from cores left idle (at a round's barrier, where the machines wait for θ_{r+1}).
+
 What it does not model: links (everything is loopback; on a 40 ms link each round trip costs
 40 ms — TensorTurn's per-task protocol is 5 round trips, torchft's per sync a quorum and an
 allreduce), GPUs, failures (torchft drops a failed replica's work; TensorTurn redoes it).
@@ -49,7 +56,16 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 os.environ.setdefault("RUST_LOG", "warn")  # torchft's lighthouse and managers log every quorum at info
 
-from _common import figure, machine, run_job, shard_span, table, training_window, write_outputs  # noqa: E402
+from _common import (  # noqa: E402
+    CpuTrace,
+    figure,
+    machine,
+    run_job,
+    shard_span,
+    table,
+    window_bounds,
+    write_outputs,
+)
 from broker_commands import Monitor, calls  # noqa: E402
 
 from tensorturn.layout import parse_label  # noqa: E402
@@ -96,15 +112,17 @@ def tensorturn_window(rounds: int, sync_every: int, agents: int, seed: int, tmp:
         if watch is not None:
             watch.start()
         before = calls(client)
-        doc = run_job(pool, store, mode="fused", recipe=RECIPE, rounds=rounds, shards=agents,
-                      sync_every=sync_every, seed=seed, threads_per_task=1, sync=sync, eval_every=eval_every)
+        with CpuTrace(pool) as cpu:
+            doc = run_job(pool, store, mode="fused", recipe=RECIPE, rounds=rounds, shards=agents,
+                          sync_every=sync_every, seed=seed, threads_per_task=1, sync=sync, eval_every=eval_every)
         after = calls(client)
         if watch is not None:
             watch.stop.set()
     used = after - before
     shards = sum(1 for a in doc["attempts"] if a["outcome"] == "succeeded"
                  and getattr(parse_label(a["task"]), "kind", None) == "shard")
-    out = {"window_s": training_window(doc, tmp / "store"), "task_window_s": shard_span(doc),
+    start, end = window_bounds(doc, tmp / "store")
+    out = {"window_s": end - start, "task_window_s": shard_span(doc), "cpu_s": cpu.between(start, end),
            "shard_tasks": shards, "commands": sum(used.values()),
            "per_shard_task": sum(used.values()) / shards, "val_loss": doc["rounds"][-1]["val_loss"]}
     if watch is not None:
@@ -145,13 +163,18 @@ def main() -> None:
                 print(f"rep {rep}: torchft {ft['window_s']:.2f} s, TensorTurn --sync {name} {tt['window_s']:.2f} s "
                       f"(×{pair[name]['ratio']:.2f}; its tasks' span {tt['task_window_s']:.2f} s, "
                       f"×{pair[name]['task_ratio']:.2f}); {tt['sent_per_shard_task']:.1f} commands sent per shard "
-                      f"task, {tt['per_shard_task']:.1f} run by Redis", flush=True)
+                      f"task, {tt['per_shard_task']:.1f} run by Redis; CPU: torchft {ft['cpu_s']:.2f} s in its "
+                      f"loops, TensorTurn's pool {tt['cpu_s']:.2f} s in its window", flush=True)
         pairs.append(pair)
 
     def row(what: str, values: list[float], digits: int = 2) -> list[str]:
         return [what, *(f"{v:.{digits}f}" for v in (statistics.median(values), min(values), max(values)))]
 
-    rows = [row("torchft window, s", [p["torchft"]["window_s"] for p in pairs])]
+    cores = os.cpu_count() or 1
+    rows = [row("torchft window, s", [p["torchft"]["window_s"] for p in pairs]),
+            row("  CPU of its replicas in their training loops, s", [p["torchft"]["cpu_s"] for p in pairs]),
+            row(f"  / ({cores} cores × window): the cores' share busy",
+                [p["torchft"]["cpu_s"] / cores / p["torchft"]["window_s"] for p in pairs])]
     names = [f"{sync} --eval-every {every}" for sync, every in syncs]
     for name in names:
         rows += [row(f"TensorTurn --sync {name} window, s", [p[name]["window_s"] for p in pairs]),
@@ -160,7 +183,10 @@ def main() -> None:
                  row("    / torchft's window (per pair)", [p[name]["task_ratio"] for p in pairs]),
                  row("  window of the run watched by MONITOR, s", [p[name]["window_monitored_s"] for p in pairs]),
                  row("  commands sent per shard task", [p[name]["sent_per_shard_task"] for p in pairs], 1),
-                 row("  commands Redis ran per shard task", [p[name]["per_shard_task"] for p in pairs], 1)]
+                 row("  commands Redis ran per shard task", [p[name]["per_shard_task"] for p in pairs], 1),
+                 row("  CPU of the pool in the window, s", [p[name]["cpu_s"] for p in pairs]),
+                 row(f"  / ({cores} cores × window): the cores' share busy",
+                     [p[name]["cpu_s"] / cores / p[name]["window_s"] for p in pairs])]
     print(table(["", "median", "min", "max"], rows))
     fig = figure(6, 4)
     ax = fig.add_subplot()
