@@ -691,43 +691,6 @@ def test_the_round_s_last_shard_takes_the_outer_step_in_its_own_task(world):
                   and ", 1, " in args) == [f"('{spec.run_id}', 1, {i})" for i in range(2)]  # round 1 queued
 
 
-def slots_queued(world, spec: RunSpec, r: int) -> list[str]:
-    return sorted(args for name, args in queued_tasks(world)
-                  if name == "tensorturn.fused.train_slot" and args.startswith(f"('{spec.run_id}', {r}, "))
-
-
-def test_short_rounds_queue_the_next_round_when_their_second_to_last_shard_is_stored(world, monkeypatch):
-    """Where a shard trains in under a second and so did the last outer step, the task that
-    stores a round's second-to-last shard queues the next round's slots (they wait for θ_{r+1}),
-    so nothing is queued between the last shard and the outer step; a slow shard does not."""
-    from conftest import run_eval
-
-    spec = world.submit(**{**FUSED, "rounds": 3})
-    for k in range(2):
-        shard_in_a_worker(spec, 0, k)  # round 0: no outer step before it to tell how quick steps are
-    assert slots_queued(world, spec, 1) and not slots_queued(world, spec, 2)
-    run_eval(spec, 0)
-    shard_in_a_worker(spec, 1, 0)  # round 1's second-to-last shard
-    assert len(slots_queued(world, spec, 2)) == 2
-    assert not open_store(spec.store_url).exists(layout.key("global", spec.run_id, 2))
-    assert not [a for a in world.board.describe(spec.run_id)["attempts"] if a["task"] == "r1/outer"]
-    shard_in_a_worker(spec, 1, 1)  # the last: steps in its task, queues nothing again
-    assert len(slots_queued(world, spec, 2)) == 2
-    run_eval(spec, 1)
-    for k in range(2):
-        shard_in_a_worker(spec, 2, k)
-    doc = world.board.describe(spec.run_id)
-    assert doc["state"] == "succeeded", doc["error"]
-
-    monkeypatch.setattr(fused, "QUICK_STEP_S", 0.0)  # every shard slow
-    slow = world.submit("slow", **{**FUSED, "rounds": 3})
-    for r in range(2):
-        for k in range(2):
-            shard_in_a_worker(slow, r, k)
-        assert not slots_queued(world, slow, r + 2)
-    assert world.board.describe(slow.run_id)["state"] == "running"
-
-
 def test_an_unevaluated_round_s_record_is_written_while_the_machine_takes_its_next_shard(world, monkeypatch):
     """--eval-every: a round the outer step does not evaluate is recorded (its training figures)
     in a thread, the step's task ending meanwhile; a record that thread fails to write is

@@ -5,8 +5,7 @@ which takes a shard it trained before where it can (its chunks are cached there)
 step (:class:`~tensorturn.modes.fused.outer.OuterUnit`), taken once by whichever shard task finds
 the round's last shard stored: in that task itself, unless an agent beside the store serves
 outer steps (then queued there; also queued when the step failed in the task, for its retries).
-The outer step queues the next round once θ_{r+1} is stored (short rounds queue it ahead, its
-slots waiting for θ_{r+1}: :class:`Rounds`), then the round's evaluation
+The outer step queues the next round once θ_{r+1} is stored, then the round's evaluation
 (:class:`~tensorturn.modes.fused.outer.EvalUnit`) behind it: the first machine done with round
 r+1's shard evaluates θ_{r+1} while the others finish theirs. The result depends on (S, H, seed,
 threads) only: the same weights on 1 or N machines.
@@ -56,9 +55,8 @@ QUICK_STEP_S = 1.0  # the next round is queued ahead of θ only after an outer s
 
 class Rounds(SyncPolicy):
     """A barrier per round: the task that stores its last shard takes the outer step (or queues
-    it, :func:`queue_outer`); where rounds are short, round r+1 is queued ahead — as its
-    second-to-last shard is stored (:func:`ahead_of_last_shard`), or as the step begins — its
-    slots waiting for θ_{r+1} (:meth:`await_global`); else once θ_{r+1} is stored."""
+    it, :func:`queue_outer`); round r+1 is queued as that step begins, its slots waiting for
+    θ_{r+1} (:meth:`await_global`), or once θ_{r+1} is stored where the step was queued."""
 
     name = "rounds"
 
@@ -76,11 +74,8 @@ class Rounds(SyncPolicy):
 
     def after_shard(self, spec: RunSpec, store: Store, board: RunBoard, r: int, k: int,
                     worker: str, here: Attempt | None = None) -> None:
-        stored, shards = board.claims.note_stored(spec.run_id, r, k, worker), options(spec).shards
-        if stored >= shards:  # (with more than one shard, the second-to-last one queues ahead)
-            queue_outer(spec, board, r, here, ahead=shards == 1)
-        elif stored == shards - 1 and ahead_of_last_shard(spec, board, r, here):
-            queue_round(spec, board, r + 1)  # its slots wait for θ_{r+1} (Rounds.await_global)
+        if board.claims.note_stored(spec.run_id, r, k, worker) >= options(spec).shards:
+            queue_outer(spec, board, r, here)
 
     def after_outer(self, spec: RunSpec, board: RunBoard, r: int) -> None:
         if r + 1 < options(spec).rounds:
@@ -89,14 +84,12 @@ class Rounds(SyncPolicy):
             queue_eval(spec, board, r)
 
     def await_global(self, unit: Unit, r: int) -> None:
-        """Round r's slots may be queued ahead of θ_r — as round r−1's second-to-last shard is
-        stored (:func:`ahead_of_last_shard`), or as its outer step begins in its last shard's
-        task (:func:`queue_outer`), where rounds are short — so the machines waiting at the
+        """Round r's slots may be queued when round r−1's outer step begins in its last shard's
+        task (:func:`queue_outer`, for short outer steps), so the machines waiting at the
         barrier take them, read their data and wait here for θ_r — announced the moment it is
         stored — rather than be queued and picked up after it. A wait lasts while round r−1's
         outer step runs on a machine that is not offline, for at most :data:`WAIT_CAP_S`; one
-        not begun yet (the round's last shard still trains), failed, or whose machine went
-        offline, is waited for :data:`STEP_GRACE_S` more.
+        that failed, or whose machine went offline, is waited for :data:`STEP_GRACE_S` more.
         Then the shard is queued again a few seconds later (behind whatever the round needs
         first: the outer step's message queued again, or the shard task that was taking it,
         delivered again), and its machine takes the next message. A machine whose owner pauses
@@ -156,8 +149,7 @@ def queue_round(spec: RunSpec, board: RunBoard, r: int) -> None:
     board.once(spec.run_id, layout.dispatch_claim(r), lambda: dispatch_round(spec, r, board))
 
 
-def queue_outer(spec: RunSpec, board: RunBoard, r: int, here: Attempt | None = None,
-                ahead: bool = True) -> None:
+def queue_outer(spec: RunSpec, board: RunBoard, r: int, here: Attempt | None = None) -> None:
     """Round r's outer step, once: beside the store while an agent there serves it
     (:mod:`tensorturn.pool.routing`), else on machines that can hold the model — and there,
     when the round's last shard task calls (``here``, its attempt), taken by that task itself
@@ -169,9 +161,7 @@ def queue_outer(spec: RunSpec, board: RunBoard, r: int, here: Attempt | None = N
     machine was lost takes the step again. The last round's outer step finishes the run, and
     is taken here only once every earlier round's evaluation is recorded: else it goes behind
     them in the queue rather than evaluate such a round again itself. (A task applied in a
-    caller's process — tests that drive each unit — queues it, as it queues what else follows.)
-    With ``ahead`` (a round of one shard: more are queued ahead by their second-to-last shard),
-    a step taken here queues round r+1 as it begins, where outer steps are quick."""
+    caller's process — tests that drive each unit — queues it, as it queues what else follows.)"""
     run_id = spec.run_id
     anywhere = queue_for(spec.memory_needed_bytes)
     queue = routing.queue_for_outer(board.r, anywhere)
@@ -192,25 +182,10 @@ def queue_outer(spec: RunSpec, board: RunBoard, r: int, here: Attempt | None = N
             board.release(run_id, layout.outer_claim(r))
             raise
         return
-    if ahead and not last and quick_step(board, run_id, r - 1):  # its slots wait for θ_{r+1} (Rounds.await_global)
+    if not last and quick_step(board, run_id, r - 1):  # its slots wait for θ_{r+1} (Rounds.await_global)
         queue_round(spec, board, r + 1)
     if not run_here(here, layout.outer_label(r), OuterUnit):
         send()
-
-
-def ahead_of_last_shard(spec: RunSpec, board: RunBoard, r: int, here: Attempt | None) -> bool:
-    """Whether round r+1 is worth queueing as round r's second-to-last shard is stored (by that
-    shard's task, ``here``): where rounds are short — this shard trained in under
-    :data:`QUICK_STEP_S`, and so did round r−1's outer step — the machines done with round r
-    take the next round's slots, claim their shards and read their data while the last shard
-    trains and its outer step runs, and the last shard's task neither looks nor queues before
-    its step (a round of one shard is queued as its step begins: :func:`queue_outer`).
-    A slot that waits longer than that for θ_{r+1} goes back to the queue after
-    :data:`STEP_GRACE_S` (:meth:`Rounds.await_global`), as one queued as the step began."""
-    if here is None or here.task.request.is_eager or r + 1 >= options(spec).rounds or not here.rate:
-        return False
-    samples = options(spec).sync_every * spec.batch_for(recipe_of(spec)) * spec.accumulate
-    return samples / here.rate < QUICK_STEP_S and quick_step(board, spec.run_id, r - 1)
 
 
 def quick_step(board: RunBoard, run_id: str, r: int) -> bool:
