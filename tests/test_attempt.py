@@ -691,45 +691,6 @@ def test_the_round_s_last_shard_takes_the_outer_step_in_its_own_task(world):
                   and ", 1, " in args) == [f"('{spec.run_id}', 1, {i})" for i in range(2)]  # round 1 queued
 
 
-def test_an_unevaluated_round_s_record_is_written_while_the_machine_takes_its_next_shard(world, monkeypatch):
-    """--eval-every: a round the outer step does not evaluate is recorded (its training figures)
-    in a thread, the step's task ending meanwhile; a record that thread fails to write is
-    written by the run's last outer step."""
-    import threading
-
-    from tensorturn.modes.fused import outer as fused_outer
-
-    real, go = fused_outer.record_unevaluated, threading.Event()
-
-    class Full:
-        def __getattr__(self, name):
-            raise OSError("disk full")
-
-    def held(spec, store, board, r, figures):
-        go.wait(60)
-        real(spec, Full() if r == 0 else store, board, r, figures)  # round 0's: not written by its step
-
-    monkeypatch.setattr(fused_outer, "record_unevaluated", held)
-    spec = world.submit(**{**FUSED, "rounds": 3}, eval_every=3)
-    for r in range(2):
-        for k in range(2):
-            shard_in_a_worker(spec, r, k)  # the last shard's task steps and returns, its record held
-        assert open_store(spec.store_url).exists(layout.key("global", spec.run_id, r + 1))
-        assert not world.board.has_round(spec.run_id, r)
-    go.set()
-    wait_for(lambda: world.board.has_round(spec.run_id, 1), "round 1's record")
-    assert not world.board.has_round(spec.run_id, 0)
-    for k in range(2):
-        shard_in_a_worker(spec, 2, k)
-    assert outer_steps_queued(world, 2) == 1  # not taken in the task while a round is unrecorded
-    outer(spec, 2)  # its message's delivery records round 0 from the shards' figures, then finishes
-    doc = world.board.describe(spec.run_id)
-    assert doc["state"] == "succeeded", doc["error"]
-    records = {rec["round"]: rec for rec in doc["rounds"]}
-    assert sorted(records) == [0, 1, 2] and records[0]["samples"] == records[1]["samples"] > 0
-    assert records[0]["val_loss"] is None and records[2]["val_loss"] is not None
-
-
 def test_an_outer_step_that_fails_in_the_task_is_queued_for_its_retries(world, monkeypatch):
     """The outer step failing in the last shard's task is an attempt like any (recorded, with
     its traceback); its message is queued then, and its retries finish the round."""

@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-import logging
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -68,8 +66,6 @@ from tensorturn.train.diloco import (
     round_figures,
 )
 from tensorturn.train.loop import load_model, set_threads
-
-log = logging.getLogger(__name__)
 
 RESIDUAL = "residual::"  # prefix of the broadcast's error-feedback residual in the outer state
 OUTER = "the outer step"  # who refuses a pseudo-gradient here (its checks' messages say so)
@@ -157,12 +153,10 @@ class OuterUnit(Unit):
             figures = average_and_step(spec, store, r, Path(tmp))
             if not last:  # the machines train round r+1, and one evaluates θ_{r+1} when free
                 self.then()
-                if not evaluated(spec, r):  # --eval-every: the training figures only
-                    record = threading.Thread(target=record_unevaluated, name=f"record-{spec.run_id}-r{r}",
-                                              args=(spec, store, self.board, r, figures), daemon=True)
-                    record.start()  # while this machine takes its next shard
-                    if self.a.task.request.is_eager:  # applied in a caller's process: done on return
-                        record.join()
+                if not evaluated(spec, r):  # --eval-every: the training figures only, now
+                    info = unevaluated_round(r, figures)
+                    seals.put_json(store, layout.key("round", spec.run_id, r), info)
+                    self.board.record_round(spec.run_id, r, info)
                 return SUCCEEDED
             self.phase("evaluating")
             info = evaluate_round(spec, store, r, Path(tmp), figures)
@@ -185,21 +179,6 @@ class OuterUnit(Unit):
             return
         policy(options(self.spec).sync).after_outer(self.spec, self.board, self.a.label.numbers[0])
         self.followed = True
-
-
-def record_unevaluated(spec: RunSpec, store: Store, board: RunBoard, r: int,
-                       figures: tuple[list[float], list[int], int, int]) -> None:
-    """Store and record round r's record where ``--eval-every`` skips its evaluation (its
-    training ``figures``) — in a thread of the outer step's process, so the machine that
-    stepped takes its next shard meanwhile. A record this does not write (it failed, or its
-    process ended first) is written by the run's last outer step (:func:`record_missing_rounds`)."""
-    try:
-        info = unevaluated_round(r, figures)
-        seals.put_json(store, layout.key("round", spec.run_id, r), info)
-        board.record_round(spec.run_id, r, info)
-    except Exception as exc:  # noqa: BLE001 - the last outer step records it
-        log.warning("run %s: round %d's record not written now (%s); the last outer step writes it",
-                    spec.run_id, r, exc)
 
 
 class EvalUnit(Unit):
