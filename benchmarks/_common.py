@@ -73,50 +73,53 @@ def short(worker: str) -> str:
     return worker.split("@", 1)[0]
 
 
-def cpu_seconds(pool) -> float:
-    """CPU seconds used so far by the pool: its agents' process trees and its redis-server."""
-    total = 0.0
-    roots = [p.pid for p in pool.agents] + [pool.redis.proc.pid]
-    for pid in roots:
+def pool_processes(pool) -> list[psutil.Process]:
+    """A pool's processes now: its agents' process trees and its redis-server."""
+    procs = []
+    for pid in [p.pid for p in pool.agents] + [pool.redis.proc.pid]:
         try:
             root = psutil.Process(pid)
-            for proc in [root, *root.children(recursive=True)]:
-                t = proc.cpu_times()
-                total += t.user + t.system
+            procs += [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            pass
+    return procs
+
+
+def cpu_of(procs: list[psutil.Process]) -> float:
+    """The CPU seconds ``procs`` have used so far (one that ended counts nothing)."""
+    total = 0.0
+    for proc in procs:
+        try:
+            t = proc.cpu_times()
+            total += t.user + t.system
         except psutil.NoSuchProcess:
             pass
     return total
+
+
+def cpu_seconds(pool) -> float:
+    """CPU seconds used so far by the pool: its agents' process trees and its redis-server."""
+    return cpu_of(pool_processes(pool))
 
 
 class CpuTrace:
     """The CPU seconds a pool's processes have used, sampled every ``every_s`` in a thread while
     in use (``with``), so the CPU of any span inside — a training window known only afterwards
     — is read back by interpolation (:meth:`between`). The processes are listed once, at the
-    start (a pool's agents, their pool processes, its redis-server); a sample reads each one's
-    ``/proc`` times, about 20 µs a process."""
+    start (:func:`pool_processes`); a sample reads each one's ``/proc`` times, about 20 µs a
+    process."""
 
     def __init__(self, pool, every_s: float = 0.02):
         self.every_s, self.samples = every_s, []
-        roots = [psutil.Process(p.pid) for p in pool.agents] + [psutil.Process(pool.redis.proc.pid)]
-        self.procs = [proc for root in roots for proc in [root, *root.children(recursive=True)]]
+        self.procs = pool_processes(pool)
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
 
-    def _cpu(self) -> float:
-        total = 0.0
-        for proc in self.procs:
-            try:
-                t = proc.cpu_times()
-                total += t.user + t.system
-            except psutil.NoSuchProcess:
-                pass
-        return total
-
     def _run(self) -> None:
         while True:
-            self.samples.append((time.time(), self._cpu()))
+            self.samples.append((time.time(), cpu_of(self.procs)))
             if self.stop.wait(self.every_s):
-                self.samples.append((time.time(), self._cpu()))
+                self.samples.append((time.time(), cpu_of(self.procs)))
                 return
 
     def __enter__(self) -> CpuTrace:
