@@ -30,6 +30,7 @@ from tensorturn.recipes import base as recipe_base
 from tensorturn.spec import RunSpec
 from tensorturn.state.broker import redis_client
 from tensorturn.store.objects import open_store
+from tensorturn.store.tensors import stored_metadata
 from tensorturn.tasks.attempt import signed
 
 sys.path.insert(0, str(Path(__file__).parent))  # the `failing` recipe module
@@ -845,3 +846,115 @@ def test_an_outer_step_past_its_attempts_in_the_task_gives_the_run_up_once(world
     assert doc["state"] == "failed" and "r0/outer failed 1 attempts" in doc["error"]
     assert outer_steps_queued(world, 0) == 1
     assert kinds(doc).count("attempt_limit") == 1
+
+
+# ---- the outer step taken by a slot of the next round (issue 28) ---------------------------------
+
+def attempts_of(world, spec: RunSpec, task: str) -> list[dict]:
+    return [a for a in world.board.describe(spec.run_id)["attempts"] if a["task"] == task]
+
+
+def step_claim(world, spec: RunSpec, r: int) -> str | None:
+    return world.board.r.hget(layout.run_key(spec.run_id, "claims"), layout.outer_claim(r))
+
+
+def test_a_slot_of_the_next_round_takes_the_step_its_round_left_and_trains_from_it(world):
+    """Where the round's last shard task left the outer step to the next round (a short round:
+    its slots queued at once), the first slot to start finds the round complete and the step
+    unclaimed, takes it in its own task — an attempt recorded as a queued one's — and trains
+    from θ_{r+1} kept in memory (nothing downloaded); the round's record follows its first step.
+    The weights are those of a run whose steps were queued."""
+    fields = {**FUSED, "eval_every": 2}
+    queued = world.submit("queued", **fields)
+    drive_fused(queued)
+    spec = world.submit(**fields)
+    shard(spec, 0, 0)
+    shard(spec, 0, 1)
+    world.board.release(spec.run_id, layout.outer_claim(0))  # left to the next round, as a short round's is
+    slot(spec, 1, 0)
+    outer_attempts = attempts_of(world, spec, "r0/outer")
+    assert [a["outcome"] for a in outer_attempts] == ["succeeded"]
+    trained = [a for a in attempts_of(world, spec, "r1/shard-0") + attempts_of(world, spec, "r1/shard-1")]
+    assert [a["outcome"] for a in trained] == ["succeeded"]
+    assert trained[0]["worker"] == outer_attempts[0]["worker"]
+    store, other = open_store(spec.store_url), open_store(queued.store_url)
+    k = int(trained[0]["task"][-1])
+    assert int(stored_metadata(store, layout.key("shard", spec.run_id, 1, k))["bytes_down"]) == 0
+    assert [rec["round"] for rec in world.board.rounds(spec.run_id)] == [0]  # the deferred record
+    ours, theirs = layout.key("global", spec.run_id, 1), layout.key("global", queued.run_id, 1)
+    assert store.get_bytes(ours) == other.get_bytes(theirs)
+
+
+def test_a_slot_queued_ahead_stands_by_and_steps_as_soon_as_the_round_completes(world):
+    """A slot of round r+1 queued while round r's last shard still trains claims the step and
+    stands by; the last shard stored wakes it (``announce_complete``) and it takes the step —
+    no message queued for it."""
+    import threading
+
+    spec = world.submit(**{**FUSED, "eval_every": 2})
+    shard(spec, 0, 0)
+    waiter = threading.Thread(target=slot, args=(spec, 1, 0))
+    waiter.start()
+    wait_for(lambda: step_claim(world, spec, 0), "the slot standing by to claim round 0's step")
+    shard(spec, 0, 1)  # (applied here, it leaves the queuing to the claim's holder)
+    world.board.claims.announce_complete(spec.run_id, 0)  # what the last shard task of a short round does
+    waiter.join(timeout=300)
+    assert not waiter.is_alive()
+    assert [a["outcome"] for a in attempts_of(world, spec, "r0/outer")] == ["succeeded"]
+    assert outer_steps_queued(world, 0) == 0
+    assert open_store(spec.store_url).exists(layout.key("global", spec.run_id, 1))
+
+
+def test_a_slot_that_stops_standing_by_gives_the_step_back_and_is_queued_again(world, monkeypatch):
+    """A slot that stood by past its cap — the round's last shard still not stored — gives the
+    step's claim back (the next slot to start, or one that waits, takes it) and is queued again,
+    its attempt refused at no cost."""
+    spec = world.submit(**FUSED)
+    shard(spec, 0, 0)
+    monkeypatch.setattr(fused, "WAIT_CAP_S", 0.5)
+    slot(spec, 1, 0)
+    assert step_claim(world, spec, 0) is None
+    assert [a["outcome"].split(":")[0] for a in attempts_of(world, spec, "r1/shard-0")] == ["refused"]
+    assert ("tensorturn.fused.train_shard", f"('{spec.run_id}', 1, 0)") in queued_tasks(world)
+
+
+def test_an_outer_step_that_fails_in_a_slot_is_queued_and_the_slot_given_back(world, monkeypatch):
+    """The step failing in the slot that took it is recorded failed and queued as a message (its
+    retries and cap as ever); the slot is given back, to train once θ_{r+1} is stored."""
+    from tensorturn.modes.fused import outer as fused_outer
+
+    spec = world.submit(**FUSED)
+    shard(spec, 0, 0)
+    shard(spec, 0, 1)
+    world.board.release(spec.run_id, layout.outer_claim(0))
+    queued = outer_steps_queued(world, 0)  # (the shard applied here queued one as it claimed)
+    real = fused_outer.average_and_step
+    monkeypatch.setattr(fused_outer, "average_and_step", lambda *a: (_ for _ in ()).throw(OSError("disk gone")))
+    slot(spec, 1, 0)
+    assert [a["outcome"].split(":")[0] for a in attempts_of(world, spec, "r0/outer")] == ["failed"]
+    assert [a["outcome"].split(":")[0] for a in attempts_of(world, spec, "r1/shard-0")] == ["refused"]
+    assert outer_steps_queued(world, 0) == queued + 1
+    monkeypatch.setattr(fused_outer, "average_and_step", real)
+    outer(spec, 0)  # the queued message
+    shard(spec, 1, 0)
+    assert attempts_of(world, spec, "r1/shard-0")[-1]["outcome"] == "succeeded"
+
+
+def test_a_rounds_end_is_timed_and_its_step_claimed_only_by_one(world):
+    """The broker times a round's end — its second-to-last shard stored to the next weights
+    announced — for the next round's shards to read; the step's claim says whether the round is
+    complete, is held by one holder, and is given back only by it."""
+    claims, run = world.board.claims, "r-ends"
+    assert claims.note_stored(run, 0, 0, "a", 3) == (1, None)
+    claims.note_stored(run, 0, 1, "b", 3)
+    assert claims.claim_step(run, 0, 3, "step", "task:x") == (True, False)  # standing by
+    assert claims.claim_step(run, 0, 3, "step", "task:y") == (False, False)
+    claims.note_stored(run, 0, 2, "c", 3)
+    assert claims.claim_step(run, 0, 3, "step", "task:x") == (True, True)
+    claims.release_if_held(run, "step", "task:y")  # not its holder: nothing given back
+    assert claims.claim_step(run, 0, 3, "step", "task:y") == (False, True)
+    claims.release_if_held(run, "step", "task:x")
+    assert claims.claim_step(run, 0, 3, "step", "task:y") == (True, True)
+    claims.announce_global(run, 1)
+    count, end = claims.note_stored(run, 1, 0, "a", 3)
+    assert count == 1 and end is not None and end >= 0

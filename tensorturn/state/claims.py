@@ -132,18 +132,49 @@ class Claims:
         return [k for k in range(shards) if k not in taken]
 
     # -- shards stored: the round's last queues its outer step; backup copies stop --
-    def note_stored(self, run_id: str, r: int, k: int, worker: str) -> int:
-        """Shard ``k`` of round ``r`` is stored: how many of the round's shards are (one
-        command; a shard marked again — a redelivery — counts once)."""
-        return int(self.r.eval(_NOTE_STORED, 1, layout.stored_key(run_id, r), str(k), worker))
+    def note_stored(self, run_id: str, r: int, k: int, worker: str, shards: int = 0) -> tuple[int, float | None]:
+        """Shard ``k`` of round ``r`` is stored: how many of the round's shards are (a shard
+        marked again — a redelivery — counts once), and how long round r−1 took to end — from
+        its second-to-last shard stored to θ_r announced (:meth:`announce_global`), by the
+        broker's clock — if known; one command. ``shards``: the round's count, so that its
+        second-to-last shard notes the time."""
+        count, end_ms = self.r.eval(_NOTE_STORED, 2, layout.stored_key(run_id, r), layout.run_key(run_id, "ends"),
+                                    str(k), worker, r, shards)
+        return int(count), (None if int(end_ms) < 0 else int(end_ms) / 1000)
+
+    def claim_step(self, run_id: str, r: int, shards: int, what: str, holder: str) -> tuple[bool, bool]:
+        """Claim ``what`` (round r's outer step) for ``holder`` (as :meth:`claim_for`): whether
+        ``holder`` holds it, and whether all ``shards`` of round ``r`` are marked stored (one
+        round trip)."""
+        held, complete = self.r.eval(_CLAIM_STEP, 2, layout.stored_key(run_id, r), layout.run_key(run_id, "claims"),
+                                     shards, what, holder)
+        return bool(held), bool(complete)
+
+    def release_if_held(self, run_id: str, what: str, holder: str) -> None:
+        """Give ``what`` back if ``holder`` holds it."""
+        self.r.eval(_RELEASE_IF_HELD, 1, layout.run_key(run_id, "claims"), what, holder)
+
+    def announce_complete(self, run_id: str, r: int) -> None:
+        """Round r's shards are all stored: the slot standing by to take its outer step goes on
+        (one command; a run's keys are given an expiry once it finishes)."""
+        self.r.rpush(layout.standby_key(run_id, r), "complete")
+
+    def await_complete(self, run_id: str, r: int, timeout_s: int) -> bool:
+        """Wait up to ``timeout_s`` (whole seconds) for :meth:`announce_complete`; whether it
+        came (taken: one slot stands by). A broker that does not answer counts as no
+        announcement."""
+        if self.blocking is None:
+            self.blocking = lease_client(self.r, timeout_s + BLOCKING_SLACK_S)
+        try:
+            return self.blocking.brpop([layout.standby_key(run_id, r)], timeout_s) is not None
+        except (redis.ConnectionError, redis.TimeoutError):
+            return False
 
     def announce_global(self, run_id: str, r: int) -> None:
-        """θ_r is stored: the slots of round r waiting for it go on (one round trip)."""
-        key = layout.global_stored_key(run_id, r)
-        pipe = self.r.pipeline(transaction=False)
-        pipe.rpush(key, "stored")
-        pipe.expire(key, ANNOUNCED_KEEP_S)
-        pipe.execute()
+        """θ_r is stored: the slots of round r waiting for it go on; and round r−1's end is
+        timed (:meth:`note_stored`). One command."""
+        self.r.eval(_ANNOUNCE_GLOBAL, 2, layout.global_stored_key(run_id, r), layout.run_key(run_id, "ends"),
+                    r, ANNOUNCED_KEEP_S)
 
     def await_global(self, run_id: str, r: int, timeout_s: int) -> bool:
         """Wait up to ``timeout_s`` (whole seconds) for θ_r's announcement; whether it came. A
@@ -164,6 +195,7 @@ class Claims:
         so a shard lost from the store is not counted)."""
         keys = [layout.stored_key(run_id, r) for r in rounds]
         keys += [layout.global_stored_key(run_id, r) for r in rounds]  # announcements of weights it steps again
+        keys += [layout.standby_key(run_id, r) for r in rounds]
         if keys:
             self.r.delete(*keys)
 
@@ -213,8 +245,35 @@ class Claims:
 
 
 _NOTE_STORED = """
-redis.call('hsetnx', KEYS[1], ARGV[1], ARGV[2])
-return redis.call('hlen', KEYS[1])
+local added = redis.call('hsetnx', KEYS[1], ARGV[1], ARGV[2])
+local n = redis.call('hlen', KEYS[1])
+local r = tonumber(ARGV[3])
+if added == 1 and n + 1 == tonumber(ARGV[4]) then
+  local t = redis.call('time')
+  redis.call('hset', KEYS[2], 'near' .. r, tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000))
+end
+return {n, tonumber(redis.call('hget', KEYS[2], 'end' .. (r - 1)) or -1)}
+"""
+_ANNOUNCE_GLOBAL = """
+redis.call('rpush', KEYS[1], 'stored')
+redis.call('expire', KEYS[1], ARGV[2])
+local near = redis.call('hget', KEYS[2], 'near' .. (tonumber(ARGV[1]) - 1))
+if near then
+  local t = redis.call('time')
+  local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  redis.call('hsetnx', KEYS[2], 'end' .. (tonumber(ARGV[1]) - 1), now - tonumber(near))
+end
+return 1
+"""
+_CLAIM_STEP = """
+redis.call('hsetnx', KEYS[2], ARGV[2], ARGV[3])
+local held = redis.call('hget', KEYS[2], ARGV[2]) == ARGV[3] and 1 or 0
+local complete = redis.call('hlen', KEYS[1]) >= tonumber(ARGV[1]) and 1 or 0
+return {held, complete}
+"""
+_RELEASE_IF_HELD = """
+if redis.call('hget', KEYS[1], ARGV[1]) == ARGV[2] then return redis.call('hdel', KEYS[1], ARGV[1]) end
+return 0
 """
 _REFRESH_IF_HELD = """
 if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('pexpire', KEYS[1], ARGV[2]) end

@@ -427,7 +427,7 @@ def record_outcome(unit: Unit, outcome: str, tally: Tally) -> None:
         tally.take()  # the manifest holds the run's figures, complete; its own bytes are not among them
 
 
-def run_here(parent: Attempt, label: Label, unit_class: type[Unit]) -> bool:
+def run_here(parent: Attempt, label: Label, unit_class: Callable[[Attempt], Unit]) -> bool:
     """Run ``label``'s unit in the task of ``parent``, whose work made it ready: no queue hop,
     no wait for a machine to take a message. Its attempt is recorded as a queued one's would be.
 

@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import contextlib
 import json
+import shutil
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,7 @@ from tensorturn.modes.fused.finalize import finalize
 from tensorturn.modes.fused.options import eval_passes, evaluated, options, outer_args, samples_per_step
 from tensorturn.modes.fused.policies import policy
 from tensorturn.modes.fused.shard import count_data, data_bytes
+from tensorturn.modes.fused.weights import cache
 from tensorturn.recipes import Recipe, recipe_of
 from tensorturn.spec import RunSpec
 from tensorturn.state.board import RunBoard
@@ -54,7 +56,7 @@ from tensorturn.store.tensors import (
     model_metadata,
     stored_metadata,
 )
-from tensorturn.tasks.attempt import LATE, SUCCEEDED, NotYet, Unit, broker_time
+from tensorturn.tasks.attempt import LATE, SUCCEEDED, Attempt, NotYet, Unit, broker_time
 from tensorturn.train.device import pick_device
 from tensorturn.train.diloco import (
     accumulate,
@@ -105,6 +107,14 @@ def evaluate_round(spec: RunSpec, store: Store, r: int, scratch: Path,
     return info
 
 
+def keep_global(spec: RunSpec, r: int, path: Path) -> None:
+    """θ_r, just written to ``path`` by this process's outer step, into the process's cache of
+    global weights (:data:`~tensorturn.modes.fused.weights.cache`)."""
+    with TensorReader(path) as f:
+        theta = f.all()
+    cache.put(spec.run_id, r, file_sha256(path), theta)
+
+
 def unevaluated_round(r: int, figures: tuple[list[float], list[int], int, int]) -> dict[str, Any]:
     """Round r's record where ``--eval-every`` skips its evaluation: the shards' ``figures``
     (losses, samples, bytes up, bytes down), no validation figures (as for a dataset without
@@ -134,6 +144,30 @@ class OuterUnit(Unit):
 
     followed = False  # what follows the step is queued
 
+    def __init__(self, attempt: Attempt, deferred: list[Callable[[], None]] | None = None):
+        """``deferred``: where a step taken by a slot of the next round that waits for θ_{r+1}
+        (:func:`~tensorturn.modes.fused.sync.rounds.take_step`) leaves what can wait until that
+        slot trains — the round's record, the scratch folder's removal — and then keeps
+        θ_{r+1} in this process's cache, so the slot trains from it at once."""
+        super().__init__(attempt)
+        self.deferred = deferred
+
+    def later(self, work: Callable[[], None]) -> None:
+        """Do ``work`` now, or leave it in :attr:`deferred`."""
+        if self.deferred is None:
+            work()
+        else:
+            self.deferred.append(work)
+
+    @contextlib.contextmanager
+    def scratch(self) -> Iterator[Path]:
+        """A scratch folder for the step, removed when it ends (or :meth:`later`)."""
+        tmp = Path(tempfile.mkdtemp(prefix="tt-outer-"))
+        try:
+            yield tmp
+        finally:
+            self.later(lambda: shutil.rmtree(tmp, ignore_errors=True))
+
     def done(self) -> bool:
         # the last round is done only when the run is finished (checked before this)
         r = self.a.label.numbers[0]
@@ -149,24 +183,29 @@ class OuterUnit(Unit):
         if waiting is not None:  # queued again once the round's outputs are in
             raise NotYet(waiting)
         self.phase("averaging")
-        with tempfile.TemporaryDirectory(prefix="tt-outer-") as tmp:
+        with self.scratch() as tmp:
             figures = average_and_step(spec, store, r, Path(tmp))
             if not last:  # the machines train round r+1, and one evaluates θ_{r+1} when free
                 self.then()
-                if not evaluated(spec, r):  # --eval-every: the training figures only, now
+                if self.deferred is not None:  # the slot that took the step trains from θ_{r+1} next
+                    keep_global(spec, r + 1, tmp / "next")
+                if not evaluated(spec, r):  # --eval-every: the training figures only
                     info = unevaluated_round(r, figures)
-                    seals.put_json(store, layout.key("round", spec.run_id, r), info)
-                    self.board.record_round(spec.run_id, r, info)
+
+                    def record() -> None:
+                        seals.put_json(store, layout.key("round", spec.run_id, r), info)
+                        self.board.record_round(spec.run_id, r, info)
+                    self.later(record)
                 return SUCCEEDED
             self.phase("evaluating")
-            info = evaluate_round(spec, store, r, Path(tmp), figures)
+            info = evaluate_round(spec, store, r, tmp, figures)
             self.a.check_cancelled(now=True)
             seals.put_json(store, layout.key("round", spec.run_id, r), info)  # before the board: done() reads it
             self.board.record_round(spec.run_id, r, info)
-            record_missing_rounds(spec, store, self.board, r, Path(tmp), self.a.worker, self.a.check_cancelled)
+            record_missing_rounds(spec, store, self.board, r, tmp, self.a.worker, self.a.check_cancelled)
             self.phase("testing")
             self.a.check_cancelled(now=True)
-            finalize(spec, store, self.board, local=Path(tmp) / "next", finish=self.finish_run)
+            finalize(spec, store, self.board, local=tmp / "next", finish=self.finish_run)
         count_data(self.board, spec.run_id, self.a.worker, data_before)
         return SUCCEEDED
 

@@ -30,7 +30,7 @@ from tensorturn.state.live import live_field
 from tensorturn.store import seals
 from tensorturn.store.tensorfile import write_delta
 from tensorturn.store.tensors import StateDict
-from tensorturn.tasks.attempt import LATE, SUCCEEDED, Unit, watch_cancelled
+from tensorturn.tasks.attempt import LATE, SUCCEEDED, Attempt, Unit, watch_cancelled
 from tensorturn.train.device import pick_device
 from tensorturn.train.diloco import UpdateRejected, check_update, train_replica
 from tensorturn.train.loop import derive_seed, set_threads
@@ -50,6 +50,15 @@ class ShardUnit(backups.CopyAwareUnit):
                 or self.store.exists(layout.key("global", self.spec.run_id, r + 1))
                 or policy(options(self.spec).sync).output_in_flight(self.board, self.spec, r, k))
 
+    #: what an outer step taken by this slot while it waited for θ (:func:`~tensorturn.modes.
+    #: fused.sync.rounds.take_step`) left for later — the round's record — done after the
+    #: shard's first step (:func:`after_first_step`), when the other machines train already
+    deferred: list[Callable[[], None]]
+
+    def __init__(self, attempt: Attempt):
+        super().__init__(attempt)
+        self.deferred = []
+
     def run(self) -> str:
         r, k = self.a.label.numbers
         spec, sync = self.spec, policy(options(self.spec).sync)
@@ -62,16 +71,31 @@ class ShardUnit(backups.CopyAwareUnit):
             return start, moved + more, {}
 
         watch = sync.shard_watch(self.board, spec, r, k)
-        outcome = train_and_store(self, r, k, theta_of, layout.key("shard", spec.run_id, r, k), watch,
-                                  put=lambda key, path: sync.store_output(self, r, k, key, path))
+        try:
+            outcome = train_and_store(self, r, k, theta_of, layout.key("shard", spec.run_id, r, k), watch,
+                                      put=lambda key, path: sync.store_output(self, r, k, key, path))
+        except BaseException:
+            self.run_deferred()
+            raise
         if outcome == SUCCEEDED:
             sync.shard_stored(self.board, spec, r, k, self.a.worker)
         return outcome
 
     def then(self) -> None:
         r, k = self.a.label.numbers
+        self.run_deferred()  # (done at the first step, unless the shard took none)
         policy(options(self.spec).sync).after_shard(self.spec, self.store, self.board, r, k, self.a.worker,
                                                      here=self.a)
+
+    def run_deferred(self) -> None:
+        """Do what was left for later (:attr:`deferred`); a failure is only logged: the run's
+        last outer step records a round whose record is missing."""
+        work, self.deferred = self.deferred, []
+        for do in work:
+            try:
+                do()
+            except Exception as exc:  # noqa: BLE001 - a record the last outer step writes again
+                log.warning("run %s: %s: deferred work failed (%s)", self.spec.run_id, self.a.label, exc)
 
 
 def train_and_store(unit: Unit, r: int, k: int,
@@ -96,6 +120,8 @@ def train_and_store(unit: Unit, r: int, k: int,
     theta, a.bytes_down, meta = theta_of(recipe)
     on_step = reporter if watch is None else watch_superseded(reporter, watch, str(a.label))
     on_step = watch_cancelled(on_step, a, reporter)
+    if isinstance(unit, ShardUnit) and unit.deferred:  # an outer step taken while it waited for θ
+        on_step = after_first_step(on_step, unit.run_deferred)
     a.trained_from = broker_now(unit.board.r)
     try:
         delta, loss, samples = train_replica(
@@ -129,6 +155,19 @@ def train_and_store(unit: Unit, r: int, k: int,
             put(out_key, path)
     a.rate = reporter.done()
     return SUCCEEDED
+
+
+def after_first_step(on_step: Callable[[int, float], None], work: Callable[[], None]) -> Callable[[int, float], None]:
+    """``on_step``, and ``work`` done once, after the first step: the machines that waited
+    train already, and what this one records is among its attempt's figures."""
+    pending = [work]
+
+    def step(n: int, loss: float) -> None:
+        on_step(n, loss)
+        if pending:
+            pending.pop()()
+
+    return step
 
 
 class Superseded(Exception):

@@ -30,6 +30,8 @@ log = logging.getLogger(__name__)
 class Backup(Rounds):
     """Rounds whose stragglers get backup copies."""
 
+    queues_ahead = False  # the next round's slots would sit ahead of a straggler's backup copy
+
     name = "backup"
 
     def shard_watch(self, board: RunBoard, spec: RunSpec, r: int, k: int) -> Callable[[], bool] | None:

@@ -5,6 +5,12 @@ which takes a shard it trained before where it can (its chunks are cached there)
 step (:class:`~tensorturn.modes.fused.outer.OuterUnit`), taken once by whichever shard task finds
 the round's last shard stored: in that task itself, unless an agent beside the store serves
 outer steps (then queued there; also queued when the step failed in the task, for its retries).
+Once a run's rounds end quickly (under a second from a round's second-to-last shard stored to
+the next weights), the next round is queued ahead — when a round's second-to-last shard is
+stored — and the first of its slots to start claims the step and stands by; the last shard
+stored wakes it, and it takes the step in its own task (:func:`take_step`). A machine already
+free steps while the one that trained the last shard takes its own next slot, and the machines
+start round r+1 together (its records wait until the slot that stepped trains).
 The outer step queues the next round once θ_{r+1} is stored, then the round's evaluation
 (:class:`~tensorturn.modes.fused.outer.EvalUnit`) behind it: the first machine done with round
 r+1's shard evaluates θ_{r+1} while the others finish theirs. The result depends on (S, H, seed,
@@ -26,6 +32,7 @@ The round's Celery tasks are defined here; ``--sync backup`` (:mod:`.backup`) qu
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from typing import Any
@@ -51,14 +58,17 @@ log = logging.getLogger(__name__)
 STEP_GRACE_S = 2.0  # how long a slot waits for θ_r once round r−1's outer step is not seen running
 WAIT_CAP_S = 20.0   # how long a slot waits for θ_r at most (a step's process may die unseen)
 NOT_YET_S = 3.0     # a slot that stopped waiting is queued again this much later
-QUICK_STEP_S = 1.0  # the next round is queued ahead of θ only after an outer step this short
+QUICK_END_S = 1.0   # a round's end (second-to-last shard stored → θ_{r+1}) this short has the next hand over
 
 class Rounds(SyncPolicy):
     """A barrier per round: the task that stores its last shard takes the outer step (or queues
-    it, :func:`queue_outer`); round r+1 is queued as that step begins, its slots waiting for
-    θ_{r+1} (:meth:`await_global`), or once θ_{r+1} is stored where the step was queued."""
+    it, :func:`queue_outer`), and round r+1 is queued once θ_{r+1} is stored — or, once rounds
+    end quickly, round r+1 is queued first and one of its slots takes the step
+    (:meth:`after_shard`, :func:`take_step`) while the others wait for θ_{r+1}
+    (:meth:`await_global`)."""
 
     name = "rounds"
+    queues_ahead = True  # the next round queued when all but one of a round's shards are stored
 
     def start(self, spec: RunSpec, store: Store, board: RunBoard) -> None:
         board.claim(spec.run_id, layout.dispatch_claim(0))
@@ -74,8 +84,23 @@ class Rounds(SyncPolicy):
 
     def after_shard(self, spec: RunSpec, store: Store, board: RunBoard, r: int, k: int,
                     worker: str, here: Attempt | None = None) -> None:
-        if board.claims.note_stored(spec.run_id, r, k, worker) >= options(spec).shards:
+        """Once the previous round ended quickly (:func:`hands_over_step`): the round's
+        second-to-last shard stored queues the next round ahead, and its last wakes the slot
+        standing by to take the step (:func:`take_step`) — or queues the next round, whose first
+        slot takes it. Else the last takes the step (:func:`queue_outer`)."""
+        shards = options(spec).shards
+        stored, last_end = board.claims.note_stored(spec.run_id, r, k, worker, shards)
+        if stored + 1 < shards:
+            return
+        quick = hands_over_step(spec, board, r, here, last_end)
+        if stored + 1 == shards:
+            if quick and self.queues_ahead:
+                queue_round(spec, board, r + 1)  # ahead: the machines free already wait in its slots
+            return
+        if not quick:
             queue_outer(spec, board, r, here)
+        elif not queue_round(spec, board, r + 1):  # queued ahead: a slot stands by to take the step
+            board.claims.announce_complete(spec.run_id, r)
 
     def after_outer(self, spec: RunSpec, board: RunBoard, r: int) -> None:
         if r + 1 < options(spec).rounds:
@@ -84,21 +109,26 @@ class Rounds(SyncPolicy):
             queue_eval(spec, board, r)
 
     def await_global(self, unit: Unit, r: int) -> None:
-        """Round r's slots may be queued when round r−1's outer step begins in its last shard's
-        task (:func:`queue_outer`, for short outer steps), so the machines waiting at the
-        barrier take them, read their data and wait here for θ_r — announced the moment it is
-        stored — rather than be queued and picked up after it. A wait lasts while round r−1's
-        outer step runs on a machine that is not offline, for at most :data:`WAIT_CAP_S`; one
-        that failed, or whose machine went offline, is waited for :data:`STEP_GRACE_S` more.
-        Then the shard is queued again a few seconds later (behind whatever the round needs
-        first: the outer step's message queued again, or the shard task that was taking it,
-        delivered again), and its machine takes the next message. A machine whose owner pauses
-        it, or whose agent stops, hands the slot back within about a second of waiting."""
+        """Round r's slots may be queued before θ_r is stored — by round r−1's last shard task,
+        or its second-to-last (:meth:`after_shard`), once rounds end quickly — so the machines
+        free at the barrier take them, read their data and wait here for θ_r, announced the
+        moment it is stored, rather than be queued and picked up after it. The first such slot
+        takes round r−1's outer step itself (:func:`take_step`), at once when the round is
+        complete, else once its last shard is stored. A wait lasts while round r−1 is not
+        complete or its outer step runs on a machine that is not offline, for at most
+        :data:`WAIT_CAP_S`; a step that failed, or whose machine went offline, is waited for
+        :data:`STEP_GRACE_S` more. Then the shard is queued again a few seconds later (behind
+        whatever the round needs first: the outer step's message queued again, or the shard
+        task that was taking it, delivered again), and its machine takes the next message. A
+        machine whose owner pauses it, or whose agent stops, hands the slot back within about a
+        second of waiting."""
         spec, store, board = unit.spec, unit.store, unit.board
         held = cache.get(spec.run_id)
         if r == 0 or (held is not None and held[0] >= r):  # θ_r is here already: no look at the store
             return
         key, label = layout.key("global", spec.run_id, r), str(layout.outer_label(r - 1))
+        if not store.exists(key) and take_step(unit, r - 1):
+            return
         began, unsure_since = time.monotonic(), None
         while not store.exists(key):
             if board.claims.await_global(spec.run_id, r, 1):
@@ -106,9 +136,11 @@ class Rounds(SyncPolicy):
                     return
                 time.sleep(0.2)  # announced but not there: a store that lags, or an old announcement
             unit.a.check_standing()  # a cancel; the owner, who may need the machine back
+            if take_step(unit, r - 1):  # left to nobody: the slot that stood by gave up
+                return
             step = board.attempt_log.latest(spec.run_id, label)
-            running = (step is not None and step["outcome"] == Outcome.RUNNING
-                       and step["worker"] in board.workers.not_offline())
+            running = not round_complete(unit, r - 1) or (step is not None and step["outcome"] == Outcome.RUNNING
+                                                          and step["worker"] in board.workers.not_offline())
             unsure_since = None if running else (unsure_since or time.monotonic())
             now = time.monotonic()
             if now - began >= WAIT_CAP_S or (unsure_since is not None and now - unsure_since >= STEP_GRACE_S):
@@ -143,10 +175,10 @@ def dispatch_round(spec: RunSpec, r: int, board: RunBoard) -> None:
                 queue=queue, producer=producer)
 
 
-def queue_round(spec: RunSpec, board: RunBoard, r: int) -> None:
+def queue_round(spec: RunSpec, board: RunBoard, r: int) -> bool:
     """Queue round r once (whoever comes first: the outer step that begins, or stores, the
-    weights it trains from)."""
-    board.once(spec.run_id, layout.dispatch_claim(r), lambda: dispatch_round(spec, r, board))
+    weights it trains from, or round r−1's shards, ahead); whether this call queued it."""
+    return board.once(spec.run_id, layout.dispatch_claim(r), lambda: dispatch_round(spec, r, board))
 
 
 def queue_outer(spec: RunSpec, board: RunBoard, r: int, here: Attempt | None = None) -> None:
@@ -167,7 +199,7 @@ def queue_outer(spec: RunSpec, board: RunBoard, r: int, here: Attempt | None = N
     queue = routing.queue_for_outer(board.r, anywhere)
 
     def send() -> None:
-        outer_step.s([], run_id, r, **signed(run_id, str(layout.outer_label(r)))).apply_async(queue=queue)
+        send_outer(spec, r, queue)
 
     if here is None or here.task.request.is_eager:
         board.once(run_id, layout.outer_claim(r), send)
@@ -182,20 +214,80 @@ def queue_outer(spec: RunSpec, board: RunBoard, r: int, here: Attempt | None = N
             board.release(run_id, layout.outer_claim(r))
             raise
         return
-    if not last and quick_step(board, run_id, r - 1):  # its slots wait for θ_{r+1} (Rounds.await_global)
-        queue_round(spec, board, r + 1)
     if not run_here(here, layout.outer_label(r), OuterUnit):
         send()
 
 
-def quick_step(board: RunBoard, run_id: str, r: int) -> bool:
-    """Whether round r's outer step took under :data:`QUICK_STEP_S` — then the next one will
-    most likely be as quick, and the round after it is worth queueing ahead of its weights (a
-    few milliseconds a round, which only short rounds notice; a slot waits at most
-    :data:`WAIT_CAP_S`, so long steps do not have machines wait on them)."""
-    step = board.attempt_log.latest(run_id, str(layout.outer_label(r))) if r >= 0 else None
-    return (step is not None and step["outcome"] == Outcome.SUCCEEDED
-            and (step["finished_at"] or 0) - step["started_at"] < QUICK_STEP_S)
+def send_outer(spec: RunSpec, r: int, queue: str) -> None:
+    """Queue round r's outer step on ``queue``."""
+    run_id = spec.run_id
+    outer_step.s([], run_id, r, **signed(run_id, str(layout.outer_label(r)))).apply_async(queue=queue)
+
+
+def hands_over_step(spec: RunSpec, board: RunBoard, r: int, here: Attempt | None, last_end: float | None) -> bool:
+    """Whether round r's last shard task (``here``) leaves the outer step to a slot of round r+1
+    (:func:`take_step`), and its second-to-last queues that round ahead: for a round before the
+    last, where no agent beside the store serves outer steps, once round r−1's end —
+    ``last_end``, from its second-to-last shard stored to θ_r announced — took under
+    :data:`QUICK_END_S` (the slots that wait for θ_{r+1} meanwhile wait briefly: short rounds,
+    quick steps). Not for a task applied in a caller's process (tests that drive each unit)."""
+    if (last_end is None or last_end >= QUICK_END_S or here is None or here.task.request.is_eager
+            or r + 1 >= options(spec).rounds):
+        return False
+    anywhere = queue_for(spec.memory_needed_bytes)
+    return routing.queue_for_outer(board.r, anywhere) == anywhere
+
+
+def take_step(unit: Unit, r: int) -> bool:
+    """Round r's outer step, taken by ``unit`` — a slot of round r+1 about to wait for θ_{r+1} —
+    unless another holds its claim; whether θ_{r+1} is stored now by it. The claim names the
+    slot's task, so the same task delivered again after its machine was lost takes the step
+    again. While round r's last shard still trains (the round queued ahead), the slot stands
+    by: it waits for :meth:`~tensorturn.state.claims.Claims.announce_complete` (a look a second
+    at most), so the step begins the moment the last shard is counted, with no queue, machine
+    or message between. A slot that stops waiting — after :data:`WAIT_CAP_S`, a cancel, its
+    owner's pause, its agent stopping — gives the claim back first (then a slot that waits, or
+    the next to start, takes the step), and one past the cap is queued again :data:`NOT_YET_S`
+    later. The step itself: :func:`step_in_slot`."""
+    if not isinstance(unit, ShardUnit):
+        return False
+    spec, board = unit.spec, unit.board
+    what, holder, shards = layout.outer_claim(r), f"task:{unit.a.task.request.id}", options(spec).shards
+    held, complete = board.claims.claim_step(spec.run_id, r, shards, what, holder)
+    began = time.monotonic()
+    try:
+        while held and not complete:
+            unit.a.check_standing()
+            if time.monotonic() - began >= WAIT_CAP_S:
+                queue_shard(spec, r + 1, unit.a.label.numbers[1], countdown=NOT_YET_S)
+                raise NotYet(f"round {r} is not complete yet; this shard is queued again in {NOT_YET_S:g} s")
+            board.claims.await_complete(spec.run_id, r, 1)
+            held, complete = board.claims.claim_step(spec.run_id, r, shards, what, holder)
+    except BaseException:
+        board.claims.release_if_held(spec.run_id, what, holder)
+        raise
+    return held and step_in_slot(unit, r)  # (not held: another's, or the claims cleared by a resume)
+
+
+def round_complete(unit: Unit, r: int) -> bool:
+    """Whether all of round r's shards are marked stored."""
+    return len(unit.board.claims.stored(unit.spec.run_id, r)) >= options(unit.spec).shards
+
+
+def step_in_slot(unit: ShardUnit, r: int) -> bool:
+    """Take round r's outer step, claimed, in the slot ``unit`` of round r+1 (its attempt
+    recorded as a queued one's would be: :func:`~tensorturn.tasks.attempt.run_here`); whether
+    θ_{r+1} is stored now. What can wait — the round's record — waits until the slot's shard
+    trains (:attr:`ShardUnit.deferred`), and θ_{r+1} stays in memory for it. A step that fails
+    here is queued as a message (its retries and attempt cap as ever) and the slot queued again
+    :data:`NOT_YET_S` later, so this machine is free to take the step's message."""
+    spec, board = unit.spec, unit.board
+    if run_here(unit.a, layout.outer_label(r), functools.partial(OuterUnit, deferred=unit.deferred)):
+        return unit.store.exists(layout.key("global", spec.run_id, r + 1))  # else cancelled, or given up
+    send_outer(spec, r, routing.queue_for_outer(board.r, queue_for(spec.memory_needed_bytes)))
+    queue_shard(spec, r + 1, unit.a.label.numbers[1], countdown=NOT_YET_S)
+    raise NotYet(f"round {r}'s outer step failed on this machine and was queued; this shard is "
+                 f"queued again in {NOT_YET_S:g} s")
 
 
 def queue_shard(spec: RunSpec, r: int, k: int, countdown: float = 0) -> None:
