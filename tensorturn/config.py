@@ -54,6 +54,7 @@ pause_gpu_shared      1: an agent pauses while another process uses its GPU (`ag
 fake_battery_file     tests only: a file saying `battery` or `ac` stands in for the battery sensor
 agent_pool            how an agent runs tasks: `prefork` (Linux's default) or `threads` (elsewhere; `agent --pool`)
 role                  what an agent takes: `train`, `outer` (outer steps, beside the store) or `both` (`agent --role`)
+quick_end_s           seconds a fused round may take to end (last two shards → θ) and queue the next ahead; 0: never
 slowdown              benchmarks and tests only: train this many times slower, to emulate a slow machine
 sim_step_s            benchmarks and tests only: each training step lasts this many seconds (sleeping): emulated speed
 serve_run             the run the `Procfile`'s `api` line serves (read by the Procfile, not by TensorTurn)
@@ -69,7 +70,7 @@ class Variable:
 
 
 # numeric settings that may be 0 (the others must be more): no retries, no grace, no emulated step
-MAY_BE_ZERO = {"store_retries", "store_backoff_s", "shutdown_grace_s", "sim_step_s", "cache_gb",
+MAY_BE_ZERO = {"store_retries", "store_backoff_s", "shutdown_grace_s", "sim_step_s", "cache_gb", "quick_end_s",
                "pause_on_battery", "pause_busy_percent", "pause_gpu_shared"}
 
 
@@ -109,6 +110,7 @@ class Settings:
     fake_battery_file: str | None = None
     agent_pool: str | None = None
     role: str = "train"
+    quick_end_s: float = 1.0
     slowdown: float = 1.0
     sim_step_s: float = 0.0
     serve_run: str | None = None

@@ -437,3 +437,33 @@ def task_of(key: str) -> str | None:
     if parts[-2] in ("global", "outer"):
         return f"r{int(parts[-1][1:5]) - 1}/outer"
     return None
+
+
+def stepped_in_a_slot(doc: dict) -> list[str]:
+    """The outer steps a slot of the next round took while it waited for θ (its machine's, and
+    begun between that slot's start and its training)."""
+    shards = [a for a in doc["attempts"] if "/shard-" in a["task"] and a["outcome"] == "succeeded"]
+    found = []
+    for step in doc["attempts"]:
+        if step["task"].endswith("/outer") and step["outcome"] == "succeeded":
+            r = int(step["task"][1:].split("/")[0])
+            if any(s["task"].startswith(f"r{r + 1}/") and s["worker"] == step["worker"]
+                   and s["started_at"] <= step["started_at"] <= s["trained_from"] for s in shards):
+                found.append(step["task"])
+    return found
+
+
+def test_an_agent_killed_while_rounds_hand_their_steps_to_the_next_changes_nothing(pool_factory):
+    """With rounds short enough (here: any), the next round is queued ahead and one of its
+    slots stands by to take the outer step. An agent killed mid-run — standing by, stepping or
+    training — is requeued, and the run still gives the fault-free run's model."""
+    pool = pool_factory(agents=3, env={"TENSORTURN_QUICK_END_S": "600", "TENSORTURN_VISIBILITY_TIMEOUT_S": "4"})
+    spec = dict(mode="fused", recipe="digits-mlp", rounds=6, shards=3, sync_every=40, eval_every=6)
+    reference = run_to_end(pool, **spec)
+    assert reference["state"] == "succeeded", reference.get("error")
+    assert stepped_in_a_slot(reference)  # rounds 1.. hand their steps over
+    run = submit_run(pool, **spec)
+    victim = running_attempt(pool, run.run_id, round_=2, settle=0.0)
+    os.killpg(pool.agents[agent_index(victim)].pid, signal.SIGKILL)
+    doc = finish(pool, run, reference)
+    assert [r["round"] for r in doc["rounds"]] == list(range(6))

@@ -37,7 +37,7 @@ import logging
 import time
 from typing import Any
 
-from tensorturn import layout
+from tensorturn import config, layout
 from tensorturn.modes.fused.options import evaluated, options
 from tensorturn.modes.fused.outer import EvalUnit, OuterUnit
 from tensorturn.modes.fused.shard import ShardUnit
@@ -58,7 +58,6 @@ log = logging.getLogger(__name__)
 STEP_GRACE_S = 2.0  # how long a slot waits for θ_r once round r−1's outer step is not seen running
 WAIT_CAP_S = 20.0   # how long a slot waits for θ_r at most (a step's process may die unseen)
 NOT_YET_S = 3.0     # a slot that stopped waiting is queued again this much later
-QUICK_END_S = 1.0   # a round's end (second-to-last shard stored → θ_{r+1}) this short has the next hand over
 
 class Rounds(SyncPolicy):
     """A barrier per round: the task that stores its last shard takes the outer step (or queues
@@ -229,10 +228,11 @@ def hands_over_step(spec: RunSpec, board: RunBoard, r: int, here: Attempt | None
     (:func:`take_step`), and its second-to-last queues that round ahead: for a round before the
     last, where no agent beside the store serves outer steps, once round r−1's end —
     ``last_end``, from its second-to-last shard stored to θ_r announced — took under
-    :data:`QUICK_END_S` (the slots that wait for θ_{r+1} meanwhile wait briefly: short rounds,
-    quick steps). Not for a task applied in a caller's process (tests that drive each unit)."""
-    if (last_end is None or last_end >= QUICK_END_S or here is None or here.task.request.is_eager
-            or r + 1 >= options(spec).rounds):
+    ``TENSORTURN_QUICK_END_S`` (1 s: the slots that wait for θ_{r+1} meanwhile wait briefly —
+    short rounds, quick steps; 0 turns this off). Not for a task applied in a caller's process
+    (tests that drive each unit)."""
+    if (last_end is None or last_end >= config.current().quick_end_s or here is None
+            or here.task.request.is_eager or r + 1 >= options(spec).rounds):
         return False
     anywhere = queue_for(spec.memory_needed_bytes)
     return routing.queue_for_outer(board.r, anywhere) == anywhere
