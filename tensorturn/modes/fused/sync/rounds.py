@@ -99,7 +99,7 @@ class Rounds(SyncPolicy):
         if not quick:
             queue_outer(spec, board, r, here)
         elif not queue_round(spec, board, r + 1):  # queued ahead: a slot stands by to take the step
-            board.claims.announce_complete(spec.run_id, r)
+            wake_standby(spec, board, r, here)
 
     def after_outer(self, spec: RunSpec, board: RunBoard, r: int) -> None:
         if r + 1 < options(spec).rounds:
@@ -113,10 +113,12 @@ class Rounds(SyncPolicy):
         free at the barrier take them, read their data and wait here for θ_r, announced the
         moment it is stored, rather than be queued and picked up after it. The first such slot
         takes round r−1's outer step itself (:func:`take_step`), at once when the round is
-        complete, else once its last shard is stored. A wait lasts while round r−1 is not
-        complete or its outer step runs on a machine that is not offline, for at most
-        :data:`WAIT_CAP_S`; a step that failed, or whose machine went offline, is waited for
-        :data:`STEP_GRACE_S` more. Then the shard is queued again a few seconds later (behind
+        complete, else once its last shard is stored. A wait lasts while round r−1's outer step
+        runs on a machine that is not offline, for at most :data:`WAIT_CAP_S`; a step that
+        failed, or whose machine went offline, is waited for :data:`STEP_GRACE_S` more, and a
+        round still incomplete for :func:`incomplete_wait_s` (its last shard late: a straggler,
+        or a machine lost, whose shard comes back to the queue for a machine free to take it).
+        Then the shard is queued again a few seconds later (behind
         whatever the round needs first: the outer step's message queued again, or the shard
         task that was taking it, delivered again), and its machine takes the next message. A
         machine whose owner pauses it, or whose agent stops, hands the slot back within about a
@@ -137,12 +139,14 @@ class Rounds(SyncPolicy):
             unit.a.check_standing()  # a cancel; the owner, who may need the machine back
             if take_step(unit, r - 1):  # left to nobody: the slot that stood by gave up
                 return
+            complete = round_complete(unit, r - 1)
             step = board.attempt_log.latest(spec.run_id, label)
-            running = not round_complete(unit, r - 1) or (step is not None and step["outcome"] == Outcome.RUNNING
-                                                          and step["worker"] in board.workers.not_offline())
+            running = complete and (step is not None and step["outcome"] == Outcome.RUNNING
+                                    and step["worker"] in board.workers.not_offline())
             unsure_since = None if running else (unsure_since or time.monotonic())
             now = time.monotonic()
-            if now - began >= WAIT_CAP_S or (unsure_since is not None and now - unsure_since >= STEP_GRACE_S):
+            grace = STEP_GRACE_S if complete else incomplete_wait_s()
+            if now - began >= WAIT_CAP_S or (unsure_since is not None and now - unsure_since >= grace):
                 if store.exists(key):
                     return
                 queue_shard(spec, r, unit.a.label.numbers[1], countdown=NOT_YET_S)
@@ -245,10 +249,12 @@ def take_step(unit: Unit, r: int) -> bool:
     again. While round r's last shard still trains (the round queued ahead), the slot stands
     by: it waits for :meth:`~tensorturn.state.claims.Claims.announce_complete` (a look a second
     at most), so the step begins the moment the last shard is counted, with no queue, machine
-    or message between. A slot that stops waiting — after :data:`WAIT_CAP_S`, a cancel, its
-    owner's pause, its agent stopping — gives the claim back first (then a slot that waits, or
-    the next to start, takes the step), and one past the cap is queued again :data:`NOT_YET_S`
-    later. The step itself: :func:`step_in_slot`."""
+    or message between. A slot that stops waiting — the round still incomplete after
+    :func:`incomplete_wait_s`, a cancel, its owner's pause, its agent stopping — gives the
+    claim back first (then the round's last shard task, or a slot that waits, takes the step),
+    and one past the cap is queued again :data:`NOT_YET_S` later, its machine free meanwhile
+    (to train the late shard, if it comes back to the queue). The step itself:
+    :func:`step_in_slot`."""
     if not isinstance(unit, ShardUnit):
         return False
     spec, board = unit.spec, unit.board
@@ -258,7 +264,7 @@ def take_step(unit: Unit, r: int) -> bool:
     try:
         while held and not complete:
             unit.a.check_standing()
-            if time.monotonic() - began >= WAIT_CAP_S:
+            if time.monotonic() - began >= incomplete_wait_s():
                 queue_shard(spec, r + 1, unit.a.label.numbers[1], countdown=NOT_YET_S)
                 raise NotYet(f"round {r} is not complete yet; this shard is queued again in {NOT_YET_S:g} s")
             board.claims.await_complete(spec.run_id, r, 1)
@@ -267,6 +273,27 @@ def take_step(unit: Unit, r: int) -> bool:
         board.claims.release_if_held(spec.run_id, what, holder)
         raise
     return held and step_in_slot(unit, r)  # (not held: another's, or the claims cleared by a resume)
+
+
+def incomplete_wait_s() -> float:
+    """How long a slot queued ahead waits for its round's last shard: twice as long as rounds
+    are expected to end (``TENSORTURN_QUICK_END_S``), :data:`STEP_GRACE_S` at least and
+    :data:`WAIT_CAP_S` at most — past that the last shard is late (a straggler, or a machine
+    lost, whose shard comes back to the queue), and the machines waiting are better free."""
+    return min(WAIT_CAP_S, max(STEP_GRACE_S, 2 * config.current().quick_end_s))
+
+
+def wake_standby(spec: RunSpec, board: RunBoard, r: int, here: Attempt | None) -> None:
+    """Round r is complete and round r+1 was queued ahead: wake its slot standing by to take
+    the step (:func:`take_step`) — or, when none holds the step's claim (none started yet, or
+    the one that stood by gave up), take the step in this task, as :func:`queue_outer` does."""
+    shards = options(spec).shards
+    if here is None or not board.claims.claim_step(spec.run_id, r, shards, layout.outer_claim(r),
+                                                   f"task:{here.task.request.id}")[0]:
+        board.claims.announce_complete(spec.run_id, r)
+        return
+    if not run_here(here, layout.outer_label(r), OuterUnit):
+        send_outer(spec, r, routing.queue_for_outer(board.r, queue_for(spec.memory_needed_bytes)))
 
 
 def round_complete(unit: Unit, r: int) -> bool:
