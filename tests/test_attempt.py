@@ -946,7 +946,8 @@ def test_a_rounds_end_is_timed_and_its_step_claimed_only_by_one(world):
     complete, is held by one holder, and is given back only by it."""
     claims, run = world.board.claims, "r-ends"
     assert claims.note_stored(run, 0, 0, "a", 3) == (1, None)
-    claims.note_stored(run, 0, 1, "b", 3)
+    claims.note_stored(run, 0, 1, "b")  # marked first where backup copies look (--sync backup)
+    claims.note_stored(run, 0, 1, "b", 3)  # then counted: the second-to-last, timed
     assert claims.claim_step(run, 0, 3, "step", "task:x") == (True, False)  # standing by
     assert claims.claim_step(run, 0, 3, "step", "task:y") == (False, False)
     claims.note_stored(run, 0, 2, "c", 3)

@@ -245,12 +245,12 @@ class Claims:
 
 
 _NOTE_STORED = """
-local added = redis.call('hsetnx', KEYS[1], ARGV[1], ARGV[2])
+redis.call('hsetnx', KEYS[1], ARGV[1], ARGV[2])
 local n = redis.call('hlen', KEYS[1])
 local r = tonumber(ARGV[3])
-if added == 1 and n + 1 == tonumber(ARGV[4]) then
+if n + 1 == tonumber(ARGV[4]) then
   local t = redis.call('time')
-  redis.call('hset', KEYS[2], 'near' .. r, tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000))
+  redis.call('hsetnx', KEYS[2], 'near' .. r, tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000))
 end
 return {n, tonumber(redis.call('hget', KEYS[2], 'end' .. (r - 1)) or -1)}
 """
