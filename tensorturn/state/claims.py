@@ -245,6 +245,7 @@ class Claims:
 
 
 _NOTE_STORED = """
+redis.replicate_commands()  -- TIME then writes: Redis 3.2–4 need it, later ones do it anyway
 redis.call('hsetnx', KEYS[1], ARGV[1], ARGV[2])
 local n = redis.call('hlen', KEYS[1])
 local r = tonumber(ARGV[3])
@@ -255,6 +256,7 @@ end
 return {n, tonumber(redis.call('hget', KEYS[2], 'end' .. (r - 1)) or -1)}
 """
 _ANNOUNCE_GLOBAL = """
+redis.replicate_commands()
 redis.call('rpush', KEYS[1], 'stored')
 redis.call('expire', KEYS[1], ARGV[2])
 local near = redis.call('hget', KEYS[2], 'near' .. (tonumber(ARGV[1]) - 1))
