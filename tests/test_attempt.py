@@ -950,7 +950,10 @@ def test_a_rounds_end_is_timed_and_its_step_claimed_only_by_one(world):
     claims.note_stored(run, 0, 1, "b", 3)  # then counted: the second-to-last, timed
     assert claims.claim_step(run, 0, 3, "step", "task:x") == (True, False)  # standing by
     assert claims.claim_step(run, 0, 3, "step", "task:y") == (False, False)
+    assert claims.release_unless_complete(run, 0, 3, "step", "task:x")  # gives up, the round incomplete
+    assert claims.claim_step(run, 0, 3, "step", "task:x") == (True, False)  # stands by again
     claims.note_stored(run, 0, 2, "c", 3)
+    assert not claims.release_unless_complete(run, 0, 3, "step", "task:x")  # complete: it keeps the step
     assert claims.claim_step(run, 0, 3, "step", "task:x") == (True, True)
     claims.release_if_held(run, "step", "task:y")  # not its holder: nothing given back
     assert claims.claim_step(run, 0, 3, "step", "task:y") == (False, True)

@@ -154,6 +154,13 @@ class Claims:
         """Give ``what`` back if ``holder`` holds it."""
         self.r.eval(_RELEASE_IF_HELD, 1, layout.run_key(run_id, "claims"), what, holder)
 
+    def release_unless_complete(self, run_id: str, r: int, shards: int, what: str, holder: str) -> bool:
+        """Give ``what`` back if ``holder`` holds it and round ``r`` is not complete (fewer than
+        ``shards`` stored); whether it was given back (one command, so that the round's last
+        shard stored either finds it free or is stepped by its holder)."""
+        return bool(self.r.eval(_RELEASE_UNLESS_COMPLETE, 2, layout.stored_key(run_id, r),
+                                layout.run_key(run_id, "claims"), shards, what, holder))
+
     def announce_complete(self, run_id: str, r: int) -> None:
         """Round r's shards are all stored: the slot standing by to take its outer step goes on
         (one command; a run's keys are given an expiry once it finishes)."""
@@ -272,6 +279,11 @@ redis.call('hsetnx', KEYS[2], ARGV[2], ARGV[3])
 local held = redis.call('hget', KEYS[2], ARGV[2]) == ARGV[3] and 1 or 0
 local complete = redis.call('hlen', KEYS[1]) >= tonumber(ARGV[1]) and 1 or 0
 return {held, complete}
+"""
+_RELEASE_UNLESS_COMPLETE = """
+if redis.call('hlen', KEYS[1]) >= tonumber(ARGV[1]) then return 0 end
+if redis.call('hget', KEYS[2], ARGV[2]) == ARGV[3] then return redis.call('hdel', KEYS[2], ARGV[2]) end
+return 0
 """
 _RELEASE_IF_HELD = """
 if redis.call('hget', KEYS[1], ARGV[1]) == ARGV[2] then return redis.call('hdel', KEYS[1], ARGV[1]) end

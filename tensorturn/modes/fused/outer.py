@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import shutil
 import tempfile
 import time
@@ -69,6 +70,8 @@ from tensorturn.train.diloco import (
 )
 from tensorturn.train.loop import load_model, set_threads
 
+log = logging.getLogger(__name__)
+
 RESIDUAL = "residual::"  # prefix of the broadcast's error-feedback residual in the outer state
 OUTER = "the outer step"  # who refuses a pseudo-gradient here (its checks' messages say so)
 
@@ -109,10 +112,14 @@ def evaluate_round(spec: RunSpec, store: Store, r: int, scratch: Path,
 
 def keep_global(spec: RunSpec, r: int, path: Path) -> None:
     """θ_r, just written to ``path`` by this process's outer step, into the process's cache of
-    global weights (:data:`~tensorturn.modes.fused.weights.cache`)."""
-    with TensorReader(path) as f:
-        theta = f.all()
-    cache.put(spec.run_id, r, file_sha256(path), theta)
+    global weights (:data:`~tensorturn.modes.fused.weights.cache`); only a saving: a failure is
+    logged, and the weights are read from the store instead."""
+    try:
+        with TensorReader(path) as f:
+            theta = f.all()
+        cache.put(spec.run_id, r, file_sha256(path), theta)
+    except Exception as exc:  # noqa: BLE001 - the store holds θ_r; the slot reads it from there
+        log.warning("run %s: θ_%d not kept in memory (%s); it is read from the store", spec.run_id, r, exc)
 
 
 def unevaluated_round(r: int, figures: tuple[list[float], list[int], int, int]) -> dict[str, Any]:
@@ -187,7 +194,7 @@ class OuterUnit(Unit):
             figures = average_and_step(spec, store, r, Path(tmp))
             if not last:  # the machines train round r+1, and one evaluates θ_{r+1} when free
                 self.then()
-                if self.deferred is not None:  # the slot that took the step trains from θ_{r+1} next
+                if self.deferred is not None and (tmp / "next").exists():  # the slot trains from θ_{r+1} next
                     keep_global(spec, r + 1, tmp / "next")
                 if not evaluated(spec, r):  # --eval-every: the training figures only
                     info = unevaluated_round(r, figures)

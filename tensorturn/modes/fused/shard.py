@@ -51,8 +51,9 @@ class ShardUnit(backups.CopyAwareUnit):
                 or policy(options(self.spec).sync).output_in_flight(self.board, self.spec, r, k))
 
     #: what an outer step taken by this slot while it waited for θ (:func:`~tensorturn.modes.
-    #: fused.sync.rounds.take_step`) left for later — the round's record — done after the
-    #: shard's first step (:func:`after_first_step`), when the other machines train already
+    #: fused.sync.rounds.take_step`) left for later — the round's record, its scratch folder's
+    #: removal — done after the shard's first step (:func:`after_first_step`), when the other
+    #: machines train already
     deferred: list[Callable[[], None]]
 
     def __init__(self, attempt: Attempt):
@@ -74,16 +75,14 @@ class ShardUnit(backups.CopyAwareUnit):
         try:
             outcome = train_and_store(self, r, k, theta_of, layout.key("shard", spec.run_id, r, k), watch,
                                       put=lambda key, path: sync.store_output(self, r, k, key, path))
-        except BaseException:
-            self.run_deferred()
-            raise
-        if outcome == SUCCEEDED:
-            sync.shard_stored(self.board, spec, r, k, self.a.worker)
+            if outcome == SUCCEEDED:
+                sync.shard_stored(self.board, spec, r, k, self.a.worker)
+        finally:
+            self.run_deferred()  # (done at the first step, unless the shard took none or failed first)
         return outcome
 
     def then(self) -> None:
         r, k = self.a.label.numbers
-        self.run_deferred()  # (done at the first step, unless the shard took none)
         policy(options(self.spec).sync).after_shard(self.spec, self.store, self.board, r, k, self.a.worker,
                                                      here=self.a)
 

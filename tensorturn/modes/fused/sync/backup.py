@@ -38,7 +38,8 @@ class Backup(Rounds):
         return lambda: board.claims.is_stored(spec.run_id, r, k)
 
     def shard_stored(self, board: RunBoard, spec: RunSpec, r: int, k: int, worker: str) -> None:
-        board.claims.note_stored(spec.run_id, r, k, worker)  # other copies of the shard stop at their next look
+        # other copies stop at their next look; the round's timing is noted here if first
+        board.claims.note_stored(spec.run_id, r, k, worker, options(spec).shards)
 
     def after_shard(self, spec: RunSpec, store: Store, board: RunBoard, r: int, k: int,
                     worker: str, here: Attempt | None = None) -> None:

@@ -179,8 +179,9 @@ def dispatch_round(spec: RunSpec, r: int, board: RunBoard) -> None:
 
 
 def queue_round(spec: RunSpec, board: RunBoard, r: int) -> bool:
-    """Queue round r once (whoever comes first: the outer step that begins, or stores, the
-    weights it trains from, or round r−1's shards, ahead); whether this call queued it."""
+    """Queue round r once (whoever comes first: the outer step that stores the weights it
+    trains from, or round r−1's last or second-to-last shard, ahead); whether this call queued
+    it."""
     return board.once(spec.run_id, layout.dispatch_claim(r), lambda: dispatch_round(spec, r, board))
 
 
@@ -229,7 +230,8 @@ def send_outer(spec: RunSpec, r: int, queue: str) -> None:
 
 def hands_over_step(spec: RunSpec, board: RunBoard, r: int, here: Attempt | None, last_end: float | None) -> bool:
     """Whether round r's last shard task (``here``) leaves the outer step to a slot of round r+1
-    (:func:`take_step`), and its second-to-last queues that round ahead: for a round before the
+    (:func:`take_step`), and its second-to-last queues that round ahead (where the policy
+    :attr:`~Rounds.queues_ahead`; else the last queues it, and its first slot steps): for a round before the
     last, where no agent beside the store serves outer steps, once round r−1's end —
     ``last_end``, from its second-to-last shard stored to θ_r announced — took under
     ``TENSORTURN_QUICK_END_S`` (1 s: the slots that wait for θ_{r+1} meanwhile wait briefly —
@@ -250,8 +252,10 @@ def take_step(unit: Unit, r: int) -> bool:
     by: it waits for :meth:`~tensorturn.state.claims.Claims.announce_complete` (a look a second
     at most), so the step begins the moment the last shard is counted, with no queue, machine
     or message between. A slot that stops waiting — the round still incomplete after
-    :func:`incomplete_wait_s`, a cancel, its owner's pause, its agent stopping — gives the
-    claim back first (then the round's last shard task, or a slot that waits, takes the step),
+    :func:`incomplete_wait_s` (looked at and given back in one command: the last shard stored
+    meanwhile finds the claim free and steps itself, or else this slot steps), a cancel, its
+    owner's pause, its agent stopping — gives the claim back first (then the round's last shard
+    task, or a slot that waits, takes the step),
     and one past the cap is queued again :data:`NOT_YET_S` later, its machine free meanwhile
     (to train the late shard, if it comes back to the queue). The step itself:
     :func:`step_in_slot`."""
@@ -265,8 +269,10 @@ def take_step(unit: Unit, r: int) -> bool:
         while held and not complete:
             unit.a.check_standing()
             if time.monotonic() - began >= incomplete_wait_s():
-                queue_shard(spec, r + 1, unit.a.label.numbers[1], countdown=NOT_YET_S)
-                raise NotYet(f"round {r} is not complete yet; this shard is queued again in {NOT_YET_S:g} s")
+                if board.claims.release_unless_complete(spec.run_id, r, shards, what, holder):
+                    queue_shard(spec, r + 1, unit.a.label.numbers[1], countdown=NOT_YET_S)
+                    raise NotYet(f"round {r} is not complete yet; this shard is queued again in {NOT_YET_S:g} s")
+                break  # complete the moment it gave up: it keeps the claim, and steps
             board.claims.await_complete(spec.run_id, r, 1)
             held, complete = board.claims.claim_step(spec.run_id, r, shards, what, holder)
     except BaseException:
