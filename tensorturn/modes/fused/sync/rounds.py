@@ -85,8 +85,9 @@ class Rounds(SyncPolicy):
                     worker: str, here: Attempt | None = None) -> None:
         """Once the previous round ended quickly (:func:`hands_over_step`): the round's
         second-to-last shard stored queues the next round ahead, and its last wakes the slot
-        standing by to take the step (:func:`take_step`) — or queues the next round, whose first
-        slot takes it. Else the last takes the step (:func:`queue_outer`)."""
+        standing by to take the step (:func:`take_step`), or takes it itself where none does —
+        or queues the next round, whose first slot takes it. Else the last takes the step
+        (:func:`queue_outer`)."""
         shards = options(spec).shards
         stored, last_end = board.claims.note_stored(spec.run_id, r, k, worker, shards)
         if stored + 1 < shards:
@@ -98,8 +99,8 @@ class Rounds(SyncPolicy):
             return
         if not quick:
             queue_outer(spec, board, r, here)
-        elif not queue_round(spec, board, r + 1):  # queued ahead: a slot stands by to take the step
-            wake_standby(spec, board, r, here)
+        elif not queue_round(spec, board, r + 1) and not queue_outer(spec, board, r, here):
+            board.claims.announce_complete(spec.run_id, r)  # queued ahead: wake the slot standing by
 
     def after_outer(self, spec: RunSpec, board: RunBoard, r: int) -> None:
         if r + 1 < options(spec).rounds:
@@ -185,7 +186,7 @@ def queue_round(spec: RunSpec, board: RunBoard, r: int) -> bool:
     return board.once(spec.run_id, layout.dispatch_claim(r), lambda: dispatch_round(spec, r, board))
 
 
-def queue_outer(spec: RunSpec, board: RunBoard, r: int, here: Attempt | None = None) -> None:
+def queue_outer(spec: RunSpec, board: RunBoard, r: int, here: Attempt | None = None) -> bool:
     """Round r's outer step, once: beside the store while an agent there serves it
     (:mod:`tensorturn.pool.routing`), else on machines that can hold the model — and there,
     when the round's last shard task calls (``here``, its attempt), taken by that task itself
@@ -197,19 +198,20 @@ def queue_outer(spec: RunSpec, board: RunBoard, r: int, here: Attempt | None = N
     machine was lost takes the step again. The last round's outer step finishes the run, and
     is taken here only once every earlier round's evaluation is recorded: else it goes behind
     them in the queue rather than evaluate such a round again itself. (A task applied in a
-    caller's process — tests that drive each unit — queues it, as it queues what else follows.)"""
+    caller's process — tests that drive each unit — queues it, as it queues what else follows.)
+    Whether this call took or queued the step: False when another holds its claim (a slot of
+    round r+1 standing by, :func:`take_step`)."""
     run_id = spec.run_id
     anywhere = queue_for(spec.memory_needed_bytes)
     queue = routing.queue_for_outer(board.r, anywhere)
 
     def send() -> None:
-        send_outer(spec, r, queue)
+        send_outer(spec, board, r, queue)
 
     if here is None or here.task.request.is_eager:
-        board.once(run_id, layout.outer_claim(r), send)
-        return
+        return board.once(run_id, layout.outer_claim(r), send)
     if not board.claims.claim_for(run_id, layout.outer_claim(r), f"task:{here.task.request.id}"):
-        return  # another task has it (this one's earlier delivery would hold it)
+        return False  # another task has it (this one's earlier delivery would hold it)
     last = r + 1 == options(spec).rounds
     if queue != anywhere or (last and len(board.rounds(run_id)) < r):
         try:
@@ -217,14 +219,18 @@ def queue_outer(spec: RunSpec, board: RunBoard, r: int, here: Attempt | None = N
         except BaseException:
             board.release(run_id, layout.outer_claim(r))
             raise
-        return
+        return True
     if not run_here(here, layout.outer_label(r), OuterUnit):
         send()
+    return True
 
 
-def send_outer(spec: RunSpec, r: int, queue: str) -> None:
-    """Queue round r's outer step on ``queue``."""
+def send_outer(spec: RunSpec, board: RunBoard, r: int, queue: str | None = None) -> None:
+    """Queue round r's outer step on ``queue`` (by default where outer steps go: beside the store
+    while an agent there serves them, :func:`~tensorturn.pool.routing.queue_for_outer`)."""
     run_id = spec.run_id
+    if queue is None:
+        queue = routing.queue_for_outer(board.r, queue_for(spec.memory_needed_bytes))
     outer_step.s([], run_id, r, **signed(run_id, str(layout.outer_label(r)))).apply_async(queue=queue)
 
 
@@ -289,19 +295,6 @@ def incomplete_wait_s() -> float:
     return min(WAIT_CAP_S, max(STEP_GRACE_S, 2 * config.current().quick_end_s))
 
 
-def wake_standby(spec: RunSpec, board: RunBoard, r: int, here: Attempt | None) -> None:
-    """Round r is complete and round r+1 was queued ahead: wake its slot standing by to take
-    the step (:func:`take_step`) — or, when none holds the step's claim (none started yet, or
-    the one that stood by gave up), take the step in this task, as :func:`queue_outer` does."""
-    shards = options(spec).shards
-    if here is None or not board.claims.claim_step(spec.run_id, r, shards, layout.outer_claim(r),
-                                                   f"task:{here.task.request.id}")[0]:
-        board.claims.announce_complete(spec.run_id, r)
-        return
-    if not run_here(here, layout.outer_label(r), OuterUnit):
-        send_outer(spec, r, routing.queue_for_outer(board.r, queue_for(spec.memory_needed_bytes)))
-
-
 def round_complete(unit: Unit, r: int) -> bool:
     """Whether all of round r's shards are marked stored."""
     return len(unit.board.claims.stored(unit.spec.run_id, r)) >= options(unit.spec).shards
@@ -317,7 +310,7 @@ def step_in_slot(unit: ShardUnit, r: int) -> bool:
     spec, board = unit.spec, unit.board
     if run_here(unit.a, layout.outer_label(r), functools.partial(OuterUnit, deferred=unit.deferred)):
         return unit.store.exists(layout.key("global", spec.run_id, r + 1))  # else cancelled, or given up
-    send_outer(spec, r, routing.queue_for_outer(board.r, queue_for(spec.memory_needed_bytes)))
+    send_outer(spec, board, r)
     queue_shard(spec, r + 1, unit.a.label.numbers[1], countdown=NOT_YET_S)
     raise NotYet(f"round {r}'s outer step failed on this machine and was queued; this shard is "
                  f"queued again in {NOT_YET_S:g} s")
