@@ -48,6 +48,9 @@ def test_settings_from_the_environment():
     assert config.Settings.from_env({"TENSORTURN_STORE_RETRIES": "0"}).store_retries == 0
     with pytest.raises(SpecError, match="TENSORTURN_STORE_RETRIES must be a finite number ≥ 0"):
         config.Settings.from_env({"TENSORTURN_STORE_RETRIES": "-2"})
+    assert config.Settings.from_env({"TENSORTURN_QUICK_END_S": "0"}).quick_end_s == 0  # the hand-over off
+    with pytest.raises(SpecError, match="TENSORTURN_QUICK_END_S must be a finite number ≥ 0 \\(got '-1'\\)"):
+        config.Settings.from_env({"TENSORTURN_QUICK_END_S": "-1"})
 
 
 def test_spec_splits_common_and_mode_options():
