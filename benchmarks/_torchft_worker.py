@@ -24,7 +24,7 @@ from torchft.process_group import ProcessGroupGloo
 
 from tensorturn.recipes import resolve
 from tensorturn.train.diloco import initial_state
-from tensorturn.train.loop import load_model
+from tensorturn.train.loop import SimulatedStep, load_model
 
 
 def main() -> None:
@@ -32,6 +32,9 @@ def main() -> None:
     for name, kind in (("replica", int), ("replicas", int), ("lighthouse", str), ("store-port", int),
                        ("rounds", int), ("sync-every", int), ("seed", int), ("recipe", str), ("out", str)):
         ap.add_argument(f"--{name}", type=kind, required=True)
+    ap.add_argument("--sim-step-s", type=float, default=0.0,
+                    help="each step lasts this long, sleeping out what its compute left (TensorTurn's "
+                         "TENSORTURN_SIM_STEP_S, the same pacing): a machine of its own")
     args = ap.parse_args()
     torch.set_num_threads(1)
     recipe = resolve(args.recipe, {})
@@ -59,8 +62,20 @@ def main() -> None:
     order, pos = rows[torch.randperm(len(rows), generator=gen)], 0
     steps, loss = args.rounds * args.sync_every, float("nan")
     started, cpu = time.time(), time.process_time()
+    pace: list[SimulatedStep | None] = [None]
+    if args.sim_step_s > 0:  # registered before DiLoCo's own hook: a step is paced before its
+        # sync, as in TensorTurn's loop (its steps paced, then its pseudo-gradient stored)
+        def paced(*_: object) -> None:
+            assert pace[0] is not None
+            pace[0].step()
+            if pace[0].steps == args.sync_every:  # the round's last step: its sync comes next
+                pace[0] = None
+
+        inner.register_step_post_hook(paced)
     with DiLoCo(manager, [model], inner, outer, sync_every=args.sync_every, pin_memory=False):
         for _ in range(steps):
+            if args.sim_step_s > 0 and pace[0] is None:  # a round's pacing starts with its first step
+                pace[0] = SimulatedStep(args.sim_step_s)
             if pos + recipe.batch_size > len(order):
                 order, pos = rows[torch.randperm(len(rows), generator=gen)], 0
             batch = order[pos:pos + recipe.batch_size]

@@ -32,13 +32,21 @@ What it does not model: links (everything is loopback; on a 40 ms link each roun
 allreduce), GPUs, failures (torchft drops a failed replica's work; TensorTurn redoes it).
 
     python benchmarks/torchft_compare.py [--reps 3] [--rounds 8] [--sync-every 67] [--syncs rounds,overlap]
-        [--eval-every 0,1]
+        [--eval-every 0,1] [--sim-step-s 0.003]
 
 ``--eval-every`` (TensorTurn's; 0, the default, stands for the rounds: only the last round is
 evaluated, by the last outer step, outside the window — torchft evaluates nothing; 1 evaluates
 every round, each evaluation a task of its own taking a machine inside the window).
 
-Writes ``benchmarks/torchft_compare.json`` and ``.png``.
+``--sim-step-s S``: every training step of both sides lasts S seconds, sleeping out what its
+compute left (``TENSORTURN_SIM_STEP_S`` for TensorTurn's agents; the same pacing,
+:class:`~tensorturn.train.loop.SimulatedStep`, in torchft's replicas, each round's pacing from
+its first step and a step paced before its sync). The trainers then barely share the two cores,
+as on machines of their own: what is left of the difference is each side's round boundary, not
+its CPU.
+
+Writes ``benchmarks/torchft_compare.json`` and ``.png`` (with ``--sim-step-s``:
+``torchft_compare_sim.json`` and ``.png``).
 """
 
 from __future__ import annotations
@@ -75,7 +83,7 @@ from tensorturn.state.broker import redis_client  # noqa: E402
 RECIPE = "digits-mlp"
 
 
-def torchft_window(rounds: int, sync_every: int, replicas: int, seed: int, tmp: Path) -> dict:
+def torchft_window(rounds: int, sync_every: int, replicas: int, seed: int, tmp: Path, sim_step_s: float = 0.0) -> dict:
     from torchft._torchft import LighthouseServer
 
     tmp.mkdir(parents=True, exist_ok=True)
@@ -89,7 +97,7 @@ def torchft_window(rounds: int, sync_every: int, replicas: int, seed: int, tmp: 
                 [sys.executable, str(HERE / "_torchft_worker.py"), "--replica", str(k), "--replicas",
                  str(replicas), "--lighthouse", lighthouse.address(), "--store-port", str(free_port()),
                  "--rounds", str(rounds), "--sync-every", str(sync_every), "--seed", str(seed),
-                 "--recipe", RECIPE, "--out", str(out)],
+                 "--recipe", RECIPE, "--out", str(out), "--sim-step-s", str(sim_step_s)],
                 env={**os.environ, "OMP_NUM_THREADS": "1"}))
         for p in procs:
             if p.wait(timeout=900) != 0:
@@ -139,16 +147,22 @@ def main() -> None:
     ap.add_argument("--agents", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--syncs", default="rounds,overlap", help="TensorTurn's --sync values to run")
+    ap.add_argument("--sim-step-s", type=float, default=0.0,
+                    help="every training step of both sides lasts this long, sleeping out what its "
+                         "compute left (TENSORTURN_SIM_STEP_S): each trainer as on a machine of its own")
     ap.add_argument("--eval-every", default="0",
                     help="TensorTurn's --eval-every values to run, comma-separated; 0: the rounds, so only "
                          "the last round is evaluated, outside the window (torchft evaluates nothing)")
     args = ap.parse_args()
+    if args.sim_step_s > 0:  # TensorTurn's agents inherit it
+        os.environ["TENSORTURN_SIM_STEP_S"] = str(args.sim_step_s)
     syncs = [(sync, int(every) or args.rounds)
              for sync in args.syncs.split(",") for every in args.eval_every.split(",")]
     pairs = []
     for rep in range(args.reps):
         with tempfile.TemporaryDirectory(prefix="tt-vs-torchft-") as tmp:
-            ft = torchft_window(args.rounds, args.sync_every, args.agents, args.seed, Path(tmp) / "torchft")
+            ft = torchft_window(args.rounds, args.sync_every, args.agents, args.seed, Path(tmp) / "torchft",
+                                args.sim_step_s)
             pair = {"torchft": ft}
             for sync, every in syncs:
                 name = f"{sync} --eval-every {every}"
@@ -193,8 +207,10 @@ def main() -> None:
     ax.bar(["torchft 0.2.0", *(f"TT {name}" for name in names)],
            [statistics.median(p[name]["window_s"] for p in pairs) for name in ["torchft", *names]])
     ax.set_ylabel("training window, s (median)")
-    ax.set_title(f"{RECIPE}: {args.agents} workers × {args.rounds} rounds × H = {args.sync_every}")
-    write_outputs("torchft_compare", {"machine": machine(), "args": vars(args), "pairs": pairs}, fig)
+    ax.set_title(f"{RECIPE}: {args.agents} workers × {args.rounds} rounds × H = {args.sync_every}"
+                 + (f", steps of {args.sim_step_s * 1000:g} ms" if args.sim_step_s > 0 else ""))
+    out_name = "torchft_compare" + ("_sim" if args.sim_step_s > 0 else "")
+    write_outputs(out_name, {"machine": machine(), "args": vars(args), "pairs": pairs}, fig)
 
 
 if __name__ == "__main__":

@@ -885,13 +885,27 @@ def test_a_slot_of_the_next_round_takes_the_step_its_round_left_and_trains_from_
     assert store.get_bytes(ours) == other.get_bytes(theirs)
 
 
-def test_a_slot_queued_ahead_stands_by_and_steps_as_soon_as_the_round_completes(world):
+def test_a_slot_queued_ahead_stands_by_and_steps_as_soon_as_the_round_completes(world, monkeypatch):
     """A slot of round r+1 queued while round r's last shard still trains claims the step and
-    stands by; the last shard stored wakes it (``announce_complete``) and it takes the step —
-    no message queued for it."""
+    stands by, reading the step's inputs stored so far (the first shard, θ_r); the last shard
+    stored wakes it (``announce_complete``) and it takes the step — no message queued for it —
+    reading only that shard then. The weights are those of a run whose steps were queued."""
     import threading
 
-    spec = world.submit(**{**FUSED, "eval_every": 2})
+    from tensorturn.modes.fused import outer as fused_outer
+
+    fields = {**FUSED, "eval_every": 2}
+    queued = world.submit("queued", **fields)
+    drive_fused(queued)
+    spec = world.submit(**fields)
+    handed, real_fetch = [], fused_outer.ReadAhead.fetch
+
+    def fetch(self, store, key, path):
+        handed.append((key, key in self.files))  # (read ahead?)
+        return real_fetch(self, store, key, path)
+
+    monkeypatch.setattr(fused_outer.ReadAhead, "fetch", fetch)
+    queued_before = outer_steps_queued(world, 0)  # (by the other run)
     shard(spec, 0, 0)
     waiter = threading.Thread(target=slot, args=(spec, 1, 0))
     waiter.start()
@@ -901,8 +915,12 @@ def test_a_slot_queued_ahead_stands_by_and_steps_as_soon_as_the_round_completes(
     waiter.join(timeout=300)
     assert not waiter.is_alive()
     assert [a["outcome"] for a in attempts_of(world, spec, "r0/outer")] == ["succeeded"]
-    assert outer_steps_queued(world, 0) == 0
-    assert open_store(spec.store_url).exists(layout.key("global", spec.run_id, 1))
+    assert outer_steps_queued(world, 0) == queued_before
+    run = spec.run_id
+    assert sorted(handed) == sorted([(layout.key("shard", run, 0, 0), True), (layout.key("shard", run, 0, 1), False),
+                                     (layout.key("global", run, 0), True)])
+    store, other = open_store(spec.store_url), open_store(queued.store_url)
+    assert store.get_bytes(layout.key("global", run, 1)) == other.get_bytes(layout.key("global", queued.run_id, 1))
 
 
 def test_a_slot_that_stops_standing_by_gives_the_step_back_and_is_queued_again(world, monkeypatch):
@@ -942,23 +960,23 @@ def test_an_outer_step_that_fails_in_a_slot_is_queued_and_the_slot_given_back(wo
 
 def test_a_rounds_end_is_timed_and_its_step_claimed_only_by_one(world):
     """The broker times a round's end — its second-to-last shard stored to the next weights
-    announced — for the next round's shards to read; the step's claim says whether the round is
-    complete, is held by one holder, and is given back only by it."""
+    announced — for the next round's shards to read; the step's claim says which of the round's
+    shards are stored, is held by one holder, and is given back only by it."""
     claims, run = world.board.claims, "r-ends"
     assert claims.note_stored(run, 0, 0, "a", 3) == (1, None)
     claims.note_stored(run, 0, 1, "b")  # marked first where backup copies look (--sync backup)
     claims.note_stored(run, 0, 1, "b", 3)  # then counted: the second-to-last, timed
-    assert claims.claim_step(run, 0, 3, "step", "task:x") == (True, False)  # standing by
-    assert claims.claim_step(run, 0, 3, "step", "task:y") == (False, False)
+    assert claims.claim_step(run, 0, "step", "task:x") == (True, {0, 1})  # standing by
+    assert claims.claim_step(run, 0, "step", "task:y") == (False, {0, 1})
     assert claims.release_unless_complete(run, 0, 3, "step", "task:x")  # gives up, the round incomplete
-    assert claims.claim_step(run, 0, 3, "step", "task:x") == (True, False)  # stands by again
+    assert claims.claim_step(run, 0, "step", "task:x") == (True, {0, 1})  # stands by again
     claims.note_stored(run, 0, 2, "c", 3)
     assert not claims.release_unless_complete(run, 0, 3, "step", "task:x")  # complete: it keeps the step
-    assert claims.claim_step(run, 0, 3, "step", "task:x") == (True, True)
+    assert claims.claim_step(run, 0, "step", "task:x") == (True, {0, 1, 2})
     claims.release_if_held(run, "step", "task:y")  # not its holder: nothing given back
-    assert claims.claim_step(run, 0, 3, "step", "task:y") == (False, True)
+    assert claims.claim_step(run, 0, "step", "task:y") == (False, {0, 1, 2})
     claims.release_if_held(run, "step", "task:x")
-    assert claims.claim_step(run, 0, 3, "step", "task:y") == (True, True)
+    assert claims.claim_step(run, 0, "step", "task:y") == (True, {0, 1, 2})
     claims.announce_global(run, 1)
     count, end = claims.note_stored(run, 1, 0, "a", 3)
     assert count == 1 and end is not None and end >= 0

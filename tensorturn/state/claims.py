@@ -142,13 +142,13 @@ class Claims:
                                     str(k), worker, r, shards)
         return int(count), (None if int(end_ms) < 0 else int(end_ms) / 1000)
 
-    def claim_step(self, run_id: str, r: int, shards: int, what: str, holder: str) -> tuple[bool, bool]:
+    def claim_step(self, run_id: str, r: int, what: str, holder: str) -> tuple[bool, set[int]]:
         """Claim ``what`` (round r's outer step) for ``holder`` (as :meth:`claim_for`): whether
-        ``holder`` holds it, and whether all ``shards`` of round ``r`` are marked stored (one
-        round trip)."""
-        held, complete = self.r.eval(_CLAIM_STEP, 2, layout.stored_key(run_id, r), layout.run_key(run_id, "claims"),
-                                     shards, what, holder)
-        return bool(held), bool(complete)
+        ``holder`` holds it, and which of round ``r``'s shards are marked stored (one round
+        trip)."""
+        held, *stored = self.r.eval(_CLAIM_STEP, 2, layout.stored_key(run_id, r), layout.run_key(run_id, "claims"),
+                                    what, holder)
+        return bool(held), {int(k) for k in stored}
 
     def release_if_held(self, run_id: str, what: str, holder: str) -> None:
         """Give ``what`` back if ``holder`` holds it."""
@@ -275,10 +275,10 @@ end
 return 1
 """
 _CLAIM_STEP = """
-redis.call('hsetnx', KEYS[2], ARGV[2], ARGV[3])
-local held = redis.call('hget', KEYS[2], ARGV[2]) == ARGV[3] and 1 or 0
-local complete = redis.call('hlen', KEYS[1]) >= tonumber(ARGV[1]) and 1 or 0
-return {held, complete}
+redis.call('hsetnx', KEYS[2], ARGV[1], ARGV[2])
+local out = {redis.call('hget', KEYS[2], ARGV[1]) == ARGV[2] and 1 or 0}
+for _, k in ipairs(redis.call('hkeys', KEYS[1])) do out[#out + 1] = k end
+return out
 """
 _RELEASE_UNLESS_COMPLETE = """
 if redis.call('hlen', KEYS[1]) >= tonumber(ARGV[1]) then return 0 end

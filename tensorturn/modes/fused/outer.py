@@ -143,6 +143,66 @@ def shard_figures(spec: RunSpec, store: Store, r: int) -> tuple[list[float], lis
             sum(sizes[key] for key in keys), sum(int(m["bytes_down"]) for m in metas))
 
 
+Fetch = Callable[[Store, str, Path], str]  # a sealed object to a local file; its sha256
+
+
+class ReadAhead:
+    """What a slot standing by to take round r's outer step
+    (:func:`~tensorturn.modes.fused.sync.rounds.take_step`) reads of the step's inputs while the
+    round's last shard still trains — the shards stored so far, θ_r, its outer state — each
+    downloaded and checked against its seal once, into a folder of its own, and handed to the
+    step (:meth:`fetch`) when it begins: then only the last shard's file is read at the round's
+    end. On a home link that is most of a step's download done while a machine still trains;
+    at most :data:`READ_AHEAD_BYTES` are held. Objects are never overwritten, so a file read
+    ahead is the one the step would read."""
+
+    def __init__(self, spec: RunSpec, store: Store, r: int):
+        self.spec, self.store, self.r = spec, store, r
+        self.folder: Path | None = None
+        self.files: dict[str, tuple[Path, str]] = {}  # key → (its file here, its sha256)
+        self.held = 0  # bytes
+        self.stopped = False
+
+    def read(self, stored: set[int]) -> None:
+        """Read what is not read yet of the step's inputs: the shards in ``stored``, then θ_r
+        and its outer state (if stored). A failure stops the reading ahead, logged: the step
+        reads the object itself, and meets the failure there if it lasts."""
+        run_id, r = self.spec.run_id, self.r
+        keys = [layout.key("shard", run_id, r, k) for k in sorted(stored)]
+        keys += [layout.key("global", run_id, r)]
+        if r > 0 and self.store.exists(layout.key("outer", run_id, r)):
+            keys.append(layout.key("outer", run_id, r))
+        try:
+            for key in keys:
+                if self.stopped or self.held >= READ_AHEAD_BYTES:
+                    return
+                if key not in self.files:
+                    if self.folder is None:
+                        self.folder = Path(tempfile.mkdtemp(prefix="tt-ahead-"))
+                    path = self.folder / f"{len(self.files)}"
+                    self.files[key] = (path, seals.get_file(self.store, key, path))
+                    self.held += path.stat().st_size
+        except Exception as exc:  # noqa: BLE001 - only an optimisation: the step reads it again
+            self.stopped = True
+            log.info("run %s: reading round %d's step inputs ahead stopped (%s)", run_id, r, exc)
+
+    def fetch(self, store: Store, key: str, path: Path) -> str:
+        """:func:`seals.get_file`, from what was read ahead where it can."""
+        if key not in self.files:
+            return seals.get_file(store, key, path)
+        held, sha = self.files.pop(key)
+        shutil.move(held, path)
+        return sha
+
+    def close(self) -> None:
+        if self.folder is not None:
+            shutil.rmtree(self.folder, ignore_errors=True)
+            self.folder, self.files = None, {}
+
+
+READ_AHEAD_BYTES = 2 * 1024 ** 3  # (a file is read whole once begun: a step may hold one more)
+
+
 class OuterUnit(Unit):
     """The outer step of round r (queued by the round's last shard stored): average, step, and
     queue the next round and this round's evaluation
@@ -151,13 +211,16 @@ class OuterUnit(Unit):
 
     followed = False  # what follows the step is queued
 
-    def __init__(self, attempt: Attempt, deferred: list[Callable[[], None]] | None = None):
+    def __init__(self, attempt: Attempt, deferred: list[Callable[[], None]] | None = None,
+                 ahead: ReadAhead | None = None):
         """``deferred``: where a step taken by a slot of the next round that waits for θ_{r+1}
         (:func:`~tensorturn.modes.fused.sync.rounds.take_step`) leaves what can wait until that
         slot trains — the round's record, the scratch folder's removal — and then keeps
-        θ_{r+1} in this process's cache, so the slot trains from it at once."""
+        θ_{r+1} in this process's cache, so the slot trains from it at once. ``ahead``: what
+        that slot read of the step's inputs while it stood by."""
         super().__init__(attempt)
         self.deferred = deferred
+        self.fetch: Fetch = ahead.fetch if ahead is not None else seals.get_file
 
     def later(self, work: Callable[[], None]) -> None:
         """Do ``work`` now, or leave it in :attr:`deferred`."""
@@ -191,7 +254,7 @@ class OuterUnit(Unit):
             raise NotYet(waiting)
         self.phase("averaging")
         with self.scratch() as tmp:
-            figures = average_and_step(spec, store, r, Path(tmp))
+            figures = average_and_step(spec, store, r, Path(tmp), self.fetch)
             if not last:  # the machines train round r+1, and one evaluates θ_{r+1} when free
                 self.then()
                 if self.deferred is not None and (tmp / "next").exists():  # the slot trains from θ_{r+1} next
@@ -304,10 +367,12 @@ def wait_for_evaluation(board: RunBoard, run_id: str, r: int, worker: str, check
     return False
 
 
-def average_and_step(spec: RunSpec, store: Store, r: int, scratch: Path
+def average_and_step(spec: RunSpec, store: Store, r: int, scratch: Path, fetch: Fetch = seals.get_file
                      ) -> tuple[list[float], list[int], int, int]:
     """Round r's average and outer step (unless θ_{r+1} is stored already), through files in
-    ``scratch``; returns the shards' (losses, samples, bytes up, bytes down)."""
+    ``scratch``, each object read with ``fetch`` (by default downloaded now; :class:`ReadAhead`
+    hands over what it read while the round's last shard trained); returns the shards' (losses,
+    samples, bytes up, bytes down)."""
     run_id, shards = spec.run_id, options(spec).shards
     keys = [layout.key("shard", run_id, r, k) for k in range(shards)]
     missing = [k for k, key in enumerate(keys) if not store.exists(key)]
@@ -322,7 +387,7 @@ def average_and_step(spec: RunSpec, store: Store, r: int, scratch: Path
     losses, bytes_up, bytes_down = [], 0, 0
     for k, key in enumerate(keys):
         path = scratch / f"shard-{k}"
-        seals.get_file(store, key, path)  # its sealed bytes: the header read above is among them
+        fetch(store, key, path)  # its sealed bytes: the header read above is among them
         with TensorReader(path) as shard:
             meta = shard.metadata
             if int(meta["samples"]) != samples[k]:  # shard outputs are never overwritten
@@ -341,7 +406,7 @@ def average_and_step(spec: RunSpec, store: Store, r: int, scratch: Path
                 norms[k] = squares
         path.unlink()
     if not decided:
-        step_global(spec, recipe, store, r, avg, scratch, norms)
+        step_global(spec, recipe, store, r, avg, scratch, norms, fetch)
     return losses, samples, bytes_up, bytes_down
 
 
@@ -354,19 +419,21 @@ def check_norms(spec: RunSpec, r: int, norms: dict[int, float], theta_squares: f
 
 
 def step_global(spec: RunSpec, recipe: Recipe, store: Store, r: int, avg: StateDict,
-                scratch: Path | None = None, norms: dict[int, float] | None = None) -> None:
+                scratch: Path | None = None, norms: dict[int, float] | None = None,
+                fetch: Fetch = seals.get_file) -> None:
     """Store θ_{r+1} from θ_r and the averaged pseudo-gradient ``avg`` (used up): first the outer
     state and, in compressed runs, the broadcast delta, then θ_{r+1}, whose existence decides
     the round. θ_{r+1} is also left at ``scratch/next`` (without a ``scratch`` folder, one is
     made for the step). ``norms`` (shard → its pseudo-gradient's sum of squares) are checked
-    against θ_r's before anything is stored (:func:`check_norms`)."""
+    against θ_r's before anything is stored (:func:`check_norms`). θ_r and its outer state are
+    read with ``fetch``."""
     if options(spec).outer == "auto":  # start decides it before the spec is stored
         raise RuntimeError(f"run {spec.run_id}: its spec never decided --outer auto")
     if scratch is None:
         with tempfile.TemporaryDirectory(prefix="tt-outer-") as tmp:
-            OuterStep(spec, recipe, store, r, Path(tmp)).take(avg, norms or {})
+            OuterStep(spec, recipe, store, r, Path(tmp), fetch).take(avg, norms or {})
         return
-    OuterStep(spec, recipe, store, r, scratch).take(avg, norms or {})
+    OuterStep(spec, recipe, store, r, scratch, fetch).take(avg, norms or {})
 
 
 class OuterStep:
@@ -376,8 +443,10 @@ class OuterStep:
     order — a tensor's step is computed again for each file it goes to (the same arithmetic,
     so the same bits)."""
 
-    def __init__(self, spec: RunSpec, recipe: Recipe, store: Store, r: int, scratch: Path):
+    def __init__(self, spec: RunSpec, recipe: Recipe, store: Store, r: int, scratch: Path,
+                 fetch: Fetch = seals.get_file):
         self.spec, self.recipe, self.store, self.r, self.scratch = spec, recipe, store, r, scratch
+        self.fetch = fetch
         opts = options(spec)
         self.codec = opts.down_codec  # the broadcast's (the shards' files name their own)
         self.compress = self.codec != "fp32" and r + 1 < opts.rounds  # the final θ is kept exact
@@ -385,11 +454,11 @@ class OuterStep:
 
     def take(self, avg: StateDict, norms: dict[int, float]) -> None:
         run_id, r, scratch, store = self.spec.run_id, self.r, self.scratch, self.store
-        theta_sha = seals.get_file(store, layout.key("global", run_id, r), scratch / "theta")
+        theta_sha = self.fetch(store, layout.key("global", run_id, r), scratch / "theta")
         state_key = layout.key("outer", run_id, r)
         has_state = r > 0 and (bool(self.momentum) or (self.codec != "fp32" and store.exists(state_key)))
         if has_state:  # (no residual yet: a run from before)
-            seals.get_file(store, state_key, scratch / "state")
+            self.fetch(store, state_key, scratch / "state")
         with TensorReader(scratch / "theta") as theta, \
                 (TensorReader(scratch / "state") if has_state else contextlib.nullcontext()) as state:
             self.theta, self.state = theta, state

@@ -39,7 +39,7 @@ from typing import Any
 
 from tensorturn import config, layout
 from tensorturn.modes.fused.options import evaluated, options
-from tensorturn.modes.fused.outer import EvalUnit, OuterUnit
+from tensorturn.modes.fused.outer import EvalUnit, OuterUnit, ReadAhead
 from tensorturn.modes.fused.shard import ShardUnit
 from tensorturn.modes.fused.sync.base import SyncPolicy
 from tensorturn.modes.fused.weights import cache
@@ -263,28 +263,33 @@ def take_step(unit: Unit, r: int) -> bool:
     owner's pause, its agent stopping — gives the claim back first (then the round's last shard
     task, or a slot that waits, takes the step),
     and one past the cap is queued again :data:`NOT_YET_S` later, its machine free meanwhile
-    (to train the late shard, if it comes back to the queue). The step itself:
-    :func:`step_in_slot`."""
+    (to train the late shard, if it comes back to the queue). While it stands by it reads the
+    step's inputs stored so far (:class:`~tensorturn.modes.fused.outer.ReadAhead`). The step
+    itself: :func:`step_in_slot`."""
     if not isinstance(unit, ShardUnit):
         return False
     spec, board = unit.spec, unit.board
     what, holder, shards = layout.outer_claim(r), f"task:{unit.a.task.request.id}", options(spec).shards
-    held, complete = board.claims.claim_step(spec.run_id, r, shards, what, holder)
-    began = time.monotonic()
+    held, stored = board.claims.claim_step(spec.run_id, r, what, holder)
+    began, ahead = time.monotonic(), ReadAhead(spec, unit.store, r)
     try:
-        while held and not complete:
-            unit.a.check_standing()
-            if time.monotonic() - began >= incomplete_wait_s():
-                if board.claims.release_unless_complete(spec.run_id, r, shards, what, holder):
-                    queue_shard(spec, r + 1, unit.a.label.numbers[1], countdown=NOT_YET_S)
-                    raise NotYet(f"round {r} is not complete yet; this shard is queued again in {NOT_YET_S:g} s")
-                break  # complete the moment it gave up: it keeps the claim, and steps
-            board.claims.await_complete(spec.run_id, r, 1)
-            held, complete = board.claims.claim_step(spec.run_id, r, shards, what, holder)
-    except BaseException:
-        board.claims.release_if_held(spec.run_id, what, holder)
-        raise
-    return held and step_in_slot(unit, r)  # (not held: another's, or the claims cleared by a resume)
+        try:
+            while held and len(stored) < shards:
+                unit.a.check_standing()
+                if time.monotonic() - began >= incomplete_wait_s():
+                    if board.claims.release_unless_complete(spec.run_id, r, shards, what, holder):
+                        queue_shard(spec, r + 1, unit.a.label.numbers[1], countdown=NOT_YET_S)
+                        raise NotYet(f"round {r} is not complete yet; this shard is queued again in {NOT_YET_S:g} s")
+                    break  # complete the moment it gave up: it keeps the claim, and steps
+                ahead.read(stored)
+                board.claims.await_complete(spec.run_id, r, 1)
+                held, stored = board.claims.claim_step(spec.run_id, r, what, holder)
+        except BaseException:
+            board.claims.release_if_held(spec.run_id, what, holder)
+            raise
+        return held and step_in_slot(unit, r, ahead)  # (not held: another's, or the claims cleared by a resume)
+    finally:
+        ahead.close()
 
 
 def incomplete_wait_s() -> float:
@@ -300,15 +305,16 @@ def round_complete(unit: Unit, r: int) -> bool:
     return len(unit.board.claims.stored(unit.spec.run_id, r)) >= options(unit.spec).shards
 
 
-def step_in_slot(unit: ShardUnit, r: int) -> bool:
+def step_in_slot(unit: ShardUnit, r: int, ahead: ReadAhead | None = None) -> bool:
     """Take round r's outer step, claimed, in the slot ``unit`` of round r+1 (its attempt
     recorded as a queued one's would be: :func:`~tensorturn.tasks.attempt.run_here`); whether
     θ_{r+1} is stored now. What can wait — the round's record — waits until the slot's shard
     trains (:attr:`ShardUnit.deferred`), and θ_{r+1} stays in memory for it. A step that fails
     here is queued as a message (its retries and attempt cap as ever) and the slot queued again
-    :data:`NOT_YET_S` later, so this machine is free to take the step's message."""
+    :data:`NOT_YET_S` later, so this machine is free to take the step's message. ``ahead``: what
+    the slot read of the step's inputs while it stood by."""
     spec, board = unit.spec, unit.board
-    if run_here(unit.a, layout.outer_label(r), functools.partial(OuterUnit, deferred=unit.deferred)):
+    if run_here(unit.a, layout.outer_label(r), functools.partial(OuterUnit, deferred=unit.deferred, ahead=ahead)):
         return unit.store.exists(layout.key("global", spec.run_id, r + 1))  # else cancelled, or given up
     send_outer(spec, board, r)
     queue_shard(spec, r + 1, unit.a.label.numbers[1], countdown=NOT_YET_S)
