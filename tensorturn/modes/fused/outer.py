@@ -151,10 +151,10 @@ class ReadAhead:
     (:func:`~tensorturn.modes.fused.sync.rounds.take_step`) reads of the step's inputs while the
     round's last shard still trains — the shards stored so far, θ_r, its outer state — each
     downloaded and checked against its seal once, into a folder of its own, and handed to the
-    step (:meth:`fetch`) when it begins: then only the last shard's file is read at the round's
-    end. On a home link that is most of a step's download done while a machine still trains;
-    at most :data:`READ_AHEAD_BYTES` are held. Objects are never overwritten, so a file read
-    ahead is the one the step would read."""
+    step (:meth:`fetch`) when it begins: at the round's end the step then reads the last
+    shard's file only (a slot stands by once rounds end within ``TENSORTURN_QUICK_END_S``). At
+    most :data:`READ_AHEAD_BYTES` are held. Objects are never overwritten, so a file read ahead
+    is the one the step would read."""
 
     def __init__(self, spec: RunSpec, store: Store, r: int):
         self.spec, self.store, self.r = spec, store, r
