@@ -923,6 +923,59 @@ def test_a_slot_queued_ahead_stands_by_and_steps_as_soon_as_the_round_completes(
     assert store.get_bytes(layout.key("global", run, 1)) == other.get_bytes(layout.key("global", queued.run_id, 1))
 
 
+def test_reading_ahead_stops_at_a_failure_or_its_bytes_and_the_step_reads_the_rest(world, monkeypatch):
+    """What the standby reads ahead is bounded (:data:`READ_AHEAD_BYTES`: once over it, nothing
+    more is read); a store that fails stops the reading ahead without failing the slot, and the
+    step then downloads what was not read; a cancel seen between downloads stops the slot."""
+    from tensorturn.modes.fused import outer as fused_outer
+    from tensorturn.store import seals
+    from tensorturn.tasks.attempt import RunCancelled
+
+    spec = world.submit(**FUSED)
+    shard(spec, 0, 0)
+    shard(spec, 0, 1)
+    store, run = open_store(spec.store_url), spec.run_id
+    shards = [layout.key("shard", run, 0, k) for k in (0, 1)]
+
+    monkeypatch.setattr(fused_outer, "READ_AHEAD_BYTES", 1)  # full after one file
+    ahead = fused_outer.ReadAhead(spec, store, 0)
+    ahead.read({0, 1})
+    assert list(ahead.files) == shards[:1]
+    ahead.close()
+    assert not ahead.files and ahead.folder is None
+    monkeypatch.undo()
+
+    real, reads = seals.get_file, []
+
+    def flaky(store_, key, path):
+        reads.append(key)
+        if key == shards[1]:
+            raise OSError("connection reset")
+        return real(store_, key, path)
+
+    monkeypatch.setattr(seals, "get_file", flaky)
+    ahead = fused_outer.ReadAhead(spec, store, 0)
+    ahead.read({0, 1})
+    assert ahead.stopped and list(ahead.files) == shards[:1]
+    ahead.read({0, 1})  # stopped: nothing more is tried
+    assert reads == shards
+    monkeypatch.setattr(seals, "get_file", real)
+    folder = ahead.folder
+    assert ahead.fetch(store, shards[0], folder / "got-0") == ahead.fetch(store, shards[0], folder / "again-0")
+    assert (folder / "got-0").read_bytes() == store.get_bytes(shards[0])
+    ahead.close()
+    assert not folder.exists()
+
+    def cancelled() -> None:
+        raise RunCancelled("cancelled")
+
+    ahead = fused_outer.ReadAhead(spec, store, 0, check=cancelled)
+    ahead.checked -= 2  # its last look a while ago
+    with pytest.raises(RunCancelled):
+        ahead.read({0, 1})
+    ahead.close()
+
+
 def test_a_slot_that_stops_standing_by_gives_the_step_back_and_is_queued_again(world, monkeypatch):
     """A slot that stood by past its cap — the round's last shard still not stored — gives the
     step's claim back (the next slot to start, or one that waits, takes it) and is queued again,
