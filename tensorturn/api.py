@@ -81,7 +81,11 @@ def launch(settings: dict[str, Any], broker: str | None, store_url: str, detach:
     ``broker`` — or on a private embedded one of ``local_workers`` agents — followed to its end
     (:func:`tensorturn.runs.launch_run`); its last descriptions."""
     from tensorturn import runs
+    from tensorturn.spec import check_bounds
 
+    check_bounds({"local_workers": settings.get("local_workers")})  # refused however it is run
+    if broker:  # the pool's own agents run it: the run keeps no embedded pool's size (as Pool.run)
+        settings = {k: v for k, v in settings.items() if k != "local_workers"}
     spec = run_spec(settings, store_url)
     return runs.launch_run(spec, broker, settings.get("local_workers"), detach, settings.get("timeout"),
                            settings.get("merge", "none"), training_of(settings), docs, observer)

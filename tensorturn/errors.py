@@ -27,6 +27,13 @@ class StoreError(TensorTurnError):
     exit_code = 3
 
 
+class StoreURLError(StoreError, SpecError):
+    """A store URL written wrong (an unknown scheme, no bucket): the user's to fix, not a store
+    that cannot be reached."""
+
+    exit_code = 2
+
+
 class RunFailed(TensorTurnError):
     """A run ended in the failed state."""
 

@@ -59,6 +59,7 @@ def assert_nothing_queued(broker_url: str, store_dir) -> None:
     (("--recipe", "digits-mlp", "--shards", "-1"), "--shards must be a whole number ≥ 1 (got -1)"),
     (("--recipe", "digits-mlp", "--sync-every", "0"), "--sync-every must be a whole number ≥ 1 (got 0)"),
     (("--recipe", "digits-mlp", "--outer-momentum", "1.5"), "--outer-momentum must be in [0, 1) (got 1.5)"),
+    (("--recipe", "digits-mlp", "--local-workers", "9999"), "--local-workers must be at most 64 (got 9,999)"),
 ])
 def test_invalid_run_options_are_one_line_errors(redis_server, tmp_path, args, expected):
     store = tmp_path / "store"
@@ -87,6 +88,19 @@ def test_local_workers_zero_starts_no_embedded_pool(tmp_path):
     assert "--local-workers must be a whole number ≥ 1 (got 0)" in line
     assert "embedded pool" not in proc.stderr.replace(line, "")
     assert not store.exists()
+
+
+@pytest.mark.parametrize("store,expected", [
+    ("s3://", "store URL 's3://' names no bucket"),
+    ("ftp://user:secret@host/x", "unsupported store URL"),
+])
+def test_a_store_url_written_wrong_is_refused_before_a_pool_starts(tmp_path, store, expected):
+    proc = tt(*RUN, "--recipe", "digits-mlp", "--store", store, cwd=tmp_path)
+    line = assert_clean_error(proc, exit_code=2)
+    assert expected in line and "secret" not in proc.stderr
+    assert "embedded pool" not in proc.stderr
+    shown = tt("status", "20260101-000000-abcdef", "--store", store, cwd=tmp_path)  # the same: exit 2
+    assert expected in assert_clean_error(shown, exit_code=2)
 
 
 def test_detach_without_broker_is_an_error(tmp_path):

@@ -99,3 +99,22 @@ def test_print_config_answers_without_torch_celery_or_boto3(tmp_path):
                           text=True, timeout=120, stdin=subprocess.DEVNULL)
     assert proc.returncode == 0 and proc.stderr.strip() == "[]", proc.stderr
     assert tomllib.loads(proc.stdout)["recipe"] == "digits-mlp"
+
+
+def test_a_run_on_a_standing_pool_keeps_no_embedded_pool_size(tmp_path, monkeypatch):
+    """`run --broker` (or a join file): the pool's own agents run it, so the run's settings keep
+    no `local_workers` — as Pool.run on a connected pool — and an out-of-range value is still
+    refused in one line, before anything is queued."""
+    from tensorturn import api, runs
+    from tensorturn.errors import SpecError
+
+    launched = []
+    monkeypatch.setattr(runs, "launch_run", lambda spec, *args: launched.append((spec, args)) or [])
+    settings = api.run_settings({"recipe": "digits-mlp", "local_workers": 5}, None)
+    api.launch(settings, "redis://127.0.0.1:1/0", (tmp_path / "store").as_uri())
+    spec, args = launched[0]
+    assert "local_workers" not in spec.run_config and args[1] is None  # (broker, local_workers, ...)
+    api.launch(settings, None, (tmp_path / "store").as_uri())  # embedded: its size is what ran
+    assert launched[1][0].run_config["local_workers"] == 5 and launched[1][1][1] == 5
+    with pytest.raises(SpecError, match=r"--local-workers must be at most 64 \(got 9,999\)"):
+        api.launch({**settings, "local_workers": 9999}, "redis://127.0.0.1:1/0", (tmp_path / "store").as_uri())

@@ -32,6 +32,28 @@ def test_a_recipe_allowed_for_one_call_is_allowed_by_its_exact_name_only():
         trust.check_recipe_allowed(MISSING, BUILTIN)
 
 
+def test_a_recipe_name_is_checked_without_running_any_of_its_packages(tmp_path, monkeypatch):
+    """Whether ``package.module:Class`` exists is found without importing the package: its
+    ``__init__`` is code, run only where the recipe is allowed and built."""
+    import sys
+
+    from tensorturn.recipes import check_name
+
+    package = tmp_path / "tt_review_pkg"
+    (package / "inner").mkdir(parents=True)
+    marker = tmp_path / "ran"
+    (package / "__init__.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
+    (package / "inner" / "__init__.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
+    (package / "inner" / "models.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    check_name("tt_review_pkg.inner.models:Net")  # there
+    with pytest.raises(RecipeError, match="No module named 'tt_review_pkg.inner.other'"):
+        check_name("tt_review_pkg.inner.other:Net")
+    with pytest.raises(RecipeError, match="No module named 'tt_review_pkg.models.x'"):
+        check_name("tt_review_pkg.models.x:Net")  # (a part that is not a package)
+    assert not marker.exists() and "tt_review_pkg" not in sys.modules
+
+
 def test_a_student_builds_its_base_with_what_its_caller_allowed_and_never_with_its_options():
     student = {"teacher": "20260101-000000-abcdef", "recipe": MISSING}
     with pytest.raises(RecipeError, match="is not allowed on this machine"):

@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import glob
 import importlib
+import importlib.machinery
 import importlib.util
 import json
+import sys
 from collections.abc import Collection
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
@@ -66,12 +68,28 @@ def check_name(name: str) -> None:
         raise RecipeError(f"unknown recipe {name!r}: use one of {known} or package.module:Class")
     module_name = name.partition(":")[0]
     try:
-        found = importlib.util.find_spec(module_name)
+        found = find_module(module_name)
     except (ImportError, ValueError) as exc:
         raise RecipeError(f"recipe {name!r} failed to import: {type(exc).__name__}: {exc}") from None
     if found is None:
         raise RecipeError(f"recipe {name!r} failed to import: ModuleNotFoundError: "
                           f"No module named {module_name!r} ({WHERE_RECIPES_COME_FROM})")
+
+
+def find_module(dotted: str) -> importlib.machinery.ModuleSpec | None:
+    """Where module ``dotted`` would be imported from, importing nothing — not even its parent
+    packages, whose ``__init__`` is code (:func:`importlib.util.find_spec` imports them): each
+    part is looked for in its parent's folders, as the import system would."""
+    parts = dotted.split(".")
+    found = importlib.util.find_spec(parts[0])  # (a top-level name: its finders only)
+    for i in range(1, len(parts)):
+        if found is None or found.submodule_search_locations is None:  # not a package
+            return None
+        name = ".".join(parts[:i + 1])
+        loaded = sys.modules.get(name)
+        found = loaded.__spec__ if loaded is not None else importlib.machinery.PathFinder.find_spec(
+            name, list(found.submodule_search_locations))
+    return found
 
 
 def resolve(name: str, options: dict | None = None, allow: Collection[str] = ()) -> "Recipe":

@@ -114,8 +114,10 @@ def launch_stages(stages: list[Stage], broker: str | None, store: str, local_wor
     ``detach``, the first run's as queued), appended to ``docs`` as they finish (so a caller
     has them when a later stage is refused). :class:`Interrupted` when interrupted."""
     from tensorturn.runs.records import describe
+    from tensorturn.store.objects import check_store_url
 
     observer = observer or Quiet()
+    check_store_url(store)  # written wrong: refused before a pool starts
     if not broker:  # the agents start here, on this machine
         check_bounds({"local_workers": local_workers})
     check_bounds({"timeout": timeout_s})

@@ -28,7 +28,7 @@ from urllib.parse import unquote, urlsplit
 
 from tensorturn import config, layout
 from tensorturn.config import mask_url
-from tensorturn.errors import StoreError
+from tensorturn.errors import StoreError, StoreURLError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -339,8 +339,7 @@ class S3Store(Store):
         parts = urlsplit(url)
         self.bucket = parts.netloc
         self.prefix = parts.path.strip("/")
-        if not self.bucket:
-            raise StoreError(f"store URL {url!r} names no bucket (expected s3://bucket/prefix)")
+        check_store_url(url)
         self.client = boto3.client("s3", config=Config(
             connect_timeout=5, read_timeout=60,
             retries={"max_attempts": 2, "mode": "standard"},
@@ -461,12 +460,21 @@ def transfer_config() -> Any:
                           max_concurrency=4, use_threads=True)
 
 
+def check_store_url(url: str) -> None:
+    """StoreURLError, in one line, unless ``url`` names a store this could open (a known scheme;
+    S3: a bucket) — looked at before anything starts: nothing is reached."""
+    parts = urlsplit(url)
+    if parts.scheme not in _BACKENDS:
+        raise StoreURLError(f"unsupported store URL {mask_url(url)!r}: use file:///dir or s3://bucket/prefix")
+    if parts.scheme == "s3" and not parts.netloc:
+        raise StoreURLError(f"store URL {mask_url(url)!r} names no bucket (expected s3://bucket/prefix)")
+
+
 def open_store(url: str, settings: config.Settings | None = None) -> Store:
-    """The store for ``url``, retrying as ``settings`` say; StoreError for an unknown scheme."""
-    scheme = urlsplit(url).scheme
-    if scheme not in _BACKENDS:
-        raise StoreError(f"unsupported store URL {mask_url(url)!r}: use file:///dir or s3://bucket/prefix")
+    """The store for ``url``, retrying as ``settings`` say; StoreURLError for a URL written wrong
+    (:func:`check_store_url`)."""
+    check_store_url(url)
     settings = settings or config.current()
-    store = _BACKENDS[scheme](url)
+    store = _BACKENDS[urlsplit(url).scheme](url)
     store.retries, store.backoff_s = settings.store_retries, settings.store_backoff_s
     return store
