@@ -892,19 +892,19 @@ def test_a_slot_queued_ahead_stands_by_and_steps_as_soon_as_the_round_completes(
     reading only that shard then. The weights are those of a run whose steps were queued."""
     import threading
 
-    from tensorturn.modes.fused import outer as fused_outer
+    from tensorturn.modes.fused import ahead as fused_ahead
 
     fields = {**FUSED, "eval_every": 2}
     queued = world.submit("queued", **fields)
     drive_fused(queued)
     spec = world.submit(**fields)
-    handed, real_fetch = [], fused_outer.ReadAhead.fetch
+    handed, real_fetch = [], fused_ahead.ReadAhead.fetch
 
     def fetch(self, store, key, path):
         handed.append((key, key in self.files))  # (read ahead?)
         return real_fetch(self, store, key, path)
 
-    monkeypatch.setattr(fused_outer.ReadAhead, "fetch", fetch)
+    monkeypatch.setattr(fused_ahead.ReadAhead, "fetch", fetch)
     queued_before = outer_steps_queued(world, 0)  # (by the other run)
     shard(spec, 0, 0)
     waiter = threading.Thread(target=slot, args=(spec, 1, 0))
@@ -927,7 +927,7 @@ def test_reading_ahead_stops_at_a_failure_or_its_bytes_and_the_step_reads_the_re
     """What the standby reads ahead is bounded (:data:`READ_AHEAD_BYTES`: once over it, nothing
     more is read); a store that fails stops the reading ahead without failing the slot, and the
     step then downloads what was not read; a cancel seen between downloads stops the slot."""
-    from tensorturn.modes.fused import outer as fused_outer
+    from tensorturn.modes.fused import ahead as fused_ahead
     from tensorturn.store import seals
     from tensorturn.tasks.attempt import RunCancelled
 
@@ -937,8 +937,8 @@ def test_reading_ahead_stops_at_a_failure_or_its_bytes_and_the_step_reads_the_re
     store, run = open_store(spec.store_url), spec.run_id
     shards = [layout.key("shard", run, 0, k) for k in (0, 1)]
 
-    monkeypatch.setattr(fused_outer, "READ_AHEAD_BYTES", 1)  # full after one file
-    ahead = fused_outer.ReadAhead(spec, store, 0)
+    monkeypatch.setattr(fused_ahead, "READ_AHEAD_BYTES", 1)  # full after one file
+    ahead = fused_ahead.ReadAhead(spec, store, 0)
     ahead.read({0, 1})
     assert list(ahead.files) == shards[:1]
     ahead.close()
@@ -954,7 +954,7 @@ def test_reading_ahead_stops_at_a_failure_or_its_bytes_and_the_step_reads_the_re
         return real(store_, key, path)
 
     monkeypatch.setattr(seals, "get_file", flaky)
-    ahead = fused_outer.ReadAhead(spec, store, 0)
+    ahead = fused_ahead.ReadAhead(spec, store, 0)
     ahead.read({0, 1})
     assert ahead.stopped and list(ahead.files) == shards[:1]
     ahead.read({0, 1})  # stopped: nothing more is tried
@@ -969,7 +969,7 @@ def test_reading_ahead_stops_at_a_failure_or_its_bytes_and_the_step_reads_the_re
     def cancelled() -> None:
         raise RunCancelled("cancelled")
 
-    ahead = fused_outer.ReadAhead(spec, store, 0, check=cancelled)
+    ahead = fused_ahead.ReadAhead(spec, store, 0, check=cancelled)
     ahead.checked -= 2  # its last look a while ago
     with pytest.raises(RunCancelled):
         ahead.read({0, 1})

@@ -38,8 +38,9 @@ import time
 from typing import Any
 
 from tensorturn import config, layout
+from tensorturn.modes.fused.ahead import ReadAhead
 from tensorturn.modes.fused.options import evaluated, options
-from tensorturn.modes.fused.outer import EvalUnit, OuterUnit, ReadAhead
+from tensorturn.modes.fused.outer import EvalUnit, OuterUnit
 from tensorturn.modes.fused.shard import ShardUnit
 from tensorturn.modes.fused.sync.base import SyncPolicy
 from tensorturn.modes.fused.weights import cache
@@ -264,7 +265,7 @@ def take_step(unit: Unit, r: int) -> bool:
     task, or a slot that waits, takes the step),
     and one past the cap is queued again :data:`NOT_YET_S` later, its machine free meanwhile
     (to train the late shard, if it comes back to the queue). While it stands by it reads the
-    step's inputs stored so far (:class:`~tensorturn.modes.fused.outer.ReadAhead`). The step
+    step's inputs stored so far (:class:`~tensorturn.modes.fused.ahead.ReadAhead`). The step
     itself: :func:`step_in_slot`."""
     if not isinstance(unit, ShardUnit):
         return False
