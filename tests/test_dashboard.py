@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -243,6 +244,32 @@ def test_a_port_in_use_is_one_line_and_exit_2(tmp_path):
     assert proc.stderr.strip().splitlines() == [
         f"error: the dashboard cannot listen on 127.0.0.1:{port}: Address already in use (another "
         f"dashboard? pass --port)"]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_stop_by_ctrl_c_or_sigterm_is_a_clean_end_exit_0(tmp_path, sig):
+    """A service manager's stop (SIGTERM) and Ctrl-C end the dashboard — and `serve`, which runs
+    the same way — normally: exit 0, no "Aborted!" (uvicorn raises the signal again once it has
+    shut down: exit 1 or 143 before)."""
+    port = free_port()
+    dash = subprocess.Popen(
+        [sys.executable, "-m", "tensorturn", "dashboard", "--store", str(tmp_path / "store"), "--port", str(port)],
+        env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        stdin=subprocess.DEVNULL, start_new_session=True)
+    try:
+        def up() -> bool:
+            assert dash.poll() is None, dash.stdout.read()
+            try:
+                return httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200
+            except httpx.TransportError:
+                return False
+
+        wait_for(up, "the dashboard answers")
+        dash.send_signal(sig)
+        assert dash.wait(30) == 0
+        assert "Aborted" not in dash.stdout.read()
+    finally:
+        stop_process_group(dash, grace=5)
 
 
 def test_served_models_are_the_servers_marks_in_the_store(tmp_path):

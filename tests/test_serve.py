@@ -59,6 +59,7 @@ def fused_api(servers, runs):
     server = servers["digits"]
     yield server
     log = server.stop()
+    assert server.proc.returncode == 0, log  # a SIGTERM (a service manager's stop) is a clean end
     assert runs[3]["token"] not in log  # tokens never reach the log
     # once ready, it said where it listens, what it serves and how to get a token
     assert f"ready at {server.url}" in log and "digits" in log
@@ -176,6 +177,19 @@ def test_serving_a_run_that_does_not_exist_is_one_clear_error(tmp_path):
     proc = tt("serve", "nope", "--store", str(tmp_path), "--port", str(free_port()))
     assert proc.returncode != 0 and "no run 'nope'" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_a_port_in_use_is_one_line_and_exit_2_before_any_model_loads(tmp_path):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        proc = tt("serve", "20260101-000000-abcdef", "--store", str(tmp_path), "--port", str(port))
+    assert proc.returncode == 2, proc.stderr  # invalid input: the port given
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"error: the API cannot listen on 127.0.0.1:{port}: Address already in use (another server? pass --port)")
 
 
 def test_a_token_created_right_after_a_read_works_on_its_first_request(tmp_path):

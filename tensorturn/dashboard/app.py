@@ -18,8 +18,6 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import logging
-import socket
-import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -33,9 +31,10 @@ from starlette.staticfiles import StaticFiles
 
 from tensorturn import config
 from tensorturn.dashboard.view import pool_view, run_view, served_models
-from tensorturn.errors import BrokerError, NotFound, SpecError, StoreError, TensorTurnError
+from tensorturn.errors import BrokerError, NotFound, SpecError, StoreError
 from tensorturn.serve import tokens
 from tensorturn.serve.auth import Authenticator, AuthError, FailureCounter, TokenCache
+from tensorturn.serve.server import listening, server_class
 from tensorturn.store.objects import open_store
 
 log = logging.getLogger(__name__)
@@ -212,25 +211,5 @@ def run_dashboard(broker_url: str | None, store_url: str, host: str, port: int,
     uconfig = uvicorn.Config(app, host=host, port=port, log_level="warning", server_header=False,
                              access_log=False, timeout_graceful_shutdown=2, lifespan="on")
 
-    class Server(uvicorn.Server):
-        async def startup(self, sockets: Any = None) -> None:
-            await super().startup(sockets)
-            if self.started and not self.should_exit:
-                print(banner, end="", file=sys.stderr, flush=True)
-
-    Server(uconfig).run(sockets=[listening(host, port)])
-
-
-def listening(host: str, port: int) -> socket.socket:
-    """A socket bound to ``host:port``, or one clear line why not (a port in use, say)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host.strip("[]"), port))
-    except OSError as exc:
-        sock.close()
-        raise TensorTurnError(f"the dashboard cannot listen on {host}:{port}: {exc.strerror or exc} "
-                              f"(another dashboard? pass --port)") from exc
-    sock.listen(128)
-    return sock
+    sock = listening(host, port, "the dashboard", "another dashboard")
+    server_class(banner)(uconfig).run(sockets=[sock])

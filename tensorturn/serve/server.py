@@ -1,5 +1,7 @@
 """Running the inference API: uvicorn with a per-request deadline, a connection kept open after
-an unexpected error, the ready banner, and the run marked as served while it runs.
+an unexpected error, the ready banner, and the run marked as served while it runs; its port
+taken before the model loads (:func:`listening`), and a stop by Ctrl-C or SIGTERM a clean end,
+exit 0 (:func:`server_class`; the dashboard runs the same way).
 
 uvicorn's own ``timeout_keep_alive`` covers only idle kept-alive connections, so a client that
 opens a connection and trickles its request would hold it forever: :func:`timed_protocol` closes
@@ -9,13 +11,16 @@ a connection whose request did not arrive within ``--request-timeout``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import socket
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import orjson
 
+from tensorturn.errors import TensorTurnError
 from tensorturn.serve.app import ServeOptions, create_app
 from tensorturn.serve.protocol import JSON
 from tensorturn.state.manifest import serving
@@ -133,6 +138,7 @@ def run_server(store: Store, run_id: str, host: str, port: int, alias: str | Non
 
     opts = options or ServeOptions()
     opts.max_body_bytes = max_body_bytes
+    sock = listening(host, port, "the API", "another server")  # before the model loads
     app = create_app(store, run_id, alias, options=opts)
     try:
         import uvloop  # noqa: F401
@@ -150,7 +156,16 @@ def run_server(store: Store, run_id: str, host: str, port: int, alias: str | Non
                             log_level="info", server_header=False, access_log=opts.access_log,
                             limit_concurrency=opts.limit_concurrency, timeout_keep_alive=5,
                             timeout_graceful_shutdown=5, lifespan="on")
-    banner = _banner(host, port, [alias, run_id] if alias else [run_id])
+    server = server_class(_banner(host, port, [alias, run_id] if alias else [run_id]))
+    with serving(store, run_id, f"{host}:{port}"):  # `tensorturn runs rm` refuses a served run
+        server(config).run(sockets=[sock])
+
+
+def server_class(banner: str) -> Any:
+    """uvicorn's Server, printing ``banner`` once it listens, whose stop by a signal (Ctrl-C,
+    SIGTERM: a service manager's stop) ends the command normally, exit 0 — uvicorn raises the
+    signal again once it has shut down, and the command would exit 1 ("Aborted!") or 143."""
+    import uvicorn
 
     class Server(uvicorn.Server):
         async def startup(self, sockets: Any = None) -> None:
@@ -158,5 +173,26 @@ def run_server(store: Store, run_id: str, host: str, port: int, alias: str | Non
             if self.started and not self.should_exit:
                 print(banner, end="", file=sys.stderr, flush=True)
 
-    with serving(store, run_id, f"{host}:{port}"):  # `tensorturn runs rm` refuses a served run
-        Server(config).run()
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            with super().capture_signals():
+                yield
+                getattr(self, "_captured_signals", []).clear()  # (uvicorn's list of signals to raise again)
+
+    return Server
+
+
+def listening(host: str, port: int, what: str, hint: str) -> socket.socket:
+    """A socket bound to ``host:port`` for ``what``, or one clear line why not (a port in use,
+    say: ``hint`` names what may hold it)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host.strip("[]"), port))
+    except OSError as exc:
+        sock.close()
+        raise TensorTurnError(f"{what} cannot listen on {host}:{port}: {exc.strerror or exc} "
+                              f"({hint}? pass --port)") from exc
+    sock.listen(128)
+    return sock
