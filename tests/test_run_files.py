@@ -88,6 +88,8 @@ def test_a_run_from_the_printed_file_is_the_same_run_and_status_shows_it(tmp_pat
     assert rerun["model_sha256"] == by_flags["model_sha256"]
     text = tt_here("status", by_flags["run_id"], "--store", str(tmp_path / "a")).stdout
     assert "  ran with: mode=fused recipe=digits-mlp" in text and " seed=3 " in text
+    # the run's own line first, then its rounds, then what it ran with
+    assert text.index(f"run {by_flags['run_id']}: succeeded") < text.index("  round 0:") < text.index("  ran with:")
 
 
 def test_print_config_answers_without_torch_celery_or_boto3(tmp_path):

@@ -147,3 +147,11 @@ def test_an_embedded_run_whose_following_fails_is_cancelled_and_kept_before_the_
         launch.launch_run(spec, None, 1, observer=observer)
     assert read_manifest(open_store(spec.store_url), spec.run_id)["state"] == "cancelled"
     assert said[-1].startswith(f"run {spec.run_id} cancelled"), said
+
+
+def test_a_recipe_option_left_out_is_named_with_the_flag_that_gives_it():
+    with pytest.raises(RecipeError, match=r"^recipe 'tabular' needs the option dataset: pass "
+                                          r"--recipe-option dataset=VALUE \(in a run file"):
+        resolve("tabular", {})
+    with pytest.raises(RecipeError, match="does not accept options"):  # an option it has no use for
+        resolve("digits-mlp", {"nope": 1})

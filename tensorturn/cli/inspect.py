@@ -61,18 +61,17 @@ def status(broker, store, run_id, as_json, watch, print_config):
         from tensorturn.runs.launch import follow_on_pool
 
         doc = launched(lambda observer: follow_on_pool(broker, run_id, None, observer))
-    if not as_json:
-        for r in doc.get("rounds", []):
-            acc = r.get("val_accuracy")
-            val = r.get("val_loss")
-            click.echo(f"  round {r['round']}: loss {r['loss']:.4f}"
+    details = []  # below the run's own lines
+    for r in doc.get("rounds", []):
+        acc, val = r.get("val_accuracy"), r.get("val_loss")
+        details.append(f"  round {r['round']}: loss {r['loss']:.4f}"
                        + (f" val_loss {val:.4f}" if val is not None else "")
                        + (f" val_acc {acc:.3f}" if acc is not None else "") + f" bytes {r['bytes']}")
-        if ran_with:  # what ran, as its run file holds it (--print-config writes that file)
-            from tensorturn.runfile import ordered
+    if ran_with:  # what ran, as its run file holds it (--print-config writes that file)
+        from tensorturn.runfile import ordered
 
-            click.echo("  ran with: " + " ".join(f"{k}={v}" for k, v in ordered(ran_with).items()))
-    print_result(doc, as_json)
+        details.append("  ran with: " + " ".join(f"{k}={v}" for k, v in ordered(ran_with).items()))
+    print_result(doc, as_json, details=details)
 
 
 @cli.group(invoke_without_command=True)

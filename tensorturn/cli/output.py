@@ -67,15 +67,16 @@ def launched(call: Callable[["Observer"], Any]) -> Any:
 
 
 def print_result(doc: dict[str, Any], as_json: bool, exit_on_failure: bool = True,
-                 finished_only: bool = False) -> None:
-    """The run's outcome on stdout (JSON, or a few lines); a note on stderr; exit 1 if failed
-    (and, with ``finished_only`` — a command that waited for a result — if cancelled)."""
+                 finished_only: bool = False, details: list[str] | None = None) -> None:
+    """The run's outcome on stdout (JSON, or a few lines, then ``details``); a note on stderr;
+    exit 1 if failed (and, with ``finished_only`` — a command that waited for a result — if
+    cancelled)."""
     from tensorturn.runs.display import result_lines
 
     if as_json:
         emit_json(doc)
     else:
-        for line in result_lines(doc):
+        for line in [*result_lines(doc), *(details or [])]:
             click.echo(line)
     if doc.get("note"):
         click.echo(f"warning: {doc['note']}", err=True)

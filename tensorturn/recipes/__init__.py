@@ -18,6 +18,7 @@ import glob
 import importlib
 import importlib.machinery
 import importlib.util
+import inspect
 import json
 import sys
 from collections.abc import Collection
@@ -132,11 +133,27 @@ def _where(exc: Exception, module_name: str) -> str:
     return ""
 
 
+def required_options(cls: type, given: set[str]) -> list[str]:
+    """The options ``cls(...)`` requires (no default) that are not in ``given``."""
+    try:
+        params = inspect.signature(cls).parameters.values()
+    except (TypeError, ValueError):  # no signature to read: the call says what is wrong
+        return []
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return [p.name for p in params if p.kind in kinds and p.default is p.empty and p.name not in given]
+
+
 def _built(name: str, cls: "type[Recipe]", options: dict, allow: tuple[str, ...]) -> "Recipe":
     """``cls(**options)``; whatever goes wrong, one line naming the recipe. A class that builds
     on another recipe (``builds_on_recipe``) is given ``allow`` as well — always, so a spec's
     options can never hold their own ``allow`` (it would be a second value: refused)."""
     extra = {"allow": allow} if getattr(cls, "builds_on_recipe", False) else {}
+    missing = required_options(cls, {*options, *extra})
+    if missing:
+        raise RecipeError(f"recipe {name!r} needs the option{'s' if len(missing) > 1 else ''} "
+                          f"{', '.join(missing)}: pass "
+                          + " ".join(f"--recipe-option {m}=VALUE" for m in missing)
+                          + " (in a run file, [recipe_options]; in Python, recipe_options={...})")
     try:
         recipe = cls(**options, **extra)
     except TypeError as exc:
