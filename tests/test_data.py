@@ -14,6 +14,7 @@ from conftest import Server, bearer, tt, tt_json, tt_json_many, tt_many
 from tensorturn import data as datasets
 from tensorturn import layout
 from tensorturn.data.cache import ChunkCache, ChunkError
+from tensorturn.errors import SpecError
 from tensorturn.store.objects import open_store
 
 
@@ -379,6 +380,8 @@ def test_labels_become_what_they_mean_and_bad_ones_are_one_line(tmp_path):
     assert datasets.push(st, str(tmp_path / "prices.parquet"), "prices", label="price")["task"] == "regression"
     forced = datasets.push(st, str(tmp_path / "prices.parquet"), "prices", label="price", task="classification")
     assert forced["task"] == "classification" and forced["classes"] == 1500
+    with pytest.raises(SpecError, match=r"--task regression needs a numeric label; 'kind' is string"):
+        datasets.push(st, str(tmp_path / "words.parquet"), "words2", label="kind", task="regression")
     pq.write_table(pa.table({"x": [1.0, 2.0], "y": pa.array([1, None], pa.int64())}), tmp_path / "holes.parquet")
     proc = tt("data", "push", str(tmp_path / "holes.parquet"), "--name", "h", "--label", "y",
               "--store", str(tmp_path / "store"))

@@ -65,6 +65,9 @@ def label_table(table: pa.Table, about: dict[str, Any], task: str | None) -> tup
     else:
         raise SpecError(f"the label column {name!r} is {kind}: use numbers, text or booleans")
     task = task or guessed
+    if task == "regression" and "class_names" in out:
+        raise SpecError(f"--task regression needs a numeric label; {name!r} is {kind} (its values "
+                        f"would be class numbers): encode it as numbers, or drop --task")
     if task == "classification":
         if not pa.types.is_integer(table.column(name).type):
             raise SpecError(f"--task classification needs an integer or text label; {name!r} is {kind}")
