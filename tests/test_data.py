@@ -79,9 +79,13 @@ def test_push_list_show_rm_a_table(table_csv, tmp_path):
     assert again["version"] == 2 and len(chunk_files(store)) == len(every)
     listed = tt_json("data", "list", "--store", str(store), "--json")
     assert [(d["name"], d["version"]) for d in listed] == [("tab", 2)]
-    assert tt("data", "rm", "tab", "--version", "1", "--store", str(store)).returncode == 0
+    # a run trained on a version can no longer be exported or served without it: asked first
+    unasked = tt("data", "rm", "tab", "--version", "1", "--store", str(store))
+    assert unasked.returncode == 2 and unasked.stderr.strip().splitlines() == [
+        "error: not removing dataset tab without confirmation: no terminal to ask on; pass --yes"]
+    assert tt("data", "rm", "tab", "--version", "1", "--yes", "--store", str(store)).returncode == 0
     assert len(chunk_files(store)) == len(every)  # version 2 still uses them
-    assert tt("data", "rm", "tab", "--store", str(store)).returncode == 0
+    assert tt("data", "rm", "tab", "--yes", "--store", str(store)).returncode == 0
     assert chunk_files(store) == [] and tt_json("data", "list", "--store", str(store), "--json") == []
 
 

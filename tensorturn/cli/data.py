@@ -10,7 +10,7 @@ from typing import Any
 import click
 
 from tensorturn.cli import cli, emit_json, pool_options
-from tensorturn.errors import SpecError
+from tensorturn.errors import SpecError, TensorTurnError
 
 
 @cli.group()
@@ -171,13 +171,29 @@ def data_show(broker, store, name, version):
 @data.command("rm")
 @click.argument("name")
 @click.option("--version", type=int, default=None, help="Only this version [default: every version].")
+@click.option("--yes", is_flag=True, help="Do not ask for confirmation (needed without a terminal).")
 @pool_options()
-def data_rm(broker, store, name, version):
-    """Remove a dataset (or one version) and the chunks no other dataset uses."""
+def data_rm(broker, store, name, version, yes):
+    """Remove a dataset (or one version) and the chunks no other dataset uses. A run trained on
+    it can then no longer be exported or served (they read the version's index). Asks first,
+    unless --yes."""
     from tensorturn import data as datasets
+    from tensorturn.cli.output import can_ask
     from tensorturn.store.objects import open_store
 
-    gone = datasets.remove(open_store(store), name, version)
+    st = open_store(store)
+    what = f"version {version}" if version else \
+        f"version(s) {', '.join(str(v['version']) for v in datasets.versions(st, name))}"
+    datasets.show(st, name, version)  # NotFound unless it exists
+    if not yes:
+        if not can_ask():
+            raise TensorTurnError(f"not removing dataset {name} without confirmation: no terminal to "
+                                  f"ask on; pass --yes")
+        if not click.confirm(f"remove dataset {name} {what}? Runs trained on it can then no longer be "
+                             f"exported or served", default=False, err=True):
+            click.echo(f"dataset {name} not removed", err=True)
+            sys.exit(1)
+    gone = datasets.remove(st, name, version)
     click.echo(f"removed dataset {name} version(s) {', '.join(map(str, gone))}")
 
 

@@ -9,6 +9,7 @@ import click
 
 from tensorturn import config
 from tensorturn.cli import cli, emit_json, pool_options
+from tensorturn.cli.output import can_ask
 from tensorturn.errors import BrokerError, TensorTurnError
 from tensorturn.state.roster import WorkerState
 
@@ -133,11 +134,6 @@ def runs_rm(broker, store, run_id, yes, force, as_json):
         return
     click.echo(f"run {run_id} removed: {removed['objects']} objects ({_megabytes(removed['bytes'])}) "
                f"from the store, {removed['broker_keys']} keys from the broker")
-
-
-def can_ask() -> bool:
-    """Whether a person can answer a question here (stdin is a terminal)."""
-    return sys.stdin.isatty()
 
 
 def _megabytes(n: int) -> str:

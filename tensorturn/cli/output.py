@@ -106,3 +106,8 @@ def print_results(docs: list[dict[str, Any]], as_json: bool) -> None:
     for doc in docs[:-1]:
         print_result(doc, False, exit_on_failure=False)
     print_result(docs[-1], False, finished_only=True)
+
+
+def can_ask() -> bool:
+    """Whether a person can answer a question here (stdin is a terminal)."""
+    return sys.stdin.isatty()
