@@ -52,7 +52,8 @@ def assert_nothing_queued(broker_url: str, store_dir) -> None:
 # ---- invalid options, with a live broker that must stay empty -----------------------------------
 
 @pytest.mark.parametrize("args,expected", [
-    (("--recipe", "nope"), "unknown recipe 'nope'"),
+    (("--recipe", "nope"), "unknown recipe 'nope': use one of charlm, digits-mlp, gpt2-small, image-folder, tabular, "
+                              "textlm or package.module:Class"),  # (not distill: `tensorturn distill` names it)
     (("--recipe", "distill"), "recipe 'distill': the distill recipe is what `tensorturn distill RUN` trains"),
     (("--recipe", "nosuchmod:thing"), "recipe 'nosuchmod:thing' failed to import: ModuleNotFoundError"),
     (("--recipe", "digits-mlp", "--rounds", "0"), "--rounds must be a whole number ≥ 1 (got 0)"),

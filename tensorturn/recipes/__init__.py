@@ -65,7 +65,7 @@ def check_name(name: str) -> None:
     if name in BUILTIN:
         return
     if recipe_parts(name) is None:
-        known = ", ".join(sorted(BUILTIN))
+        known = ", ".join(sorted(n for n in BUILTIN if n != "distill"))  # (`tensorturn distill` names it)
         raise RecipeError(f"unknown recipe {name!r}: use one of {known} or package.module:Class")
     module_name = name.partition(":")[0]
     try:
