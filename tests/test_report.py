@@ -370,3 +370,13 @@ def test_not_a_run_description_is_refused():
         plots({"hello": "world"})
     with pytest.raises(TensorTurnError, match="not a run description"):
         report_files({"run_id": "x", "mode": "other"})
+
+
+def test_an_empty_chart_says_why_it_is_empty():
+    from tensorturn.runs.report.figures import none_yet
+
+    assert none_yet({"state": "running"}, "no round finished yet") == "no round finished yet"
+    assert none_yet({"state": "succeeded"}, "no round finished yet") == "none recorded"
+    soup = {"state": "succeeded", "lineage": {"souped_from": "20260101-000000-abcdef"}}
+    said = none_yet(soup, "no round finished yet")
+    assert said == "a weight soup of run 20260101-000000-abcdef: it trained nothing itself"

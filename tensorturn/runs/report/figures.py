@@ -8,7 +8,7 @@ import io
 from typing import Any
 
 from tensorturn.runs.report.facts import clock, machines, origin, timeline, worker_stats
-from tensorturn.spec import Outcome
+from tensorturn.spec import FINISHED, Outcome
 
 NAMES = ("loss", "timeline", "samples_per_worker", "bytes")
 
@@ -102,14 +102,23 @@ def _metric(keys: set[str], prefix: str) -> str | None:
     return others[0] if others else None
 
 
+def none_yet(doc: dict[str, Any], running: str) -> str:
+    """What an empty chart says: ``running`` while there may be more, else why there is none (a
+    weight soup trains nothing of its own)."""
+    souped = (doc.get("lineage") or {}).get("souped_from")
+    if souped:
+        return f"a weight soup of run {souped}: it trained nothing itself"
+    return running if doc.get("state") not in FINISHED else "none recorded"
+
+
 def _loss_plot(doc: dict[str, Any]) -> bytes:
     if doc.get("mode") == "fused":
         fig = _figure(9.6, 4.2)
         ax_loss, ax_metric = fig.subplots(1, 2)
         rounds = doc.get("rounds") or []
         if not rounds:
-            _empty(ax_loss, "no round finished yet")
-            _empty(ax_metric, "no round finished yet")
+            _empty(ax_loss, none_yet(doc, "no round finished yet"))
+            _empty(ax_metric, none_yet(doc, "no round finished yet"))
         else:
             xs = [r["round"] for r in rounds]
             ax_loss.plot(xs, [r.get("loss") for r in rounds], "o-", label="training loss (shards' mean)")
@@ -172,7 +181,7 @@ def _timeline_plot(doc: dict[str, Any]) -> bytes:
     ax = fig.add_subplot()
     t0 = origin(doc)
     if not bars or t0 is None:
-        _empty(ax, "no task attempt yet")
+        _empty(ax, none_yet(doc, "no task attempt yet"))
         ax.set_title(_title(doc, "who ran what"), fontsize=9)
         return _png(fig)
     from matplotlib.patches import Patch
