@@ -368,7 +368,7 @@ def test_deleting_a_runs_keys_mid_run_ends_in_one_line_and_a_resume(tmp_path, po
         w["state"] == "idle" for w in runs.workers(pool.broker_url)), "the agents idle")
     assert not r.exists(layout.run_key(run_id))
     status = tt("status", run_id, *args)
-    assert status.returncode == 0 and status.stdout.splitlines()[-1] == f"run {run_id}: running"
+    assert status.returncode == 0 and status.stdout.splitlines()[0] == f"run {run_id}: running"
     assert status.stderr.strip().splitlines() == [
         f"warning: the last saved state is 'running', but the broker has no record of the run "
         f"(Redis lost its data, or its keys were deleted?); continue it with `tensorturn "
