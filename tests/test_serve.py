@@ -179,14 +179,16 @@ def test_serving_a_run_that_does_not_exist_is_one_clear_error(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
-def test_a_port_in_use_is_one_line_and_exit_2_before_any_model_loads(tmp_path):
+@pytest.mark.e2e
+def test_a_port_in_use_is_one_line_and_exit_2(runs):
     import socket
 
+    store, fused = runs[0], runs[1]
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen(1)
         port = taken.getsockname()[1]
-        proc = tt("serve", "20260101-000000-abcdef", "--store", str(tmp_path), "--port", str(port))
+        proc = tt("serve", fused["run_id"], "--store", store, "--port", str(port))
     assert proc.returncode == 2, proc.stderr  # invalid input: the port given
     assert proc.stderr.strip().splitlines()[-1] == (
         f"error: the API cannot listen on 127.0.0.1:{port}: Address already in use (another server? pass --port)")

@@ -1,7 +1,7 @@
 """Running the inference API: uvicorn with a per-request deadline, a connection kept open after
-an unexpected error, the ready banner, and the run marked as served while it runs; its port
-taken before the model loads (:func:`listening`), and a stop by Ctrl-C or SIGTERM a clean end,
-exit 0 (:func:`server_class`; the dashboard runs the same way).
+an unexpected error, the ready banner, and the run marked as served while it runs; a port in
+use one line (:func:`listening`), and a stop by Ctrl-C or SIGTERM a clean end, exit 0
+(:func:`server_class`; the dashboard runs the same way).
 
 uvicorn's own ``timeout_keep_alive`` covers only idle kept-alive connections, so a client that
 opens a connection and trickles its request would hold it forever: :func:`timed_protocol` closes
@@ -138,8 +138,8 @@ def run_server(store: Store, run_id: str, host: str, port: int, alias: str | Non
 
     opts = options or ServeOptions()
     opts.max_body_bytes = max_body_bytes
-    sock = listening(host, port, "the API", "another server")  # before the model loads
-    app = create_app(store, run_id, alias, options=opts)
+    app = create_app(store, run_id, alias, options=opts)  # a model it will not serve is refused first
+    sock = listening(host, port, "the API", "another server")
     try:
         import uvloop  # noqa: F401
 
