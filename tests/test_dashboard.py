@@ -56,21 +56,23 @@ def live(tmp_path_factory):
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, stdin=subprocess.DEVNULL,
             start_new_session=True)
         url = f"http://127.0.0.1:{port}"
-
-        def up() -> bool:
-            assert dash.poll() is None, dash.stdout.read()
-            try:
-                return httpx.get(f"{url}/health", timeout=1).status_code == 200
-            except httpx.TransportError:
-                return False
-
-        wait_for(up, "the dashboard answers")
+        wait_for(lambda: answers(dash, url), "the dashboard answers")
         yield url, pool, run_id, store
     finally:
         if dash is not None:
             stop_process_group(dash, grace=5)
         gate.unlink(missing_ok=True)
         pool.stop(grace=1.0)
+
+
+def answers(dash: subprocess.Popen, url: str) -> bool:
+    """Whether the dashboard process ``dash`` answers its health probe at ``url`` (it must not
+    have exited)."""
+    assert dash.poll() is None, dash.stdout.read()
+    try:
+        return httpx.get(f"{url}/health", timeout=1).status_code == 200
+    except httpx.TransportError:
+        return False
 
 
 def chromium_driver():
@@ -257,14 +259,7 @@ def test_a_stop_by_ctrl_c_or_sigterm_is_a_clean_end_exit_0(tmp_path, sig):
         env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         stdin=subprocess.DEVNULL, start_new_session=True)
     try:
-        def up() -> bool:
-            assert dash.poll() is None, dash.stdout.read()
-            try:
-                return httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200
-            except httpx.TransportError:
-                return False
-
-        wait_for(up, "the dashboard answers")
+        wait_for(lambda: answers(dash, f"http://127.0.0.1:{port}"), "the dashboard answers")
         dash.send_signal(sig)
         assert dash.wait(30) == 0
         assert "Aborted" not in dash.stdout.read()
