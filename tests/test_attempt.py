@@ -970,7 +970,6 @@ def test_reading_ahead_stops_at_a_failure_or_its_bytes_and_the_step_reads_the_re
         raise RunCancelled("cancelled")
 
     ahead = fused_ahead.ReadAhead(spec, store, 0, check=cancelled)
-    ahead.checked -= 2  # its last look a while ago
     with pytest.raises(RunCancelled):
         ahead.read({0, 1})
     ahead.close()
@@ -1033,3 +1032,22 @@ def test_a_rounds_end_is_timed_and_its_step_claimed_only_by_one(world):
     claims.announce_global(run, 1)
     count, end = claims.note_stored(run, 1, 0, "a", 3)
     assert count == 1 and end is not None and end >= 0
+
+
+def test_a_standing_look_between_downloads_keeps_the_pace_of_a_cancel_look():
+    """check_standing(now=False) asks the broker once per CANCEL_LOOK_S at most, as a cancel
+    look does; a plain check_standing always asks."""
+    from types import SimpleNamespace
+
+    from tensorturn.tasks.attempt import Attempt
+
+    asked = []
+    board = SimpleNamespace(state_and_standing=lambda run_id, worker: asked.append(run_id) or ("running", None, None))
+    a = Attempt(task=None, board=board, store=None, spec=SimpleNamespace(run_id="r"), label=None, worker="w")
+    a.check_standing()
+    a.check_standing(now=False)  # just looked: no round trip
+    assert len(asked) == 1
+    a.looked_at -= 2  # a while ago
+    a.check_standing(now=False)
+    a.check_standing()
+    assert len(asked) == 3

@@ -182,13 +182,13 @@ def data_rm(broker, store, name, version, yes):
     from tensorturn.store.objects import open_store
 
     st = open_store(store)
-    what = f"version {version}" if version else \
-        f"version(s) {', '.join(str(v['version']) for v in datasets.versions(st, name))}"
     datasets.show(st, name, version)  # NotFound unless it exists
     if not yes:
         if not can_ask():
             raise TensorTurnError(f"not removing dataset {name} without confirmation: no terminal to "
                                   f"ask on; pass --yes")
+        what = f"version {version}" if version else \
+            f"version(s) {', '.join(str(v['version']) for v in datasets.versions(st, name))}"
         if not click.confirm(f"remove dataset {name} {what}? Runs trained on it can then no longer be "
                              f"exported or served", default=False, err=True):
             click.echo(f"dataset {name} not removed", err=True)

@@ -339,7 +339,6 @@ class S3Store(Store):
         parts = urlsplit(url)
         self.bucket = parts.netloc
         self.prefix = parts.path.strip("/")
-        check_store_url(url)
         self.client = boto3.client("s3", config=Config(
             connect_timeout=5, read_timeout=60,
             retries={"max_attempts": 2, "mode": "standard"},

@@ -141,11 +141,15 @@ class Attempt:
         if self.board.state(self.spec.run_id) == RunState.CANCELLED:
             raise RunCancelled(f"run {self.spec.run_id} was cancelled")
 
-    def check_standing(self) -> None:
-        """:meth:`check_cancelled` now, and whether this machine's owner needs it or its agent
+    def check_standing(self, now: bool = True) -> None:
+        """:meth:`check_cancelled`, and whether this machine's owner needs it or its agent
         stops (:class:`HandedBack`), in one round trip: for a unit that waits rather than trains
-        (a training loop reads the same from its progress report)."""
-        self.looked_at = time.monotonic()
+        (a training loop reads the same from its progress report). Without ``now``, once per
+        CANCEL_LOOK_S at most (between downloads, say)."""
+        t = time.monotonic()
+        if not now and t - self.looked_at < CANCEL_LOOK_S:
+            return
+        self.looked_at = t
         state, _, paused = self.board.state_and_standing(self.spec.run_id, self.worker)
         if state == RunState.CANCELLED:
             raise RunCancelled(f"run {self.spec.run_id} was cancelled")

@@ -7,7 +7,6 @@ from __future__ import annotations
 import logging
 import shutil
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -34,11 +33,10 @@ class ReadAhead:
     figure may differ), so a file read ahead gives the step the same weights."""
 
     def __init__(self, spec: RunSpec, store: Store, r: int, check: Callable[[], None] = lambda: None):
-        """``check``: the slot's cancel and pause look, called between downloads once a second
-        at most (a big model's files take a while on a home link); what it raises stops the
-        slot, as it would between its looks at the broker."""
+        """``check``: the slot's cancel and pause look, called before each download (a big
+        model's files take a while on a home link; it keeps its own pace); what it raises stops
+        the slot, as it would between its looks at the broker."""
         self.spec, self.store, self.r, self.check = spec, store, r, check
-        self.checked = time.monotonic()
         self.folder: Path | None = None
         self.files: dict[str, tuple[Path, str]] = {}  # key → (its file here, its sha256)
         self.held = 0  # bytes
@@ -59,9 +57,7 @@ class ReadAhead:
                 return
             if key in self.files or key in self.absent:
                 continue
-            if time.monotonic() - self.checked >= 1.0:
-                self.check()
-                self.checked = time.monotonic()
+            self.check()
             try:
                 if key == state and not self.store.exists(key):
                     self.absent.add(key)

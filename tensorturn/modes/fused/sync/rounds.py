@@ -272,7 +272,7 @@ def take_step(unit: Unit, r: int) -> bool:
     spec, board = unit.spec, unit.board
     what, holder, shards = layout.outer_claim(r), f"task:{unit.a.task.request.id}", options(spec).shards
     held, stored = board.claims.claim_step(spec.run_id, r, what, holder)
-    began, ahead = time.monotonic(), ReadAhead(spec, unit.store, r, check=unit.a.check_standing)
+    began, ahead = time.monotonic(), ReadAhead(spec, unit.store, r, check=lambda: unit.a.check_standing(now=False))
     try:
         try:
             while held and len(stored) < shards:
