@@ -15,6 +15,18 @@ class RecipeError(TensorTurnError):
     """A recipe cannot be found, imported or used."""
 
 
+class RecipeFault(RecipeError):
+    """A recipe's own hook raised an error of its code (:data:`CODE_ERRORS`) where a run
+    evaluates: the same code fails the same way on every machine, so the run fails at once with
+    the recipe's traceback rather than retrying (a RuntimeError may be a device's fault: retried)."""
+
+
+# what a hook raises when its code is wrong, not its machine (torch's errors of a device or of
+# memory are RuntimeErrors, which these leave out)
+CODE_ERRORS: tuple[type[Exception], ...] = (AttributeError, NameError, TypeError, LookupError, ValueError,
+                                            AssertionError, ZeroDivisionError, NotImplementedError)
+
+
 class BrokerError(TensorTurnError):
     """The broker (Redis) cannot be reached."""
 

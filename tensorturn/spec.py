@@ -247,6 +247,9 @@ class RunSpec:
     options: ModeOptions
     run_id: str = ""
     recipe_options: dict[str, Any] = field(default_factory=dict)
+    # what the recipe's raw_data learned from the training data, set on every instance before any
+    # hook (recipes/learned.py): filled when the run starts, signed with the spec
+    recipe_state: dict[str, Any] = field(default_factory=dict)
     seed: int = 0
     # inner training (None: the recipe's default)
     lr: float | None = None

@@ -10,7 +10,9 @@ raised), and the runs of them in between are summarised in one line.
 
 from __future__ import annotations
 
+import inspect
 import os
+import sys
 import sysconfig
 import traceback
 from pathlib import Path
@@ -71,14 +73,45 @@ def user_site(exc: BaseException) -> str | None:
     relative to the working directory when it is under it), or None when there is none."""
     frames = [f for f in _frames(root_cause(exc)) if origin(f.filename) == "user"]
     if not frames:
-        return None
+        return _model_site(root_cause(exc))
     f = frames[-1]
-    path = Path(os.path.abspath(f.filename))
+    return f"{_shown(f.filename)}:{f.lineno} in {f.name}"
+
+
+def _shown(filename: str) -> str:
+    """A user's file, relative to the working directory when it is under it."""
+    path = Path(os.path.abspath(filename))
     try:
-        shown = str(path.relative_to(Path.cwd()))
+        return str(path.relative_to(Path.cwd()))
     except ValueError:
-        shown = path.name
-    return f"{shown}:{f.lineno} in {f.name}"
+        return path.name
+
+
+def _model_site(exc: BaseException) -> str | None:
+    """For a failure inside torch with no frame of the user's on the way (a layer of an
+    ``nn.Sequential`` the recipe built, run by a built-in hook): the recipe's ``model`` that built
+    it, and the layer that raised — read from the frames' ``self``."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
+    from tensorturn.recipes.base import Recipe
+
+    layer, recipe = None, None
+    for frame, _ in traceback.walk_tb(exc.__traceback__):
+        me = frame.f_locals.get("self")
+        if isinstance(me, torch.nn.Module) and frame.f_code.co_name == "forward":
+            layer = me  # the innermost last
+        elif isinstance(me, Recipe):
+            recipe = me
+    build = getattr(type(recipe), "model", None) if recipe is not None else None
+    try:
+        filename, line = inspect.getsourcefile(build), inspect.getsourcelines(build)[1]  # type: ignore[arg-type]
+    except (TypeError, OSError):
+        return None
+    if filename is None or origin(filename) != "user":
+        return None
+    what = f"{_clip(repr(layer).splitlines()[0].rstrip('('))} of " if layer is not None else ""
+    return f"{what}the model built at {_shown(filename)}:{line} in model"
 
 
 def _clip(text: str) -> str:

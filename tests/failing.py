@@ -1,5 +1,8 @@
 """A recipe for tests: digits-mlp that raises in the hook named by ``TT_FAIL_IN`` (read at each
-call, so a test can make it fail after the run was submitted, or only on the agents)."""
+call, so a test can make it fail after the run was submitted, or only on the agents): a
+ValueError (an error of the recipe's code: a run fails at once), or with ``TT_FAIL_AS=RuntimeError``
+one a machine may cause (retried); ``evaluate`` with ``TT_FAIL_OVER_ROWS=N`` only on more than N
+rows — past the checks at submit (16 rows), as a bug that shows only on a whole split."""
 
 from __future__ import annotations
 
@@ -10,9 +13,13 @@ import torch
 from tensorturn.recipes.digits import DigitsMLP
 
 
-def maybe_fail(hook: str) -> None:
-    if os.environ.get("TT_FAIL_IN") == hook:
-        raise ValueError(f"boom in {hook}\n(a second line: the user sees both, on one line)")
+def maybe_fail(hook: str, rows: int | None = None) -> None:
+    if os.environ.get("TT_FAIL_IN") != hook:
+        return
+    if rows is not None and rows <= int(os.environ.get("TT_FAIL_OVER_ROWS", "0")):
+        return
+    error = RuntimeError if os.environ.get("TT_FAIL_AS") == "RuntimeError" else ValueError
+    raise error(f"boom in {hook}\n(a second line: the user sees both, on one line)")
 
 
 class Failing(DigitsMLP):
@@ -31,7 +38,7 @@ class Failing(DigitsMLP):
         return super().loss(model, x, y)
 
     def evaluate(self, model, x, y):
-        maybe_fail("evaluate")
+        maybe_fail("evaluate", len(y))
         return super().evaluate(model, x, y)
 
     def predict_proba(self, model, x):

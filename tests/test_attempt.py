@@ -698,6 +698,7 @@ def test_an_outer_step_that_fails_in_the_task_is_queued_for_its_retries(world, m
     spec = world.submit(**{**FUSED, "recipe": "failing:Failing", "rounds": 1})  # the last round evaluates
     shard(spec, 0, 0)
     monkeypatch.setenv("TT_FAIL_IN", "evaluate")
+    monkeypatch.setenv("TT_FAIL_AS", "RuntimeError")  # a failure a machine may cause: retried
     shard_in_a_worker(spec, 0, 1)
     doc = world.board.describe(spec.run_id)
     failed = [a for a in doc["attempts"] if a["task"] == "r0/outer"]
@@ -839,6 +840,7 @@ def test_an_outer_step_past_its_attempts_in_the_task_gives_the_run_up_once(world
     spec = world.submit(**{**FUSED, "recipe": "failing:Failing", "rounds": 1, "max_attempts": 1})
     shard(spec, 0, 0)
     monkeypatch.setenv("TT_FAIL_IN", "evaluate")
+    monkeypatch.setenv("TT_FAIL_AS", "RuntimeError")
     shard_in_a_worker(spec, 0, 1, delivery="lost-one")  # the step fails in the task: its message is queued
     assert outer_steps_queued(world, 0) == 1
     shard_in_a_worker(spec, 0, 1, delivery="lost-one")

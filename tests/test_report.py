@@ -137,7 +137,7 @@ def docs(store_url, tmp_path_factory):
                     ("run", "--mode", "fused", "--recipe", "failing:Failing", "--max-attempts", "2", *small),
                     # a chunk cache of its own: the dataset is downloaded, not found from an earlier run
                     envs=[clean_env(TENSORTURN_CACHE_DIR=str(table.parent / "cache")), None,
-                          clean_env(TT_FAIL_IN="evaluate")])
+                          clean_env(TT_FAIL_IN="evaluate", TT_FAIL_OVER_ROWS="16")])
     assert [p.returncode for p in procs] == [0, 0, 1], [p.stderr[-2000:] for p in procs]
     return [json.loads(p.stdout) for p in procs]
 

@@ -69,6 +69,7 @@ def plan(store: Any, teacher: str, student: dict[str, Any] | None, temperature: 
     spec = manifest["spec"]
     options = {"teacher": teacher, "recipe": spec["recipe"],
                "recipe_options": spec.get("recipe_options") or {}, "student": dict(student or {}),
+               **({"recipe_state": spec["recipe_state"]} if spec.get("recipe_state") else {}),
                "temperature": float(temperature), "alpha": float(alpha), "top_k": top_k,
                "mixup": 0}
     recipe = resolve("distill", options, allow)

@@ -96,7 +96,8 @@ def store_soup(store: Store, ensemble: dict[str, Any], recipe: Recipe, state: di
     """Store the soup's model and a signed manifest: a finished one-model run of its own."""
     run_id = new_run_id()
     spec = ensemble["spec"]
-    blob = model_bytes(state, spec["recipe"], config, spec.get("recipe_options") or {})
+    blob = model_bytes(state, spec["recipe"], config, spec.get("recipe_options") or {},
+                       spec.get("recipe_state") or {})
     key = layout.key("final_model", run_id)
     sha = store.put_bytes(key, blob)
     doc = {"run_id": run_id, "mode": "fused", "state": RunState.SUCCEEDED, "recipe": spec["recipe"],
@@ -105,6 +106,7 @@ def store_soup(store: Store, ensemble: dict[str, Any], recipe: Recipe, state: di
            "created_at": started, "started_at": started, "finished_at": time.time(),
            "error": None, "lineage": lineage,
            "spec": {"mode": "fused", "recipe": spec["recipe"], "run_id": run_id,
-                    "recipe_options": spec.get("recipe_options") or {}, "options": {}}}
+                    "recipe_options": spec.get("recipe_options") or {},
+                    "recipe_state": spec.get("recipe_state") or {}, "options": {}}}
     store.put_json(layout.key("manifest", run_id), trust.pool_key().sign_doc("manifest", doc))
     return doc

@@ -48,8 +48,9 @@ class Distilled(Recipe):
     def __init__(self, teacher: str = "", recipe: str = "", recipe_options: dict[str, Any] | None = None,
                  student: dict[str, Any] | None = None, temperature: float = TEMPERATURE,
                  alpha: float = ALPHA, top_k: int = TOP_K, mixup: int = MIXUP,
-                 allow: tuple[str, ...] = ()):
+                 recipe_state: dict[str, Any] | None = None, allow: tuple[str, ...] = ()):
         from tensorturn.recipes import resolve
+        from tensorturn.recipes.learned import restore
 
         if not isinstance(teacher, str) or not teacher or not isinstance(recipe, str) or not recipe:
             raise RecipeError("the distill recipe is what `tensorturn distill RUN` trains; it is "
@@ -60,7 +61,8 @@ class Distilled(Recipe):
         self.teacher, self.temperature, self.alpha, self.top_k = teacher, float(temperature), float(alpha), top_k
         self.student, self.mixup = dict(student or {}), mixup
         self.base_ref, self.base_options = recipe, dict(recipe_options or {})
-        self.base = resolve(recipe, self.base_options, allow)
+        # what the ensemble's recipe learned from its data (recipes/learned.py): the student's base too
+        self.base = restore(resolve(recipe, self.base_options, allow), recipe_state)
         if self.base.task not in DISTILLABLE:
             raise RecipeError(f"recipe {recipe!r} is a {self.base.task} recipe: distillation needs "
                               f"a classification or language-model ensemble")

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from tensorturn.recipes.base import Recipe, Splits
     from tensorturn.spec import RunSpec
 
-__all__ = ["Recipe", "Splits", "load_splits", "resolve", "recipe_of", "check_name", "BUILTIN"]
+__all__ = ["Recipe", "Splits", "load_splits", "resolve", "recipe_of", "recipe_for", "check_name", "BUILTIN"]
 
 BUILTIN: dict[str, str] = {
     "digits-mlp": "tensorturn.recipes.digits:DigitsMLP",
@@ -179,11 +179,22 @@ def warm_up() -> None:
             pass
 
 
+def recipe_for(spec: "RunSpec", allow: Collection[str] = ()) -> "Recipe":
+    """The run's recipe, built from its options with the run's learned state set on it
+    (:mod:`tensorturn.recipes.learned`): what every hook of the run is called on."""
+    from tensorturn.recipes.learned import restore
+
+    return restore(resolve(spec.recipe, spec.recipe_options, allow), spec.recipe_state)
+
+
 @lru_cache(maxsize=8)
-def _cached(name: str, options_json: str) -> "Recipe":
-    return resolve(name, json.loads(options_json))
+def _cached(name: str, options_json: str, state_json: str) -> "Recipe":
+    from tensorturn.recipes.learned import restore
+
+    return restore(resolve(name, json.loads(options_json)), json.loads(state_json))
 
 
 def recipe_of(spec: "RunSpec") -> "Recipe":
-    """The run's recipe, built once per process."""
-    return _cached(spec.recipe, json.dumps(spec.recipe_options, sort_keys=True))
+    """The run's recipe (:func:`recipe_for`), built once per process."""
+    return _cached(spec.recipe, json.dumps(spec.recipe_options, sort_keys=True),
+                   json.dumps(spec.recipe_state, sort_keys=True))

@@ -241,14 +241,42 @@ class Recipe:
         return self.kind.metrics(predicted, y)
 
 
-_SPLITS: dict[tuple[str, str], Splits] = {}
+_SPLITS: dict[tuple[str, str], tuple[Splits, dict[str, Any]]] = {}
+# by recipe class: the names of the attributes its raw_data (or preprocess) set — its learned state
+_LEARNED: dict[str, set[str]] = {}
+
+
+def _splits_key(recipe: Recipe) -> tuple[str, str]:
+    """The recipe's splits are those of its class and attributes — its learned state aside, so
+    an instance given the run's state (:mod:`.learned`) finds the splits loaded by one that
+    learned it."""
+    qual = type(recipe).__qualname__
+    skip = _LEARNED.get(qual, set())
+    return qual, repr(sorted((k, v) for k, v in vars(recipe).items() if k not in skip))
 
 
 def load_splits(recipe: Recipe) -> Splits:
-    """The recipe's preprocessed splits, loaded once per process."""
-    key = (type(recipe).__qualname__, repr(sorted(vars(recipe).items())))
-    if key not in _SPLITS:
+    """The recipe's preprocessed splits, loaded once per process. What ``raw_data`` and
+    ``preprocess`` set on the recipe as they ran is its learned state: kept with the splits and
+    given to every instance that finds them here (:func:`learned_of` reads it)."""
+    found = _SPLITS.get(_splits_key(recipe))
+    if found is None:
+        before = dict(vars(recipe))
         xtr, ytr, xva, yva, xte, yte = recipe.raw_data()
         p = recipe.preprocess
-        _SPLITS[key] = Splits(p(xtr), ytr, p(xva), yva, p(xte), yte)
-    return _SPLITS[key]
+        splits = Splits(p(xtr), ytr, p(xva), yva, p(xte), yte)
+        learned = {k: v for k, v in vars(recipe).items() if k not in before or v is not before[k]}
+        _LEARNED.setdefault(type(recipe).__qualname__, set()).update(learned)
+        found = _SPLITS[_splits_key(recipe)] = (splits, learned)
+    splits, learned = found
+    for name, value in learned.items():
+        if name not in vars(recipe):  # (an instance given the run's state keeps it)
+            setattr(recipe, name, value)
+    return splits
+
+
+def learned_of(recipe: Recipe) -> dict[str, Any] | None:
+    """The attributes ``raw_data`` and ``preprocess`` set when this recipe's splits were loaded
+    in this process, or None when they were not (a recipe that streams its data)."""
+    found = _SPLITS.get(_splits_key(recipe))
+    return None if found is None else dict(found[1])

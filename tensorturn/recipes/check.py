@@ -205,6 +205,64 @@ def check_contract(name: str, recipe: Any, consequence: str, data: bool = True) 
         raise CheckFailed(f"recipe {name!r} failed at {exc}; {consequence}") from exc
 
 
+def check_fresh(name: str, recipe: Any, consequence: str, vote: str | None = None) -> None:
+    """:func:`fresh` as a run's start says it: RecipeError in one line — "recipe NAME failed at
+    STEP: what (file:line); consequence"."""
+    try:
+        fresh(recipe, vote)
+    except CheckFailed as exc:
+        where = f" ({exc.where})" if exc.where else ""
+        raise CheckFailed(f"recipe {name!r} failed at {exc}{where}; {consequence}", exc.where, exc.trace) from exc
+
+
+def fresh(recipe: Any, vote: str | None = None) -> None:
+    """What every other machine will do, on ``recipe`` built as they build it — from its options
+    and the run's learned state (:func:`tensorturn.recipes.recipe_for`), never having run
+    ``raw_data`` itself: :func:`contract`, then ``evaluate`` of the initial model on a few
+    validation rows (a forward pass; a model over REAL_FORWARD_BYTES is left to the run), and,
+    with ``vote``, of an ensemble of it. CheckFailed naming the step, with the recipe's file
+    and line; an attribute only another hook sets is named with the fix."""
+    import torch
+
+    from tensorturn.recipes.result import EnsembleModel
+
+    step = "data"
+    try:
+        x, y = recipe.sample_rows("val", ROWS)
+        contract(recipe, x, y)
+        step = "model"
+        with torch.random.fork_rng(devices=[]), torch.device("meta"):
+            shaped = recipe.model(recipe.default_config())
+        if sum(p.numel() * p.element_size() for p in shaped.parameters()) > REAL_FORWARD_BYTES:
+            return
+        with torch.random.fork_rng(devices=[]):
+            model = recipe.model(recipe.default_config())
+        step = "evaluate"
+        _returns_metrics(step, recipe.evaluate(model, x, y))
+        if vote is not None:
+            step = "evaluate (an ensemble)"
+            _returns_metrics(step, recipe.evaluate(EnsembleModel(recipe, [model, model], vote), x, y))
+    except CheckFailed:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the recipe's own failure, in one line
+        from tensorturn.tracebacks import tail, user_site
+
+        message = f"{step}: {type(exc).__name__}: {' '.join(str(exc).split())}"
+        missing = getattr(exc, "name", None) if isinstance(exc, AttributeError) else None
+        if missing and getattr(exc, "obj", None) is recipe:
+            message += (f"; every machine, serve and an exported model build the recipe afresh, from "
+                        f"its options and what raw_data set, and a hook other than raw_data sets "
+                        f"self.{missing}: set it in __init__ or in raw_data (what raw_data sets is "
+                        f"kept with the run)")
+        raise CheckFailed(message, user_site(exc), tail(exc)) from exc
+
+
+def _returns_metrics(step: str, metrics: Any) -> None:
+    _require(isinstance(metrics, dict) and "loss" in metrics
+             and all(isinstance(v, (int, float)) for v in metrics.values()),
+             f"{step}: must return a dict of numbers with 'loss', got {_short(metrics)}")
+
+
 def _no_data(recipe: Any) -> tuple[Any, Any]:
     """Two preprocessed rows of zeros of the recipe's raw input, and no targets."""
     import torch
@@ -234,6 +292,7 @@ def check(name: str, options: dict[str, Any] | None = None) -> dict[str, Any]:
 
     from tensorturn.recipes import load_splits, resolve
     from tensorturn.recipes.answer import Prediction, encode_answer
+    from tensorturn.recipes.learned import restore, state_of
     from tensorturn.recipes.result import EnsembleModel
     from tensorturn.train.loop import train_steps
 
@@ -295,6 +354,9 @@ def check(name: str, options: dict[str, Any] | None = None) -> dict[str, Any]:
     for o in outputs.values():
         _require(o["shape"][0] == len(x_val) and len(o["data"]) == math.prod(o["shape"]),
                  f"serve: output {o['name']} has shape {o['shape']} and {len(o['data'])} values")
+    # every machine but the one that starts a run builds the recipe afresh, with what raw_data set
+    state = _step("data", lambda: state_of(recipe))
+    fresh(_step("build", lambda: restore(resolve(name, options or {}), state)), vote)
     return {
         "recipe": name, "task": recipe.task, "rows": sizes, "input_shape": list(input_shape),
         "parameters": params, "train_loss": trained, "val_metrics": metrics,

@@ -15,6 +15,7 @@ from tensorturn import layout
 from tensorturn.errors import TensorTurnError
 from tensorturn.recipes import BUILTIN, Recipe, resolve
 from tensorturn.recipes.answer import Prediction
+from tensorturn.recipes.learned import restore
 from tensorturn.spec import RunState
 from tensorturn.store.objects import ObjectMissing, Store, sha256_hex
 from tensorturn.store.tensors import ENSEMBLE_FORMAT, MODEL_FORMAT, from_bytes, metadata_of
@@ -40,7 +41,8 @@ class Predictor:
         fmt = meta.get("format")
         if fmt not in (MODEL_FORMAT, ENSEMBLE_FORMAT):
             raise TensorTurnError(f"not a TensorTurn model file (format {fmt!r})")
-        recipe = resolve(meta["recipe"], {**json.loads(meta.get("recipe_options", "{}")), **(options or {})}, allow)
+        recipe = restore(resolve(meta["recipe"], {**json.loads(meta.get("recipe_options", "{}")), **(options or {})},
+                                 allow), json.loads(meta.get("recipe_state", "{}")))
         tensors = from_bytes(data)
         if fmt == MODEL_FORMAT:
             model = recipe.model(json.loads(meta["config"]))

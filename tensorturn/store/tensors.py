@@ -66,21 +66,30 @@ def stored_metadata(store: Store, key: str) -> dict[str, str]:
 
 
 def model_bytes(state: StateDict, recipe: str, config: dict,
-                options: dict | None = None) -> bytes:
-    """A model file: weights plus the recipe name, options and model config to rebuild it."""
-    return to_bytes(state, model_metadata(recipe, config, options))
+                options: dict | None = None, learned: dict | None = None) -> bytes:
+    """A model file: weights plus the recipe name, options, learned state and model config to
+    rebuild it."""
+    return to_bytes(state, model_metadata(recipe, config, options, learned))
 
 
-def model_metadata(recipe: str, config: dict, options: dict | None = None) -> dict[str, str]:
+def model_metadata(recipe: str, config: dict, options: dict | None = None,
+                   learned: dict | None = None) -> dict[str, str]:
     """What a model file says of itself beside its weights."""
     meta = {"format": MODEL_FORMAT, "recipe": recipe, "config": json.dumps(config, sort_keys=True)}
+    return _with_recipe(meta, options, learned)
+
+
+def _with_recipe(meta: dict[str, str], options: dict | None, learned: dict | None) -> dict[str, str]:
+    """``meta`` with the recipe's options and learned state (``recipes/learned.py``), if any."""
     if options:
         meta["recipe_options"] = json.dumps(options, sort_keys=True)
+    if learned:
+        meta["recipe_state"] = json.dumps(learned, sort_keys=True)
     return meta
 
 
 def ensemble_bytes(members: list[tuple[int, StateDict, dict]], recipe: str, vote: str,
-                   options: dict | None = None) -> bytes:
+                   options: dict | None = None, learned: dict | None = None) -> bytes:
     """One file for a voting ensemble: each member's weights under ``m<member>.`` and the
     members' configs and the vote rule in the metadata."""
     tensors: StateDict = {}
@@ -89,9 +98,7 @@ def ensemble_bytes(members: list[tuple[int, StateDict, dict]], recipe: str, vote
     meta = {"format": ENSEMBLE_FORMAT, "recipe": recipe, "vote": vote,
             "members": json.dumps([{"member": m, "config": c} for m, _, c in members],
                                   sort_keys=True)}
-    if options:
-        meta["recipe_options"] = json.dumps(options, sort_keys=True)
-    return to_bytes(tensors, meta)
+    return to_bytes(tensors, _with_recipe(meta, options, learned))
 
 
 def float_keys(state: StateDict) -> list[str]:

@@ -38,7 +38,7 @@ from celery.exceptions import Retry
 
 from tensorturn import config, tracebacks, trust
 from tensorturn.config import mask_text, mask_url
-from tensorturn.errors import RecipeError, StoreError, TensorTurnError
+from tensorturn.errors import RecipeError, RecipeFault, StoreError, TensorTurnError
 from tensorturn.layout import Label
 from tensorturn.pool.owner import HandedBack
 from tensorturn.pool.threads import stopping
@@ -383,14 +383,17 @@ def _execute(task: Task, board: RunBoard, run_id: str, label: Label, unit_class:
                 raise task.retry(countdown=1, max_retries=None) from None
         else:
             worker_succeeded(board, worker)  # the store answered: this is not the machine's fault
-        if number < max_attempts:
+        if isinstance(exc, RecipeFault):  # the recipe's code: every attempt would fail the same way
+            board.fail(run_id, f"{label} failed: {message}")
+        elif number < max_attempts:
             raise task.retry(countdown=min(2 ** (number - 1), 8), max_retries=None) from None
-        final = (f"{label} failed {number} attempts; last: {message}" if number <= max_attempts
-                 else f"{label} failed {max_attempts} attempts")
-        if unit is not None:
-            unit.give_up(final)
         else:
-            board.fail(run_id, final)
+            final = (f"{label} failed {number} attempts; last: {message}" if number <= max_attempts
+                     else f"{label} failed {max_attempts} attempts")
+            if unit is not None:
+                unit.give_up(final)
+            else:
+                board.fail(run_id, final)
         try_write_manifest(store, board, run_id)
         return receipt
 
@@ -473,6 +476,10 @@ def run_here(parent: Attempt, label: Label, unit_class: Callable[[Attempt], Unit
         log.warning("run %s %s failed on %s: %s; queued for a retry", run_id, label, worker, message)
         if attempt.key:
             end_failed(board, run_id, attempt.key, message, exc, worker)
+        if isinstance(exc, RecipeFault):  # as _execute: every attempt would fail the same way
+            board.fail(run_id, f"{label} failed: {message}")
+            try_write_manifest(store, board, run_id)
+            return True
         return False
     try:
         unit.then()

@@ -35,8 +35,9 @@ def start(spec: RunSpec, broker_url: str, store: Any, pool: list[dict[str, Any]]
     names the submitting user allows here besides the machine's allowlist (an agent: none)."""
     from tensorturn.pool.capacity import check_fits
     from tensorturn.pool.celery_app import configure
-    from tensorturn.recipes import resolve
-    from tensorturn.recipes.check import check_contract
+    from tensorturn.recipes import recipe_for, resolve
+    from tensorturn.recipes.check import check_contract, check_fresh
+    from tensorturn.recipes.learned import state_of
 
     recipe = resolve(spec.recipe, spec.recipe_options, allow)
     spec.recipe_options.update(recipe.pinned_options())  # e.g. the dataset version it found
@@ -47,6 +48,14 @@ def start(spec: RunSpec, broker_url: str, store: Any, pool: list[dict[str, Any]]
     need = memory_needed(spec, recipe)
     check_fits(need, pool)  # first: a model too big for every machine is told so, whatever else
     check_contract(spec.recipe, recipe, "nothing was queued")
+    # what raw_data learned (it ran here, for the checks above) is the run's, and every other
+    # machine builds the recipe from it: its hooks are tried so, evaluation included, now
+    try:
+        spec.recipe_state = state_of(recipe)
+    except RecipeError as exc:
+        raise RecipeError(f"recipe {spec.recipe!r} failed at data: {exc}; nothing was queued") from None
+    check_fresh(spec.recipe, recipe_for(spec, allow), "nothing was queued",
+                getattr(spec.options, "vote", None))
     spec.memory_needed_bytes = need["total_bytes"]
     mode.start(spec, store, RunBoard(check_broker(broker_url)), allow)
 

@@ -25,7 +25,7 @@ from tensorturn.modes.ensemble import EnsembleOptions
 from tensorturn.pool.capacity import queue_for
 from tensorturn.pool.celery_app import app
 from tensorturn.pool.telemetry import TaskReporter
-from tensorturn.recipes import Recipe, load_splits, recipe_of, resolve
+from tensorturn.recipes import Recipe, load_splits, recipe_for, recipe_of
 from tensorturn.recipes.result import Predictor
 from tensorturn.spec import MemberState, Outcome, RunSpec, RunState
 from tensorturn.state.board import RunBoard
@@ -111,7 +111,7 @@ def _new_member(entry: dict[str, Any]) -> dict[str, Any]:
 def start(spec: RunSpec, store: Store, board: RunBoard, allow: Collection[str] = ()) -> None:
     """Record the run and its member plan, then queue every member's first segment (``allow``:
     recipe names allowed here besides the machine's allowlist, :func:`tensorturn.recipes.resolve`)."""
-    plan = member_plan(spec, resolve(spec.recipe, spec.recipe_options, allow))
+    plan = member_plan(spec, recipe_for(spec, allow))
     spec.settle_run_config()  # kept: the members the pool sized, the dataset version pinned
     save_spec(store, spec)
     board.create(spec)
@@ -157,7 +157,7 @@ def resume(spec: RunSpec, store: Store, board: RunBoard, allow: Collection[str] 
     for :func:`start`)."""
     opts = options(spec)
     resumed = []
-    for entry in member_plan(spec, resolve(spec.recipe, spec.recipe_options, allow)):
+    for entry in member_plan(spec, recipe_for(spec, allow)):
         m = entry["member"]
         info = board.member(spec.run_id, m) or _new_member(entry)
         if info["state"] == MemberState.DROPPED and info.get("reason", "").startswith("missed the deadline"):
@@ -263,7 +263,7 @@ class SegmentUnit(Unit):
                     precision=spec.precision, accumulate=spec.accumulate)
         optim_blob = to_bytes(optimizer_tensors(opt))
         weights = model_bytes({k: v.cpu() for k, v in model.state_dict().items()}, spec.recipe,
-                              plan["model"], spec.recipe_options)
+                              plan["model"], spec.recipe_options, spec.recipe_state)
         if store.exists(layout.key("segment", spec.run_id, m, j)):
             return LATE
         self.a.check_cancelled(now=True)
@@ -449,7 +449,7 @@ class VoteUnit(Unit):
             m = e["member"]
             state = from_bytes(seals.get_bytes(store, layout.key("segment", run_id, m, opts.segments - 1)))
             entries.append((m, state, e["config"]["model"]))
-        blob = ensemble_bytes(entries, spec.recipe, opts.vote, spec.recipe_options)
+        blob = ensemble_bytes(entries, spec.recipe, opts.vote, spec.recipe_options, spec.recipe_state)
         final = layout.key("final_ensemble", run_id)
         self.a.check_cancelled(now=True)
         sha = store.put_bytes(final, blob)

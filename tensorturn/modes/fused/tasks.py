@@ -13,7 +13,7 @@ from tensorturn import layout
 from tensorturn.modes.fused import policies
 from tensorturn.modes.fused.options import options, settle_options
 from tensorturn.modes.fused.weights import global_bytes
-from tensorturn.recipes import resolve
+from tensorturn.recipes import recipe_for
 from tensorturn.spec import RunSpec
 from tensorturn.state.board import RunBoard
 from tensorturn.state.manifest import save_spec, write_manifest
@@ -28,7 +28,7 @@ def start(spec: RunSpec, store: Store, board: RunBoard, allow: Collection[str] =
     """Write the spec and initial weights, record the run, and let its sync policy queue the
     first work (``allow``: recipe names allowed here besides the machine's allowlist,
     :func:`tensorturn.recipes.resolve`)."""
-    recipe = resolve(spec.recipe, spec.recipe_options, allow)
+    recipe = recipe_for(spec, allow)
     warnings = settle_options(spec, recipe)
     theta0 = global_bytes(spec, recipe, initial_state(recipe, spec.seed))
     options(spec).init_sha256 = sha256_hex(theta0)  # machines rebuild θ_0 from the seed, verified

@@ -55,7 +55,7 @@ cache = ThetaCache()
 
 def global_bytes(spec: RunSpec, recipe: Recipe, theta: StateDict) -> bytes:
     """The model file of a global θ (its sha256 identifies the weights of a round)."""
-    return model_bytes(theta, spec.recipe, recipe.default_config(), spec.recipe_options)
+    return model_bytes(theta, spec.recipe, recipe.default_config(), spec.recipe_options, spec.recipe_state)
 
 
 def read_theta(store: Store, key: str) -> tuple[StateDict, str, int]:
