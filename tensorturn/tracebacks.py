@@ -27,6 +27,7 @@ MAX_LINE = 240        # a source line or message line at most
 _PACKAGE = Path(__file__).resolve().parent
 _RECIPES = _PACKAGE / "recipes"
 _STDLIB = Path(sysconfig.get_paths()["stdlib"]).resolve()
+_RECIPE = "tensorturn.recipes.base.Recipe"  # (named, not imported: recipes import this module)
 # a pool key or join string quoted in a message (they are not URLs, so mask_text leaves them)
 def origin(filename: str) -> str:
     """Whose code a frame is: ``user``, ``recipes`` (a built-in recipe), ``tensorturn``, or the
@@ -94,14 +95,12 @@ def _model_site(exc: BaseException) -> str | None:
     torch = sys.modules.get("torch")
     if torch is None:
         return None
-    from tensorturn.recipes.base import Recipe
-
     layer, recipe = None, None
     for frame, _ in traceback.walk_tb(exc.__traceback__):
         me = frame.f_locals.get("self")
         if isinstance(me, torch.nn.Module) and frame.f_code.co_name == "forward":
             layer = me  # the innermost last
-        elif isinstance(me, Recipe):
+        elif any(f"{c.__module__}.{c.__qualname__}" == _RECIPE for c in type(me).__mro__):
             recipe = me
     build = getattr(type(recipe), "model", None) if recipe is not None else None
     try:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import re
 from pathlib import Path
 
 import click
@@ -142,3 +143,19 @@ def test_a_failed_embedded_run_keeps_its_logs_and_status_shows_where_it_broke(tm
     doc = json.loads(tt("status", run_id, "--store", store, "--json").stdout)
     failed = [a for a in doc["attempts"] if a["outcome"].startswith("failed")]
     assert failed and all(f"line {bug_line()}, in loss" in a["traceback"] for a in failed)
+
+
+def test_an_error_inside_torch_names_the_layer_and_the_line_of_the_recipes_model():
+    """No line of the recipe's is on the way (the built-in predict runs the recipe's
+    nn.Sequential): the layer that raised and the recipe's `model` that built it are named."""
+    import contract_recipes
+
+    from tensorturn.recipes import resolve
+    from tensorturn.recipes.check import CheckFailed, check_contract
+
+    recipe = resolve("contract_recipes:WrongWidth", allow=["contract_recipes:WrongWidth"])
+    with pytest.raises(CheckFailed) as caught:  # (the failure's frames begin in TensorTurn's check)
+        check_contract("contract_recipes:WrongWidth", recipe, "nothing was queued")
+    line = inspect.getsourcelines(contract_recipes.WrongWidth.model)[1]
+    assert re.fullmatch(rf"Linear\(in_features=65, out_features=32, bias=True\) of the model built at "
+                        rf"\S*contract_recipes\.py:{line} in model", tracebacks.user_site(caught.value) or "")
