@@ -232,12 +232,21 @@ def _timeline_plot(doc: dict[str, Any]) -> bytes:
     return _png(fig)
 
 
+def no_rate(doc: dict[str, Any]) -> str:
+    """Why a run has no training rate: what did finish, when something did."""
+    done = sum(1 for a in doc.get("attempts") or [] if str(a.get("outcome")) == "succeeded")
+    if not done:
+        return "no training rate yet (no task finished)"
+    return (f"no training rate: {done} task{'s' if done != 1 else ''} finished, but the samples "
+            f"they trained are unknown (no round recorded)")
+
+
 def _rate_plot(doc: dict[str, Any]) -> bytes:
     fig = _figure()
     ax = fig.add_subplot()
     stats = [s for s in worker_stats(doc) if s["samples_per_s"]]
     if not stats:
-        _empty(ax, "no training rate yet (no task finished, or its samples are unknown)")
+        _empty(ax, no_rate(doc))
     else:
         names = _names([s["worker"] for s in stats])
         bars = ax.bar([names[s["worker"]] for s in stats], [s["samples_per_s"] for s in stats], color="tab:green")
