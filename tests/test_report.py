@@ -137,7 +137,7 @@ def docs(store_url, tmp_path_factory):
                     ("run", "--mode", "fused", "--recipe", "failing:Failing", "--max-attempts", "2", *small),
                     # a chunk cache of its own: the dataset is downloaded, not found from an earlier run
                     envs=[clean_env(TENSORTURN_CACHE_DIR=str(table.parent / "cache")), None,
-                          clean_env(TT_FAIL_IN="evaluate", TT_FAIL_OVER_ROWS="16")])
+                          clean_env(TT_FAIL_IN="evaluate", TT_FAIL_OVER_ROWS="16", TT_FAIL_AS="RuntimeError")])
     assert [p.returncode for p in procs] == [0, 0, 1], [p.stderr[-2000:] for p in procs]
     return [json.loads(p.stdout) for p in procs]
 
@@ -246,7 +246,7 @@ def test_a_failed_run_shows_what_failed(failed_doc, store_url, tmp_path):
     page = Page(html)
     assert "rounds" not in page.sections  # none was recorded
     assert page.summary["attempts"] == "9: 4 failed, 5 succeeded"
-    assert 'id="error"' in html and "ValueError: boom in evaluate" in html
+    assert 'id="error"' in html and "RuntimeError: boom in evaluate" in html
     assert html.count("<summary>traceback</summary>") == 4  # each failed attempt's, folded
     assert "evaluation_given_up" in page.cells  # the incident
     figures = figures_of(page)
