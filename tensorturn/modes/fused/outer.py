@@ -460,7 +460,8 @@ class OuterStep:
         """θ_{r+1} to ``scratch/next``, tensor by tensor: the outer update's, or — when the
         broadcast is compressed — θ_r plus the move as every machine decodes it, so that the
         run's θ_{r+1} is the one every machine rebuilds."""
-        meta = model_metadata(self.spec.recipe, self.recipe.default_config(), self.spec.recipe_options)
+        meta = model_metadata(self.spec.recipe, self.recipe.default_config(), self.spec.recipe_options,
+                              self.spec.recipe_state)
         with TensorWriter(self.scratch / "next", self.specs, meta) as out:
             for name in out.order:
                 if self.compress:

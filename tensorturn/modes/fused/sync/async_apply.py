@@ -117,7 +117,7 @@ def apply_one(spec: RunSpec, store: Store, board: RunBoard, book: AsyncLedger, j
 
             specs = {name: (DTYPES[e["dtype"]], e["shape"]) for name, e in theta.entries.items()}
             with TensorWriter(scratch / "next", specs, model_metadata(
-                    spec.recipe, recipe.default_config(), spec.recipe_options)) as out:
+                    spec.recipe, recipe.default_config(), spec.recipe_options, spec.recipe_state)) as out:
                 for name in out.order:
                     out.write(name, step(name)[0])
                 out.close()
