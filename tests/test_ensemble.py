@@ -106,11 +106,12 @@ def test_a_recipe_whose_evaluate_raises_fails_the_run_with_its_error(tmp_path):
     tests_dir = os.path.dirname(os.path.abspath(__file__))
     proc = tt("run", "--mode", "ensemble", "--recipe", "failing:Failing", "--members", "2",
               "--segments", "1", "--segment-steps", "20", "--local-workers", "2",
-              env=clean_env(PYTHONPATH=tests_dir, TT_FAIL_IN="evaluate", TT_FAIL_OVER_ROWS="16"), cwd=tmp_path)
+              env=clean_env(PYTHONPATH=tests_dir, TT_FAIL_IN="evaluate", TT_FAIL_OVER_ROWS="16",
+                            TT_FAIL_AS="RuntimeError"), cwd=tmp_path)
     assert proc.returncode == 1, proc.stderr[-2000:]
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("error: only 0 of 2 members finished")
-    assert "ValueError: boom in evaluate" in last and "Traceback" not in proc.stderr
+    assert "RuntimeError: boom in evaluate" in last and "Traceback" not in proc.stderr
     status = tt("status", proc.stdout.split()[1].rstrip(":"), "--store",
                 str(tmp_path / "tensorturn-store"), "--json")
     assert status.returncode == 1

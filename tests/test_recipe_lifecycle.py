@@ -143,8 +143,7 @@ def test_an_evaluation_that_raises_fails_the_run_at_that_round_with_the_recipes_
     evaluate(spec, 0)
     doc = world.board.describe(spec.run_id)
     assert doc["state"] == "failed"
-    assert doc["error"].startswith("r0/eval failed: round 0: the recipe's evaluate raised ValueError: boom "
-                                   "in evaluate")
+    assert doc["error"].startswith("r0/eval failed: the recipe's evaluate raised ValueError: boom in evaluate")
     evals = [a for a in doc["attempts"] if a["task"] == "r0/eval"]
     assert len(evals) == 1 and 'failing.py", line' in evals[0]["traceback"]
     as_agent_of(spec)

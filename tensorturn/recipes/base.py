@@ -8,6 +8,7 @@ into the model's input and is applied to training data and to served requests al
 
 from __future__ import annotations
 
+import contextlib
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tensorturn.errors import CODE_ERRORS, RecipeFault
 from tensorturn.recipes.kinds import Kind, kind_of
 
 
@@ -212,7 +214,9 @@ class Recipe:
         for x, y in self.eval_pieces(split, max_batches):
             if len(y) == 0:
                 continue
-            for name, value in self.evaluate(model, x.to(device), y.to(device)).items():
+            with code_of_the_recipe("evaluate"):
+                figures = self.evaluate(model, x.to(device), y.to(device))
+            for name, value in figures.items():
                 sums[name] = sums.get(name, 0.0) + value * len(y)
             rows += len(y)
         return ({name: total / rows for name, total in sums.items()} if rows else {}), rows
@@ -239,6 +243,18 @@ class Recipe:
         if self.kind.scaled:
             predicted, y = self.unscale_targets(predicted), self.unscale_targets(y)
         return self.kind.metrics(predicted, y)
+
+
+@contextlib.contextmanager
+def code_of_the_recipe(hook: str) -> Iterator[None]:
+    """Where a run calls the recipe's ``hook``: an error of its code (:data:`CODE_ERRORS`) comes
+    out as :class:`RecipeFault` — the same code fails the same way on every machine, so the run
+    fails there, at once, rather than retrying it behind later work."""
+    try:
+        yield
+    except CODE_ERRORS as exc:
+        raise RecipeFault(f"the recipe's {hook} raised {type(exc).__name__}: "
+                          f"{' '.join(str(exc).split())}") from exc
 
 
 _SPLITS: dict[tuple[str, str], tuple[Splits, dict[str, Any]]] = {}

@@ -20,12 +20,13 @@ import torch
 
 from tensorturn import layout
 from tensorturn.config import mask_text
-from tensorturn.errors import CODE_ERRORS, RecipeFault, SpecError
+from tensorturn.errors import SpecError
 from tensorturn.modes.ensemble import EnsembleOptions
 from tensorturn.pool.capacity import queue_for
 from tensorturn.pool.celery_app import app
 from tensorturn.pool.telemetry import TaskReporter
 from tensorturn.recipes import Recipe, load_splits, recipe_for, recipe_of
+from tensorturn.recipes.base import code_of_the_recipe
 from tensorturn.recipes.result import Predictor
 from tensorturn.spec import MemberState, Outcome, RunSpec, RunState
 from tensorturn.state.board import RunBoard
@@ -454,11 +455,8 @@ class VoteUnit(Unit):
         self.a.check_cancelled(now=True)
         sha = store.put_bytes(final, blob)
         pieces = recipe_of(spec).eval_pieces("test", spec.eval_batches)
-        try:
+        with code_of_the_recipe("evaluate of the vote"):
             metrics = vote_metrics(Predictor.from_bytes(blob), pieces)
-        except CODE_ERRORS as exc:  # the run fails now: every retry of the vote would too
-            raise RecipeFault(f"the vote: the recipe's evaluate raised {type(exc).__name__}: "
-                              f"{' '.join(str(exc).split())}") from exc
         metrics.update(members_succeeded=len(done), members_dropped=len(dropped))
         self.finish_run(RunState.SUCCEEDED, metrics=metrics, model_uri=store.uri(final), model_sha256=sha)
         return SUCCEEDED

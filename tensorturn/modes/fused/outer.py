@@ -30,7 +30,6 @@ from typing import Any
 import torch
 
 from tensorturn import layout
-from tensorturn.errors import CODE_ERRORS, RecipeFault
 from tensorturn.modes.fused.ahead import Fetch, ReadAhead
 from tensorturn.modes.fused.finalize import finalize
 from tensorturn.modes.fused.options import eval_passes, evaluated, options, outer_args, samples_per_step
@@ -105,11 +104,7 @@ def evaluate_round(spec: RunSpec, store: Store, r: int, scratch: Path,
     device = pick_device()
     model = load_model(recipe, new_theta, recipe.default_config(), device)
     del new_theta
-    try:
-        val, rows = recipe.evaluate_counted(model, "val", device, eval_passes(spec, recipe))
-    except CODE_ERRORS as exc:  # the run fails here, at this round: every retry would too
-        raise RecipeFault(f"round {r}: the recipe's evaluate raised {type(exc).__name__}: "
-                          f"{' '.join(str(exc).split())}") from exc
+    val, rows = recipe.evaluate_counted(model, "val", device, eval_passes(spec, recipe))
     losses, samples, bytes_up, bytes_down = figures
     info = round_figures(losses, samples, val, bytes_up, bytes_down, r, rows)
     info["at"] = broker_time()  # when the round's weights were evaluated (loss against wall time)
