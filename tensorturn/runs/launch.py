@@ -135,17 +135,28 @@ def launch_stages(stages: list[Stage], broker: str | None, store: str, local_wor
             docs.append(doc if isinstance(doc, dict) else describe(run_id, broker, store))
             return docs
         observer.say(f"run {run_id} queued on {config.mask_url(broker)}")
-        docs.append(follow_on_pool(broker, run_id, timeout_s, observer))
+        docs.append(saved(follow_on_pool(broker, run_id, timeout_s, observer), broker, store))
         if docs[-1]["state"] != RunState.SUCCEEDED:
             break
-        if len(docs) < len(stages):  # the next stage reads this run's manifest: saved, finished
-            from tensorturn.state.board import RunBoard
-            from tensorturn.state.broker import check_broker
-            from tensorturn.state.manifest import write_manifest
-            from tensorturn.store.objects import open_store
-
-            write_manifest(open_store(store), RunBoard(check_broker(broker)), run_id)
     return docs
+
+
+def saved(doc: dict[str, Any], broker: str, store: str) -> dict[str, Any]:
+    """A followed run's last description as its manifest holds it: a finished run's manifest
+    said its final state before the board did (:func:`tensorturn.state.manifest.end_run`);
+    saved again here with the attempts that ended since (a backup copy stopping), what is
+    printed is what the store holds. A store that does not answer now: the followed one."""
+    from tensorturn.state.board import RunBoard
+    from tensorturn.state.broker import check_broker
+    from tensorturn.state.manifest import write_manifest
+    from tensorturn.store.objects import open_store
+
+    if doc["state"] not in FINISHED:
+        return doc
+    try:
+        return write_manifest(open_store(store), RunBoard(check_broker(broker)), doc["run_id"])
+    except TensorTurnError:
+        return doc
 
 
 def embedded(stages: list[Stage], store_url: str, local_workers: int, timeout_s: float | None,
@@ -161,7 +172,7 @@ def embedded(stages: list[Stage], store_url: str, local_workers: int, timeout_s:
     from tensorturn.pool.embedded import LocalPool, logs_dir
     from tensorturn.state.board import RunBoard
     from tensorturn.state.broker import check_broker
-    from tensorturn.state.manifest import write_manifest
+    from tensorturn.state.manifest import fail_run, write_manifest
     from tensorturn.store.objects import open_store
 
     observer = observer or Quiet()
@@ -190,8 +201,8 @@ def embedded(stages: list[Stage], store_url: str, local_workers: int, timeout_s:
                                       observer.say)
                     raise
                 if doc["state"] not in FINISHED:
-                    board.fail(run_id, f"did not finish within --timeout {timeout_s}s; "
-                                       f"continue with: tensorturn resume {run_id}")
+                    fail_run(open_store(store_url), board, run_id, f"did not finish within --timeout "
+                             f"{timeout_s}s; continue with: tensorturn resume {run_id}")
                 # the manifest must hold the final state before this pool (and its Redis) goes away
                 docs.append({**write_manifest(open_store(store_url), board, run_id),
                              "agent_logs": str(logs)})
