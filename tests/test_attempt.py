@@ -28,9 +28,9 @@ from tensorturn.modes.fused.sync import rounds as fused
 from tensorturn.modes.fused.weights import global_bytes
 from tensorturn.recipes import base as recipe_base
 from tensorturn.spec import RunSpec
+from tensorturn.state.broker import redis_client
 from tensorturn.state.manifest import read_manifest
 from tensorturn.state.runs import Runs
-from tensorturn.state.broker import redis_client
 from tensorturn.store.objects import open_store
 from tensorturn.store.tensors import stored_metadata
 from tensorturn.tasks.attempt import signed

@@ -111,7 +111,8 @@ def test_a_resumed_run_shows_its_earlier_rounds_at_once_in_order_with_their_time
         wait_for(lambda: "round 1 (2 of 4)" in log.read_text(), "resume printing round 1")
         status = tt_json("status", run_id, "--broker", pool.broker_url, "--store", str(store), "--json")
         dashboard = view.run_view(run_id, pool.broker_url, store.as_uri())
-        report = tt("report", run_id, "--broker", pool.broker_url, "--store", str(store), "--out", str(tmp_path / "report"))
+        report = tt("report", run_id, "--broker", pool.broker_url, "--store", str(store),
+                    "--out", str(tmp_path / "report"))
         assert report.returncode == 0, report.stderr
         assert status["state"] == dashboard["state"] == "running"
         for rounds in (status["rounds"], dashboard["rounds"]):

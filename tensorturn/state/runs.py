@@ -126,8 +126,8 @@ class Runs:
 
     def finish(self, run_id: str, state: str, pipe: Any = None, **fields: Any) -> bool:
         """Move to a finished state once (its live progress goes); False for a run that had
-        finished or has no whole record. ``finished_at`` is now unless ``fields`` say it. In ``pipe``, when given: then the answer is not known
-        here (True)."""
+        finished or has no whole record. ``finished_at`` is now unless ``fields`` say it. In
+        ``pipe``, when given: then the answer is not known here (True)."""
         mapping = encode(fields)  # (``finished_at`` among them: a time already written to the store)
         mapping.update(state=str(state))
         mapping.setdefault("finished_at", broker_now(self.r))
