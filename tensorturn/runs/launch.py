@@ -187,12 +187,13 @@ def embedded(stages: list[Stage], store_url: str, local_workers: int, timeout_s:
         logs = logs_dir(run_id)  # kept once the pool stops: a failure is explained there too
         # the run begins once one agent answers; the others join as they come up
         with LocalPool(local_workers, store_url, keep_logs=logs, allow=recipes, first_alone=True) as pool:
-            observer.say(f"pool ready in {time.monotonic() - t0:.1f}s; run {run_id}")
+            observer.say(f"pool ready in {time.monotonic() - t0:.1f}s")  # no run id: none exists yet
             board = RunBoard(check_broker(pool.broker_url))
             for run_id, start in stages:
                 queued = False
                 try:
-                    start(pool.broker_url, observer.say)
+                    start(pool.broker_url, observer.say)  # (a refusal here: the run never existed)
+                    observer.say(f"run {run_id} queued")
                     doc = follow(pool.broker_url, run_id, timeout_s, observer)
                 except BaseException as exc:  # interrupted, or following failed (a tracker, a bug)
                     why = ("interrupting its `tensorturn run`" if isinstance(exc, KeyboardInterrupt)
@@ -262,8 +263,9 @@ def distilling(teacher: str, store: str, allow: Collection[str] = (), **settings
         from tensorturn.runs.submit import submit
 
         spec = distill_spec(teacher, store, run_id=run_id, allow=allow, **settings)
-        say(f"distilling ensemble {teacher} into one model: run {run_id}")
-        return submit(spec, broker_url, allow=allow)
+        doc = submit(spec, broker_url, allow=allow)
+        say(f"distilling ensemble {teacher} into one model: run {run_id}")  # once it exists
+        return doc
 
     return run_id, start
 
