@@ -29,6 +29,8 @@ from tensorturn.modes.fused.weights import global_bytes
 from tensorturn.recipes import base as recipe_base
 from tensorturn.spec import RunSpec
 from tensorturn.state.broker import redis_client
+from tensorturn.state.manifest import read_manifest
+from tensorturn.state.runs import Runs
 from tensorturn.store.objects import open_store
 from tensorturn.store.tensors import stored_metadata
 from tensorturn.tasks.attempt import signed
@@ -256,6 +258,36 @@ def test_a_recipe_that_raises_ends_the_run_with_its_error(world, monkeypatch, mo
     assert f"ValueError: boom in {hook}" in doc["error"] and "\n" not in doc["error"]
     failed = [a for a in doc["attempts"] if a["outcome"].startswith("failed")]
     assert failed and all(f"boom in {hook}" in a["outcome"] for a in failed)
+
+
+@pytest.mark.parametrize("end", ["fused succeeds", "ensemble succeeds", "fused fails", "ensemble fails",
+                                 "cancelled"])
+def test_whoever_sees_a_run_finished_on_the_board_finds_its_manifest_saying_so(world, monkeypatch, end):
+    # the manifest as the store holds it at the moment the board's state moves: `run` prints
+    # the board's state, and `serve` or a distillation read the store the moment after
+    seen = []
+    real = Runs.finish
+
+    def finish(self, run_id, state, pipe=None, **fields):
+        seen.append((str(state), read_manifest(open_store(spec.store_url), run_id)["state"]))
+        return real(self, run_id, state, pipe, **fields)
+
+    monkeypatch.setattr(Runs, "finish", finish)
+    ensemble_run = end.startswith("ensemble")
+    options = {**(ENSEMBLE if ensemble_run else FUSED), "recipe": "failing:Failing"}
+    spec = world.submit(**options)
+    if end.endswith("fails"):
+        monkeypatch.setenv("TT_FAIL_IN", "loss" if ensemble_run else "evaluate")
+    if end == "cancelled":
+        shard(spec, 0, 0)
+        runs.cancel(spec.run_id, world.broker, spec.store_url, by="test", wait_s=0)
+    else:
+        (drive_ensemble if ensemble_run else drive_fused)(spec)
+    state = world.board.state(spec.run_id)
+    assert state == {"succeeds": "succeeded", "fails": "failed", "cancelled": "cancelled"}[end.split()[-1]]
+    assert seen[0] == (state, state), seen
+    saved = read_manifest(open_store(spec.store_url), spec.run_id)
+    assert saved["state"] == state and saved["finished_at"] == world.board.describe(spec.run_id)["finished_at"]
 
 
 def test_a_recipe_whose_model_raises_is_refused_before_queueing(world, monkeypatch):

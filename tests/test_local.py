@@ -146,11 +146,11 @@ def test_stopping_an_embedded_run_stops_its_pool_and_says_how_to_resume(tmp_path
         stderr=subprocess.PIPE, text=True)
     try:
         lines = []
-        while not lines or "pool ready" not in lines[-1]:
+        while not lines or not (lines[-1].startswith("run ") and lines[-1].rstrip().endswith(" queued")):
             line = proc.stderr.readline()
             assert line, "".join(lines)
             lines.append(line)
-        run_id = lines[-1].rsplit("run ", 1)[1].strip()
+        run_id = lines[-1].split()[1]
         pool = psutil.Process(proc.pid).children(recursive=True)
         assert len(pool) >= 2  # redis-server and the agent (with its pool child)
         manifest = store / "runs" / run_id / "manifest.json"

@@ -123,6 +123,41 @@ def test_an_embedded_run_interrupted_before_it_is_queued_says_so_and_exits_130(t
     assert "Traceback" not in proc.stderr and proc.stdout == ""
 
 
+def test_an_embedded_run_refused_at_submit_names_no_run(tmp_path, monkeypatch, redis_server):
+    from tensorturn.pool import embedded
+
+    class Ready:  # a pool that is up at once, on the test's redis-server
+        broker_url = redis_server.url
+
+        def __init__(self, *_args, **_kwargs):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *_exc):
+            return False
+
+    class Heard(launch.Quiet):
+        def __init__(self):
+            self.lines = []
+
+        def say(self, line):
+            self.lines.append(line)
+
+    def refused(broker_url, say):
+        raise RecipeError("recipe 'x' failed at the model: boom")
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(embedded, "LocalPool", Ready)
+    heard = Heard()
+    with pytest.raises(RecipeError):
+        launch.launch_stages([("20990101-000000-abcdef", refused)], None, (tmp_path / "store").as_uri(), 1,
+                             False, None, ["digits-mlp"], observer=heard)
+    assert any(line.startswith("pool ready in ") for line in heard.lines), heard.lines
+    assert not [line for line in heard.lines if "20990101-000000-abcdef" in line]  # it never existed
+
+
 @pytest.mark.e2e
 def test_an_embedded_run_whose_following_fails_is_cancelled_and_kept_before_the_pool_stops(tmp_path, monkeypatch):
     """Following the run failed (here its observer raises — a tracker, a display): the run is

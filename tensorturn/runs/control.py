@@ -27,7 +27,7 @@ def resume(run_id: str, broker_url: str, store_url: str,
     """
     from tensorturn.modes import get_mode
     from tensorturn.pool.celery_app import configure
-    from tensorturn.state.manifest import load_spec, save_spec, try_write_manifest
+    from tensorturn.state.manifest import fail_run, load_spec, save_spec
     from tensorturn.store.objects import ObjectMissing, open_store
 
     store = open_store(store_url)
@@ -56,9 +56,8 @@ def resume(run_id: str, broker_url: str, store_url: str,
         what = get_mode(spec.mode).resume(spec, store, board, allow)
     except Exception as exc:
         # reopened but nothing queued: say so on the run rather than leave it `running`
-        board.fail(run_id, f"resume failed: {type(exc).__name__}: {exc}; try "
-                           f"`tensorturn resume {run_id}` again once the cause is fixed")
-        try_write_manifest(store, board, run_id)
+        fail_run(store, board, run_id, f"resume failed: {type(exc).__name__}: {exc}; try "
+                                       f"`tensorturn resume {run_id}` again once the cause is fixed")
         raise
     return board.describe(run_id), what
 
@@ -73,14 +72,18 @@ def cancel(run_id: str, broker_url: str, store_url: str, by: str,
     its manifest is saved. Returns the run's description and a sentence on what happened.
 
     ``resume`` continues a cancelled run from its last complete round or checkpoints."""
-    from tensorturn.state.manifest import try_write_manifest
+    from tensorturn.config import mask_text
+    from tensorturn.state.manifest import end_run, try_write_manifest
     from tensorturn.store.objects import open_store
 
     client = check_broker(broker_url)
     board = RunBoard(client)
     if not board.exists(run_id):
         raise NotFound(board.absent(run_id))
-    if not board.cancel(run_id, by):
+    store = open_store(store_url)
+    # the manifest says cancelled before the board does (whoever sees it cancelled finds the
+    # store agreeing), and again once the running attempts stopped
+    if not end_run(store, board, run_id, RunState.CANCELLED, cancelled_by=mask_text(by)):
         state = board.state(run_id)
         if state == RunState.CANCELLED:
             return board.describe(run_id), f"run {run_id} was cancelled already"
@@ -91,7 +94,7 @@ def cancel(run_id: str, broker_url: str, store_url: str, by: str,
     while running and time.monotonic() < deadline:
         time.sleep(0.25)
         running = running_attempts(board, run_id)
-    try_write_manifest(open_store(store_url), board, run_id)
+    try_write_manifest(store, board, run_id)
     what = f"run {run_id} cancelled; {dropped} queued task{'s' * (dropped != 1)} dropped"
     if running:  # their machines stopped answering: those attempts end when the machine does
         what += (f"; {len(running)} attempt{'s' * (len(running) != 1)} still marked running "

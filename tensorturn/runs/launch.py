@@ -135,17 +135,28 @@ def launch_stages(stages: list[Stage], broker: str | None, store: str, local_wor
             docs.append(doc if isinstance(doc, dict) else describe(run_id, broker, store))
             return docs
         observer.say(f"run {run_id} queued on {config.mask_url(broker)}")
-        docs.append(follow_on_pool(broker, run_id, timeout_s, observer))
+        docs.append(saved(follow_on_pool(broker, run_id, timeout_s, observer), broker, store))
         if docs[-1]["state"] != RunState.SUCCEEDED:
             break
-        if len(docs) < len(stages):  # the next stage reads this run's manifest: saved, finished
-            from tensorturn.state.board import RunBoard
-            from tensorturn.state.broker import check_broker
-            from tensorturn.state.manifest import write_manifest
-            from tensorturn.store.objects import open_store
-
-            write_manifest(open_store(store), RunBoard(check_broker(broker)), run_id)
     return docs
+
+
+def saved(doc: dict[str, Any], broker: str, store: str) -> dict[str, Any]:
+    """A followed run's last description as its manifest holds it: a finished run's manifest
+    said its final state before the board did (:func:`tensorturn.state.manifest.end_run`);
+    saved again here with the attempts that ended since (a backup copy stopping), what is
+    printed is what the store holds. A store that does not answer now: the followed one."""
+    from tensorturn.state.board import RunBoard
+    from tensorturn.state.broker import check_broker
+    from tensorturn.state.manifest import write_manifest
+    from tensorturn.store.objects import open_store
+
+    if doc["state"] not in FINISHED:
+        return doc
+    try:
+        return write_manifest(open_store(store), RunBoard(check_broker(broker)), doc["run_id"])
+    except TensorTurnError:
+        return doc
 
 
 def embedded(stages: list[Stage], store_url: str, local_workers: int, timeout_s: float | None,
@@ -161,7 +172,7 @@ def embedded(stages: list[Stage], store_url: str, local_workers: int, timeout_s:
     from tensorturn.pool.embedded import LocalPool, logs_dir
     from tensorturn.state.board import RunBoard
     from tensorturn.state.broker import check_broker
-    from tensorturn.state.manifest import write_manifest
+    from tensorturn.state.manifest import fail_run, write_manifest
     from tensorturn.store.objects import open_store
 
     observer = observer or Quiet()
@@ -176,12 +187,13 @@ def embedded(stages: list[Stage], store_url: str, local_workers: int, timeout_s:
         logs = logs_dir(run_id)  # kept once the pool stops: a failure is explained there too
         # the run begins once one agent answers; the others join as they come up
         with LocalPool(local_workers, store_url, keep_logs=logs, allow=recipes, first_alone=True) as pool:
-            observer.say(f"pool ready in {time.monotonic() - t0:.1f}s; run {run_id}")
+            observer.say(f"pool ready in {time.monotonic() - t0:.1f}s")  # no run id: none exists yet
             board = RunBoard(check_broker(pool.broker_url))
             for run_id, start in stages:
                 queued = False
                 try:
-                    start(pool.broker_url, observer.say)
+                    start(pool.broker_url, observer.say)  # (a refusal here: the run never existed)
+                    observer.say(f"run {run_id} queued")
                     doc = follow(pool.broker_url, run_id, timeout_s, observer)
                 except BaseException as exc:  # interrupted, or following failed (a tracker, a bug)
                     why = ("interrupting its `tensorturn run`" if isinstance(exc, KeyboardInterrupt)
@@ -190,8 +202,8 @@ def embedded(stages: list[Stage], store_url: str, local_workers: int, timeout_s:
                                       observer.say)
                     raise
                 if doc["state"] not in FINISHED:
-                    board.fail(run_id, f"did not finish within --timeout {timeout_s}s; "
-                                       f"continue with: tensorturn resume {run_id}")
+                    fail_run(open_store(store_url), board, run_id, f"did not finish within --timeout "
+                             f"{timeout_s}s; continue with: tensorturn resume {run_id}")
                 # the manifest must hold the final state before this pool (and its Redis) goes away
                 docs.append({**write_manifest(open_store(store_url), board, run_id),
                              "agent_logs": str(logs)})
@@ -251,8 +263,9 @@ def distilling(teacher: str, store: str, allow: Collection[str] = (), **settings
         from tensorturn.runs.submit import submit
 
         spec = distill_spec(teacher, store, run_id=run_id, allow=allow, **settings)
-        say(f"distilling ensemble {teacher} into one model: run {run_id}")
-        return submit(spec, broker_url, allow=allow)
+        doc = submit(spec, broker_url, allow=allow)
+        say(f"distilling ensemble {teacher} into one model: run {run_id}")  # once it exists
+        return doc
 
     return run_id, start
 

@@ -33,7 +33,7 @@ from tensorturn.state.live import Progress
 from tensorturn.state.live import view as live_view
 from tensorturn.state.members import Members
 from tensorturn.state.rounds import Rounds
-from tensorturn.state.runs import Runs, read_state, state_of
+from tensorturn.state.runs import Runs, encode, read_state, state_of
 from tensorturn.state.traffic import Traffic
 from tensorturn.state.workers import Workers
 
@@ -300,11 +300,25 @@ class RunBoard:
     def describe(self, run_id: str) -> dict[str, Any]:
         """The run as the CLI/JSON contract shows it, read in one command (:class:`Snapshot`:
         ``run`` and ``status`` poll it, and every outer step saves it in the manifest)."""
+        return RunBoard(self._snapshot(run_id))._describe(run_id)
+
+    def describe_finished(self, run_id: str, state: str, **fields: Any) -> dict[str, Any]:
+        """The run as :meth:`describe` will show it once :meth:`finish` (``state``, ``fields``)
+        has moved it: what its manifest holds before the board says it
+        (:func:`tensorturn.state.manifest.end_run`). A run finished already is described as it is."""
+        snap = self._snapshot(run_id)
+        h = snap.hashes[layout.run_key(run_id)]
+        if h.get("state") not in FINISHED:
+            h.update({k: str(v) for k, v in encode(fields).items()}, state=str(state))
+            snap.hashes[layout.live_key(run_id)] = {}  # a finished run's live progress goes with it
+        return RunBoard(snap)._describe(run_id)
+
+    def _snapshot(self, run_id: str) -> Snapshot:
         hashes = [layout.run_key(run_id)] + [layout.run_key(run_id, part) for part in (
             "bytes", "store_bytes", "rounds", "attempts", "data_bytes", "data_read", "applied", "members")]
         hashes.append(layout.live_key(run_id))
         lists = [layout.run_key(run_id, part) for part in ("incidents", "warnings")]
-        return RunBoard(Snapshot(self.r, hashes, lists))._describe(run_id)
+        return Snapshot(self.r, hashes, lists)
 
     def _describe(self, run_id: str) -> dict[str, Any]:
         h = self.runs.hash(run_id)

@@ -20,9 +20,11 @@ from contextlib import contextmanager
 from typing import Any
 
 from tensorturn import layout, trust
+from tensorturn.config import mask_text
 from tensorturn.errors import NotFound, StoreError
 from tensorturn.spec import FINISHED, RunSpec, RunState
 from tensorturn.state.board import RunBoard
+from tensorturn.state.clock import broker_now
 from tensorturn.store.objects import ObjectMissing, Store
 
 log = logging.getLogger(__name__)
@@ -79,6 +81,41 @@ def try_write_manifest(store: Store | None, board: RunBoard, run_id: str) -> Non
         board.keep(run_id)
     except NotFound as exc:
         log.warning("run %s: manifest not saved: %s", run_id, exc)
+
+
+def end_run(store: Store | None, board: RunBoard, run_id: str, state: str, **fields: Any) -> bool:
+    """Finish the run (``board.finish``'s arguments), its manifest first: the manifest holding
+    the final state is saved, then the board's state moves — so whoever sees the run finished
+    on the broker (``run`` and ``status`` print it, the next stage of a launch starts) finds the
+    store saying so too (``serve``, ``export``, a distillation read the store). A run that
+    finished meanwhile (a cancel, a duplicate task) keeps its first end, and its manifest is
+    saved again as the board holds it. A store that does not answer does not keep the run from
+    ending: the board holds its only record, kept (:func:`try_write_manifest`). Whether this
+    call finished the run."""
+    if board.is_finished(run_id):  # a duplicate task's end, or a cancel after the end
+        return False
+    fields.setdefault("finished_at", broker_now(board.r))
+    saved = store is None
+    if store is not None:
+        try:
+            doc = board.describe_finished(run_id, state, **fields)
+            store.put_json(layout.key("manifest", run_id), trust.pool_key().sign_doc("manifest", doc))
+            saved = True
+        except StoreError as exc:
+            log.warning("run %s: manifest not saved (%s); the broker keeps the run's state", run_id, exc)
+        except NotFound:  # no whole record: the board's finish below changes nothing either
+            pass
+    finished = board.finish(run_id, state, **fields)
+    if not finished:
+        try_write_manifest(store, board, run_id)
+    elif not saved:
+        board.keep(run_id)
+    return finished
+
+
+def fail_run(store: Store | None, board: RunBoard, run_id: str, error: str) -> bool:
+    """Fail the run with ``error`` (masked), its manifest first (:func:`end_run`)."""
+    return end_run(store, board, run_id, RunState.FAILED, error=mask_text(error))
 
 
 def finished_ensemble(store: Store, run_id: str, merge: str) -> dict[str, Any]:

@@ -126,10 +126,11 @@ class Runs:
 
     def finish(self, run_id: str, state: str, pipe: Any = None, **fields: Any) -> bool:
         """Move to a finished state once (its live progress goes); False for a run that had
-        finished or has no whole record. In ``pipe``, when given: then the answer is not known
-        here (True)."""
-        mapping = encode(fields)
-        mapping.update(state=str(state), finished_at=broker_now(self.r))
+        finished or has no whole record. ``finished_at`` is now unless ``fields`` say it. In
+        ``pipe``, when given: then the answer is not known here (True)."""
+        mapping = encode(fields)  # (``finished_at`` among them: a time already written to the store)
+        mapping.update(state=str(state))
+        mapping.setdefault("finished_at", broker_now(self.r))
         args = [x for kv in mapping.items() for x in kv]
         keys = (layout.run_key(run_id), layout.live_key(run_id))
         if pipe is not None:

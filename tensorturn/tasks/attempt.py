@@ -47,7 +47,7 @@ from tensorturn.state.attempts import Figures
 from tensorturn.state.board import RunBoard
 from tensorturn.state.broker import redis_client
 from tensorturn.state.clock import broker_now
-from tensorturn.state.manifest import load_spec, try_write_manifest
+from tensorturn.state.manifest import end_run, fail_run, load_spec, try_write_manifest
 from tensorturn.state.refusals import refuse
 from tensorturn.store.objects import ObjectMissing, Store, open_store
 from tensorturn.store.objects import moved as store_moved
@@ -200,9 +200,10 @@ class Unit(ABC):
         self.final: dict[str, Any] | None = None
 
     def finish_run(self, state: str, **fields: Any) -> None:
-        """Finish the run with this attempt (``board.finish``'s arguments): the state is written
-        last, in the round trip that records the attempt's outcome and figures, and the manifest
-        after it — so whoever sees the run finished sees its records complete."""
+        """Finish the run with this attempt (``board.finish``'s arguments): the attempt's outcome
+        and figures are recorded first, then the manifest holding the final state is saved, and
+        the board's state moves last (:func:`~tensorturn.state.manifest.end_run`) — so whoever
+        sees the run finished sees its records complete, in the store too."""
         self.final = {"state": state, **fields}
 
     @abstractmethod
@@ -219,8 +220,8 @@ class Unit(ABC):
         for duplicates, so a follow-up lost with a crashed attempt is queued by the next."""
 
     def give_up(self, message: str) -> None:
-        """Past the attempt cap: by default the run fails with ``message``."""
-        self.board.fail(self.spec.run_id, message)
+        """Past the attempt cap: by default the run fails with ``message`` (its manifest first)."""
+        fail_run(self.store, self.board, self.spec.run_id, message)
 
 
 def describe_failure(exc: BaseException, worker: str | None) -> str:
@@ -384,7 +385,7 @@ def _execute(task: Task, board: RunBoard, run_id: str, label: Label, unit_class:
         else:
             worker_succeeded(board, worker)  # the store answered: this is not the machine's fault
         if isinstance(exc, RecipeFault):  # the recipe's code: every attempt would fail the same way
-            board.fail(run_id, f"{label} failed: {message}")
+            fail_run(store, board, run_id, f"{label} failed: {message}")
         elif number < max_attempts:
             raise task.retry(countdown=min(2 ** (number - 1), 8), max_retries=None) from None
         else:
@@ -393,7 +394,7 @@ def _execute(task: Task, board: RunBoard, run_id: str, label: Label, unit_class:
             if unit is not None:
                 unit.give_up(final)
             else:
-                board.fail(run_id, final)
+                fail_run(store, board, run_id, final)
         try_write_manifest(store, board, run_id)
         return receipt
 
@@ -414,7 +415,7 @@ def end_failed(board: RunBoard, run_id: str, key: str, message: str, exc: BaseEx
 def record_outcome(unit: Unit, outcome: str, tally: Tally) -> None:
     """Record the end of ``unit``'s attempt with ``outcome`` and its figures (the store bytes
     ``tally`` has not recorded yet among them); the run's end with it when the attempt finishes
-    the run (:meth:`Unit.finish_run`), then the manifest."""
+    the run (:meth:`Unit.finish_run`), then the manifest, then the run's state."""
     a, board, run_id = unit.a, unit.board, unit.spec.run_id
     if outcome == LATE:
         board.incident(run_id, "late_ignored", str(a.label), a.worker,
@@ -424,13 +425,10 @@ def record_outcome(unit: Unit, outcome: str, tally: Tally) -> None:
     figures = Figures(a.worker, a.bytes_up, a.bytes_down, store_up, store_down, store_ok=True, rate=a.rate,
                       trained_from=a.trained_from)
 
-    def also(pipe: Any) -> None:  # last, in the attempt's last round trip
-        board.finish(run_id, pipe=pipe, **(ending or {}))  # the run finishes with its records
-
-    board.finish_attempt(run_id, a.key, outcome, also if ending is not None else None, figures=figures)
+    board.finish_attempt(run_id, a.key, outcome, figures=figures)
     tally.settle()  # recorded with the outcome (were it not, the end of execute() adds them)
-    if ending is not None:
-        try_write_manifest(unit.store, board, run_id)
+    if ending is not None:  # the run's records complete, then its manifest, then its state
+        end_run(unit.store, board, run_id, **ending)
         tally.take()  # the manifest holds the run's figures, complete; its own bytes are not among them
 
 
@@ -477,8 +475,7 @@ def run_here(parent: Attempt, label: Label, unit_class: Callable[[Attempt], Unit
         if attempt.key:
             end_failed(board, run_id, attempt.key, message, exc, worker)
         if isinstance(exc, RecipeFault):  # as _execute: every attempt would fail the same way
-            board.fail(run_id, f"{label} failed: {message}")
-            try_write_manifest(store, board, run_id)
+            fail_run(store, board, run_id, f"{label} failed: {message}")
             return True
         return False
     try:

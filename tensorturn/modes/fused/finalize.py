@@ -16,7 +16,7 @@ from tensorturn.modes.fused.options import eval_passes, options
 from tensorturn.recipes import recipe_of
 from tensorturn.spec import RunSpec, RunState
 from tensorturn.state.board import RunBoard
-from tensorturn.state.manifest import write_manifest
+from tensorturn.state.manifest import end_run
 from tensorturn.store import seals
 from tensorturn.store.objects import Store
 from tensorturn.store.tensors import from_bytes, is_finite
@@ -47,7 +47,7 @@ def finalize(spec: RunSpec, store: Store, board: RunBoard,
     after round r are at ``weights_key(r)`` (θ_{r+1}'s key, unless said otherwise); ``local``
     is a file holding the last round's, when this machine has them. ``finish`` (the attempt's
     :meth:`~tensorturn.tasks.attempt.Unit.finish_run`) finishes the run with the attempt's own
-    records; without it, the run is finished and its manifest written here."""
+    records; without it, the run is finished here, its manifest first."""
     run_id, opts = spec.run_id, options(spec)
     kept = kept_round(spec, board) if opts.keep == "best" else opts.rounds - 1
     key = weights_key(kept) if weights_key else layout.key("global", run_id, kept + 1)  # θ after round `kept`
@@ -66,5 +66,4 @@ def finalize(spec: RunSpec, store: Store, board: RunBoard,
     if finish is not None:
         finish(RunState.SUCCEEDED, **result)
         return
-    board.finish(run_id, RunState.SUCCEEDED, **result)
-    write_manifest(store, board, run_id)
+    end_run(store, board, run_id, RunState.SUCCEEDED, **result)

@@ -40,7 +40,7 @@ from typing import Any
 from tensorturn import config, layout
 from tensorturn.modes.fused.ahead import ReadAhead
 from tensorturn.modes.fused.options import evaluated, options
-from tensorturn.modes.fused.outer import EvalUnit, OuterUnit
+from tensorturn.modes.fused.outer import EvalUnit, OuterUnit, shard_figures, unevaluated_round
 from tensorturn.modes.fused.shard import ShardUnit
 from tensorturn.modes.fused.sync.base import SyncPolicy
 from tensorturn.modes.fused.weights import cache
@@ -159,12 +159,24 @@ class Rounds(SyncPolicy):
 def last_stored_round(spec: RunSpec, store: Store, board: RunBoard) -> int:
     """For a resume: the last round whose global weights θ_r are stored (the last round itself
     when every round is: its outer step finalizes again), the records of the rounds before it
-    rebuilt on the board from the store (a broker may have forgotten them)."""
+    rebuilt on the board from the store (a broker may have forgotten them), each as it was
+    recorded. A round before it with no record — its evaluation was queued behind the next
+    round's shards when the run was cancelled or its chain lost — is recorded now, ahead of
+    the rounds to come: its evaluation queued first (:func:`queue_eval`), or, where
+    ``--eval-every`` skips it, its training figures. Were it left to the run's last outer step,
+    its record would wait for the whole run, and every round line after it with it."""
     stored = [layout.parse("global", key) for key in store.list(layout.prefix("global", spec.run_id))]
     r = max((parts["round"] for parts in stored if parts), default=0)
     for past in range(r):
-        if store.exists(layout.key("round", spec.run_id, past)):
-            board.record_round(spec.run_id, past, seals.get_json(store, layout.key("round", spec.run_id, past)))
+        key = layout.key("round", spec.run_id, past)
+        if store.exists(key):
+            board.record_round(spec.run_id, past, seals.get_json(store, key))
+        elif not evaluated(spec, past):
+            info = unevaluated_round(past, shard_figures(spec, store, past))
+            seals.put_json(store, key, info)
+            board.record_round(spec.run_id, past, info)
+        elif past + 1 < options(spec).rounds:  # (the last round's outer step evaluates it)
+            queue_eval(spec, board, past)
     return min(r, options(spec).rounds - 1)
 
 
