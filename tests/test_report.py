@@ -313,6 +313,20 @@ def test_user_controlled_values_are_escaped_and_secrets_masked(fused_doc):
 
 
 @pytest.mark.e2e
+def test_a_machine_name_that_looks_like_math_is_drawn_as_text(fused_doc):
+    """`$…$` in a name is matplotlib's math text: parsed, `gpu$\\foo$box` broke every figure."""
+    doc = copy.deepcopy(fused_doc)
+    name = "gpu$\\foo$box@host"
+    for a in doc["attempts"]:
+        a["worker"] = name
+    doc["store_bytes_by_worker"] = {name: {"up": 1, "down": 2}}
+    doc["data_bytes"] = doc["data_read_bytes"] = {}
+    files = report_files(doc)
+    for figure in NAMES:
+        check_png(files[f"{figure}.png"])
+
+
+@pytest.mark.e2e
 def test_ensemble_report(ensemble_doc, store_url):
     assert {s["tasks"] for s in worker_stats(ensemble_doc)} == {2}  # two members × one segment
     assert [b["task"] for b in timeline(ensemble_doc) if not b["training"]] == ["vote"]

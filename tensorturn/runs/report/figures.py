@@ -50,6 +50,12 @@ def _figure(width: float = 6.4, height: float = 4.0):
 
 
 def _png(fig) -> bytes:
+    from matplotlib.text import Text
+
+    # every string on a figure is text, never math: a machine called `gpu$\\foo$box`, a recipe's
+    # metric or an incident's words are drawn as written (mathtext would parse `$…$` and fail)
+    for text in fig.findobj(Text):
+        text.set_parse_math(False)
     buf = io.BytesIO()
     fig.savefig(buf, format="png", metadata={"Software": None})
     return buf.getvalue()
