@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import textwrap
 
 import pytest
@@ -267,3 +268,32 @@ def test_recipe_missing_on_workers_fails_the_run_with_every_attempt(pool, tmp_pa
     assert failed_task in by_task, error
     assert [e["outcome"].startswith("failed:") for e in by_task[failed_task]] == [True, True]
     assert "succeeded" not in {a["outcome"] for a in attempts}
+
+
+# ---- the inference API: values the declared datatype cannot hold, an input of another name ------
+
+@pytest.mark.parametrize("name,datatype,data,said", [
+    ("input", "INT8", [300, 0], "data holds 300, outside INT8's range -128..127"),
+    ("input", "INT8", [2.5, 0], "data holds a fraction, which is no INT8 value (declare FP32)"),
+    ("input", "UINT8", [-7, 0], "data holds -7, outside UINT8's range 0..255"),
+    ("input", "FP16", [70000.0, 0], "data holds numbers beyond the FP16 range (±65504)"),
+    ("../../etc/passwd", "FP32", [0.0, 1.0], "input '../../etc/passwd' is not this model's: its input is "
+                                               "named 'input'"),
+    (None, "FP32", [0.0, 1.0], "input 'None' is not this model's"),
+])
+def test_the_api_checks_values_against_their_datatype_and_the_input_by_name(name, datatype, data, said):
+    from tensorturn.serve.protocol import BadRequest, parse_request
+
+    spec = {"shape": [1, 2], "datatype": datatype, "data": data, **({"name": name} if name else {})}
+    with pytest.raises(BadRequest) as refused:
+        parse_request(json.dumps({"inputs": [spec]}).encode(), [2], 10)
+    assert refused.value.status == 400 and refused.value.message.startswith(said)
+
+
+@pytest.mark.parametrize("datatype,data", [("INT8", [-128, 127]), ("UINT8", [0, 255]), ("INT64", [-5, 7]),
+                                           ("FP16", [0.5, -65504.0]), ("FP32", [2.5, 1024.0])])
+def test_values_within_their_datatype_are_taken(datatype, data):
+    from tensorturn.serve.protocol import parse_request
+
+    body = {"inputs": [{"name": "input", "shape": [1, 2], "datatype": datatype, "data": data}]}
+    assert parse_request(json.dumps(body).encode(), [2], 10).x.tolist() == [[float(v) for v in data]]

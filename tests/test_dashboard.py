@@ -227,6 +227,29 @@ def test_the_page_asks_for_a_token_and_then_shows_the_data(tmp_path):
         thread.join(timeout=30)
 
 
+def test_bound_to_loopback_only_loopback_host_names_are_answered_and_nothing_frames_the_page(tmp_path):
+    """DNS rebinding: a page of evil.example whose name now points at 127.0.0.1 sends `Host:
+    evil.example`; it gets 400, not the pool's JSON. Every answer forbids framing."""
+    import asyncio
+
+    from tensorturn.dashboard.app import LOOPBACK_NAMES, DashboardOptions, create_app
+
+    app = create_app(None, (tmp_path / "store").as_uri(), DashboardOptions(allowed_hosts=LOOPBACK_NAMES))
+
+    async def calls() -> dict[str, httpx.Response]:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app)) as client:
+            return {host: await client.get(f"http://{host}/api/pool")
+                    for host in ("evil.example", "evil.example:8265", "127.0.0.1:8265", "localhost", "[::1]:8265")}
+
+    got = asyncio.run(calls())
+    assert got["evil.example"].status_code == got["evil.example:8265"].status_code == 400
+    assert "runs" not in got["evil.example"].text
+    for host in ("127.0.0.1:8265", "localhost", "[::1]:8265"):
+        assert got[host].status_code == 200 and "runs" in got[host].json()
+        assert got[host].headers["X-Frame-Options"] == "DENY"
+        assert "frame-ancestors 'none'" in got[host].headers["Content-Security-Policy"]
+
+
 def test_loopback_is_told_from_other_addresses():
     from tensorturn.dashboard.app import is_loopback
 

@@ -322,7 +322,9 @@ def test_an_address_that_keeps_failing_gets_429_and_valid_tokens_still_pass(serv
     server = servers["limited"]
     url = f"{server.url}/v2/models/{fused['run_id']}"
     with httpx.Client(timeout=30) as client:
-        statuses = [client.get(url, headers=bearer("tt_wrong")).status_code for _ in range(4)]
+        # each with another address in X-Forwarded-For: no proxy is trusted, so the header is ignored
+        statuses = [client.get(url, headers={**bearer("tt_wrong"), "X-Forwarded-For": f"10.9.8.{i}"}).status_code
+                    for i in range(4)]
         assert statuses == [401, 401, 401, 429]
         r = client.get(url, headers=bearer("tt_wrong"))
         assert r.status_code == 429 and int(r.headers["retry-after"]) > 0

@@ -17,8 +17,13 @@ from tensorturn.cli import cli, pool_options
                    "however many pages are open).")
 @click.option("--runs", "runs_shown", type=click.IntRange(1, 1000), default=30, show_default=True,
               help="How many of the newest runs to list.")
+@click.option("--allowed-host", "allowed_hosts", multiple=True, metavar="NAME",
+              help="Beyond loopback, answer only requests for this host name (repeat for more; "
+                   "default: any). On loopback only localhost, 127.0.0.1 and [::1] are answered, "
+                   "whatever this says: a page of another site cannot reach the dashboard by DNS "
+                   "rebinding.")
 @pool_options()
-def dashboard(broker, store, host, port, refresh_s, runs_shown):
+def dashboard(broker, store, host, port, refresh_s, runs_shown, allowed_hosts):
     """Serve a live web page of the pool: machines (state and why, device, memory, utilisation,
     current task, samples/s), runs (progress, loss and accuracy by round, a per-machine timeline
     of attempts, failures and incidents, bytes moved, the kept round) and the served models.
@@ -30,4 +35,5 @@ def dashboard(broker, store, host, port, refresh_s, runs_shown):
     """
     from tensorturn.dashboard.app import DashboardOptions, run_dashboard
 
-    run_dashboard(broker, store, host, port, DashboardOptions(refresh_s=refresh_s, runs_shown=runs_shown))
+    run_dashboard(broker, store, host, port, DashboardOptions(refresh_s=refresh_s, runs_shown=runs_shown,
+                                                              allowed_hosts=tuple(allowed_hosts)))

@@ -36,11 +36,16 @@ from tensorturn.cli import cli, emit_json, pool_options
               show_default=True,
               help="Failed authentications one address may make per minute before it gets 429 "
                    "(valid tokens are never refused).")
+@click.option("--trusted-proxy", "trusted_proxies", multiple=True, metavar="ADDRESS",
+              help="A reverse proxy in front of the API (repeat for more): only requests from it "
+                   "are taken to come from the address its X-Forwarded-For names (what the failed "
+                   "authentication limit counts). Without one, that header is ignored.")
 @click.option("--access-log/--no-access-log", default=False, show_default=True,
               help="Log every request.")
 @pool_options()
 def serve(broker, store, run_id, host, port, alias, max_body_mb, max_rows, max_batch_rows,
-          batch_window_ms, model_threads, request_timeout, limit_concurrency, auth_failures_per_minute, access_log):
+          batch_window_ms, model_threads, request_timeout, limit_concurrency, auth_failures_per_minute,
+          trusted_proxies, access_log):
     """Serve a run's model (or voting ensemble) as an authenticated HTTP API.
 
     Open Inference Protocol (KServe V2) routes under /v2; OpenAPI page at /docs. Every
@@ -54,7 +59,8 @@ def serve(broker, store, run_id, host, port, alias, max_body_mb, max_rows, max_b
     options = ServeOptions(max_rows=max_rows, max_batch_rows=max_batch_rows,
                            batch_window_ms=batch_window_ms, model_threads=model_threads,
                            request_timeout_s=request_timeout, limit_concurrency=limit_concurrency,
-                           auth_failure_limit=auth_failures_per_minute, access_log=access_log)
+                           auth_failure_limit=auth_failures_per_minute, access_log=access_log,
+                           trusted_proxies=tuple(trusted_proxies))
     run_server(open_store(store), run_id, host, port, alias, int(max_body_mb * 1024 * 1024),
                options)
 

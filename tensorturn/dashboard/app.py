@@ -16,8 +16,11 @@ served models; ``GET /api/runs/{run_id}`` one run; ``GET /health`` (open).
 from __future__ import annotations
 
 import asyncio
+import base64
+import hashlib
 import ipaddress
 import logging
+import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -26,6 +29,7 @@ from importlib import resources
 from typing import Any
 
 from fastapi import FastAPI, Request
+from starlette.middleware.trustedhost import TrustedHostMiddleware
 from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.staticfiles import StaticFiles
 
@@ -52,6 +56,12 @@ class DashboardOptions:
     require_token: bool = False   # the JSON routes need a bearer token (set when bound beyond loopback)
     auth_tarpit_s: float = 0.5
     auth_failure_limit: int = 20
+    # the Host names answered (any when empty): bound to loopback, the loopback names only, so a
+    # page of another site that a DNS rebinding points at 127.0.0.1 reads nothing (400)
+    allowed_hosts: tuple[str, ...] = ()
+
+
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "[::1]")
 
 
 def is_loopback(host: str) -> bool:
@@ -94,6 +104,18 @@ class Every:
             self._pending.pop(key, None)
 
 
+def security_headers(html: str) -> dict[str, str]:
+    """Headers of every answer: never framed (clickjacking), nothing loaded from elsewhere, and
+    only the page's own inline script run (by its hash)."""
+    scripts = re.findall(r"<script>(.*?)</script>", html, flags=re.S)
+    hashes = " ".join("'sha256-" + base64.b64encode(hashlib.sha256(s.encode()).digest()).decode() + "'"
+                      for s in scripts)
+    return {"X-Frame-Options": "DENY", "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer",
+            "Content-Security-Policy": f"default-src 'self'; script-src 'self' {hashes}; style-src 'self' "
+                                       f"'unsafe-inline'; img-src 'self' data:; connect-src 'self'; "
+                                       f"frame-ancestors 'none'; base-uri 'none'; form-action 'self'"}
+
+
 def page_html(refresh_s: float) -> str:
     """The page, with its poll interval."""
     text = resources.files("tensorturn.dashboard").joinpath("page.html").read_text(encoding="utf-8")
@@ -127,6 +149,16 @@ def create_app(broker_url: str | None, store_url: str, options: DashboardOptions
     app = FastAPI(title="TensorTurn dashboard", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)
     html = page_html(opts.refresh_s)
+    secure = security_headers(html)
+
+    @app.middleware("http")
+    async def headers(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
+        response = await call_next(request)
+        response.headers.update(secure)
+        return response
+
+    if opts.allowed_hosts:  # (added last: it runs first, before anything is read)
+        app.add_middleware(TrustedHostMiddleware, allowed_hosts=list(opts.allowed_hosts), www_redirect=False)
     static = resources.files("tensorturn.dashboard").joinpath("static")
     app.mount("/static", StaticFiles(directory=str(static)), name="static")
 
@@ -198,6 +230,8 @@ def run_dashboard(broker_url: str | None, store_url: str, host: str, port: int,
 
     opts = options or DashboardOptions()
     opts.require_token = not is_loopback(host)
+    if not opts.require_token:
+        opts.allowed_hosts = (*LOOPBACK_NAMES, f"[{host}]" if ":" in host else host)
     app = create_app(broker_url, store_url, opts)
     shown = f"[{host}]" if ":" in host else host
     url = f"http://{shown}:{port}"
@@ -208,8 +242,9 @@ def run_dashboard(broker_url: str | None, store_url: str, host: str, port: int,
         banner += ("  bound beyond this machine: the page asks for an API token"
                    + (" (none exists yet)" if none_yet else "")
                    + ": tensorturn token create --name NAME (same --store / --join-file)\n")
+    # (proxy_headers off: no client names its own address for the failed-token limit)
     uconfig = uvicorn.Config(app, host=host, port=port, log_level="warning", server_header=False,
-                             access_log=False, timeout_graceful_shutdown=2, lifespan="on")
+                             access_log=False, timeout_graceful_shutdown=2, lifespan="on", proxy_headers=False)
 
     sock = listening(host, port, "the dashboard", "another dashboard")
     server_class(banner)(uconfig).run(sockets=[sock])

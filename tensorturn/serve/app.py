@@ -79,6 +79,9 @@ class ServeOptions:
     auth_failure_limit: int = 20      # failed authentications per address per minute; then 429
     token_refresh_s: float = 2.0      # the token list is re-read this often
     access_log: bool = False
+    # reverse proxies whose X-Forwarded-For is believed (none: the header is ignored, so a client
+    # cannot dodge the failed-authentication limit with a new address in each request)
+    trusted_proxies: tuple[str, ...] = ()
 
 
 class _Disconnected(Exception):

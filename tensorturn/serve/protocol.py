@@ -74,7 +74,28 @@ def _loads(raw: bytes) -> Any:
     raise BadRequest(f"body is not valid JSON: {reason}")
 
 
-def _to_array(data: Any, shape: list[int]) -> np.ndarray:
+INPUT_NAME = "input"  # the model's one input, as its metadata names it
+
+
+def _check_datatype(x: np.ndarray, datatype: str) -> None:
+    """BadRequest unless every value of ``x`` is one ``datatype`` can hold: a whole number in
+    range for the integer types (INT8 300, INT8 2.5 and UINT8 -7 are not INT8 or UINT8 values),
+    in range for FP16."""
+    if not x.size:
+        return
+    if datatype.startswith(("INT", "UINT")):
+        limits = np.iinfo(np.dtype(datatype.lower()))
+        if not bool((x == np.floor(x)).all()):
+            raise BadRequest(f"data holds a fraction, which is no {datatype} value (declare FP32)")
+        low, high = float(x.min()), float(x.max())
+        if low < limits.min or high > limits.max:
+            raise BadRequest(f"data holds {low if low < limits.min else high:g}, outside {datatype}'s range "
+                             f"{limits.min}..{limits.max}")
+    elif datatype == "FP16" and float(np.abs(x).max()) > float(np.finfo(np.float16).max):
+        raise BadRequest(f"data holds numbers beyond the FP16 range (±{float(np.finfo(np.float16).max):g})")
+
+
+def _to_array(data: Any, shape: list[int], datatype: str = "FP64") -> np.ndarray:
     """``data`` (flat, or nested exactly as ``shape``) as float32 of that shape, or BadRequest."""
     count = math.prod(shape)
     if not isinstance(data, list):
@@ -106,6 +127,7 @@ def _to_array(data: Any, shape: list[int]) -> np.ndarray:
             raise BadRequest("data contains non-finite values (NaN or Infinity)")
         if float(np.abs(x).max()) > FP32_MAX:
             raise BadRequest(f"data holds numbers beyond the FP32 range (±{FP32_MAX:.4g})")
+        _check_datatype(x, datatype)
     return x.astype(np.float32).reshape(shape)
 
 
@@ -135,6 +157,9 @@ def parse_request(raw: bytes, input_shape: list[int], max_rows: int) -> ParsedRe
     if not isinstance(spec, dict):
         raise BadRequest("each input must be an object with name, shape, datatype and data")
     datatype, shape = spec.get("datatype"), spec.get("shape")
+    if spec.get("name") != INPUT_NAME:
+        raise BadRequest(f"input {str(spec.get('name'))[:64]!r} is not this model's: its input is named "
+                         f"{INPUT_NAME!r} (GET /v2/models/<name> lists it)")
     if not isinstance(datatype, str) or datatype not in NUMERIC:
         raise BadRequest(f"unsupported datatype {datatype!r}: use a numeric type such as FP32")
     if (not isinstance(shape, list) or not shape
@@ -146,7 +171,7 @@ def parse_request(raw: bytes, input_shape: list[int], max_rows: int) -> ParsedRe
     if shape[0] > max_rows:
         raise BadRequest(f"{shape[0]} rows in one request; this server takes at most {max_rows} "
                          f"(tensorturn serve --max-rows)", 413)
-    return ParsedRequest(_to_array(spec.get("data"), shape), members, request_id)
+    return ParsedRequest(_to_array(spec.get("data"), shape, datatype), members, request_id)
 
 
 def infer_openapi(input_shape: list[int], served: list[tuple[str, str, list[int]]]) -> dict[str, Any]:

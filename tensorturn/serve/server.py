@@ -155,7 +155,9 @@ def run_server(store: Store, run_id: str, host: str, port: int, alias: str | Non
     config = uvicorn.Config(KeepConnection(app), host=host, port=port, loop=loop, http=http,
                             log_level="info", server_header=False, access_log=opts.access_log,
                             limit_concurrency=opts.limit_concurrency, timeout_keep_alive=5,
-                            timeout_graceful_shutdown=5, lifespan="on")
+                            timeout_graceful_shutdown=5, lifespan="on",
+                            proxy_headers=bool(opts.trusted_proxies),
+                            forwarded_allow_ips=list(opts.trusted_proxies) or None)
     server = server_class(_banner(host, port, [alias, run_id] if alias else [run_id]))
     with serving(store, run_id, f"{host}:{port}"):  # `tensorturn runs rm` refuses a served run
         server(config).run(sockets=[sock])
