@@ -112,8 +112,9 @@ def _new_member(entry: dict[str, Any]) -> dict[str, Any]:
 def start(spec: RunSpec, store: Store, board: RunBoard, allow: Collection[str] = ()) -> None:
     """Record the run and its member plan, then queue every member's first segment (``allow``:
     recipe names allowed here besides the machine's allowlist, :func:`tensorturn.recipes.resolve`)."""
-    plan = member_plan(spec, resolve(spec.recipe, spec.recipe_options, allow))
-    spec.settle_run_config()  # kept: the members the pool sized, the dataset version pinned
+    recipe = resolve(spec.recipe, spec.recipe_options, allow)
+    plan = member_plan(spec, recipe)
+    spec.settle_run_config(recipe)  # kept: its lr and batch, the members the pool sized, the dataset version pinned
     save_spec(store, spec)
     board.create(spec)
     for entry in plan:
