@@ -86,6 +86,8 @@ def launch(settings: dict[str, Any], broker: str | None, store_url: str, detach:
     check_bounds({"local_workers": settings.get("local_workers")})  # refused however it is run
     if broker:  # the pool's own agents run it: the run keeps no embedded pool's size (as Pool.run)
         settings = {k: v for k, v in settings.items() if k != "local_workers"}
+    else:  # an embedded run keeps the size it ran with, given or not
+        settings = {**settings, "local_workers": settings.get("local_workers") or runfile.LOCAL_WORKERS}
     spec = run_spec(settings, store_url)
     return runs.launch_run(spec, broker, settings.get("local_workers"), detach, settings.get("timeout"),
                            settings.get("merge", "none"), training_of(settings), docs, observer)
@@ -109,7 +111,7 @@ class Pool:
         self.closed = False  # an embedded pool, once stopped: its runs are read from the store
 
     @classmethod
-    def embedded(cls, workers: int = runfile.DEFAULTS["local_workers"], store: str | None = None,
+    def embedded(cls, workers: int = runfile.LOCAL_WORKERS, store: str | None = None,
                  allow: tuple[str, ...] | list[str] = ()) -> "Pool":
         """Start a private pool on this machine, as ``tensorturn run`` without ``--broker`` does:
         a redis-server and ``workers`` agent processes, storing to ``store`` (default

@@ -37,8 +37,11 @@ TRAINING = ("seed", "lr", "batch_size", "threads_per_task", "max_attempts", "eva
             "precision", "accumulate")
 MERGES = ("none", "distill")
 # What `tensorturn run` does with a setting left out of both the file and the flags (the spec's
-# and the modes' own defaults are theirs)
-DEFAULTS: dict[str, Any] = {"mode": "fused", "merge": "none", "local_workers": 2}
+# and the modes' own defaults are theirs). An embedded pool's size is not among them: it is how
+# this command runs the run, written only where the user gave it (or, kept with an embedded run,
+# what ran: tensorturn.api.launch)
+DEFAULTS: dict[str, Any] = {"mode": "fused", "merge": "none"}
+LOCAL_WORKERS = 2  # an embedded pool's agents when --local-workers is not given
 WHERE = {"broker": "--broker", "store": "--store", "join_file": "--join-file", "join": "--join-file",
          "allow_recipe": "--allow-recipe"}
 # How a run is logged, not what runs: given with the command (or Pool.run), never kept with the run
@@ -47,6 +50,8 @@ KIND_WORDS = {"int": "a whole number", "float": "a number", "str": "a string", "
               "table": "a table ([recipe_options])"}
 HEADER = ("# A TensorTurn run file: `tensorturn run --config FILE` runs it (flags given with it win),\n"
           "# `Pool.run(config=FILE)` too. Where it runs (--broker, --store, --join-file) is not kept here.\n")
+UNSETTLED = ("# lr and batch_size not given: the recipe's own (`tensorturn status RUN --print-config`\n"
+             "# shows what a run used).\n")
 
 
 def _kind(annotation: Any) -> str:
@@ -165,7 +170,8 @@ def dumps(settings: dict[str, Any]) -> str:
             raise SpecError(f"recipe option {key!r} is null, which a TOML run file cannot hold: "
                             f"leave it out or give it a value")
     doc = {k: v for k, v in ordered(settings).items() if v is not None and (k != "recipe_options" or v)}
+    header = HEADER + (UNSETTLED if "lr" not in doc or "batch_size" not in doc else "")
     try:
-        return HEADER + tomli_w.dumps(doc)
+        return header + tomli_w.dumps(doc)
     except TypeError as exc:  # a value TOML has no form for (a null inside a list)
         raise SpecError(f"these settings cannot be written as TOML: {exc}") from None

@@ -268,13 +268,16 @@ class RunSpec:
     # `--print-config` prints them: kept so that `status` shows exactly what ran (not read by a task)
     run_config: dict[str, Any] | None = None
 
-    def settle_run_config(self) -> None:
+    def settle_run_config(self, recipe: Any) -> None:
         """The kept settings (``run_config``) completed with what the run decided at its start —
-        the options the recipe pinned (the dataset version it found) and the mode's options the
-        pool sized (an ensemble's ``members``) — so that a run from them is this run again."""
+        the ``lr`` and ``batch_size`` of ``recipe`` where none was given, the options the recipe
+        pinned (the dataset version it found) and the mode's options the pool sized (an
+        ensemble's ``members``) — so that a run from them is this run again."""
         if self.run_config is None:
             return
         settled = dict(self.run_config)
+        settled["lr"] = self.lr or recipe.lr
+        settled["batch_size"] = self.batch_for(recipe)
         options = asdict(self.options)
         for name, _ in type(self.options).flags():
             if settled.get(name) is None and options.get(name) is not None:

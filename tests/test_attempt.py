@@ -609,6 +609,32 @@ def test_a_task_stored_by_two_attempts_is_counted_once(world):
     assert {a["worker"]: a["outcome"] for a in board.attempts("twice")}["b@h"] == "succeeded"
 
 
+
+def test_every_task_a_machine_finishes_counts_as_done_outer_steps_and_evaluations_too(world):
+    """``workers`` DONE and the dashboard's "Tasks done" count what each machine finished — a
+    machine beside the store that only steps and evaluates included — and a late copy not."""
+    r = world.board.r
+    r.set(layout.PRUNE_LOCK, 1)  # pruned a moment ago: this process's tasks have no heartbeat to keep
+    spec = world.submit(**FUSED)
+    drive_fused(spec)
+    doc = world.board.describe(spec.run_id)
+    assert doc["state"] == "succeeded", doc["error"]
+    succeeded = [a for a in doc["attempts"] if a["outcome"] == "succeeded"]
+    done: dict[str, int] = {}
+    for a in succeeded:
+        done[a["worker"]] = done.get(a["worker"], 0) + 1
+    kinds_done = {getattr(layout.parse_label(a["task"]), "kind", None) for a in succeeded}
+    assert {"shard", "outer", "eval"} <= kinds_done
+    assert {w: int(r.hget(layout.worker_key(w), "tasks_done") or 0) for w in done} == done
+
+    board = world.board  # a late copy of a task is not counted again
+    first, _, _ = board.begin_attempt("twice", "r0/shard-1", "a@h", 3)
+    second, _, _ = board.begin_attempt("twice", "r0/shard-1", "b@h", 3)
+    board.finish_attempt("twice", second, "succeeded")
+    board.finish_attempt("twice", first, "succeeded")
+    assert [r.hget(layout.worker_key(w), "tasks_done") for w in ("a@h", "b@h")] == [None, "1"]
+
+
 # ---- little data --------------------------------------------------------------------------------
 
 def test_keep_best_keeps_the_round_with_the_lowest_validation_loss(world):

@@ -52,7 +52,7 @@ def pool(owned):
     yield owned
     owned.battery.write_text("ac")
     for name in ("local1", "local2"):
-        tt("resume", name, env=cli_env(owned))
+        tt("unpause", name, env=cli_env(owned))
         tt("policy", name, "--clear", env=cli_env(owned))
     wait_for(lambda: {w["state"] for w in workers(owned)} <= {"idle", "busy"}, "both agents back at work")
 
@@ -173,7 +173,7 @@ def test_pause_hands_the_running_task_back_and_resume_brings_the_agent_back(pool
     assert app.control.inspect(destination=[back["worker"]], timeout=2).active() == {back["worker"]: []}
     assert not [a for a in doc["attempts"] if a["worker"] == back["worker"]
                 and a["started_at"] > back["finished_at"]]  # it took nothing while paused
-    assert tt("resume", name, env=cli_env(pool)).returncode == 0
+    assert tt("unpause", name, env=cli_env(pool)).returncode == 0
     wait_for(lambda: standing(pool, name)["state"] == "idle", "the agent to resume")
 
 

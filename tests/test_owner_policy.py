@@ -132,6 +132,36 @@ def test_owner_marks_count_only_when_signed_with_the_pool_key(redis_server):
     assert owners.read("laptop@home", key) == {}
 
 
+
+def test_unpause_ends_a_pause_and_resume_machine_still_does_with_a_note(redis_server):
+    """`unpause` is the machine's verb (`resume` is a run's); the old `resume MACHINE` works on,
+    and says the new name in one line on stderr."""
+    from conftest import clean_env, tt
+
+    from tensorturn.pool.telemetry import Heartbeat
+
+    client = redis.Redis.from_url(redis_server.url, decode_responses=True)
+    hb = Heartbeat.__new__(Heartbeat)  # a signed heartbeat, without a worker around it
+    hb.client, hb.node, hb.tref, hb.outer = client, "pc@home", None, []
+    hb.beat(first=True)
+    env, owners = clean_env(TENSORTURN_BROKER_URL=redis_server.url), Owners(client)
+
+    def paused() -> bool:
+        return bool(owners.read("pc@home", trust.pool_key()))
+
+    out = tt("pause", "pc", "--reason", "game night", env=env)
+    assert out.returncode == 0 and "`tensorturn unpause pc` ends it" in out.stdout and paused()
+    out = tt("unpause", "pc", env=env)
+    assert (out.returncode, out.stdout, out.stderr) == (
+        0, "pc@home resumes within a few seconds, unless its policy holds it\n", "")
+    assert not paused()
+
+    assert tt("pause", "pc", env=env).returncode == 0 and paused()
+    out = tt("resume", "pc", env=env)
+    assert out.returncode == 0 and not paused()
+    assert out.stderr == "note: `tensorturn resume MACHINE` is now `tensorturn unpause pc`\n"
+    assert tt("unpause", "nobody", env=env).stderr.startswith("error: no agent named 'nobody'")
+
 def test_a_removed_mark_written_back_is_not_taken_again():
     """Someone with the Redis password copies a signed pause, waits for `resume`, and writes it
     back: the agent saw it removed, and takes only newer ones."""

@@ -51,8 +51,34 @@ def test_round_lines_come_out_in_order_however_the_records_arrive(capsys):
         progress(fused_doc(seen))
     lines = capsys.readouterr().err.splitlines()
     assert [line.split()[1] for line in lines] == [str(r) for r in range(8)]
-    assert lines[0].startswith("round 0 (1 of 8)  loss 1.0000")
+    assert lines[0] == "round 0 (1 of 8)  loss 1  val_loss 0.5"
 
+
+
+def test_figures_print_to_4_digits_and_a_regression_shows_its_own_metrics(capsys):
+    """Round lines, an ensemble member's line and the result round for people (``--json`` keeps
+    the stored float32's every digit); a regression's lines show the recipe's own metrics, in
+    the user's units, beside its loss."""
+    from tensorturn.runs.display import result_lines
+
+    regression = {"round": 0, "loss": 0.61234567, "val_loss": 2941.1234, "val_accuracy": None,
+                  "val_mae": 43.212345, "val_r2": 0.4712345, "val_rows": 44}
+    classifier = {"round": 1, "loss": 0.2, "val_loss": 0.123456, "val_accuracy": 0.9750000238418579}
+    progress = RunProgress(fused_doc([]))
+    progress({**fused_doc([]), "rounds": [regression, classifier]})
+    assert capsys.readouterr().err.splitlines() == [
+        "round 0 (1 of 8)  loss 0.6123  val_loss 2941  val_mae 43.21  val_r2 0.4712",
+        "round 1 (2 of 8)  loss 0.2  val_loss 0.1235  val_acc 0.975"]
+    members = [{"member": 0, "state": "succeeded", "segments_done": 1,
+                "metrics": {"test_loss": 2941.1234, "test_mae": 43.212345, "val_mae": 40.0}},
+               {"member": 1, "state": "succeeded", "segments_done": 1,
+                "metrics": {"test_loss": 0.31, "test_accuracy": 0.9750000238418579}}]
+    _, _, events = get_mode("ensemble").progress({"spec": {"options": {"members": 2, "segments": 1}},
+                                                  "members": members})
+    assert [line for _, line in events] == ["member 0 succeeded  test_loss 2941  test_mae 43.21",
+                                            "member 1 succeeded  test_acc 0.975"]
+    doc = {"run_id": "r", "state": "succeeded", "metrics": {"test_accuracy": 0.9750000238418579, "test_rows": 40}}
+    assert result_lines(doc) == ["run r: succeeded", "  test_accuracy: 0.975", "  test_rows: 40"]
 
 def test_a_finished_run_prints_the_rounds_it_has_in_order_even_with_a_gap(capsys):
     progress = RunProgress(fused_doc([]))

@@ -143,6 +143,39 @@ def test_an_ensemble_is_measured_by_the_recipes_evaluate_as_one_model(tmp_path):
         recipe.evaluate(m, x, y)["r2"] for m in predictor.models)
 
 
+
+def test_a_regression_ensemble_whose_members_all_do_worse_than_the_mean_says_so(tmp_path):
+    """Each member's R² over the test rows, where the recipe's evaluate gives none, is in the
+    vote's figures (the ensemble's own stay evaluate's); when even the best member's is below 0
+    the result says so in a line."""
+    from tensorturn.modes.ensemble.tasks import vote_metrics
+    from tensorturn.runs.display import result_lines
+
+    store = open_store((tmp_path / "store").as_uri())
+    store_ensemble(store, "bad", "contract_recipes:Diabetes", members=3)
+    predictor = Predictor.from_bytes(store.get_bytes(layout.key("final_ensemble", "bad")))
+    for i, m in enumerate(predictor.models):  # members that differ: 0, ⅓ and ⅔ of a std off
+        with torch.no_grad():
+            m.get_parameter("2.bias").fill_(i / 3)
+    pieces = list(predictor.recipe.eval_pieces("test"))
+    [(x, y)] = pieces
+    by_evaluate = [resolve("contract_recipes:DiabetesR2").evaluate(m, x, y)["r2"] for m in predictor.models]
+    figures = vote_metrics(predictor, pieces)
+    assert figures["best_member_test_r2"] == pytest.approx(max(by_evaluate), rel=1e-4)
+    assert figures["member_mean_test_r2"] == pytest.approx(sum(by_evaluate) / 3, rel=1e-4)
+    assert "test_r2" not in figures
+    doc = {"run_id": "bad", "state": "succeeded", "metrics": {**figures, "best_member_test_r2": 0.02}}
+    assert not [line for line in result_lines(doc) if "R²" in line]  # one member better than the mean
+    for m in predictor.models:  # every member 3 std off: worse than the mean, each
+        with torch.no_grad():
+            m.get_parameter("2.bias").fill_(3.0)
+    figures = vote_metrics(predictor, pieces)
+    assert figures["best_member_test_r2"] < 0
+    best = f"{figures['best_member_test_r2']:.4g}"
+    assert [line for line in result_lines({**doc, "metrics": figures}) if "R²" in line] == [
+        f"  warning: every member's R² on the test rows is below 0 (the best: {best}): each predicts "
+        f"worse than the targets' mean (a learning rate too high? too few steps?)"]
+
 def test_a_hard_votes_figures_are_of_its_vote_and_its_loss_of_the_mean_probability():
     from tensorturn.modes.ensemble.tasks import vote_metrics
 
@@ -263,6 +296,15 @@ def test_standardised_targets_are_served_and_measured_in_the_users_units_in_both
         assert {f"test_{k}": v for k, v in again.items()} == pytest.approx(
             {k: m[k] for k in tested - {"test_rows"}}, rel=1e-4)
         assert m["test_rows"] == len(predictor.recipe.sample_rows("test", 10 ** 6)[1])  # a small split: whole
+    # what a person reads: the recipe's own metrics, in the user's units, rounded
+    assert all(20 < r["val_mae"] < 120 and "val_r2" in r for r in fused["rounds"])
+    status = tt("status", fused["run_id"], "--store", store, cwd=tmp_path).stdout
+    assert re.search(r"^  round 2: loss [\d.]+  val_loss \d+(\.\d)?  val_mae \d+(\.\d+)?  val_r2 -?[\d.]+  bytes \d+$",
+                     status, re.M), status
+    listed = tt("runs", "--store", store, cwd=tmp_path).stdout.splitlines()
+    for doc in (fused, ensemble):
+        [line] = [line for line in listed if line.startswith(doc["run_id"])]
+        assert re.search(r"  test_loss \d+(\.\d)?  test_mae \d+(\.\d+)?  test_r2 -?[\d.]+$", line), line
 
     token = tt_json("token", "create", "--store", store, "--json", cwd=tmp_path)["token"]
     server = Server(store, ensemble["run_id"], "--allow-recipe", ALLOW)

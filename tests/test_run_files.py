@@ -13,6 +13,8 @@ import tomllib
 import pytest
 from conftest import clean_env, tt, tt_here, tt_json, tt_json_many
 
+from tensorturn.recipes.digits import DigitsMLP
+
 
 def write(path, text: str):
     path.write_text(text)
@@ -56,8 +58,17 @@ def test_flags_given_win_over_the_file_and_defaults_do_not(tmp_path):
     chosen = (settings["mode"], settings["seed"], settings["members"], settings["segment_steps"])
     assert chosen == ("ensemble", 7, 4, 50)
     assert settings["recipe_options"] == {"a": 1, "b": "y"}
-    # every default is written out, so the file says all that ran
-    assert (settings["max_attempts"], settings["vote"], settings["local_workers"]) == (3, "soft", 2)
+    # every default is written out, so the file says all that ran — but no embedded pool's size
+    # the user never gave (how the command runs it, not what runs), and lr and batch_size are
+    # the recipe's, which the run settles (status --print-config shows them)
+    assert (settings["max_attempts"], settings["vote"]) == (3, "soft")
+    assert not {"local_workers", "lr", "batch_size"} & set(settings)
+    assert "# lr and batch_size not given: the recipe's own" in proc.stdout
+    given = tt_here("run", "--config", f, "--local-workers", "3", "--lr", "0.01", "--batch-size", "8",
+                    "--print-config").stdout
+    assert {k: tomllib.loads(given)[k] for k in ("local_workers", "lr", "batch_size")} == {
+        "local_workers": 3, "lr": 0.01, "batch_size": 8}
+    assert "not given" not in given
 
 
 @pytest.mark.e2e
@@ -81,6 +92,9 @@ def test_a_run_from_the_printed_file_is_the_same_run_and_status_shows_it(tmp_pat
         kept.append(json.loads(shown.stdout)["spec"]["run_config"])
         assert kept[-1].items() >= settings.items()
     assert kept[0] == kept[1] and kept[0]["shards"] >= 1 and kept[0]["sync_every"] >= 1
+    # what the run used: the recipe's lr and batch, and the embedded pool's size it ran on
+    assert (kept[0]["lr"], kept[0]["batch_size"], kept[0]["local_workers"]) == (
+        DigitsMLP.lr, DigitsMLP.batch_size, 1)
     again = tt_here("status", by_file["run_id"], "--store", str(tmp_path / "b"), "--print-config")
     assert tomllib.loads(again.stdout) == kept[1]
     rerun = tt_json("run", "--config", write(tmp_path / "again.toml", again.stdout), "--store",

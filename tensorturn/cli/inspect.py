@@ -62,12 +62,13 @@ def status(broker, store, run_id, as_json, watch, print_config):
         from tensorturn.runs.launch import follow_on_pool
 
         doc = launched(lambda observer: follow_on_pool(broker, run_id, None, observer))
+    from tensorturn.state.live import figure, figures
+
     details = []  # below the run's own lines
     for r in doc.get("rounds", []):
-        acc, val = r.get("val_accuracy"), r.get("val_loss")
-        details.append(f"  round {r['round']}: loss {r['loss']:.4f}"
-                       + (f" val_loss {val:.4f}" if val is not None else "")
-                       + (f" val_acc {acc:.3f}" if acc is not None else "") + f" bytes {r['bytes']}")
+        val = figures(r, "val_")  # the recipe's own metrics, a regression's in the user's units
+        details.append(f"  round {r['round']}: loss {figure(r['loss'])}" + (f"  {val}" if val else "")
+                       + f"  bytes {r['bytes']}")
     if ran_with:  # what ran, as its run file holds it (--print-config writes that file)
         from tensorturn.runfile import ordered
 
@@ -94,10 +95,12 @@ def runs(broker, store, as_json):
         return
     if not items:
         click.echo("no runs")
+    from tensorturn.state.live import figures
+
     for m in items:
-        acc = (m.get("metrics") or {}).get("test_accuracy")
+        test = figures(m.get("metrics") or {}, "test_", brief=True)  # a regression's: loss, MAE…
         click.echo(f"{m['run_id']}  {m['mode']:8s} {m['state']:9s} {m['recipe']}"
-                   + (f"  test_accuracy {acc:.4f}" if acc is not None else "")
+                   + (f"  {test}" if test else "")
                    + (f"  ({m['note']})" if m.get("note") else ""))
 
 

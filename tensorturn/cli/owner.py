@@ -1,6 +1,6 @@
-"""``pause``, ``policy`` and ``resume MACHINE``: a machine's owner comes first
-(:mod:`tensorturn.pool.owner`). ``resume`` is one command for runs and machines
-(:mod:`tensorturn.cli.run`): what it names decides."""
+"""``pause``, ``unpause`` and ``policy``: a machine's owner comes first
+(:mod:`tensorturn.pool.owner`). ``resume MACHINE``, its name before ``unpause``, still works
+(:mod:`tensorturn.cli.run`) with a note: ``resume`` is a run's verb."""
 
 from __future__ import annotations
 
@@ -33,12 +33,12 @@ def policy_options(fn: Callable) -> Callable:
     return fn
 
 
-def resume_machine(broker: str, machine: str, as_json: bool) -> None:
-    """`tensorturn resume MACHINE`: end the machine's pause (its policy — hours, battery, a busy
+def unpause_machine(broker: str, machine: str, as_json: bool) -> None:
+    """`tensorturn unpause MACHINE`: end the machine's pause (its policy — hours, battery, a busy
     CPU — may still hold it)."""
     from tensorturn.runs import owners
 
-    doc = owners.resume(broker, machine)
+    doc = owners.unpause(broker, machine)
     if as_json:
         emit_json(doc)
     elif doc["was_paused"]:
@@ -62,7 +62,7 @@ def _need(broker: str | None, what: str) -> str:
 def pause(broker, store, machine, reason, as_json):
     """Pause MACHINE's agent: its running training task goes back to the queue within a few
     seconds (another machine redoes it, at no cost to the run's attempts), and it takes nothing
-    until `tensorturn resume MACHINE` — also across a restart of the agent.
+    until `tensorturn unpause MACHINE` — also across a restart of the agent.
 
     MACHINE is the agent's name as `workers` lists it (NAME@host), or NAME alone.
     """
@@ -73,7 +73,20 @@ def pause(broker, store, machine, reason, as_json):
         emit_json(doc)
     else:
         click.echo(f"{doc['machine']} pauses within a few seconds ({doc['paused']}); "
-                   f"`tensorturn resume {machine}` ends it")
+                   f"`tensorturn unpause {machine}` ends it")
+
+
+@cli.command()
+@MACHINE
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@pool_options()
+def unpause(broker, store, machine, as_json):
+    """End MACHINE's pause (`tensorturn pause MACHINE`): it takes tasks again within a few
+    seconds, unless its policy (hours, battery, a busy CPU or GPU) holds it.
+
+    MACHINE is the agent's name as `workers` lists it (NAME@host), or NAME alone.
+    """
+    unpause_machine(_need(broker, "unpause"), machine, as_json)
 
 
 @cli.command()

@@ -78,7 +78,7 @@ def agent(broker, store, name, concurrency, memory_gb, cache_gb, role, loglevel,
     The owner comes first: a gaming PC that trains at night, a laptop that stops on battery:
       tensorturn agent --join-file join --name gaming-pc --hours 22:00-08:00 --pause-when-busy 30
     Paused, it hands its running task back within a few seconds and takes nothing new until the
-    policy allows; `tensorturn pause/resume/policy MACHINE` change it from any machine.
+    policy allows; `tensorturn pause/unpause/policy MACHINE` change it from any machine.
     """
     import os
 

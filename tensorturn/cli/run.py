@@ -86,12 +86,12 @@ def run(broker, store, mode, recipe, recipe_options, merge, local_workers, detac
 
 
 @cli.command()
-@click.argument("run_id", metavar="RUN|MACHINE")
+@click.argument("run_id", metavar="RUN")
 @follow_options("resume")
 @track_options
 def resume(broker, store, run_id, local_workers, detach, timeout_s, as_json, track, track_dir):
-    """Continue a run from the last complete round or checkpoints in the store — or, given a
-    machine's name, end its pause (`tensorturn pause MACHINE`).
+    """Continue a run from the last complete round or checkpoints in the store. (To let a
+    paused machine work again: `tensorturn unpause MACHINE`.)
 
     For a run whose chain was lost (Redis lost its data, the embedded pool was stopped) or that
     failed and whose cause is fixed: every task gets a fresh allowance of attempts. Needs only
@@ -100,10 +100,11 @@ def resume(broker, store, run_id, local_workers, detach, timeout_s, as_json, tra
     from tensorturn import runs
     from tensorturn.runs.owners import names_an_agent
 
-    if broker and names_an_agent(broker, run_id):
-        from tensorturn.cli.owner import resume_machine
+    if broker and names_an_agent(broker, run_id):  # the old form of `unpause`, kept working
+        from tensorturn.cli.owner import unpause_machine
 
-        resume_machine(broker, run_id, as_json)
+        click.echo(f"note: `tensorturn resume MACHINE` is now `tensorturn unpause {run_id}`", err=True)
+        unpause_machine(broker, run_id, as_json)
         return
 
     tracked = tracking(track, track_dir, detach)

@@ -5,7 +5,7 @@ workstation is used by day. Each agent has a **policy** — allowed hours, pause
 while other processes keep the CPU busy or use the GPU — from its command line
 (``tensorturn agent --hours 22:00-08:00 --pause-on-battery ...``) or ``TENSORTURN_*`` variables,
 replaced while it runs by ``tensorturn policy MACHINE ...`` from any machine holding the join file,
-and the owner may pause it outright (``tensorturn pause MACHINE`` / ``resume``).
+and the owner may pause it outright (``tensorturn pause MACHINE`` / ``unpause``).
 
 :class:`OwnerWatch` (a worker bootstep, on a thread of its own) looks every second. When the
 machine should step aside it
@@ -369,7 +369,7 @@ class OwnerWatch(bootsteps.StartStopStep):
 
 
 class MarkMemory:
-    """An owner's mark that was removed (``resume``, ``policy --clear``) is not taken again:
+    """An owner's mark that was removed (``unpause``, ``policy --clear``) is not taken again:
     someone with only the Redis password could write back a signed mark they copied before.
     A mark names when it was set (:class:`tensorturn.state.owners.Owners`); this remembers,
     per field, the newest one seen removed, and drops any mark no newer than that."""

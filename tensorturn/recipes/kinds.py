@@ -143,6 +143,32 @@ class Regression(Kind):
         return f"member_{member}_prediction"
 
 
+class Explained:
+    """R² (``1 − Σ(pred − y)² / Σ(y − ȳ)²``) over a split read in pieces, exact whatever the
+    pieces: a mean of each piece's R² is not the split's. Below 0, the predictions do worse than
+    the targets' own mean. Values in the user's units (``Recipe.unscale_targets``)."""
+
+    def __init__(self) -> None:
+        self.errors = self.sum = self.squares = 0.0
+        self.rows = 0
+        self.origin: float | None = None  # sums taken from a first target: no cancellation far from 0
+
+    def add(self, predicted: torch.Tensor, y: torch.Tensor) -> None:
+        y = y.double()
+        pred = (predicted.reshape(y.shape) if predicted.numel() == y.numel() else predicted).double()
+        if self.origin is None and y.numel():
+            self.origin = float(y.reshape(-1)[0])
+        shifted = y - (self.origin or 0.0)
+        self.errors += float(((pred - y) ** 2).sum())
+        self.sum, self.squares = self.sum + float(shifted.sum()), self.squares + float((shifted ** 2).sum())
+        self.rows += y.numel()
+
+    def value(self) -> float | None:
+        """R²; None without rows or without spread in the targets."""
+        spread = self.squares - self.sum ** 2 / self.rows if self.rows else 0.0
+        return 1.0 - self.errors / spread if spread > 0 else None
+
+
 _KINDS: dict[str, Kind] = {"classification": Kind(), "language_model": LanguageModel(),
                            "regression": Regression()}
 

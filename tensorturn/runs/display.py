@@ -13,7 +13,7 @@ from typing import Any
 
 from tensorturn.registry import get_mode
 from tensorturn.spec import MemberState, RunState
-from tensorturn.state.live import WIDTH, fit
+from tensorturn.state.live import WIDTH, figure, fit
 
 LIVE_EVERY_S = 2.0  # without a terminal, what a run does now is printed at most this often
 Say = Callable[[str], None]
@@ -103,7 +103,11 @@ def result_lines(doc: dict[str, Any]) -> list[str]:
         lines.append(f"  cancelled at {when}" + (f" by {cancelled['by']}" if cancelled.get("by") else "")
                      + f"; `tensorturn resume {doc['run_id']}` continues it")
     for k, v in sorted((doc.get("metrics") or {}).items()):
-        lines.append(f"  {k}: {v:.4f}" if isinstance(v, float) else f"  {k}: {v}")
+        lines.append(f"  {k}: {figure(v)}")  # rounded for people; --json keeps every digit
+    best_r2 = (doc.get("metrics") or {}).get("best_member_test_r2")
+    if isinstance(best_r2, (int, float)) and best_r2 < 0:
+        lines.append(f"  warning: every member's R² on the test rows is below 0 (the best: {figure(best_r2)}): "
+                     f"each predicts worse than the targets' mean (a learning rate too high? too few steps?)")
     for m in doc.get("members") or []:  # an ensemble's members left out of its vote, and why
         if m["state"] == MemberState.DROPPED:
             lines.append(f"  member {m['member']} dropped: {m['reason']}")

@@ -1,5 +1,5 @@
 """What a machine's owner asks of its agent from any machine holding the join file: pause it,
-resume it, change its policy (:mod:`tensorturn.pool.owner` is the agent's side)."""
+unpause it, change its policy (:mod:`tensorturn.pool.owner` is the agent's side)."""
 
 from __future__ import annotations
 
@@ -34,9 +34,9 @@ def resolve_machine(client: Any, machine: str) -> str:
 
 
 def names_an_agent(broker_url: str, name: str) -> bool:
-    """Whether ``name`` is an agent of the pool (``resume`` takes a run or a machine); a name
-    several agents share is one clear error, as for ``pause``. A broker that does not answer
-    names no agent: the run's resume says what it needs."""
+    """Whether ``name`` is an agent of the pool (``resume`` still takes a machine, as before
+    ``unpause``); a name several agents share is one clear error, as for ``pause``. A broker that
+    does not answer names no agent: the run's resume says what it needs."""
     from tensorturn.errors import BrokerError
 
     try:
@@ -47,14 +47,14 @@ def names_an_agent(broker_url: str, name: str) -> bool:
 
 
 def pause(broker_url: str, machine: str, reason: str) -> dict[str, Any]:
-    """Pause ``machine``'s agent until :func:`resume` (it survives the agent's restart)."""
+    """Pause ``machine``'s agent until :func:`unpause` (it survives the agent's restart)."""
     client = check_broker(broker_url)
     name = resolve_machine(client, machine)
     Owners(client).set(name, "paused", reason or "paused by its owner", trust.pool_key())
     return {"machine": name, "paused": reason or "paused by its owner"}
 
 
-def resume(broker_url: str, machine: str) -> dict[str, Any]:
+def unpause(broker_url: str, machine: str) -> dict[str, Any]:
     """End a pause of ``machine``'s (its policy may still hold it: the answer says which)."""
     client = check_broker(broker_url)
     name = resolve_machine(client, machine)

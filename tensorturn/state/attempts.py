@@ -75,10 +75,8 @@ if up ~= 0 or down ~= 0 then
 end
 if ARGV[13] == '1' then redis.call('hdel', KEYS[6], 'store_failures', 'store_failing_since') end
 redis.call('hdel', KEYS[6], 'task')
-if ARGV[14] ~= '' then
-  redis.call('hincrby', KEYS[6], 'tasks_done', 1)
-  redis.call('hset', KEYS[6], 'last_rate', ARGV[14])
-end
+if ARGV[7] == '1' and not late then redis.call('hincrby', KEYS[6], 'tasks_done', 1) end
+if ARGV[14] ~= '' then redis.call('hset', KEYS[6], 'last_rate', ARGV[14]) end
 return 0
 """
 
@@ -241,7 +239,7 @@ class Attempts:
         traffic.add_store_bytes(run_id, figures.store_up, figures.store_down, figures.worker, pipe)
         if figures.store_ok:
             workers.store_ok(figures.worker, pipe)
-        workers.task_ended(figures.worker, figures.rate, pipe)
+        workers.task_ended(figures.worker, outcome == Outcome.SUCCEEDED, figures.rate, pipe)
 
     def latest(self, run_id: str, task: str) -> dict[str, Any] | None:
         """The entry of ``task``'s latest attempt, or None before its first (one round trip)."""

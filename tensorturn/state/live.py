@@ -6,7 +6,8 @@ task its step and loss at most once a second, in the round trip it already makes
 ``tensorturn workers`` (:class:`tensorturn.pool.telemetry.TaskReporter`); an outer step its phase
 when it changes. :func:`view` joins that with the run's attempts into what ``describe`` shows;
 the modes turn it into one line (``Mode.live_line``); :class:`Progress` reads and writes the
-hash. No torch, no Celery here.
+hash. How a run's figures read in those lines is here too (:func:`figure`, :func:`figures`).
+No torch, no Celery here.
 """
 
 from __future__ import annotations
@@ -24,6 +25,27 @@ WIDTH = 80  # a progress line fits a terminal of this many columns
 def fit(text: str, width: int = WIDTH) -> str:
     """``text`` cut to ``width`` columns, ending in "…" when cut."""
     return text if len(text) <= width else text[:max(width - 1, 0)] + "…"
+
+
+def figure(value: Any) -> str:
+    """A figure as a person reads it: a float to 4 significant digits (``0.975``, not float32's
+    ``0.9750000238418579``; ``2941``; ``1.234e-05``), anything else as it is. Only printed
+    lines round: the records and ``--json`` keep every digit."""
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def figures(values: dict[str, Any], prefix: str, brief: bool = False) -> str:
+    """The metrics among ``values`` named ``<prefix><metric>`` (``val_``, ``test_``) as words
+    for a line — ``val_loss 2941  val_acc 0.975  val_mae 43.2`` —: loss and accuracy (as
+    ``acc``) first, then the recipe's other metrics by name (its own ``evaluate``'s, in the
+    user's units: a regression's MAE, R²…), not the rows they were read from. ``brief``: the
+    accuracy alone where there is one (a classifier's headline)."""
+    named = {k[len(prefix):]: v for k, v in values.items()
+             if k.startswith(prefix) and k != f"{prefix}rows" and isinstance(v, (int, float))}
+    if brief and "accuracy" in named:
+        named = {"accuracy": named["accuracy"]}
+    order = sorted(named, key=lambda m: (m != "loss", m != "accuracy", m))
+    return "  ".join(f"{prefix}{'acc' if m == 'accuracy' else m} {figure(named[m])}" for m in order)
 
 
 def place(label: str, shards: int) -> tuple[int, int] | None:

@@ -89,13 +89,15 @@ class Workers:
         replies = pipe.execute()
         return (replies[-1] if live is not None else None), (replies[1] or None)
 
-    def task_ended(self, worker: str, rate: float | None, pipe: Any) -> None:
-        """``worker``'s task ended, in ``pipe``; with a ``rate`` it trained, at that many
-        samples/s over the whole of it (a task done)."""
+    def task_ended(self, worker: str, done: bool, rate: float | None, pipe: Any) -> None:
+        """``worker``'s task ended, in ``pipe``: ``done`` when its output is the one recorded
+        (any task counts — an outer step or an evaluation as much as a shard; a late copy does
+        not); with a ``rate`` it trained, at that many samples/s over the whole of it."""
         key = layout.worker_key(worker)
         pipe.hdel(key, "task")
-        if rate is not None:
+        if done:
             pipe.hincrby(key, "tasks_done", 1)
+        if rate is not None:
             pipe.hset(key, "last_rate", rate)
 
     def last_rate(self, worker: str) -> float | None:

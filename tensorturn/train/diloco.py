@@ -229,12 +229,14 @@ def compress_broadcast(theta: StateDict, target: StateDict, residual: StateDict 
 
 def round_figures(losses: list[float], samples: list[int], val: dict[str, float],
                   bytes_up: int, bytes_down: int, r: int, val_rows: int) -> dict:
-    """A round's record: sample-weighted training loss, validation figures and the rows they
-    were read from, bytes moved."""
+    """A round's record: sample-weighted training loss, validation figures — every metric the
+    recipe's ``evaluate`` gave, as ``val_<metric>`` (a regression's in the user's units) — and
+    the rows they were read from, bytes moved."""
     total = sum(samples)
     return {
         "round": r,
         "loss": sum(loss * n for loss, n in zip(losses, samples)) / total,
+        **{f"val_{name}": value for name, value in val.items() if name != "rows"},
         "val_loss": val.get("loss"),  # None when the dataset has no validation rows
         "val_accuracy": val.get("accuracy"),
         "val_rows": val_rows,

@@ -29,7 +29,7 @@ from tensorturn import layout
 from tensorturn.errors import SpecError
 from tensorturn.modes import ModeBase
 from tensorturn.spec import LIMITS, MemberState, ModeOptions, Workload, check_bounds, options_json
-from tensorturn.state.live import WIDTH, fit
+from tensorturn.state.live import WIDTH, figures, fit
 
 if TYPE_CHECKING:
     from tensorturn.recipes import Recipe
@@ -115,9 +115,9 @@ class Ensemble(ModeBase):
         for m in doc.get("members", []):
             done += m.get("segments_done", 0)
             if m["state"] == MemberState.SUCCEEDED:
-                acc = m["metrics"].get("test_accuracy")
+                test = figures(m["metrics"], "test_", brief=True)  # a regression's: loss, MAE…
                 events.append((f"m{m['member']}", f"member {m['member']} succeeded"
-                               + (f"  test_acc {acc:.3f}" if acc is not None else "")))
+                               + (f"  {test}" if test else "")))
             elif m["state"] == MemberState.DROPPED:
                 events.append((f"m{m['member']}", f"member {m['member']} dropped: {m['reason']}"))
         return done, total, events

@@ -27,6 +27,7 @@ from tensorturn.pool.celery_app import app
 from tensorturn.pool.telemetry import TaskReporter
 from tensorturn.recipes import Recipe, load_splits, recipe_for, recipe_of
 from tensorturn.recipes.base import code_of_the_recipe
+from tensorturn.recipes.kinds import Explained
 from tensorturn.recipes.result import Predictor
 from tensorturn.spec import MemberState, Outcome, RunSpec, RunState
 from tensorturn.state.board import RunBoard
@@ -112,8 +113,9 @@ def _new_member(entry: dict[str, Any]) -> dict[str, Any]:
 def start(spec: RunSpec, store: Store, board: RunBoard, allow: Collection[str] = ()) -> None:
     """Record the run and its member plan, then queue every member's first segment (``allow``:
     recipe names allowed here besides the machine's allowlist, :func:`tensorturn.recipes.resolve`)."""
-    plan = member_plan(spec, recipe_for(spec, allow))
-    spec.settle_run_config()  # kept: the members the pool sized, the dataset version pinned
+    recipe = recipe_for(spec, allow)
+    plan = member_plan(spec, recipe)
+    spec.settle_run_config(recipe)  # kept: its lr and batch, the members the pool sized, the dataset version pinned
     save_spec(store, spec)
     board.create(spec)
     for entry in plan:
@@ -385,14 +387,18 @@ def vote_metrics(predictor: Predictor, pieces: Iterable[tuple[torch.Tensor, torc
     same meaning, as a fused run's — applied to the ensemble as one model
     (:meth:`Predictor.as_model`), beside the members' mean and best; for classification, how
     often members disagree. Under ``--vote hard`` the ``loss`` is the mean probability's (vote
-    shares are not probabilities). The test split comes in ``pieces`` (one forward pass each);
-    every figure is a mean over rows."""
+    shares are not probabilities). For regression, each member's ``r2`` over the whole split
+    (:class:`~tensorturn.recipes.kinds.Explained`) where the recipe's metrics have none — below
+    0, worse than predicting the targets' mean —, in the members' mean and best (the ensemble's
+    own figures stay those of ``evaluate``). The test split comes in ``pieces`` (one forward
+    pass each); every other figure is a mean over rows."""
     recipe = predictor.recipe
     kind = recipe.kind
     ensemble = predictor.as_model()
     soft = predictor.as_model("soft") if predictor.vote == "hard" and not kind.scaled else None
     sums: dict[str, float] = {}
     per_member_sums: list[dict[str, float]] = [{} for _ in predictor.models]
+    explained = [Explained() for _ in predictor.models] if kind.scaled else []
     rows = 0
 
     def add(into: dict[str, float], figures: dict[str, float], n: int) -> None:
@@ -409,6 +415,8 @@ def vote_metrics(predictor: Predictor, pieces: Iterable[tuple[torch.Tensor, torc
         add(sums, {f"test_{k}": v for k, v in figures.items()}, n)
         for into, model in zip(per_member_sums, predictor.models):
             add(into, recipe.evaluate(model, x, y), n)
+        for r2, model in zip(explained, predictor.models):
+            r2.add(recipe.unscale_targets(recipe.predict(model, x)), recipe.unscale_targets(y.float()))
         if not kind.scaled:
             preds = predictor.member_outputs(x).argmax(-1)
             pairs = [(a, b) for a in range(len(preds)) for b in range(a + 1, len(preds))]
@@ -419,6 +427,11 @@ def vote_metrics(predictor: Predictor, pieces: Iterable[tuple[torch.Tensor, torc
         return {}
     out = {name: total / rows for name, total in sums.items()}
     members = [{name: total / rows for name, total in m.items()} for m in per_member_sums]
+    scores = [e.value() for e in explained]
+    if scores and "r2" not in members[0]:
+        for m, score in zip(members, scores):
+            if score is not None:
+                m["r2"] = score
     for name in members[0]:
         values = [m[name] for m in members]
         out[f"member_mean_test_{name}"] = sum(values) / len(values)

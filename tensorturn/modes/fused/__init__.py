@@ -48,7 +48,7 @@ from tensorturn.modes.fused.options import (
     default_sync_every,
 )
 from tensorturn.spec import FINISHED, options_json
-from tensorturn.state.live import WIDTH, fit
+from tensorturn.state.live import WIDTH, figure, figures, fit
 
 if TYPE_CHECKING:
     from tensorturn.recipes import Recipe
@@ -72,14 +72,12 @@ class Fused(ModeBase):
         for n, r in enumerate(sorted(doc.get("rounds", []), key=lambda rec: rec["round"])):
             if r["round"] != n and not finished:
                 break
-            line = f"round {r['round']} ({r['round'] + 1} of {total})  loss {r['loss']:.4f}"
-            if r.get("val_loss") is not None:
-                line += f"  val_loss {r['val_loss']:.4f}"
-            if r.get("val_accuracy") is not None:
-                line += f"  val_acc {r['val_accuracy']:.3f}"
+            line = f"round {r['round']} ({r['round'] + 1} of {total})  loss {figure(r['loss'])}"
+            val = figures(r, "val_")  # the recipe's own metrics: a regression's in the user's units
+            line += f"  {val}" if val else ""
             if r.get("max_staleness") is not None:  # --sync async: how stale its updates were
                 line += f"  staleness ≤{r['max_staleness']}"
-            events.append((f"r{r['round']}", line))
+            events.append((f"r{r['round']}", fit(line)))  # 80 columns; `status` shows every metric
         return len(events), total, events
 
     def live_line(self, doc: dict[str, Any], width: int = WIDTH) -> str:

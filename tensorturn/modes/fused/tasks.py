@@ -32,7 +32,7 @@ def start(spec: RunSpec, store: Store, board: RunBoard, allow: Collection[str] =
     warnings = settle_options(spec, recipe)
     theta0 = global_bytes(spec, recipe, initial_state(recipe, spec.seed))
     options(spec).init_sha256 = sha256_hex(theta0)  # machines rebuild θ_0 from the seed, verified
-    spec.settle_run_config()  # kept: the shards, H and outer step chosen here too
+    spec.settle_run_config(recipe)  # kept: the shards, H and outer step chosen here too
     save_spec(store, spec)
     seals.put_bytes(store, layout.key("global", spec.run_id, 0), theta0)
     board.create(spec)
