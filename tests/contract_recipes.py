@@ -104,3 +104,10 @@ class WrongWidth(DigitsMLP):
 
     def model(self, config: dict[str, Any]) -> nn.Module:
         return nn.Sequential(nn.Linear(65, 32), nn.ReLU(), nn.Linear(32, 10))
+
+
+class Configured(DigitsMLP):
+    """digits-mlp with options a user might pass: a password, an API key, a URL with a password."""
+
+    def __init__(self, password: str = "", api_key: str = "", endpoint: str = "") -> None:
+        self.password, self.api_key, self.endpoint = password, api_key, endpoint

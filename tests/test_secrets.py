@@ -189,3 +189,25 @@ def test_public_masks_strings_and_the_values_of_fields_named_like_secrets():
         "data": "s3://AKIA:***@minio:9000/b/book.txt", "api_token": "***",
         "nested": [{"password": "***", "design": "wide"}], "tokens_per_step": 512,
         "aws_secret_access_key": "***", "hf-token": "***", "sig": "***", "note": "join ttk1.***"}
+
+
+def test_status_masks_secret_recipe_options_in_every_output(world):
+    """`status`'s "ran with:" line, `--print-config` and `--json` showed `password=…`, `api_key=…`
+    and a URL's password in clear, while the dashboard, report.html and `runs --json` masked them."""
+    from conftest import tt_here
+
+    from tensorturn import config, trust
+
+    config.use(trust.with_allowed(config.current(), ["contract_recipes:*"]))
+    secrets = {"password": "hunter2pw", "api_key": "sk-live-0123456789", "endpoint": "https://me:urlpass9@h.example/x"}
+    spec = world.submit(mode="fused", recipe="contract_recipes:Configured", recipe_options=dict(secrets),
+                        rounds=1, shards=1, sync_every=2,
+                        run_config={"mode": "fused", "recipe": "contract_recipes:Configured",
+                                    "recipe_options": dict(secrets), "rounds": 1})
+    where = ("--broker", world.broker, "--store", spec.store_url)
+    outputs = [tt_here("status", spec.run_id, *where, *flags) for flags in ((), ("--json",), ("--print-config",))]
+    for proc in outputs:
+        assert proc.returncode == 0, proc.stderr
+        for secret in ("hunter2pw", "sk-live-0123456789", "urlpass9"):
+            assert secret not in proc.stdout + proc.stderr
+    assert "'password': '***'" in outputs[0].stdout and "https://me:***@h.example/x" in outputs[0].stdout

@@ -47,8 +47,10 @@ def status(broker, store, run_id, as_json, watch, print_config):
     from tensorturn.runs.records import describe
     from tensorturn.spec import FINISHED
 
+    from tensorturn.runs.display import shown
+
     down = BrokerDownWarning(store)
-    doc = describe(run_id, broker, store, on_broker_down=down)
+    doc = shown(describe(run_id, broker, store, on_broker_down=down))  # secret options masked
     ran_with = (doc.get("spec") or {}).get("run_config")
     if print_config:
         from tensorturn.runfile import dumps

@@ -71,8 +71,9 @@ def print_result(doc: dict[str, Any], as_json: bool, exit_on_failure: bool = Tru
     """The run's outcome on stdout (JSON, or a few lines, then ``details``); a note on stderr;
     exit 1 if failed (and, with ``finished_only`` — a command that waited for a result — if
     cancelled)."""
-    from tensorturn.runs.display import result_lines
+    from tensorturn.runs.display import result_lines, shown
 
+    doc = shown(doc)  # (a secret recipe option masked, whatever prints it)
     if as_json:
         emit_json(doc)
     else:

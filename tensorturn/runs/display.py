@@ -90,6 +90,19 @@ class RunProgress:
             self.bar.stop()
 
 
+def shown(doc: dict[str, Any]) -> dict[str, Any]:
+    """A run's description as every command prints it: the recipe options and the settings it
+    ran with passed through :func:`tensorturn.config.public` (a ``password=``, an ``api_key=``
+    or a URL's password masked) — what the dashboard, ``report.html`` and ``runs`` show too."""
+    from tensorturn.config import public
+
+    spec = doc.get("spec")
+    if not isinstance(spec, dict):
+        return doc
+    masked = {**spec, **{k: public(spec[k]) for k in ("recipe_options", "run_config") if spec.get(k)}}
+    return {**doc, "spec": masked}
+
+
 def result_lines(doc: dict[str, Any]) -> list[str]:
     """A run's outcome in a few lines: its state and error, when it was cancelled, its metrics,
     the ensemble members left out of its vote, what it was merged from, and its model."""
