@@ -47,9 +47,12 @@ def run_settings(options: dict[str, Any], config_file: str | Path | None = None)
     (``None``: not given), every default filled in — what ``--print-config`` prints and the run
     keeps. Checked as ``tensorturn run`` checks them: a one-line SpecError (or RecipeError)."""
     from tensorturn.runs.launch import check_merge
+    from tensorturn.spec import check_bounds
 
     file = runfile.read(config_file) if config_file else {}
     settings = runfile.combine(file, runfile.check(options))
+    # how it runs, checked here too: --print-config writes only what `run` takes
+    check_bounds({"local_workers": settings.get("local_workers"), "timeout": settings.get("timeout")})
     spec = run_spec(settings, "")
     check_merge(spec.mode, settings["merge"])
     return runfile.resolved(spec, settings)

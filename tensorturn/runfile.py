@@ -83,6 +83,17 @@ def _fits(kind: str, value: Any) -> bool:
     return not isinstance(value, bool) and isinstance(value, TYPES[kind])
 
 
+def _check_option(what: str, value: Any) -> None:
+    """SpecError unless ``value`` is what a run's options hold (JSON: the spec is JSON): TOML's
+    dates and times are not."""
+    if isinstance(value, (dict, list)):
+        for v in value.values() if isinstance(value, dict) else value:
+            _check_option(what, v)
+    elif value is not None and not isinstance(value, (str, int, float, bool)):
+        raise SpecError(f"{what} is a TOML {type(value).__name__} ({value}), which a run's options cannot "
+                        f"hold: write it as a string (\"{value}\")")
+
+
 def check(settings: dict[str, Any], where: str = "") -> dict[str, Any]:
     """``settings`` with each key as a field name (``sync-every`` → ``sync_every``), or a
     one-line SpecError for the first unknown key or value of the wrong kind; ``where`` (a file)
@@ -106,6 +117,9 @@ def check(settings: dict[str, Any], where: str = "") -> dict[str, Any]:
             raise SpecError(f"{prefix}unknown setting {key!r}{hint}")
         if not _fits(known[name], value):
             raise SpecError(f"{prefix}{name} must be {KIND_WORDS[known[name]]} (got {value!r})")
+        if name == "recipe_options":
+            for option, given in value.items():
+                _check_option(f"{prefix}recipe option {option!r}", given)
         out[name] = value
     return out
 

@@ -34,6 +34,12 @@ def write(path, text: str):
      "{f}: 'broker' is where the run goes, not what runs: give --broker (or its environment variable) instead"),
     ('recipe = "digits-mlp\n', "{f} is not a valid TOML file: Illegal character '\\n' (at line 1, column 21)"),
     ('rounds = 2\n', "--recipe is required"),
+    ('recipe = "digits-mlp"\n[recipe_options]\nwhen = 2026-12-07T01:02:03\n',
+     "{f}: recipe option 'when' is a TOML datetime (2026-12-07 01:02:03), which a run's options cannot hold: "
+     "write it as a string (\"2026-12-07 01:02:03\")"),
+    ('recipe = "digits-mlp"\n[recipe_options]\nat = [12:00:00]\n',
+     "{f}: recipe option 'at' is a TOML time (12:00:00), which a run's options cannot hold: write it as a "
+     "string (\"12:00:00\")"),
 ])
 def test_a_bad_run_file_is_one_line_and_exit_2(tmp_path, text, line):
     f = write(tmp_path / "run.toml", text)
@@ -41,6 +47,16 @@ def test_a_bad_run_file_is_one_line_and_exit_2(tmp_path, text, line):
     assert (proc.returncode, proc.stderr) == (2, f"error: {line.format(f=f)}\n")
     assert "hunter2" not in proc.stdout + proc.stderr
     assert not (tmp_path / "store").exists()  # nothing started
+
+
+@pytest.mark.parametrize("setting", ["local_workers = 100000", "timeout = -1"])
+def test_print_config_writes_only_what_run_takes(tmp_path, setting):
+    f = write(tmp_path / "run.toml", f'recipe = "digits-mlp"\n{setting}\n')
+    printed, ran = (tt_here("run", "--config", f, *extra, "--store", str(tmp_path / "store"))
+                    for extra in (("--print-config",), ()))
+    assert printed.returncode == ran.returncode == 2 and printed.stdout == ""
+    flag = "--" + setting.split()[0].replace("_", "-")
+    assert printed.stderr == ran.stderr and printed.stderr.startswith(f"error: {flag}")
 
 
 def test_a_missing_run_file_is_one_line(tmp_path):
