@@ -104,6 +104,9 @@ def result_lines(doc: dict[str, Any]) -> list[str]:
                      + f"; `tensorturn resume {doc['run_id']}` continues it")
     for k, v in sorted((doc.get("metrics") or {}).items()):
         lines.append(f"  {k}: {v:.4f}" if isinstance(v, float) else f"  {k}: {v}")
+    if doc.get("agents"):
+        agents = doc["agents"]
+        lines.append(f"  trained on {len(agents)} agent{'s' if len(agents) != 1 else ''}: {', '.join(agents)}")
     for m in doc.get("members") or []:  # an ensemble's members left out of its vote, and why
         if m["state"] == MemberState.DROPPED:
             lines.append(f"  member {m['member']} dropped: {m['reason']}")
