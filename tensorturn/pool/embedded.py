@@ -364,6 +364,9 @@ class LocalPool:
         self.parent = warm.start_parent(self.agent_environ(0), log_path)
         _started.add(self.parent)
         self.redis.start()
+        from tensorturn.pool.celery_app import configure
+
+        configure(self.broker_url)  # Celery's import, for wait_ready, while the parent imports
         specs = []
         for i in range(self.workers):
             self.logs.append(self.workdir / f"agent-{i + 1}.log")
@@ -445,12 +448,13 @@ class LocalPool:
                 if proc.poll() is not None:
                     tail = log_path.read_text(errors="replace").strip().splitlines()[-5:]
                     raise TensorTurnError("a local agent exited at start: " + " | ".join(tail))
-            try:
-                replies = app.control.ping(timeout=0.5) or []
+            want = len(self.agents) if count is None else count
+            try:  # back once all answer (a ping sent before an agent listened gets no answer)
+                replies = app.control.ping(timeout=0.25, limit=want) or []
             except Exception as exc:  # noqa: BLE001 - the broker may be restarting
                 log.debug("ping failed: %s", exc)
                 replies = []
-            if len(replies) >= (len(self.agents) if count is None else count):
+            if len(replies) >= want:
                 return
             if time.monotonic() > deadline:
                 raise TensorTurnError(f"only {len(replies)} of {len(self.agents)} local agents "
