@@ -355,10 +355,8 @@ class LocalPool:
 
     def start_forked(self, timeout: float = 90) -> None:
         """Start the warm parent (:mod:`.warm`), Redis while it imports, then fork every agent
-        from it and wait until all of them answer — so all of them are taking work before a
-        run is queued. An agent's start is ~4 s of imports on one core; three apart on two
-        cores made the first ready only after ~7 s; forked, all are ready ~0.5 s after the
-        parent's imports (BENCHMARKS §8b)."""
+        from it and wait until all answer — all take work before a run is queued. All are
+        ready ~1 s after the parent's ~4 s of imports (BENCHMARKS §8b)."""
         log_path = self.workdir / "warm-parent.log"
         self.workdir.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.parent = warm.start_parent(self.agent_environ(0), log_path)
@@ -378,12 +376,10 @@ class LocalPool:
 
     def start_first_alone(self, timeout: float = 90) -> None:
         """Start Redis and the first agent, and return as soon as it answers; then start the
-        others, which join as they come up (where agents cannot be forked warm). An agent's
-        start is a few seconds of imports (torch, the recipes) on one core: three at once on two
-        cores make the first ready 60 % later (7.4 s against 4.7 s, idle, BENCHMARKS §8b), and a
-        run needs one to begin — the others steal its work as they arrive. (Redis first: an
-        agent checks the broker before its imports, and Redis answers within a fraction of a
-        second.)"""
+        others, which join as they come up (where agents are not forked warm). Three agents'
+        imports at once on two cores make the first ready 60 % later (7.4 s against 4.7 s,
+        BENCHMARKS §8b), and a run needs one to begin. (Redis first: an agent checks the broker
+        before its imports.)"""
         self.redis.start()
         self.start_agent(0)
         self.wait_ready(timeout, count=1)
