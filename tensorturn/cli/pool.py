@@ -7,7 +7,7 @@ from typing import Any
 import click
 
 from tensorturn import config
-from tensorturn.cli import cli, pool_options, stop_on_signals
+from tensorturn.cli import cli, debug_option, pool_options, stop_on_signals
 from tensorturn.cli.owner import policy_options
 from tensorturn.errors import TensorTurnError
 
@@ -116,6 +116,7 @@ def agent(broker, store, name, concurrency, memory_gb, cache_gb, role, loglevel,
 
 
 @cli.command("local-agents", hidden=True)
+@debug_option
 def local_agents():
     """An embedded pool's warm parent (tensorturn.pool.warm): import what an agent needs once,
     read the agents to start from stdin (JSON: each one's name, environment and log), fork

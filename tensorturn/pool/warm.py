@@ -74,7 +74,6 @@ def fork_agents(specs: list[dict[str, Any]], run: Callable[[dict[str, Any]], int
                     os.dup2(fd, target)
                 os.close(log)
                 os.close(null)
-                signal.signal(signal.SIGINT, signal.SIG_DFL)
                 code = run(spec)
             except SystemExit as exc:
                 code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
