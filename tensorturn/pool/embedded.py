@@ -483,8 +483,7 @@ class LocalPool:
         """Stop the warm parent (its agents have ended) and Redis; keep the logs (``keep_logs``)
         before the workdir goes."""
         if self.parent is not None:
-            platforms.kill_group(self.parent)
-            self.parent.wait()
+            warm.stop_parent(self.parent)
             self.logs.append(self.workdir / "warm-parent.log")
         self.redis.stop()
         if self.keep_logs is not None:

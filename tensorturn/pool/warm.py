@@ -25,6 +25,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
+import psutil
+
 from tensorturn import platforms
 from tensorturn.errors import TensorTurnError
 
@@ -169,14 +171,36 @@ def hand_over(parent: subprocess.Popen, specs: list[dict[str, Any]], log: Path,
         parent.stdin.close()
     except BrokenPipeError:
         pass  # it ended: said below
+    # read from the pipe itself: a buffered readline would take every line that has arrived
+    # (on a loaded machine, all the pids at once) and the next select would wait for none
+    pipe, read = parent.stdout.fileno(), b""
     deadline = time.monotonic() + timeout
     for _ in specs:
-        ready = select.select([parent.stdout], [], [], max(0.0, deadline - time.monotonic()))[0]
-        line = parent.stdout.readline() if ready else b""
-        if not line:
-            platforms.kill_group(parent)
-            tail = log.read_text(errors="replace").strip().splitlines()[-5:]
-            raise TensorTurnError("the local agents' warm parent "
-                                  + ("ended" if ready else f"did not fork them within {timeout:.0f}s")
-                                  + (": " + " | ".join(tail) if tail else ""))
+        while b"\n" not in read:
+            ready = select.select([pipe], [], [], max(0.0, deadline - time.monotonic()))[0]
+            more = os.read(pipe, 4096) if ready else b""
+            if not more:
+                stop_parent(parent)
+                tail = log.read_text(errors="replace").strip().splitlines()[-5:]
+                raise TensorTurnError("the local agents' warm parent "
+                                      + ("ended" if ready else f"did not fork them within {timeout:.0f}s")
+                                      + (": " + " | ".join(tail) if tail else ""))
+            read += more
+        line, read = read.split(b"\n", 1)
         yield ForkedAgent(json.loads(line)["pid"])
+
+
+def stop_parent(parent: subprocess.Popen) -> None:
+    """Kill the warm parent and the agents it forked (each a session of its own, which the
+    parent's group does not reach): those the pool has not been told of must not outlive it."""
+    try:
+        forked = [child.pid for child in psutil.Process(parent.pid).children()]
+    except psutil.Error:
+        forked = []
+    for pid in forked:
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    platforms.kill_group(parent)
+    parent.wait()
