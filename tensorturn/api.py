@@ -119,8 +119,9 @@ class Pool:
         """Start a private pool on this machine, as ``tensorturn run`` without ``--broker`` does:
         a redis-server and ``workers`` agent processes, storing to ``store`` (default
         ``./tensorturn-store``), importing the built-in recipes and those named in ``allow``
-        (``module:attr``). It returns once the first agent answers; the others join as they
-        come up. Its agents' logs are kept in ``.tensorturn/logs/pool-<time>``."""
+        (``module:attr``). It returns once every agent answers (on Linux, where they are forked
+        from one warm parent; elsewhere once the first does, the others joining as they come
+        up). Its agents' logs are kept in ``.tensorturn/logs/pool-<time>``."""
         from tensorturn import trust
         from tensorturn.pool.embedded import LocalPool, logs_dir
         from tensorturn.spec import check_bounds, new_run_id
@@ -129,7 +130,7 @@ class Pool:
         store_url = config.normalize_store_url(store) if store else config.default_store_url()
         trust.pool_key_or_create()
         local = LocalPool(workers, store_url, keep_logs=logs_dir(f"pool-{new_run_id()}"),
-                          allow=tuple(allow), first_alone=True)
+                          allow=tuple(allow), quick=True)
         local.__enter__()  # which stops what it started if it fails
         log.info("embedded pool up: %d agents, store %s", workers, config.mask_url(store_url))
         pool = cls(local.broker_url, store_url, local, tuple(allow))

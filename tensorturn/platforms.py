@@ -13,15 +13,29 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import psutil
 
 CREATE_NEW_PROCESS_GROUP = 0x00000200  # subprocess's, which exists only on Windows
+
+
+class Process(Protocol):
+    """A process as the embedded pool handles it: a :class:`subprocess.Popen`, or an agent
+    another process forked (:class:`tensorturn.pool.warm.ForkedAgent`)."""
+
+    pid: int
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+    def terminate(self) -> None: ...
+
+    def kill(self) -> None: ...
 
 
 def is_windows(platform: str = sys.platform) -> bool:
@@ -58,7 +72,7 @@ def new_group(platform: str = sys.platform) -> dict[str, Any]:
     return {"start_new_session": True}
 
 
-def kill_group(proc: subprocess.Popen, platform: str = sys.platform) -> None:
+def kill_group(proc: Process, platform: str = sys.platform) -> None:
     """Kill ``proc`` and every process it started, at once."""
     if is_windows(platform):
         try:
@@ -77,7 +91,7 @@ def kill_group(proc: subprocess.Popen, platform: str = sys.platform) -> None:
         pass
 
 
-def wake_group(proc: subprocess.Popen, platform: str = sys.platform) -> None:
+def wake_group(proc: Process, platform: str = sys.platform) -> None:
     """Continue a stopped process group (SIGCONT: a stopped agent cannot shut down). Windows
     has no stopped processes of this kind: nothing to do."""
     if is_windows(platform):
@@ -108,3 +122,9 @@ def stop_on_break(signals: Any = signal) -> bool:
         return False
     signals.signal(signals.SIGBREAK, signals.getsignal(signals.SIGINT))
     return True
+
+
+def forks_warm(platform: str = sys.platform) -> bool:
+    """Whether an embedded pool forks its agents from one parent that imported torch (where
+    forking a process that loaded torch is safe: Linux, as for the agent's pool)."""
+    return default_pool(platform) == "prefork"

@@ -270,3 +270,12 @@ def test_an_agent_describes_its_gpu_without_starting_cuda(tmp_path, monkeypatch)
         assert not torch.cuda.is_initialized()
     finally:
         telemetry.inventory.cache_clear()
+
+
+def test_an_agent_log_gives_no_advice_for_options_it_does_not_have(pool):
+    """Celery advises a worker started as root to use its `--uid` option, which `tensorturn
+    agent` has not: an agent's log says instead, in one line, that it runs as root."""
+    for log in pool.logs:
+        text = log.read_text(errors="replace")
+        assert "--uid" not in text and "SecurityWarning" not in text
+        assert ("this agent runs as root" in text) == (os.geteuid() == 0)

@@ -2,6 +2,7 @@
 
 import json
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -174,3 +175,54 @@ def test_stopping_an_embedded_run_stops_its_pool_and_says_how_to_resume(tmp_path
     doc = json.loads(status.stdout)
     assert doc["state"] == "cancelled" and "interrupting" in doc["cancelled"]["by"]
     assert not [a for a in doc["attempts"] if a["outcome"] == "running"]
+
+
+@pytest.mark.e2e
+def test_the_quick_start_trains_on_every_local_agent(tmp_path):
+    """The README's quick start (`--local-workers 3`): every agent answers before the run is
+    queued (forked from one warm parent on Linux), so each of the three takes work in this
+    short run, and the result says how many trained."""
+    store = str(tmp_path / "store")
+    done = tt("run", "--mode", "fused", "--recipe", "digits-mlp", "--local-workers", "3",
+              "--store", store, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    run_id = done.stdout.split()[1].rstrip(":")
+    agents = sorted(f"local{i}@{socket.gethostname()}" for i in (1, 2, 3))
+    assert f"  trained on 3 agents: {', '.join(agents)}" in done.stdout.splitlines()
+    doc = json.loads(tt("status", run_id, "--store", store, "--json", cwd=tmp_path).stdout)
+    assert sorted({a["worker"] for a in doc["attempts"]}) == doc["agents"] == agents
+    logs = sorted(p.name for p in (tmp_path / ".tensorturn" / "logs" / run_id).iterdir())
+    assert logs == ["agent-1.log", "agent-2.log", "agent-3.log", "redis.log", "warm-parent.log"]
+
+
+ALL_AT_ONCE = """
+import json, signal, sys
+specs = json.loads(sys.stdin.read())
+sys.stdout.write("".join(json.dumps({"pid": int(s["name"])}) + "\\n" for s in specs))
+sys.stdout.flush()
+signal.pause()
+"""
+
+
+def test_agents_a_warm_parent_reports_at_once_are_all_taken(tmp_path):
+    """On a loaded machine the warm parent's pid lines arrive together: each is taken as it is
+    (a buffered read took them all, and the pool then waited for lines already read)."""
+    from tensorturn.pool import warm
+
+    sleepers = [subprocess.Popen([sys.executable, "-c", "import signal; signal.pause()"])
+                for _ in range(3)]
+    parent = subprocess.Popen([sys.executable, "-c", ALL_AT_ONCE], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, start_new_session=True)
+    try:
+        specs = [{"name": str(p.pid)} for p in sleepers]
+        agents = list(warm.hand_over(parent, specs, tmp_path / "parent.log", timeout=120))
+        assert [a.pid for a in agents] == [p.pid for p in sleepers]
+        assert all(a.poll() is None for a in agents)
+        sleepers[0].kill()
+        sleepers[0].wait()
+        assert agents[0].wait(timeout=120) == -1 and agents[1].poll() is None
+    finally:
+        warm.stop_parent(parent)
+        for p in sleepers:
+            p.kill()
+            p.wait()

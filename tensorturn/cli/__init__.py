@@ -226,6 +226,16 @@ def cli() -> None:
     """
 
 
+def run_in(environ: dict[str, str], args: list[str]) -> None:
+    """Run the command ``args`` in this process as a process started with ``environ`` would
+    (an embedded pool's agent, forked from its warm parent: :mod:`tensorturn.pool.warm`): its
+    settings are read from that environment, not kept from the parent's. Exits."""
+    os.environ.clear()
+    os.environ.update(environ)
+    config.reload()
+    cli(args=args, prog_name="tensorturn")
+
+
 def main() -> None:
     args = sys.argv[1:]
     sys.argv[:] = title.masked(sys.argv)  # what Celery shows in its process titles (args read above)

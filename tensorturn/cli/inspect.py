@@ -44,10 +44,9 @@ def status(broker, store, run_id, as_json, watch, print_config):
     the traceback each failed task's last attempt recorded on its agent.
     """
     from tensorturn.cli.output import launched, print_result
+    from tensorturn.runs.display import shown
     from tensorturn.runs.records import describe
     from tensorturn.spec import FINISHED
-
-    from tensorturn.runs.display import shown
 
     down = BrokerDownWarning(store)
     doc = shown(describe(run_id, broker, store, on_broker_down=down))  # secret options masked

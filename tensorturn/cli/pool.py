@@ -7,7 +7,7 @@ from typing import Any
 import click
 
 from tensorturn import config
-from tensorturn.cli import cli, pool_options, stop_on_signals
+from tensorturn.cli import cli, debug_option, pool_options, stop_on_signals
 from tensorturn.cli.owner import policy_options
 from tensorturn.errors import TensorTurnError
 
@@ -113,6 +113,28 @@ def agent(broker, store, name, concurrency, memory_gb, cache_gb, role, loglevel,
 
     configure(broker)
     run_agent(name, concurrency, loglevel)
+
+
+@cli.command("local-agents", hidden=True)
+@debug_option
+def local_agents():
+    """An embedded pool's warm parent (tensorturn.pool.warm): import what an agent needs once,
+    read the agents to start from stdin (JSON: each one's name, environment and log), fork
+    them, and wait for them. Started by the pool, not by people."""
+    import json
+    import sys
+
+    from tensorturn.cli import run_in
+    from tensorturn.pool.warm import fork_agents, warm_up
+
+    warm_up()  # before stdin is read: the pool starts Redis meanwhile, then writes the specs
+    specs = json.loads(sys.stdin.buffer.read())
+
+    def agent_main(spec: dict[str, Any]) -> int:
+        run_in(spec["env"], ["agent", "--name", spec["name"], "--concurrency", "1"])
+        return 0
+
+    sys.exit(fork_agents(specs, agent_main, sys.stdout))
 
 
 @cli.command()

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from tensorturn import config, platforms, trust
 from tensorturn.errors import TensorTurnError
+from tensorturn.pool import warm
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +54,7 @@ def redis_server_binary() -> str:
 
 
 # the processes this one started and has not stopped: each is the leader of its own group
-_started: "weakref.WeakSet[subprocess.Popen]" = weakref.WeakSet()
+_started: "weakref.WeakSet[platforms.Process]" = weakref.WeakSet()
 
 
 def kill_started() -> None:
@@ -269,7 +270,7 @@ def agent_command(name: str, concurrency: int = 1) -> list[str]:
             "--concurrency", str(concurrency)]
 
 
-def stop_process_group(proc: subprocess.Popen, grace: float = 10.0, term: bool = True) -> None:
+def stop_process_group(proc: platforms.Process, grace: float = 10.0, term: bool = True) -> None:
     """SIGTERM the leader only (Celery's warm shutdown lets its pool children finish the task
     at hand; SIGTERM to the whole group would kill them mid-task), then SIGKILL the group."""
     if proc.poll() is not None:
@@ -287,14 +288,15 @@ class LocalPool:
     """Private redis-server + ``workers`` agent processes (named local1, local2, ...), each with
     its role (``roles[i]``; agents without one, or added later, train). The agents import the
     recipes this machine allows and, by exact name, those in ``allow`` (the user named them on
-    this machine: ``tensorturn run --recipe``)."""
+    this machine: ``tensorturn run --recipe``). ``quick``: start as fast as the platform allows
+    (:meth:`start`)."""
 
     def __init__(self, workers: int, store_url: str, workdir: Path | None = None,
                  loglevel: str = "WARNING", appendonly: bool = False,
                  roles: list[str] | None = None, keep_logs: Path | None = None,
-                 allow: Collection[str] = (), first_alone: bool = False):
+                 allow: Collection[str] = (), quick: bool = False):
         self.workers = workers
-        self.first_alone = first_alone  # start() returns once the first agent answers
+        self.quick = quick
         self.allow = tuple(allow)
         self.keep_logs = keep_logs  # where the agents' logs are kept once the pool stops
         self.roles = roles or ["train"] * workers
@@ -303,8 +305,9 @@ class LocalPool:
         self._tmp = None if workdir else tempfile.TemporaryDirectory(prefix="tensorturn-")
         self.workdir = Path(workdir) if workdir else Path(self._tmp.name)  # type: ignore[union-attr]
         self.redis = RedisServer(self.workdir / "redis", appendonly=appendonly)
-        self.agents: list[subprocess.Popen] = []
+        self.agents: list[platforms.Process] = []
         self.logs: list[Path] = []
+        self.parent: subprocess.Popen | None = None  # the warm parent of forked agents
 
     @property
     def broker_url(self) -> str:
@@ -334,23 +337,49 @@ class LocalPool:
             return True
 
     def start(self, timeout: float = 90) -> None:
-        """Start Redis and the agents and wait until every agent answers; with ``first_alone``,
-        only until the first does (:meth:`start_first_alone`)."""
-        if self.first_alone and self.workers > 1:
-            self.start_first_alone(timeout)
+        """Start Redis and the agents and wait until every agent answers. ``quick``, where
+        forking a process that loaded torch is safe (Linux), forks them from one warm parent
+        (:meth:`start_forked`); elsewhere it returns once the first answers
+        (:meth:`start_first_alone`)."""
+        if self.quick and self.workers > 1:
+            # a subclass that starts its agents its own way (testbed.netlab) keeps its way
+            if platforms.forks_warm() and type(self).agent_argv is LocalPool.agent_argv:
+                self.start_forked(timeout)
+            else:
+                self.start_first_alone(timeout)
             return
         self.redis.start()
         for i in range(self.workers):
             self.start_agent(i)
         self.wait_ready(timeout)
 
+    def start_forked(self, timeout: float = 90) -> None:
+        """Start the warm parent (:mod:`.warm`), Redis while it imports, then fork every agent
+        from it and wait until all answer — all take work before a run is queued. All are
+        ready ~1 s after the parent's ~4 s of imports (BENCHMARKS §8b)."""
+        log_path = self.workdir / "warm-parent.log"
+        self.workdir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.parent = warm.start_parent(self.agent_environ(0), log_path)
+        _started.add(self.parent)
+        self.redis.start()
+        from tensorturn.pool.celery_app import configure
+
+        configure(self.broker_url)  # Celery's import, for wait_ready, while the parent imports
+        specs = []
+        for i in range(self.workers):
+            self.logs.append(self.workdir / f"agent-{i + 1}.log")
+            specs.append({"name": f"local{i + 1}", "env": self.agent_env(i), "log": str(self.logs[i])})
+        for agent in warm.hand_over(self.parent, specs, log_path, timeout):
+            self.agents.append(agent)
+            _started.add(agent)
+        self.wait_ready(timeout)
+
     def start_first_alone(self, timeout: float = 90) -> None:
         """Start Redis and the first agent, and return as soon as it answers; then start the
-        others, which join as they come up. An agent's start is a few seconds of imports (torch,
-        the recipes) on one core: three at once on two cores make the first ready 60 % later
-        (7.4 s against 4.7 s, idle, BENCHMARKS §8b), and a run needs one to begin — the others
-        steal its work as they arrive. (Redis first: an agent checks the broker before its
-        imports, and Redis answers within a fraction of a second.)"""
+        others, which join as they come up (where agents are not forked warm). Three agents'
+        imports at once on two cores make the first ready 60 % later (7.4 s against 4.7 s,
+        BENCHMARKS §8b), and a run needs one to begin. (Redis first: an agent checks the broker
+        before its imports.)"""
         self.redis.start()
         self.start_agent(0)
         self.wait_ready(timeout, count=1)
@@ -373,8 +402,9 @@ class LocalPool:
     def agent_environ(self, i: int) -> dict[str, str]:
         return dict(os.environ)
 
-    def start_agent(self, i: int) -> subprocess.Popen:
-        """(Re)start agent ``local<i+1>`` as its own process group, logging to the workdir."""
+    def agent_env(self, i: int) -> dict[str, str]:
+        """The environment agent ``local<i+1>`` starts with: its settings over
+        :meth:`agent_environ`."""
         # secrets reach the agents in their environment (readable by this user only), never argv
         settings = self.agent_settings(i)
         if "TENSORTURN_SHUTDOWN_GRACE_S" not in os.environ:
@@ -384,7 +414,11 @@ class LocalPool:
             settings = settings.with_(shutdown_grace_s=1.0)
         if settings.cache_dir:  # a cache folder of its own, as a separate machine would have
             settings = settings.with_(cache_dir=str(Path(settings.cache_dir) / f"local{i + 1}"))
-        env = {**self.agent_environ(i), **settings.environ()}
+        return {**self.agent_environ(i), **settings.environ()}
+
+    def start_agent(self, i: int) -> subprocess.Popen:
+        """(Re)start agent ``local<i+1>`` as its own process group, logging to the workdir."""
+        env = self.agent_env(i)
         log_path = self.workdir / f"agent-{i + 1}.log"
         with open(log_path, "ab") as out:
             proc = subprocess.Popen(self.agent_argv(i), env=env, stdout=out,
@@ -410,12 +444,13 @@ class LocalPool:
                 if proc.poll() is not None:
                     tail = log_path.read_text(errors="replace").strip().splitlines()[-5:]
                     raise TensorTurnError("a local agent exited at start: " + " | ".join(tail))
-            try:
-                replies = app.control.ping(timeout=0.5) or []
+            want = len(self.agents) if count is None else count
+            try:  # back once all answer (a ping sent before an agent listened gets no answer)
+                replies = app.control.ping(timeout=0.25, limit=want) or []
             except Exception as exc:  # noqa: BLE001 - the broker may be restarting
                 log.debug("ping failed: %s", exc)
                 replies = []
-            if len(replies) >= (len(self.agents) if count is None else count):
+            if len(replies) >= want:
                 return
             if time.monotonic() > deadline:
                 raise TensorTurnError(f"only {len(replies)} of {len(self.agents)} local agents "
@@ -445,7 +480,11 @@ class LocalPool:
         self._close()
 
     def _close(self) -> None:
-        """Stop Redis; keep the logs (``keep_logs``) before the workdir goes."""
+        """Stop the warm parent (its agents have ended) and Redis; keep the logs (``keep_logs``)
+        before the workdir goes."""
+        if self.parent is not None:
+            warm.stop_parent(self.parent)
+            self.logs.append(self.workdir / "warm-parent.log")
         self.redis.stop()
         if self.keep_logs is not None:
             key = trust.find_key()

@@ -94,11 +94,12 @@ def _short(value: Any, limit: int = 80) -> str:
     return text if len(text) <= limit else text[:limit - 1] + "…"
 
 
-def contract(recipe: Any, x: Any, y: Any) -> None:
+def contract(recipe: Any, x: Any, y: Any, model: Any = None) -> None:
     """CheckFailed naming the first broken promise a run's results rest on, checked on a few
     preprocessed training rows ``x``, ``y``: a known task kind; no override its kind never calls;
     targets of the kind's type; ``input_shape``; sound ``classes`` and ``unscale_targets``; and
-    the model's outputs (built on the meta device) shaped as the kind and the targets need."""
+    the model's outputs (``model``'s, else the default model's built on the meta device) shaped
+    as the kind and the targets need."""
     import torch
 
     from tensorturn.recipes.kinds import KINDS
@@ -134,7 +135,12 @@ def contract(recipe: Any, x: Any, y: Any) -> None:
                  f"unscale_targets: must return a tensor shaped like its input {list(y.shape)}, got "
                  f"{list(back.shape) if isinstance(back, torch.Tensor) else type(back).__name__}")
         _require(bool(torch.isfinite(back).all()), "unscale_targets: returned values that are not finite")
-    out = _meta_outputs(recipe, x)
+    if model is None:
+        out = _meta_outputs(recipe, x)
+    else:  # a trained model at hand (served): its forward on a few rows, not a meta one (which
+        # runs torch's decompositions, and imports torch's dynamo for them: 1–2 s)
+        out = _step("predict", lambda: recipe.predict(model, x[:ROWS]))
+        out = out if isinstance(out, torch.Tensor) else None
     if out is None or len(x) == 0:
         return
     _require(out.ndim >= 1 and out.shape[0] == len(x),
@@ -187,12 +193,14 @@ def _meta_outputs(recipe: Any, x: Any) -> Any:
     return out if isinstance(out, torch.Tensor) else None
 
 
-def check_contract(name: str, recipe: Any, consequence: str, data: bool = True) -> None:
+def check_contract(name: str, recipe: Any, consequence: str, data: bool = True,
+                   model: Any = None) -> None:
     """:func:`contract` on a few training rows of ``recipe`` (of a distillation: of the
     ensemble's recipe): RecipeError in one line — "recipe NAME failed at STEP: what; consequence".
 
     Without ``data`` (serving a model, souping members: the training data may live only on
-    the trainers), on zeros of the recipe's input shape and no targets instead."""
+    the trainers), on zeros of the recipe's input shape and no targets instead. ``model``: the
+    trained model whose outputs are checked (serving one), else the recipe's default one."""
     from tensorturn.recipes import BUILTIN
 
     # a student of the ``distill`` recipe is checked on its ensemble's recipe (named, not imported)
@@ -200,7 +208,7 @@ def check_contract(name: str, recipe: Any, consequence: str, data: bool = True) 
     target = recipe.base if distilled else recipe
     try:
         x, y = _step("data", lambda: target.sample_rows("train", ROWS)) if data else _no_data(target)
-        contract(target, x, y)
+        contract(target, x, y, model if target is recipe else None)  # a student: its own kind
     except CheckFailed as exc:
         raise CheckFailed(f"recipe {name!r} failed at {exc}; {consequence}") from exc
 

@@ -121,6 +121,9 @@ def result_lines(doc: dict[str, Any]) -> list[str]:
     if isinstance(best_r2, (int, float)) and best_r2 < 0:
         lines.append(f"  warning: every member's R² on the test rows is below 0 (the best: {figure(best_r2)}): "
                      f"each predicts worse than the targets' mean (a learning rate too high? too few steps?)")
+    if doc.get("agents"):
+        agents = doc["agents"]
+        lines.append(f"  trained on {len(agents)} agent{'s' if len(agents) != 1 else ''}: {', '.join(agents)}")
     for m in doc.get("members") or []:  # an ensemble's members left out of its vote, and why
         if m["state"] == MemberState.DROPPED:
             lines.append(f"  member {m['member']} dropped: {m['reason']}")

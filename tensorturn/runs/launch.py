@@ -185,8 +185,9 @@ def embedded(stages: list[Stage], store_url: str, local_workers: int, timeout_s:
     docs = [] if docs is None else docs
     try:
         logs = logs_dir(run_id)  # kept once the pool stops: a failure is explained there too
-        # the run begins once one agent answers; the others join as they come up
-        with LocalPool(local_workers, store_url, keep_logs=logs, allow=recipes, first_alone=True) as pool:
+        # every agent answers before the run begins (forked warm; elsewhere the first, the
+        # others joining as they come up)
+        with LocalPool(local_workers, store_url, keep_logs=logs, allow=recipes, quick=True) as pool:
             observer.say(f"pool ready in {time.monotonic() - t0:.1f}s")  # no run id: none exists yet
             board = RunBoard(check_broker(pool.broker_url))
             for run_id, start in stages:

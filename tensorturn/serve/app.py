@@ -110,7 +110,8 @@ class ServedModel:
         self.predictor, self.manifest = load_result(store, run_id)
         check_finite(self.predictor, run_id)
         self.recipe = self.predictor.recipe
-        check_contract(self.manifest["recipe"], self.recipe, f"run {run_id} is not served", data=False)
+        check_contract(self.manifest["recipe"], self.recipe, f"run {run_id} is not served", data=False,
+                       model=self.predictor.models[0])
         self.run_id, self.kind, self.classes = run_id, self.recipe.kind, self.recipe.classes
         self.input_shape = self.recipe.input_shape()
         self.names = {run_id} | ({alias} if alias else set())

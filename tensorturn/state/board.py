@@ -353,6 +353,8 @@ class RunBoard:
             "error": h.get("error"),
             "spec": spec,
         }
+        # the agents that ran its tasks (training, outer steps, evaluation): `run` says how many
+        out["agents"] = sorted({a["worker"] for a in out["attempts"] if a.get("worker")})
         if h["state"] == RunState.CANCELLED:
             out["cancelled"] = {"at": out["finished_at"], "by": h.get("cancelled_by")}
         if h["mode"] == "ensemble":

@@ -17,15 +17,17 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tensorturn import layout, trust
 from tensorturn.config import mask_text
 from tensorturn.errors import NotFound, StoreError
 from tensorturn.spec import FINISHED, RunSpec, RunState
-from tensorturn.state.board import RunBoard
 from tensorturn.state.clock import broker_now
 from tensorturn.store.objects import ObjectMissing, Store
+
+if TYPE_CHECKING:  # a type only: `serve` marks a run as served without loading Redis's client (0.2 s)
+    from tensorturn.state.board import RunBoard
 
 log = logging.getLogger(__name__)
 
