@@ -360,7 +360,7 @@ class Server:
     """``tensorturn serve RUN_ID`` in a process of its own on a free loopback port, ready (its
     health probe answers); :meth:`stop` ends it and returns what it printed."""
 
-    def __init__(self, store: str, run_id: str, *extra: str):
+    def __init__(self, store: str, run_id: str, *extra: str, env: dict[str, str] | None = None):
         import httpx
 
         from tensorturn.pool.embedded import free_port
@@ -370,7 +370,7 @@ class Server:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tensorturn", "serve", run_id, "--store", store, "--host",
              "127.0.0.1", "--port", str(self.port), *extra],
-            env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env=env or clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             stdin=subprocess.DEVNULL, start_new_session=True)
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline:

@@ -115,7 +115,7 @@ def test_check_recipe_tries_the_hooks_on_a_fresh_instance():
 def test_the_run_keeps_what_raw_data_learned_and_every_task_builds_the_recipe_with_it(world):
     spec = world.submit(recipe="learned_recipes:Diabetes", **FUSED)
     stored = load_spec(open_store(spec.store_url), spec.run_id)
-    assert set(stored.recipe_state) == {"_ymean", "_ystd", "_xmean", "_xstd", "_range"}
+    assert set(stored.recipe_state) == {"_ymean", "_ystd", "_xmean", "_xstd", "_range", "_tensorturn_input_shape"}
     recipe_base._SPLITS.clear()  # as on a fresh agent: nothing loaded, nothing learned here
     recipe = recipe_of(stored)
     assert abs(recipe._ymean - 152) < 5 and recipe._xmean.shape == (10,)  # before any hook ran
@@ -186,7 +186,7 @@ def test_learned_state_trains_in_both_modes_and_is_served_and_loaded_without_the
         values = json.loads(loaded.stdout)
         assert len(values) == 5 and all(0 < v < 400 for v in values)  # the score: 25 to 346
     token = tt_json("token", "create", "--store", store, "--json", cwd=tmp_path)["token"]
-    server = Server(store, fused["run_id"], "--allow-recipe", ALLOW)
+    server = Server(store, fused["run_id"], "--allow-recipe", ALLOW, env=no_data)  # no data here either
     try:
         body = {"inputs": [{"name": "input", "shape": list(raw.shape), "datatype": "FP32",
                             "data": raw.flatten().tolist()}]}

@@ -96,9 +96,10 @@ class Recipe:
         return {key: rng.choice(choices) for key, choices in sorted(self.config_space().items())}
 
     def input_shape(self) -> list[int]:
-        """Shape of one raw input row (without the batch dimension)."""
-        x = load_splits(self).x_test
-        return list(x.shape[1:])
+        """Shape of one raw input row (without the batch dimension): learned with the splits and
+        kept with the run, so a machine without the data (``serve``, an export) knows it too."""
+        known = vars(self).get(INPUT_SHAPE)
+        return list(known) if known is not None else list(load_splits(self).x_test.shape[1:])
 
     def preprocess(self, raw: torch.Tensor) -> torch.Tensor:
         """Raw inputs → model inputs. Applied to training data and to served requests."""
@@ -258,6 +259,8 @@ def code_of_the_recipe(hook: str) -> Iterator[None]:
 
 
 _SPLITS: dict[tuple[str, str], tuple[Splits, dict[str, Any]]] = {}
+# the shape of a row of the splits, learned beside what raw_data sets (Recipe.input_shape reads it)
+INPUT_SHAPE = "_tensorturn_input_shape"
 # by recipe class: the names of the attributes its raw_data (or preprocess) set — its learned state
 _LEARNED: dict[str, set[str]] = {}
 
@@ -282,6 +285,7 @@ def load_splits(recipe: Recipe) -> Splits:
         p = recipe.preprocess
         splits = Splits(p(xtr), ytr, p(xva), yva, p(xte), yte)
         learned = {k: v for k, v in vars(recipe).items() if k not in before or v is not before[k]}
+        learned[INPUT_SHAPE] = list(splits.x_test.shape[1:])
         _LEARNED.setdefault(type(recipe).__qualname__, set()).update(learned)
         found = _SPLITS[_splits_key(recipe)] = (splits, learned)
     splits, learned = found
