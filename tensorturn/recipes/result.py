@@ -202,8 +202,18 @@ def load_result(store: Store, run_id: str, allow: Collection[str] = ()) -> tuple
     signed by the pool key, its recipe allowed on this machine or named in ``allow`` (checked
     before the model file is read), and the file must match the manifest's sha256 and name the
     same recipe."""
+    from tensorturn.data.source import pinned
+
     data, manifest = result_bytes(store, run_id, allow)
-    return Predictor.from_bytes(data, allow, what=f"run {run_id}'s model file"), manifest
+    with pinned(dataset_pins(manifest)):  # a recipe over a pushed dataset reads the run's index
+        return Predictor.from_bytes(data, allow, what=f"run {run_id}'s model file"), manifest
+
+
+def dataset_pins(manifest: dict[str, Any]) -> dict[str, str] | None:
+    """The dataset indexes the run pinned when it started (key → sha256; the signed spec's
+    ``datasets``), or None for a run started before runs pinned them."""
+    pins = (manifest.get("spec") or {}).get("datasets")
+    return pins if isinstance(pins, dict) else None
 
 
 def result_bytes(store: Store, run_id: str, allow: Collection[str] = ()) -> tuple[bytes, dict[str, Any]]:
