@@ -250,6 +250,10 @@ class RunSpec:
     # what the recipe's raw_data learned from the training data, set on every instance before any
     # hook (recipes/learned.py): filled when the run starts, signed with the spec
     recipe_state: dict[str, Any] = field(default_factory=dict)
+    # the pushed-dataset indexes the recipe read when the run started (store key → sha256 of the
+    # index's bytes), signed with the spec: every machine's recipe reads those bytes or fails
+    # (tensorturn.data.source.pinned). None: a run started before runs pinned them
+    datasets: dict[str, str] | None = None
     seed: int = 0
     # inner training (None: the recipe's default)
     lr: float | None = None

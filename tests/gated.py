@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from tensorturn.recipes.digits import DigitsMLP
+from tensorturn.recipes.tabular import Tabular
 
 
 def closed(k: int) -> bool:
@@ -45,6 +46,19 @@ class Gated(DigitsMLP):
         while closed(k):
             time.sleep(0.05)
         return super().shard_data(k, shards, seed)
+
+
+class GatedTable(Tabular):
+    """``tabular`` over a pushed dataset, built only while the gate lets it (with ``{"after":
+    ...}``: a run's start builds it before its spec is stored, its tasks after): a test can change
+    the store between a run's start and its tasks' first read of the dataset's index."""
+
+    name = "gated-table"
+
+    def __init__(self, dataset: str, version: int | None = None, hidden: list[int] | None = None):
+        while closed(-1):
+            time.sleep(0.05)
+        super().__init__(dataset, version, hidden)
 
 
 class FailsOnce(Gated):

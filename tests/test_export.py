@@ -21,7 +21,7 @@ import tensorturn.export
 from tensorturn import layout
 from tensorturn.errors import SpecError, TensorTurnError
 from tensorturn.recipes import charlm
-from tensorturn.store.objects import open_store
+from tensorturn.store.objects import open_store, sha256_hex
 from tensorturn.trust import UntrustedError
 
 # over a text at a relative path, as a user names it: the folder must load where it is not
@@ -342,6 +342,49 @@ def test_export_refuses_what_it_cannot_write_in_one_line_and_writes_nothing(runs
         said = "is running" if state == "running" else "failed"
         assert proc.returncode == 2 and f"run {run_id} {said}" in proc.stderr
         assert not (tmp_path / run_id).exists()
+
+
+def test_export_writes_nothing_outside_dir_whatever_the_dataset_index_holds(runs, folders, tmp_path):
+    """Issue 47 #1: the folder's copy of the dataset index was put at a path made of the stored
+    index's own ``name``: a store writer's ``../../../../elsewhere/escaped`` made `export` (exit 0)
+    write ``elsewhere/escaped/v0001.json``, outside DIR. Every path now comes from the run's
+    signed spec, and the index is checked against the sha256 the run pinned when it started."""
+    from tensorturn import trust
+
+    store = tmp_path / "store"
+    shutil.copytree(runs["table_store"], store)
+    run_id, index_file = runs["tabular"]["run_id"], store / "datasets" / "houses" / "v0001.json"
+    honest = index_file.read_bytes()
+    index = json.loads(honest)
+    out = tmp_path / "out"
+    # a name that climbs out of DIR (the index's own name, not its key)
+    index_file.write_text(json.dumps({**index, "name": "../../../../elsewhere/escaped"}))
+    proc = tt_here("export", run_id, str(out / "model"), "--store", str(store))
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert ("the index of dataset 'houses' version 1 (datasets/houses/v0001.json) names dataset "
+            "'../../../../elsewhere/escaped'" in proc.stderr), proc.stderr
+    assert not (tmp_path / "elsewhere").exists() and not out.exists()
+    # the name kept, the chunks changed (validation's for training's): not the index the run read
+    index_file.write_text(json.dumps({**index, "splits": {**index["splits"], "train": index["splits"]["val"]}}))
+    proc = tt_here("export", run_id, str(out / "model"), "--store", str(store))
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "the dataset index datasets/houses/v0001.json is not the one the run read when it started" in proc.stderr
+    assert not out.exists()
+    # a run from before runs pinned their index (its signed manifest without the pin) still exports,
+    # its index checked to name its own dataset and version
+    index_file.write_bytes(honest)
+    manifest_key = layout.key("manifest", run_id)
+    files = open_store(store.as_uri())
+    manifest = trust.pool_key().check_doc("manifest", files.get_json(manifest_key), "manifest")
+    assert manifest["spec"]["datasets"] == {"datasets/houses/v0001.json": sha256_hex(honest)}
+    del manifest["spec"]["datasets"]
+    files.put_json(manifest_key, trust.pool_key().sign_doc("manifest", manifest))
+    done = tt_here_json("export", run_id, str(out / "old"), "--store", str(store), "--json")
+    assert "dataset/datasets/houses/v0001.json" in done["files"]
+    index_file.write_text(json.dumps({**index, "name": "../../../../elsewhere/escaped"}))
+    proc = tt_here("export", run_id, str(out / "model"), "--store", str(store))
+    assert proc.returncode == 2 and "names dataset '../../../../elsewhere/escaped'" in proc.stderr
+    assert not (tmp_path / "elsewhere").exists() and sorted(p.name for p in out.iterdir()) == ["old"]
 
 
 def test_the_command_runs_as_a_user_runs_it(runs, folders, tmp_path):

@@ -7,16 +7,18 @@ loaded the machine is."""
 
 from __future__ import annotations
 
+import csv
 import json
 
 import pytest
 import torch
-from conftest import start_pool, tt_json, wait_for
+from conftest import start_pool, tt_here, tt_json, wait_for
 
 from tensorturn import layout
 from tensorturn.spec import FINISHED
 from tensorturn.state.board import RunBoard
 from tensorturn.state.broker import check_broker
+from tensorturn.store.objects import sha256_hex
 from tensorturn.store.tensors import delta_bytes, from_bytes
 
 pytestmark = pytest.mark.e2e
@@ -116,3 +118,39 @@ def test_an_async_ledger_pointed_at_another_runs_model_is_put_back_from_the_stor
     assert doc["model_sha256"] != other_sha
     log = [json.loads(p.read_text()) for p in sorted((store / "runs" / run_id / "async" / "log").glob("*.json"))]
     assert all(entry["key"].startswith(f"runs/{run_id}/async/versions/") for entry in log)
+
+
+def test_a_dataset_index_rewritten_after_the_run_started_fails_its_attempts_naming_it(gated_pool, tmp_path):
+    """Issue 47 #1: the dataset index is not sealed (a push writes it, not a run), so a store
+    writer could swap the chunks a run trains on. The run pins the index's sha256 in its signed
+    spec when it starts; here the train and validation chunks are swapped once it has, and every
+    attempt that reads the index fails naming it: the run never trains on them."""
+    pool, store, gate = gated_pool
+    table = tmp_path / "houses.csv"
+    with open(table, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["rooms", "area", "price"])
+        w.writerows([[i % 5 + 1, 20 + i, 10 * (i % 5) + 2 * i] for i in range(200)])
+    pushed = tt_here("data", "push", str(table), "--name", "houses", "--label", "price", "--store", str(store))
+    assert pushed.returncode == 0, pushed.stderr
+    close(gate, after="runs/*/spec.json", store=str(store))  # the run's tasks build its recipe after we act
+    run_id = tt_json("run", "--broker", pool.broker_url, "--store", str(store), "--recipe", "gated:GatedTable",
+                     "--recipe-option", "dataset=houses", "--rounds", "1", "--shards", "2", "--sync-every", "2",
+                     "--max-attempts", "2", "--detach", "--json")["run_id"]
+    spec = store / "runs" / run_id / "spec.json"
+    wait_for(spec.exists, "the run's spec stored")
+    index_file = store / "datasets" / "houses" / "v0001.json"
+    honest = index_file.read_bytes()
+    index = json.loads(honest)
+    index["splits"]["train"], index["splits"]["val"] = index["splits"]["val"], index["splits"]["train"]
+    index["rows"]["train"], index["rows"]["val"] = index["rows"]["val"], index["rows"]["train"]
+    index_file.write_text(json.dumps(index))
+    gate.unlink()
+    board = RunBoard(check_broker(pool.broker_url))
+    doc = finished(board, run_id)
+    assert doc["state"] == "failed"
+    assert ("the dataset index datasets/houses/v0001.json is not the one the run read when it started"
+            in doc["error"]), doc["error"]
+    assert "\n" not in doc["error"]
+    assert not (store / "runs" / run_id / "final").exists()
+    assert json.loads(spec.read_text())["datasets"] == {"datasets/houses/v0001.json": sha256_hex(honest)}

@@ -4,6 +4,7 @@ showing and removing versions — a removed version's chunks go with it unless a
 
 from __future__ import annotations
 
+import json
 import re
 from typing import TYPE_CHECKING, Any
 
@@ -42,19 +43,43 @@ def names(store: Store) -> list[str]:
 
 def show(store: Store, name: str, version: int | None = None) -> dict[str, Any]:
     """The index of ``name`` (its latest version unless ``version``); NotFound names what exists."""
-    from tensorturn.store.objects import ObjectMissing
+    return read(store, name, version)[0]
+
+
+def read(store: Store, name: str, version: int | None = None) -> tuple[dict[str, Any], str, str]:
+    """(index, its store key, the sha256 of its bytes) of ``name`` (its latest version unless
+    ``version``): what :func:`show` returns, and what a run pins of it. The key is built from
+    ``name`` and the version, never from the index's fields; an index that names another dataset
+    or version than its key is refused (TamperedObject): a store writer's copy, or a hand edit.
+    NotFound names what exists."""
+    from tensorturn.store.objects import ObjectMissing, sha256_hex
+    from tensorturn.store.seals import TamperedObject
 
     check_name(name)
+    if version is not None and (not isinstance(version, int) or isinstance(version, bool) or version < 1):
+        raise SpecError(f"dataset {name!r}: version {version!r} is not a version number (1, 2, ...)")
     known = versions(store, name)
     if not known:
         have = ", ".join(names(store)) or "none"
         raise NotFound(f"no dataset {name!r} in the store (datasets: {have}; see `tensorturn data push`)")
     version = version or known[-1]["version"]
+    key = layout.key("dataset", name, version)
     try:
-        return store.get_json(layout.key("dataset", name, version))
+        data = store.get_bytes(key)
     except ObjectMissing:
         raise NotFound(f"dataset {name!r} has no version {version} "
                        f"(versions: {', '.join(str(v['version']) for v in known)})") from None
+    try:
+        index = json.loads(data)
+    except ValueError:
+        index = None
+    if not isinstance(index, dict) or not isinstance(index.get("splits"), dict):
+        raise TamperedObject(f"the index of dataset {name!r} version {version} ({key}) is not a dataset "
+                             f"index: damaged or tampered with; refused")
+    if index.get("name") != name or index.get("version") != version:
+        raise TamperedObject(f"the index of dataset {name!r} version {version} ({key}) names dataset "
+                             f"{index.get('name')!r} version {index.get('version')!r}: tampered with; refused")
+    return index, key, sha256_hex(data)
 
 
 def summary(index: dict[str, Any]) -> dict[str, Any]:

@@ -11,7 +11,7 @@ is read by two shards.
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
 from functools import lru_cache
@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from tensorturn import config
 from tensorturn.data.cache import DEFAULT_DIR, ChunkCache
-from tensorturn.data.index import show
+from tensorturn.data.index import read
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -74,6 +74,49 @@ def reading_from(store: Store) -> Iterator[None]:
         _READ_FROM.reset(token)
 
 
+# The dataset indexes a run pinned when it started (store key → sha256 of the index's bytes; the
+# spec's ``datasets``, signed with it), while a recipe of the run is built: every index read then
+# must be one of them, byte for byte — the index names the chunks a shard trains on, and the index
+# itself is not sealed. Also what was read, for the run's start to pin.
+_PINS: ContextVar[tuple[Mapping[str, str] | None, dict[str, str]] | None] = ContextVar(
+    "tensorturn_dataset_pins", default=None)
+
+
+@contextmanager
+def pinned(indexes: Mapping[str, str] | None) -> Iterator[dict[str, str]]:
+    """Datasets built in this block read only the indexes in ``indexes`` (key → sha256), with
+    those bytes; anything else is refused (TamperedObject naming the index). ``None`` checks
+    nothing: a run started before runs pinned their indexes (each index is still checked to name
+    its own dataset and version, and each chunk against the sha256 the index gives it). Yields
+    the indexes read in the block, key → sha256: what a starting run pins."""
+    read_here: dict[str, str] = {}
+    token = _PINS.set((indexes, read_here))
+    try:
+        yield read_here
+    finally:
+        _PINS.reset(token)
+
+
+def check_pinned(key: str, sha256: str) -> None:
+    """TamperedObject unless the index at ``key`` whose bytes hash to ``sha256`` is one the
+    :func:`pinned` block around this call allows; records it as read."""
+    from tensorturn.store.seals import TamperedObject
+
+    pins = _PINS.get()
+    if pins is None:
+        return
+    expected, read_here = pins
+    read_here[key] = sha256
+    if expected is None or expected.get(key) == sha256:
+        return
+    if key in expected:
+        raise TamperedObject(f"the dataset index {key} is not the one the run read when it started "
+                             f"(sha256 {sha256[:12]}…, pinned {str(expected[key])[:12]}…): tampered with "
+                             f"or rewritten; refused")
+    raise TamperedObject(f"the dataset index {key} is not one the run read when it started (it pinned "
+                         f"{', '.join(sorted(expected)) or 'none'}); refused")
+
+
 class Dataset:
     """A version of a pushed dataset, read from this machine's store and cache."""
 
@@ -83,7 +126,9 @@ class Dataset:
 
         self.store = store or _READ_FROM.get() or open_store(config.current().resolved_store_url())
         self.cache = cache or machine_cache()
-        self.index: dict[str, Any] = show(self.store, name, version)
+        self.index: dict[str, Any]
+        self.index, key, sha256 = read(self.store, name, version)
+        check_pinned(key, sha256)
         self._bounds: dict[tuple[str, int], list[int]] = {}
 
     def rows(self, split: str) -> int:

@@ -26,6 +26,7 @@ import numpy as np
 
 from tensorturn import layout
 from tensorturn.config import mask_url, public
+from tensorturn.data.source import check_pinned, pinned
 from tensorturn.errors import NotFound, RecipeError, SpecError, TensorTurnError
 from tensorturn.export import card
 from tensorturn.export.loaded import (
@@ -39,7 +40,7 @@ from tensorturn.export.loaded import (
     rebuilt,
 )
 from tensorturn.recipes.answer import served_outputs
-from tensorturn.recipes.result import Predictor, result_bytes
+from tensorturn.recipes.result import Predictor, dataset_pins, result_bytes
 from tensorturn.spec import FINISHED, RunState
 from tensorturn.store.objects import ObjectMissing, Store
 from tensorturn.store.tensors import metadata_of
@@ -112,8 +113,9 @@ def export_run(store: Store, run_id: str, dest: str | Path, formats: Sequence[st
     check_no_secret(metadata_of(data), run_id)
     hint = ("a relative path is read from the current folder: export where the run's data is "
             "at the path its options name")
-    predictor = rebuilt(data, hint=hint)
     dataset = _dataset_index(store, manifest)
+    with pinned(dataset_pins(manifest)):  # the recipe reads the run's dataset index, as checked
+        predictor = rebuilt(data, hint=hint, what=f"run {run_id}'s model file")
     try:
         doc = describe(predictor, manifest, metadata_of(data), dataset)
     except OSError as exc:  # the recipe read its data again (a vocabulary, an input shape)
@@ -162,7 +164,7 @@ def check_no_secret(file_meta: dict[str, str], run_id: str) -> None:
                         f"environment, not as options)")
 
 
-def _write_folder(dest: Path, data: bytes, dataset: dict[str, Any] | None, wanted: list[str],
+def _write_folder(dest: Path, data: bytes, dataset: DatasetIndex | None, wanted: list[str],
                   predictor: Predictor, doc: dict[str, Any], manifest: dict[str, Any]) -> None:
     """The folder, written under a temporary name beside ``dest`` and renamed into place."""
     dest.parent.mkdir(parents=True, exist_ok=True)
@@ -170,9 +172,9 @@ def _write_folder(dest: Path, data: bytes, dataset: dict[str, Any] | None, wante
     try:
         (work / MODEL_FILE).write_bytes(data)
         if dataset is not None:  # as a file store lays it out, so the recipe reads it unchanged
-            index_file = work / DATASET_DIR / layout.key("dataset", dataset["name"], dataset["version"])
+            index_file = work / DATASET_DIR / dataset.key  # its key: a checked name, a version number
             index_file.parent.mkdir(parents=True)
-            index_file.write_text(json.dumps(dataset, sort_keys=True), encoding="utf-8")
+            index_file.write_text(json.dumps(dataset.index, sort_keys=True), encoding="utf-8")
         for fmt in wanted:
             doc["formats"][fmt] = _write_format(fmt, predictor, doc, work)
         for name, text in texts(doc, manifest).items():
@@ -203,18 +205,34 @@ def _write_format(fmt: str, predictor: Predictor, doc: dict[str, Any], work: Pat
     return TRANSFORMERS_DIR
 
 
-def _dataset_index(store: Store, manifest: dict[str, Any]) -> dict[str, Any] | None:
-    """The pushed dataset version the run's recipe read (its index: no rows), or None."""
+@dataclass
+class DatasetIndex:
+    """The pushed dataset version a run's recipe read: its index (no rows), and its store key —
+    built from the run's signed spec (a checked name and a version number), never from a field of
+    the index, which is where it goes in the folder."""
+
+    key: str
+    index: dict[str, Any]
+
+
+def _dataset_index(store: Store, manifest: dict[str, Any]) -> DatasetIndex | None:
+    """The pushed dataset version the run's recipe read, or None. Checked as the run's machines
+    check it: against the sha256 the run pinned in its signed spec when it started (a run
+    started before runs pinned it: the index must name the dataset and version its key does);
+    otherwise one line naming the index (TamperedObject), and nothing is written."""
     options = (manifest.get("spec") or {}).get("recipe_options") or {}
     if not options.get("dataset"):
         return None
-    from tensorturn.data.index import show
+    from tensorturn.data.index import read
 
-    return show(store, str(options["dataset"]), options.get("version"))
+    with pinned(dataset_pins(manifest)):
+        index, key, sha256 = read(store, str(options["dataset"]), options.get("version"))
+        check_pinned(key, sha256)
+    return DatasetIndex(key, index)
 
 
 def describe(predictor: Predictor, manifest: dict[str, Any], file_meta: dict[str, str],
-             dataset: dict[str, Any] | None) -> dict[str, Any]:
+             dataset: DatasetIndex | None) -> dict[str, Any]:
     """``config.json``: everything needed to rebuild and understand the model, no secret: what
     is there for people (the recipe's and the run's options, lineage) is :func:`public` — every
     string masked, secret-named values ``***`` — and what rebuilds the model with none of its data
@@ -270,12 +288,13 @@ def describe(predictor: Predictor, manifest: dict[str, Any], file_meta: dict[str
     return doc
 
 
-def data_version(options: dict[str, Any], dataset: dict[str, Any] | None) -> dict[str, Any]:
+def data_version(options: dict[str, Any], dataset: DatasetIndex | None) -> dict[str, Any]:
     """What the model was trained on, as precisely as the run records it."""
     if dataset is not None:
-        return {"dataset": dataset.get("name"), "version": dataset.get("version"),
-                "rows": dataset.get("rows"), "created_at": dataset.get("created_at"),
-                "source": dataset.get("source")}
+        index = dataset.index
+        return {"dataset": index.get("name"), "version": index.get("version"),
+                "rows": index.get("rows"), "created_at": index.get("created_at"),
+                "source": index.get("source")}
     if options.get("data"):
         return {"file": str(options["data"])}
     return {"built_in": "the recipe's own data"}

@@ -21,9 +21,9 @@ from torch import nn
 from tensorturn.errors import RecipeError, SpecError, TensorTurnError
 from tensorturn.recipes import Recipe
 from tensorturn.recipes.answer import served_outputs
-from tensorturn.recipes.result import Predictor
+from tensorturn.recipes.result import Predictor, ShapeMismatch
 from tensorturn.store.objects import sha256_hex
-from tensorturn.store.tensors import metadata_of
+from tensorturn.store.tensors import header_of
 from tensorturn.trust import UntrustedError
 
 EXPORT_FORMAT = "tensorturn-export/1"
@@ -107,7 +107,26 @@ def read_config(folder: Path) -> dict[str, Any]:
     if not isinstance(doc, dict) or doc.get("format") != EXPORT_FORMAT:
         found = doc.get("format") if isinstance(doc, dict) else None
         raise TensorTurnError(f"{folder / CONFIG_FILE} is format {found!r}, not {EXPORT_FORMAT!r}")
+    wrong = _wrong_field(doc)
+    if wrong:
+        raise TensorTurnError(f"{folder / CONFIG_FILE}: {wrong}: not a whole folder from `tensorturn export`")
     return doc
+
+
+def _wrong_field(doc: dict[str, Any]) -> str | None:
+    """What is missing or of the wrong type among the fields :func:`load` and
+    :class:`ExportedModel` read, or None."""
+    recipe, given = doc.get("recipe"), doc.get("input")
+    shape = given.get("shape") if isinstance(given, dict) else None
+    checks = (("model_sha256", isinstance(doc.get("model_sha256"), str), "a string"),
+              ("recipe", isinstance(recipe, dict) and isinstance(recipe.get("name"), str),
+               "an object with the recipe's name"),
+              ("recipe.standalone_options", not isinstance(recipe, dict)
+               or isinstance(recipe.get("standalone_options") or {}, dict), "an object"),
+              ("input.shape", isinstance(shape, list) and all(isinstance(d, int) and not isinstance(d, bool)
+                                                              and d > 0 for d in shape), "a list of sizes"),
+              ("dataset", doc.get("dataset") in (None, DATASET_DIR), repr(DATASET_DIR)))
+    return next((f"{name} is missing or not {kind}" for name, ok, kind in checks if not ok), None)
 
 
 @contextmanager
@@ -139,17 +158,15 @@ def load(path: str | Path, allow: Collection[str] = ()) -> ExportedModel:
         raise UntrustedError(f"{folder / MODEL_FILE} is not the file {CONFIG_FILE} names (its sha256 "
                              f"differs): the folder was changed after export")
     try:
-        named = metadata_of(data).get("recipe")
-    except ValueError:
-        named = None
+        named = header_of(data)[0].get("recipe")
+    except ValueError as exc:
+        raise TensorTurnError(f"{folder / MODEL_FILE} is not a safetensors file: {exc}") from None
     if named != doc["recipe"]["name"]:
         raise UntrustedError(f"{folder / MODEL_FILE} names recipe {named!r}, {CONFIG_FILE} "
                              f"{doc['recipe']['name']!r}; refused")
     standalone = doc["recipe"].get("standalone_options") or {}
-    if not isinstance(standalone, dict):
-        raise TensorTurnError(f"{folder / CONFIG_FILE}: recipe.standalone_options is not an object")
     with dataset_store(folder, doc):
-        predictor = rebuilt(data, allow, standalone,
+        predictor = rebuilt(data, allow, standalone, what=str(folder / MODEL_FILE),
                             hint="this folder's recipe needs that data wherever it loads" if standalone
                             or not doc.get("vocabulary") else "the folder was exported by a TensorTurn "
                             "that did not save what rebuilds the model without its data: export the run again")
@@ -157,13 +174,20 @@ def load(path: str | Path, allow: Collection[str] = ()) -> ExportedModel:
 
 
 def rebuilt(data: bytes, allow: Collection[str] = (), options: dict[str, Any] | None = None,
-            hint: str = "") -> Predictor:
+            hint: str = "", what: str = "the model file") -> Predictor:
     """:meth:`Predictor.from_bytes`, where what the recipe cannot rebuild on this machine — a
     file its model reads that is not here, a model of other shapes than the file's weights (its
-    data differs from the run's) — is one line (RecipeError) ending in ``hint``."""
-    name = metadata_of(data).get("recipe")
+    data differs from the run's; or the file was crafted: found on the meta device, before the
+    model is built) — is one line (RecipeError) ending in ``hint``."""
     try:
-        return Predictor.from_bytes(data, allow, options)
+        name = header_of(data)[0].get("recipe")
+    except ValueError:
+        name = None  # from_bytes says what is wrong with the file
+    try:
+        return Predictor.from_bytes(data, allow, options, what=what)
+    except ShapeMismatch as exc:
+        raise RecipeError(f"recipe {name!r} built here does not fit the model file ({exc}): the recipe's "
+                          f"data here is not the run's, or the file was made to ask for more; {hint}") from None
     except OSError as exc:
         said = f"{exc.strerror}: {exc.filename}" if exc.strerror and exc.filename else str(exc)
         raise RecipeError(f"recipe {name!r} cannot build its model here ({said}, from {Path.cwd()}); "

@@ -182,19 +182,23 @@ def warm_up() -> None:
 def recipe_for(spec: "RunSpec", allow: Collection[str] = ()) -> "Recipe":
     """The run's recipe, built from its options with the run's learned state set on it
     (:mod:`tensorturn.recipes.learned`): what every hook of the run is called on."""
+    from tensorturn.data.source import pinned
     from tensorturn.recipes.learned import restore
 
-    return restore(resolve(spec.recipe, spec.recipe_options, allow), spec.recipe_state)
+    with pinned(spec.datasets):  # the dataset indexes it reads are those the run started with
+        return restore(resolve(spec.recipe, spec.recipe_options, allow), spec.recipe_state)
 
 
 @lru_cache(maxsize=8)
-def _cached(name: str, options_json: str, state_json: str) -> "Recipe":
+def _cached(name: str, options_json: str, state_json: str, datasets_json: str) -> "Recipe":
+    from tensorturn.data.source import pinned
     from tensorturn.recipes.learned import restore
 
-    return restore(resolve(name, json.loads(options_json)), json.loads(state_json))
+    with pinned(json.loads(datasets_json)):
+        return restore(resolve(name, json.loads(options_json)), json.loads(state_json))
 
 
 def recipe_of(spec: "RunSpec") -> "Recipe":
     """The run's recipe (:func:`recipe_for`), built once per process."""
     return _cached(spec.recipe, json.dumps(spec.recipe_options, sort_keys=True),
-                   json.dumps(spec.recipe_state, sort_keys=True))
+                   json.dumps(spec.recipe_state, sort_keys=True), json.dumps(spec.datasets, sort_keys=True))

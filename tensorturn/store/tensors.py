@@ -11,7 +11,7 @@ import json
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeGuard
 
 import torch
 from safetensors.torch import load as st_load
@@ -48,6 +48,43 @@ def _canonical(blob: bytes) -> bytes:
 
 def from_bytes(data: bytes) -> StateDict:
     return st_load(data)
+
+
+def header_of(data: bytes) -> tuple[dict[str, str], dict[str, list[int]]]:
+    """(string metadata, tensor name → shape) of a safetensors blob, from its header alone — no
+    tensor is read or allocated. ValueError, saying what is wrong, for bytes that are not a whole
+    safetensors file: too short, a header that is not a JSON object, a tensor entry without a
+    shape or whose bytes lie past the end (a truncated file)."""
+    if len(data) < 8:
+        raise ValueError(f"{len(data)} bytes, too short for a safetensors file")
+    n = int.from_bytes(data[:8], "little")
+    if not 2 <= n <= len(data) - 8:
+        raise ValueError(f"its header length {n} does not fit its {len(data)} bytes (truncated, or "
+                         f"not a safetensors file)")
+    try:
+        header = json.loads(data[8:8 + n])
+    except ValueError as exc:
+        raise ValueError(f"its header is not JSON ({exc})") from None
+    if not isinstance(header, dict):
+        raise ValueError("its header is not a JSON object")
+    meta = header.pop("__metadata__", None) or {}
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise ValueError("its metadata is not a map of strings")
+    body, shapes = len(data) - 8 - n, {}
+    for name, entry in header.items():
+        shape = entry.get("shape") if isinstance(entry, dict) else None
+        offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
+        if not (_whole_numbers(shape) and _whole_numbers(offsets) and len(offsets) == 2
+                and offsets[0] <= offsets[1] <= body):
+            raise ValueError(f"tensor {name!r} is not a tensor within the file's {len(data)} bytes "
+                             f"(truncated?)")
+        shapes[name] = list(shape)
+    return meta, shapes
+
+
+def _whole_numbers(value: object) -> TypeGuard[list[int]]:
+    return isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
+                                           for v in value)
 
 
 def metadata_of(data: bytes) -> dict[str, str]:

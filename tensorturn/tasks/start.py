@@ -33,14 +33,19 @@ def start(spec: RunSpec, broker_url: str, store: Any, pool: list[dict[str, Any]]
     its contract (:func:`tensorturn.recipes.check.check_contract`), store what the run starts
     from and queue its first work (on an agent, or in the submitting process). ``allow``: recipe
     names the submitting user allows here besides the machine's allowlist (an agent: none)."""
+    from tensorturn.data.source import pinned
     from tensorturn.pool.capacity import check_fits
     from tensorturn.pool.celery_app import configure
     from tensorturn.recipes import recipe_for, resolve
     from tensorturn.recipes.check import check_contract, check_fresh
     from tensorturn.recipes.learned import state_of
 
-    recipe = resolve(spec.recipe, spec.recipe_options, allow)
+    with pinned(spec.datasets) as read:
+        recipe = resolve(spec.recipe, spec.recipe_options, allow)
     spec.recipe_options.update(recipe.pinned_options())  # e.g. the dataset version it found
+    # and the bytes of each dataset index it read: the index is not sealed (a push writes it, not
+    # a run), so the signed spec holds its sha256 — a store writer cannot swap a run's chunks
+    spec.datasets = read
     configure(broker_url)
     mode = get_mode(spec.mode)
     mode.prepare(spec, len([w for w in pool if w["state"] in TAKES_TASKS]))

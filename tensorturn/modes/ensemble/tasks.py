@@ -20,6 +20,7 @@ import torch
 
 from tensorturn import layout
 from tensorturn.config import mask_text
+from tensorturn.data.source import pinned
 from tensorturn.errors import SpecError
 from tensorturn.modes.ensemble import EnsembleOptions
 from tensorturn.pool.capacity import queue_for
@@ -469,7 +470,8 @@ class VoteUnit(Unit):
         sha = store.put_bytes(final, blob)
         pieces = recipe_of(spec).eval_pieces("test", spec.eval_batches)
         with code_of_the_recipe("evaluate of the vote"):
-            metrics = vote_metrics(Predictor.from_bytes(blob), pieces)
+            with pinned(spec.datasets):  # the file's recipe reads the run's dataset index, as checked
+                metrics = vote_metrics(Predictor.from_bytes(blob), pieces)
         metrics.update(members_succeeded=len(done), members_dropped=len(dropped))
         self.finish_run(RunState.SUCCEEDED, metrics=metrics, model_uri=store.uri(final), model_sha256=sha)
         return SUCCEEDED
