@@ -224,12 +224,11 @@ def check_fresh(name: str, recipe: Any, consequence: str, vote: str | None = Non
 
 
 def fresh(recipe: Any, vote: str | None = None) -> None:
-    """What every other machine will do, on ``recipe`` built as they build it — from its options
-    and the run's learned state (:func:`tensorturn.recipes.recipe_for`), never having run
-    ``raw_data`` itself: :func:`contract`, then ``evaluate`` of the initial model on a few
-    validation rows (a forward pass; a model over REAL_FORWARD_BYTES is left to the run), and,
-    with ``vote``, of an ensemble of it. CheckFailed naming the step, with the recipe's file
-    and line; an attribute only another hook sets is named with the fix."""
+    """What every other machine will do, on ``recipe`` built as they build it (from its options and
+    the run's learned state: :func:`tensorturn.recipes.recipe_for`): :func:`contract`, then
+    ``evaluate`` of the initial model on a few validation rows (and, with ``vote``, of an ensemble
+    of it; a model over REAL_FORWARD_BYTES is left to the run). CheckFailed naming the step, with
+    the recipe's file and line; an attribute only another hook sets is named with the fix."""
     import torch
 
     from tensorturn.recipes.result import EnsembleModel
@@ -254,7 +253,6 @@ def fresh(recipe: Any, vote: str | None = None) -> None:
         raise
     except Exception as exc:  # noqa: BLE001 - the recipe's own failure, in one line
         from tensorturn.tracebacks import tail, user_site
-
         message = f"{step}: {type(exc).__name__}: {' '.join(str(exc).split())}"
         missing = getattr(exc, "name", None) if isinstance(exc, AttributeError) else None
         if missing and getattr(exc, "obj", None) is recipe:
