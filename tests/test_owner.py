@@ -19,7 +19,7 @@ import pytest
 import redis
 from conftest import clean_env, run_to_end, start_pool, submit_run, tt, wait_for, wait_for_run
 
-from tensorturn import layout
+from tensorturn import layout, platforms
 from tensorturn.pool.owner import Policy
 from tensorturn.runs.owners import set_policy
 from tensorturn.state.board import RunBoard
@@ -40,7 +40,7 @@ def owned(tmp_path_factory):
     battery = tmp / "battery"
     battery.write_text("ac")
     pool = start_pool(tmp, 2, step_s=STEP_S, loglevel="INFO",
-                      env={"TENSORTURN_FAKE_BATTERY_FILE": str(battery)})
+                      env={"TENSORTURN_FAKE_BATTERY_FILE": str(battery), "TENSORTURN_CACHE_DIR": str(tmp / "cache")})
     pool.battery = battery
     yield pool
     pool.stop(grace=1.0)
@@ -229,3 +229,73 @@ def test_owner_commands_name_a_machine_that_exists(pool):
     bad = tt("policy", "local1", "--hours", "25:00-08:00", env=cli_env(pool))
     assert bad.returncode != 0 and "hours must be HH:MM-HH:MM" in bad.stderr
     assert tt("policy", "local1", env=cli_env(pool)).returncode == 2
+
+
+# ---- someone with only the Redis password (issue 47) --------------------------------------------
+
+@pytest.fixture
+def lone(pool_factory, tmp_path):
+    """One agent of its own pool, keeping what it holds in a folder of this test's."""
+    return pool_factory(1, env={"TENSORTURN_CACHE_DIR": str(tmp_path / "cache")})
+
+
+def owner_hash(pool, name: str) -> tuple[redis.Redis, str]:
+    r = redis.Redis.from_url(pool.broker_url, decode_responses=True)
+    return r, layout.owner_key(standing(pool, name)["name"])
+
+
+def consuming(pool, name: str) -> list[str]:
+    """The queues agent ``name`` consumes now, as Celery's inspect says."""
+    from tensorturn.pool.celery_app import app, configure
+
+    configure(pool.broker_url)
+    full = standing(pool, name)["name"]
+    replies = wait_for(lambda: app.control.inspect(destination=[full], timeout=2).active_queues(),
+                       "the agent to answer inspect")
+    return [q["name"] for q in replies[full]]
+
+
+def after_its_next_look(pool, name: str, state: str) -> dict:
+    """Set a signed policy that changes nothing (no CPU is busier than 100 %) and wait until the
+    agent's heartbeat says it took that policy, or that it left ``state``: either way it has
+    read its owner's marks since. What its heartbeat says then."""
+    doc = set_policy(pool.broker_url, name, Policy(busy_percent=100.0).to_json())
+
+    def looked() -> dict | None:
+        me = standing(pool, name)
+        took = doc.get("seq") is not None and me.get("owner", {}).get("policy") == doc["seq"]
+        return me if took or me["state"] != state else None
+
+    return wait_for(looked, "the agent to read its owner's marks")
+
+
+def test_a_pause_whose_mark_is_deleted_on_the_broker_holds_until_resumed(lone):
+    assert tt("pause", "local1", "--reason", "game night", env=cli_env(lone)).returncode == 0
+    wait_for(lambda: standing(lone, "local1")["state"] == "paused", "the agent to step aside")
+    r, key = owner_hash(lone, "local1")
+    assert r.delete(key) == 1  # HDEL of every field: the broker lost the owner's mark
+    me = after_its_next_look(lone, "local1", "paused")
+    assert me["state"] == "paused" and me["paused"] == "owner: game night"
+    assert consuming(lone, "local1") == []  # it takes no work
+    assert tt("unpause", "local1", env=cli_env(lone)).returncode == 0
+    wait_for(lambda: standing(lone, "local1")["state"] == "idle", "the agent to resume")
+    assert consuming(lone, "local1")
+
+
+def test_a_copied_pause_mark_written_back_after_a_restart_pauses_nobody(lone):
+    assert tt("pause", "local1", "--reason", "game night", env=cli_env(lone)).returncode == 0
+    wait_for(lambda: standing(lone, "local1")["state"] == "paused", "the agent to step aside")
+    r, key = owner_hash(lone, "local1")
+    copy = r.hgetall(key)
+    assert tt("unpause", "local1", env=cli_env(lone)).returncode == 0
+    wait_for(lambda: standing(lone, "local1")["state"] == "idle", "the agent to resume")
+    before = standing(lone, "local1")["incarnation"]
+    platforms.kill_group(lone.agents[0])  # the agent and its pool, at once
+    lone.agents[0].wait()
+    lone.start_agent(0)
+    wait_for(lambda: (me := standing(lone, "local1"))["incarnation"] != before and me["state"] == "idle",
+             "the restarted agent at work")
+    r.hset(key, mapping=copy)
+    me = after_its_next_look(lone, "local1", "idle")
+    assert me["state"] == "idle" and not me["paused"]
+    assert consuming(lone, "local1")

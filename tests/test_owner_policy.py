@@ -4,6 +4,7 @@ CPU watch's hysteresis, and the signed marks on a real redis-server."""
 from __future__ import annotations
 
 import datetime
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -22,7 +23,7 @@ from tensorturn.pool.owner import (
     why_paused,
     within_hours,
 )
-from tensorturn.state.owners import Owners
+from tensorturn.state.owners import Mark, Owners
 
 
 def at(hh: int, mm: int = 0) -> datetime.time:
@@ -119,17 +120,19 @@ def test_the_cpu_watch_pauses_after_busy_looks_and_resumes_after_calm_ones(monke
 def test_owner_marks_count_only_when_signed_with_the_pool_key(redis_server):
     client = redis.Redis.from_url(redis_server.url, decode_responses=True)
     owners, key = Owners(client), trust.pool_key()
-    owners.set("pc@home", "paused", "game night", key)
-    [(at, value)] = owners.read("pc@home", key).values()
-    assert value == "game night" and at > 0
+    first = owners.set("pc@home", "inc1", "paused", "game night", key)
+    [mark] = owners.read("pc@home", key).values()
+    assert mark == first and mark.value == "game night" and mark.incarnation == "inc1" and mark.seq > 0
     assert owners.read("pc@home", None) == {}  # nothing verifies without a key
-    client.hset("tt:owner:pc@home", "paused", "forged")  # the Redis password is not the pool key
-    assert owners.read("pc@home", key) == {}
-    assert owners.clear("pc@home", "paused") and not owners.clear("pc@home", "paused")
-    at = "1.0"
-    client.hset("tt:owner:laptop@home", mapping={"policy": "{}", "policy_at": at, "policy_sig": key.sign(
-        "owner", {"worker": "pc@home", "field": "policy", "value": "{}", "at": at})})  # another machine's
+    resumed = owners.set("pc@home", "inc1", "paused", None, key)  # resume: a mark saying nothing
+    assert resumed.seq > first.seq and owners.read("pc@home", key)["paused"].value is None
+    for forged in ("forged", "{}", json.dumps({**json.loads(first.to_json()), "value": "other"})):
+        client.hset("tt:owner:pc@home", "paused", forged)  # the Redis password is not the pool key
+        assert owners.read("pc@home", key) == {}
+    client.hset("tt:owner:laptop@home", "paused", first.to_json())  # another machine's
     assert owners.read("laptop@home", key) == {}
+    client.hset("tt:owner:pc@home", "paused", json.dumps({**json.loads(first.to_json()), "seq": 10 ** 18}))
+    assert owners.set("pc@home", "inc1", "paused", None, key).seq == 10 ** 18 + 1  # upwards, always
 
 
 
@@ -147,7 +150,8 @@ def test_unpause_ends_a_pause_and_resume_machine_still_does_with_a_note(redis_se
     env, owners = clean_env(TENSORTURN_BROKER_URL=redis_server.url), Owners(client)
 
     def paused() -> bool:
-        return bool(owners.read("pc@home", trust.pool_key()))
+        mark = owners.read("pc@home", trust.pool_key()).get("paused")
+        return mark is not None and mark.value is not None
 
     out = tt("pause", "pc", "--reason", "game night", env=env)
     assert out.returncode == 0 and "`tensorturn unpause pc` ends it" in out.stdout and paused()
@@ -162,16 +166,53 @@ def test_unpause_ends_a_pause_and_resume_machine_still_does_with_a_note(redis_se
     assert out.stderr == "note: `tensorturn resume MACHINE` is now `tensorturn unpause pc`\n"
     assert tt("unpause", "nobody", env=env).stderr.startswith("error: no agent named 'nobody'")
 
-def test_a_removed_mark_written_back_is_not_taken_again():
-    """Someone with the Redis password copies a signed pause, waits for `resume`, and writes it
-    back: the agent saw it removed, and takes only newer ones."""
-    memory = MarkMemory()
-    assert memory.fresh({"paused": (10.0, "game night")}) == {"paused": "game night"}
-    assert memory.fresh({}) == {}                                    # resumed
-    assert memory.fresh({"paused": (10.0, "game night")}) == {}      # the copy, written back
-    assert memory.fresh({"paused": (12.0, "late game")}) == {"paused": "late game"}  # a new pause
-    assert memory.fresh({"paused": (12.0, "late game"), "policy": (5.0, "{}")}) == \
-        {"paused": "late game", "policy": "{}"}
+def mark(field: str, value: str | None, seq: int, incarnation: str = "now", worker: str = "pc@home") -> Mark:
+    return Mark(worker, field, value, incarnation, seq).signed(trust.pool_key())
+
+
+def test_the_agent_takes_only_newer_marks_for_this_start_and_keeps_them(tmp_path):
+    """Someone with the Redis password deletes a mark, or writes back a signed one they copied
+    before: the agent holds the newest it took, for this start of it."""
+    memory = MarkMemory("pc@home", "now", trust.pool_key(), tmp_path / "pc.json")
+    assert memory.take({"paused": mark("paused", "game night", 10)})
+    assert memory.values() == {"paused": "game night"}
+    assert not memory.take({}) and memory.values() == {"paused": "game night"}  # deleted on the broker
+    assert memory.take({"paused": mark("paused", None, 11)}) and memory.values() == {}  # resumed
+    assert not memory.take({"paused": mark("paused", "game night", 10)})  # the copy, written back
+    assert not memory.take({"paused": mark("paused", "game night", 12, incarnation="before")})  # another start's
+    assert memory.take({"paused": mark("paused", "late game", 12), "policy": mark("policy", "{}", 5)})
+    assert memory.values() == {"paused": "late game", "policy": "{}"} and memory.seqs() == {"paused": 12, "policy": 5}
+
+
+def test_a_restarted_agent_keeps_its_owners_last_word_from_its_disk(tmp_path):
+    path = tmp_path / "owner" / "pc.json"
+    before = MarkMemory("pc@home", "before", trust.pool_key(), path)
+    before.take({"paused": mark("paused", "game night", 10, "before")})
+    before.take({"paused": mark("paused", None, 11, "before")})
+    after = MarkMemory("pc@home", "now", trust.pool_key(), path)
+    assert after.values() == {} and after.seqs() == {"paused": 11}
+    assert not after.take({"paused": mark("paused", "game night", 10, "before")})  # an old copy
+    assert after.take({"paused": mark("paused", "signed as it restarted", 12, "before")})
+    again = MarkMemory("pc@home", "later", trust.pool_key(), path)  # the pause outlives a restart
+    assert again.values() == {"paused": "signed as it restarted"}
+    assert not again.take({"paused": mark("paused", "older", 9, "now")})
+    # a file it cannot read, or marks another key signed, or another agent's: nothing from before
+    path.write_text(json.dumps({"incarnation": "x", "marks": [mark("paused", "p", 1, worker="other@h").to_json(),
+                                                               "not a mark"]}))
+    assert MarkMemory("pc@home", "next", trust.pool_key(), path).held == {}
+    assert not MarkMemory("pc@home", "x", trust.pool_key(), tmp_path / "none.json").load()
+    assert not (tmp_path / "none.json").exists()  # an agent that took no mark keeps no file
+    path.write_text("{")
+    fresh = MarkMemory("pc@home", "next", trust.pool_key(), path)
+    assert fresh.held == {} and not fresh.take({"paused": mark("paused", "p", 99, "x")})
+
+
+def test_the_owners_memory_is_per_agent_and_pool(tmp_path):
+    settings = owner.config.Settings(cache_dir=str(tmp_path / "chunks" / "local1"))
+    here = owner.memory_path(settings, "local1@h", "redis://:pw@127.0.0.1:6379/0")
+    assert here.parent == tmp_path / "chunks" / "owner" and "pw" not in str(here)
+    assert here != owner.memory_path(settings, "local1@h", "redis://127.0.0.1:6380/0")
+    assert owner.memory_path(settings, "../x/y", "redis://h/0").parent == here.parent
 
 
 def test_an_agent_with_bad_hours_or_pool_stops_at_once_in_one_line():

@@ -31,6 +31,7 @@ process on it, from ``nvidia-smi`` (where there is none, the policy has nothing 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -44,14 +45,15 @@ from datetime import datetime
 from datetime import time as clock_time
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import psutil
 from celery import bootsteps
 
-from tensorturn import config, trust
+from tensorturn import config, platforms, trust
 from tensorturn.errors import SpecError
 from tensorturn.state.broker import redis_client
-from tensorturn.state.owners import Owners
+from tensorturn.state.owners import Mark, Owners
 
 log = logging.getLogger(__name__)
 
@@ -272,6 +274,7 @@ class Standing:
         self.paused: str | None = None
         self.policy: Policy | None = None
         self.quarantined = False  # as its last heartbeat read its quarantine mark
+        self.marks: dict[str, int] = {}  # the owner's marks it holds, by field: their numbers
 
 
 standing = Standing()
@@ -295,7 +298,7 @@ class OwnerWatch(bootsteps.StartStopStep):
         self.thread: threading.Thread | None = None
         self.worker = worker
         self.cpu = CpuWatch()
-        self.marks = MarkMemory()
+        self.marks: MarkMemory  # at start: it needs the agent's name and start
         self.applied = False  # the consumer was paused by this watch (apply: the loop's thread only)
 
     def start(self, worker):
@@ -311,17 +314,25 @@ class OwnerWatch(bootsteps.StartStopStep):
     terminate = stop
 
     def keep(self, client: Any) -> None:
-        local = Policy.from_settings(config.current())
+        settings = config.current()
+        local = Policy.from_settings(settings)
         owners = Owners(client)
-        while not self.stopping.wait(LOOK_S):
+        node = self.worker.hostname
+        self.marks = MarkMemory(node, self.worker.tt_incarnation, trust.find_key(),  # (the Heartbeat step's)
+                                memory_path(settings, node, self.worker.app.conf.broker_url))
+        standing.marks = self.marks.seqs()
+        while True:  # the first look at once: a pause it kept from its last start holds from the start
             try:
                 self.look(owners, local)
             except Exception as exc:  # noqa: BLE001 - the broker may be restarting: the next look
                 log.warning("owner policy: %s", exc)
+            if self.stopping.wait(LOOK_S):
+                return
 
     def look(self, owners: Owners, local: Policy) -> None:
         node = self.worker.hostname
-        marks = self.marks.fresh(owners.read(node, trust.find_key()))
+        took = self.marks.take(owners.read(node, trust.find_key()))
+        marks = self.marks.values()
         try:
             policy = Policy.from_json(marks["policy"]) if "policy" in marks else local
         except (ValueError, SpecError) as exc:
@@ -337,12 +348,12 @@ class OwnerWatch(bootsteps.StartStopStep):
         consumer = getattr(self.worker, "consumer", None)
         if consumer is not None and consumer.task_consumer is not None:
             consumer.call_soon(self.apply)  # until Celery does what is wanted (idempotent)
-        if why == standing.paused:
+        if why == standing.paused and not took:
             return
-        was, standing.paused = standing.paused, why
-        if why is None:
+        was, standing.paused, standing.marks = standing.paused, why, self.marks.seqs()
+        if why is None and was is not None:
             log.warning("resuming: %s no longer holds", was)
-        elif was is None:
+        elif why is not None and was is None:
             log.warning("pausing: %s", why)
         beat = getattr(self.worker, "tt_heartbeat", None)
         if beat is not None:  # at once: the running task reads it, `workers` shows it
@@ -369,23 +380,82 @@ class OwnerWatch(bootsteps.StartStopStep):
 
 
 class MarkMemory:
-    """An owner's mark that was removed (``unpause``, ``policy --clear``) is not taken again:
-    someone with only the Redis password could write back a signed mark they copied before.
-    A mark names when it was set (:class:`tensorturn.state.owners.Owners`); this remembers,
-    per field, the newest one seen removed, and drops any mark no newer than that."""
+    """The owner's last word, kept by the agent: for each mark (``paused``, ``policy``) the
+    newest signed one it took (:class:`tensorturn.state.owners.Mark`). A broker that loses a
+    mark (an ``HDEL`` by someone with only the Redis password, a restart without its data)
+    changes nothing here: only a newer signed mark does — ``unpause`` writes one saying nothing.
 
-    def __init__(self) -> None:
-        self.seen: dict[str, tuple[float, str]] = {}     # field → (its time, its value) as last read
-        self.removed: dict[str, float] = {}              # field → the newest time seen removed
+    A mark is taken only when its ``seq`` is above the one held, and when it is signed for this
+    start of the agent or the one before, whose last word this start read back from its own
+    disk (``path``; None: none kept; written once it took a mark). So the owner's pause
+    outlives a restart of the agent, a mark signed as it restarted is taken when it is back,
+    and a copy written back, before or after a restart, is never taken again. Without that file
+    (a new machine, a cleared cache) nothing from before this start is taken."""
 
-    def fresh(self, marks: dict[str, tuple[float, str]]) -> dict[str, str]:
-        for name, (at, _) in list(self.seen.items()):
-            if name not in marks or marks[name][0] != at:
-                self.removed[name] = max(self.removed.get(name, 0.0), at)
-                del self.seen[name]
-        out = {}
-        for name, (at, value) in marks.items():
-            if at > self.removed.get(name, float("-inf")):
-                self.seen[name] = (at, value)
-                out[name] = value
-        return out
+    def __init__(self, worker: str, incarnation: str, key: trust.PoolKey | None, path: Path | None = None):
+        self.worker, self.incarnation, self.key, self.path = worker, incarnation, key, path
+        self.held: dict[str, Mark] = {}
+        self.earlier: str | None = None  # the start before this one, as its file says
+        if self.load():
+            self.save()  # this start is the one a later start reads back
+
+    def take(self, marks: dict[str, Mark]) -> bool:
+        """Hold what is newer in ``marks`` (verified, :meth:`Owners.read`); whether any was."""
+        changed = False
+        for name, mark in marks.items():
+            held = self.held.get(name)
+            if mark.incarnation in (self.incarnation, self.earlier) and (held is None or mark.seq > held.seq):
+                self.held[name], changed = mark, True
+        if changed:
+            self.save()
+        return changed
+
+    def values(self) -> dict[str, str]:
+        """What the marks held say, by field (a mark saying nothing is left out)."""
+        return {name: mark.value for name, mark in self.held.items() if mark.value is not None}
+
+    def seqs(self) -> dict[str, int]:
+        """The numbers of the marks held (the heartbeat's ``owner``: which word it took)."""
+        return {name: mark.seq for name, mark in sorted(self.held.items())}
+
+    def load(self) -> bool:
+        """Read back what the start before kept; whether there was a file (an agent that never
+        took a mark keeps none: an embedded pool's agents leave nothing behind)."""
+        if self.path is None or self.key is None:
+            return False
+        try:
+            doc = json.loads(self.path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            return False
+        except (OSError, ValueError):
+            return True  # unreadable: nothing from before this start is taken, and it is rewritten
+        if not isinstance(doc, dict) or not isinstance(doc.get("marks"), list):
+            return True
+        self.earlier = doc["incarnation"] if isinstance(doc.get("incarnation"), str) else None
+        for text in doc["marks"]:
+            mark = Mark.from_json(text)
+            if mark is not None and mark.worker == self.worker and mark.verifies(self.key):
+                self.held[mark.field] = mark
+        return True
+
+    def save(self) -> None:
+        if self.path is None:
+            return
+        doc = {"incarnation": self.incarnation, "marks": [m.to_json() for _, m in sorted(self.held.items())]}
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            part = self.path.with_name(f".{self.path.name}.{os.getpid()}")
+            part.write_text(json.dumps(doc), encoding="utf-8")
+            os.replace(part, self.path)  # whole or not at all: a start reads one or the other
+        except OSError as exc:  # held in memory still; only a restart would forget it
+            log.warning("the owner's marks were not kept on disk (%s): %s", self.path, exc)
+
+
+def memory_path(settings: config.Settings, worker: str, broker_url: str) -> Path:
+    """Where agent ``worker`` of the pool at ``broker_url`` keeps its owner's last word: beside
+    its chunk cache, named for the agent and the broker's address (two pools on one machine
+    may have agents of the same name)."""
+    base = Path(settings.cache_dir).parent if settings.cache_dir else platforms.cache_dir().parent
+    where = urlsplit(broker_url)
+    pool = hashlib.sha256(f"{where.hostname}:{where.port}{where.path}".encode()).hexdigest()[:12]
+    return base / "owner" / f"{re.sub(r'[^A-Za-z0-9_.@-]', '_', worker)}-{pool}.json"

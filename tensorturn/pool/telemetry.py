@@ -174,6 +174,7 @@ class Heartbeat(bootsteps.StartStopStep):
         self.client = redis_client(worker.app.conf.broker_url)
         worker.tt_heartbeat = self.beat  # the owner watch beats at once when it pauses or resumes
         worker.tt_queues = [*agent_queues(), agent_queue(self.node)]  # what it consumes again on resume
+        worker.tt_incarnation = INCARNATION  # what the owner's marks are signed for (.owner)
         self.outer = outer_queues()
         psutil.cpu_percent(interval=None)  # prime the counter
         self.beat(first=True)
@@ -236,10 +237,13 @@ class Heartbeat(bootsteps.StartStopStep):
 def signed_beat(node: str, now: float) -> dict[str, str]:
     """This agent's heartbeat fields, signed with the pool key (unsigned without one: such an
     agent refuses every task anyway, and the roster says ``unverified``). ``paused``: why its
-    owner's policy has it step aside (:mod:`.owner`), empty while it works."""
+    owner's policy has it step aside (:mod:`.owner`), empty while it works; ``owner``: the
+    numbers of its owner's marks it holds (so `tensorturn workers --json` shows which word of
+    the owner's it took)."""
     fields = {"name": node, "inventory": json.dumps(inventory()),
               "queues": json.dumps(agent_queues()), "last_seen": repr(now),
-              "incarnation": INCARNATION, "paused": standing.paused or ""}
+              "incarnation": INCARNATION, "paused": standing.paused or "",
+              "owner": json.dumps(standing.marks, sort_keys=True)}
     key = trust.find_key()
     if key is not None:
         fields[roster.SIGNATURE] = key.sign("inventory", roster.heartbeat_doc(fields))

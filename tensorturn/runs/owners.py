@@ -35,8 +35,8 @@ def resolve_machine(client: Any, machine: str) -> str:
 
 def names_an_agent(broker_url: str, name: str) -> bool:
     """Whether ``name`` is an agent of the pool (``resume`` still takes a machine, as before
-    ``unpause``); a name several agents share is one clear error, as for ``pause``. A broker that
-    does not answer names no agent: the run's resume says what it needs."""
+    ``unpause``); a name several agents share is one clear error, as for ``pause``. A broker that does not answer
+    names no agent: the run's resume says what it needs."""
     from tensorturn.errors import BrokerError
 
     try:
@@ -46,32 +46,53 @@ def names_an_agent(broker_url: str, name: str) -> bool:
     return find_machine(client, name) is not None
 
 
-def pause(broker_url: str, machine: str, reason: str) -> dict[str, Any]:
-    """Pause ``machine``'s agent until :func:`unpause` (it survives the agent's restart)."""
-    client = check_broker(broker_url)
+def target(client: Any, machine: str) -> tuple[str, str]:
+    """The agent ``machine`` names (:func:`resolve_machine`) and the start of it its heartbeat,
+    signed with the pool key, shows: an owner's mark is signed for that start only
+    (:mod:`tensorturn.state.owners`). SpecError for an agent whose heartbeat does not verify."""
     name = resolve_machine(client, machine)
-    Owners(client).set(name, "paused", reason or "paused by its owner", trust.pool_key())
-    return {"machine": name, "paused": reason or "paused by its owner"}
+    key = trust.pool_key()  # only a holder of the key changes what an agent does
+    me = next(w for w in list_workers(client, key=key) if w["name"] == name)
+    if me["state"] == "offline":
+        raise SpecError(f"{name} is offline: its owner's marks are signed for one start of it, so start "
+                        f"it, then run this again (a pause it had holds across its restart)")
+    if not me["verified"] or not isinstance(me["incarnation"], str):
+        raise SpecError(f"{name}'s heartbeat does not verify with this pool key: wait for its next "
+                        f"heartbeat (a few seconds), or check that it joined with this join file")
+    return name, me["incarnation"]
+
+
+def pause(broker_url: str, machine: str, reason: str) -> dict[str, Any]:
+    """Pause ``machine``'s agent until :func:`unpause` (it survives the agent's restart, and the
+    broker's loss of the mark: the agent keeps it)."""
+    client = check_broker(broker_url)
+    name, incarnation = target(client, machine)
+    mark = Owners(client).set(name, incarnation, "paused", reason or "paused by its owner", trust.pool_key())
+    return {"machine": name, "paused": mark.value, "seq": mark.seq}
 
 
 def unpause(broker_url: str, machine: str) -> dict[str, Any]:
     """End a pause of ``machine``'s (its policy may still hold it: the answer says which)."""
     client = check_broker(broker_url)
-    name = resolve_machine(client, machine)
-    trust.pool_key()  # only a holder of the key changes what an agent does
-    was = Owners(client).clear(name, "paused")
-    return {"machine": name, "was_paused": was}
+    name, incarnation = target(client, machine)
+    owners, key = Owners(client), trust.pool_key()
+    last = owners.read(name, key).get("paused")
+    was = last.value is not None if last is not None else _held_pause(client, name)
+    mark = owners.set(name, incarnation, "paused", None, key)
+    return {"machine": name, "was_paused": was, "seq": mark.seq}
+
+
+def _held_pause(client: Any, name: str) -> bool:
+    """Whether ``name``'s heartbeat says it is paused and holds a pause mark (the broker lost
+    the mark: the agent kept it)."""
+    me = next((w for w in list_workers(client) if w["name"] == name), None)
+    return bool(me and me["verified"] and me["state"] == "paused" and "paused" in me["owner"])
 
 
 def set_policy(broker_url: str, machine: str, policy_json: str | None) -> dict[str, Any]:
     """Replace ``machine``'s policy (JSON of :class:`tensorturn.pool.owner.Policy`) while it
     runs; None: back to the one it was started with."""
     client = check_broker(broker_url)
-    name = resolve_machine(client, machine)
-    owners = Owners(client)
-    if policy_json is None:
-        trust.pool_key()
-        owners.clear(name, "policy")
-    else:
-        owners.set(name, "policy", policy_json, trust.pool_key())
-    return {"machine": name, "policy": policy_json}
+    name, incarnation = target(client, machine)
+    mark = Owners(client).set(name, incarnation, "policy", policy_json, trust.pool_key())
+    return {"machine": name, "policy": policy_json, "seq": mark.seq}

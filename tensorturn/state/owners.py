@@ -1,29 +1,78 @@
 """What a machine's owner asked of its agent from any machine holding the join file: one hash
 per agent (``tt:owner:<name>``), the one owner of every write to it.
 
-Two marks, each signed with the pool key for that agent (:func:`mark_doc`): ``paused`` (why:
-``tensorturn pause``) and ``policy`` (JSON: ``tensorturn policy``, which replaces the policy the
-agent was started with). The agent reads both every second (:mod:`tensorturn.pool.owner`) and
-ignores a mark whose signature does not verify — anyone with only the Redis password could
-write one. Unlike a quarantine, the marks outlive a restart of the agent: an owner who paused
-the gaming PC does not want it back at work because its agent restarted.
+Two marks, each signed with the pool key (:func:`mark_doc`): ``paused`` (why: ``tensorturn
+pause``) and ``policy`` (JSON: ``tensorturn policy``, which replaces the policy the agent was
+started with). ``resume`` and ``policy --clear`` write a mark too, saying nothing (``value``
+None): an owner's word is never a deletion, so a broker that loses a mark changes nothing
+(:class:`tensorturn.pool.owner.MarkMemory` keeps the last word the agent took).
+
+A mark is signed for one agent, one start of it (its heartbeat's ``incarnation``) and a
+sequence number (the broker's clock in microseconds, above the last mark's): anyone with only
+the Redis password can write a signed mark back that they copied before, and the agent takes
+none that is not newer than the one it holds, nor one for another start of it than this one
+and the one before (whose last word it kept on its own disk).
 """
 
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass
 from typing import Any
 
 from tensorturn import layout, trust
 from tensorturn.state.clock import broker_now
 
 PURPOSE = "owner"
+FIELDS = ("paused", "policy")
 
 
-def mark_doc(worker: str, field: str, value: str, at: str) -> dict[str, str]:
-    """What a mark's signature covers: the agent, which mark, what it says, and when it was set
-    (on the broker's clock: an agent does not take again a mark no newer than one it saw
-    removed — :class:`tensorturn.pool.owner.MarkMemory`)."""
-    return {"worker": worker, "field": field, "value": value, "at": at}
+@dataclass(frozen=True)
+class Mark:
+    """One owner's word for one agent: ``field`` says ``value`` (None: nothing — resumed, or
+    back to the policy the agent was started with), for start ``incarnation`` of the agent,
+    numbered ``seq``."""
+
+    worker: str
+    field: str
+    value: str | None
+    incarnation: str
+    seq: int
+    sig: str = ""
+
+    def doc(self) -> dict[str, Any]:
+        """What its signature covers: everything but the signature."""
+        return mark_doc(self.worker, self.field, self.value, self.incarnation, self.seq)
+
+    def signed(self, key: trust.PoolKey) -> Mark:
+        return Mark(**{**self.doc(), "sig": key.sign(PURPOSE, self.doc())})
+
+    def verifies(self, key: trust.PoolKey) -> bool:
+        return key.verify(PURPOSE, self.doc(), self.sig)
+
+    def to_json(self) -> str:
+        return json.dumps({**self.doc(), "sig": self.sig}, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: Any) -> Mark | None:
+        """The mark ``text`` holds; None for anything that is not one (a forged field is just
+        not a mark)."""
+        try:
+            doc = json.loads(text)
+            mark = cls(worker=doc["worker"], field=doc["field"], value=doc["value"],
+                       incarnation=doc["incarnation"], seq=doc["seq"], sig=doc["sig"])
+        except (TypeError, ValueError, KeyError):
+            return None
+        typed = (isinstance(mark.worker, str) and mark.field in FIELDS and isinstance(mark.incarnation, str)
+                 and isinstance(mark.seq, int) and isinstance(mark.sig, str)
+                 and (mark.value is None or isinstance(mark.value, str)))
+        return mark if typed else None
+
+
+def mark_doc(worker: str, field: str, value: str | None, incarnation: str, seq: int) -> dict[str, Any]:
+    """What a mark's signature covers: the agent, the start of it, which mark, what it says,
+    and its number."""
+    return {"worker": worker, "field": field, "value": value, "incarnation": incarnation, "seq": seq}
 
 
 class Owners:
@@ -32,30 +81,24 @@ class Owners:
     def __init__(self, client: Any):
         self.r = client
 
-    def set(self, worker: str, field: str, value: str, key: trust.PoolKey) -> None:
-        """Write ``worker``'s mark ``field`` (``paused`` or ``policy``), signed with ``key``."""
-        at = repr(broker_now(self.r))
-        self.r.hset(layout.owner_key(worker), mapping={
-            field: value, f"{field}_at": at, f"{field}_sig": key.sign(PURPOSE, mark_doc(worker, field, value, at))})
+    def set(self, worker: str, incarnation: str, field: str, value: str | None, key: trust.PoolKey) -> Mark:
+        """Write ``worker``'s mark ``field`` (``paused`` or ``policy``; ``value`` None: nothing),
+        for its start ``incarnation``, signed with ``key``; the mark."""
+        last = Mark.from_json(self.r.hget(layout.owner_key(worker), field))
+        # the broker's clock numbers the marks; one that stepped back still numbers them upwards
+        seq = max(int(broker_now(self.r) * 1e6), (last.seq + 1) if last else 0)
+        mark = Mark(worker, field, value, incarnation, seq).signed(key)
+        self.r.hset(layout.owner_key(worker), field, mark.to_json())
+        return mark
 
-    def clear(self, worker: str, field: str) -> bool:
-        """Remove ``worker``'s mark ``field``; whether there was one."""
-        return bool(self.r.hdel(layout.owner_key(worker), field, f"{field}_at", f"{field}_sig"))
-
-    def read(self, worker: str, key: trust.PoolKey | None) -> dict[str, tuple[float, str]]:
-        """``worker``'s marks that verify with ``key`` (none without a key), by field: (when it
-        was set, what it says)."""
-        h = self.r.hgetall(layout.owner_key(worker))
+    def read(self, worker: str, key: trust.PoolKey | None) -> dict[str, Mark]:
+        """``worker``'s marks that verify with ``key`` (none without a key), by field."""
         if key is None:
             return {}
+        h = self.r.hgetall(layout.owner_key(worker))
         out = {}
-        for field in ("paused", "policy"):
-            value, at = h.get(field), h.get(f"{field}_at")
-            if value is None or at is None:
-                continue
-            if key.verify(PURPOSE, mark_doc(worker, field, value, at), h.get(f"{field}_sig")):
-                try:
-                    out[field] = (float(at), value)
-                except ValueError:
-                    continue
+        for field in FIELDS:
+            mark = Mark.from_json(h.get(field))
+            if mark is not None and mark.worker == worker and mark.field == field and mark.verifies(key):
+                out[field] = mark
         return out

@@ -24,7 +24,7 @@ from tensorturn.layout import WORKER_PATTERN, worker_key
 from tensorturn.state.clock import broker_now
 
 OFFLINE_AFTER = 3  # heartbeats
-SIGNED = ("name", "inventory", "queues", "last_seen", "incarnation", "paused")  # a heartbeat's signed fields
+SIGNED = ("name", "inventory", "queues", "last_seen", "incarnation", "paused", "owner")  # a heartbeat's signed fields
 SIGNATURE = "signature"
 QUARANTINE_SIGNATURE = "quarantined_sig"
 
@@ -124,6 +124,7 @@ def list_workers(client, now: float | None = None, heartbeat_s: float | None = N
             "tasks_done": int(_number(h.get("tasks_done"))),
             "quarantined": quarantined, "paused": h.get("paused") if state == WorkerState.PAUSED else None,
             "incarnation": h.get("incarnation"),
+            "owner": {k: v for k, v in _object(h.get("owner")).items() if isinstance(v, int)},
             "queues": [q for q in _list(h.get("queues")) if isinstance(q, str)],
         })
     return out
