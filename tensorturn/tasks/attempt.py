@@ -48,7 +48,7 @@ from tensorturn.state.attempts import Figures, Held
 from tensorturn.state.board import RunBoard
 from tensorturn.state.broker import redis_client
 from tensorturn.state.clock import broker_now
-from tensorturn.state.manifest import end_run, fail_run, load_spec, try_write_manifest
+from tensorturn.state.manifest import end_run, fail_run, load_spec, settle_from_store, try_write_manifest
 from tensorturn.state.refusals import refuse
 from tensorturn.store.objects import ObjectMissing, Store, open_store
 from tensorturn.store.objects import moved as store_moved
@@ -327,6 +327,8 @@ def _execute(task: Task, board: RunBoard, run_id: str, label: Label, unit_class:
         attempt = Attempt(task, board, store, spec, label, worker, tally=tally)
         unit = unit_class(attempt)
         if unit.done():
+            if settle_from_store(store, board, run_id):  # the run ended; the broker went back in time
+                return receipt
             board.incident(run_id, "duplicate_ignored", str(label), worker,
                            "the unit's output was already stored; nothing was redone or counted")
             try:
