@@ -418,6 +418,35 @@ def test_a_finished_runs_record_rolled_back_on_the_broker_is_rebuilt_from_its_ma
 
 
 @pytest.mark.e2e
+def test_a_runs_state_rewritten_on_the_broker_is_recovered_by_resume_to_the_same_model(tmp_path, pool_factory):
+    # A run's state on the broker is not signed: with the Redis password alone it can be set to
+    # failed, cancelled or succeeded mid-run, which stops the run (its tasks see it finished).
+    # `resume` continues it from the store to exactly the model of a run left alone.
+    pool, store = pool_factory(agents=3, step_s=0.01), tmp_path / "store"
+    args = ("--broker", pool.broker_url, "--store", str(store))
+    run = ("run", *args, "--recipe", "digits-mlp", "--rounds", "3", "--shards", "2", "--sync-every", "100")
+    undisturbed = tt_json(*run, "--json")
+    board = RunBoard(check_broker(pool.broker_url))
+    r = board.r
+    for state in ("failed", "cancelled", "succeeded"):
+        run_id = tt_json(*run, "--detach", "--json")["run_id"]
+        wait_for(lambda run_id=run_id: board.has_round(run_id, 0) and any(
+            a["task"].startswith("r1/") and a["outcome"] == "running" for a in board.attempts(run_id)),
+            "round 1 training")
+        r.hset(layout.run_key(run_id), mapping={"state": state, "error": "forged"})
+        wait_for(lambda: r.hlen("unacked") == 0 and not queued_messages(r) and all(
+            w["state"] == "idle" for w in runs.workers(pool.broker_url)), "the run stopped")
+        assert json.loads(tt("status", run_id, *args, "--json").stdout)["state"] == state
+        assert json.loads((store / "runs" / run_id / "manifest.json").read_text())["state"] != "succeeded"
+
+        resumed = tt_json("resume", run_id, *args, "--json")
+        assert resumed["state"] == "succeeded" and [x["round"] for x in resumed["rounds"]] == [0, 1, 2]
+        assert resumed["model_sha256"] == undisturbed["model_sha256"], state
+    done = tt("resume", undisturbed["run_id"], *args)  # its signed manifest says so: nothing to do
+    assert done.returncode == 2 and done.stderr.strip().endswith("already succeeded; nothing to resume")
+
+
+@pytest.mark.e2e
 def test_runs_rm_refuses_a_run_tensorturn_serve_serves(tmp_path):
     from tensorturn.pool.embedded import free_port, stop_process_group
 
