@@ -152,6 +152,24 @@ def test_a_finished_runs_keys_expire_and_the_store_answers_after(world):
     assert [m["run_id"] for m in runs.list_runs(world.broker, world.store_url)] == [spec.run_id]
 
 
+def test_a_finished_record_behind_its_manifest_is_read_from_the_manifest(world):
+    spec = submit(world)
+    drive(spec)
+    saved = manifest.read_manifest(world.store, spec.run_id)
+    attempts = layout.run_key(spec.run_id, "attempts")
+    # the board gone back in time: one attempt running again, the last one not begun yet
+    first, *_, last = sorted(world.r.hkeys(attempts))
+    entry = json.loads(world.r.hget(attempts, first))
+    world.r.hset(attempts, first, json.dumps({**entry, "outcome": "running", "finished_at": None}))
+    world.r.hdel(attempts, last)
+    assert world.board.state(spec.run_id) == "succeeded"
+
+    doc = runs.describe(spec.run_id, world.broker, world.store_url)
+    assert doc["attempts"] == saved["attempts"] and doc["state"] == "succeeded"
+    assert not world.board.exists(spec.run_id)  # the manifest is the run's record now
+    assert manifest.read_manifest(world.store, spec.run_id) == saved
+
+
 def test_a_failed_run_resumed_keeps_its_keys(world):
     spec = submit(world)
     shard(spec, 0, 0)
