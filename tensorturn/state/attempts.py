@@ -279,6 +279,10 @@ class Attempts:
         raw = self.r.eval(_LATEST, 2, layout.run_key(run_id, "attempt_n"), layout.run_key(run_id, "attempts"), task)
         return json.loads(raw) if raw else None
 
+    def has_succeeded(self, run_id: str, task: str) -> bool:
+        """Whether an attempt of ``task`` is recorded succeeded (since the run last resumed)."""
+        return bool(self.r.hexists(layout.run_key(run_id, "succeeded"), task))
+
     def all(self, run_id: str) -> list[dict[str, Any]]:
         entries = [json.loads(v) for v in self.r.hgetall(layout.run_key(run_id, "attempts")).values()]
         return sorted(entries, key=lambda e: (e["started_at"], e["task"]))

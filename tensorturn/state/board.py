@@ -246,6 +246,9 @@ class RunBoard:
     def attempts(self, run_id: str) -> list[dict[str, Any]]:
         return self.attempt_log.all(run_id)
 
+    def has_succeeded(self, run_id: str, task: str) -> bool:
+        return self.attempt_log.has_succeeded(run_id, task)
+
     def incident(self, run_id: str, kind: str, task: str, worker: str | None, detail: str) -> None:
         self.incident_log.add(run_id, kind, task, worker, detail)
 

@@ -95,12 +95,17 @@ def ahead_of(manifest: dict[str, Any], attempts: list[dict[str, Any]]) -> bool:
                in (None, Outcome.RUNNING) for a in manifest.get("attempts") or [])
 
 
-def settle_from_store(store: Store, board: RunBoard, run_id: str) -> bool:
+def settle_from_store(store: Store, board: RunBoard, run_id: str, unit: str | None = None) -> bool:
     """When the store's signed manifest says the run finished and the board is behind it
     (:func:`ahead_of`), drop the board's record: the manifest is the run's record from then on,
     as once a finished run's keys expire — ``status``, ``runs``, ``report`` read it, and a task
     of the run writes nothing. Whether it was dropped; a store that does not answer, or holds
-    no signed manifest, leaves the board as it is."""
+    no signed manifest, leaves the board as it is.
+
+    With ``unit`` (one whose output is stored), the store is read only when the board has no
+    attempt of it succeeded: a late or backup copy of a unit the board saw done costs nothing."""
+    if unit is not None and board.has_succeeded(run_id, unit):
+        return False
     try:
         manifest = read_manifest(store, run_id, verify=True)
     except (ObjectMissing, StoreError, trust.UntrustedError, ValueError, TypeError):

@@ -327,7 +327,7 @@ def _execute(task: Task, board: RunBoard, run_id: str, label: Label, unit_class:
         attempt = Attempt(task, board, store, spec, label, worker, tally=tally)
         unit = unit_class(attempt)
         if unit.done():
-            if settle_from_store(store, board, run_id):  # the run ended; the broker went back in time
+            if settle_from_store(store, board, run_id, str(label)):  # it ended; the broker went back
                 return receipt
             board.incident(run_id, "duplicate_ignored", str(label), worker,
                            "the unit's output was already stored; nothing was redone or counted")
