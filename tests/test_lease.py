@@ -1,12 +1,18 @@
-"""Leases: a live task keeps its broker lease however long it runs."""
+"""Leases: a live task keeps its broker lease however long it runs, and a copy of its message
+(replayed by someone with the Redis password) neither takes that lease nor begins an attempt."""
 
+import json
+import uuid
 
 import pytest
 import redis
-from conftest import run_to_end, wait_for
+from conftest import run_to_end, submit_run, wait_for, wait_for_run
 
+from tensorturn import layout
 from tensorturn.layout import UNACKED_INDEX
 from tensorturn.pool.lease import refresh
+from tensorturn.state.board import RunBoard
+from tensorturn.state.broker import redis_client
 
 
 def test_refresh_moves_only_leases_still_held(redis_server):
@@ -133,3 +139,33 @@ def test_a_task_finishing_in_its_agents_shutdown_grace_keeps_its_lease(pool_fact
     shard = [a for a in doc["attempts"] if a["task"] == "r0/shard-0"]
     assert [(a["worker"], a["outcome"]) for a in shard] == [(running["worker"], "succeeded")]
     assert not [i for i in doc["incidents"] if i["kind"] in ("requeued", "duplicate_ignored")]
+
+
+@pytest.mark.e2e
+def test_copies_of_a_running_tasks_message_begin_no_attempt_and_leave_its_lease(pool_factory):
+    # Someone with the Redis password pushes copies of a training shard's message back into its
+    # queue while it runs: as held (its delivery tag) and with tags of their own. A copy must not
+    # begin an attempt (each used to record the running one lost: three failed the run), nor its
+    # acknowledgement end the running task's lease (its machine dying would then lose the task).
+    pool = pool_factory(3, step_s=0.01)  # ~3 s of training: the copies arrive while it runs
+    spec = submit_run(pool, mode="fused", recipe="digits-mlp", rounds=1, shards=1, sync_every=300)
+    r = redis_client(pool.broker_url)
+    board = RunBoard(r)
+    wait_for(lambda: any(a["task"] == "r0/shard-0" and a["outcome"] == "running"
+                         for a in board.attempts(spec.run_id)), "the shard training")
+    [(tag, stored)] = r.hgetall(layout.UNACKED).items()  # the one message held: the shard's
+    message, _, queue = json.loads(stored)
+    copies = [message] * 3
+    for _ in range(3):
+        copies.append({**message, "properties": {**message["properties"], "delivery_tag": str(uuid.uuid4())}})
+    r.lpush(queue, *(json.dumps(c) for c in copies))
+    wait_for(lambda: sum(i["kind"] == "duplicate_ignored" for i in board.incidents(spec.run_id)) == 6
+             or board.is_finished(spec.run_id), "the copies delivered")
+    assert r.zscore(UNACKED_INDEX, tag) is not None or board.is_finished(spec.run_id)  # still leased
+
+    doc = wait_for_run(pool, spec.run_id)
+    assert doc["state"] == "succeeded", doc.get("error")
+    shard = [a for a in doc["attempts"] if a["task"] == "r0/shard-0"]
+    assert [a["outcome"] for a in shard] == ["succeeded"]
+    ignored = [i for i in doc["incidents"] if i["kind"] == "duplicate_ignored"]
+    assert len(ignored) == 6 and all("under a live lease" in i["detail"] for i in ignored), doc["incidents"]

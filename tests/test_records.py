@@ -16,6 +16,7 @@ import sys
 import time
 
 import pytest
+import redis
 from conftest import clean_env, queued_messages, run_outer, tt, tt_here, tt_json, wait_for
 
 from tensorturn import config, layout, runs
@@ -149,6 +150,24 @@ def test_a_finished_runs_keys_expire_and_the_store_answers_after(world):
     doc = runs.describe(spec.run_id, world.broker, world.store_url)
     assert doc["state"] == "succeeded" and "note" not in doc
     assert [m["run_id"] for m in runs.list_runs(world.broker, world.store_url)] == [spec.run_id]
+
+
+def test_a_finished_record_behind_its_manifest_is_read_from_the_manifest(world):
+    spec = submit(world)
+    drive(spec)
+    saved = manifest.read_manifest(world.store, spec.run_id)
+    attempts = layout.run_key(spec.run_id, "attempts")
+    # the board gone back in time: one attempt running again, the last one not begun yet
+    first, *_, last = sorted(world.r.hkeys(attempts))
+    entry = json.loads(world.r.hget(attempts, first))
+    world.r.hset(attempts, first, json.dumps({**entry, "outcome": "running", "finished_at": None}))
+    world.r.hdel(attempts, last)
+    assert world.board.state(spec.run_id) == "succeeded"
+
+    doc = runs.describe(spec.run_id, world.broker, world.store_url)
+    assert doc["attempts"] == saved["attempts"] and doc["state"] == "succeeded"
+    assert not world.board.exists(spec.run_id)  # the manifest is the run's record now
+    assert manifest.read_manifest(world.store, spec.run_id) == saved
 
 
 def test_a_failed_run_resumed_keeps_its_keys(world):
@@ -378,6 +397,71 @@ def test_deleting_a_runs_keys_mid_run_ends_in_one_line_and_a_resume(tmp_path, po
     assert resumed["state"] == "succeeded" and [x["round"] for x in resumed["rounds"]] == [0, 1, 2]
     saved = json.loads((store / "runs" / run_id / "manifest.json").read_text())
     assert saved["state"] == "succeeded"
+
+
+@pytest.mark.e2e
+def test_a_finished_runs_record_rolled_back_on_the_broker_is_rebuilt_from_its_manifest(tmp_path, pool_factory):
+    # Redis restarted from an AOF seconds old: the run's keys, the queues and the leases go back
+    # to round 1 training, after the run succeeded. Its messages come back and find their work
+    # done; the record must end as the store's signed manifest has it — not with attempts
+    # `running` forever and the later ones missing, nor a manifest saved from the stale record.
+    pool, store = pool_factory(agents=3, step_s=0.01), tmp_path / "store"
+    args = ("--broker", pool.broker_url, "--store", str(store))
+    run_id = tt_json("run", *args, "--recipe", "digits-mlp", "--rounds", "3", "--shards", "2",
+                     "--sync-every", "100", "--detach", "--json")["run_id"]
+    board = RunBoard(check_broker(pool.broker_url))
+    r = board.r
+    wait_for(lambda: board.has_round(run_id, 0) and any(
+        a["task"].startswith("r1/") and a["outcome"] == "running" for a in board.attempts(run_id)),
+        "round 1 training")
+    old = {k: (r.dump(k), r.pttl(k)) for k in r.scan_iter()}   # what the old AOF holds
+    assert runs.wait(pool.broker_url, run_id)["state"] == "succeeded"
+    saved = json.loads((store / "runs" / run_id / "manifest.json").read_text())
+
+    r.flushall()                                              # the restart from it
+    raw = redis.Redis.from_url(pool.broker_url)               # DUMP's bytes: no decoding
+    for k, (value, ttl) in old.items():
+        if value is not None:
+            raw.restore(k, max(ttl, 0), value, replace=True)
+    wait_for(lambda: r.hlen("unacked") == 0 and not queued_messages(r) and all(
+        w["state"] == "idle" for w in runs.workers(pool.broker_url)), "the old messages done")
+
+    doc = runs.describe(run_id, pool.broker_url, store.as_uri())
+    assert doc["state"] == "succeeded" and [x["round"] for x in doc["rounds"]] == [0, 1, 2]
+    assert not [a for a in doc["attempts"] if a["outcome"] == "running"], doc["attempts"]
+    key = {(a["task"], a["attempt"]) for a in saved["attempts"]}
+    assert {(a["task"], a["attempt"]) for a in doc["attempts"]} == key
+    assert json.loads((store / "runs" / run_id / "manifest.json").read_text())["attempts"] == saved["attempts"]
+    assert tt_json("status", run_id, *args, "--json")["attempts"] == doc["attempts"]
+
+
+@pytest.mark.e2e
+def test_a_runs_state_rewritten_on_the_broker_is_recovered_by_resume_to_the_same_model(tmp_path, pool_factory):
+    # A run's state on the broker is not signed: with the Redis password alone it can be set to
+    # failed, cancelled or succeeded mid-run, which stops the run (its tasks see it finished).
+    # `resume` continues it from the store to exactly the model of a run left alone.
+    pool, store = pool_factory(agents=3, step_s=0.01), tmp_path / "store"
+    args = ("--broker", pool.broker_url, "--store", str(store))
+    run = ("run", *args, "--recipe", "digits-mlp", "--rounds", "3", "--shards", "2", "--sync-every", "100")
+    undisturbed = tt_json(*run, "--json")
+    board = RunBoard(check_broker(pool.broker_url))
+    r = board.r
+    for state in ("failed", "cancelled", "succeeded"):
+        run_id = tt_json(*run, "--detach", "--json")["run_id"]
+        wait_for(lambda run_id=run_id: board.has_round(run_id, 0) and any(
+            a["task"].startswith("r1/") and a["outcome"] == "running" for a in board.attempts(run_id)),
+            "round 1 training")
+        r.hset(layout.run_key(run_id), mapping={"state": state, "error": "forged"})
+        wait_for(lambda: r.hlen("unacked") == 0 and not queued_messages(r) and all(
+            w["state"] == "idle" for w in runs.workers(pool.broker_url)), "the run stopped")
+        assert json.loads(tt("status", run_id, *args, "--json").stdout)["state"] == state
+        assert json.loads((store / "runs" / run_id / "manifest.json").read_text())["state"] != "succeeded"
+
+        resumed = tt_json("resume", run_id, *args, "--json")
+        assert resumed["state"] == "succeeded" and [x["round"] for x in resumed["rounds"]] == [0, 1, 2]
+        assert resumed["model_sha256"] == undisturbed["model_sha256"], state
+    done = tt("resume", undisturbed["run_id"], *args)  # its signed manifest says so: nothing to do
+    assert done.returncode == 2 and done.stderr.strip().endswith("already succeeded; nothing to resume")
 
 
 @pytest.mark.e2e

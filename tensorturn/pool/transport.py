@@ -22,6 +22,7 @@ from kombu.transport import redis as kombu_redis
 from kombu.transport import virtual
 from kombu.transport.redis import Mutex, MutexHeld
 from kombu.utils.json import dumps
+from kombu.utils.uuid import uuid
 
 from tensorturn.state.clock import broker_now
 from tensorturn.state.queues import give_back_lease, lapsed_leases, take_lease
@@ -37,13 +38,24 @@ class QoS(kombu_redis.QoS):
         return not getattr(self.channel, "global_keyprefix", "")
 
     def append(self, message: Any, delivery_tag: Any) -> None:
+        """Take the delivered message's lease — unless a fresh lease under its tag is held:
+        then it is a copy of a message another consumer holds, alive (someone with the Redis
+        password replayed it), and it gets a tag and lease of its own. Its acknowledgement then
+        gives back only its own lease, never the holder's (which would leave the running task
+        unleased: lost for good should its machine die), and the attempt protocol finds it a copy
+        (:meth:`tensorturn.state.attempts.Attempts.begin`)."""
         if not self._plain():
             super().append(message, delivery_tag)
             return
         delivery = message.delivery_info
-        raw = dumps([message._raw, delivery["exchange"], delivery["routing_key"]])
         with self.channel.conn_or_acquire() as client:
-            take_lease(client, self.unacked_index_key, self.unacked_key, delivery_tag, raw, broker_now(client))
+            now = broker_now(client)
+            raw = dumps([message._raw, delivery["exchange"], delivery["routing_key"]])
+            if not take_lease(client, self.unacked_index_key, self.unacked_key, delivery_tag, raw, now,
+                              unless_held_s=self.visibility_timeout):
+                delivery_tag = message.delivery_tag = message.properties["delivery_tag"] = uuid()
+                raw = dumps([message._raw, delivery["exchange"], delivery["routing_key"]])
+                take_lease(client, self.unacked_index_key, self.unacked_key, delivery_tag, raw, now)
         virtual.QoS.append(self, message, delivery_tag)
 
     def ack(self, delivery_tag: Any) -> None:

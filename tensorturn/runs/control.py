@@ -39,7 +39,10 @@ def resume(run_id: str, broker_url: str, store_url: str,
     configure(broker_url)
     board = RunBoard(client)
     if board.exists(run_id):
-        if board.state(run_id) == RunState.SUCCEEDED:
+        # the board's state is not signed: "succeeded" is believed when the signed manifest says
+        # it too (saved before the board's state moves); a run that did end unsaved (the store
+        # was down) finalizes again, its outputs stored already
+        if board.state(run_id) == RunState.SUCCEEDED and succeeded_in(store, run_id):
             raise SpecError(f"run {run_id} already succeeded; nothing to resume")
         board.reopen(run_id)
     else:  # lost, or partly: what is left of the chain (queued, or written since) goes first
@@ -60,6 +63,18 @@ def resume(run_id: str, broker_url: str, store_url: str,
                                        f"`tensorturn resume {run_id}` again once the cause is fixed")
         raise
     return board.describe(run_id), what
+
+
+def succeeded_in(store: Any, run_id: str) -> bool:
+    """Whether the run's manifest in ``store``, signed with the pool key, says it succeeded."""
+    from tensorturn.state.manifest import read_manifest
+    from tensorturn.store.objects import ObjectMissing
+    from tensorturn.trust import UntrustedError
+
+    try:
+        return read_manifest(store, run_id, verify=True).get("state") == RunState.SUCCEEDED
+    except (ObjectMissing, UntrustedError):
+        return False
 
 
 CANCEL_WAIT_S = 30.0  # how long `cancel` waits for running attempts to stop before it answers

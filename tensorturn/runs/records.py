@@ -78,13 +78,23 @@ def describe(run_id: str, broker_url: str | None, store_url: str,
              on_broker_down: BrokerDown | None = None) -> dict[str, Any]:
     """A run's description from the broker, or from its manifest in the store when the broker
     has no record of it (after an embedded run, whose Redis is gone, or a Redis that lost its
-    data — then ``note`` says so and how to continue). With ``on_broker_down``, a broker that
-    does not answer is reported to it and the store is read too."""
+    data — then ``note`` says so and how to continue), or a finished record behind the run's
+    manifest (:func:`~tensorturn.state.manifest.settle_from_store`: Redis went back in time).
+    With ``on_broker_down``, a broker that does not answer is reported to it and the store is
+    read too."""
+    from tensorturn.state.manifest import settle_from_store
     from tensorturn.store.objects import open_store
 
     board, down = _board(broker_url, on_broker_down)
     if board is not None and board.exists(run_id):
-        return annotate(board.describe(run_id), board)
+        settled = False  # a running run's record is settled by its own tasks, which come back with it
+        if board.is_finished(run_id):
+            try:
+                settled = settle_from_store(open_store(store_url), board, run_id)
+            except StoreError:  # the broker's record is all there is to show now
+                pass
+        if not settled:
+            return annotate(board.describe(run_id), board)
     doc = stored_manifest(open_store(store_url), run_id)
     if doc is None and down:  # it may well be on the broker: that is what went wrong
         raise BrokerError(f"{down}; and the store has no run {run_id!r}")

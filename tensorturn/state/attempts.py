@@ -19,11 +19,24 @@ from tensorturn.state.traffic import Traffic
 from tensorturn.state.workers import Workers
 
 # Begin an attempt, in one round trip. KEYS: attempt_n, attempt_base, attempts, the run's hash, the
-# worker's hash; ARGV: task, the entry's JSON before and after its number, now, the task's label.
-# Counts the attempt, writes its entry, moves the run queued → running and notes its progress
-# (a whole record only), names the task on the worker's hash; returns the number, the base, the
-# run's state, the entry as written, then the entries of the task's earlier attempts since base.
+# worker's hash, kombu's lease index; ARGV: task, the entry's JSON before and after its number,
+# now, the task's label, the delivery tag of the message it runs under ('' for none), how long
+# a lease lives. A message delivered while the task's latest attempt runs under another message's
+# lease that is still fresh is a copy (a replay): nothing is written, and 'held' is returned with
+# that attempt's entry. Else: counts the attempt, writes its entry, moves the run queued → running
+# and notes its progress (a whole record only), names the task on the worker's hash; returns the
+# number, the base, the run's state, the entry as written, then the entries of the task's earlier
+# attempts since base.
 _BEGIN = """
+local last = redis.call('hget', KEYS[1], ARGV[1])
+if last and ARGV[6] ~= '' then
+  local raw = redis.call('hget', KEYS[3], ARGV[1] .. '#' .. last)
+  local e = raw and cjson.decode(raw)
+  if e and e['outcome'] == 'running' and type(e['lease']) == 'string' and e['lease'] ~= ARGV[6] then
+    local score = redis.call('zscore', KEYS[6], e['lease'])
+    if score and tonumber(score) > tonumber(ARGV[4]) - tonumber(ARGV[7]) then return {'held', raw} end
+  end
+end
 local n = redis.call('hincrby', KEYS[1], ARGV[1], 1)
 local base = tonumber(redis.call('hget', KEYS[2], ARGV[1]) or '0')
 local entry = ARGV[2] .. n .. ARGV[3]
@@ -121,6 +134,11 @@ class Figures:
         return {} if self.trained_from is None else {"trained_from": self.trained_from}
 
 
+class Held(Exception):
+    """A task's message is a copy of the one its running attempt holds under a live lease (a
+    replayed message): no attempt begins, and the running one goes on. Its text says which."""
+
+
 class Attempts:
     """A run's attempts. Beginning and finishing one also notes the run's progress
     (:meth:`Runs.touch`) and what was lost on the way (:class:`Incidents`).
@@ -133,21 +151,34 @@ class Attempts:
         self.r, self.runs, self.incidents = client, runs, incidents
         self.begun: dict[tuple[str, str], str] = {}
 
-    def begin(self, run_id: str, task: str, worker: str,
-              max_attempts: int) -> tuple[str, int, str | None] | None:
+    def begin(self, run_id: str, task: str, worker: str, max_attempts: int,
+              lease: str | None = None, lease_s: float = 0.0) -> tuple[str, int, str | None] | None:
         """Record a new attempt of ``task``; returns its key, its number (1, 2, ...) and the
         run's state as it began (a run cancelled meanwhile: the attempt stops at once).
+
+        ``lease``: the delivery tag of the message the attempt runs under (kombu's lease on it
+        lives ``lease_s`` unless refreshed, :mod:`tensorturn.pool.lease`). While the task's
+        latest attempt runs under another message whose lease is fresh — its machine is alive
+        and holds it — this message is a copy: :class:`Held` is raised and nothing is written.
+        Once that lease lapsed (the machine died; its message is delivered again, under its
+        own tag), the new attempt takes over and the old one is recorded lost.
 
         Past ``max_attempts`` (counted since the run was last started or resumed: a task that
         keeps killing its worker is redelivered without end) the attempt is recorded as refused,
         with an incident, and None is returned.
         """
         now = broker_now(self.r)  # every machine's attempts on one clock
-        head, tail = split_at({"task": task, "attempt": NUMBER, "worker": worker, "started_at": now,
-                               "finished_at": None, "outcome": str(Outcome.RUNNING)}, NUMBER)
+        doc = {"task": task, "attempt": NUMBER, "worker": worker, "started_at": now,
+               "finished_at": None, "outcome": str(Outcome.RUNNING), **({"lease": lease} if lease else {})}
+        head, tail = split_at(doc, NUMBER)
         keys = [layout.run_key(run_id, part) for part in ("attempt_n", "attempt_base", "attempts")]
-        n, base, state, entry, *earlier = self.r.eval(
-            _BEGIN, 5, *keys, layout.run_key(run_id), layout.worker_key(worker), task, head, tail, now, task)
+        keys += [layout.run_key(run_id), layout.worker_key(worker), layout.UNACKED_INDEX]
+        n, base, *rest = self.r.eval(_BEGIN, 6, *keys, task, head, tail, now, task, lease or "", lease_s)
+        if n == "held":
+            running = json.loads(base)
+            raise Held(f"a copy of its message, delivered while attempt {running['attempt']} runs on "
+                       f"{running['worker']} under a live lease; acknowledged without an attempt")
+        state, entry, *earlier = rest
         n, base = int(n), int(base)
         key = f"{task}#{n}"
         self.begun[(run_id, key)] = entry
@@ -245,6 +276,10 @@ class Attempts:
         """The entry of ``task``'s latest attempt, or None before its first (one round trip)."""
         raw = self.r.eval(_LATEST, 2, layout.run_key(run_id, "attempt_n"), layout.run_key(run_id, "attempts"), task)
         return json.loads(raw) if raw else None
+
+    def has_succeeded(self, run_id: str, task: str) -> bool:
+        """Whether an attempt of ``task`` is recorded succeeded (since the run last resumed)."""
+        return bool(self.r.hexists(layout.run_key(run_id, "succeeded"), task))
 
     def all(self, run_id: str) -> list[dict[str, Any]]:
         entries = [json.loads(v) for v in self.r.hgetall(layout.run_key(run_id, "attempts")).values()]

@@ -234,9 +234,9 @@ class RunBoard:
         self.traffic.add_data_bytes(run_id, worker, downloaded, read)
 
     # -- attempts and incidents --
-    def begin_attempt(self, run_id: str, task: str, worker: str,
-                      max_attempts: int) -> tuple[str, int, str | None] | None:
-        return self.attempt_log.begin(run_id, task, worker, max_attempts)
+    def begin_attempt(self, run_id: str, task: str, worker: str, max_attempts: int,
+                      lease: str | None = None, lease_s: float = 0.0) -> tuple[str, int, str | None] | None:
+        return self.attempt_log.begin(run_id, task, worker, max_attempts, lease, lease_s)
 
     def finish_attempt(self, run_id: str, key: str, outcome: str,
                        also: Callable[[Any], None] | None = None,
@@ -245,6 +245,9 @@ class RunBoard:
 
     def attempts(self, run_id: str) -> list[dict[str, Any]]:
         return self.attempt_log.all(run_id)
+
+    def has_succeeded(self, run_id: str, task: str) -> bool:
+        return self.attempt_log.has_succeeded(run_id, task)
 
     def incident(self, run_id: str, kind: str, task: str, worker: str | None, detail: str) -> None:
         self.incident_log.add(run_id, kind, task, worker, detail)

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from tensorturn import layout, trust
 from tensorturn.config import mask_text
 from tensorturn.errors import NotFound, StoreError
-from tensorturn.spec import FINISHED, RunSpec, RunState
+from tensorturn.spec import FINISHED, Outcome, RunSpec, RunState
 from tensorturn.state.clock import broker_now
 from tensorturn.store.objects import ObjectMissing, Store
 
@@ -85,6 +85,41 @@ def try_write_manifest(store: Store | None, board: RunBoard, run_id: str) -> Non
         log.warning("run %s: manifest not saved: %s", run_id, exc)
 
 
+def ahead_of(manifest: dict[str, Any], attempts: list[dict[str, Any]]) -> bool:
+    """Whether a run's ``manifest`` says it finished with an attempt finished that the board's
+    ``attempts`` lack or still call running: the board went back in time (Redis restarted from
+    an old AOF) or lost part of the record. A manifest is saved from the board, whose entries
+    only move forward (a resume keeps or restores them), so neither happens otherwise."""
+    if manifest.get("state") not in FINISHED:
+        return False
+    board = {(a.get("task"), a.get("attempt")): a.get("outcome") for a in attempts}
+    return any(a.get("outcome") != Outcome.RUNNING and board.get((a.get("task"), a.get("attempt")))
+               in (None, Outcome.RUNNING) for a in manifest.get("attempts") or [])
+
+
+def settle_from_store(store: Store, board: RunBoard, run_id: str, unit: str | None = None) -> bool:
+    """When the store's signed manifest says the run finished and the board is behind it
+    (:func:`ahead_of`), drop the board's record: the manifest is the run's record from then on,
+    as once a finished run's keys expire — ``status``, ``runs``, ``report`` read it, and a task
+    of the run writes nothing. Whether it was dropped; a store that does not answer, or holds
+    no signed manifest, leaves the board as it is.
+
+    With ``unit`` (one whose output is stored), the store is read only when the board has no
+    attempt of it succeeded: a late or backup copy of a unit the board saw done costs nothing."""
+    if unit is not None and board.has_succeeded(run_id, unit):
+        return False
+    try:
+        manifest = read_manifest(store, run_id, verify=True)
+    except (ObjectMissing, StoreError, trust.UntrustedError, ValueError, TypeError):
+        return False
+    if not ahead_of(manifest, board.attempts(run_id)):
+        return False
+    log.warning("run %s: the broker's record is behind its manifest, which says %s (Redis went back "
+                "in time?); the store's record stands", run_id, manifest.get("state"))
+    board.forget(run_id)
+    return True
+
+
 def end_run(store: Store | None, board: RunBoard, run_id: str, state: str, **fields: Any) -> bool:
     """Finish the run (``board.finish``'s arguments), its manifest first: the manifest holding
     the final state is saved, then the board's state moves — so whoever sees the run finished
@@ -95,6 +130,8 @@ def end_run(store: Store | None, board: RunBoard, run_id: str, state: str, **fie
     ending: the board holds its only record, kept (:func:`try_write_manifest`). Whether this
     call finished the run."""
     if board.is_finished(run_id):  # a duplicate task's end, or a cancel after the end
+        return False
+    if store is not None and settle_from_store(store, board, run_id):  # it ended before, and Redis forgot
         return False
     fields.setdefault("finished_at", broker_now(board.r))
     saved = store is None

@@ -69,9 +69,12 @@ def refresh_leases(client: Any, tags: list[str], now: float | None = None) -> in
 
 
 # kombu's two lease transactions as one script each (tensorturn.pool.transport). KEYS:
-# unacked_index, unacked; ARGV: delivery time, delivery tag, the message as kombu stores it — or,
-# to give the lease back, the delivery tag alone.
+# unacked_index, unacked; ARGV: delivery time, delivery tag, the message as kombu stores it, how
+# long a lease lives ('' for: take it whatever) — or, to give the lease back, the delivery tag
+# alone. A lease under the same tag that is still fresh is not taken (0): its holder lives.
 _TAKE = """
+local held = redis.call('zscore', KEYS[1], ARGV[2])
+if held and ARGV[4] ~= '' and tonumber(held) > tonumber(ARGV[1]) - tonumber(ARGV[4]) then return 0 end
 redis.call('zadd', KEYS[1], ARGV[1], ARGV[2])
 redis.call('hset', KEYS[2], ARGV[2], ARGV[3])
 return 1
@@ -83,10 +86,14 @@ return 1
 """
 
 
-def take_lease(client: Any, index_key: str, unacked_key: str, tag: str, stored: str, now: float) -> None:
+def take_lease(client: Any, index_key: str, unacked_key: str, tag: str, stored: str, now: float,
+               unless_held_s: float | None = None) -> bool:
     """A message delivered: ``stored`` (kombu's envelope) under its delivery ``tag`` in the
-    ``unacked`` hash, delivered ``now`` in the index — atomically, in one command."""
-    client.eval(_TAKE, 2, index_key, unacked_key, now, tag, stored)
+    ``unacked`` hash, delivered ``now`` in the index — atomically, in one command. With
+    ``unless_held_s``, a lease under ``tag`` younger than that is left as it is and False is
+    returned: another consumer holds that message, alive (this delivery is a copy of it)."""
+    return bool(int(client.eval(_TAKE, 2, index_key, unacked_key, now, tag, stored,
+                                "" if unless_held_s is None else unless_held_s)))
 
 
 def give_back_lease(client: Any, index_key: str, unacked_key: str, tag: str) -> None:

@@ -12,7 +12,8 @@ the vote — and :func:`execute` runs it in this order:
    another attempt finished) writes *no* state: it only makes sure its follow-up is queued
    (:meth:`Unit.then`, guarded by one-time claims), and records a ``duplicate_ignored`` incident.
 3. **Attempt record**, capped at the spec's ``max_attempts`` (a task that keeps killing its worker
-   is redelivered without end; the cap ends that).
+   is redelivered without end; the cap ends that). A copy of a message whose attempt runs under a
+   live lease (a replay) begins none: ``duplicate_ignored``, acknowledged.
 4. **Work** (:meth:`Unit.run`); output stored at a key fixed by the unit, never overwritten.
 5. **Failure**, anywhere — the spec unreadable, the store down, the recipe raising in any hook —
    is recorded on the attempt, then retried with backoff; past the cap the unit gives up
@@ -43,11 +44,11 @@ from tensorturn.layout import Label
 from tensorturn.pool.owner import HandedBack
 from tensorturn.pool.threads import stopping
 from tensorturn.spec import FINISHED, Outcome, RunSpec, RunState
-from tensorturn.state.attempts import Figures
+from tensorturn.state.attempts import Figures, Held
 from tensorturn.state.board import RunBoard
 from tensorturn.state.broker import redis_client
 from tensorturn.state.clock import broker_now
-from tensorturn.state.manifest import end_run, fail_run, load_spec, try_write_manifest
+from tensorturn.state.manifest import end_run, fail_run, load_spec, settle_from_store, try_write_manifest
 from tensorturn.state.refusals import refuse
 from tensorturn.store.objects import ObjectMissing, Store, open_store
 from tensorturn.store.objects import moved as store_moved
@@ -326,6 +327,8 @@ def _execute(task: Task, board: RunBoard, run_id: str, label: Label, unit_class:
         attempt = Attempt(task, board, store, spec, label, worker, tally=tally)
         unit = unit_class(attempt)
         if unit.done():
+            if settle_from_store(store, board, run_id, str(label)):  # it ended; the broker went back
+                return receipt
             board.incident(run_id, "duplicate_ignored", str(label), worker,
                            "the unit's output was already stored; nothing was redone or counted")
             try:
@@ -334,7 +337,11 @@ def _execute(task: Task, board: RunBoard, run_id: str, label: Label, unit_class:
                 log.warning("run %s %s: queuing what follows failed (%s); retrying", run_id, label, exc)
                 raise task.retry(countdown=2, max_retries=None) from None
             return receipt
-        begun = board.begin_attempt(run_id, str(label), worker, max_attempts)
+        try:
+            begun = board.begin_attempt(run_id, str(label), worker, max_attempts, *lease_of(task))
+        except Held as held:  # a replayed copy: the attempt running it goes on, uncounted here
+            board.incident(run_id, "duplicate_ignored", str(label), worker, str(held))
+            return receipt
         if begun is None:
             unit.give_up(f"{label} failed {max_attempts} attempts")
             try_write_manifest(store, board, run_id)
@@ -397,6 +404,13 @@ def _execute(task: Task, board: RunBoard, run_id: str, label: Label, unit_class:
                 fail_run(store, board, run_id, final)
         try_write_manifest(store, board, run_id)
         return receipt
+
+
+def lease_of(task: Task) -> tuple[str | None, float]:
+    """The delivery tag of the message ``task`` runs under (None run in-process) and how long
+    its lease lives unrefreshed."""
+    tag = (getattr(task.request, "properties", None) or {}).get("delivery_tag")
+    return (tag if isinstance(tag, str) else None), config.current().visibility_timeout_s
 
 
 def end_given_back(board: RunBoard, run_id: str, key: str, outcome: str, worker: str) -> None:
