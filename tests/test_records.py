@@ -367,19 +367,27 @@ def test_a_stale_serving_mark_does_not_block_removal(world, monkeypatch):
 
 # ---- the same on a real pool ----------------------------------------------------------------------
 
+def training_round_1(tmp_path, pool_factory, sync_every: int):
+    """A 3-round run on a pool of 3 agents, detached, once round 0 is recorded and round 1 trains:
+    (pool, store folder, the CLI's pool arguments, run id, its board). Each training step lasts
+    10 ms on the agents, so a round's shards train for seconds however loaded the machine is."""
+    pool, store = pool_factory(agents=3, step_s=0.01), tmp_path / "store"
+    args = ("--broker", pool.broker_url, "--store", str(store))
+    run_id = tt_json("run", *args, "--recipe", "digits-mlp", "--rounds", "3", "--shards", "2",
+                     "--sync-every", str(sync_every), "--detach", "--json")["run_id"]
+    board = RunBoard(check_broker(pool.broker_url))
+    wait_for(lambda: board.has_round(run_id, 0) and any(
+        a["task"].startswith("r1/") and a["outcome"] == "running" for a in board.attempts(run_id)),
+        "round 1 training")
+    return pool, store, args, run_id, board
+
+
 @pytest.mark.e2e
 def test_deleting_a_runs_keys_mid_run_ends_in_one_line_and_a_resume(tmp_path, pool_factory):
     # each training step lasts 10 ms on the agents: a round's shards train ~2 s however loaded
     # the machine is, so the keys go while round 1 trains (the third agent evaluates round 0)
-    pool, store = pool_factory(agents=3, step_s=0.01), tmp_path / "store"
-    args = ("--broker", pool.broker_url, "--store", str(store))
-    run_id = tt_json("run", *args, "--recipe", "digits-mlp", "--rounds", "3", "--shards", "2",
-                     "--sync-every", "200", "--detach", "--json")["run_id"]
-    board = RunBoard(check_broker(pool.broker_url))
+    pool, store, args, run_id, board = training_round_1(tmp_path, pool_factory, sync_every=200)
     r = board.r
-    wait_for(lambda: board.has_round(run_id, 0) and any(
-        a["task"].startswith("r1/") and a["outcome"] == "running" for a in board.attempts(run_id)),
-        "round 1 training")
     delete_run_keys(r, run_id)
 
     # what was running ends, what was queued is taken and does nothing; no record comes back
@@ -405,15 +413,8 @@ def test_a_finished_runs_record_rolled_back_on_the_broker_is_rebuilt_from_its_ma
     # to round 1 training, after the run succeeded. Its messages come back and find their work
     # done; the record must end as the store's signed manifest has it — not with attempts
     # `running` forever and the later ones missing, nor a manifest saved from the stale record.
-    pool, store = pool_factory(agents=3, step_s=0.01), tmp_path / "store"
-    args = ("--broker", pool.broker_url, "--store", str(store))
-    run_id = tt_json("run", *args, "--recipe", "digits-mlp", "--rounds", "3", "--shards", "2",
-                     "--sync-every", "100", "--detach", "--json")["run_id"]
-    board = RunBoard(check_broker(pool.broker_url))
+    pool, store, args, run_id, board = training_round_1(tmp_path, pool_factory, sync_every=100)
     r = board.r
-    wait_for(lambda: board.has_round(run_id, 0) and any(
-        a["task"].startswith("r1/") and a["outcome"] == "running" for a in board.attempts(run_id)),
-        "round 1 training")
     old = {k: (r.dump(k), r.pttl(k)) for k in r.scan_iter()}   # what the old AOF holds
     assert runs.wait(pool.broker_url, run_id)["state"] == "succeeded"
     saved = json.loads((store / "runs" / run_id / "manifest.json").read_text())
