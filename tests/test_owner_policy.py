@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -131,8 +132,13 @@ def test_owner_marks_count_only_when_signed_with_the_pool_key(redis_server):
         assert owners.read("pc@home", key) == {}
     client.hset("tt:owner:laptop@home", "paused", first.to_json())  # another machine's
     assert owners.read("laptop@home", key) == {}
+    # numbered upwards of the last mark that verifies and of what the agent's heartbeat says it holds,
+    # never of what an unsigned mark claims (a forged number could not hold the owner's word back,
+    # but it is not believed either)
     client.hset("tt:owner:pc@home", "paused", json.dumps({**json.loads(first.to_json()), "seq": 10 ** 18}))
-    assert owners.set("pc@home", "inc1", "paused", None, key).seq == 10 ** 18 + 1  # upwards, always
+    assert owners.set("pc@home", "inc1", "paused", None, key).seq < 10 ** 18
+    held = owners.set("pc@home", "inc1", "paused", None, key, held=10 ** 17)  # the broker lost a newer one
+    assert held.seq == 10 ** 17 + 1 and owners.set("pc@home", "inc1", "paused", None, key).seq == 10 ** 17 + 2
 
 
 
@@ -148,6 +154,14 @@ def test_unpause_ends_a_pause_and_resume_machine_still_does_with_a_note(redis_se
     hb.client, hb.node, hb.tref, hb.outer = client, "pc@home", None, []
     hb.beat(first=True)
     env, owners = clean_env(TENSORTURN_BROKER_URL=redis_server.url), Owners(client)
+    stopped = threading.Event()
+
+    def beat_on() -> None:  # as a live agent does, however slow each command is on a loaded machine
+        while not stopped.wait(0.5):
+            hb.beat()
+
+    beating = threading.Thread(target=beat_on, daemon=True)
+    beating.start()
 
     def paused() -> bool:
         mark = owners.read("pc@home", trust.pool_key()).get("paused")
@@ -165,6 +179,9 @@ def test_unpause_ends_a_pause_and_resume_machine_still_does_with_a_note(redis_se
     assert out.returncode == 0 and not paused()
     assert out.stderr == "note: `tensorturn resume MACHINE` is now `tensorturn unpause pc`\n"
     assert tt("unpause", "nobody", env=env).stderr.startswith("error: no agent named 'nobody'")
+    stopped.set()
+    beating.join()
+
 
 def mark(field: str, value: str | None, seq: int, incarnation: str = "now", worker: str = "pc@home") -> Mark:
     return Mark(worker, field, value, incarnation, seq).signed(trust.pool_key())

@@ -46,10 +46,11 @@ def names_an_agent(broker_url: str, name: str) -> bool:
     return find_machine(client, name) is not None
 
 
-def target(client: Any, machine: str) -> tuple[str, str]:
-    """The agent ``machine`` names (:func:`resolve_machine`) and the start of it its heartbeat,
-    signed with the pool key, shows: an owner's mark is signed for that start only
-    (:mod:`tensorturn.state.owners`). SpecError for an agent whose heartbeat does not verify."""
+def target(client: Any, machine: str) -> tuple[str, str, dict[str, int]]:
+    """The agent ``machine`` names (:func:`resolve_machine`), the start of it its heartbeat,
+    signed with the pool key, shows — an owner's mark is signed for that start only
+    (:mod:`tensorturn.state.owners`) — and the numbers of the marks it holds, by field (a new
+    mark is numbered above them). SpecError for an agent whose heartbeat does not verify."""
     name = resolve_machine(client, machine)
     key = trust.pool_key()  # only a holder of the key changes what an agent does
     me = next(w for w in list_workers(client, key=key) if w["name"] == name)
@@ -59,26 +60,27 @@ def target(client: Any, machine: str) -> tuple[str, str]:
     if not me["verified"] or not isinstance(me["incarnation"], str):
         raise SpecError(f"{name}'s heartbeat does not verify with this pool key: wait for its next "
                         f"heartbeat (a few seconds), or check that it joined with this join file")
-    return name, me["incarnation"]
+    return name, me["incarnation"], dict(me["owner"])
 
 
 def pause(broker_url: str, machine: str, reason: str) -> dict[str, Any]:
     """Pause ``machine``'s agent until :func:`unpause` (it survives the agent's restart, and the
     broker's loss of the mark: the agent keeps it)."""
     client = check_broker(broker_url)
-    name, incarnation = target(client, machine)
-    mark = Owners(client).set(name, incarnation, "paused", reason or "paused by its owner", trust.pool_key())
+    name, incarnation, held = target(client, machine)
+    mark = Owners(client).set(name, incarnation, "paused", reason or "paused by its owner", trust.pool_key(),
+                              held.get("paused", 0))
     return {"machine": name, "paused": mark.value, "seq": mark.seq}
 
 
 def unpause(broker_url: str, machine: str) -> dict[str, Any]:
     """End a pause of ``machine``'s (its policy may still hold it: the answer says which)."""
     client = check_broker(broker_url)
-    name, incarnation = target(client, machine)
+    name, incarnation, held = target(client, machine)
     owners, key = Owners(client), trust.pool_key()
     last = owners.read(name, key).get("paused")
     was = last.value is not None if last is not None else _held_pause(client, name)
-    mark = owners.set(name, incarnation, "paused", None, key)
+    mark = owners.set(name, incarnation, "paused", None, key, held.get("paused", 0))
     return {"machine": name, "was_paused": was, "seq": mark.seq}
 
 
@@ -93,6 +95,6 @@ def set_policy(broker_url: str, machine: str, policy_json: str | None) -> dict[s
     """Replace ``machine``'s policy (JSON of :class:`tensorturn.pool.owner.Policy`) while it
     runs; None: back to the one it was started with."""
     client = check_broker(broker_url)
-    name, incarnation = target(client, machine)
-    mark = Owners(client).set(name, incarnation, "policy", policy_json, trust.pool_key())
+    name, incarnation, held = target(client, machine)
+    mark = Owners(client).set(name, incarnation, "policy", policy_json, trust.pool_key(), held.get("policy", 0))
     return {"machine": name, "policy": policy_json, "seq": mark.seq}

@@ -81,12 +81,15 @@ class Owners:
     def __init__(self, client: Any):
         self.r = client
 
-    def set(self, worker: str, incarnation: str, field: str, value: str | None, key: trust.PoolKey) -> Mark:
+    def set(self, worker: str, incarnation: str, field: str, value: str | None, key: trust.PoolKey,
+            held: int = 0) -> Mark:
         """Write ``worker``'s mark ``field`` (``paused`` or ``policy``; ``value`` None: nothing),
-        for its start ``incarnation``, signed with ``key``; the mark."""
-        last = Mark.from_json(self.r.hget(layout.owner_key(worker), field))
-        # the broker's clock numbers the marks; one that stepped back still numbers them upwards
-        seq = max(int(broker_now(self.r) * 1e6), (last.seq + 1) if last else 0)
+        for its start ``incarnation``, signed with ``key``, numbered above ``held`` (the number
+        the agent's signed heartbeat says it holds) and the last mark that verifies; the mark."""
+        last = self.read(worker, key).get(field)
+        # the broker's clock numbers the marks; one that stepped back (or a mark deleted) still
+        # numbers them upwards of what the agent holds, never of what an unsigned mark claims
+        seq = max(int(broker_now(self.r) * 1e6), (last.seq + 1) if last else 0, held + 1)
         mark = Mark(worker, field, value, incarnation, seq).signed(key)
         self.r.hset(layout.owner_key(worker), field, mark.to_json())
         return mark

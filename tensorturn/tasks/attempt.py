@@ -124,7 +124,7 @@ class Attempt:
     rate: float | None = None  # samples/s over the whole task, once it trained
     trained_from: float | None = None  # when it began training (broker clock), once it did
     tally: Tally | None = None  # the store bytes of this task's process not yet recorded
-
+    ended: bool = False  # its outcome is recorded: a failure after that (the run's end) leaves it
     looked_at: float = 0.0
 
     @property
@@ -383,7 +383,8 @@ def _execute(task: Task, board: RunBoard, run_id: str, label: Label, unit_class:
         if not key:  # failed before its attempt was recorded: the spec or store was unreadable
             begun = board.begin_attempt(run_id, str(label), worker, max_attempts)
             key, number = begun[:2] if begun else (f"{label}#refused", max_attempts + 1)
-        end_failed(board, run_id, key, message, exc, worker)
+        if unit is None or not unit.a.ended:  # (a run's end that failed is retried, its attempt kept)
+            end_failed(board, run_id, key, message, exc, worker)
         cause = machine_fault(exc)
         if cause:
             if worker_store_failed(task, board, run_id, str(label), worker, key, message, cause):
@@ -398,10 +399,7 @@ def _execute(task: Task, board: RunBoard, run_id: str, label: Label, unit_class:
         else:
             final = (f"{label} failed {number} attempts; last: {message}" if number <= max_attempts
                      else f"{label} failed {max_attempts} attempts")
-            if unit is not None:
-                unit.give_up(final)
-            else:
-                fail_run(store, board, run_id, final)
+            unit.give_up(final) if unit is not None else fail_run(store, board, run_id, final)
         try_write_manifest(store, board, run_id)
         return receipt
 
@@ -440,6 +438,7 @@ def record_outcome(unit: Unit, outcome: str, tally: Tally) -> None:
                       trained_from=a.trained_from)
 
     board.finish_attempt(run_id, a.key, outcome, figures=figures)
+    a.ended = True
     tally.settle()  # recorded with the outcome (were it not, the end of execute() adds them)
     if ending is not None:  # the run's records complete, then its manifest, then its state
         end_run(unit.store, board, run_id, **ending)
@@ -486,7 +485,7 @@ def run_here(parent: Attempt, label: Label, unit_class: Callable[[Attempt], Unit
     except Exception as exc:  # noqa: BLE001 - recorded; the queued message retries it
         message = describe_failure(exc, worker)
         log.warning("run %s %s failed on %s: %s; queued for a retry", run_id, label, worker, message)
-        if attempt.key:
+        if attempt.key and not attempt.ended:
             end_failed(board, run_id, attempt.key, message, exc, worker)
         if isinstance(exc, RecipeFault):  # as _execute: every attempt would fail the same way
             fail_run(store, board, run_id, f"{label} failed: {message}")

@@ -410,12 +410,14 @@ def vote_metrics(predictor: Predictor, pieces: Iterable[tuple[torch.Tensor, torc
         n = len(y)
         if n == 0:
             continue
-        figures = recipe.evaluate(ensemble, x, y)
-        if soft is not None and "loss" in figures:
-            figures["loss"] = recipe.evaluate(soft, x, y)["loss"]
+        with code_of_the_recipe("evaluate"):  # (the data read around it is not the recipe's code)
+            figures = recipe.evaluate(ensemble, x, y)
+            if soft is not None and "loss" in figures:
+                figures["loss"] = recipe.evaluate(soft, x, y)["loss"]
+            each = [recipe.evaluate(model, x, y) for model in predictor.models]
         add(sums, {f"test_{k}": v for k, v in figures.items()}, n)
-        for into, model in zip(per_member_sums, predictor.models):
-            add(into, recipe.evaluate(model, x, y), n)
+        for into, member in zip(per_member_sums, each):
+            add(into, member, n)
         for r2, model in zip(explained, predictor.models):
             r2.add(recipe.unscale_targets(recipe.predict(model, x)), recipe.unscale_targets(y.float()))
         if not kind.scaled:
@@ -469,9 +471,8 @@ class VoteUnit(Unit):
         self.a.check_cancelled(now=True)
         sha = store.put_bytes(final, blob)
         pieces = recipe_of(spec).eval_pieces("test", spec.eval_batches)
-        with code_of_the_recipe("evaluate of the vote"):
-            with pinned(spec.datasets):  # the file's recipe reads the run's dataset index, as checked
-                metrics = vote_metrics(Predictor.from_bytes(blob), pieces)
+        with pinned(spec.datasets):  # the file's recipe reads the run's dataset index, as checked
+            metrics = vote_metrics(Predictor.from_bytes(blob), pieces)
         metrics.update(members_succeeded=len(done), members_dropped=len(dropped))
         self.finish_run(RunState.SUCCEEDED, metrics=metrics, model_uri=store.uri(final), model_sha256=sha)
         return SUCCEEDED
