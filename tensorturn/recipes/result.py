@@ -161,7 +161,7 @@ def check_shapes(recipe: Recipe, config: dict[str, Any], shapes: Mapping[str, li
     try:
         with torch.device("meta"):
             expected = {k: list(v.shape) for k, v in recipe.model(config).state_dict().items()}
-    except TensorTurnError:
+    except (TensorTurnError, OSError):  # (a file its model reads that is not here: the caller says where)
         raise
     except Exception as exc:  # noqa: BLE001 - the file's config does not build a model: one line
         raise RecipeError(f"recipe {getattr(recipe, 'ref', '?')!r} cannot build the model {what} "
