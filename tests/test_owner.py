@@ -279,7 +279,7 @@ def test_a_pause_whose_mark_is_deleted_on_the_broker_holds_until_resumed(lone):
     assert consuming(lone, "local1") == []  # it takes no work
     assert tt("unpause", "local1", env=cli_env(lone)).returncode == 0
     wait_for(lambda: standing(lone, "local1")["state"] == "idle", "the agent to resume")
-    assert consuming(lone, "local1")
+    wait_for(lambda: consuming(lone, "local1"), "the agent to consume its queues again")  # (just after it says so)
 
 
 def test_a_copied_pause_mark_written_back_after_a_restart_pauses_nobody(lone):
@@ -298,4 +298,4 @@ def test_a_copied_pause_mark_written_back_after_a_restart_pauses_nobody(lone):
     r.hset(key, mapping=copy)
     me = after_its_next_look(lone, "local1", "idle")
     assert me["state"] == "idle" and not me["paused"]
-    assert consuming(lone, "local1")
+    wait_for(lambda: consuming(lone, "local1"), "the agent to consume its queues")
