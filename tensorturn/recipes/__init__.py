@@ -182,20 +182,20 @@ def warm_up() -> None:
 def recipe_for(spec: "RunSpec", allow: Collection[str] = ()) -> "Recipe":
     """The run's recipe, built from its options with the run's learned state set on it
     (:mod:`tensorturn.recipes.learned`): what every hook of the run is called on."""
+    return _built_with(spec.recipe, spec.recipe_options, spec.recipe_state, spec.datasets, allow)
+
+
+def _built_with(name: str, options: dict, state: dict, datasets: Any, allow: Collection[str] = ()) -> "Recipe":
     from tensorturn.data.source import pinned
     from tensorturn.recipes.learned import restore
 
-    with pinned(spec.datasets):  # the dataset indexes it reads are those the run started with
-        return restore(resolve(spec.recipe, spec.recipe_options, allow), spec.recipe_state)
+    with pinned(datasets):  # the dataset indexes it reads are those the run started with
+        return restore(resolve(name, options, allow), state)
 
 
 @lru_cache(maxsize=8)
 def _cached(name: str, options_json: str, state_json: str, datasets_json: str) -> "Recipe":
-    from tensorturn.data.source import pinned
-    from tensorturn.recipes.learned import restore
-
-    with pinned(json.loads(datasets_json)):
-        return restore(resolve(name, json.loads(options_json)), json.loads(state_json))
+    return _built_with(name, json.loads(options_json), json.loads(state_json), json.loads(datasets_json))
 
 
 def recipe_of(spec: "RunSpec") -> "Recipe":
