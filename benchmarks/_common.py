@@ -1,5 +1,5 @@
 """Helpers shared by the benchmark scripts: the machine, running a job on a pool, timing it from
-its attempts, printing a table, and writing ``<name>.json`` / ``<name>.png`` beside the scripts."""
+its attempts, printing a table, and writing ``<name>.json`` / ``<name>.png`` into ``benchmarks/results/``."""
 
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ from tensorturn.layout import parse_label
 from tensorturn.spec import RunSpec
 
 HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"  # every script's JSON and PNG (the docs' benchmark pages show them)
 
 
 def machine() -> dict[str, Any]:
@@ -222,8 +223,8 @@ def figure(width: float = 7.0, height: float = 4.0):
 
 
 def write_outputs(name: str, summary: dict[str, Any], fig, out_dir: Path | None = None) -> None:
-    """``<name>.json`` and ``<name>.png`` beside the scripts (or in ``out_dir``)."""
-    out_dir = Path(out_dir or HERE)
+    """``<name>.json`` and ``<name>.png`` in ``benchmarks/results/`` (or in ``out_dir``)."""
+    out_dir = Path(out_dir or RESULTS)
     out_dir.mkdir(parents=True, exist_ok=True)
     summary.setdefault("finished_at", time.strftime("%Y-%m-%d %H:%M:%S"))
     (out_dir / f"{name}.json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -233,7 +234,7 @@ def write_outputs(name: str, summary: dict[str, Any], fig, out_dir: Path | None 
 
 def replot(name: str, draw, out_dir: Path | None = None) -> None:
     """Redraw ``<name>.png`` from ``<name>.json`` with ``draw(summary) -> figure``."""
-    out_dir = Path(out_dir or HERE)
+    out_dir = Path(out_dir or RESULTS)
     summary = json.loads((out_dir / f"{name}.json").read_text())
     draw(summary).savefig(out_dir / f"{name}.png", format="png", metadata={"Software": None})
     print(f"redrew {out_dir / (name + '.png')}")

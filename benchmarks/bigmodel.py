@@ -36,7 +36,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from _common import figure, machine, sample_agent_peaks, table, write_outputs  # noqa: E402
+from _common import RESULTS, figure, machine, sample_agent_peaks, table, write_outputs  # noqa: E402
 
 SIZES = {  # name: (recipe, options)
     "10M": ("charlm", {"n_layer": 4, "n_head": 8, "n_embd": 448, "context": 64}),
@@ -315,14 +315,14 @@ def main() -> None:
     ap.add_argument("--shards", default="2,4,8")
     ap.add_argument("--codecs", default="fp32", help="outer part: comma-separated --codec values")
     ap.add_argument("--stores", default="file,s3")
-    ap.add_argument("--name", default="bigmodel", help="write NAME.json and NAME.png beside this script")
+    ap.add_argument("--name", default="bigmodel", help="write NAME.json and NAME.png in benchmarks/results/")
     args = ap.parse_args()
     if not os.environ.get("TENSORTURN_POOL_KEY"):  # this script's own pool: its specs are signed
         from tensorturn.trust import PoolKey
 
         os.environ["TENSORTURN_POOL_KEY"] = PoolKey.generate().text()
     summary: dict = {"machine": machine()}
-    previous = HERE / f"{args.name}.json"
+    previous = RESULTS / f"{args.name}.json"
     if args.part != "all" and previous.exists():  # keep the other part's figures
         summary = {**json.loads(previous.read_text()), **summary}
     with tempfile.TemporaryDirectory(prefix="tt-bigmodel-") as tmp:

@@ -16,7 +16,7 @@ What it does
       - scan: every row of the data set, from an empty cache, in order,
     and samples the RSS of the process and its children every 5 ms while reading;
   * checks that the chunk read back equals the source rows (tabular) and prints a table; writes
-    benchmarks/data_formats.json.
+    benchmarks/results/data_formats.json.
 
 A library that is not installed, or fails, is reported as skipped/failed with the reason; nothing is fatal.
 mosaicml-streaming (transformers -> huggingface-hub<1.0) cannot share an environment with datasets 5.x; run it
@@ -608,7 +608,7 @@ def main():
     ap.add_argument("--only", default=",".join(BACKENDS))
     ap.add_argument("--kinds", default="tab,text")
     ap.add_argument("--timeout", type=int, default=300, help="seconds per backend and data kind")
-    ap.add_argument("--out", default=str(HERE / "data_formats.json"))
+    ap.add_argument("--out", default=str(HERE / "results" / "data_formats.json"))
     ap.add_argument("--append", action="store_true",
                     help="merge into an existing --out (e.g. mosaic run from another environment, see docs)")
     ap.add_argument("--child", nargs=4, metavar=("BACKEND", "KIND", "WORK", "CHUNK_BYTES"), help=argparse.SUPPRESS)

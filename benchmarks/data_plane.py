@@ -29,7 +29,7 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from _common import machine, sample_agent_peaks  # noqa: E402
+from _common import RESULTS, machine, sample_agent_peaks  # noqa: E402
 
 
 def tt(args: list[str], env: dict[str, str], cwd: Path, peaks: dict[str, int] | None = None) -> dict:
@@ -133,7 +133,7 @@ def main() -> None:
                    "rows": pushed["rows"], "chunks": pushed["chunks"], "bytes": pushed["bytes"],
                    "train_bytes": train_bytes, "push_s": round(push_s, 2)},
                "results": rows}
-        (HERE / "data_plane.json").write_text(json.dumps(out, indent=2) + "\n")
+        (RESULTS / "data_plane.json").write_text(json.dumps(out, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from _common import machine, run_job  # noqa: E402
+from _common import RESULTS, machine, run_job  # noqa: E402
 
 NESTEROV = {"outer": "nesterov"}
 CONFIGS = {
@@ -201,7 +201,7 @@ def scaled(args: argparse.Namespace, seeds: list[int]) -> None:
                         print(f"{dataset:15s} {label:36s} S {plan['shards']} H {plan['sync_every']:2d} seed {seed} "
                               f"{row['outer']:8s} last: {fig(row['last'])}  best r{best}: {fig(row['best'])}  "
                               f"{wall:5.1f}s", flush=True)
-    (HERE / "defaults_scaled.json").write_text(json.dumps(
+    (RESULTS / "defaults_scaled.json").write_text(json.dumps(
         {"machine": machine(), "agents": args.agents, "plans": plans, "results": rows}, indent=2) + "\n")
 
 
@@ -249,7 +249,7 @@ def main() -> None:
                         acc = f"{row['test_accuracy']:.4f}" if row["test_accuracy"] is not None else "   -  "
                         print(f"{dataset:9s} {label:34s} seed {seed}  test loss {row['test_loss']:.4f}  "
                               f"acc {acc}  kept r{row['kept_round']}", flush=True)
-    (HERE / "defaults.json").write_text(json.dumps({"machine": machine(), "configs": CONFIGS,
+    (RESULTS / "defaults.json").write_text(json.dumps({"machine": machine(), "configs": CONFIGS,
                                                     "results": rows}, indent=2) + "\n")
 
 

@@ -60,7 +60,7 @@ in all (uploads and downloads) than the fp32 run, with a val loss within 1 % of 
 
     python benchmarks/diloco.py [--pool] [--shards 4 --rounds 8 --sync-every 125 ...]
 
-Writes benchmarks/diloco.json and benchmarks/diloco.png beside this script.
+Writes benchmarks/results/diloco.json and benchmarks/results/diloco.png.
 """
 
 from __future__ import annotations
@@ -231,8 +231,8 @@ def main() -> None:
     parser.add_argument("--pool", action="store_true",
                         help="also run rows (c) and (e) on a real LocalPool and compare")
     parser.add_argument("--pool-workers", type=int, default=2)
-    parser.add_argument("--json-out", default=str(HERE / "diloco.json"))
-    parser.add_argument("--png-out", default=str(HERE / "diloco.png"))
+    parser.add_argument("--json-out", default=str(HERE / "results" / "diloco.json"))
+    parser.add_argument("--png-out", default=str(HERE / "results" / "diloco.png"))
     args = parser.parse_args()
 
     S, R, H = args.shards, args.rounds, args.sync_every

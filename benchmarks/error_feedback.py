@@ -33,7 +33,7 @@ error feedback is already shipped).
     python benchmarks/error_feedback.py [--variants fp32,ternary,ternary+ef,topk3+ef]
         [--broadcast ternary] [--seeds 0,1] [--rounds 8] [--sync-every 50] [--shards 3] [--jobs 2]
 
-Writes ``benchmarks/error_feedback.json`` beside this script; prints a table.
+Writes ``benchmarks/results/error_feedback.json`` (and ``.png``); prints a table.
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ import math
 import tempfile
 from pathlib import Path
 
-from _common import HERE, machine, table, write_outputs
+from _common import RESULTS, machine, table, write_outputs
 
 CODECS = ("fp32", "int8", "int4", "ternary", "int2")
 # (uploaded pseudo-gradients, downloaded moves): each codec both ways, and ternary up with a
@@ -60,7 +60,7 @@ def bytes_per_param() -> dict[str, float]:
 
 
 def outer_s_per_param() -> dict[str, float]:
-    doc = json.loads((HERE / "bigmodel_codecs.json").read_text())
+    doc = json.loads((RESULTS / "bigmodel_codecs.json").read_text())
     rates = {r["codec"]: r["seconds"] / r["params"] for r in doc["outer"] if r["how"] == "streaming"}
     rates.setdefault("ternary", rates["int4"])
     rates.setdefault("int2", rates["int4"])

@@ -3,7 +3,7 @@
 Each trial starts a fresh embedded pool of two agents with default settings, queues one long
 fused shard (--sync-every 20000), SIGKILLs the process group of the agent that runs it (a machine
 drop), and measures the time until the other agent starts the shard. Prints the distribution and
-writes JSON beside this script.
+writes JSON to benchmarks/results/.
 
     python benchmarks/requeue.py [--trials 10]
 """
@@ -56,7 +56,7 @@ def trial(workdir: Path) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trials", type=int, default=10)
-    parser.add_argument("--out", default=str(Path(__file__).with_name("requeue.json")))
+    parser.add_argument("--out", default=str(Path(__file__).with_name("results") / "requeue.json"))
     args = parser.parse_args()
     latencies = []
     for i in range(args.trials):

@@ -12,7 +12,7 @@ bottleneck. Each scenario runs for a fixed time after a warm-up. Scenarios:
 * ``big bodies``: 2 clients sending ~5 MB requests (4,096 rows of full-precision floats) back to
   back while one client polls ``/v2/health/live``: does the event loop stay responsive?
 
-Prints a table and merges the results into benchmarks/serve_load.json under ``--label``.
+Prints a table and merges the results into benchmarks/results/serve_load.json under ``--label``.
 
     python benchmarks/serve_load.py                       # this tree's server, as 'after'
     git worktree add /tmp/tt-before HEAD                  # and side by side with HEAD's:
@@ -185,7 +185,7 @@ def main() -> None:
     parser.add_argument("--client-cpu", default="1")
     parser.add_argument("--no-flood", action="store_true")
     parser.add_argument("--no-big", action="store_true")
-    parser.add_argument("--out", default=str(Path(__file__).with_name("serve_load.json")))
+    parser.add_argument("--out", default=str(Path(__file__).with_name("results") / "serve_load.json"))
     args = parser.parse_args()
 
     pin = shutil.which("taskset")

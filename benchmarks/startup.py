@@ -162,7 +162,7 @@ def main() -> None:
     parser.add_argument("--embedded-agents", type=int, default=3)
     parser.add_argument("--blocks", default="standing,embedded,serve",
                         help="Which blocks to run (comma-separated): standing, embedded, serve.")
-    parser.add_argument("--out", default="startup", help="Name of the outputs (benchmarks/NAME.json).")
+    parser.add_argument("--out", default="startup", help="Name of the outputs (benchmarks/results/NAME.json).")
     args = parser.parse_args()
     blocks = set(args.blocks.split(","))
 

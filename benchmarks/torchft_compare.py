@@ -45,7 +45,7 @@ its first step and a step paced before its sync). The trainers then barely share
 as on machines of their own: what is left of the difference is each side's round boundary, not
 its CPU.
 
-Writes ``benchmarks/torchft_compare.json`` and ``.png`` (with ``--sim-step-s``:
+Writes ``benchmarks/results/torchft_compare.json`` and ``.png`` (with ``--sim-step-s``:
 ``torchft_compare_sim.json`` and ``.png``).
 """
 
