@@ -91,10 +91,24 @@ def settings() -> str:
     return config.markdown_table()
 
 
-def policies() -> str:
-    from tensorturn.modes.fused import policies as registry
+# where the ``--sync`` registry (``POLICIES``: name → class, or "module:Class") may live
+POLICY_REGISTRIES = ("tensorturn.modes.fused.policies", "tensorturn.modes.fused.sync", "tensorturn.modes.fused")
 
-    rows = [(f"`{name}`", _first_paragraph(_doc_of(value))) for name, value in registry.POLICIES.items()]
+
+def policy_registry() -> dict[str, Any]:
+    for module in POLICY_REGISTRIES:
+        try:
+            found = getattr(importlib.import_module(module), "POLICIES", None)
+        except ImportError:
+            continue
+        if isinstance(found, dict) and found:
+            return found
+    raise LookupError(f"no POLICIES registry in {', '.join(POLICY_REGISTRIES)}: "
+                      "name its module in docs/hooks.py's POLICY_REGISTRIES")
+
+
+def policies() -> str:
+    rows = [(f"`{name}`", _first_paragraph(_doc_of(value))) for name, value in policy_registry().items()]
     return _table(("`--sync`", "what the policy does (its class's docstring)"), rows)
 
 
