@@ -65,3 +65,17 @@ def test_the_generated_lists_hold_what_the_code_holds():
     assert all(f"| `{codec}` |" in codecs for codec in ("fp32", "int8", "ternary"))
     assert "runs/<id>/spec.json" in generate.render("<!-- generated: keys -->")
     assert "### `tensorturn run`" in generate.render("<!-- generated: commands -->")
+
+
+def test_every_test_the_docs_cite_exists():
+    """The trust model's every "cannot" names the test that makes the attack; a renamed or moved
+    test must take its citation along (a module is found under any folder of tests/)."""
+    pages = "\n".join(p.read_text() for p in (ROOT / "docs").glob("*.md"))
+    cited = set(re.findall(r"`(test_[a-z0-9_]+)(?:::(test_[a-z0-9_]+)…?)?`", pages))
+    cited |= {(Path(path).stem, "") for path in re.findall(r"`tests/([a-z0-9_/]+\.py)", pages)}
+    modules = {p.stem: p.read_text() for p in (ROOT / "tests").rglob("*.py")}
+    cited -= {(metric, "") for metric in ("test_accuracy", "test_loss", "test_mae", "test_rows")}  # JSON fields
+    assert len(cited) > 20
+    missing = [f"{module}::{test}" if test else module for module, test in sorted(cited)
+               if module not in modules or (test and f"def {test}" not in modules[module])]
+    assert not missing
