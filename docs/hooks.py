@@ -15,7 +15,8 @@ replaces it with what the code says now, so the site cannot disagree with the co
 Docstrings are read with :mod:`ast` where that is enough (nothing imported, no torch); the
 registries and the command are imported. A name a page asks for that is not here, or a registry
 that moved, fails the build (``mkdocs build --strict``) naming it. It also copies the benchmark
-results (``benchmarks/results/``) into the site, so the benchmark pages show their figures.
+results (``benchmarks/results/``) into the site, so the benchmark pages show their figures: a page
+links them as the repository has them (``../../benchmarks/results/x.png``), and GitHub shows them too.
 """
 
 from __future__ import annotations
@@ -239,8 +240,13 @@ def render(markdown: str) -> str:
 
 # ---- MkDocs' hook functions ---------------------------------------------------------------------
 
-def on_page_markdown(markdown: str, **_: Any) -> str:
-    return render(markdown)
+def on_page_markdown(markdown: str, page: Any, **_: Any) -> str:
+    """The generated lists; and a link to the benchmark results as the repository has it (from the
+    page's folder up to the root: it works on GitHub) made the site's (the results sit at the same
+    path under the site's root as under the repository's)."""
+    depth = page.file.src_uri.count("/")
+    return render(markdown).replace("](" + "../" * (depth + 1) + "benchmarks/results/",
+                                    "](" + "../" * depth + "benchmarks/results/")
 
 
 def on_files(files: Any, config: Any, **_: Any) -> Any:
