@@ -25,6 +25,7 @@ import ast
 import importlib
 import inspect
 import re
+import textwrap
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -181,7 +182,7 @@ def keys() -> str:
             code.append(paragraph)
             continue
         if code is not None:
-            out[-1] += "\n\n```text\n" + inspect.cleandoc("\n\n".join(code)) + "\n```"
+            out[-1] += "\n\n```text\n" + textwrap.dedent("\n\n".join(code)).strip("\n") + "\n```"
             code = None
         if paragraph.rstrip().endswith("::"):
             out.append(_plain(" ".join(paragraph.split())[:-1]))
@@ -189,7 +190,7 @@ def keys() -> str:
         elif paragraph.strip():
             out.append(_plain(" ".join(paragraph.split())))
     if code:
-        out[-1] += "\n\n```text\n" + inspect.cleandoc("\n\n".join(code)) + "\n```"
+        out[-1] += "\n\n```text\n" + textwrap.dedent("\n\n".join(code)).strip("\n") + "\n```"
     return "\n\n".join(out)
 
 
@@ -202,18 +203,17 @@ def commands() -> str:
     main = getattr(package, "cli", None) if isinstance(getattr(package, "cli", None), click.Group) else groups[0]
     out = []
 
-    def walk(command: click.Command, path: list[str], parent: click.Context | None) -> None:
-        ctx = click.Context(command, info_name=" ".join(path), parent=None, terminal_width=100,
-                            max_content_width=100)
+    def walk(command: click.Command, path: list[str]) -> None:
+        ctx = click.Context(command, info_name=" ".join(path), terminal_width=100, max_content_width=100)
         if len(path) > 1 and not getattr(command, "hidden", False):
             out.append(f"### `{' '.join(path)}`\n\n```text\n{command.get_help(ctx)}\n```")
         if isinstance(command, click.Group):
             for name in sorted(command.list_commands(ctx)):
                 sub = command.get_command(ctx, name)
                 if sub is not None and not sub.hidden:
-                    walk(sub, path + [name], ctx)
+                    walk(sub, path + [name])
 
-    walk(main, ["tensorturn"], None)
+    walk(main, ["tensorturn"])
     return "\n\n".join(out)
 
 
