@@ -1,7 +1,7 @@
 """The pool key: what proves that a run spec, a task, a manifest or an API token came from the
 pool's owner, and the recipe allowlist: what code a machine agrees to import.
 
-Who can do what (README, "Trust model"):
+Who can do what (docs/trust.md):
 
 * The **Redis password** lets a machine talk to the broker. Without the pool key, what it queues
   is refused unread: every task message carries an HMAC of its arguments under the pool key.

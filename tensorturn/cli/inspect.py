@@ -229,7 +229,7 @@ def workers(broker, store, as_json, prune):
         kept = f", the last {len(refused)} kept" if total > len(refused) else ""
         last = (f"; last: {refused[0].get('task')} on {refused[0].get('worker')}: "
                 f"{refused[0].get('reason')}") if refused else ""
-        click.echo(f"{total} task message(s) refused by the agents (see README, \"Trust model\"{kept})"
+        click.echo(f"{total} task message(s) refused by the agents (see docs/trust.md{kept})"
                    f"{last}", err=True)
 
 

@@ -184,7 +184,7 @@ class Distilled(Recipe):
             values, indices = self.compute_targets(store, x)
             # Not a conditional put: two machines computing one shard at once both write (the
             # later stays) and each trains on its own — the same bytes on CPUs with the same
-            # threads; a GPU's may differ in the last bits (see the README).
+            # threads; a GPU's may differ in the last bits (see docs/ensemble.md).
             if not store.exists(key):
                 seals.put_bytes(store, key, to_bytes({"values": values, "indices": indices},
                                                      {"teacher": self.teacher, "tag": self.tag,
