@@ -110,9 +110,10 @@ class Rule(Protocol):
 
 @dataclass(frozen=True)
 class Synchronous:
-    """A round's outer step on its averaged pseudo-gradient (:func:`~tensorturn.train.diloco.
-    outer_update`): Nesterov momentum as ``torch.optim.SGD``, or plain SGD (FedAvg with lr 1)
-    with ``momentum`` 0; the state is the momentum of each tensor stepped."""
+    """A round's outer step on its averaged pseudo-gradient
+    (:func:`~tensorturn.train.diloco.outer_update`): Nesterov momentum as ``torch.optim.SGD``,
+    or plain SGD (FedAvg with lr 1) with ``momentum`` 0; the state is the momentum of each
+    tensor stepped."""
 
     lr: float
     momentum: float
@@ -140,10 +141,11 @@ class Synchronous:
 
 @dataclass(frozen=True)
 class Delayed:
-    """One update of an asynchronous run as it arrives (:func:`~tensorturn.train.diloco.
-    async_update`: delayed Nesterov, spread): ``weight`` is the update's, ``due`` whether the
-    momentum moves with it, ``share`` 1/S; the state is each tensor's momentum and accumulated
-    updates (zeros where there are none yet)."""
+    """One update of an asynchronous run as it arrives
+    (:func:`~tensorturn.train.diloco.async_update`: delayed Nesterov, spread — Liu et al. 2024,
+    arXiv 2401.09135): ``weight`` is the update's, ``due`` whether the momentum moves with it,
+    ``share`` 1/S; the state is each tensor's momentum and accumulated updates (zeros where
+    there are none yet)."""
 
     lr: float
     momentum: float
@@ -180,8 +182,8 @@ class Broadcast:
     """The move θ → θ' encoded with ``codec`` for the download (what the machines apply to the θ
     they hold, named by ``base_sha256``), with error feedback: θ' is θ plus the move as they
     decode it, and what the codec dropped is kept in the state (``residual::<name>``) and added
-    to the next move (as in 1-bit SGD/EF-SGD; :func:`~tensorturn.train.diloco.
-    compress_broadcast` is the in-memory form)."""
+    to the next move (as in 1-bit SGD/EF-SGD;
+    :func:`~tensorturn.train.diloco.compress_broadcast` is the in-memory form)."""
 
     codec: str
     base_sha256: str

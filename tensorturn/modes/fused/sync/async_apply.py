@@ -72,9 +72,9 @@ def drain(spec: RunSpec, store: Store, board: RunBoard, worker: str) -> None:
 def apply_one(spec: RunSpec, store: Store, board: RunBoard, book: AsyncLedger, j: int,
               token: str, worker: str) -> None:
     """Step the latest weights by update j — the one outer step
-    (:func:`~tensorturn.modes.fused.step.outer_step`) with the :class:`~tensorturn.modes.fused.
-    step.Delayed` rule, tensor by tensor through files — and commit the result as the next
-    version."""
+    (:func:`~tensorturn.modes.fused.step.outer_step`) with the
+    :class:`~tensorturn.modes.fused.step.Delayed` rule, tensor by tensor through files — and
+    commit the result as the next version."""
     opts = options(spec)
     recipe = recipe_of(spec)
     set_threads(spec.threads_per_task)
