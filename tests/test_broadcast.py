@@ -8,7 +8,8 @@ import torch
 
 from tensorturn import layout
 from tensorturn.modes.fused import weights
-from tensorturn.modes.fused.outer import RESIDUAL, step_global
+from tensorturn.modes.fused.outer import step_global
+from tensorturn.modes.fused.step import RESIDUAL
 from tensorturn.modes.fused.weights import fetch_global, global_bytes
 from tensorturn.recipes import resolve
 from tensorturn.spec import RunSpec

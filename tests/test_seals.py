@@ -150,21 +150,34 @@ def test_a_run_never_keeps_weights_that_are_not_finite(round0, store):
     assert not store.exists(layout.key("final_model", spec.run_id))
 
 
-def test_the_async_applier_refuses_what_the_outer_step_refuses(round0, store, tmp_path):
-    from tensorturn.modes.fused.sync import async_apply
-    from tensorturn.store.tensorfile import TensorReader
+def test_the_async_applier_refuses_what_the_outer_step_refuses(round0, store, redis_server):
+    """An asynchronous run's applier takes the same outer step with the same look at the update:
+    its sample count, its values, its norm against the weights it steps — and commits nothing
+    it refused."""
+    import redis
+
+    from tensorturn.modes.fused.sync.async_apply import apply_one
+    from tensorturn.state.ledger import AsyncLedger
 
     spec, floats, _ = round0
-    path = tmp_path / "theta"
-    seals.get_file(store, layout.key("global", spec.run_id, 0), path)
+    book = AsyncLedger(redis.Redis.from_url(redis_server.url, decode_responses=True), spec.run_id)
+    theta0 = layout.key("global", spec.run_id, 0)
+    book.init(theta0, sha256_hex(store.get_bytes(theta0)))
+
+    def apply(j: int, delta: dict[str, torch.Tensor], samples: int = 320) -> None:
+        seals.put_bytes(store, layout.key("update", spec.run_id, j), delta_bytes(delta, "fp32", {
+            "samples": str(samples), "loss": "1.0", "bytes_down": f"{0:015d}", "base_version": "0"}))
+        book.push(j, "w", float(j))
+        with book.lock("w", 30, 10) as token:
+            apply_one(spec, store, None, book, j, token, "w")  # type: ignore[arg-type]  # (a sound ledger: no board needed)
+
     sound = {name: 1e-3 * torch.ones_like(v) for name, v in floats.items()}
-    with TensorReader(path) as theta:
-        async_apply.check_update_here(spec, 3, sound, 320, 320, theta)
-        with pytest.raises(UpdateRejected, match=r"update u3 claims 1000000000 samples, not 1\.\.320"):
-            async_apply.check_update_here(spec, 3, sound, 10 ** 9, 320, theta)
-        nan = {name: torch.full_like(v, float("nan")) for name, v in floats.items()}
-        with pytest.raises(UpdateRejected, match="update u3 holds NaN/Inf"):
-            async_apply.check_update_here(spec, 3, nan, 320, 320, theta)
-        huge = {name: 1e6 * torch.ones_like(v) for name, v in floats.items()}
-        with pytest.raises(UpdateRejected, match="update u3 has norm .* over"):
-            async_apply.check_update_here(spec, 3, huge, 320, 320, theta)
+    with pytest.raises(UpdateRejected, match=r"update u0 claims 1000000000 samples, not 1\.\.320.*by the applier"):
+        apply(0, sound, 10 ** 9)
+    with pytest.raises(UpdateRejected, match="update u1 holds NaN/Inf"):
+        apply(1, {name: torch.full_like(v, float("nan")) for name, v in floats.items()})
+    with pytest.raises(UpdateRejected, match="update u2 has norm .* over"):
+        apply(2, {name: 1e6 * torch.ones_like(v) for name, v in floats.items()})
+    assert book.latest()["version"] == 0  # nothing committed
+    apply(3, sound)
+    assert book.latest()["version"] == 1

@@ -5,7 +5,9 @@ global weights θ_r, takes H inner AdamW steps on its shard and reports the pseu
 Δ_k = θ_r − θ_k; the outer step averages them (weighted by samples, summed in shard-id order) and
 applies an outer optimizer — Nesterov SGD, lr 0.7, momentum 0.9 by default; SGD with lr 1 and no
 momentum is FedAvg. The functions here are pure (tensors in, tensors out); fused mode's tasks
-(:mod:`tensorturn.modes.fused.outer`, :mod:`.shard`) and ``benchmarks/diloco.py`` both call them.
+(:mod:`.shard`, and the one outer step, :mod:`tensorturn.modes.fused.step`, tensor by tensor) and
+``benchmarks/diloco.py`` both call them, and their list forms are the bits the streaming step is
+tested against.
 
 Guarantee: the result depends on (S, H, seed, threads) only — a replica's rows, seed and starting
 weights are functions of the run and the shard id, never of the machine that trains it.
@@ -73,8 +75,8 @@ def check_update(delta: StateDict, theta: StateDict, max_ratio: float) -> None:
 
 # The side that applies an update (a fused round's outer step, an asynchronous run's applier)
 # looks at it again: the trainer checked it before storing it, but an update is applied on the
-# word of no other machine's arithmetic. ``what`` names the update in the refusal, ``by`` the
-# side refusing it.
+# word of no other machine's arithmetic (both through ``modes.fused.step.InputCheck``). ``what``
+# names the update in the refusal, ``by`` the side refusing it.
 
 def check_samples(what: str, samples: int, most: int, by: str) -> None:
     """UpdateRejected unless ``samples`` is 1..``most`` (H × batch × accumulate)."""

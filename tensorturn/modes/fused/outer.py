@@ -6,11 +6,12 @@ the evaluation fills a machine's wait at the next barrier (the last round's oute
 evaluates itself: the run's test and the kept round follow).
 
 One streaming implementation, whatever the model's size and the codec: everything goes through
-local files, tensor by tensor, so memory holds one model-sized sum and a tensor at a time — also
-when the broadcast is compressed: θ_{r+1}, the broadcast and the residual are each written in
-their file's order, the move computed again for each (2.4× an 86M model at the peak, the process
-included; ``benchmarks/bigmodel.py --codecs``). Its arithmetic is the
-in-memory one's (:func:`~tensorturn.train.diloco.weighted_average`,
+local files, tensor by tensor, so memory holds one model-sized sum and a tensor at a time — the
+shards are averaged here (:func:`average_and_step`), and the step itself is the one every sync
+policy takes (:func:`~tensorturn.modes.fused.step.outer_step`): θ_{r+1}, the broadcast and the
+residual are each written in their file's order, the move computed again for each (2.4× an 86M
+model at the peak, the process included; ``benchmarks/bigmodel.py --codecs``). Its arithmetic is
+the in-memory one's (:func:`~tensorturn.train.diloco.weighted_average`,
 :func:`~tensorturn.train.diloco.outer_update`, :func:`~tensorturn.train.diloco.compress_broadcast`)
 applied tensor by tensor, so the same bits. θ_{r+1} is stored last: its existence decides the round.
 """
@@ -18,7 +19,6 @@ applied tensor by tensor, so the same bits. θ_{r+1} is stored last: its existen
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import shutil
 import tempfile
@@ -27,14 +27,13 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from tensorturn import layout
 from tensorturn.modes.fused.ahead import Fetch, ReadAhead
 from tensorturn.modes.fused.finalize import finalize
 from tensorturn.modes.fused.options import eval_passes, evaluated, options, outer_args, samples_per_step
 from tensorturn.modes.fused.policies import policy
 from tensorturn.modes.fused.shard import count_data, data_bytes
+from tensorturn.modes.fused.step import Broadcast, InputCheck, Synchronous, outer_step
 from tensorturn.modes.fused.weights import cache
 from tensorturn.recipes import Recipe, recipe_of
 from tensorturn.spec import RunSpec
@@ -42,38 +41,15 @@ from tensorturn.state.board import RunBoard
 from tensorturn.state.manifest import try_write_manifest
 from tensorturn.store import seals
 from tensorturn.store.objects import Store, file_sha256
-from tensorturn.store.tensorfile import (
-    DTYPES,
-    TensorReader,
-    TensorWriter,
-    delta_tensors,
-    write_encoded,
-    write_order,
-)
-from tensorturn.store.tensors import (
-    BROADCAST_FORMAT,
-    StateDict,
-    decode_tensor,
-    encode_tensor,
-    model_metadata,
-    stored_metadata,
-)
+from tensorturn.store.tensorfile import TensorReader, delta_tensors
+from tensorturn.store.tensors import StateDict, model_metadata, stored_metadata
 from tensorturn.tasks.attempt import LATE, SUCCEEDED, Attempt, NotYet, Unit, broker_time
 from tensorturn.train.device import pick_device
-from tensorturn.train.diloco import (
-    accumulate,
-    apply_step,
-    check_norm,
-    check_samples,
-    finite_squares,
-    outer_update,
-    round_figures,
-)
+from tensorturn.train.diloco import accumulate, round_figures
 from tensorturn.train.loop import load_model, set_threads
 
 log = logging.getLogger(__name__)
 
-RESIDUAL = "residual::"  # prefix of the broadcast's error-feedback residual in the outer state
 OUTER = "the outer step"  # who refuses a pseudo-gradient here (its checks' messages say so)
 
 
@@ -313,7 +289,9 @@ def average_and_step(spec: RunSpec, store: Store, r: int, scratch: Path, fetch: 
     """Round r's average and outer step (unless θ_{r+1} is stored already), through files in
     ``scratch``, each object read with ``fetch`` (by default downloaded now; :class:`ReadAhead`
     hands over what it read while the round's last shard trained); returns the shards' (losses,
-    samples, bytes up, bytes down)."""
+    samples, bytes up, bytes down). Each shard's pseudo-gradient is looked at as it is read
+    (:class:`~tensorturn.modes.fused.step.InputCheck`) and added in shard order — the list
+    average's arithmetic (:func:`~tensorturn.train.diloco.weighted_average`), so the same bits."""
     run_id, shards = spec.run_id, options(spec).shards
     keys = [layout.key("shard", run_id, r, k) for k in range(shards)]
     missing = [k for k, key in enumerate(keys) if not store.exists(key)]
@@ -321,10 +299,10 @@ def average_and_step(spec: RunSpec, store: Store, r: int, scratch: Path, fetch: 
         raise RuntimeError(f"round {r}: shard outputs missing for shards {missing}")
     samples = [int(stored_metadata(store, key)["samples"]) for key in keys]
     recipe = recipe_of(spec)
-    most = options(spec).sync_every * samples_per_step(spec, recipe)
+    check = InputCheck(options(spec).sync_every * samples_per_step(spec, recipe), options(spec).max_update_ratio,
+                       OUTER)
     decided = store.exists(layout.key("global", run_id, r + 1))  # by a previous attempt
     avg: StateDict = {}
-    norms: dict[int, float] = {}  # shard → its sum of squares
     losses, bytes_up, bytes_down = [], 0, 0
     for k, key in enumerate(keys):
         path = scratch / f"shard-{k}"
@@ -334,143 +312,50 @@ def average_and_step(spec: RunSpec, store: Store, r: int, scratch: Path, fetch: 
             if int(meta["samples"]) != samples[k]:  # shard outputs are never overwritten
                 raise RuntimeError(f"round {r}: shard {k}'s output changed while it was averaged")
             what = f"round {r}: the pseudo-gradient of shard {k}"
-            check_samples(what, samples[k], most, OUTER)
+            check.samples(what, samples[k])
             losses.append(float(meta["loss"]))
             bytes_up += path.stat().st_size
             bytes_down += int(meta["bytes_down"])
             if not decided:
                 w = samples[k] / float(sum(samples))
-                squares = 0.0
-                for name, value in delta_tensors(shard):
-                    squares += finite_squares(what, name, value, OUTER)
+                for name, value in check.values(what, delta_tensors(shard)):
                     accumulate(avg, {name: value}, w)
-                norms[k] = squares
         path.unlink()
     if not decided:
-        step_global(spec, recipe, store, r, avg, scratch, norms, fetch)
+        step_global(spec, recipe, store, r, avg, scratch, check, fetch)
     return losses, samples, bytes_up, bytes_down
 
 
-def check_norms(spec: RunSpec, r: int, norms: dict[int, float], theta_squares: float) -> None:
-    """Each shard's pseudo-gradient norm (``norms``: its sum of squares) against θ_r's
-    (:func:`~tensorturn.train.diloco.check_norm`)."""
-    for k, squares in norms.items():
-        check_norm(f"round {r}: the pseudo-gradient of shard {k}", squares, theta_squares,
-                   options(spec).max_update_ratio, OUTER)
-
-
 def step_global(spec: RunSpec, recipe: Recipe, store: Store, r: int, avg: StateDict,
-                scratch: Path | None = None, norms: dict[int, float] | None = None,
+                scratch: Path | None = None, check: InputCheck | None = None,
                 fetch: Fetch = seals.get_file) -> None:
-    """Store θ_{r+1} from θ_r and the averaged pseudo-gradient ``avg`` (used up): first the outer
-    state and, in compressed runs, the broadcast delta, then θ_{r+1}, whose existence decides
-    the round. θ_{r+1} is also left at ``scratch/next`` (without a ``scratch`` folder, one is
-    made for the step). ``norms`` (shard → its pseudo-gradient's sum of squares) are checked
-    against θ_r's before anything is stored (:func:`check_norms`). θ_r and its outer state are
-    read with ``fetch``."""
-    if options(spec).outer == "auto":  # start decides it before the spec is stored
+    """Store θ_{r+1} from θ_r and the averaged pseudo-gradient ``avg`` (used up) — the one outer
+    step (:func:`~tensorturn.modes.fused.step.outer_step`) with the run's outer optimizer and,
+    but for the last round, its broadcast codec: first the outer state and, in compressed runs,
+    the broadcast delta, then θ_{r+1}, whose existence decides the round. θ_{r+1} is also left
+    at ``scratch/next`` (without a ``scratch`` folder, one is made for the step). The shards
+    ``check`` looked at are checked against θ_r's norm before anything is stored. θ_r and its
+    outer state are read with ``fetch``."""
+    opts = options(spec)
+    if opts.outer == "auto":  # start decides it before the spec is stored
         raise RuntimeError(f"run {spec.run_id}: its spec never decided --outer auto")
     if scratch is None:
         with tempfile.TemporaryDirectory(prefix="tt-outer-") as tmp:
-            OuterStep(spec, recipe, store, r, Path(tmp), fetch).take(avg, norms or {})
+            step_global(spec, recipe, store, r, avg, Path(tmp), check, fetch)
         return
-    OuterStep(spec, recipe, store, r, scratch, fetch).take(avg, norms or {})
-
-
-class OuterStep:
-    """One outer step through files in ``scratch``: θ_r (``theta``) and its outer state
-    (``state``: momentum, and the broadcast's residual) are read a tensor at a time, θ_{r+1}
-    (``next``) and the new state (``state-next``) written the same way, each in its file's
-    order — a tensor's step is computed again for each file it goes to (the same arithmetic,
-    so the same bits)."""
-
-    def __init__(self, spec: RunSpec, recipe: Recipe, store: Store, r: int, scratch: Path,
-                 fetch: Fetch = seals.get_file):
-        self.spec, self.recipe, self.store, self.r, self.scratch = spec, recipe, store, r, scratch
-        self.fetch = fetch
-        opts = options(spec)
-        self.codec = opts.down_codec  # the broadcast's (the shards' files name their own)
-        self.compress = self.codec != "fp32" and r + 1 < opts.rounds  # the final θ is kept exact
-        self.lr, self.momentum, self.nesterov = outer_args(spec)
-
-    def take(self, avg: StateDict, norms: dict[int, float]) -> None:
-        run_id, r, scratch, store = self.spec.run_id, self.r, self.scratch, self.store
-        theta_sha = self.fetch(store, layout.key("global", run_id, r), scratch / "theta")
-        state_key = layout.key("outer", run_id, r)
-        has_state = r > 0 and (bool(self.momentum) or (self.codec != "fp32" and store.exists(state_key)))
-        if has_state:  # (no residual yet: a run from before)
-            self.fetch(store, state_key, scratch / "state")
-        with TensorReader(scratch / "theta") as theta, \
-                (TensorReader(scratch / "state") if has_state else contextlib.nullcontext()) as state:
-            self.theta, self.state = theta, state
-            self.specs = {name: (DTYPES[e["dtype"]], e["shape"]) for name, e in theta.entries.items()}
-            squares = 0.0  # summed in the order θ_{r+1} is written, as ever
-            for name in write_order(self.specs):
-                if name in avg:
-                    squares += float(theta.get(name).double().square().sum())
-            check_norms(self.spec, r, norms, squares)  # before anything is stored
-            self.has_residual = state is not None and any(k.startswith(RESIDUAL) for k in state.entries)
-            self.write_theta(avg)
-            moved = [name for name, (dtype, _) in self.specs.items() if self.compress and dtype.is_floating_point]
-            if moved:  # the broadcast names θ_{r+1}'s sha256
-                self.write_broadcast(avg, moved, theta_sha)
-            state_specs = {name: (torch.float32, self.specs[name][1]) for name in avg} if self.momentum else {}
-            state_specs.update({RESIDUAL + name: (torch.float32, self.specs[name][1]) for name in moved})
-            if state_specs:  # the outer state of r+1 is stored before θ_{r+1} decides the round
-                with TensorWriter(scratch / "state-next", state_specs) as out:
-                    for name in out.order:
-                        if name.startswith(RESIDUAL):  # what the codec did not send, sent next round
-                            want = self.want(avg, name[len(RESIDUAL):])
-                            out.write(name, want - self.sent(name[len(RESIDUAL):], want))
-                        else:
-                            out.write(name, self.step(avg, name)[1][name])
-                    out.close()
-                seals.put_file(store, layout.key("outer", run_id, r + 1), scratch / "state-next")
-        avg.clear()
-        if moved:
-            seals.put_file(store, layout.key("broadcast", run_id, r + 1), scratch / "broadcast")
-        seals.put_file(store, layout.key("global", run_id, r + 1), scratch / "next")
-
-    def step(self, avg: StateDict, name: str) -> tuple[StateDict, StateDict]:
-        """The outer update of one tensor: ({name: θ_{r+1}}, {name: its new momentum} or {})."""
-        state = self.state
-        prev = state.get(name) if self.momentum and state is not None and name in state.entries else None
-        d = {name: avg[name]} if name in avg else {}
-        return outer_update({name: self.theta.get(name)}, d, {name: prev} if prev is not None else None,
-                            self.lr, self.momentum, self.nesterov)
-
-    def want(self, avg: StateDict, name: str) -> torch.Tensor:
-        """The move θ_{r+1} − θ_r of one tensor plus the residual the codec left last round:
-        what the broadcast encodes (:func:`~tensorturn.train.diloco.compress_broadcast`'s
-        arithmetic, a tensor at a time)."""
-        target = self.step(avg, name)[0][name]
-        residual = self.state.get(RESIDUAL + name) if self.has_residual and self.state is not None else 0.0
-        return target.float() - self.theta.get(name).float() + residual
-
-    def sent(self, name: str, want: torch.Tensor) -> torch.Tensor:
-        """The move as every machine decodes it from the broadcast."""
-        return decode_tensor(name, encode_tensor(name, want, self.codec), self.codec, list(want.shape))
-
-    def write_theta(self, avg: StateDict) -> None:
-        """θ_{r+1} to ``scratch/next``, tensor by tensor: the outer update's, or — when the
-        broadcast is compressed — θ_r plus the move as every machine decodes it, so that the
-        run's θ_{r+1} is the one every machine rebuilds."""
-        meta = model_metadata(self.spec.recipe, self.recipe.default_config(), self.spec.recipe_options,
-                              self.spec.recipe_state)
-        with TensorWriter(self.scratch / "next", self.specs, meta) as out:
-            for name in out.order:
-                if self.compress:
-                    value = self.theta.get(name)
-                    move = {name: self.sent(name, self.want(avg, name))} if value.is_floating_point() else {}
-                    out.write(name, apply_step({name: value}, move)[name])
-                else:
-                    out.write(name, self.step(avg, name)[0][name])
-            out.close()
-
-    def write_broadcast(self, avg: StateDict, moved: list[str], theta_sha: str) -> None:
-        """The broadcast ``scratch/broadcast``: the moves of ``moved`` encoded with the run's
-        codec, tensor by tensor, naming θ_r's sha256 (its base) and θ_{r+1}'s."""
-        shapes = {name: list(self.specs[name][1]) for name in moved}
-        meta = {"format": BROADCAST_FORMAT, "codec": self.codec, "shapes": json.dumps(shapes, sort_keys=True),
-                "base_sha256": theta_sha, "sha256": file_sha256(self.scratch / "next")}
-        write_encoded(self.scratch / "broadcast", shapes, self.codec, meta, lambda name: self.want(avg, name))
+    run_id, codec = spec.run_id, opts.down_codec  # the broadcast's (the shards' files name their own)
+    lr, momentum, nesterov = outer_args(spec)
+    theta_sha = fetch(store, layout.key("global", run_id, r), scratch / "theta")
+    state_key = layout.key("outer", run_id, r)
+    has_state = r > 0 and (bool(momentum) or (codec != "fp32" and store.exists(state_key)))
+    if has_state:  # (no residual yet: a run from before)
+        fetch(store, state_key, scratch / "state")
+    compressed = codec != "fp32" and r + 1 < opts.rounds  # the final θ is kept exact
+    meta = model_metadata(spec.recipe, recipe.default_config(), spec.recipe_options, spec.recipe_state)
+    files = outer_step(scratch, scratch / "theta", scratch / "state" if has_state else None, avg,
+                       Synchronous(lr, momentum, nesterov), meta, check,
+                       Broadcast(codec, theta_sha) if compressed else None)
+    avg.clear()
+    for kind, path in (("outer", files.state), ("broadcast", files.broadcast), ("global", files.next)):
+        if path is not None:  # θ_{r+1} last: the outer state of r+1 is stored before it decides the round
+            seals.put_file(store, layout.key(kind, run_id, r + 1), path)

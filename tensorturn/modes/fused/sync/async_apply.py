@@ -14,11 +14,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from tensorturn import config, layout
 from tensorturn.modes.fused.finalize import finalize
 from tensorturn.modes.fused.options import eval_passes, evaluated, options, outer_args, samples_per_step
+from tensorturn.modes.fused.step import Delayed, InputCheck, outer_step
 from tensorturn.modes.fused.sync.async_versions import (
     check_version_key,
     get_version,
@@ -33,21 +32,12 @@ from tensorturn.state.board import RunBoard
 from tensorturn.state.ledger import AsyncLedger, Fenced
 from tensorturn.store import seals
 from tensorturn.store.objects import Store
-from tensorturn.store.tensorfile import DTYPES, TensorReader, TensorWriter, delta_tensors
-from tensorturn.store.tensors import StateDict, model_metadata
+from tensorturn.store.tensorfile import TensorReader, delta_tensors
+from tensorturn.store.tensors import model_metadata
 from tensorturn.tasks.attempt import broker_time
 from tensorturn.train.device import pick_device
-from tensorturn.train.diloco import (
-    async_update,
-    check_norm,
-    check_samples,
-    finite_squares,
-    round_figures,
-    staleness_scale,
-)
+from tensorturn.train.diloco import round_figures, staleness_scale
 from tensorturn.train.loop import load_model, set_threads
-
-MOMENTUM, ACCUMULATED = "m::", "a::"  # the outer state's two parts, per tensor
 
 
 def drain(spec: RunSpec, store: Store, board: RunBoard, worker: str) -> None:
@@ -81,8 +71,10 @@ def drain(spec: RunSpec, store: Store, board: RunBoard, worker: str) -> None:
 
 def apply_one(spec: RunSpec, store: Store, board: RunBoard, book: AsyncLedger, j: int,
               token: str, worker: str) -> None:
-    """Step the latest weights by update j, tensor by tensor through files, and commit the
-    result as the next version."""
+    """Step the latest weights by update j — the one outer step
+    (:func:`~tensorturn.modes.fused.step.outer_step`) with the
+    :class:`~tensorturn.modes.fused.step.Delayed` rule, tensor by tensor through files — and
+    commit the result as the next version."""
     opts = options(spec)
     recipe = recipe_of(spec)
     set_threads(spec.threads_per_task)
@@ -97,47 +89,24 @@ def apply_one(spec: RunSpec, store: Store, board: RunBoard, book: AsyncLedger, j
         if latest["state_key"]:
             check_version_key(spec, "version_state", latest["state_key"], v)
             seals.get_file(store, latest["state_key"], scratch / "state")
+        check = InputCheck(nominal, opts.max_update_ratio, "the applier")  # it trusts no other machine's arithmetic
+        what = f"update u{j}"
         with TensorReader(scratch / "update") as upd:
             meta = upd.metadata
-            delta = dict(delta_tensors(upd))
-        samples, base = int(meta["samples"]), int(meta["base_version"])
+            samples, base = int(meta["samples"]), int(meta["base_version"])
+            check.samples(what, samples)
+            delta = dict(check.values(what, delta_tensors(upd)))
         weight = samples / (opts.shards * nominal) * staleness_scale(v - base, opts.shards)
-        due = (v + 1) % opts.shards == 0
-        with TensorReader(scratch / "theta") as theta, \
-                (TensorReader(scratch / "state") if latest["state_key"]
-                 else contextlib.nullcontext()) as state:
-            check_update_here(spec, j, delta, samples, nominal, theta)
-            def step(name: str) -> tuple[torch.Tensor, Any, Any]:
-                def part(prefix: str) -> torch.Tensor | None:
-                    if state is None or prefix + name not in state.entries:
-                        return None
-                    return state.get(prefix + name)
-                return async_update(theta.get(name), delta.get(name), part(MOMENTUM),
-                                    part(ACCUMULATED), weight, lr, momentum, due, 1 / opts.shards)
-
-            specs = {name: (DTYPES[e["dtype"]], e["shape"]) for name, e in theta.entries.items()}
-            with TensorWriter(scratch / "next", specs, model_metadata(
-                    spec.recipe, recipe.default_config(), spec.recipe_options, spec.recipe_state)) as out:
-                for name in out.order:
-                    out.write(name, step(name)[0])
-                out.close()
-            if momentum:
-                state_specs = {prefix + name: (torch.float32, specs[name][1])
-                               for name in delta for prefix in (MOMENTUM, ACCUMULATED)}
-                with TensorWriter(scratch / "next-state", state_specs) as out:
-                    for entry in out.order:
-                        prefix, name = entry[:3], entry[3:]
-                        _, buf, acc = step(name)
-                        value = buf if prefix == MOMENTUM else acc
-                        out.write(entry, value if value is not None
-                                  else torch.zeros(specs[name][1], dtype=torch.float32))
-                    out.close()
+        rule = Delayed(lr, momentum, weight, due=(v + 1) % opts.shards == 0, share=1 / opts.shards)
+        meta_next = model_metadata(spec.recipe, recipe.default_config(), spec.recipe_options, spec.recipe_state)
+        files = outer_step(scratch, scratch / "theta", scratch / "state" if latest["state_key"] else None,
+                           delta, rule, meta_next, check)  # the update's norm checked before θ' is written
         suffix = token.rpartition(":")[2]
         key = layout.key("version", spec.run_id, v + 1, suffix)
-        state_key = layout.key("version_state", spec.run_id, v + 1, suffix) if momentum else ""
-        if state_key:
-            seals.put_file(store, state_key, scratch / "next-state")
-        sha = seals.put_file(store, key, scratch / "next")
+        state_key = layout.key("version_state", spec.run_id, v + 1, suffix) if files.state is not None else ""
+        if files.state is not None:
+            seals.put_file(store, state_key, files.state)
+        sha = seals.put_file(store, key, files.next)
         record = {"update": j, "version": v + 1, "base_version": base, "staleness": v - base,
                   "samples": samples, "loss": float(meta["loss"]), "weight": weight,
                   "trained_by": book.trainer(j), "applied_by": worker, "at": broker_time(),
@@ -153,18 +122,6 @@ def apply_one(spec: RunSpec, store: Store, board: RunBoard, book: AsyncLedger, j
         raise
     seals.put_json(store, layout.key("version_log", spec.run_id, v + 1), {
         "key": key, "state_key": state_key, "sha256": sha, "record": record})
-
-
-def check_update_here(spec: RunSpec, j: int, delta: StateDict, samples: int, nominal: int,
-                      theta: TensorReader) -> None:
-    """The applier's own look at update j before it moves θ (the trainer looked before storing
-    it; an applier trusts no other machine's arithmetic): its sample count, its values, its norm
-    against the weights it steps."""
-    what, by = f"update u{j}", "the applier"
-    check_samples(what, samples, nominal, by)
-    squares = sum(finite_squares(what, name, value, by) for name, value in delta.items())
-    theta_squares = sum(float(theta.get(name).double().square().sum()) for name in delta)
-    check_norm(what, squares, theta_squares, options(spec).max_update_ratio, by)
 
 
 def catch_up(spec: RunSpec, store: Store, board: RunBoard, book: AsyncLedger) -> None:

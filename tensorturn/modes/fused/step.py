@@ -1,0 +1,259 @@
+"""The outer step, once: θ and its outer state read from files a tensor at a time, moved by a rule,
+and θ', the new state and (with a compressed broadcast) the move written the same way.
+
+Every sync policy's step is this function. A round's (rounds, backup, overlap:
+:func:`~tensorturn.modes.fused.outer.step_global`) moves θ_r by the round's averaged
+pseudo-gradient with :class:`Synchronous` — DiLoCo's outer Nesterov step (Douillard et al. 2023,
+arXiv 2311.08105), FedAvg with ``--outer sgd`` — and, when the broadcast is compressed, writes
+θ_{r+1} as θ_r plus the move as every machine decodes it, keeping what the codec dropped for the
+next round (error feedback). An asynchronous run's applier
+(:func:`~tensorturn.modes.fused.sync.async_apply.apply_one`) moves the latest weights by one
+update with :class:`Delayed` (delayed Nesterov, spread).
+
+Guarantees: the arithmetic is :mod:`tensorturn.train.diloco`'s per-tensor functions (their list
+forms are the bit references the tests compare with), applied tensor by tensor — memory holds one
+tensor of θ at a time besides the update, and a tensor's move is computed again for each file it
+goes to, with the same bits. Each update was looked at as it was read (:class:`InputCheck`)
+and its norm is checked against θ's before any file is written. Nothing here touches the store:
+the caller decides what is stored, and in which order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from tensorturn.store.objects import file_sha256
+from tensorturn.store.tensorfile import DTYPES, TensorReader, TensorWriter, write_encoded, write_order
+from tensorturn.store.tensors import BROADCAST_FORMAT, StateDict, decode_tensor, encode_tensor
+from tensorturn.train.diloco import (
+    apply_step,
+    async_update,
+    check_norm,
+    check_samples,
+    finite_squares,
+    outer_update,
+)
+
+RESIDUAL = "residual::"  # prefix of the broadcast's error-feedback residual in the outer state
+MOMENTUM, ACCUMULATED = "m::", "a::"  # the delayed rule's two parts of the outer state, per tensor
+
+Specs = dict[str, tuple[torch.dtype, list[int]]]
+
+
+class InputCheck:
+    """The stepping side's own look at the updates it applies (the trainer looked before storing
+    each; a step is taken on the word of no other machine's arithmetic): each update's sample
+    count is 1..``most`` (:meth:`samples`), its values finite as they are read (:meth:`values`),
+    and its norm at most ``max_ratio`` × θ's before anything is written (:meth:`against`, from
+    :func:`outer_step`). Refusals raise :class:`~tensorturn.train.diloco.UpdateRejected` naming
+    the update and ``by``, the side refusing it."""
+
+    def __init__(self, most: int, max_ratio: float, by: str):
+        self.most, self.max_ratio, self.by = most, max_ratio, by
+        self.norms: dict[str, float] = {}  # each update looked at → its sum of squares
+
+    def samples(self, what: str, samples: int) -> None:
+        """Update ``what``'s sample count, before its values are read."""
+        check_samples(what, samples, self.most, self.by)
+
+    def values(self, what: str, tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """Update ``what``'s ``tensors``, each looked at (finite; its squares summed) as it passes."""
+        self.norms[what] = 0.0
+        for name, value in tensors:
+            self.norms[what] += finite_squares(what, name, value, self.by)
+            yield name, value
+
+    def against(self, theta_squares: float) -> None:
+        """Each update's norm against θ's (``theta_squares``: its sum of squares)."""
+        for what, squares in self.norms.items():
+            check_norm(what, squares, theta_squares, self.max_ratio, self.by)
+
+
+@dataclass
+class Inputs:
+    """What a rule reads: θ and its outer state (a tensor at a time), the update, θ's specs."""
+
+    theta: TensorReader
+    state: TensorReader | None
+    delta: StateDict
+    specs: Specs
+
+    def part(self, entry: str) -> torch.Tensor | None:
+        """The outer state's ``entry``, or None where there is none (a first step)."""
+        if self.state is None or entry not in self.state.entries:
+            return None
+        return self.state.get(entry)
+
+
+class Rule(Protocol):
+    """How an outer step moves one tensor, exactly (before any broadcast codec)."""
+
+    def squares_order(self, io: Inputs) -> list[str]:
+        """The tensors of θ whose squares are summed for the norm check, in the order summed."""
+
+    def exact(self, io: Inputs, name: str) -> torch.Tensor:
+        """θ' of tensor ``name``."""
+
+    def state_specs(self, io: Inputs) -> Specs:
+        """The entries of the rule's new outer state."""
+
+    def state(self, io: Inputs, entry: str) -> torch.Tensor:
+        """The new outer state's ``entry``."""
+
+
+@dataclass(frozen=True)
+class Synchronous:
+    """A round's outer step on its averaged pseudo-gradient
+    (:func:`~tensorturn.train.diloco.outer_update`): Nesterov momentum as ``torch.optim.SGD``,
+    or plain SGD (FedAvg with lr 1) with ``momentum`` 0; the state is the momentum of each
+    tensor stepped."""
+
+    lr: float
+    momentum: float
+    nesterov: bool
+
+    def squares_order(self, io: Inputs) -> list[str]:
+        return [name for name in write_order(io.specs) if name in io.delta]  # θ_{r+1}'s, as ever
+
+    def step(self, io: Inputs, name: str) -> tuple[StateDict, StateDict]:
+        """({name: θ'}, {name: its new momentum} or {})."""
+        prev = io.part(name) if self.momentum else None
+        d = {name: io.delta[name]} if name in io.delta else {}
+        return outer_update({name: io.theta.get(name)}, d, {name: prev} if prev is not None else None,
+                            self.lr, self.momentum, self.nesterov)
+
+    def exact(self, io: Inputs, name: str) -> torch.Tensor:
+        return self.step(io, name)[0][name]
+
+    def state_specs(self, io: Inputs) -> Specs:
+        return {name: (torch.float32, io.specs[name][1]) for name in io.delta} if self.momentum else {}
+
+    def state(self, io: Inputs, entry: str) -> torch.Tensor:
+        return self.step(io, entry)[1][entry]
+
+
+@dataclass(frozen=True)
+class Delayed:
+    """One update of an asynchronous run as it arrives
+    (:func:`~tensorturn.train.diloco.async_update`: delayed Nesterov, spread — Liu et al. 2024,
+    arXiv 2401.09135): ``weight`` is the update's, ``due`` whether the momentum moves with it,
+    ``share`` 1/S; the state is each tensor's momentum and accumulated updates (zeros where
+    there are none yet)."""
+
+    lr: float
+    momentum: float
+    weight: float
+    due: bool
+    share: float
+
+    def squares_order(self, io: Inputs) -> list[str]:
+        return list(io.delta)  # the update's order, as the applier has always summed them
+
+    def step(self, io: Inputs, name: str) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        return async_update(io.theta.get(name), io.delta.get(name), io.part(MOMENTUM + name),
+                            io.part(ACCUMULATED + name), self.weight, self.lr, self.momentum, self.due,
+                            self.share)
+
+    def exact(self, io: Inputs, name: str) -> torch.Tensor:
+        return self.step(io, name)[0]
+
+    def state_specs(self, io: Inputs) -> Specs:
+        if not self.momentum:
+            return {}
+        return {prefix + name: (torch.float32, io.specs[name][1])
+                for name in io.delta for prefix in (MOMENTUM, ACCUMULATED)}
+
+    def state(self, io: Inputs, entry: str) -> torch.Tensor:
+        prefix, name = entry[:len(MOMENTUM)], entry[len(MOMENTUM):]
+        _, buf, acc = self.step(io, name)
+        value = buf if prefix == MOMENTUM else acc
+        return value if value is not None else torch.zeros(io.specs[name][1], dtype=torch.float32)
+
+
+@dataclass(frozen=True)
+class Broadcast:
+    """The move θ → θ' encoded with ``codec`` for the download (what the machines apply to the θ
+    they hold, named by ``base_sha256``), with error feedback: θ' is θ plus the move as they
+    decode it, and what the codec dropped is kept in the state (``residual::<name>``) and added
+    to the next move (as in 1-bit SGD/EF-SGD;
+    :func:`~tensorturn.train.diloco.compress_broadcast` is the in-memory form)."""
+
+    codec: str
+    base_sha256: str
+
+    def want(self, rule: Rule, io: Inputs, name: str) -> torch.Tensor:
+        """The move of one tensor plus the residual the codec left last time."""
+        residual = io.part(RESIDUAL + name)
+        return rule.exact(io, name).float() - io.theta.get(name).float() + (
+            residual if residual is not None else 0.0)
+
+    def sent(self, name: str, want: torch.Tensor) -> torch.Tensor:
+        """The move as every machine decodes it."""
+        return decode_tensor(name, encode_tensor(name, want, self.codec), self.codec, list(want.shape))
+
+
+@dataclass(frozen=True)
+class StepFiles:
+    """What :func:`outer_step` wrote: θ', the new outer state (None when the rule keeps none and
+    nothing was broadcast) and the broadcast (None when not compressed)."""
+
+    next: Path
+    state: Path | None
+    broadcast: Path | None
+
+
+def outer_step(scratch: Path, theta: Path, state: Path | None, delta: StateDict, rule: Rule,
+               meta: dict[str, str], check: InputCheck | None = None, broadcast: Broadcast | None = None
+               ) -> StepFiles:
+    """Move θ (file ``theta``, its outer state in ``state``) by ``delta`` with ``rule``: the
+    updates ``check`` looked at are checked against θ's norm first, then θ' (``scratch/next``,
+    with ``meta``), the broadcast (``scratch/broadcast``) and the new state
+    (``scratch/state-next``) are written in that order, each a tensor at a time in its file's
+    order."""
+    with TensorReader(theta) as t, (TensorReader(state) if state is not None else contextlib.nullcontext()) as s:
+        io = Inputs(t, s, delta, {name: (DTYPES[e["dtype"]], e["shape"]) for name, e in t.entries.items()})
+        squares = 0.0
+        for name in rule.squares_order(io):
+            squares += float(t.get(name).double().square().sum())
+        if check is not None:
+            check.against(squares)  # before anything is written
+        next_path, state_path, broadcast_path = scratch / "next", scratch / "state-next", scratch / "broadcast"
+        with TensorWriter(next_path, io.specs, meta) as out:
+            for name in out.order:
+                if broadcast is None:
+                    out.write(name, rule.exact(io, name))
+                    continue
+                value = t.get(name)  # θ plus the move as every machine decodes it: the θ' they rebuild
+                sent = {name: broadcast.sent(name, broadcast.want(rule, io, name))} if value.is_floating_point() else {}
+                out.write(name, apply_step({name: value}, sent)[name])
+            out.close()
+        moved = [name for name, (dtype, _) in io.specs.items() if dtype.is_floating_point] if broadcast else []
+        if broadcast is not None and moved:  # it names θ''s sha256
+            shapes = {name: list(io.specs[name][1]) for name in moved}
+            write_encoded(broadcast_path, shapes, broadcast.codec, {
+                "format": BROADCAST_FORMAT, "codec": broadcast.codec, "shapes": json.dumps(shapes, sort_keys=True),
+                "base_sha256": broadcast.base_sha256, "sha256": file_sha256(next_path)},
+                lambda name: broadcast.want(rule, io, name))
+
+        def new_state(entry: str) -> torch.Tensor:
+            if broadcast is not None and entry.startswith(RESIDUAL):  # what the codec did not send, sent next time
+                name = entry[len(RESIDUAL):]
+                want = broadcast.want(rule, io, name)
+                return want - broadcast.sent(name, want)
+            return rule.state(io, entry)
+
+        state_specs = rule.state_specs(io)
+        state_specs.update({RESIDUAL + name: (torch.float32, io.specs[name][1]) for name in moved})
+        if state_specs:
+            with TensorWriter(state_path, state_specs) as out:
+                for entry in out.order:
+                    out.write(entry, new_state(entry))
+                out.close()
+    return StepFiles(next_path, state_path if state_specs else None, broadcast_path if moved else None)
