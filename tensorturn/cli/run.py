@@ -7,9 +7,11 @@ import click
 
 from tensorturn.cli import cli, debugging, emit_json, fail, pool_options
 from tensorturn.cli.options import (
+    GroupedHelp,
     follow_options,
     mode_options,
     parse_recipe_options,
+    run_groups,
     training_options,
 )
 from tensorturn.cli.output import launched, print_result, print_results, say
@@ -21,7 +23,8 @@ from tensorturn.recipes.check import HOOK_TIMEOUT_S
 
 # Options of one mode default to None here: only what the user gave reaches the spec, so an
 # option of the other mode is refused by name, and defaults live in the mode's options class.
-@cli.command()
+# --help lists the common options first, then the rest under "Expert options" headings.
+@cli.command(cls=GroupedHelp, groups=run_groups)
 @click.option("--mode", type=click.Choice(mode_names()), default="fused", show_default=True,
               help="fused: shard the data, average weights every H steps into one model. "
                    "ensemble: diverse full models that vote.")
