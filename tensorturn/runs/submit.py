@@ -1,5 +1,8 @@
-"""Submitting a run: every check a user's spec can fail, then the run set up on an idle agent
-(torch and the recipes loaded there) or, without one, in this process.
+"""Queueing a run: what a checked spec can still fail (the recipe builds, the broker and the
+store answer, a machine can hold the model), then the run set up by the one set-up function
+(:func:`tensorturn.tasks.start.start`) — on an idle agent (torch and the recipes loaded there)
+or, without one, in this process. :class:`~tensorturn.runs.launch.Launcher` calls
+:func:`queue_run`; :func:`submit` is the same for a spec made by hand (tests, benchmarks).
 
 Nothing here imports torch, Celery or boto3 until a function needs them: a bad option or recipe
 name is refused before anything heavy loads.
