@@ -11,10 +11,11 @@
 
 A run's settings are ``tensorturn run``'s flags as keyword arguments (``sync_every=10`` for
 ``--sync-every 10``), or a run file (``config="run.toml"``) with keyword arguments over it; they
-are checked, defaulted and launched by the very functions the command calls
-(:func:`run_settings`, :func:`run_spec`, :func:`launch`), so a mistake raises the
-:class:`~tensorturn.errors.TensorTurnError` (``SpecError``, ``RecipeError``, ``BrokerError``...)
-whose message is the command's one line. Nothing here imports torch until a run needs it.
+become the :class:`~tensorturn.runs.request.RunRequest` the command makes, checked once, and
+start through the pool's :class:`~tensorturn.runs.launch.Launcher`, as the command's do — so a
+mistake raises the :class:`~tensorturn.errors.TensorTurnError` (``SpecError``, ``RecipeError``,
+``BrokerError``...) whose message is the command's one line. Nothing here imports torch until a
+run needs it.
 """
 
 from __future__ import annotations
@@ -28,72 +29,18 @@ from typing import TYPE_CHECKING, Any
 
 from tensorturn import config, runfile
 from tensorturn.errors import RunFailed, SpecError
+from tensorturn.runs.request import RunRequest
 from tensorturn.spec import FINISHED, RunState
 
 if TYPE_CHECKING:
     from torch import nn
 
     from tensorturn.pool.embedded import LocalPool
-    from tensorturn.runs.launch import Observer, Stage
-    from tensorturn.spec import RunSpec
+    from tensorturn.runs.launch import Launcher, Observer, Stage
+
+__all__ = ["Pool", "Run", "RunRequest"]
 
 log = logging.getLogger(__name__)
-
-
-# ---- what `tensorturn run` and Pool.run share -----------------------------------------------------
-
-def run_settings(options: dict[str, Any], config_file: str | Path | None = None) -> dict[str, Any]:
-    """A run's settings, complete: those of the run file ``config_file``, ``options`` over them
-    (``None``: not given), every default filled in — what ``--print-config`` prints and the run
-    keeps. Checked as ``tensorturn run`` checks them: a one-line SpecError (or RecipeError)."""
-    from tensorturn.runs.launch import check_merge
-    from tensorturn.spec import check_bounds
-
-    file = runfile.read(config_file) if config_file else {}
-    settings = runfile.combine(file, runfile.check(options))
-    # how it runs, checked here too: --print-config writes only what `run` takes
-    check_bounds({"local_workers": settings.get("local_workers"), "timeout": settings.get("timeout")})
-    spec = run_spec(settings, "")
-    check_merge(spec.mode, settings["merge"])
-    return runfile.resolved(spec, settings)
-
-
-def run_spec(settings: dict[str, Any], store_url: str) -> "RunSpec":
-    """The validated spec of a run with these settings (:func:`run_settings`'), storing to
-    ``store_url``; it keeps the settings (``run_config``) so that ``status`` shows what ran."""
-    from tensorturn import runs
-    from tensorturn.spec import RunSpec
-
-    values = {k: v for k, v in settings.items()
-              if k not in ("mode", "recipe", "recipe_options", *runfile.LAUNCH)}
-    spec = RunSpec.create(settings.get("mode", "fused"), settings.get("recipe", ""), store_url,
-                          recipe_options=dict(settings.get("recipe_options") or {}), **values)
-    runs.validate(spec)  # before anything starts or anything heavy is imported
-    spec.run_config = settings
-    return spec
-
-
-def training_of(settings: dict[str, Any]) -> dict[str, Any]:
-    """The training settings a distillation after the run (``merge="distill"``) takes too."""
-    return {k: settings.get(k) for k in runfile.TRAINING}
-
-
-def launch(settings: dict[str, Any], broker: str | None, store_url: str, detach: bool = False,
-           docs: list[dict[str, Any]] | None = None, observer: "Observer | None" = None) -> list[dict[str, Any]]:
-    """``tensorturn run``: the run of ``settings`` (:func:`run_settings`) on the pool at
-    ``broker`` — or on a private embedded one of ``local_workers`` agents — followed to its end
-    (:func:`tensorturn.runs.launch_run`); its last descriptions."""
-    from tensorturn import runs
-    from tensorturn.spec import check_bounds
-
-    check_bounds({"local_workers": settings.get("local_workers")})  # refused however it is run
-    if broker:  # the pool's own agents run it: the run keeps no embedded pool's size (as Pool.run)
-        settings = {k: v for k, v in settings.items() if k != "local_workers"}
-    else:  # an embedded run keeps the size it ran with, given or not
-        settings = {**settings, "local_workers": settings.get("local_workers") or runfile.LOCAL_WORKERS}
-    spec = run_spec(settings, store_url)
-    return runs.launch_run(spec, broker, settings.get("local_workers"), detach, settings.get("timeout"),
-                           settings.get("merge", "none"), training_of(settings), docs, observer)
 
 
 # ---- pools and runs as objects ----------------------------------------------------------------------
@@ -112,6 +59,7 @@ class Pool:
         self.allow = allow
         self.runs: list[Run] = []
         self.closed = False  # an embedded pool, once stopped: its runs are read from the store
+        self._launcher: Launcher | None = None
 
     @classmethod
     def embedded(cls, workers: int = runfile.LOCAL_WORKERS, store: str | None = None,
@@ -179,8 +127,6 @@ class Pool:
         ``["mlflow", "tensorboard"]``) and ``track_dir`` are ``--track`` and ``--track-dir``:
         the run is logged as :meth:`Run.wait` follows it, and its end once it has ended. Raises
         the command's one-line errors (SpecError...) before anything is queued."""
-        from tensorturn.runs.launch import run_stages
-
         if self.closed:
             raise SpecError("this embedded pool is closed: start another (Pool.embedded())")
         for launch_only, instead in (("local_workers", "Pool.embedded(workers=N)"),
@@ -189,19 +135,23 @@ class Pool:
             if launch_only in options:
                 raise SpecError(f"{launch_only} is not a setting of Pool.run: use {instead}")
         trackers = _trackers(track, track_dir)
-        settings = run_settings({"mode": mode, "recipe": recipe, **options}, config)
-        pool_size = self.local.workers if self.local is not None else None
-        # the run keeps what ran: this embedded pool's size; a standing pool has none to keep
-        settings = {k: v for k, v in settings.items() if k != "local_workers"}
-        if pool_size is not None:
-            settings = runfile.ordered({**settings, "local_workers": pool_size})
-        spec = run_spec(settings, self.store_url)
+        request = RunRequest.of({"mode": mode, "recipe": recipe, **options}, config)
         if self.local is not None:
-            self._check_agents_allow(spec.recipe)
-        stages, recipes = run_stages(spec, settings["merge"], training_of(settings), pool_size)
+            self._check_agents_allow(request.spec.recipe)
+        # the run keeps what ran: this embedded pool's size; a standing pool has none to keep
+        stages, recipes = self.launcher.stages(request, self.local.workers if self.local is not None else None)
         run = Run(self, stages, tuple(recipes) + self.allow, trackers)
         self.runs.append(run)
         return run
+
+    @property
+    def launcher(self) -> "Launcher":
+        """What starts this pool's runs: its broker and store (:class:`~tensorturn.runs.launch.Launcher`)."""
+        from tensorturn.runs.launch import Launcher
+
+        if self._launcher is None:
+            self._launcher = Launcher(self.broker_url, self.store_url)
+        return self._launcher
 
     def _check_agents_allow(self, recipe: str) -> None:
         """An embedded pool's agents import the recipes allowed when it started (``allow=``, and

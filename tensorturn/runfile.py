@@ -39,7 +39,7 @@ MERGES = ("none", "distill")
 # What `tensorturn run` does with a setting left out of both the file and the flags (the spec's
 # and the modes' own defaults are theirs). An embedded pool's size is not among them: it is how
 # this command runs the run, written only where the user gave it (or, kept with an embedded run,
-# what ran: tensorturn.api.launch)
+# what ran: tensorturn.runs.request.RunRequest.spec_for)
 DEFAULTS: dict[str, Any] = {"mode": "fused", "merge": "none"}
 LOCAL_WORKERS = 2  # an embedded pool's agents when --local-workers is not given
 WHERE = {"broker": "--broker", "store": "--store", "join_file": "--join-file", "join": "--join-file",

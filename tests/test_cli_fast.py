@@ -170,3 +170,26 @@ def test_an_interruption_lost_in_a_destructor_prints_no_traceback():
     assert proc.stdout == "raised again\n"
     assert "KeyboardInterrupt" not in proc.stderr
     assert "ValueError: a real one" in proc.stderr
+
+
+def test_run_help_lists_the_common_options_first_and_every_option_once():
+    import re
+
+    import click
+    from click.testing import CliRunner
+
+    from tensorturn.cli import cli
+
+    text = CliRunner().invoke(cli, ["run", "--help"], terminal_width=100).output
+    headings = [line for line in text.splitlines() if line.endswith(":") and not line.startswith(" ")]
+    assert headings == ["Options:", "Where it runs, and how the command waits:",
+                        "Expert options, --mode fused:", "Expert options, --mode ensemble:",
+                        "Expert options, training:"]
+    common = text[text.index("\nOptions:"):text.index("\nWhere it runs")]
+    for flag in ("--mode", "--recipe", "--recipe-option", "--config", "--rounds", "--members", "--seed",
+                 "--local-workers", "--join-file", "--json", "--print-config", "--help"):
+        assert re.search(rf"^\s+(-h, )?{flag}\b", common, re.M), flag
+    assert "--outer-momentum" not in common and "--precision" not in common
+    for param in cli.commands["run"].params:  # each listed once, under one heading: none hidden
+        if isinstance(param, click.Option):
+            assert len(re.findall(rf"^  {re.escape(param.opts[0])}[ ,\n]", text, re.M)) == 1, param.opts

@@ -136,17 +136,22 @@ def test_print_config_answers_without_torch_celery_or_boto3(tmp_path):
 def test_a_run_on_a_standing_pool_keeps_no_embedded_pool_size(tmp_path, monkeypatch):
     """`run --broker` (or a join file): the pool's own agents run it, so the run's settings keep
     no `local_workers` — as Pool.run on a connected pool — and an out-of-range value is still
-    refused in one line, before anything is queued."""
-    from tensorturn import api, runs
+    refused in one line, when the request is made (before anything is queued)."""
     from tensorturn.errors import SpecError
+    from tensorturn.runs.launch import Launcher
+    from tensorturn.runs.request import RunRequest
 
     launched = []
-    monkeypatch.setattr(runs, "launch_run", lambda spec, *args: launched.append((spec, args)) or [])
-    settings = api.run_settings({"recipe": "digits-mlp", "local_workers": 5}, None)
-    api.launch(settings, "redis://127.0.0.1:1/0", (tmp_path / "store").as_uri())
-    spec, args = launched[0]
-    assert "local_workers" not in spec.run_config and args[1] is None  # (broker, local_workers, ...)
-    api.launch(settings, None, (tmp_path / "store").as_uri())  # embedded: its size is what ran
-    assert launched[1][0].run_config["local_workers"] == 5 and launched[1][1][1] == 5
+    monkeypatch.setattr(Launcher, "launch", lambda self, stages, recipes, local_workers, *args:
+                        launched.append((stages, local_workers)) or [])
+    request = RunRequest.of({"recipe": "digits-mlp", "local_workers": 5}, None)
+    store = (tmp_path / "store").as_uri()
+    Launcher("redis://127.0.0.1:1/0", store).run(request)
+    assert launched[0][1] is None
+    spec = request.spec_for(store, None)
+    assert "local_workers" not in spec.run_config and spec.store_url == store
+    Launcher(None, store).run(request)  # embedded: its size is what ran
+    assert launched[1][1] == 5 and request.spec_for(store, 5).run_config["local_workers"] == 5
+    assert request.spec_for(store, 5).run_id != request.spec_for(store, 5).run_id  # a run id per launch
     with pytest.raises(SpecError, match=r"--local-workers must be at most 64 \(got 9,999\)"):
-        api.launch({**settings, "local_workers": 9999}, "redis://127.0.0.1:1/0", (tmp_path / "store").as_uri())
+        RunRequest.of({"recipe": "digits-mlp", "local_workers": 9999})

@@ -107,7 +107,7 @@ def test_an_embedded_run_interrupted_before_it_is_queued_says_so_and_exits_130(t
     started = []
     stages = [("RUN", lambda broker_url, say: started.append(broker_url))]
     with pytest.raises(launch.Interrupted) as caught:
-        launch.launch_stages(stages, None, (tmp_path / "store").as_uri(), 1, False, None, ["digits-mlp"])
+        launch.Launcher(None, (tmp_path / "store").as_uri()).launch(stages, ["digits-mlp"], 1)
     assert caught.value.stopped and started == []
     assert str(caught.value) == "interrupted before run RUN was queued; nothing to resume"
 
@@ -152,8 +152,8 @@ def test_an_embedded_run_refused_at_submit_names_no_run(tmp_path, monkeypatch, r
     monkeypatch.setattr(embedded, "LocalPool", Ready)
     heard = Heard()
     with pytest.raises(RecipeError):
-        launch.launch_stages([("20990101-000000-abcdef", refused)], None, (tmp_path / "store").as_uri(), 1,
-                             False, None, ["digits-mlp"], observer=heard)
+        launch.Launcher(None, (tmp_path / "store").as_uri(), heard).launch(
+            [("20990101-000000-abcdef", refused)], ["digits-mlp"], 1)
     assert any(line.startswith("pool ready in ") for line in heard.lines), heard.lines
     assert not [line for line in heard.lines if "20990101-000000-abcdef" in line]  # it never existed
 
@@ -163,7 +163,7 @@ def test_an_embedded_run_whose_following_fails_is_cancelled_and_kept_before_the_
     """Following the run failed (here its observer raises — a tracker, a display): the run is
     cancelled as `tensorturn cancel` would and its manifest saved before the embedded pool and
     its Redis go, so `tensorturn resume` continues it from the store."""
-    from tensorturn.spec import RunSpec
+    from tensorturn.runs.request import RunRequest
     from tensorturn.state.manifest import read_manifest
     from tensorturn.store.objects import open_store
 
@@ -174,14 +174,17 @@ def test_an_embedded_run_whose_following_fails_is_cancelled_and_kept_before_the_
             return update
 
     monkeypatch.chdir(tmp_path)
-    spec = RunSpec.create("fused", "digits-mlp", (tmp_path / "store").as_uri(), rounds=50)
+    store = (tmp_path / "store").as_uri()
     said = []
     observer = Failing()
     observer.say = said.append
+    launcher = launch.Launcher(None, store, observer)
+    stages, recipes = launcher.stages(RunRequest.of({"recipe": "digits-mlp", "rounds": 50}), 1)
+    run_id = stages[0][0]
     with pytest.raises(RuntimeError, match="the display broke"):
-        launch.launch_run(spec, None, 1, observer=observer)
-    assert read_manifest(open_store(spec.store_url), spec.run_id)["state"] == "cancelled"
-    assert said[-1].startswith(f"run {spec.run_id} cancelled"), said
+        launcher.launch(stages, recipes, 1)
+    assert read_manifest(open_store(store), run_id)["state"] == "cancelled"
+    assert said[-1].startswith(f"run {run_id} cancelled"), said
 
 
 def test_a_recipe_option_left_out_is_named_with_the_flag_that_gives_it():

@@ -99,7 +99,8 @@ def training_options(fn: Callable) -> Callable:
                      help=f"Inner learning rate [default: the recipe's]{bounded('lr')}."),
         click.option("--batch-size", type=int, default=None,
                      help=f"[default: the recipe's]{bounded('batch_size')}"),
-        click.option("--seed", type=int, default=0, show_default=True, help=bounded("seed")[1:]),
+        click.option("--seed", type=int, default=0, show_default=True,
+                     help=f"Random seed of the run (initial weights, data order).{bounded('seed')}"),
         click.option("--threads-per-task", type=int, default=1, show_default=True,
                      help="CPU torch threads per task; CPU results depend on it (an agent with "
                           f"fewer cores uses all of its own).{bounded('threads_per_task')}"),
@@ -126,3 +127,43 @@ def training_options(fn: Callable) -> Callable:
 
 TRAINING = ("seed", "lr", "batch_size", "threads_per_task", "max_attempts", "eval_batches",
             "precision", "accumulate")
+
+
+class GroupedHelp(click.Command):
+    """A command whose ``--help`` lists its options under headings, the common ones first.
+
+    click has no option groups of its own; this is its ``format_options`` with the rows sorted
+    into sections (``groups(command)``: (heading, parameter names) in order), so the options
+    themselves stay plain ``click.option`` decorators. An option no group names is listed last,
+    under "Other options": a new flag is never hidden."""
+
+    def __init__(self, *args: Any, groups: Callable[[], list[tuple[str, list[str]]]], **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.groups = groups
+
+    def format_options(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        rows = {}
+        for param in self.get_params(ctx):
+            record = param.get_help_record(ctx)
+            if record is not None:
+                rows["help" if param is self.get_help_option(ctx) else param.name] = record
+        for heading, names in [*self.groups(), ("Other options", list(rows))]:
+            section = [rows.pop(name) for name in names if name in rows]
+            if section:
+                with formatter.section(heading):
+                    formatter.write_dl(section)
+
+
+def run_groups() -> list[tuple[str, list[str]]]:
+    """``run --help``'s headings: what most runs set, first; where the run goes and how the
+    command waits; then the expert options — each mode's others (from its options class) and
+    the inner training's."""
+    groups = [("Options", ["mode", "recipe", "recipe_options", "config_file", "rounds", "members",
+                           "merge", "seed", "local_workers", "join_file", "as_json", "print_config",
+                           "help"]),
+              ("Where it runs, and how the command waits",
+               ["broker", "store", "allow", "detach", "timeout_s", "track", "track_dir", "debug"])]
+    groups += [(f"Expert options, --mode {name}", [f for f, _ in get_mode(name).Options.flags()])
+               for name in mode_names()]
+    groups.append(("Expert options, training", list(TRAINING)))
+    return groups

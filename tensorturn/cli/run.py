@@ -7,9 +7,11 @@ import click
 
 from tensorturn.cli import cli, debugging, emit_json, fail, pool_options
 from tensorturn.cli.options import (
+    GroupedHelp,
     follow_options,
     mode_options,
     parse_recipe_options,
+    run_groups,
     training_options,
 )
 from tensorturn.cli.output import launched, print_result, print_results, say
@@ -21,7 +23,8 @@ from tensorturn.recipes.check import HOOK_TIMEOUT_S
 
 # Options of one mode default to None here: only what the user gave reaches the spec, so an
 # option of the other mode is refused by name, and defaults live in the mode's options class.
-@cli.command()
+# --help lists the common options first, then the rest under "Expert options" headings.
+@cli.command(cls=GroupedHelp, groups=run_groups)
 @click.option("--mode", type=click.Choice(mode_names()), default="fused", show_default=True,
               help="fused: shard the data, average weights every H steps into one model. "
                    "ensemble: diverse full models that vote.")
@@ -60,7 +63,9 @@ def run(broker, store, mode, recipe, recipe_options, merge, local_workers, detac
     """
     from click.core import ParameterSource
 
-    from tensorturn import api, runfile
+    from tensorturn import runfile
+    from tensorturn.runs.launch import Launcher
+    from tensorturn.runs.request import RunRequest
 
     ctx = click.get_current_context()
     values = {"mode": mode, "recipe": recipe, "merge": merge, "local_workers": local_workers,
@@ -70,14 +75,14 @@ def run(broker, store, mode, recipe, recipe_options, merge, local_workers, detac
              if ctx.get_parameter_source(k) is not ParameterSource.DEFAULT}
     if recipe_options:
         given["recipe_options"] = parse_recipe_options(recipe_options)
-    settings = api.run_settings(given, config_file)  # before anything starts or anything heavy is imported
+    request = RunRequest.of(given, config_file)  # before anything starts or anything heavy is imported
     if print_config:
-        click.echo(runfile.dumps(settings), nl=False)
+        click.echo(runfile.dumps(request.settings), nl=False)
         return
     tracked = tracking(track, track_dir, detach)
     docs: list[dict] = []
     try:
-        launched(lambda observer: api.launch(settings, broker, store, detach, docs, tracked(observer)))
+        launched(lambda observer: Launcher(broker, store, tracked(observer)).run(request, detach, docs))
     except TensorTurnError:
         if docs:  # a later stage was refused: what finished is still the user's to see
             print_result(docs[-1], as_json, exit_on_failure=False)
@@ -97,7 +102,7 @@ def resume(broker, store, run_id, local_workers, detach, timeout_s, as_json, tra
     failed and whose cause is fixed: every task gets a fresh allowance of attempts. Needs only
     the store (and a pool, or --local-workers).
     """
-    from tensorturn import runs
+    from tensorturn.runs.launch import Launcher
     from tensorturn.runs.owners import names_an_agent
 
     if broker and names_an_agent(broker, run_id):  # the old form of `unpause`, kept working
@@ -108,8 +113,8 @@ def resume(broker, store, run_id, local_workers, detach, timeout_s, as_json, tra
         return
 
     tracked = tracking(track, track_dir, detach)
-    print_results(launched(lambda observer: runs.launch_resume(run_id, broker, store, local_workers,
-                                                               detach, timeout_s, tracked(observer))), as_json)
+    print_results(launched(lambda observer: Launcher(broker, store, tracked(observer)).resume(
+        run_id, local_workers, detach, timeout_s)), as_json)
 
 
 @cli.command()

@@ -1,5 +1,8 @@
-"""Submitting a run: every check a user's spec can fail, then the run set up on an idle agent
-(torch and the recipes loaded there) or, without one, in this process.
+"""Queueing a run: what a checked spec can still fail (the recipe builds, the broker and the
+store answer, a machine can hold the model), then the run set up by the one set-up function
+(:func:`tensorturn.tasks.start.start`) — on an idle agent (torch and the recipes loaded there)
+or, without one, in this process. :class:`~tensorturn.runs.launch.Launcher` calls
+:func:`queue_run`; :func:`submit` is the same for a spec made by hand (tests, benchmarks).
 
 Nothing here imports torch, Celery or boto3 until a function needs them: a bad option or recipe
 name is refused before anything heavy loads.
@@ -9,32 +12,37 @@ from __future__ import annotations
 
 import time
 from collections.abc import Collection
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tensorturn import layout
 from tensorturn.errors import BrokerError, TensorTurnError
+from tensorturn.runs.request import validate
 from tensorturn.spec import RunSpec
 from tensorturn.state.board import RunBoard
 from tensorturn.state.broker import check_broker
 from tensorturn.state.runs import Runs
 
+if TYPE_CHECKING:
+    from tensorturn.store.objects import Store
+
 START_WAIT_S = 300.0  # how long `run` waits for an agent to prepare the run before giving up
 
 
-def validate(spec: RunSpec) -> None:
-    """Everything about a spec that can be checked without torch, a broker or a store."""
-    from tensorturn.recipes import check_name
+def submit(spec: RunSpec, broker_url: str, here: bool = False, allow: Collection[str] = (),
+           store: Store | None = None) -> dict[str, Any]:
+    """Validate a spec made by hand (tests, benchmarks: a :class:`~tensorturn.runs.request.RunRequest`'s
+    was checked when the request was made), then queue its run (:func:`queue_run`)."""
+    validate(spec)
+    return queue_run(spec, broker_url, here, allow, store)
 
-    spec.validate()
-    check_name(spec.recipe)
 
+def queue_run(spec: RunSpec, broker_url: str, here: bool = False, allow: Collection[str] = (),
+              store: Store | None = None) -> dict[str, Any]:
+    """Check everything a valid spec can still fail, then queue the run; returns its description.
 
-def submit(spec: RunSpec, broker_url: str, here: bool = False,
-           allow: Collection[str] = ()) -> dict[str, Any]:
-    """Validate everything a user can get wrong, then queue the run; returns its description.
-
-    Nothing is queued unless the spec is valid, the recipe builds, both the broker and the store
-    answer, and some connected machine can hold the model. Building the recipe, the memory check
+    Nothing is queued unless the recipe builds, both the broker and the store (``store``, opened
+    by the caller, or ``spec.store_url``'s) answer, and some connected machine can hold the
+    model. Building the recipe, the memory check
     and θ_0 need torch: when the pool has an idle agent (torch and the recipes already loaded),
     that agent does them (:func:`tensorturn.tasks.start.start`, in the ``tensorturn.start_run``
     task) and this process never loads torch; otherwise, or with ``here``, they run in this process,
@@ -45,14 +53,13 @@ def submit(spec: RunSpec, broker_url: str, here: bool = False,
     from tensorturn.state.roster import WorkerState, list_workers
     from tensorturn.store.objects import open_store
 
-    validate(spec)
     trust.pool_key()  # one clear error now rather than a refusal from every agent
     client = check_broker(broker_url)
     from tensorturn.state.clock import broker_now
 
     # on the broker's clock, as every time an agent compares with it (an ensemble's --deadline)
     spec.created_at = broker_now(client)
-    store = open_store(spec.store_url)
+    store = store or open_store(spec.store_url)
     store.check()
     pool = list_workers(client)
     idle = [w for w in pool if w["state"] == WorkerState.IDLE]
