@@ -23,6 +23,11 @@ import torch
 from tensorturn import runs
 from tensorturn.layout import parse_label
 from tensorturn.spec import RunSpec
+from testbed import emulate
+
+# every process a benchmark starts (agents, embedded pools) installs the testbed's emulations:
+# TESTBED_SIM_STEP_S and TESTBED_SLOWDOWN in its environment pace its training (testbed.emulate)
+emulate.reach_children()
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"  # every script's JSON and PNG (the docs' benchmark pages show them)

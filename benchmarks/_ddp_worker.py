@@ -1,7 +1,7 @@
 """One rank of the per-step all-reduce baseline of ``benchmarks/wan.py``: PyTorch
 DistributedDataParallel over gloo, run by ``wan.py`` inside an agent's network namespace.
 
-Every step emulates ``--sim-step`` seconds of compute, as ``TENSORTURN_SIM_STEP_S`` does for
+Every step emulates ``--sim-step`` seconds of compute, as ``TESTBED_SIM_STEP_S`` does for
 TensorTurn's agents: it sleeps what the step's own compute (measured first, without the
 all-reduce) leaves of it; the backward pass all-reduces the gradients across the links.
 Every ``--eval-every`` steps rank 0 evaluates while the others wait, off the clock. Writes JSON:

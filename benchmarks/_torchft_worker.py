@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 from torch.distributed import TCPStore
@@ -24,7 +26,10 @@ from torchft.process_group import ProcessGroupGloo
 
 from tensorturn.recipes import resolve
 from tensorturn.train.diloco import initial_state
-from tensorturn.train.loop import SimulatedStep, load_model
+from tensorturn.train.loop import load_model
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # testbed/ beside the package, not installed
+from testbed.emulate import SimulatedStep  # noqa: E402
 
 
 def main() -> None:
@@ -34,7 +39,7 @@ def main() -> None:
         ap.add_argument(f"--{name}", type=kind, required=True)
     ap.add_argument("--sim-step-s", type=float, default=0.0,
                     help="each step lasts this long, sleeping out what its compute left (TensorTurn's "
-                         "TENSORTURN_SIM_STEP_S, the same pacing): a machine of its own")
+                         "TESTBED_SIM_STEP_S, the same pacing): a machine of its own")
     args = ap.parse_args()
     torch.set_num_threads(1)
     recipe = resolve(args.recipe, {})

@@ -1,7 +1,7 @@
 """Mixed speeds: synchronous rounds vs rounds with backup copies vs asynchronous fused runs, on a
 simulated-speed pool.
 
-The pool (test- and benchmark-only): every agent is started with ``TENSORTURN_SIM_STEP_S`` =
+The pool (test- and benchmark-only): every agent is started with ``TESTBED_SIM_STEP_S`` =
 base ÷ its speed, so each of its training steps takes that long — it sleeps out what the step's
 real compute (a small model, ~1 ms) leaves — and 3 to 16 agents of different speeds share two
 cores without competing for them. Everything else is real: Celery, Redis, the file store, the
@@ -94,11 +94,11 @@ def loss_at(points: list[tuple[float, float]], t: float) -> float | None:
 
 def start_agents(pool: LocalPool, speeds: list[float], step_s: float) -> None:
     for i, speed in enumerate(speeds):
-        os.environ["TENSORTURN_SIM_STEP_S"] = f"{step_s / speed:g}"
+        os.environ["TESTBED_SIM_STEP_S"] = f"{step_s / speed:g}"
         try:
             pool.start_agent(i)
         finally:
-            os.environ.pop("TENSORTURN_SIM_STEP_S", None)
+            os.environ.pop("TESTBED_SIM_STEP_S", None)
     pool.wait_ready(timeout=300)
 
 

@@ -1,8 +1,8 @@
 """Work stealing: does a pool with one slow machine reach the sum of its machines' rates?
 
-Three embedded agents; local3 is made 3× slower than local1 and local2 by the test-only throttle
-``TENSORTURN_SLOWDOWN`` (an agent started with it set to f sleeps so that its training loops
-take f× their compute time, paced against a deadline; ``training.Throttle``). Each measurement is
+Three embedded agents; local3 is made 3× slower than local1 and local2 by the testbed's throttle
+``TESTBED_SLOWDOWN`` (an agent started with it set to f sleeps so that its training loops
+take f× their compute time, paced against a deadline; ``testbed.emulate.Throttle``). Each measurement is
 a fused digits-mlp run of the same total work (rounds × shards × H steps), rated
 samples / (last shard finish − first shard start):
 
@@ -106,11 +106,11 @@ def start_agents(pool, fast: float) -> None:
     """local1, local2 throttled by ``fast`` (1 = not at all), local3 by 3 × ``fast``."""
     for i, factor in enumerate((fast, fast, SLOW_FACTOR * fast)):
         if factor > 1:
-            os.environ["TENSORTURN_SLOWDOWN"] = f"{factor:g}"
+            os.environ["TESTBED_SLOWDOWN"] = f"{factor:g}"
         try:
             pool.start_agent(i)
         finally:
-            os.environ.pop("TENSORTURN_SLOWDOWN", None)
+            os.environ.pop("TESTBED_SLOWDOWN", None)
     pool.wait_ready()
 
 
@@ -150,7 +150,7 @@ def measure(args, fast: float) -> dict:
     h = max(1, round(args.sync_every / fast))
     h_static = args.shards * h // 3
     label = f"local1/2 ×{fast:g}, local3 ×{SLOW_FACTOR * fast:g}"
-    print(f"\n== variant: {label} (TENSORTURN_SLOWDOWN) ==", flush=True)
+    print(f"\n== variant: {label} (TESTBED_SLOWDOWN) ==", flush=True)
     with tempfile.TemporaryDirectory(prefix="tt-stealing-") as tmp:
         store = (Path(tmp) / "store").as_uri()
         with LocalPool(0, store, workdir=Path(tmp) / "pool") as pool:

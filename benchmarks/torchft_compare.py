@@ -39,8 +39,8 @@ evaluated, by the last outer step, outside the window — torchft evaluates noth
 every round, each evaluation a task of its own taking a machine inside the window).
 
 ``--sim-step-s S``: every training step of both sides lasts S seconds, sleeping out what its
-compute left (``TENSORTURN_SIM_STEP_S`` for TensorTurn's agents; the same pacing,
-:class:`~tensorturn.train.loop.SimulatedStep`, in torchft's replicas, each round's pacing from
+compute left (``TESTBED_SIM_STEP_S`` for TensorTurn's agents; the same pacing,
+:class:`~testbed.emulate.SimulatedStep`, in torchft's replicas, each round's pacing from
 its first step and a step paced before its sync). The trainers then barely share the two cores,
 as on machines of their own: what is left of the difference is each side's round boundary, not
 its CPU.
@@ -149,13 +149,13 @@ def main() -> None:
     ap.add_argument("--syncs", default="rounds,overlap", help="TensorTurn's --sync values to run")
     ap.add_argument("--sim-step-s", type=float, default=0.0,
                     help="every training step of both sides lasts this long, sleeping out what its "
-                         "compute left (TENSORTURN_SIM_STEP_S): each trainer as on a machine of its own")
+                         "compute left (TESTBED_SIM_STEP_S): each trainer as on a machine of its own")
     ap.add_argument("--eval-every", default="0",
                     help="TensorTurn's --eval-every values to run, comma-separated; 0: the rounds, so only "
                          "the last round is evaluated, outside the window (torchft evaluates nothing)")
     args = ap.parse_args()
     if args.sim_step_s > 0:  # TensorTurn's agents inherit it
-        os.environ["TENSORTURN_SIM_STEP_S"] = str(args.sim_step_s)
+        os.environ["TESTBED_SIM_STEP_S"] = str(args.sim_step_s)
     syncs = [(sync, int(every) or args.rounds)
              for sync in args.syncs.split(",") for every in args.eval_every.split(",")]
     pairs = []

@@ -6,7 +6,7 @@ Needs root (network namespaces; see ``testbed/netlab.py``). Three agents, each i
 namespace behind a veth link shaped by ``tc tbf`` (default 20 Mbit/s up, 100 down) with ~40 ms
 RTT from a delay proxy in front of Redis and the S3 endpoint (moto's server), and one agent with
 ``--role outer`` on the coordinator itself, beside the store. Compute is emulated: every training
-step takes ``--sim-step`` seconds (``TENSORTURN_SIM_STEP_S`` for the agents; for the DDP ranks a
+step takes ``--sim-step`` seconds (``TESTBED_SIM_STEP_S`` for the agents; for the DDP ranks a
 sleep of what their own compute leaves), so the 2 cores here do not decide the figures and
 *compute utilisation* = emulated compute ÷ (3 × wall) is exact, as long as the emulated step is
 longer than a real one with 3 agents on 2 cores (checked first). Wall: from the first task's
@@ -160,7 +160,7 @@ def ddp(pool, args) -> dict[str, Any]:
 def measure(rate: str, store: str, store_env: dict[str, str], args) -> list[dict[str, Any]]:
     up, down = (float(v) for v in rate.split("/"))
     print(f"\n== links {up:g}/{down:g} Mbit/s, RTT {args.rtt_ms:g} ms ==", flush=True)
-    os.environ["TENSORTURN_SIM_STEP_S"] = str(args.sim_step)
+    os.environ["TESTBED_SIM_STEP_S"] = str(args.sim_step)
     try:
         with tempfile.TemporaryDirectory(prefix="tt-wan-") as tmp, \
                 netlab.LinkPool(AGENTS, store, store_env, rtt_ms=args.rtt_ms, up_mbit=up,
@@ -186,7 +186,7 @@ def measure(rate: str, store: str, store_env: dict[str, str], args) -> list[dict
                 add(ddp(pool, args))
                 compare_to_ddp(rows, args)
     finally:
-        os.environ.pop("TENSORTURN_SIM_STEP_S", None)
+        os.environ.pop("TESTBED_SIM_STEP_S", None)
     for row in rows:
         row.update(rate=rate)
     return rows

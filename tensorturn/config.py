@@ -24,6 +24,8 @@ DEFAULT_STORE_DIR = "tensorturn-store"
 
 # Every variable, with what it does: the README's table is this one (`python -m tensorturn.config`).
 # The name of a variable is TENSORTURN_ and its Settings field in capitals; defaults are the fields'.
+# Only what a user would set: the test and benchmark emulations (a step's time, a slower machine,
+# a battery sensor) are hooks the tooling installs (tensorturn.testbed_hooks), not settings.
 _DOCS = """
 broker_url            Redis URL of the pool; unset, `run` starts a private embedded pool
 store_url             object store: `file:///dir`, a directory or `s3://bucket/prefix` (default `./tensorturn-store`)
@@ -51,12 +53,9 @@ hours                 the local hours an agent may work, e.g. `22:00-08:00` (com
 pause_on_battery      1: an agent pauses while its machine runs on battery (`agent --pause-on-battery`)
 pause_busy_percent    an agent pauses while other processes use over this % of the CPU; 0: never (`--pause-when-busy`)
 pause_gpu_shared      1: an agent pauses while another process uses its GPU (`agent --pause-when-gpu-shared`)
-fake_battery_file     tests only: a file saying `battery` or `ac` stands in for the battery sensor
 agent_pool            how an agent runs tasks: `prefork` (Linux's default) or `threads` (elsewhere; `agent --pool`)
 role                  what an agent takes: `train`, `outer` (outer steps, beside the store) or `both` (`agent --role`)
 quick_end_s           seconds a fused round may take to end (last two shards → θ) and queue the next ahead; 0: never
-slowdown              benchmarks and tests only: train this many times slower, to emulate a slow machine
-sim_step_s            benchmarks and tests only: each training step lasts this many seconds (sleeping): emulated speed
 serve_run             the run the `Procfile`'s `api` line serves (read by the Procfile, not by TensorTurn)
 """
 
@@ -69,8 +68,8 @@ class Variable:
     doc: str
 
 
-# numeric settings that may be 0 (the others must be more): no retries, no grace, no emulated step
-MAY_BE_ZERO = {"store_retries", "store_backoff_s", "shutdown_grace_s", "sim_step_s", "cache_gb", "quick_end_s",
+# numeric settings that may be 0 (the others must be more): no retries, no grace, no cache
+MAY_BE_ZERO = {"store_retries", "store_backoff_s", "shutdown_grace_s", "cache_gb", "quick_end_s",
                "pause_on_battery", "pause_busy_percent", "pause_gpu_shared"}
 
 
@@ -107,12 +106,9 @@ class Settings:
     pause_on_battery: int = 0
     pause_busy_percent: float = 0.0
     pause_gpu_shared: int = 0
-    fake_battery_file: str | None = None
     agent_pool: str | None = None
     role: str = "train"
     quick_end_s: float = 1.0
-    slowdown: float = 1.0
-    sim_step_s: float = 0.0
     serve_run: str | None = None
 
     @classmethod

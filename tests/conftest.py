@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from tensorturn.pool.embedded import LocalPool, RedisServer, stop_process_group
+from testbed import emulate
 from testbed.s3 import start_moto
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -22,6 +23,8 @@ ROOT = Path(__file__).resolve().parent.parent
 # agents included, as a user's recipe must on every machine of a pool.
 os.environ["PYTHONPATH"] = os.pathsep.join(
     p for p in (str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")) if p)
+# ... and so do the testbed's emulations (a step's time, a battery sensor: testbed.emulate)
+emulate.reach_children()
 # One pool key for the whole session, in this process and every process the tests start
 # (a test of what happens without it takes it away). Agents would refuse unsigned work.
 TEST_POOL_KEY = "ttk1.dGVzdHMgb25seTogbm90IGEgc2VjcmV0IGtleSEhISE"
@@ -177,12 +180,12 @@ def start_pool(workdir: Path, agents: int = 2, store_url: str | None = None,
     """A started pool of ``agents`` real agents (named local1, local2, ...) on a private
     redis-server in ``workdir/pool``, storing to ``store_url`` (default: the folder
     ``workdir/store``). With ``step_s`` every training step of its agents lasts that long
-    (TENSORTURN_SIM_STEP_S): a task trains as long as the test needs, however loaded the machine
-    is. ``options`` go to :class:`LocalPool` (``roles``, ``loglevel``, ``appendonly``). The caller
+    (testbed.emulate's TESTBED_SIM_STEP_S): a task trains as long as the test needs, however
+    loaded the machine is. ``options`` go to :class:`LocalPool` (``roles``, ``loglevel``, ``appendonly``). The caller
     stops it (:meth:`LocalPool.stop`)."""
     env = dict(env or {})
     if step_s is not None:
-        env["TENSORTURN_SIM_STEP_S"] = str(step_s)
+        env[emulate.SIM_STEP_S] = str(step_s)
     pool = AgentPool(agents, store_url or (workdir / "store").as_uri(), env=env,
                      workdir=workdir / "pool", **options)
     return pool.__enter__()  # which stops what it started if it fails

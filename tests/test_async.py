@@ -136,9 +136,9 @@ def test_backup_copies_of_a_rounds_last_shards_give_the_same_model(pool_factory,
     is bit for bit the one ``--sync rounds`` trains (the copies are the same computation)."""
     pool = pool_factory(0)
     for i, step_s in enumerate(("0.005", "0.05")):
-        monkeypatch.setenv("TENSORTURN_SIM_STEP_S", step_s)
+        monkeypatch.setenv("TESTBED_SIM_STEP_S", step_s)
         pool.start_agent(i)
-    monkeypatch.delenv("TENSORTURN_SIM_STEP_S")
+    monkeypatch.delenv("TESTBED_SIM_STEP_S")
     pool.wait_ready()
     docs = {}
     for sync in ("rounds", "backup"):

@@ -34,9 +34,9 @@ def test_every_setting_has_a_variable():
 
 
 def test_settings_from_the_environment():
-    s = config.Settings.from_env({"TENSORTURN_STORE_RETRIES": "2", "TENSORTURN_SLOWDOWN": "1.5",
+    s = config.Settings.from_env({"TENSORTURN_STORE_RETRIES": "2", "TENSORTURN_STALL_S": "1.5",
                                   "TENSORTURN_BROKER_URL": "redis://x:1/0"})
-    assert (s.store_retries, s.slowdown, s.broker_url) == (2, 1.5, "redis://x:1/0")
+    assert (s.store_retries, s.stall_s, s.broker_url) == (2, 1.5, "redis://x:1/0")
     assert s.visibility_timeout_s == 4 and s.lease_refresh_s == 1
     with pytest.raises(SpecError, match="TENSORTURN_HEARTBEAT_S must be a number"):
         config.Settings.from_env({"TENSORTURN_HEARTBEAT_S": "often"})

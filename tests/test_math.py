@@ -1,7 +1,6 @@
 """Unit tests for the math: the outer step, the average, the codecs, canonical bytes."""
 
 import hashlib
-import types
 
 import pytest
 import torch
@@ -208,49 +207,6 @@ def test_model_bytes_are_canonical():
     assert torch.equal(from_bytes(blob)["a"], torch.ones(2, 2))
     assert int.from_bytes(blob[:8], "little") % 8 == 0
     assert hashlib.sha256(to_bytes(state)).digest() == hashlib.sha256(to_bytes(state)).digest()
-
-
-def test_throttle_paces_short_steps_to_the_factor(monkeypatch):
-    """The benchmark-only slowdown, on a fake clock: 1 ms steps under a 3× throttle take 3× their
-    compute even when every sleep oversleeps by 1 ms (the old per-step sleep made that ~5×)."""
-    from tensorturn.train import loop as training
-
-    clock = {"now": 0.0, "sleeps": 0}
-
-    def sleep(seconds):
-        clock["now"] += seconds + 0.001
-        clock["sleeps"] += 1
-
-    fake_time = types.SimpleNamespace(perf_counter=lambda: clock["now"], sleep=sleep)
-    monkeypatch.setattr(training, "time", fake_time)  # this module's clock only
-    throttle = training.Throttle(3.0)
-    for _ in range(1000):
-        clock["now"] += 0.001           # one step of work
-        throttle.step(0.001)
-    assert 2.95 < clock["now"] / 1.0 < 3.05
-    assert clock["sleeps"] < 1000 / 10    # sleeps are batched, not one per step
-
-
-def test_a_simulated_step_takes_its_emulated_time_whatever_the_compute_and_oversleep():
-    """TENSORTURN_SIM_STEP_S, on a fake clock: steps of 0.3 ms compute under a 50 ms emulated
-    step, every sleep 2 ms late, end at n × 50 ms (the overshoot is paid back); a step whose
-    compute outlasts the emulated time is not slowed further."""
-    from tensorturn.train.loop import SimulatedStep
-
-    clock = {"now": 0.0}
-
-    def sleep(seconds):
-        clock["now"] += seconds + 0.002
-
-    sim = SimulatedStep(0.05, clock=lambda: clock["now"], sleep=sleep)
-    for _ in range(200):
-        clock["now"] += 0.0003
-        sim.step()
-    assert 200 * 0.05 <= clock["now"] <= 200 * 0.05 + 0.0021
-    before = clock["now"]
-    clock["now"] += 0.08                  # one slow step: 80 ms of compute
-    sim.step()
-    assert clock["now"] == pytest.approx(before + 0.08)
 
 
 def test_a_delta_from_another_version_is_one_clear_error():

@@ -2,8 +2,9 @@
 battery, outside their hours, while other processes keep the CPU busy — hand their running task
 back at no cost to the run's attempts, take nothing until the policy allows, and come back.
 
-Owners are simulated: a file stands in for the battery sensor (TENSORTURN_FAKE_BATTERY_FILE), the
-hours are set around the machine's own clock, and processes that spin busy the CPU.
+Owners are simulated: a file stands in for the battery sensor (TESTBED_BATTERY_FILE, see
+testbed.emulate), the hours are set around the machine's own clock, and processes that spin busy
+the CPU.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ def owned(tmp_path_factory):
     battery = tmp / "battery"
     battery.write_text("ac")
     pool = start_pool(tmp, 2, step_s=STEP_S, loglevel="INFO",
-                      env={"TENSORTURN_FAKE_BATTERY_FILE": str(battery), "TENSORTURN_CACHE_DIR": str(tmp / "cache")})
+                      env={"TESTBED_BATTERY_FILE": str(battery), "TENSORTURN_CACHE_DIR": str(tmp / "cache")})
     pool.battery = battery
     yield pool
     pool.stop(grace=1.0)

@@ -75,15 +75,6 @@ def test_nvidia_smi_compute_apps_less_this_agents_own():
     assert parse_compute_apps("", own=set()) == []
 
 
-def test_the_battery_reading_of_a_fake_sensor(tmp_path):
-    fake = tmp_path / "battery"
-    fake.write_text("battery\n")
-    assert owner.on_battery(str(fake)) is True
-    fake.write_text("ac")
-    assert owner.on_battery(str(fake)) is False
-    assert owner.on_battery(str(tmp_path / "missing")) is None
-
-
 def test_the_cpu_watch_pauses_after_busy_looks_and_resumes_after_calm_ones(monkeypatch):
     """Others' share is the machine's busy time less this agent's processes', per core-second;
     it must hold over the threshold BUSY_LOOKS looks to pause and under it CALM_LOOKS to resume."""

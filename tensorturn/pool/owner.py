@@ -50,7 +50,7 @@ from urllib.parse import urlsplit
 import psutil
 from celery import bootsteps
 
-from tensorturn import config, platforms, trust
+from tensorturn import config, platforms, testbed_hooks, trust
 from tensorturn.errors import SpecError
 from tensorturn.state.broker import redis_client
 from tensorturn.state.owners import Mark, Owners
@@ -161,14 +161,15 @@ def why_paused(policy: Policy, readings: Readings) -> str | None:
 
 # ---- the machine's readings --------------------------------------------------------------------
 
-def on_battery(fake: str | None = None) -> bool | None:
-    """Whether the machine runs on battery now; None without a battery. ``fake`` (tests: the
-    ``TENSORTURN_FAKE_BATTERY_FILE`` setting) is a file saying ``battery`` or ``ac``."""
-    if fake:
-        try:
-            return Path(fake).read_text().strip() == "battery"
-        except OSError:
-            return None
+def on_battery() -> bool | None:
+    """Whether the machine runs on battery now; None without a battery. Its sensor's reading
+    (:func:`battery_sensor`), or where tests emulate one, theirs
+    (:data:`tensorturn.testbed_hooks.battery_sensor`)."""
+    return (testbed_hooks.battery_sensor or battery_sensor)()
+
+
+def battery_sensor() -> bool | None:
+    """The machine's battery sensor: on battery, on mains, or None (no battery, no sensor)."""
     try:
         battery = psutil.sensors_battery()
     except (AttributeError, NotImplementedError, OSError):
@@ -338,9 +339,8 @@ class OwnerWatch(bootsteps.StartStopStep):
         except (ValueError, SpecError) as exc:
             log.warning("ignored the policy set for %s: %s", node, exc)
             policy = local
-        settings = config.current()
         readings = Readings(local_time=datetime.now().time(),
-                            on_battery=on_battery(settings.fake_battery_file) if policy.on_battery else None,
+                            on_battery=on_battery() if policy.on_battery else None,
                             others_busy=self.cpu.look(policy.busy_percent), others_percent=self.cpu.percent,
                             gpu_others=gpu_others({p.pid for p in own_processes()}) if policy.gpu_shared else [])
         why = ("owner: " + marks["paused"]) if "paused" in marks else why_paused(policy, readings)

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from tensorturn import config
+from tensorturn import testbed_hooks
 from tensorturn.train.device import autocast, grad_scaler, seed_global_generators
 from tensorturn.train.seeding import derive_seed as derive_seed  # where the tasks and benchmarks take it from
 
@@ -44,50 +44,6 @@ def load_model(recipe: Recipe, state: dict[str, torch.Tensor], config: dict[str,
     return model.to(device)
 
 
-class Throttle:
-    """Stretch a loop to ``factor`` × its compute time by sleeping, without burning CPU.
-
-    Sleeps are paced against a deadline — after each step, sleep until ``factor × (compute time
-    so far)`` has passed since the loop began — rather than ``(factor − 1) × step`` after every
-    step: short steps would otherwise pay the sleep's own overshoot each time (a 1 ms step with a
-    2 ms sleep ran ~5.7× slower instead of 3×). Sleeps shorter than ``min_sleep`` are deferred.
-    """
-
-    def __init__(self, factor: float, min_sleep: float = 0.02):
-        self.factor, self.min_sleep = factor, min_sleep
-        self.start = time.perf_counter()
-        self.compute = 0.0
-
-    def step(self, seconds: float) -> None:
-        """Account one step of ``seconds`` of work; sleep if the loop is ahead of its pace."""
-        self.compute += seconds
-        ahead = self.start + self.factor * self.compute - time.perf_counter()
-        if ahead >= self.min_sleep:
-            time.sleep(ahead)
-
-
-class SimulatedStep:
-    """Make every step of a loop take ``seconds`` of wall time, sleeping out what its compute
-    did not use (benchmarks and tests: ``TENSORTURN_SIM_STEP_S`` gives an agent a speed of its
-    own, so many agents of different speeds share two cores without competing for them).
-
-    Paced against a deadline from the loop's start — step i ends at start + i × seconds — so a
-    sleep's overshoot is paid back by the next one; a step whose compute takes longer than
-    ``seconds`` simply runs late (the figure is then the compute's, not the emulated one).
-    """
-
-    def __init__(self, seconds: float, clock=time.perf_counter, sleep=time.sleep):
-        self.seconds, self.clock, self.sleep = seconds, clock, sleep
-        self.start = clock()
-        self.steps = 0
-
-    def step(self) -> None:
-        self.steps += 1
-        ahead = self.start + self.steps * self.seconds - self.clock()
-        if ahead > 0:
-            self.sleep(ahead)
-
-
 def train_steps(recipe: Recipe, model: nn.Module, optimizer: torch.optim.Optimizer,
                 x: torch.Tensor, y: torch.Tensor, rows: torch.Tensor, steps: int,
                 batch_size: int, seed: int, device: torch.device,
@@ -105,11 +61,7 @@ def train_steps(recipe: Recipe, model: nn.Module, optimizer: torch.optim.Optimiz
     order = rows[torch.randperm(len(rows), generator=gen)]
     pos, total, samples = 0, 0.0, 0
     scaler = grad_scaler(device, precision)
-    # benchmarks/tests only: TENSORTURN_SLOWDOWN emulates a slower machine on the same host
-    slowdown = config.current().slowdown
-    throttle = Throttle(slowdown) if slowdown > 1 else None
-    sim_step = config.current().sim_step_s
-    simulated = SimulatedStep(sim_step) if sim_step > 0 else None
+    pace = testbed_hooks.step_pacer()  # None but where tests and benchmarks emulate a machine's speed
     for step in range(steps):
         t0 = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
@@ -136,10 +88,8 @@ def train_steps(recipe: Recipe, model: nn.Module, optimizer: torch.optim.Optimiz
         if not math.isfinite(value):
             raise FloatingPointError(f"non-finite training loss ({value} at step {step})")
         total += value
-        if throttle is not None:
-            throttle.step(time.perf_counter() - t0)
-        if simulated is not None:
-            simulated.step()
+        if pace is not None:
+            pace(time.perf_counter() - t0)
         if on_step is not None:
             on_step(step + 1, value)
     return total / max(steps, 1), samples
