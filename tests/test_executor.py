@@ -176,6 +176,17 @@ def test_in_place_a_follow_up_that_fails_leaves_the_unit_done(world, spec):
     assert outcomes(world, spec) == [SUCCEEDED]
 
 
+def test_in_place_a_machine_its_owner_needs_hands_the_unit_back_at_no_cost(world, spec):
+    """The owner pausing the machine while a unit runs in another's task: the attempt ends
+    handed back (none of the unit's attempts spent), and its message is queued for another."""
+    unit = fake(work=raises(HandedBack("its owner needs it")))
+    assert in_place(world, spec, unit) is False
+    assert outcomes(world, spec) == ["handed back: its owner needs it"]
+    spend(world, spec, spec.max_attempts - 1)
+    assert in_place(world, spec, fake()) is True  # the handed back one did not count
+    assert run_state(world, spec)[0] == "running"
+
+
 # ---- queued (execute) ----------------------------------------------------------------------------
 
 def test_queued_a_unit_done_now_is_recorded_and_followed(world, spec):

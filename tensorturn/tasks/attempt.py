@@ -233,12 +233,7 @@ def _execute(task: Task, board: RunBoard, run_id: str, label: Label, unit_class:
             end_given_back(board, run_id, key, Outcome.REFUSED.says(str(exc)), worker)
         return receipt
     except HandedBack as exc:  # the machine's owner needs it: another machine takes the task
-        log.warning("run %s %s: handed back (%s)", run_id, label, exc)
-        try:
-            if key:
-                end_given_back(board, run_id, key, Outcome.HANDED_BACK.says(str(exc)), worker)
-        except Exception as record_exc:  # noqa: BLE001 - the broker stumbled: the task goes back all the same
-            log.warning("run %s %s: the hand-back was not recorded (%s)", run_id, label, record_exc)
+        end_handed_back(board, run_id, label, key, str(exc), worker)
         raise task.retry(countdown=0, max_retries=None) from None
     except RunCancelled:  # not a failure: recorded, never retried; the run is finished
         if key:
@@ -287,6 +282,17 @@ def end_given_back(board: RunBoard, run_id: str, key: str, outcome: str, worker:
     board.finish_attempt(run_id, key, outcome, figures=Figures(worker))
 
 
+def end_handed_back(board: RunBoard, run_id: str, label: Label, key: str, why: str, worker: str) -> None:
+    """End attempt ``key`` (if it began) handed back, at no cost; a broker that stumbles leaves
+    it unrecorded: the task goes to another machine all the same."""
+    log.warning("run %s %s: handed back (%s)", run_id, label, why)
+    try:
+        if key:
+            end_given_back(board, run_id, key, Outcome.HANDED_BACK.says(why), worker)
+    except Exception as exc:  # noqa: BLE001 - the broker stumbled: the task goes back all the same
+        log.warning("run %s %s: the hand-back was not recorded (%s)", run_id, label, exc)
+
+
 def end_failed(board: RunBoard, run_id: str, key: str, message: str, exc: BaseException, worker: str) -> None:
     """End attempt ``key`` failed with ``message`` and ``exc``'s traceback."""
     board.finish_attempt(run_id, key, Outcome.FAILED.says(message), traceback=_tail(exc),
@@ -321,9 +327,10 @@ def run_here(parent: Attempt, label: Label, unit_class: Callable[[Attempt], Unit
     True when the unit is done (now or before), or ended in a way that needs nothing more (the
     run cancelled; ``NotYet``: queued again by whoever raised it; past its attempt cap: given
     up, as a queued message would). False when this attempt failed (recorded, with its
-    traceback), or what follows a unit done could not be queued (its record stays): the caller
-    then queues the unit's message, whose retries, cap and failure handling take over (a
-    delivery that finds the unit done queues what follows). The parent's message is
+    traceback), was handed back (:class:`HandedBack`: no attempt spent), or what follows a unit
+    done could not be queued (its record stays): the caller then queues the unit's message,
+    whose retries, cap and failure handling take over (a delivery that finds the unit done
+    queues what follows). The parent's message is
     acknowledged only when its task ends, so a machine lost meanwhile has the parent delivered
     again, which runs the unit again (its unfinished attempt recorded lost)."""
     board, store, spec, worker = parent.board, parent.store, parent.spec, parent.worker
@@ -346,6 +353,9 @@ def run_here(parent: Attempt, label: Label, unit_class: Callable[[Attempt], Unit
         if attempt.key:
             end_given_back(board, run_id, attempt.key, Outcome.REFUSED.says(str(exc)), worker)
         return True
+    except HandedBack as exc:  # the machine's owner needs it: the unit's message goes to another
+        end_handed_back(board, run_id, label, attempt.key, str(exc), worker)
+        return False
     except RunCancelled:
         if attempt.key:
             board.finish_attempt(run_id, attempt.key, CANCELLED, figures=Figures(worker))
