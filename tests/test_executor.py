@@ -241,3 +241,59 @@ def test_queued_the_recipes_fault_fails_the_run_at_once(world, spec):
     queued(world, spec, fake(work=raises(RecipeFault("the recipe's evaluate raised ValueError"))))
     assert run_state(world, spec) == ("failed", "r0/outer failed: the recipe's evaluate raised "
                                                 "ValueError (on worker w1)")
+
+
+# ---- one pacing for every look and every wait ----------------------------------------------------
+
+def test_a_wait_asks_at_once_then_after_pauses_doubling_to_a_cap_with_a_look_before_each():
+    from tensorturn.tasks.poll import poll
+
+    done: list[str] = []
+    for n, _ in enumerate(poll(lambda: done.append("look"), first=0.02, cap=0.1, sleep=lambda s: done.append(s))):
+        if n == 5:
+            break
+    assert done == ["look", 0.02, "look", 0.04, "look", 0.08, "look", 0.1, "look", 0.1]
+
+
+def test_a_wait_ends_when_its_time_is_up_or_its_look_raises():
+    from tensorturn.tasks.poll import poll
+
+    now = [0.0]
+    waited = list(poll(first=1, cap=4, within=10, sleep=lambda s: now.__setitem__(0, now[0] + s),
+                       clock=lambda: now[0]))
+    assert waited == [0, 1, 3, 7]  # asked at 0, then after 1, 2 and 4 s; at 15 s its time was up
+
+    def look():
+        raise RunCancelled("cancelled")
+
+    with pytest.raises(RunCancelled):
+        for _ in poll(look, sleep=lambda s: None):
+            pass
+
+
+def test_a_cancel_look_and_a_standing_look_keep_one_pace():
+    """Whichever look came last, a paced one (``now=False``) asks the broker again only after
+    CANCEL_LOOK_S; a look ``now`` always asks."""
+    asked = []
+    board = SimpleNamespace(
+        state=lambda run_id: asked.append("state") or "running",
+        state_and_standing=lambda run_id, worker: asked.append("standing") or ("running", None, None))
+    a = Attempt(task=None, board=board, store=None, spec=SimpleNamespace(run_id="r"), label=None, worker="w")
+    a.look(now=True)
+    a.look(standing=True)  # just looked: no round trip
+    a.check_standing(now=False)
+    a.check_cancelled()
+    assert asked == ["state"]
+    a.looked_at -= 2  # a while ago
+    a.check_standing(now=False)
+    a.check_cancelled()
+    a.check_standing()
+    assert asked == ["state", "standing", "standing"]
+
+
+def test_a_standing_look_hands_the_unit_back_when_the_owner_pauses_the_machine():
+    board = SimpleNamespace(state_and_standing=lambda run_id, worker: ("running", False, "its owner needs it"))
+    a = Attempt(task=None, board=board, store=None, spec=SimpleNamespace(run_id="r"), label=None, worker="w")
+    with pytest.raises(HandedBack, match="its owner needs it"):
+        for _ in a.waits(standing=True):  # (its look, before its first pause, raises)
+            a.looked_at -= 2  # as if a while passed

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +21,7 @@ from tensorturn.state.board import RunBoard
 from tensorturn.state.manifest import fail_run
 from tensorturn.store.objects import Store
 from tensorturn.store.objects import moved as store_moved
+from tensorturn.tasks.poll import CAP_S, poll
 
 SUCCEEDED: str = Outcome.SUCCEEDED
 LATE = Outcome.LATE.says("output already stored")
@@ -52,33 +53,42 @@ class Attempt:
     def run_id(self) -> str:
         return self.spec.run_id
 
-    def check_cancelled(self, now: bool = False) -> None:
-        """Raise :class:`RunCancelled` if the run was cancelled: units call it between training
-        steps (one Redis call per CANCEL_LOOK_S at most) and, with ``now``, just before storing
-        their output — so a cancelled run's attempts stop within a second and store nothing."""
+    def look(self, now: bool = False, standing: bool = False) -> None:
+        """Raise :class:`RunCancelled` if the run was cancelled and, with ``standing``,
+        :class:`HandedBack` if this machine's owner needs it or its agent stops — in one round
+        trip, and without ``now`` once per :data:`CANCEL_LOOK_S` at most, whichever look was
+        last: units look between training steps or downloads, and with ``now`` just before
+        storing their output, so a cancelled run's attempts stop within a second and store
+        nothing."""
         t = time.monotonic()
         if not now and t - self.looked_at < CANCEL_LOOK_S:
             return
         self.looked_at = t
-        if self.board.state(self.spec.run_id) == RunState.CANCELLED:
-            raise RunCancelled(f"run {self.spec.run_id} was cancelled")
-
-    def check_standing(self, now: bool = True) -> None:
-        """:meth:`check_cancelled`, and whether this machine's owner needs it or its agent
-        stops (:class:`HandedBack`), in one round trip: for a unit that waits rather than trains
-        (a training loop reads the same from its progress report). Without ``now``, once per
-        CANCEL_LOOK_S at most (between downloads, say)."""
-        t = time.monotonic()
-        if not now and t - self.looked_at < CANCEL_LOOK_S:
-            return
-        self.looked_at = t
-        state, _, paused = self.board.state_and_standing(self.spec.run_id, self.worker)
+        if standing:
+            state, _, paused = self.board.state_and_standing(self.spec.run_id, self.worker)
+        else:
+            state, paused = self.board.state(self.spec.run_id), None
         if state == RunState.CANCELLED:
             raise RunCancelled(f"run {self.spec.run_id} was cancelled")
         if paused:
             raise HandedBack(paused)
-        if stopping.is_set():
+        if standing and stopping.is_set():
             raise HandedBack("its agent is stopping")
+
+    def check_cancelled(self, now: bool = False) -> None:
+        """:meth:`look` at the run's state only (a training loop reads its standing from its
+        progress report)."""
+        self.look(now)
+
+    def check_standing(self, now: bool = True) -> None:
+        """:meth:`look` at the run's state and this machine's standing: for a unit that waits
+        rather than trains; at once unless told otherwise."""
+        self.look(now, standing=True)
+
+    def waits(self, cap: float = CAP_S, within: float | None = None, standing: bool = False) -> Iterator[float]:
+        """The pauses of a wait of this attempt (:func:`~tensorturn.tasks.poll.poll`), with a
+        paced :meth:`look` between them: a cancel, and with ``standing`` a hand-back, ends it."""
+        return poll(lambda: self.look(standing=standing), cap=cap, within=within)
 
 
 class NotYet(Exception):
