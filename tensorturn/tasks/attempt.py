@@ -19,6 +19,12 @@ the vote — and :func:`execute` runs it in this order:
    is recorded on the attempt, then retried with backoff; past the cap the unit gives up
    (:meth:`Unit.give_up`): the run fails with the error in one line, or an ensemble member drops.
 
+Steps 2–5 are one function (:func:`_attempt`) for both ways a unit is delivered: a message taken
+from a queue (:func:`execute`), and a unit run in place in the task of another whose work made it
+ready (:func:`run_here`: no lease of its own, no duplicate incident; retries, quarantine and the
+cap's failure are left to the unit's own message, which its caller queues when needed). What each
+delivery does about the attempt's end is the :class:`~tensorturn.tasks.ending.Ending`'s to say.
+
 So every failure ends in a recorded state; none is left only in an agent's log. An agent whose
 store calls keep failing while other machines' succeed (wrong credentials, say) is taken out of
 rotation (:func:`~tensorturn.tasks.quarantine.quarantine`) with an incident, so it cannot burn the run's attempts.

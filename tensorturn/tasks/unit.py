@@ -124,7 +124,7 @@ def watch_cancelled(on_step: Callable[[int, float], None], attempt: Attempt,
 
 class Unit(ABC):
     """One unit of work. Subclasses say when it is done, how to do it, what follows it, and what
-    giving up means; :func:`execute` does the rest."""
+    giving up means; :func:`~tensorturn.tasks.attempt.execute` does the rest."""
 
     def __init__(self, attempt: Attempt):
         self.a = attempt
