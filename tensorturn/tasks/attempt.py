@@ -19,6 +19,12 @@ the vote — and :func:`execute` runs it in this order:
    is recorded on the attempt, then retried with backoff; past the cap the unit gives up
    (:meth:`Unit.give_up`): the run fails with the error in one line, or an ensemble member drops.
 
+Steps 2–5 are one function (:func:`_attempt`) for both ways a unit is delivered: a message taken
+from a queue (:func:`execute`), and a unit run in place in the task of another whose work made it
+ready (:func:`run_here`: no lease of its own, no duplicate incident; retries, quarantine and the
+cap's failure are left to the unit's own message, which its caller queues when needed). What each
+delivery does about the attempt's end is the :class:`~tensorturn.tasks.ending.Ending`'s to say.
+
 So every failure ends in a recorded state; none is left only in an agent's log. An agent whose
 store calls keep failing while other machines' succeed (wrong credentials, say) is taken out of
 rotation (:func:`~tensorturn.tasks.quarantine.quarantine`) with an incident, so it cannot burn the run's attempts.
@@ -28,9 +34,7 @@ from __future__ import annotations
 
 import logging
 import time
-from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
@@ -42,7 +46,6 @@ from tensorturn.config import mask_text, mask_url
 from tensorturn.errors import RecipeError, RecipeFault, StoreError, TensorTurnError
 from tensorturn.layout import Label
 from tensorturn.pool.owner import HandedBack
-from tensorturn.pool.threads import stopping
 from tensorturn.spec import FINISHED, Outcome, RunSpec, RunState
 from tensorturn.state.attempts import Figures, Held
 from tensorturn.state.board import RunBoard
@@ -51,16 +54,29 @@ from tensorturn.state.clock import broker_now
 from tensorturn.state.manifest import end_run, fail_run, load_spec, settle_from_store, try_write_manifest
 from tensorturn.state.refusals import refuse
 from tensorturn.store.objects import ObjectMissing, Store, open_store
-from tensorturn.store.objects import moved as store_moved
+from tensorturn.tasks.ending import Delivery, End, Ending, InPlace, Queued
 from tensorturn.tasks.quarantine import machine_fault, worker_store_failed, worker_succeeded
+from tensorturn.tasks.unit import (
+    CANCEL_LOOK_S,
+    CANCELLED,
+    LATE,
+    SUCCEEDED,
+    Attempt,
+    NotYet,
+    RunCancelled,
+    Tally,
+    Unit,
+    watch_cancelled,
+)
 
 log = logging.getLogger(__name__)
 
+# the protocol as the modes' units and tasks import it (the unit's side lives in .unit)
+__all__ = ["CANCEL_LOOK_S", "CANCELLED", "LATE", "SUCCEEDED", "Attempt", "NotYet", "RunCancelled", "Tally", "Unit",
+           "watch_cancelled", "agent_store", "authentic", "board_for", "broker_time", "execute", "refuse",
+           "run_here", "signed", "store_for"]
+
 DEFAULT_MAX_ATTEMPTS = 3      # when the spec itself cannot be read
-SUCCEEDED: str = Outcome.SUCCEEDED
-LATE = Outcome.LATE.says("output already stored")
-CANCEL_LOOK_S = 1.0           # how often (at most) a running attempt looks whether its run was cancelled
-CANCELLED = Outcome.CANCELLED.says("the run was cancelled; nothing stored")
 
 
 @lru_cache(maxsize=8)
@@ -105,124 +121,6 @@ def broker_time() -> float:
     from tensorturn.pool.celery_app import app
 
     return broker_now(board_for(app.conf.broker_url).r)
-
-
-@dataclass
-class Attempt:
-    """The attempt in progress: who runs it, and its record's key and number."""
-
-    task: Task
-    board: RunBoard
-    store: Store
-    spec: RunSpec
-    label: Label
-    worker: str
-    key: str = ""
-    number: int = 0
-    bytes_up: int = 0
-    bytes_down: int = 0
-    rate: float | None = None  # samples/s over the whole task, once it trained
-    trained_from: float | None = None  # when it began training (broker clock), once it did
-    tally: Tally | None = None  # the store bytes of this task's process not yet recorded
-    ended: bool = False  # its outcome is recorded: a failure after that (the run's end) leaves it
-    looked_at: float = 0.0
-
-    @property
-    def run_id(self) -> str:
-        return self.spec.run_id
-
-    def check_cancelled(self, now: bool = False) -> None:
-        """Raise :class:`RunCancelled` if the run was cancelled: units call it between training
-        steps (one Redis call per CANCEL_LOOK_S at most) and, with ``now``, just before storing
-        their output — so a cancelled run's attempts stop within a second and store nothing."""
-        t = time.monotonic()
-        if not now and t - self.looked_at < CANCEL_LOOK_S:
-            return
-        self.looked_at = t
-        if self.board.state(self.spec.run_id) == RunState.CANCELLED:
-            raise RunCancelled(f"run {self.spec.run_id} was cancelled")
-
-    def check_standing(self, now: bool = True) -> None:
-        """:meth:`check_cancelled`, and whether this machine's owner needs it or its agent
-        stops (:class:`HandedBack`), in one round trip: for a unit that waits rather than trains
-        (a training loop reads the same from its progress report). Without ``now``, once per
-        CANCEL_LOOK_S at most (between downloads, say)."""
-        t = time.monotonic()
-        if not now and t - self.looked_at < CANCEL_LOOK_S:
-            return
-        self.looked_at = t
-        state, _, paused = self.board.state_and_standing(self.spec.run_id, self.worker)
-        if state == RunState.CANCELLED:
-            raise RunCancelled(f"run {self.spec.run_id} was cancelled")
-        if paused:
-            raise HandedBack(paused)
-        if stopping.is_set():
-            raise HandedBack("its agent is stopping")
-
-
-class NotYet(Exception):
-    """What the unit needs is not there yet, and it was queued again (by whoever raised this):
-    the attempt ends ``refused: <why>`` without using one of the unit's attempts up."""
-
-
-class RunCancelled(Exception):
-    """The run was cancelled (``tensorturn cancel``) while this attempt ran."""
-
-
-def watch_cancelled(on_step: Callable[[int, float], None], attempt: Attempt,
-                    reporter: Any = None) -> Callable[[int, float], None]:
-    """``on_step`` (a training loop's per-step callback), then a look whether the run was
-    cancelled, and whether this machine's owner needs it (:class:`HandedBack`, read from the
-    reporter's progress report). With a ``reporter`` (:class:`tensorturn.pool.telemetry.TaskReporter` with a live
-    field, called by ``on_step``) the look is the run state its progress report read — no round
-    trip of its own, about once a second; else :meth:`Attempt.check_cancelled`."""
-
-    def step(n: int, loss: float) -> None:
-        on_step(n, loss)
-        if reporter is not None and reporter.paused:
-            raise HandedBack(reporter.paused)
-        if stopping.is_set():  # the threads pool's agent stops: its task goes back to the queue
-            raise HandedBack("its agent is stopping")
-        if reporter is None or reporter.live is None:
-            attempt.check_cancelled()
-        elif reporter.run_state == RunState.CANCELLED:
-            raise RunCancelled(f"run {attempt.run_id} was cancelled")
-
-    return step
-
-
-class Unit(ABC):
-    """One unit of work. Subclasses say when it is done, how to do it, what follows it, and what
-    giving up means; :func:`execute` does the rest."""
-
-    def __init__(self, attempt: Attempt):
-        self.a = attempt
-        self.spec, self.store, self.board = attempt.spec, attempt.store, attempt.board
-        self.final: dict[str, Any] | None = None
-
-    def finish_run(self, state: str, **fields: Any) -> None:
-        """Finish the run with this attempt (``board.finish``'s arguments): the attempt's outcome
-        and figures are recorded first, then the manifest holding the final state is saved, and
-        the board's state moves last (:func:`~tensorturn.state.manifest.end_run`) — so whoever
-        sees the run finished sees its records complete, in the store too."""
-        self.final = {"state": state, **fields}
-
-    @abstractmethod
-    def done(self) -> bool:
-        """True when the unit's output is already stored (nothing must be written then)."""
-
-    @abstractmethod
-    def run(self) -> str:
-        """Do the work and store the output; returns the attempt's outcome: :data:`SUCCEEDED`,
-        :data:`LATE` when another attempt stored the output first, or ``refused: <why>``."""
-
-    def then(self) -> None:  # noqa: B027 - optional: most units queue nothing
-        """Queue what follows the unit; idempotent (one-time claims), called after run() and
-        for duplicates, so a follow-up lost with a crashed attempt is queued by the next."""
-
-    def give_up(self, message: str) -> None:
-        """Past the attempt cap: by default the run fails with ``message`` (its manifest first)."""
-        fail_run(self.store, self.board, self.spec.run_id, message)
 
 
 def describe_failure(exc: BaseException, worker: str | None) -> str:
@@ -281,7 +179,7 @@ def execute(task: Task, run_id: str, label: Label, unit_class: type[Unit], sig: 
         raise task.retry(countdown=1, max_retries=None)   # back to the queue, for another machine
     tally = Tally()
     try:
-        return _execute(task, board, run_id, label, unit_class, resolve, receipt, tally)
+        return _queued(task, board, run_id, label, unit_class, resolve, receipt, tally)
     finally:  # every byte the attempt moved through the store, whatever became of it
         try:
             board.add_store_bytes(run_id, *tally.take(), task.request.hostname or "?")
@@ -289,119 +187,121 @@ def execute(task: Task, run_id: str, label: Label, unit_class: type[Unit], sig: 
             log.debug("store bytes not recorded: %s", exc)
 
 
-class Tally:
-    """The bytes this process moved through the store since the last :meth:`take`: an attempt's
-    are added to the run's figures with its outcome (so an attempt seen finished is counted),
-    and what it moves after that, once it ends."""
-
-    def __init__(self) -> None:
-        self.mark = self.next = store_moved()
-
-    def take(self) -> tuple[int, int]:
-        moved = self.pending()
-        self.settle()
-        return moved
-
-    def pending(self) -> tuple[int, int]:
-        """What was moved since the last take, counted once :meth:`settle` says it is recorded."""
-        self.next = store_moved()
-        return self.next[0] - self.mark[0], self.next[1] - self.mark[1]
-
-    def settle(self) -> None:
-        self.mark = self.next
-
-
-def _execute(task: Task, board: RunBoard, run_id: str, label: Label, unit_class: type[Unit],
-             resolve: Callable[[RunBoard, RunSpec, str], Label] | None,
-             receipt: dict[str, Any], tally: Tally) -> dict[str, Any]:
-    worker = task.request.hostname or "?"
+def _queued(task: Task, board: RunBoard, run_id: str, label: Label, unit_class: type[Unit],
+            resolve: Callable[[RunBoard, RunSpec, str], Label] | None,
+            receipt: dict[str, Any], tally: Tally) -> dict[str, Any]:
+    """A queued message's attempt: its unit built from this agent's store (a failure there is
+    recorded as the attempt's), run by :func:`_attempt`, and its ending answered the queue's
+    way — retried with backoff, handed to another machine, given up past the cap."""
+    worker, delivery = task.request.hostname or "?", Queued(task)
     store: Store | None = None
     unit: Unit | None = None
-    key, number, max_attempts = "", 0, DEFAULT_MAX_ATTEMPTS
+    max_attempts = DEFAULT_MAX_ATTEMPTS
     try:
         store = agent_store()
         spec = _spec_here(store, run_id)
         max_attempts = spec.max_attempts
         if resolve is not None:
             label = resolve(board, spec, worker)
-        attempt = Attempt(task, board, store, spec, label, worker, tally=tally)
-        unit = unit_class(attempt)
+        unit = unit_class(Attempt(task, board, store, spec, label, worker, tally=tally))
+    except Exception as exc:  # noqa: BLE001 - the spec or store unreadable: recorded as an attempt's failure
+        ending = _failed(board, store, run_id, label, worker, exc, delivery, max_attempts)
+    else:
+        ending = _attempt(unit.a, unit, delivery)
+    if ending.end == End.FOLLOW_UP_FAILED:  # the unit is done and recorded: a retry queues what follows
+        raise task.retry(countdown=2, max_retries=None)
+    if ending.end == End.HANDED_BACK:  # another machine takes the task
+        raise task.retry(countdown=0, max_retries=None)
+    if ending.end == End.MACHINE_FAULT:  # not the task's fault: its failed attempts were given back
+        raise task.retry(countdown=1, max_retries=None)
+    if ending.end == End.FAILED and ending.number < max_attempts:
+        raise task.retry(countdown=min(2 ** (ending.number - 1), 8), max_retries=None)
+    if ending.end == End.FAILED:
+        final = (f"{label} failed {ending.number} attempts; last: {ending.message}"
+                 if ending.number <= max_attempts else f"{label} failed {max_attempts} attempts")
+        unit.give_up(final) if unit is not None else fail_run(store, board, run_id, final)
+    if ending.end in (End.FAILED, End.RUN_FAILED):
+        try_write_manifest(store, board, run_id)
+    return receipt
+
+
+def _attempt(attempt: Attempt, unit: Unit, delivery: Delivery) -> Ending:
+    """Steps 2–5 of the protocol for ``unit``, however it was delivered: done already, or an
+    attempt begun under the cap, run, recorded and followed; every way it can end is recorded
+    here, and what the delivery must still do is the :class:`Ending`'s to say."""
+    board, run_id, label, worker = attempt.board, attempt.run_id, attempt.label, attempt.worker
+    try:
         if unit.done():
-            if settle_from_store(store, board, run_id, str(label)):  # it ended; the broker went back
-                return receipt
-            board.incident(run_id, "duplicate_ignored", str(label), worker,
-                           "the unit's output was already stored; nothing was redone or counted")
+            if isinstance(delivery, Queued):
+                if settle_from_store(attempt.store, board, run_id, str(label)):  # it ended; the broker went back
+                    return Ending(End.SKIPPED)
+                board.incident(run_id, "duplicate_ignored", str(label), worker,
+                               "the unit's output was already stored; nothing was redone or counted")
+        else:
+            cap, lease = attempt.spec.max_attempts, lease_of(delivery.task) if isinstance(delivery, Queued) else ()
             try:
-                unit.then()
-            except Exception as exc:  # noqa: BLE001 - queuing failed (broker?): not an attempt
-                log.warning("run %s %s: queuing what follows failed (%s); retrying", run_id, label, exc)
-                raise task.retry(countdown=2, max_retries=None) from None
-            return receipt
-        try:
-            begun = board.begin_attempt(run_id, str(label), worker, max_attempts, *lease_of(task))
-        except Held as held:  # a replayed copy: the attempt running it goes on, uncounted here
-            board.incident(run_id, "duplicate_ignored", str(label), worker, str(held))
-            return receipt
-        if begun is None:
-            unit.give_up(f"{label} failed {max_attempts} attempts")
-            try_write_manifest(store, board, run_id)
-            return receipt
-        key, number, state = begun
-        attempt.key, attempt.number, attempt.looked_at = key, number, time.monotonic()
-        if state == RunState.CANCELLED:  # cancelled since the look above: stop before any download
-            raise RunCancelled(f"run {run_id} was cancelled")
-        record_outcome(unit, unit.run(), tally)
-        try:
-            unit.then()
-        except Exception as exc:  # noqa: BLE001 - the unit is done and recorded; what follows is queued by a retry
-            log.warning("run %s %s: queuing what follows failed (%s); retrying", run_id, label, exc)
-            raise task.retry(countdown=2, max_retries=None) from None
-        return receipt
+                begun = board.begin_attempt(run_id, str(label), worker, cap, *lease)
+            except Held as held:  # a replayed copy: the attempt running it goes on, uncounted here
+                board.incident(run_id, "duplicate_ignored", str(label), worker, str(held))
+                return Ending(End.SKIPPED)
+            if begun is None:  # past the cap: given up, once
+                unit.give_up(f"{label} failed {cap} attempts")
+                try_write_manifest(attempt.store, board, run_id)
+                return Ending(End.GAVE_UP)
+            attempt.key, attempt.number, state = begun
+            attempt.looked_at = time.monotonic()  # the begin read the run's state
+            if state == RunState.CANCELLED:  # cancelled since the last look: stop before any download
+                raise RunCancelled(f"run {run_id} was cancelled")
+            record_outcome(unit, unit.run(), attempt.tally or Tally())
     except Retry:
         raise
     except NotYet as exc:  # queued again already: given back, not retried here
-        if key:
-            end_given_back(board, run_id, key, Outcome.REFUSED.says(str(exc)), worker)
-        return receipt
-    except HandedBack as exc:  # the machine's owner needs it: another machine takes the task
-        log.warning("run %s %s: handed back (%s)", run_id, label, exc)
-        try:
-            if key:
-                end_given_back(board, run_id, key, Outcome.HANDED_BACK.says(str(exc)), worker)
-        except Exception as record_exc:  # noqa: BLE001 - the broker stumbled: the task goes back all the same
-            log.warning("run %s %s: the hand-back was not recorded (%s)", run_id, label, record_exc)
-        raise task.retry(countdown=0, max_retries=None) from None
+        if attempt.key:
+            end_given_back(board, run_id, attempt.key, Outcome.REFUSED.says(str(exc)), worker)
+        return Ending(End.NOT_YET)
+    except HandedBack as exc:  # the machine's owner needs it: another machine takes the unit
+        end_handed_back(board, run_id, label, attempt.key, str(exc), worker)
+        return Ending(End.HANDED_BACK)
     except RunCancelled:  # not a failure: recorded, never retried; the run is finished
-        if key:
-            board.finish_attempt(run_id, key, CANCELLED, figures=Figures(worker))
-        if store is not None:
-            try_write_manifest(store, board, run_id)
-        return receipt
-    except Exception as exc:  # noqa: BLE001 - every failure is recorded, then retried or final
-        message = describe_failure(exc, worker)
-        log.warning("run %s %s failed on %s: %s", run_id, label, worker, message)
-        if not key:  # failed before its attempt was recorded: the spec or store was unreadable
-            begun = board.begin_attempt(run_id, str(label), worker, max_attempts)
-            key, number = begun[:2] if begun else (f"{label}#refused", max_attempts + 1)
-        if unit is None or not unit.a.ended:  # (a run's end that failed is retried, its attempt kept)
-            end_failed(board, run_id, key, message, exc, worker)
+        if attempt.key:
+            board.finish_attempt(run_id, attempt.key, CANCELLED, figures=Figures(worker))
+        try_write_manifest(attempt.store, board, run_id)
+        return Ending(End.CANCELLED)
+    except Exception as exc:  # noqa: BLE001 - every failure is recorded; the delivery retries it or gives up
+        return _failed(board, attempt.store, run_id, label, worker, exc, delivery, attempt.spec.max_attempts,
+                       attempt.key, attempt.number, attempt.ended)
+    try:
+        unit.then()
+    except Exception as exc:  # noqa: BLE001 - the unit is done and recorded: what follows is queued again
+        log.warning("run %s %s: queuing what follows failed (%s); %s", run_id, label, exc, delivery.fallback)
+        return Ending(End.FOLLOW_UP_FAILED)
+    return Ending(End.DONE)
+
+
+def _failed(board: RunBoard, store: Store | None, run_id: str, label: Label, worker: str, exc: Exception,
+            delivery: Delivery, max_attempts: int, key: str = "", number: int = 0, ended: bool = False) -> Ending:
+    """Record a failure on its attempt (a queued one that failed before its attempt began gets
+    one: the spec or store was unreadable); a store failing only on this machine quarantines it
+    (queued); the recipe's own fault fails the run at once, since every attempt would fail alike."""
+    message = describe_failure(exc, worker)
+    queued = isinstance(delivery, Queued)
+    log.warning("run %s %s failed on %s: %s%s", run_id, label, worker, message,
+                "" if queued else "; queued for a retry")
+    if queued and not key:
+        begun = board.begin_attempt(run_id, str(label), worker, max_attempts)
+        key, number = begun[:2] if begun else (f"{label}#refused", max_attempts + 1)
+    if key and not ended:  # (a run's end that failed is retried, its attempt kept)
+        end_failed(board, run_id, key, message, exc, worker)
+    if isinstance(delivery, Queued):  # (in place, the unit's message is queued: its delivery sees to it)
         cause = machine_fault(exc)
-        if cause:
-            if worker_store_failed(task, board, run_id, str(label), worker, key, message, cause):
-                # the machine's fault, not the task's: its failed attempts were given back
-                raise task.retry(countdown=1, max_retries=None) from None
-        else:
+        if not cause:
             worker_succeeded(board, worker)  # the store answered: this is not the machine's fault
-        if isinstance(exc, RecipeFault):  # the recipe's code: every attempt would fail the same way
-            fail_run(store, board, run_id, f"{label} failed: {message}")
-        elif number < max_attempts:
-            raise task.retry(countdown=min(2 ** (number - 1), 8), max_retries=None) from None
-        else:
-            final = (f"{label} failed {number} attempts; last: {message}" if number <= max_attempts
-                     else f"{label} failed {max_attempts} attempts")
-            unit.give_up(final) if unit is not None else fail_run(store, board, run_id, final)
-        try_write_manifest(store, board, run_id)
-        return receipt
+        elif worker_store_failed(delivery.task, board, run_id, str(label), worker, key, message, cause):
+            return Ending(End.MACHINE_FAULT, message, number)
+    if isinstance(exc, RecipeFault):  # the recipe's code: every attempt would fail the same way
+        fail_run(store, board, run_id, f"{label} failed: {message}")
+        return Ending(End.RUN_FAILED, message, number)
+    return Ending(End.FAILED, message, number)
 
 
 def lease_of(task: Task) -> tuple[str | None, float]:
@@ -416,6 +316,17 @@ def end_given_back(board: RunBoard, run_id: str, key: str, outcome: str, worker:
     back, the task is taken again (its message queued again)."""
     board.attempt_log.give_back(run_id, key.rpartition("#")[0])
     board.finish_attempt(run_id, key, outcome, figures=Figures(worker))
+
+
+def end_handed_back(board: RunBoard, run_id: str, label: Label, key: str, why: str, worker: str) -> None:
+    """End attempt ``key`` (if it began) handed back, at no cost; a broker that stumbles leaves
+    it unrecorded: the task goes to another machine all the same."""
+    log.warning("run %s %s: handed back (%s)", run_id, label, why)
+    try:
+        if key:
+            end_given_back(board, run_id, key, Outcome.HANDED_BACK.says(why), worker)
+    except Exception as exc:  # noqa: BLE001 - the broker stumbled: the task goes back all the same
+        log.warning("run %s %s: the hand-back was not recorded (%s)", run_id, label, exc)
 
 
 def end_failed(board: RunBoard, run_id: str, key: str, message: str, exc: BaseException, worker: str) -> None:
@@ -452,48 +363,13 @@ def run_here(parent: Attempt, label: Label, unit_class: Callable[[Attempt], Unit
     True when the unit is done (now or before), or ended in a way that needs nothing more (the
     run cancelled; ``NotYet``: queued again by whoever raised it; past its attempt cap: given
     up, as a queued message would). False when this attempt failed (recorded, with its
-    traceback), or what follows a unit done could not be queued (its record stays): the caller
-    then queues the unit's message, whose retries, cap and failure handling take over (a
-    delivery that finds the unit done queues what follows). The parent's message is
-    acknowledged only when its task ends, so a machine lost meanwhile has the parent delivered
-    again, which runs the unit again (its unfinished attempt recorded lost)."""
-    board, store, spec, worker = parent.board, parent.store, parent.spec, parent.worker
-    run_id, tally = spec.run_id, parent.tally or Tally()
-    attempt = Attempt(parent.task, board, store, spec, label, worker, tally=tally)
-    unit = unit_class(attempt)
-    try:
-        if not unit.done():
-            begun = board.begin_attempt(run_id, str(label), worker, spec.max_attempts)
-            if begun is None:  # past the cap: given up here, as its queued message would
-                unit.give_up(f"{label} failed {spec.max_attempts} attempts")
-                try_write_manifest(store, board, run_id)
-                return True
-            attempt.key, attempt.number, state = begun
-            attempt.looked_at = time.monotonic()  # the begin read the run's state
-            if state == RunState.CANCELLED:
-                raise RunCancelled(f"run {run_id} was cancelled")
-            record_outcome(unit, unit.run(), tally)
-    except NotYet as exc:
-        if attempt.key:
-            end_given_back(board, run_id, attempt.key, Outcome.REFUSED.says(str(exc)), worker)
-        return True
-    except RunCancelled:
-        if attempt.key:
-            board.finish_attempt(run_id, attempt.key, CANCELLED, figures=Figures(worker))
-        try_write_manifest(store, board, run_id)
-        return True
-    except Exception as exc:  # noqa: BLE001 - recorded; the queued message retries it
-        message = describe_failure(exc, worker)
-        log.warning("run %s %s failed on %s: %s; queued for a retry", run_id, label, worker, message)
-        if attempt.key and not attempt.ended:
-            end_failed(board, run_id, attempt.key, message, exc, worker)
-        if isinstance(exc, RecipeFault):  # as _execute: every attempt would fail the same way
-            fail_run(store, board, run_id, f"{label} failed: {message}")
-            return True
-        return False
-    try:
-        unit.then()
-    except Exception as exc:  # noqa: BLE001 - the unit is done and recorded: its message queues what follows
-        log.warning("run %s %s: queuing what follows failed (%s); its message is queued", run_id, label, exc)
-        return False
-    return True
+    traceback), was handed back (:class:`HandedBack`: no attempt spent), or what follows a unit
+    done could not be queued (its record stays): the caller then queues the unit's message,
+    whose retries, cap and failure handling take over (a delivery that finds the unit done
+    queues what follows). The parent's message is acknowledged only when its task ends, so a
+    machine lost meanwhile has the parent delivered again, which runs the unit again (its
+    unfinished attempt recorded lost). The same protocol as :func:`execute` (:func:`_attempt`),
+    with no lease of its own and no duplicate incident."""
+    unit = unit_class(Attempt(parent.task, parent.board, parent.store, parent.spec, label, parent.worker,
+                              tally=parent.tally or Tally()))
+    return _attempt(unit.a, unit, InPlace()).well
