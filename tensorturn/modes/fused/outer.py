@@ -34,6 +34,7 @@ from tensorturn.modes.fused.ahead import Fetch, ReadAhead
 from tensorturn.modes.fused.finalize import finalize
 from tensorturn.modes.fused.options import eval_passes, evaluated, options, outer_args, samples_per_step
 from tensorturn.modes.fused.policies import policy
+from tensorturn.modes.fused.poll import poll
 from tensorturn.modes.fused.shard import count_data, data_bytes
 from tensorturn.modes.fused.weights import cache
 from tensorturn.recipes import Recipe, recipe_of
@@ -294,18 +295,17 @@ def wait_for_evaluation(board: RunBoard, run_id: str, r: int, worker: str, check
     is online (at most :data:`EVAL_WAIT_S`); whether it recorded the round. One on a machine
     that stopped answering is not waited for, nor one marked running on ``worker`` (lost with a
     pool child, most likely): its task, given back, may need this very agent."""
-    label, pause, began = str(layout.eval_label(r)), 0.02, time.monotonic()
-    while time.monotonic() - began < EVAL_WAIT_S:
+    label, began = str(layout.eval_label(r)), time.monotonic()
+    for _ in poll(check):
+        if time.monotonic() - began >= EVAL_WAIT_S:
+            return False
         if board.has_round(run_id, r):
             return True
         running = {a["worker"] for a in board.attempts(run_id) if a["task"] == label and a["outcome"] == "running"}
         running.discard(worker)
         if not running & board.workers.online():
             return board.has_round(run_id, r)
-        check()
-        time.sleep(pause)
-        pause = min(pause * 2, 0.5)
-    return False
+    raise AssertionError("unreachable")  # (poll never ends by itself)
 
 
 def average_and_step(spec: RunSpec, store: Store, r: int, scratch: Path, fetch: Fetch = seals.get_file
