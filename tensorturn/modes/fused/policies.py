@@ -4,8 +4,8 @@ rounds one step apart).
 
 :data:`POLICIES` maps the ``--sync`` value to its class, by name, as the mode registry does
 (:mod:`tensorturn.registry`): the options (no torch) read the choices from it, and a policy —
-whose module imports torch and defines its Celery tasks — is imported only when asked for. A new
-policy is its own module in :mod:`.sync` plus one line here.
+whose module imports torch — is imported only when asked for, by the driver (:mod:`.driver`).
+A new policy is its own module in :mod:`.sync` plus one line here.
 """
 
 from __future__ import annotations
@@ -29,10 +29,3 @@ def policy(name: str) -> SyncPolicy:
     """The policy of ``--sync name`` (a KeyError for a name the options would have refused)."""
     module, _, cls = POLICIES[name].partition(":")
     return getattr(importlib.import_module(module), cls)()
-
-
-def load_all() -> None:
-    """Import every policy, so that the Celery tasks they define are registered (the fused
-    tasks module calls it: Celery includes that module only)."""
-    for name in POLICIES:
-        policy(name)
