@@ -105,9 +105,6 @@ FUSED = PACKAGE / "modes" / "fused"
 # the driver that asks the run's policy and queues what it returns
 POLICY_SIDE = {"policies.py", "driver.py"}
 ENTRY = "tasks.py"  # the mode's entry point, which Celery includes: it imports the driver only
-# the modules that still look a policy up or call it: each step of the reshape takes one off,
-# and the set ends empty
-STILL_CALLS_A_POLICY = {"options.py"}
 
 
 def test_no_fused_unit_looks_a_policy_up():
@@ -121,7 +118,7 @@ def test_no_fused_unit_looks_a_policy_up():
     found = []
     for path in _modules(FUSED):
         where = path.relative_to(FUSED)
-        if where.parts[0] == "sync" or str(where) in POLICY_SIDE | STILL_CALLS_A_POLICY:
+        if where.parts[0] == "sync" or str(where) in POLICY_SIDE:
             continue
         tree = ast.parse(path.read_text(), str(path))
         for node in ast.walk(tree):
@@ -140,3 +137,11 @@ def test_no_fused_unit_looks_a_policy_up():
                 found.append(f"{where}:{node.lineno} calls {ast.unparse(node.func)}")
     assert found == []
 
+
+def test_the_sync_choices_are_the_registrys_policies():
+    """``--sync`` offers (:data:`~tensorturn.modes.fused.options.SYNCS`, read without torch)
+    exactly the policies of the registry."""
+    from tensorturn.modes.fused.options import SYNCS
+    from tensorturn.modes.fused.policies import POLICIES
+
+    assert tuple(POLICIES) == SYNCS
