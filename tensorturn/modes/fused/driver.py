@@ -53,13 +53,13 @@ log = logging.getLogger(__name__)
 
 def start(spec: RunSpec, store: Store, board: RunBoard) -> None:
     """Queue the run's first work, as its policy plans it."""
-    driver = Driver(policy(options(spec).sync), Context(spec, store, board))
+    driver = Driver.of_run(Context(spec, store, board))
     driver.queue(driver.policy.start(driver.run))
 
 
 def resume(spec: RunSpec, store: Store, board: RunBoard) -> str:
     """Queue whatever is missing from the store, as the run's policy says; what it resumed."""
-    driver = Driver(policy(options(spec).sync), Context(spec, store, board))
+    driver = Driver.of_run(Context(spec, store, board))
     works, said = driver.policy.resume(driver.run)
     driver.queue(works)
     return said
@@ -73,8 +73,9 @@ class Driver:
         self.policy, self.run = policy, run
 
     @classmethod
-    def of(cls, attempt: Attempt) -> Driver:
-        return cls(policy(options(attempt.spec).sync), Context(attempt.spec, attempt.store, attempt.board))
+    def of_run(cls, run: Context) -> Driver:
+        """The driver of ``run``, with the policy its ``--sync`` names."""
+        return cls(policy(options(run.spec).sync), run)
 
     def follow(self, done: ShardDone | StepDone) -> None:
         if isinstance(done, ShardDone):
@@ -94,52 +95,52 @@ class Driver:
         and the one-time claims keep what was queued from being queued twice)."""
         spec, store, board = self.run.spec, self.run.store, self.run.board
         for work in works:
-            if isinstance(work, QueueRound):
-                if work.again:
-                    board.claim(spec.run_id, layout.dispatch_claim(work.r))
-                    dispatch_round(spec, work.r, board)
-                else:
-                    queue_round(spec, board, work.r)
-            elif isinstance(work, QueueShard):
-                queue_shard(spec, work.r, work.k, countdown=work.countdown)
-            elif isinstance(work, QueueStep):
-                queue_outer(spec, board, work.r, work.here, self.outer_unit())
-            elif isinstance(work, SendStep):
-                send_outer(spec, board, work.r)
-            elif isinstance(work, HandOver):  # queued ahead: wake the slot standing by
-                if not queue_round(spec, board, work.r + 1) and not queue_outer(
-                        spec, board, work.r, work.here, self.outer_unit()):
-                    board.claims.announce_complete(spec.run_id, work.r)
-            elif isinstance(work, QueueEval):
-                queue_eval(spec, board, work.r)
-            elif isinstance(work, AnnounceGlobal):
-                board.claims.announce_global(spec.run_id, work.r)
-            elif isinstance(work, BackupCopy):
-                try:  # only an optimisation: a failure here must not fail a shard that is done
-                    queue_shard_backup(spec, store, board, work.r, work.worker)
-                except Exception as exc:  # noqa: BLE001
-                    log.warning("run %s: no backup copy queued (%s)", spec.run_id, exc)
-            elif isinstance(work, QueueUpdates):
-                queue_updates(spec, work.updates)
-            else:
-                raise TypeError(f"no such work: {work!r}")
+            match work:
+                case QueueRound(r, again=True):  # a start or resume: whoever queued it before
+                    board.claim(spec.run_id, layout.dispatch_claim(r))
+                    dispatch_round(spec, r, board)
+                case QueueRound(r):
+                    queue_round(spec, board, r)
+                case QueueShard(r, k, countdown):
+                    queue_shard(spec, r, k, countdown=countdown)
+                case QueueStep(r, here):
+                    queue_outer(spec, board, r, here, self.outer_unit())
+                case SendStep(r):
+                    send_outer(spec, board, r)
+                case HandOver(r, here):  # queued ahead: else the step here, else wake the slot standing by
+                    if not queue_round(spec, board, r + 1) and not queue_outer(spec, board, r, here, self.outer_unit()):
+                        board.claims.announce_complete(spec.run_id, r)
+                case QueueEval(r):
+                    queue_eval(spec, board, r)
+                case AnnounceGlobal(r):
+                    board.claims.announce_global(spec.run_id, r)
+                case BackupCopy(r, worker):
+                    try:  # only an optimisation: a failure here must not fail a shard that is done
+                        queue_shard_backup(spec, store, board, r, worker)
+                    except Exception as exc:  # noqa: BLE001
+                        log.warning("run %s: no backup copy queued (%s)", spec.run_id, exc)
+                case QueueUpdates(updates):
+                    queue_updates(spec, updates)
+                case _:
+                    raise TypeError(f"no such work: {work!r}")
 
 
 def shard_unit(attempt: Attempt) -> Unit:
     """A round's shard (a slot once bound, a named shard, a backup copy), planned by the run's
     policy."""
-    driver = Driver.of(attempt)
+    driver = Driver.of_run(Context(attempt.spec, attempt.store, attempt.board))
     return ShardUnit(attempt, driver.policy.shard_plan(*attempt.label.numbers[:2]), driver)
 
 
 def outer_unit(attempt: Attempt) -> Unit:
     """A round's outer step, planned by the run's policy."""
-    return Driver.of(attempt).outer_unit()(attempt)
+    return Driver.of_run(Context(attempt.spec, attempt.store, attempt.board)).outer_unit()(attempt)
 
 
 def unit(build: Callable[[Attempt], Unit]) -> type[Unit]:
     """``build`` where :func:`~tensorturn.tasks.attempt.execute` takes a unit's class: it only
-    calls it with the attempt."""
+    calls it with the attempt (``run_here`` takes such a builder already; once ``execute`` does
+    too, this goes)."""
     return cast("type[Unit]", build)
 
 
