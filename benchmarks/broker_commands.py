@@ -90,8 +90,10 @@ def protocol() -> None:
     from redis.connection import Connection
 
     from tensorturn import runs
-    from tensorturn.modes.fused import tasks  # noqa: F401 - the fused tasks registered
-    from tensorturn.modes.fused.sync import rounds
+    from tensorturn.modes.fused import (
+        driver,
+        tasks,  # noqa: F401 - the fused tasks registered
+    )
     from tensorturn.pool.celery_app import configure
     from tensorturn.pool.embedded import RedisServer
     from tensorturn.spec import RunSpec
@@ -124,12 +126,12 @@ def protocol() -> None:
             runs.submit(spec, server.url)
 
             def shard(r: int, k: int) -> None:
-                rounds.train_shard.apply(args=(spec.run_id, r, k),
+                driver.train_shard.apply(args=(spec.run_id, r, k),
                                          kwargs=signed(spec.run_id, f"r{r}/shard-{k}")).get()
 
             for k in range(3):
                 shard(0, k)
-            rounds.outer_step.apply(args=([], spec.run_id, 0), kwargs=signed(spec.run_id, "r0/outer")).get()
+            driver.outer_step.apply(args=([], spec.run_id, 0), kwargs=signed(spec.run_id, "r0/outer")).get()
             client = redis_client(server.url)
             before = calls(client)
             trips.clear()

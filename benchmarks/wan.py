@@ -82,9 +82,9 @@ def steady_utilisation(doc: dict[str, Any], sync: str, compute_s: float) -> floa
         label = parse_label(a["task"])
         if a["outcome"] == "succeeded" and label is not None and label.kind == "shard":
             starts[(label.round, label.shard)] = a["started_at"]
-    base = policy(sync).base_round
+    plan = policy(sync).shard_plan
     periods = [starts[(r + 1, k)] - starts[(r, k)] for (r, k) in starts
-               if (r + 1, k) in starts and base(r + 1) >= 1]
+               if (r + 1, k) in starts and plan(r + 1, k).base >= 1]
     return compute_s / (sum(periods) / len(periods)) if periods else None
 
 

@@ -321,32 +321,32 @@ def as_agent_of(spec) -> None:
 
 def run_shard(spec, r: int, k: int) -> None:
     """Shard ``k`` of fused round ``r``, trained in this process (as an agent of the run)."""
-    from tensorturn.modes.fused.sync import rounds
+    from tensorturn.modes.fused import driver
     from tensorturn.tasks.attempt import signed
 
     as_agent_of(spec)
-    rounds.train_shard.apply(args=(spec.run_id, r, k), kwargs=signed(spec.run_id, f"r{r}/shard-{k}")).get()
+    driver.train_shard.apply(args=(spec.run_id, r, k), kwargs=signed(spec.run_id, f"r{r}/shard-{k}")).get()
 
 
 def run_outer(spec, r: int, evaluate: bool = True) -> None:
     """The outer step of fused round ``r``, then (``evaluate``; not the last round's: its outer
     step evaluates) the round's evaluation it queues, in this process."""
-    from tensorturn.modes.fused.sync import rounds
+    from tensorturn.modes.fused import driver
     from tensorturn.tasks.attempt import signed
 
     as_agent_of(spec)
-    rounds.outer_step.apply(args=([], spec.run_id, r), kwargs=signed(spec.run_id, f"r{r}/outer")).get()
+    driver.outer_step.apply(args=([], spec.run_id, r), kwargs=signed(spec.run_id, f"r{r}/outer")).get()
     if evaluate and r + 1 < spec.options.rounds:
         run_eval(spec, r)
 
 
 def run_eval(spec, r: int) -> None:
     """The evaluation of fused round ``r``'s weights (queued by its outer step), in this process."""
-    from tensorturn.modes.fused.sync import rounds
+    from tensorturn.modes.fused import driver
     from tensorturn.tasks.attempt import signed
 
     as_agent_of(spec)
-    rounds.evaluate.apply(args=(spec.run_id, r), kwargs=signed(spec.run_id, f"r{r}/eval")).get()
+    driver.evaluate.apply(args=(spec.run_id, r), kwargs=signed(spec.run_id, f"r{r}/eval")).get()
 
 
 def run_rounds(spec, start: int = 0) -> None:

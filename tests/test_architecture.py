@@ -98,3 +98,50 @@ def test_settings_are_passed_not_swapped():
             if swaps:
                 found.append(f"{where}:{node.lineno} {ast.unparse(func)}")
     assert found == []
+
+
+FUSED = PACKAGE / "modes" / "fused"
+# what may name a sync policy: the policies themselves (modes/fused/sync/), their registry, and
+# the driver that asks the run's policy and queues what it returns
+POLICY_SIDE = {"policies.py", "driver.py"}
+ENTRY = "tasks.py"  # the mode's entry point, which Celery includes: it imports the driver only
+
+
+def test_no_fused_unit_looks_a_policy_up():
+    """A sync policy decides what a round trains and what follows each output and each outer
+    step; the work it schedules is plain (a shard trains and stores, an outer step steps and
+    stores) and never looks a policy up or calls it: it is handed a plan and a driver to give
+    its result to. No module of the fused mode but the policies, their registry and the driver
+    imports one, or the driver (the entry point excepted), or calls a policy's method."""
+    side = ("tensorturn.modes.fused.policies", "tensorturn.modes.fused.sync", "tensorturn.modes.fused.driver")
+    decisions = {"policy", "shard_plan", "step_plan", "on_output", "on_step"}
+    found = []
+    for path in _modules(FUSED):
+        where = path.relative_to(FUSED)
+        if where.parts[0] == "sync" or str(where) in POLICY_SIDE:
+            continue
+        tree = ast.parse(path.read_text(), str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                named = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                named = [a.name for a in node.names]
+            else:
+                named = []
+            allowed = {"tensorturn.modes.fused.driver"} if str(where) == ENTRY else set()
+            found += [f"{where}:{node.lineno} imports {name}" for name in named
+                      if name not in allowed and any(name == s or name.startswith(s + ".") for s in side)]
+            if isinstance(node, ast.Call) and (  # (a plain name: a training loop's own on_step callback)
+                    isinstance(node.func, ast.Name) and node.func.id == "policy"
+                    or isinstance(node.func, ast.Attribute) and node.func.attr in decisions):
+                found.append(f"{where}:{node.lineno} calls {ast.unparse(node.func)}")
+    assert found == []
+
+
+def test_the_sync_choices_are_the_registrys_policies():
+    """``--sync`` offers (:data:`~tensorturn.modes.fused.options.SYNCS`, read without torch)
+    exactly the policies of the registry."""
+    from tensorturn.modes.fused.options import SYNCS
+    from tensorturn.modes.fused.policies import POLICIES
+
+    assert tuple(POLICIES) == SYNCS

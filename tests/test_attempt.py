@@ -23,8 +23,9 @@ from conftest import run_shard as shard
 from tensorturn import config, layout, runs
 from tensorturn.errors import BrokerError, RecipeError
 from tensorturn.modes.ensemble import tasks as ensemble
+from tensorturn.modes.fused import driver as fused
 from tensorturn.modes.fused import shard as fused_shard
-from tensorturn.modes.fused.sync import rounds as fused
+from tensorturn.modes.fused import standby
 from tensorturn.modes.fused.weights import global_bytes
 from tensorturn.recipes import base as recipe_base
 from tensorturn.spec import RunSpec
@@ -382,13 +383,13 @@ def test_a_stored_shard_whose_follow_up_fails_is_retried_not_failed(world, monke
 
     spec = world.submit(**FUSED)
     shard(spec, 0, 0)
-    real = Rounds.after_shard
-    monkeypatch.setattr(Rounds, "after_shard", lambda *a: (_ for _ in ()).throw(BrokerError("broker gone")))
+    real = Rounds.on_output
+    monkeypatch.setattr(Rounds, "on_output", lambda *a: (_ for _ in ()).throw(BrokerError("broker gone")))
     as_agent_of(spec)
     with pytest.raises(Retry):
         fused.train_shard.apply(args=(spec.run_id, 0, 1), kwargs=signed(spec.run_id, "r0/shard-1"),
                                 throw=True).get()
-    monkeypatch.setattr(Rounds, "after_shard", real)
+    monkeypatch.setattr(Rounds, "on_output", real)
     shard(spec, 0, 1)  # the retry: the shard is stored, what follows is queued now
     doc = world.board.describe(spec.run_id)
     assert [a["outcome"] for a in doc["attempts"] if a["task"] == "r0/shard-1"] == ["succeeded"]
@@ -836,9 +837,7 @@ def test_a_slot_waiting_for_weights_no_outer_step_is_making_goes_back_to_the_que
     """θ_{r+1} not stored and round r's outer step not running (it failed, or its machine
     stopped answering): after a grace the slot is queued again a little later, its attempt
     refused (not one of its attempts used), so its machine takes the next message."""
-    from tensorturn.modes.fused.sync import rounds
-
-    monkeypatch.setattr(rounds, "STEP_GRACE_S", 0.0)
+    monkeypatch.setattr(standby, "STEP_GRACE_S", 0.0)
     spec = world.submit(**FUSED)
     shard(spec, 0, 0)
     shard(spec, 0, 1)
@@ -861,10 +860,8 @@ def test_a_slot_waiting_for_weights_is_handed_back_when_its_owner_pauses_the_mac
 
     from celery.exceptions import Retry
 
-    from tensorturn.modes.fused.sync import rounds
-
-    monkeypatch.setattr(rounds, "STEP_GRACE_S", 600.0)  # it would wait on: only the owner ends the wait
-    monkeypatch.setattr(rounds, "WAIT_CAP_S", 600.0)
+    monkeypatch.setattr(standby, "STEP_GRACE_S", 600.0)  # it would wait on: only the owner ends the wait
+    monkeypatch.setattr(standby, "WAIT_CAP_S", 600.0)
     spec = world.submit(**{**FUSED, "max_attempts": 1})
     shard(spec, 0, 0)
     shard(spec, 0, 1)  # round 0's outer step is queued, never run: θ_1 does not come
@@ -1042,7 +1039,7 @@ def test_a_slot_that_stops_standing_by_gives_the_step_back_and_is_queued_again(w
     its attempt refused at no cost."""
     spec = world.submit(**FUSED)
     shard(spec, 0, 0)
-    monkeypatch.setattr(fused, "WAIT_CAP_S", 0.5)
+    monkeypatch.setattr(standby, "WAIT_CAP_S", 0.5)
     slot(spec, 1, 0)
     assert step_claim(world, spec, 0) is None
     assert [a["outcome"].split(":")[0] for a in attempts_of(world, spec, "r1/shard-0")] == ["refused"]

@@ -19,7 +19,7 @@ import redis
 from conftest import run_to_end, start_pool, submit_run, wait_for
 
 from tensorturn import layout, runs
-from tensorturn.modes.fused.sync.rounds import train_slot
+from tensorturn.modes.fused.driver import train_slot
 from tensorturn.spec import RunSpec
 from tensorturn.state.board import RunBoard
 from tensorturn.tasks.attempt import signed

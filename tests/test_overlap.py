@@ -14,6 +14,7 @@ import redis
 from conftest import as_agent_of, run_shard, run_to_end, submit_run, wait_for, wait_for_run
 
 from tensorturn import config, layout
+from tensorturn.modes.fused import driver, uploads
 from tensorturn.modes.fused.sync import overlapped, rounds
 from tensorturn.state.board import RunBoard
 from tensorturn.tasks.attempt import signed
@@ -24,14 +25,14 @@ SPEC = dict(mode="fused", recipe="digits-mlp", sync="overlap", rounds=3, shards=
 
 def test_round_r_trains_from_the_weights_one_round_before():
     policy = overlapped.Overlap()
-    assert [policy.base_round(r) for r in range(4)] == [0, 0, 1, 2]
-    assert [rounds.Rounds().base_round(r) for r in range(3)] == [0, 1, 2]
+    assert [policy.shard_plan(r, 0).base for r in range(4)] == [0, 0, 1, 2]
+    assert [rounds.Rounds().shard_plan(r, 0).base for r in range(3)] == [0, 1, 2]
 
 
 def outer_outcome(world, spec, r: int) -> str:
     """Round r's outer step in this process; the outcome its attempt recorded."""
     as_agent_of(spec)
-    rounds.outer_step.apply(args=([], spec.run_id, r), kwargs=signed(spec.run_id, f"r{r}/outer")).get()
+    driver.outer_step.apply(args=([], spec.run_id, r), kwargs=signed(spec.run_id, f"r{r}/outer")).get()
     return [a for a in world.board.attempts(spec.run_id) if a["task"] == f"r{r}/outer"][-1]["outcome"]
 
 
@@ -79,7 +80,7 @@ def test_an_upload_whose_lease_lapses_is_trained_again_to_the_same_weights(world
 
 def finish_uploads() -> None:
     """Wait for this process's background uploads (the in-process world's "agent")."""
-    for thread in list(overlapped.uploads):
+    for thread in list(uploads.uploads):
         thread.join()
 
 
@@ -152,7 +153,7 @@ def test_overlapped_runs_give_one_model_on_1_and_3_agents_with_one_killed(pool_f
 
 
 def test_an_agent_keeps_its_outputs_of_the_last_two_rounds_of_its_last_two_runs(tmp_path):
-    kept = overlapped.KeptOutputs()
+    kept = uploads.KeptOutputs()
 
     def keep(run: str, r: int, k: int):
         path = tmp_path / f"{run}-{r}-{k}"
@@ -203,7 +204,7 @@ def test_a_shard_whose_last_round_trains_on_another_machine_waits_for_it(world, 
     """Round 1's shard 0 taken while round 0's shard 0 trains elsewhere (its slot bound): the
     task waits for that output instead of going back to the queue for seconds (a 3 s stall a
     round, before), and trains once it is stored."""
-    monkeypatch.setattr(overlapped, "BIND_GRACE_S", 0.0)  # only a bound shard is waited for,
+    monkeypatch.setattr(uploads, "BIND_GRACE_S", 0.0)  # only a bound shard is waited for,
     # for up to a lease: one long enough that round 0's shard trains within it on busy cores
     monkeypatch.setattr(config, "_current", config.current().with_(visibility_timeout_s=600))
     spec = world.submit(**SPEC)

@@ -276,7 +276,7 @@ def test_a_training_task_that_reports_no_step_is_named_in_the_stall_note(board, 
 # ---- the task that finishes a run writes the state last -----------------------------------------
 
 def drive_fused(spec: RunSpec) -> None:
-    from tensorturn.modes.fused.sync import rounds as fused
+    from tensorturn.modes.fused import driver as fused
     from tensorturn.tasks.attempt import signed
 
     as_agent_of(spec)

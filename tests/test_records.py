@@ -21,7 +21,7 @@ from conftest import clean_env, queued_messages, run_outer, tt, tt_here, tt_json
 
 from tensorturn import config, layout, runs
 from tensorturn.errors import NotFound, StoreError
-from tensorturn.modes.fused.sync import rounds as fused
+from tensorturn.modes.fused import driver as fused
 from tensorturn.spec import RunSpec
 from tensorturn.state import housekeeping, manifest
 from tensorturn.state.board import RunBoard

@@ -14,7 +14,7 @@ import redis
 from conftest import run_to_end, start_pool, submit_run, wait_for, wait_for_run
 
 from tensorturn import layout
-from tensorturn.modes.fused.sync.rounds import train_slot
+from tensorturn.modes.fused.driver import train_slot
 from tensorturn.state.board import RunBoard
 from tensorturn.state.roster import list_workers
 from tensorturn.tasks.attempt import signed

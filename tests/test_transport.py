@@ -171,7 +171,7 @@ def test_messages_published_together_reach_the_broker_at_the_blocks_end_or_not_a
     before the block ends, all are after it, and none when the block raises."""
     import pytest
 
-    from tensorturn.modes.fused.sync.rounds import train_slot
+    from tensorturn.modes.fused.driver import train_slot
     from tensorturn.pool.celery_app import publishing
     from tensorturn.tasks.attempt import signed
 

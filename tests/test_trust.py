@@ -17,7 +17,7 @@ import pytest
 from conftest import TEST_POOL_KEY, clean_env, tt, tt_many, wait_for
 
 from tensorturn import config, layout, runs, trust
-from tensorturn.modes.fused.sync import rounds as fused
+from tensorturn.modes.fused import driver as fused
 from tensorturn.pool.celery_app import configure
 from tensorturn.recipes import resolve
 from tensorturn.serve import tokens

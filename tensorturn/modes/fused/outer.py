@@ -28,10 +28,12 @@ from pathlib import Path
 from typing import Any
 
 from tensorturn import layout
+from tensorturn.modes.fused import uploads
 from tensorturn.modes.fused.ahead import Fetch, ReadAhead
 from tensorturn.modes.fused.finalize import finalize
 from tensorturn.modes.fused.options import eval_passes, evaluated, options, outer_args, samples_per_step
-from tensorturn.modes.fused.policies import policy
+from tensorturn.modes.fused.plans import StepDone, StepPlan, Wires
+from tensorturn.modes.fused.poll import poll
 from tensorturn.modes.fused.shard import count_data, data_bytes
 from tensorturn.modes.fused.step import Broadcast, InputCheck, Synchronous, outer_step
 from tensorturn.modes.fused.weights import cache
@@ -121,21 +123,22 @@ def shard_figures(spec: RunSpec, store: Store, r: int) -> tuple[list[float], lis
 
 
 class OuterUnit(Unit):
-    """The outer step of round r (queued by the round's last shard stored): average, step, and
-    queue the next round and this round's evaluation
-    (:meth:`~tensorturn.modes.fused.sync.base.SyncPolicy.after_outer`) as soon as θ_{r+1} is
-    stored; the last round's evaluates, and finishes the run."""
+    """The outer step of round r (queued by the round's last shard stored): gather the inputs as
+    its ``plan`` says, average, step, and hand the result on (:meth:`~.plans.Wires.follow`: the
+    policy queues the next round and this round's evaluation) as soon as θ_{r+1} is stored; the
+    last round's evaluates, and finishes the run."""
 
     followed = False  # what follows the step is queued
 
-    def __init__(self, attempt: Attempt, deferred: list[Callable[[], None]] | None = None,
-                 ahead: ReadAhead | None = None):
+    def __init__(self, attempt: Attempt, plan: StepPlan, wires: Wires,
+                 deferred: list[Callable[[], None]] | None = None, ahead: ReadAhead | None = None):
         """``deferred``: where a step taken by a slot of the next round that waits for θ_{r+1}
-        (:func:`~tensorturn.modes.fused.sync.rounds.take_step`) leaves what can wait until that
+        (:func:`~tensorturn.modes.fused.standby.take_step`) leaves what can wait until that
         slot trains — the round's record, the scratch folder's removal — and then keeps
         θ_{r+1} in this process's cache, so the slot trains from it at once. ``ahead``: what
         that slot read of the step's inputs while it stood by."""
         super().__init__(attempt)
+        self.plan, self.wires = plan, wires
         self.deferred = deferred
         self.fetch: Fetch = ahead.fetch if ahead is not None else seals.get_file
 
@@ -166,7 +169,7 @@ class OuterUnit(Unit):
         self.a.check_cancelled()  # (the attempt's begin read the run's state a moment ago)
         data_before = data_bytes()  # evaluation data this machine had to download
         last = r + 1 == options(spec).rounds
-        waiting = policy(options(spec).sync).await_round(self, r)
+        waiting = uploads.await_uploads(self, self.wires, r) if self.plan.uploads else None
         if waiting is not None:  # queued again once the round's outputs are in
             raise NotYet(waiting)
         self.phase("averaging")
@@ -203,7 +206,7 @@ class OuterUnit(Unit):
     def then(self) -> None:
         if self.followed:  # queued from run() already (execute calls this again)
             return
-        policy(options(self.spec).sync).after_outer(self.spec, self.board, self.a.label.numbers[0])
+        self.wires.follow(StepDone(self.a.label.numbers[0]))
         self.followed = True
 
 
@@ -270,18 +273,17 @@ def wait_for_evaluation(board: RunBoard, run_id: str, r: int, worker: str, check
     is online (at most :data:`EVAL_WAIT_S`); whether it recorded the round. One on a machine
     that stopped answering is not waited for, nor one marked running on ``worker`` (lost with a
     pool child, most likely): its task, given back, may need this very agent."""
-    label, pause, began = str(layout.eval_label(r)), 0.02, time.monotonic()
-    while time.monotonic() - began < EVAL_WAIT_S:
+    label, began = str(layout.eval_label(r)), time.monotonic()
+    for _ in poll(check):
+        if time.monotonic() - began >= EVAL_WAIT_S:
+            return False
         if board.has_round(run_id, r):
             return True
         running = {a["worker"] for a in board.attempts(run_id) if a["task"] == label and a["outcome"] == "running"}
         running.discard(worker)
         if not running & board.workers.online():
             return board.has_round(run_id, r)
-        check()
-        time.sleep(pause)
-        pause = min(pause * 2, 0.5)
-    return False
+    raise AssertionError("unreachable")  # (poll never ends by itself)
 
 
 def average_and_step(spec: RunSpec, store: Store, r: int, scratch: Path, fetch: Fetch = seals.get_file

@@ -1,38 +1,23 @@
-"""The sync policy registry: the ``--sync`` value → its :class:`~.sync.base.SyncPolicy` class
-(:mod:`.sync`: a barrier per round, rounds with backup copies of stragglers, no barrier, or
-rounds one step apart).
+"""The sync policy registry: the ``--sync`` value → its :class:`~.sync.base.SyncPolicy` (:mod:`.sync`:
+a barrier per round, rounds with backup copies of stragglers, no barrier, or rounds one step
+apart).
 
-:data:`POLICIES` maps the ``--sync`` value to its class, by name, as the mode registry does
-(:mod:`tensorturn.registry`): the options (no torch) read the choices from it, and a policy —
-whose module imports torch and defines its Celery tasks — is imported only when asked for. A new
-policy is its own module in :mod:`.sync` plus one line here.
+A new policy is its own module in :mod:`.sync` plus one line in :data:`POLICIES` — and its name
+in :data:`~.options.SYNCS`, which the options (read without torch, by the command line) offer
+as choices; a test checks the two agree. Only the driver (:mod:`.driver`) asks for a policy.
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING
+from tensorturn.modes.fused.sync.asynchronous import Async
+from tensorturn.modes.fused.sync.backup import Backup
+from tensorturn.modes.fused.sync.base import SyncPolicy
+from tensorturn.modes.fused.sync.overlapped import Overlap
+from tensorturn.modes.fused.sync.rounds import Rounds
 
-if TYPE_CHECKING:
-    from tensorturn.modes.fused.sync.base import SyncPolicy
-
-POLICIES: dict[str, str] = {
-    "rounds": "tensorturn.modes.fused.sync.rounds:Rounds",
-    "backup": "tensorturn.modes.fused.sync.backup:Backup",
-    "async": "tensorturn.modes.fused.sync.asynchronous:Async",
-    "overlap": "tensorturn.modes.fused.sync.overlapped:Overlap",
-}
-SYNCS = tuple(POLICIES)
+POLICIES: dict[str, type[SyncPolicy]] = {p.name: p for p in (Rounds, Backup, Async, Overlap)}
 
 
 def policy(name: str) -> SyncPolicy:
     """The policy of ``--sync name`` (a KeyError for a name the options would have refused)."""
-    module, _, cls = POLICIES[name].partition(":")
-    return getattr(importlib.import_module(module), cls)()
-
-
-def load_all() -> None:
-    """Import every policy, so that the Celery tasks they define are registered (the fused
-    tasks module calls it: Celery includes that module only)."""
-    for name in POLICIES:
-        policy(name)
+    return POLICIES[name]()

@@ -2,8 +2,9 @@
 its pseudo-gradient — once, never over one stored already.
 
 The same for every sync policy: a round's shard (:class:`ShardUnit`) and an asynchronous update
-both train through :func:`train_and_store`; the policy only says whether another copy may store
-it first (:meth:`~tensorturn.modes.fused.sync.base.SyncPolicy.shard_watch`) and what follows.
+both train through :func:`train_and_store`. The unit is given its :class:`~.plans.ShardPlan` —
+which weights it starts from, whether it uploads in the background or may be beaten by a copy —
+and hands its result to the driver (:meth:`~.plans.Wires.follow`); it never asks the policy.
 """
 
 from __future__ import annotations
@@ -17,9 +18,9 @@ from pathlib import Path
 
 from tensorturn import layout
 from tensorturn.data.source import machine_cache
-from tensorturn.modes.fused import backups
+from tensorturn.modes.fused import backups, standby, uploads
 from tensorturn.modes.fused.options import options
-from tensorturn.modes.fused.policies import policy
+from tensorturn.modes.fused.plans import ShardDone, ShardPlan, Wires
 from tensorturn.modes.fused.weights import fetch_global
 from tensorturn.pool.telemetry import TaskReporter
 from tensorturn.recipes import Recipe, recipe_of
@@ -41,50 +42,53 @@ BACKUP_LOOK_S = 0.05  # how often (at most) a copy of a unit looks whether anoth
 
 
 class ShardUnit(backups.CopyAwareUnit):
-    """Shard k of round r (a named shard, a slot once bound, or a backup copy): done once its
-    pseudo-gradient, or θ_{r+1}, is stored."""
+    """Shard k of round r (a named shard, a slot once bound, or a backup copy), trained as its
+    ``plan`` says: done once its pseudo-gradient, or θ_{r+1}, is stored (or, uploaded in the
+    background, on its way)."""
+
+    #: what an outer step taken by this slot while it waited for θ (:func:`~tensorturn.modes.
+    #: fused.standby.take_step`) left for later — the round's record, its scratch folder's
+    #: removal — done after the shard's first step (:func:`after_first_step`), when the other
+    #: machines train already
+    deferred: list[Callable[[], None]]
+
+    def __init__(self, attempt: Attempt, plan: ShardPlan, wires: Wires):
+        super().__init__(attempt)
+        self.plan, self.wires = plan, wires
+        self.deferred = []
 
     def done(self) -> bool:
         r, k = self.a.label.numbers
         return (self.store.exists(layout.key("shard", self.spec.run_id, r, k))
                 or self.store.exists(layout.key("global", self.spec.run_id, r + 1))
-                or policy(options(self.spec).sync).output_in_flight(self.board, self.spec, r, k))
-
-    #: what an outer step taken by this slot while it waited for θ (:func:`~tensorturn.modes.
-    #: fused.sync.rounds.take_step`) left for later — the round's record, its scratch folder's
-    #: removal — done after the shard's first step (:func:`after_first_step`), when the other
-    #: machines train already
-    deferred: list[Callable[[], None]]
-
-    def __init__(self, attempt: Attempt):
-        super().__init__(attempt)
-        self.deferred = []
+                or (self.plan.background and uploads.in_flight(self.board, self.spec, r, k)))
 
     def run(self) -> str:
         r, k = self.a.label.numbers
-        spec, sync = self.spec, policy(options(self.spec).sync)
+        spec, plan = self.spec, self.plan
 
         def theta_of(recipe: Recipe) -> tuple[StateDict, int, dict[str, str]]:
             prefetch_next(spec, recipe, self.board, r, self.a.worker)
-            sync.await_global(self, sync.base_round(r))
-            theta, moved = fetch_global(spec, recipe, self.store, sync.base_round(r))
-            start, more = sync.shard_start(self, r, k, theta)
+            if plan.standby:
+                standby.await_base(self, plan.base)
+            theta, moved = fetch_global(spec, recipe, self.store, plan.base)
+            start, more = uploads.start_from_own(self, self.wires, r, k, theta) if plan.own_start else (theta, 0)
             return start, moved + more, {}
 
-        watch = sync.shard_watch(self.board, spec, r, k)
+        watch = (lambda: self.board.claims.is_stored(spec.run_id, r, k)) if plan.copies else None
+        put = (lambda key, path: uploads.upload_in_background(self, r, k, key, path)) if plan.background else None
         try:
-            outcome = train_and_store(self, r, k, theta_of, layout.key("shard", spec.run_id, r, k), watch,
-                                      put=lambda key, path: sync.store_output(self, r, k, key, path))
-            if outcome == SUCCEEDED:
-                sync.shard_stored(self.board, spec, r, k, self.a.worker)
+            outcome = train_and_store(self, r, k, theta_of, layout.key("shard", spec.run_id, r, k), watch, put)
+            if outcome == SUCCEEDED and plan.copies:
+                # other copies stop at their next look; the round's timing is noted here if first
+                self.board.claims.note_stored(spec.run_id, r, k, self.a.worker, options(spec).shards)
         finally:
             self.run_deferred()  # (done at the first step, unless the shard took none or failed first)
         return outcome
 
     def then(self) -> None:
         r, k = self.a.label.numbers
-        policy(options(self.spec).sync).after_shard(self.spec, self.store, self.board, r, k, self.a.worker,
-                                                     here=self.a)
+        self.wires.follow(ShardDone(r, k, self.a.worker, here=self.a))
 
     def run_deferred(self) -> None:
         """Do what was left for later (:attr:`deferred`); a failure is only logged: the run's

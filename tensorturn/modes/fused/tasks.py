@@ -1,8 +1,9 @@
 """The fused mode's entry points — start and resume a run — and the module Celery includes for
-it: importing it registers every sync policy's tasks (:func:`~.policies.load_all`).
+it: importing it registers the rounds' tasks (:mod:`.driver`) and every sync policy's.
 
 What every policy shares happens here (the options settled from the data, θ_0 and the spec
-stored, the run on the board); then the run's :class:`~.sync.base.SyncPolicy` queues its work.
+stored, the run on the board); then the driver queues the work the run's
+:class:`~.sync.base.SyncPolicy` plans.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Collection
 
 from tensorturn import layout
-from tensorturn.modes.fused import policies
+from tensorturn.modes.fused import driver
 from tensorturn.modes.fused.options import options, settle_options
 from tensorturn.modes.fused.weights import global_bytes
 from tensorturn.recipes import recipe_for
@@ -20,8 +21,6 @@ from tensorturn.state.manifest import save_spec, write_manifest
 from tensorturn.store import seals
 from tensorturn.store.objects import Store, sha256_hex
 from tensorturn.train.diloco import initial_state
-
-policies.load_all()
 
 
 def start(spec: RunSpec, store: Store, board: RunBoard, allow: Collection[str] = ()) -> None:
@@ -39,10 +38,10 @@ def start(spec: RunSpec, store: Store, board: RunBoard, allow: Collection[str] =
     for warning in warnings:
         board.warn(spec.run_id, warning)
     write_manifest(store, board, spec.run_id)
-    policies.policy(options(spec).sync).start(spec, store, board)
+    driver.start(spec, store, board)
 
 
 def resume(spec: RunSpec, store: Store, board: RunBoard, allow: Collection[str] = ()) -> str:
     """Queue whatever is missing from the store (the run's sync policy knows what; it builds no
     recipe here, so ``allow`` is unused); says what it did."""
-    return policies.policy(options(spec).sync).resume(spec, store, board)
+    return driver.resume(spec, store, board)

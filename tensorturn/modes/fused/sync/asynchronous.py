@@ -39,6 +39,7 @@ from tensorturn import layout
 from tensorturn.config import mask_text
 from tensorturn.modes.fused import backups
 from tensorturn.modes.fused.options import options
+from tensorturn.modes.fused.plans import Context, QueueUpdates, Work
 from tensorturn.modes.fused.shard import train_and_store
 from tensorturn.modes.fused.sync.async_apply import drain
 from tensorturn.modes.fused.sync.async_versions import (
@@ -59,7 +60,6 @@ from tensorturn.state.clock import broker_now
 from tensorturn.state.ledger import AsyncLedger
 from tensorturn.state.manifest import load_spec
 from tensorturn.store import seals
-from tensorturn.store.objects import Store
 from tensorturn.store.tensors import StateDict
 from tensorturn.tasks.attempt import SUCCEEDED, agent_store, authentic, board_for, execute, signed
 
@@ -76,14 +76,16 @@ class Async(SyncPolicy):
 
     name = "async"
 
-    def start(self, spec: RunSpec, store: Store, board: RunBoard) -> None:
+    def start(self, run: Context) -> list[Work]:
         """Version 0 is θ_0 (stored by the fused start); queue every update."""
-        ledger(board, spec.run_id).init(layout.key("global", spec.run_id, 0), options(spec).init_sha256)
-        queue_updates(spec, range(total_updates(spec)))
+        spec = run.spec
+        ledger(run.board, spec.run_id).init(layout.key("global", spec.run_id, 0), options(spec).init_sha256)
+        return [QueueUpdates(tuple(range(total_updates(spec))))]
 
-    def resume(self, spec: RunSpec, store: Store, board: RunBoard) -> str:
+    def resume(self, run: Context) -> tuple[list[Work], str]:
         """Rebuild the ledger from the store's log (the versions committed, in order), then queue
         every update not applied yet (those already stored are applied without training again)."""
+        spec, store, board = run.spec, run.store, run.board
         latest, versions, applied = read_log(spec, store)
         book = ledger(board, spec.run_id)
         book.restore(latest, versions, applied)
@@ -92,11 +94,13 @@ class Async(SyncPolicy):
             if parts and (parts["round"] + 1) * options(spec).shards <= latest["version"]:
                 board.record_round(spec.run_id, parts["round"], seals.get_json(store, key))
         left = [j for j in range(total_updates(spec)) if j not in applied]
-        queue_updates(spec, left or [total_updates(spec) - 1])  # none left: one task finishes the run
-        return f"resumed asynchronously at version {latest['version']} of {total_updates(spec)}"
+        # none left: one task finishes the run
+        return ([QueueUpdates(tuple(left or [total_updates(spec) - 1]))],
+                f"resumed asynchronously at version {latest['version']} of {total_updates(spec)}")
 
 
 def queue_updates(spec: RunSpec, updates: Iterable[int]) -> None:
+    """Queue updates ``updates`` (what :class:`~.plans.QueueUpdates` asks the driver for)."""
     queue = queue_for(spec.memory_needed_bytes)
     run_id = spec.run_id
     for j in updates:
