@@ -27,7 +27,6 @@ from tensorturn import config, layout
 from tensorturn.config import mask_text
 from tensorturn.modes.fused.options import options
 from tensorturn.modes.fused.plans import NOT_YET_S, QueueShard, Wires
-from tensorturn.modes.fused.poll import poll
 from tensorturn.spec import RunSpec
 from tensorturn.state.board import RunBoard
 from tensorturn.state.broker import Hedged, lease_client
@@ -78,7 +77,7 @@ def await_uploads(unit: Unit, wires: Wires, r: int) -> str | None:
     spec, store, board = unit.spec, unit.store, unit.board
     run_id, shards = spec.run_id, options(spec).shards
     board.mark_phase(run_id, str(unit.a.label), "waiting for uploads", unit.a.worker)
-    for _ in poll(unit.a.check_cancelled, cap_s=UPLOAD_LOOK_S):
+    for _ in unit.a.waits(cap=UPLOAD_LOOK_S):
         missing = [k for k in range(shards) if not store.exists(layout.key("shard", run_id, r, k))]
         if not missing:
             return None
@@ -183,7 +182,7 @@ def own_output(unit: Unit, wires: Wires, r: int, k: int) -> tuple[Path, int, boo
         return local, 0, True
     key = layout.key("shard", run_id, r, k)
     began, lease_s = time.monotonic(), config.current().visibility_timeout_s
-    for _ in poll(unit.a.check_cancelled, cap_s=UPLOAD_LOOK_S):
+    for _ in unit.a.waits(cap=UPLOAD_LOOK_S):
         if store.exists(key):
             break
         if board.claims.uploading(run_id, r, k) or store.exists(key):
