@@ -9,7 +9,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from conftest import ROOT
+
 PACKAGE = ROOT / "tensorturn"
 MAX_LINES = 500
 # what a test of the command line takes from it: the command itself, its JSON writer, and the
@@ -50,7 +51,7 @@ def test_no_private_name_is_imported_from_another_module():
 
 
 def test_no_test_module_imports_another():
-    tests = {p.stem for p in (ROOT / "tests").glob("test_*.py")}
+    tests = {p.stem for p in (ROOT / "tests").rglob("test_*.py")}
     found = [f"{path.name}:{line} {module}" for path in _modules(ROOT / "tests")
              for module, _, line in _imports(path) if module.split(".")[-1] in tests]
     assert found == []
@@ -64,7 +65,8 @@ def test_tests_and_benchmarks_use_the_package_not_the_command_line():
         for module, names, line in _imports(path):
             if module != "tensorturn.cli" and not module.startswith("tensorturn.cli."):
                 continue
-            allowed = CLI_FOR_TESTS if path.parent.name == "tests" and module == "tensorturn.cli" else set()
+            in_tests = path.relative_to(ROOT).parts[0] == "tests"
+            allowed = CLI_FOR_TESTS if in_tests and module == "tensorturn.cli" else set()
             found += [f"{path.relative_to(ROOT)}:{line} {module}.{name}" for name in names or ["*"]
                       if name not in allowed]
     assert found == []

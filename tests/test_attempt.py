@@ -10,8 +10,6 @@ and is not consumed: this module drives rounds and segments itself, in the order
 from __future__ import annotations
 
 import shutil
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -34,8 +32,6 @@ from tensorturn.state.runs import Runs
 from tensorturn.store.objects import open_store
 from tensorturn.store.tensors import stored_metadata
 from tensorturn.tasks.attempt import signed
-
-sys.path.insert(0, str(Path(__file__).parent))  # the `failing` recipe module
 
 FUSED = dict(mode="fused", recipe="digits-mlp", rounds=2, shards=2, sync_every=10)
 ENSEMBLE = dict(mode="ensemble", recipe="digits-mlp", members=3, segments=2, segment_steps=10)

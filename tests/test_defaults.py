@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import csv
 import json
-from pathlib import Path
 
 import pytest
-from conftest import tt
+from conftest import ROOT, tt
 
 from tensorturn import config, runs, trust
 from tensorturn.modes.fused.options import EPOCHS_PER_ROUND_WARNING, epochs_per_round, settle_options
@@ -23,8 +22,6 @@ from tensorturn.state.board import RunBoard
 from tensorturn.state.broker import redis_client
 from tensorturn.state.manifest import load_spec
 from tensorturn.store.objects import open_store
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def settle(recipe: str, recipe_options: dict | None = None, **given) -> tuple[RunSpec, list[str], float]:

@@ -21,10 +21,10 @@ import click
 import pytest
 import redis
 import yaml
+from conftest import ROOT
 
 from tensorturn.pool.embedded import free_port, redis_server_binary, stop_process_group
 
-ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
 COMPOSE = DEPLOY / "docker-compose.yml"
 REDIS_CONF = DEPLOY / "redis.conf"

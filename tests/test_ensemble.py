@@ -7,7 +7,7 @@ import textwrap
 
 import pytest
 import redis
-from conftest import clean_env, queued_messages, submit_run, tt, tt_json, wait_for
+from conftest import RECIPES, clean_env, queued_messages, submit_run, tt, tt_json, wait_for
 
 from tensorturn import runs
 from tensorturn.state.board import RunBoard
@@ -103,10 +103,9 @@ def test_a_member_that_always_fails_drops_out_of_the_vote(tmp_path):
 @pytest.mark.e2e
 def test_a_recipe_whose_evaluate_raises_fails_the_run_with_its_error(tmp_path):
     """Reported bug: the run stayed `running` forever; the error was only in the agents' logs."""
-    tests_dir = os.path.dirname(os.path.abspath(__file__))
     proc = tt("run", "--mode", "ensemble", "--recipe", "failing:Failing", "--members", "2",
               "--segments", "1", "--segment-steps", "20", "--local-workers", "2",
-              env=clean_env(PYTHONPATH=tests_dir, TT_FAIL_IN="evaluate", TT_FAIL_OVER_ROWS="16",
+              env=clean_env(PYTHONPATH=str(RECIPES), TT_FAIL_IN="evaluate", TT_FAIL_OVER_ROWS="16",
                             TT_FAIL_AS="RuntimeError"), cwd=tmp_path)
     assert proc.returncode == 1, proc.stderr[-2000:]
     last = proc.stderr.strip().splitlines()[-1]

@@ -19,7 +19,9 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parents[1] / "tensorturn"
+from conftest import ROOT
+
+PACKAGE = ROOT / "tensorturn"
 STATE = PACKAGE / "state"
 LAYOUT = PACKAGE / "layout.py"
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from conftest import ROOT
 
 from tensorturn import config, layout
 from tensorturn.errors import SpecError
@@ -27,11 +28,10 @@ def test_store_keys_parse_back():
 
 
 def test_every_setting_has_a_variable_and_the_readme_lists_them_all():
-    from pathlib import Path
 
     fields = {f for f in config.Settings.__dataclass_fields__}
     assert {v.field for v in config.VARIABLES} == fields
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    readme = (ROOT / "README.md").read_text()
     assert config.markdown_table() in readme  # `python -m tensorturn.config` prints it
 
 

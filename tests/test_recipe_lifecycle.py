@@ -12,7 +12,7 @@ import re
 import numpy as np
 import pytest
 import torch
-from conftest import Server, as_agent_of, bearer, clean_env, tt, tt_here, tt_json, tt_json_many
+from conftest import RECIPES, ROOT, Server, as_agent_of, bearer, clean_env, tt, tt_here, tt_json, tt_json_many
 from conftest import run_eval as evaluate
 from conftest import run_outer as outer
 from conftest import run_shard as shard
@@ -82,7 +82,7 @@ def test_an_instance_that_finds_the_splits_loaded_gets_what_raw_data_set():
                                   "'_weight'; every machine"),
     ("learned_recipes:Unstorable", "failed at data: raw_data set self._scaler to a builtins.object"),
     ("failing:Failing", "failed at evaluate: ValueError: boom in evaluate (a second line: the user sees "
-                        "both, on one line) (tests/failing.py:"),
+                        f"both, on one line) ({(RECIPES / 'failing.py').relative_to(ROOT)}:"),
 ])
 @pytest.mark.parametrize("mode", ["fused", "ensemble"])
 def test_a_recipe_that_would_fail_on_the_agents_is_refused_at_submit(world, monkeypatch, recipe, said, mode):
@@ -95,7 +95,8 @@ def test_a_recipe_that_would_fail_on_the_agents_is_refused_at_submit(world, monk
         runs.submit(spec, world.broker)
     message = str(caught.value)
     assert message.startswith(f"recipe {recipe!r} {said}") and message.endswith("nothing was queued")
-    assert "\n" not in message and ("Unstorable" in recipe or re.search(r"\(tests/\w+\.py:\d+ in \S+\); ", message))
+    where = rf"\({RECIPES.relative_to(ROOT)}/\w+\.py:\d+ in \S+\); "  # the recipe's file and line
+    assert "\n" not in message and ("Unstorable" in recipe or re.search(where, message))
     if "SetByLoss" in recipe:
         assert "a hook other than raw_data sets self._weight: set it in __init__ or in raw_data" in message
     assert not world.board.exists(spec.run_id)

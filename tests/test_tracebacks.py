@@ -11,7 +11,7 @@ from pathlib import Path
 
 import click
 import pytest
-from conftest import ROOT, clean_env, tt
+from conftest import RECIPES, ROOT, clean_env, tt
 
 from tensorturn import tracebacks
 from tensorturn.cli import cli
@@ -22,7 +22,7 @@ SECRET_KEY = "ttk1.c2VjcmV0LXBvb2wta2V5LW5vdC1mb3ItbG9ncw"
 
 
 def bug_line() -> int:
-    """The line of tests/failing.py where ShapeBug's loss hands torch a batch of the wrong width."""
+    """The line of the failing recipe module where ShapeBug's loss hands torch a batch of the wrong width."""
     import failing
 
     lines, first = inspect.getsourcelines(failing.ShapeBug.loss)
@@ -96,9 +96,9 @@ def test_check_recipe_debug_names_the_users_file_and_line():
     assert proc.returncode == 2
     *trace, last = proc.stderr.strip().splitlines()
     assert last.startswith("error: recipe 'failing:ShapeBug' failed at loss: RuntimeError: mat1 and mat2")
-    assert last.endswith(f"(at tests/failing.py:{bug_line()} in loss)")
+    assert last.endswith(f"(at {(RECIPES / 'failing.py').relative_to(ROOT)}:{bug_line()} in loss)")
     assert trace[0].startswith("Traceback (most recent call last;")
-    assert f'  File "{ROOT / "tests" / "failing.py"}", line {bug_line()}, in loss' in trace
+    assert f'  File "{RECIPES / "failing.py"}", line {bug_line()}, in loss' in trace
     assert any("frames in torch" in line for line in trace)
 
 
@@ -137,7 +137,7 @@ def test_a_failed_embedded_run_keeps_its_logs_and_status_shows_where_it_broke(tm
     store = str(tmp_path / "tensorturn-store")
     status = tt("status", run_id, "--store", store, "--debug")
     assert status.returncode == 1
-    assert f'    File "{ROOT / "tests" / "failing.py"}", line {bug_line()}, in loss' in \
+    assert f'    File "{RECIPES / "failing.py"}", line {bug_line()}, in loss' in \
         status.stderr.splitlines()
     assert "RuntimeError: mat1 and mat2 shapes cannot be multiplied" in status.stderr
     doc = json.loads(tt("status", run_id, "--store", store, "--json").stdout)
