@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # The test recipes (failing.py, huge.py, ...: recipe modules, not tests) live in one folder. They
 # import in every process the tests start, agents included, as a user's recipe must on every
 # machine of a pool, and in this one (a test reads a recipe's source or builds one directly).
-RECIPES = ROOT / "tests"
+RECIPES = ROOT / "tests" / "recipes"
 os.environ["PYTHONPATH"] = os.pathsep.join(
     p for p in (str(RECIPES), os.environ.get("PYTHONPATH", "")) if p)
 if str(RECIPES) not in sys.path:
