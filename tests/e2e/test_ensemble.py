@@ -7,7 +7,7 @@ import textwrap
 
 import pytest
 import redis
-from conftest import RECIPES, clean_env, queued_messages, submit_run, tt, tt_json, wait_for
+from conftest import RECIPES, clean_env, submit_run, tt, tt_json, wait_for
 
 from tensorturn import runs
 from tensorturn.state.board import RunBoard
@@ -116,28 +116,6 @@ def test_a_recipe_whose_evaluate_raises_fails_the_run_with_its_error(tmp_path):
     assert status.returncode == 1
     doc = json.loads(status.stdout)
     assert [m["state"] for m in doc["members"]] == ["dropped", "dropped"]
-
-
-@pytest.mark.parametrize("args,message", [
-    (["--members", "0"], "--members must be a whole number"),
-    (["--members", "2", "--min-members", "3"], "--min-members (3) cannot exceed --members (2)"),
-    (["--members", "2", "--segments", "0"], "--segments must be a whole number"),
-])
-def test_bad_ensemble_options_queue_nothing(redis_server, tmp_path, args, message):
-    proc = tt("run", "--mode", "ensemble", "--recipe", "digits-mlp", "--broker", redis_server.url,
-              "--store", str(tmp_path / "s"), *args)
-    assert proc.returncode == 2
-    assert message in proc.stderr and "Traceback" not in proc.stderr
-    r = redis.Redis.from_url(redis_server.url)
-    assert r.zcard("tt:runs") == 0 and queued_messages(r) == []
-    assert not (tmp_path / "s").exists()
-
-
-def test_unknown_vote_rule_is_refused(redis_server):
-    proc = tt("run", "--mode", "ensemble", "--recipe", "digits-mlp", "--broker", redis_server.url,
-              "--vote", "plurality")
-    assert proc.returncode == 2 and "'plurality' is not one of" in proc.stderr
-    assert redis.Redis.from_url(redis_server.url).zcard("tt:runs") == 0
 
 
 @pytest.mark.e2e

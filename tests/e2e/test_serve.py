@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import socket
 import subprocess
@@ -12,11 +11,6 @@ import httpx
 import pytest
 from conftest import Server, bearer, clean_env, tt, tt_json, tt_json_many, wait_for
 from sklearn.datasets import load_digits
-
-from tensorturn.pool.embedded import free_port
-from tensorturn.serve import tokens
-from tensorturn.serve.auth import Authenticator, AuthError, FailureCounter, TokenCache, digest
-from tensorturn.store.objects import open_store
 
 
 @pytest.fixture(scope="module")
@@ -175,12 +169,6 @@ def test_token_list_and_revoke(fused_api, runs):
     assert missing.returncode == 2 and "no token" in missing.stderr
 
 
-def test_serving_a_run_that_does_not_exist_is_one_clear_error(tmp_path):
-    proc = tt("serve", "nope", "--store", str(tmp_path), "--port", str(free_port()))
-    assert proc.returncode != 0 and "no run 'nope'" in proc.stderr
-    assert "Traceback" not in proc.stderr
-
-
 @pytest.mark.e2e
 def test_a_port_in_use_is_one_line_and_exit_2(runs):
     import socket
@@ -194,41 +182,6 @@ def test_a_port_in_use_is_one_line_and_exit_2(runs):
     assert proc.returncode == 2, proc.stderr  # invalid input: the port given
     assert proc.stderr.strip().splitlines()[-1] == (
         f"error: the API cannot listen on 127.0.0.1:{port}: Address already in use (another server? pass --port)")
-
-
-def test_a_token_created_right_after_a_read_works_on_its_first_request(tmp_path):
-    store = open_store(tmp_path.as_uri())
-    first, _ = tokens.create(store, "first")
-
-    async def scenario():
-        cache = TokenCache(lambda: tokens.active_digests(store), refresh_s=3600,
-                           min_refresh_s=0.05)
-        cache.load_now()
-        auth = Authenticator(cache, tarpit_s=0.0, failures=FailureCounter(limit=3))
-        await auth.check(f"Bearer {first}", "a")          # in the set: no wait, no read
-        reads = cache.reads
-        second, _ = tokens.create(store, "second")        # made after the list was read
-        await asyncio.gather(*(auth.check(f"Bearer {second}", "a") for _ in range(5)))
-        assert cache.reads == reads + 1                   # one shared early re-read for all
-        for _ in range(3):
-            try:
-                await auth.check("Bearer tt_" + "x" * 43, "b")
-            except AuthError as exc:
-                assert exc.status == 401
-            else:
-                raise AssertionError("a wrong token passed")
-        try:
-            await auth.check("Bearer tt_" + "x" * 43, "b")  # over its limit
-        except AuthError as exc:
-            assert exc.status == 429 and exc.retry_after and exc.retry_after > 0
-        await auth.check(f"Bearer {second}", "b")         # a valid token from that address
-        await auth.check(f"Bearer {second}", "a")         # other addresses are not limited
-        tokens.revoke(store, "first")
-        assert digest(first) in cache
-        await cache.refresh()                             # (the server re-reads every 2 s)
-        assert digest(first) not in cache and digest(second) in cache
-
-    asyncio.run(scenario())
 
 
 def http_request(sock_file, sock, path: str, token: str | None, body: bytes | None = None,
@@ -335,46 +288,6 @@ def test_an_address_that_keeps_failing_gets_429_and_valid_tokens_still_pass(serv
         x, _ = load_digits(return_X_y=True)
         r = client.post(f"{url}/infer", json=infer_body(x[:3]), headers=bearer(token["token"]))
         assert r.status_code == 200 and len(r.json()["outputs"][0]["data"]) == 3
-
-
-def test_one_bad_request_in_a_batch_fails_alone():
-    """The model fails on a batch holding one bad request: the others in it still get answers."""
-    import asyncio
-
-    import numpy as np
-
-    from tensorturn.serve.batching import Batcher
-
-    def run(x):
-        if (x < 0).any():
-            raise IndexError("index out of range in self")
-        return x * 2
-
-    async def main():
-        batcher = Batcher(run, lambda result, a, b: result[a:b], max_rows=64, window_s=0.2)
-        batcher.start(asyncio.get_running_loop())
-        try:
-            return await asyncio.gather(*(batcher.submit(np.full((1, 2), v, np.float32))
-                                          for v in (1.0, -1.0, 3.0)), return_exceptions=True)
-        finally:
-            batcher.stop()
-
-    good, bad, other = asyncio.run(main())
-    assert good.tolist() == [[2.0, 2.0]] and other.tolist() == [[6.0, 6.0]]
-    assert isinstance(bad, IndexError)
-
-
-def test_a_language_model_refuses_token_ids_outside_its_vocabulary():
-    import numpy as np
-
-    from tensorturn.recipes.charlm import CharLM
-
-    recipe = CharLM()
-    vocab = len(recipe.vocab())
-    assert recipe.check_input(np.array([[0.0, vocab - 1.0]])) is None
-    for bad in ([[vocab]], [[-1.0]], [[1.5]]):
-        assert recipe.check_input(np.array(bad, np.float32)) == (
-            f"inputs are token ids: whole numbers from 0 to {vocab - 1}")
 
 
 SERVE_IMPORTS = """

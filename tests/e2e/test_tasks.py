@@ -3,35 +3,11 @@ and is served with a `prediction` output; every hook of a recipe is checked in s
 
 from __future__ import annotations
 
-import json
-
 import httpx
 import pytest
-from conftest import Server, bearer, clean_env, tt_json, tt_json_many, tt_many
+from conftest import Server, bearer, tt_json, tt_json_many
 
 RECIPE = "regress:Diabetes"  # tests/regress.py
-
-
-def test_check_recipe_passes_good_recipes_and_names_the_first_problem():
-    # five checks, each a process that loads torch: all at once
-    ok, digits, wrong, broken, missing = tt_many(
-        ("check-recipe", "regress:Diabetes", "--json"), ("check-recipe", "digits-mlp", "--json"),
-        ("check-recipe", "regress:WrongTarget"), ("check-recipe", "failing:Failing"),
-        ("check-recipe", "nosuchmodule:Thing"),
-        envs=[None, None, None, clean_env(TT_FAIL_IN="evaluate"), None])
-    ok = json.loads(ok.stdout)
-    assert ok["task"] == "regression" and ok["outputs"] == {"prediction": {"datatype": "FP32", "shape": ["N"]}}
-    assert set(ok["val_metrics"]) == {"loss", "mae"}
-    digits = json.loads(digits.stdout)
-    assert set(digits["outputs"]) == {"label", "probabilities"}
-
-    assert wrong.returncode == 2
-    assert wrong.stderr.strip() == (
-        "error: recipe 'regress:WrongTarget' failed at data: task 'classification' needs integer "
-        "class targets, got torch.float32 (a regression recipe sets task = 'regression')")
-    assert broken.returncode == 2 and len(broken.stderr.strip().splitlines()) == 1
-    assert "failed at evaluate: ValueError: boom in evaluate" in broken.stderr
-    assert missing.returncode == 2 and "failed at build" in missing.stderr
 
 
 @pytest.mark.e2e

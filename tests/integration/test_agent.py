@@ -279,3 +279,28 @@ def test_an_agent_log_gives_no_advice_for_options_it_does_not_have(pool):
         text = log.read_text(errors="replace")
         assert "--uid" not in text and "SecurityWarning" not in text
         assert ("this agent runs as root" in text) == (os.geteuid() == 0)
+
+
+def start_up(tmp_path, port: int) -> subprocess.Popen:
+    """`tensorturn up` in ``tmp_path`` with TENSORTURN_JOIN_FILE exported as the README says."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "tensorturn", "up", "--port", str(port), "--bind", "127.0.0.1",
+         "--store", str(tmp_path / "store")],
+        env=clean_env(TENSORTURN_JOIN_FILE=".tensorturn/join"), cwd=tmp_path, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
+        start_new_session=True)
+
+
+def test_up_works_with_the_join_file_exported_before_and_after_it_exists(tmp_path):
+    port = free_port()
+    for start in ("first", "again"):  # no join file yet; then the one the first `up` wrote
+        proc = start_up(tmp_path, port)
+        try:
+            line = proc.stdout.readline()  # the banner's command for each machine
+            assert line.strip() == "tensorturn agent --join-file join --name NAME", (
+                start, proc.stderr.read() if proc.poll() is not None else "")
+            assert (tmp_path / ".tensorturn" / "join").read_text().startswith("tt1.")
+            proc.send_signal(signal.SIGINT)
+            assert proc.wait(60) == 0
+        finally:
+            stop_process_group(proc, grace=5)

@@ -297,3 +297,39 @@ def test_values_within_their_datatype_are_taken(datatype, data):
 
     body = {"inputs": [{"name": "input", "shape": [1, 2], "datatype": datatype, "data": data}]}
     assert parse_request(json.dumps(body).encode(), [2], 10).x.tolist() == [[float(v) for v in data]]
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--members", "0"], "--members must be a whole number"),
+    (["--members", "2", "--min-members", "3"], "--min-members (3) cannot exceed --members (2)"),
+    (["--members", "2", "--segments", "0"], "--segments must be a whole number"),
+])
+def test_bad_ensemble_options_queue_nothing(redis_server, tmp_path, args, message):
+    proc = tt("run", "--mode", "ensemble", "--recipe", "digits-mlp", "--broker", redis_server.url,
+              "--store", str(tmp_path / "s"), *args)
+    assert proc.returncode == 2
+    assert message in proc.stderr and "Traceback" not in proc.stderr
+    r = redis.Redis.from_url(redis_server.url)
+    assert r.zcard("tt:runs") == 0 and queued_messages(r) == []
+    assert not (tmp_path / "s").exists()
+
+
+def test_unknown_vote_rule_is_refused(redis_server):
+    proc = tt("run", "--mode", "ensemble", "--recipe", "digits-mlp", "--broker", redis_server.url,
+              "--vote", "plurality")
+    assert proc.returncode == 2 and "'plurality' is not one of" in proc.stderr
+    assert redis.Redis.from_url(redis_server.url).zcard("tt:runs") == 0
+
+
+def test_a_request_id_longer_than_the_cap_is_a_400():
+    from tensorturn.serve.protocol import MAX_ID_CHARS, BadRequest, parse_request
+
+    def body(request_id: str) -> bytes:
+        return json.dumps({"id": request_id, "inputs": [
+            {"name": "input", "shape": [1, 2], "datatype": "FP32", "data": [0.0, 1.0]}]}).encode()
+
+    assert parse_request(body("x" * MAX_ID_CHARS), [2], 10).id == "x" * MAX_ID_CHARS
+    with pytest.raises(BadRequest) as refused:
+        parse_request(body("x" * 3_000_000), [2], 10)
+    assert refused.value.status == 400
+    assert refused.value.message == f"'id' is 3,000,000 characters; at most {MAX_ID_CHARS} are echoed back"

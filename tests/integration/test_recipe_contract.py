@@ -6,13 +6,14 @@ scaled by the recipe come back in the user's units; both modes measure by the re
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 
 import httpx
 import pytest
 import torch
 from click.testing import CliRunner
-from conftest import Server, bearer, tt, tt_json, tt_json_many
+from conftest import Server, bearer, clean_env, tt, tt_json, tt_json_many, tt_many
 from contract_recipes import NamedDigits
 
 from tensorturn import config, layout, trust
@@ -333,3 +334,25 @@ def test_distill_allows_the_recipe_its_signed_ensemble_names(tmp_path):
                                       "--broker", "redis://127.0.0.1:1/0", "--rounds", "1"])
     assert "not allowed" not in result.stderr
     assert result.exit_code == 3 and "cannot reach broker" in result.stderr  # it got as far as the pool
+
+
+def test_check_recipe_passes_good_recipes_and_names_the_first_problem():
+    # five checks, each a process that loads torch: all at once
+    ok, digits, wrong, broken, missing = tt_many(
+        ("check-recipe", "regress:Diabetes", "--json"), ("check-recipe", "digits-mlp", "--json"),
+        ("check-recipe", "regress:WrongTarget"), ("check-recipe", "failing:Failing"),
+        ("check-recipe", "nosuchmodule:Thing"),
+        envs=[None, None, None, clean_env(TT_FAIL_IN="evaluate"), None])
+    ok = json.loads(ok.stdout)
+    assert ok["task"] == "regression" and ok["outputs"] == {"prediction": {"datatype": "FP32", "shape": ["N"]}}
+    assert set(ok["val_metrics"]) == {"loss", "mae"}
+    digits = json.loads(digits.stdout)
+    assert set(digits["outputs"]) == {"label", "probabilities"}
+
+    assert wrong.returncode == 2
+    assert wrong.stderr.strip() == (
+        "error: recipe 'regress:WrongTarget' failed at data: task 'classification' needs integer "
+        "class targets, got torch.float32 (a regression recipe sets task = 'regression')")
+    assert broken.returncode == 2 and len(broken.stderr.strip().splitlines()) == 1
+    assert "failed at evaluate: ValueError: boom in evaluate" in broken.stderr
+    assert missing.returncode == 2 and "failed at build" in missing.stderr

@@ -438,3 +438,45 @@ def test_serve_refuses_another_runs_signed_manifest_copied_over(tmp_path, marker
     st.put_bytes(layout.key("final_model", "forged"), st.get_bytes(layout.key("final_model", "other")))
     proc = tt("serve", "forged", "--store", str(store), "--port", "1")
     assert proc.returncode == 2 and "the manifest stored for run forged is run 'other''s" in proc.stderr
+
+
+def test_an_unsigned_or_forged_start_request_writes_only_its_refusal(redis_server, tmp_path):
+    from tensorturn.tasks.start import start_run
+
+    configure(redis_server.url)
+    r = redis_client(redis_server.url)
+    store_url = (tmp_path / "store").as_uri()
+    config.use(config.current().with_(store_url=store_url))
+    doc = RunSpec.create("fused", "digits-mlp", store_url, rounds=1, shards=2, sync_every=5).to_json()
+    before = set(r.keys("*"))
+    start_run.apply(args=[doc]).get()                                    # its signature left out
+    start_run.apply(args=[doc], kwargs={"sig": PoolKey.generate().sign("submit", doc)}).get()
+    written = set(r.keys("*")) - before
+    assert written and all(k.startswith(layout.REFUSED) for k in written), written
+    assert r.keys(layout.run_key(doc["run_id"], "*")) == []
+    assert [json.loads(e)["task"] for e in r.lrange(layout.REFUSED, 0, -1)] == ["tensorturn.start_run"] * 2
+    assert not (tmp_path / "store").exists()
+
+
+def test_a_start_request_replayed_after_its_run_left_the_broker_starts_nothing(redis_server, tmp_path):
+    """Its signature still verifies, and the broker no longer knows the run (its keys expired,
+    or were deleted): the run's spec in the store says it started once already."""
+    from tensorturn import runs, trust
+    from tensorturn.store.objects import open_store
+    from tensorturn.tasks.start import start_run
+
+    configure(redis_server.url)
+    r = redis_client(redis_server.url)
+    store_url = (tmp_path / "store").as_uri()
+    config.use(config.current().with_(store_url=store_url))
+    spec = RunSpec.create("fused", "digits-mlp", store_url, rounds=1, shards=2, sync_every=5)
+    doc = spec.to_json()
+    request = {"sig": trust.pool_key().sign("submit", doc)}  # as the submitter sent it
+    runs.submit(spec, redis_server.url)
+    stored = sorted(open_store(store_url).list(layout.RUNS))
+    r.flushdb()
+    start_run.apply(args=[doc], kwargs=request).get()
+    assert [json.loads(e)["reason"] for e in r.lrange(layout.REFUSED, 0, -1)] == [
+        "this run exists in the store already (a replayed request?)"]
+    assert r.keys(layout.run_key(spec.run_id, "*")) == [] and not r.exists(layout.run_key(spec.run_id))
+    assert sorted(open_store(store_url).list(layout.RUNS)) == stored
