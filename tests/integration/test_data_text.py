@@ -141,16 +141,3 @@ def test_one_long_line_is_cut_by_characters(tmp_path):
     assert [len(texts[s][0][1]) for s in SPLITS] == [3200, 400, 400]
 
 
-@pytest.mark.e2e
-def test_textlm_trains_on_a_pushed_folder_of_python_files(tmp_path):
-    src = tmp_path / "src"
-    copy_sources(src)
-    store = str(tmp_path / "store")
-    pushed = tt_json("data", "push", str(src), "--name", "code", "--include", "*.py", "--store", store, "--json")
-    assert all(pushed["rows"][s] > 0 for s in SPLITS)
-    small = ["--recipe-option", "context=32", "--recipe-option", "n_embd=32", "--recipe-option", "n_layer=1"]
-    doc = tt_json("run", "--mode", "fused", "--recipe", "textlm", "--recipe-option", "dataset=code", *small,
-                  "--local-workers", "1", "--rounds", "1", "--shards", "1", "--sync-every", "5",
-                  "--store", store, "--json", cwd=tmp_path)
-    assert doc["state"] == "succeeded", doc.get("error")
-    assert doc["spec"]["recipe_options"]["version"] == 1 and doc["metrics"]["test_loss"] < 5.6  # ln 256 = 5.55

@@ -4,17 +4,15 @@ finished run whose records are complete when `run --json` prints it."""
 
 from __future__ import annotations
 
-import json
 import re
-import subprocess
 import sys
 import time
 from types import SimpleNamespace
 
 import pytest
-from conftest import as_agent_of, clean_env, run_outer, tt, wait_for
+from conftest import as_agent_of, run_outer
 
-from tensorturn import config, layout, runs
+from tensorturn import config, runs
 from tensorturn.modes import get_mode
 from tensorturn.pool import telemetry
 from tensorturn.runs.display import RunProgress
@@ -52,7 +50,6 @@ def test_round_lines_come_out_in_order_however_the_records_arrive(capsys):
     lines = capsys.readouterr().err.splitlines()
     assert [line.split()[1] for line in lines] == [str(r) for r in range(8)]
     assert lines[0] == "round 0 (1 of 8)  loss 1  val_loss 0.5"
-
 
 
 def test_figures_print_to_4_digits_and_a_regression_shows_its_own_metrics(capsys):
@@ -338,42 +335,3 @@ def test_the_vote_finishes_the_run_with_its_own_records(world, monkeypatch):
 
 # ---- end to end: real agents ----------------------------------------------------------------------
 
-@pytest.mark.e2e
-def test_run_shows_progress_inside_rounds_and_json_is_complete_when_printed(tmp_path, pool_factory):
-
-    # every training step lasts 10 ms on the agents: a shard of 150 steps takes 1.5 s, long
-    # enough to be seen inside its round however loaded the machine is
-    pool, store = pool_factory(step_s=0.01), tmp_path / "store"
-    board = RunBoard(redis_client(pool.broker_url))
-    args = ("run", "--broker", pool.broker_url, "--store", str(store), "--recipe", "digits-mlp",
-            "--rounds", "3", "--shards", "4", "--sync-every", "150")
-    proc = subprocess.Popen([sys.executable, "-m", "tensorturn", *args], env=clean_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            stdin=subprocess.DEVNULL)
-    try:
-        run_id = wait_for(lambda: next(iter(board.r.zrange(layout.RUN_INDEX, 0, -1)), None), "the run")
-        seen = wait_for(lambda: (d := board.describe(run_id)).get("in_round")
-                        and 0 < d["in_round"]["steps_done"] < d["in_round"]["steps_total"]
-                        and d["in_round"], "steps inside a round")
-        assert seen["shards"] == 4 and seen["steps_total"] == 600
-        out, err = proc.communicate(timeout=600)
-    finally:
-        proc.kill()
-    assert proc.returncode == 0, err[-3000:]
-    lines = err.splitlines()
-    rounds = [line.split()[1] for line in lines if line.startswith("round ")]
-    assert rounds == ["0", "1", "2"]
-    assert any(line.startswith("  round ") and " steps" in line for line in lines), err
-    assert all(len(line) <= 80 for line in lines if line.startswith("  round "))
-
-    # `run --json` on the standing pool: complete when printed, a few times over
-    for seed in range(3):
-        done = tt(*args[:-6], "--rounds", "2", "--shards", "2", "--sync-every", "5",
-                  "--seed", str(seed), "--json")
-        assert done.returncode == 0, done.stderr[-3000:]
-        doc = json.loads(done.stdout)
-        assert not [a for a in doc["attempts"] if a["outcome"] == "running"], doc["attempts"]
-        later = board.describe(doc["run_id"])
-        for field in ("state", "attempts", "store_bytes_up", "store_bytes_down",
-                      "store_bytes_by_worker", "bytes_up", "bytes_down"):
-            assert doc[field] == later[field], field

@@ -12,7 +12,7 @@ import re
 import numpy as np
 import pytest
 import torch
-from conftest import RECIPES, ROOT, Server, as_agent_of, bearer, clean_env, tt, tt_here, tt_json, tt_json_many
+from conftest import RECIPES, ROOT, as_agent_of, tt_here
 from conftest import run_eval as evaluate
 from conftest import run_outer as outer
 from conftest import run_shard as shard
@@ -28,6 +28,8 @@ from tensorturn.state.manifest import load_spec
 from tensorturn.store.objects import open_store
 
 ALLOW = "learned_recipes:*"
+
+
 FUSED = dict(mode="fused", rounds=2, shards=2, sync_every=10)
 
 
@@ -158,45 +160,3 @@ def test_an_evaluation_that_raises_fails_the_run_at_that_round_with_the_recipes_
 
 # ---- both modes, serve, export and load where the data is not ---------------------------------------
 
-@pytest.mark.e2e
-def test_learned_state_trains_in_both_modes_and_is_served_and_loaded_without_the_data(tmp_path):
-    name, store = "learned_recipes:Diabetes", str(tmp_path / "store")
-    fused, ensemble = tt_json_many(
-        ("run", "--recipe", name, "--local-workers", "2", "--rounds", "2", "--shards", "2",
-         "--sync-every", "20", "--store", store, "--json"),
-        ("run", "--mode", "ensemble", "--recipe", name, "--members", "2", "--segments", "1",
-         "--segment-steps", "60", "--local-workers", "2", "--store", store, "--json"), cwd=tmp_path)
-    for doc in (fused, ensemble):
-        assert doc["state"] == "succeeded", doc.get("error")
-        assert 20 < doc["metrics"]["test_mae"] < 150 and doc["metrics"]["test_in_range"] == 1.0
-
-    no_data = clean_env(TT_NO_DATA="1")  # raw_data raises here: nothing may call it
-    raw = resolve(name).raw_data()[4][:5]
-    for doc in (fused, ensemble):
-        folder = tmp_path / f"export-{doc['mode']}"
-        proc = tt("export", doc["run_id"], str(folder), "--store", store, "--allow-recipe", ALLOW, cwd=tmp_path)
-        assert proc.returncode == 0, proc.stderr[-2000:]
-        code = ("import json, sys, tensorturn; m = tensorturn.load(sys.argv[1], allow=['learned_recipes:Diabetes']); "
-                "print(json.dumps(m.predict(json.loads(sys.argv[2]))['prediction'].tolist()))")
-        import subprocess
-        import sys
-
-        loaded = subprocess.run([sys.executable, "-c", code, str(folder), json.dumps(raw.tolist())],
-                                env=no_data, capture_output=True, text=True, cwd=tmp_path, timeout=300)
-        assert loaded.returncode == 0, loaded.stderr[-2000:]
-        values = json.loads(loaded.stdout)
-        assert len(values) == 5 and all(0 < v < 400 for v in values)  # the score: 25 to 346
-    token = tt_json("token", "create", "--store", store, "--json", cwd=tmp_path)["token"]
-    server = Server(store, fused["run_id"], "--allow-recipe", ALLOW, env=no_data)  # no data here either
-    try:
-        body = {"inputs": [{"name": "input", "shape": list(raw.shape), "datatype": "FP32",
-                            "data": raw.flatten().tolist()}]}
-        import httpx
-
-        r = httpx.post(f"{server.url}/v2/models/{fused['run_id']}/infer", json=body, headers=bearer(token),
-                       timeout=60)
-        assert r.status_code == 200, r.text
-        served = {o["name"]: o["data"] for o in r.json()["outputs"]}["prediction"]
-        assert len(served) == 5 and all(0 < v < 400 for v in served)
-    finally:
-        server.stop()

@@ -117,34 +117,6 @@ def test_logs_kept_are_masked_and_only_the_last_runs_stay(tmp_path):
     assert len(folders) == KEEP_RUNS and "run-1" in folders
 
 
-@pytest.mark.e2e
-def test_a_failed_embedded_run_keeps_its_logs_and_status_shows_where_it_broke(tmp_path):
-    proc = tt("run", "--recipe", "failing:ShapeBug", "--local-workers", "1", "--rounds", "1",
-              "--shards", "2", "--sync-every", "2", "--max-attempts", "2", cwd=tmp_path)
-    assert proc.returncode == 1, proc.stderr[-3000:]
-    run_id = proc.stdout.split()[1].rstrip(":")
-    last = proc.stderr.strip().splitlines()[-1]
-    logs = Path(".tensorturn") / "logs" / run_id
-    assert last.startswith("error: r0/shard-") and "mat1 and mat2" in last
-    assert last.endswith(f"(agent logs: {logs})") and "Traceback" not in proc.stderr
-
-    kept = tmp_path / logs
-    agent_log = (kept / "agent-1.log").read_text()
-    assert "mat1 and mat2" in agent_log  # the agent's own account of the failure
-    assert "TENSORTURN_POOL_KEY" not in agent_log and "ttk1." not in agent_log
-    assert "redis://default:" not in agent_log.replace("redis://default:***@", "")
-
-    store = str(tmp_path / "tensorturn-store")
-    status = tt("status", run_id, "--store", store, "--debug")
-    assert status.returncode == 1
-    assert f'    File "{RECIPES / "failing.py"}", line {bug_line()}, in loss' in \
-        status.stderr.splitlines()
-    assert "RuntimeError: mat1 and mat2 shapes cannot be multiplied" in status.stderr
-    doc = json.loads(tt("status", run_id, "--store", store, "--json").stdout)
-    failed = [a for a in doc["attempts"] if a["outcome"].startswith("failed")]
-    assert failed and all(f"line {bug_line()}, in loss" in a["traceback"] for a in failed)
-
-
 def test_an_error_inside_torch_names_the_layer_and_the_line_of_the_recipes_model():
     """No line of the recipe's is on the way (the built-in predict runs the recipe's
     nn.Sequential): the layer that raised and the recipe's `model` that built it are named."""
