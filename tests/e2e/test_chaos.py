@@ -183,7 +183,7 @@ def test_a_machine_that_sleeps_mid_task_wakes_and_goes_back_to_work(pool, refere
     # the next run's first round queues a slot per agent, each taken by an idle agent's waiting
     # fetch: the woken one's too (an agent put to sleep *idle* would have taken its slot into
     # the sleep with it — the broker hands a message to a fetch already waiting — which is
-    # why the others are not put to sleep here; see issue 29)
+    # why the others are not put to sleep here)
     again = submit(pool, tmp_path)
     doc = finish(pool, again, reference)
     assert [a for a in doc["attempts"] if a["worker"] == victim["worker"] and a["outcome"] == "succeeded"]

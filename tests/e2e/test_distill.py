@@ -273,7 +273,7 @@ def test_a_student_file_that_is_not_text_is_one_line(ensemble, pool, tmp_path):
 
 
 def test_teacher_targets_rewritten_in_the_store_fail_the_student_naming_them(pool, ensemble, student):
-    """Issue 26 #7: rewritten targets once taught a student the wrong labels (0.978 → 0.10) and it
+    """Rewritten targets once taught a student the wrong labels (0.978 → 0.10) and it
     "succeeded"; now the student's attempt fails in one line naming the object. (Last in this
     module: the other tests read these targets.)"""
     from tensorturn.store.tensors import from_bytes, to_bytes

@@ -1,5 +1,5 @@
-"""An ensemble member that diverged or evaluates to NaN is dropped from the vote with its reason
-(issue 26, item 7): the ensemble's counterpart of fused mode rejecting a non-finite update. Before,
+"""An ensemble member that diverged or evaluates to NaN is dropped from the vote with its reason:
+the ensemble's counterpart of fused mode rejecting a non-finite update. Before,
 `run --mode ensemble --lr 9.9` "succeeded" at chance with every broken member in its vote."""
 
 import json

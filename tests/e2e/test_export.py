@@ -345,7 +345,7 @@ def test_export_refuses_what_it_cannot_write_in_one_line_and_writes_nothing(runs
 
 
 def test_export_writes_nothing_outside_dir_whatever_the_dataset_index_holds(runs, folders, tmp_path):
-    """Issue 47 #1: the folder's copy of the dataset index was put at a path made of the stored
+    """Once, the folder's copy of the dataset index was put at a path made of the stored
     index's own ``name``: a store writer's ``../../../../elsewhere/escaped`` made `export` (exit 0)
     write ``elsewhere/escaped/v0001.json``, outside DIR. Every path now comes from the run's
     signed spec, and the index is checked against the sha256 the run pinned when it started."""

@@ -1,4 +1,4 @@
-"""Store-only and Redis-only attacks on a real pool (issue 26 #2, #7): bytes that none of the
+"""Store-only and Redis-only attacks on a real pool: bytes that none of the
 run's tasks stored, or a broker record that points elsewhere, never end in a "succeeded" model.
 
 Each run trains a ``gated:Gated`` recipe (tests/gated.py): its shard tasks wait at a gate the test
@@ -95,7 +95,7 @@ def test_a_poisoned_pseudo_gradient_fails_the_run_naming_it(gated_pool):
 
 
 def test_an_async_ledger_pointed_at_another_runs_model_is_put_back_from_the_store(gated_pool):
-    """Issue 26 #2: the applier read whatever key the broker's hash named, and never checked its
+    """Once, the applier read whatever key the broker's hash named, and never checked its
     sha256: pointed at another run's model, the run "succeeded" on it."""
     pool, store, gate = gated_pool
     board = RunBoard(check_broker(pool.broker_url))
@@ -121,7 +121,7 @@ def test_an_async_ledger_pointed_at_another_runs_model_is_put_back_from_the_stor
 
 
 def test_a_dataset_index_rewritten_after_the_run_started_fails_its_attempts_naming_it(gated_pool, tmp_path):
-    """Issue 47 #1: the dataset index is not sealed (a push writes it, not a run), so a store
+    """The dataset index is not sealed (a push writes it, not a run), so a store
     writer could swap the chunks a run trains on. The run pins the index's sha256 in its signed
     spec when it starts; here the train and validation chunks are swapped once it has, and every
     attempt that reads the index fails naming it: the run never trains on them."""

@@ -1,4 +1,4 @@
-"""The agent where it does not fork (issue 29): the core end-to-end cases with `--pool threads`,
+"""The agent where it does not fork: the core end-to-end cases with `--pool threads`,
 on Linux as on Windows and macOS — a fused run, a killed agent's task requeued, a duplicate
 delivery ignored, and a stop that hands the running task back — each giving the undisturbed
 run's model, bit for bit."""

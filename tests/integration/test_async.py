@@ -122,7 +122,7 @@ def test_an_async_run_with_eval_every_evaluates_every_nth_round_and_the_last(wor
 
 
 def test_a_ledger_put_back_from_the_log_applies_again_what_the_log_lacks(redis_server):
-    """A ledger rolled back by someone with the broker's password (issue 26 #2) is repaired from
+    """A ledger rolled back by someone with the broker's password is repaired from
     the store's log: an update applied since, which the log does not hold, is pending again —
     lost work, never a hang or a foreign update."""
     from tensorturn.state.broker import redis_client

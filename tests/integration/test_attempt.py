@@ -574,7 +574,7 @@ def test_an_agent_is_listed_again_at_its_next_heartbeat_after_redis_lost_its_dat
 
 
 def test_listing_agents_scans_a_thousand_keys_a_round_trip(world):
-    """Issue 28: `SCAN MATCH tt:worker:*` at Redis's default count took 212 round trips at 2,213
+    """Once, `SCAN MATCH tt:worker:*` at Redis's default count took 212 round trips at 2,213
     keys, twice a run; a thousand keys a call, then one pipeline for the hashes."""
     from tensorturn.pool.telemetry import Heartbeat
     from tensorturn.state.roster import list_workers
@@ -905,7 +905,7 @@ def test_an_outer_step_past_its_attempts_in_the_task_gives_the_run_up_once(world
     assert kinds(doc).count("attempt_limit") == 1
 
 
-# ---- the outer step taken by a slot of the next round (issue 28) ---------------------------------
+# ---- the outer step taken by a slot of the next round ---------------------------------------------
 
 def attempts_of(world, spec: RunSpec, task: str) -> list[dict]:
     return [a for a in world.board.describe(spec.run_id)["attempts"] if a["task"] == task]

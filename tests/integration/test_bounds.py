@@ -1,4 +1,4 @@
-"""Bounded options (issue 26, item 11): every number a run takes has a ceiling a machine and the
+"""Bounded options: every number a run takes has a ceiling a machine and the
 broker can hold, in one table (``tensorturn.spec.LIMITS``) that ``--help`` shows; a value past it,
 or a run whose options together are past what a pool can hold or finish, is refused in one line
 before anything is queued."""

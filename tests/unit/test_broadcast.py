@@ -125,7 +125,7 @@ def test_a_seed_that_does_not_rebuild_theta0_falls_back_to_the_file(run):
 
 
 def test_a_broadcast_rewritten_in_the_store_fails_naming_it(run):
-    """Issue 26 #7: bytes no task of the run stored are refused, not used."""
+    """Bytes no task of the run stored are refused, not used."""
     spec, recipe, store, _, _ = run
     fetch_global(spec, recipe, store, 0)
     key = layout.key("broadcast", spec.run_id, 1)

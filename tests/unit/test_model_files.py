@@ -120,7 +120,7 @@ def test_a_malformed_model_file_is_one_line_naming_it(case, tmp_path):
 
 
 def test_a_config_asking_for_more_than_the_file_holds_is_refused_before_it_is_built(tmp_path, monkeypatch):
-    """Issue 47 #2: a config asking ``hidden [30000, 30000]`` of a 77 kB weights file allocated
+    """A config asking ``hidden [30000, 30000]`` of a 77 kB weights file once allocated
     3.6 GB before the mismatch was found. The model is built on the meta device first: the
     crafted one never on a real device, and the line names the tensor and both shapes."""
     greedy = {"hidden": [30000, 30000], "dropout": 0.0}

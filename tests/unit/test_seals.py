@@ -1,4 +1,4 @@
-"""Sealed objects (issue 26 #7): what a later task reads from the store must be what one of the
+"""Sealed objects: what a later task reads from the store must be what one of the
 run's own tasks stored — checked against a seal signed with the pool key — and an outer step
 looks at every pseudo-gradient itself before it steps θ."""
 
