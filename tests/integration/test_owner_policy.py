@@ -5,11 +5,16 @@ from __future__ import annotations
 
 import datetime
 import json
+import subprocess
+import sys
 import threading
+import time
 from types import SimpleNamespace
 
+import psutil
 import pytest
 import redis
+from conftest import wait_for
 
 from tensorturn import trust
 from tensorturn.errors import SpecError
@@ -242,3 +247,34 @@ def test_an_agent_with_bad_hours_or_pool_stops_at_once_in_one_line():
         out = tt("agent", "--broker", "redis://127.0.0.1:1/0", *flags, env=env)
         assert out.returncode == 2 and says in out.stderr, out.stderr
         assert len(out.stderr.strip().splitlines()) == 1
+
+
+def test_the_cpu_watch_reads_the_machine_and_leaves_out_its_own_processes():
+    """The real reading (psutil): a process that spins shows in others' share unless it is one
+    of the watch's own. Two watches look at the same moments, one counting the spinner as its
+    own: they differ by the spinner's share, however busy the rest of the machine is."""
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        spins = psutil.Process(spinner.pid)
+        now = {"t": 0.0}
+        others = CpuWatch(processes=lambda: [], clock=lambda: now["t"])
+        own = CpuWatch(processes=lambda: [spins], clock=lambda: now["t"])
+
+        def spun() -> float:
+            cpu = spins.cpu_times()
+            return cpu.user + cpu.system
+
+        def look() -> tuple[float | None, float | None, float, float]:
+            now["t"] = time.monotonic()
+            return others.sample(), own.sample(), spun(), now["t"]
+
+        _, _, before, started = look()
+        wait_for(lambda: spun() - before > 0.3, "the spinner to use some CPU")
+        with_it, without_it, after, ended = look()
+        share = 100 * (after - before) / ((ended - started) * (psutil.cpu_count() or 1))
+        assert with_it is not None and without_it is not None
+        assert with_it - without_it == pytest.approx(share, abs=3)
+        assert with_it >= share - 3 and share > 0
+    finally:
+        spinner.kill()
+        spinner.wait()
