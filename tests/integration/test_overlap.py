@@ -56,28 +56,15 @@ def drive(world, spec, lose: tuple[int, int] | None = None) -> dict:
     return board.describe(spec.run_id)
 
 
-UNDISTURBED: dict[str, str] = {}
-
-
-def undisturbed_model(world) -> str:
-    """The sha256 of the model an undisturbed overlapped run of SPEC gives, driven in this
-    process once for the module (SPEC and its seed decide it; each test's world is its own)."""
-    if "sha256" not in UNDISTURBED:
-        doc = drive(world, world.submit(**SPEC))
-        assert doc["state"] == "succeeded", doc.get("error")
-        UNDISTURBED["sha256"] = doc["model_sha256"]
-    return UNDISTURBED["sha256"]
-
-
 def test_an_upload_whose_lease_lapses_is_trained_again_to_the_same_weights(world):
     """Round 1's shard 2 ends as if its agent died mid-upload. Round 1's outer step waits for
     its upload, sees the lease lapse, records ``upload_lost``, gives its claim back and queues
     the shard again (a named shard task); once that is stored the outer step runs, and the
     model is the one an undisturbed run gives."""
-    clean = undisturbed_model(world)
+    clean = drive(world, world.submit(**SPEC))
     spec = world.submit(**SPEC)
     doc = drive(world, spec, lose=(1, 2))
-    assert doc["state"] == "succeeded" and doc["model_sha256"] == clean
+    assert doc["state"] == "succeeded" and doc["model_sha256"] == clean["model_sha256"]
     lost = [i for i in doc["incidents"] if i["kind"] == "upload_lost"]
     assert [i["task"] for i in lost] == ["r1/shard-2"]
     queued = [m for m in world.board.r.lrange(layout.DEFAULT_QUEUE, 0, -1) + sum(
@@ -98,7 +85,7 @@ def test_a_cancelled_overlapped_run_resumes_to_the_model_an_undisturbed_run_give
     round 2 are trained, and the model is the one an undisturbed run gives, bit for bit."""
     from tensorturn import runs
 
-    clean = undisturbed_model(world)
+    clean = drive(world, world.submit(**SPEC))
     spec = world.submit(**SPEC)
     for k in range(3):
         run_shard(spec, 0, k)
@@ -118,7 +105,7 @@ def test_a_cancelled_overlapped_run_resumes_to_the_model_an_undisturbed_run_give
         assert outer_outcome(world, spec, r) == "succeeded"
     doc = world.board.describe(spec.run_id)
     assert doc["state"] == "succeeded", doc.get("error")
-    assert doc["model_sha256"] == clean
+    assert doc["model_sha256"] == clean["model_sha256"]
     trained = sorted(a["task"] for a in doc["attempts"] if a["outcome"] == "succeeded")
     assert trained == sorted(set(trained))  # nothing stored before the cancel was trained again
     assert {"r1/shard-0", "r1/shard-1", "r1/shard-2"} <= set(trained)
