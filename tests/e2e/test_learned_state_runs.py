@@ -4,9 +4,18 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from conftest import Server, bearer, clean_env, tt, tt_json, tt_json_many
 
+from tensorturn import config, trust
 from tensorturn.recipes import resolve
+
+
+@pytest.fixture(autouse=True)
+def _allowed():
+    config.use(trust.with_allowed(config.current(), [ALLOW, "failing:*"]))
+
+
 
 ALLOW = "learned_recipes:*"
 

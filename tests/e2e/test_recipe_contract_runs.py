@@ -9,10 +9,17 @@ import httpx
 import pytest
 from conftest import Server, bearer, tt, tt_json, tt_json_many
 
-from tensorturn import layout
+from tensorturn import config, layout, trust
 from tensorturn.recipes import resolve
 from tensorturn.recipes.result import load_result
 from tensorturn.store.objects import open_store
+
+
+@pytest.fixture(autouse=True)
+def _allowed():
+    config.use(trust.with_allowed(config.current(), [ALLOW]))
+
+
 
 ALLOW = "contract_recipes:*"
 
