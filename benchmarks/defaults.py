@@ -214,7 +214,7 @@ def main() -> None:
     args = ap.parse_args()
     seeds = [int(s) for s in args.seeds.split(",")]
     if args.scaled:
-        for folder in ("tests", "examples"):  # the diabetes and wine recipes, for every agent
+        for folder in ("tests/recipes", "examples"):  # the diabetes and wine recipes, for every agent
             os.environ["PYTHONPATH"] = os.pathsep.join(
                 p for p in (str(HERE.parent / folder), os.environ.get("PYTHONPATH", "")) if p)
             sys.path.insert(0, str(HERE.parent / folder))

@@ -1,4 +1,5 @@
-"""Where test and benchmark tooling plugs in: the pace of a training step and the battery sensor.
+"""Where test and benchmark tooling plugs in: the pace of a training step, the battery sensor and
+the reading of the CPU share other processes use.
 
 Not settings: a user never sets these, and TensorTurn itself never changes them. The tooling
 beside the package (``testbed/``) does, in the processes the tests and benchmarks start:
@@ -30,3 +31,8 @@ step_pacer: Callable[[], StepPacer | None] = no_pacer
 # Stands in for the machine's battery sensor (:func:`tensorturn.pool.owner.on_battery`): True on
 # battery, False on mains, None without a battery. None (the default): the machine's own sensor.
 battery_sensor: Callable[[], bool | None] | None = None
+
+# Stands in for the owner watch's reading of the share of the CPU other processes used
+# (:meth:`tensorturn.pool.owner.CpuWatch.sample`): given the machine's reading, what the watch
+# sees. None (the default): the machine's reading.
+others_cpu: Callable[[float | None], float | None] | None = None

@@ -1,5 +1,5 @@
 """Emulated machines, for tests and benchmarks: a training step's time, a slower machine, a
-battery sensor — installed into TensorTurn's hooks (:mod:`tensorturn.testbed_hooks`), never
+battery sensor, a busy owner — installed into TensorTurn's hooks (:mod:`tensorturn.testbed_hooks`), never
 TensorTurn settings.
 
 Each is a variable in the environment of the agents a test or benchmark starts:
@@ -8,6 +8,8 @@ Each is a variable in the environment of the agents a test or benchmark starts:
   compute did not use): many agents of different speeds share two cores without competing.
 * ``TESTBED_SLOWDOWN`` — training takes this many times its compute time (> 1; sleeping).
 * ``TESTBED_BATTERY_FILE`` — a file saying ``battery`` or ``ac`` is the battery sensor.
+* ``TESTBED_OTHERS_CPU_FILE`` — a file holding the percentage of the CPU the owner watch sees
+  other processes use (empty: the machine's reading).
 
 They reach every agent through ``sitecustomize`` (``testbed/site/``, which Python imports as it
 starts): :func:`reach_children` puts that folder on the ``PYTHONPATH`` every process started
@@ -30,6 +32,7 @@ SITE = Path(__file__).resolve().parent / "site"  # sitecustomize.py: install() i
 SIM_STEP_S = "TESTBED_SIM_STEP_S"
 SLOWDOWN = "TESTBED_SLOWDOWN"
 BATTERY_FILE = "TESTBED_BATTERY_FILE"
+OTHERS_CPU_FILE = "TESTBED_OTHERS_CPU_FILE"
 
 
 class Throttle:
@@ -113,10 +116,24 @@ def battery_sensor() -> bool | None:
         return None
 
 
+def others_cpu(reading: float | None) -> float | None:
+    """The percentage in the file ``TESTBED_OTHERS_CPU_FILE`` names as the share of the CPU other
+    processes used (a test says when the owner "plays" and when they leave, whatever else the
+    machine runs); the machine's ``reading`` where it is unset, empty or missing, and before the
+    watch has a first reading."""
+    path = os.environ.get(OTHERS_CPU_FILE)
+    try:
+        said = Path(path).read_text().strip() if path else ""
+    except OSError:
+        said = ""
+    return reading if not said or reading is None else float(said)
+
+
 def install() -> None:
     """Put the emulations into this process's hooks (``sitecustomize`` does, as Python starts)."""
     testbed_hooks.step_pacer = step_pacer
     testbed_hooks.battery_sensor = battery_sensor
+    testbed_hooks.others_cpu = others_cpu
 
 
 def reach_children(environ: dict[str, str] | os._Environ = os.environ) -> None:

@@ -19,10 +19,14 @@ from testbed import emulate
 from testbed.s3 import start_moto
 
 ROOT = Path(__file__).resolve().parent.parent
-# The test recipes (tests/failing.py, tests/huge.py) import in every process the tests start,
-# agents included, as a user's recipe must on every machine of a pool.
+# The test recipes (failing.py, huge.py, ...: recipe modules, not tests) live in one folder. They
+# import in every process the tests start, agents included, as a user's recipe must on every
+# machine of a pool, and in this one (a test reads a recipe's source or builds one directly).
+RECIPES = ROOT / "tests" / "recipes"
 os.environ["PYTHONPATH"] = os.pathsep.join(
-    p for p in (str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")) if p)
+    p for p in (str(RECIPES), os.environ.get("PYTHONPATH", "")) if p)
+if str(RECIPES) not in sys.path:
+    sys.path.insert(0, str(RECIPES))
 # ... and so do the testbed's emulations (a step's time, a battery sensor: testbed.emulate)
 emulate.reach_children()
 # One pool key for the whole session, in this process and every process the tests start
@@ -35,14 +39,19 @@ os.environ["TENSORTURN_ALLOW_RECIPES"] = ",".join(
     f"{m}:*" for m in ("failing", "huge", "crasher", "nan_once", "myrecipe", "flaky_recipe", "badinit", "gated"))
 
 
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
 def pytest_collection_modifyitems(items):
-    """Modules in the order pytest-xdist hands them out (``--no-loadscope-reorder``): those
-    marked ``long`` first, then the others by their number of tests, most first — longest work
-    first, so that short modules fill the end instead of one long module finishing alone. A
-    stable sort: each module's tests keep their order."""
+    """Every test under ``tests/e2e/`` is marked ``e2e`` (real agent processes: the fast lane,
+    ``-m "not e2e"``, leaves them out). Modules in the order pytest-xdist hands them out
+    (``--no-loadscope-reorder``): those marked ``long`` first, then the others by their number of
+    tests, most first — longest work first, so that short modules fill the end instead of one
+    long module finishing alone. A stable sort: each module's tests keep their order."""
     def module(item) -> str:
         return item.nodeid.split("::", 1)[0]
 
+    for item in items:
+        if "e2e" in Path(str(item.path)).relative_to(ROOT / "tests").parts[:-1]:
+            item.add_marker(pytest.mark.e2e)
     long = {module(item) for item in items if item.get_closest_marker("long")}
     sizes: dict[str, int] = {}
     for item in items:

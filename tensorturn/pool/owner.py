@@ -218,7 +218,13 @@ class CpuWatch:
         return self.busy
 
     def sample(self) -> float | None:
-        """Others' percent of the machine since the last call (None on the first)."""
+        """Others' percent of the machine since the last call (None on the first); where tests
+        emulate an owner, what :data:`tensorturn.testbed_hooks.others_cpu` makes of it."""
+        reading = self.reading()
+        return testbed_hooks.others_cpu(reading) if testbed_hooks.others_cpu else reading
+
+    def reading(self) -> float | None:
+        """The machine's own figure for :meth:`sample`."""
         times = psutil.cpu_times()
         busy = sum(times) - times.idle - getattr(times, "iowait", 0.0)
         own = {}

@@ -1,0 +1,115 @@
+"""Defaults that fit the data in front of them. A fused run whose user gave no --shards or
+--sync-every gets them from its training rows (one shard per 700 rows, 2 to 8; H 25, fewer so a
+shard goes over its rows at most 4 times a round), prints no warning about them, and records them
+in its spec; the user's flags always win, and are warned about when they go over the rows many
+times. Each README example's defaults are checked here without training (what a run decides at
+start), and the quick start once end to end."""
+
+from __future__ import annotations
+
+import csv
+
+import pytest
+from conftest import ROOT
+
+from tensorturn import config, runs, trust
+from tensorturn.modes.fused.options import EPOCHS_PER_ROUND_WARNING, epochs_per_round, settle_options
+from tensorturn.pool.celery_app import configure
+from tensorturn.recipes import resolve
+from tensorturn.spec import RunSpec
+from tensorturn.state.board import RunBoard
+from tensorturn.state.broker import redis_client
+from tensorturn.state.manifest import load_spec
+from tensorturn.store.objects import open_store
+
+
+def settle(recipe: str, recipe_options: dict | None = None, **given) -> tuple[RunSpec, list[str], float]:
+    """What a fused run of ``recipe`` decides when it starts: its spec, the warnings `run`
+    prints, and how often a shard goes over its rows a round."""
+    spec = RunSpec.create("fused", recipe, "file:///unused", recipe_options=recipe_options or {}, **given)
+    built = resolve(recipe, spec.recipe_options)
+    warnings = settle_options(spec, built)
+    return spec, warnings, epochs_per_round(spec, built)
+
+
+@pytest.fixture
+def readme_recipes(tmp_path, monkeypatch):
+    """The README's recipes beside the built-ins: the wine example, and `tabular` over a CSV
+    pushed as `tensorturn data push` does (wine's rows, class names as labels)."""
+    from sklearn.datasets import load_wine
+
+    from tensorturn import data
+
+    monkeypatch.syspath_prepend(str(ROOT / "examples"))
+    store = (tmp_path / "store").as_uri()
+    config.use(trust.with_allowed(config.current().with_(store_url=store, cache_dir=str(tmp_path / "cache")),
+                                  ["wine_recipe:Wine"]))
+    wine = load_wine()
+    with (tmp_path / "wine.csv").open("w", newline="") as f:
+        out = csv.writer(f)
+        out.writerow([*wine.feature_names, "cultivar"])
+        out.writerows([*x, wine.target_names[y]] for x, y in zip(wine.data, wine.target))
+    data.push(open_store(store), str(tmp_path / "wine.csv"), "wine", label="cultivar")
+
+
+@pytest.mark.parametrize("recipe, recipe_options, shards, sync_every", [
+    ("digits-mlp", {}, 2, 25),                   # the quick start: 1293 rows
+    ("wine_recipe:Wine", {}, 2, 14),              # the README's recipe example: 113 rows, batch 16
+    ("tabular", {"dataset": "wine"}, 2, 4),       # a pushed CSV: 142 rows, batch 64
+    ("charlm", {}, 8, 25),                        # large data keeps 8 × 25
+])
+def test_a_readme_examples_defaults_fit_its_data_and_are_not_warned_about(
+        readme_recipes, recipe, recipe_options, shards, sync_every):
+    spec, warnings, epochs = settle(recipe, recipe_options)
+    opts = spec.options
+    assert (opts.shards, opts.sync_every) == (shards, sync_every)
+    assert opts.chosen == ["shards", "sync_every"]
+    assert epochs <= EPOCHS_PER_ROUND_WARNING
+    assert warnings == []
+
+
+def test_the_users_flags_win_and_are_warned_about_when_they_go_over_the_rows():
+    # the quick start's former defaults, given by hand: 162 rows a shard, gone over 5 times
+    spec, warnings, epochs = settle("digits-mlp", shards=8, sync_every=25)
+    assert (spec.options.shards, spec.options.sync_every, spec.options.chosen) == (8, 25, [])
+    assert round(epochs, 1) == 4.9
+    assert warnings[0].startswith("outer optimizer sgd (FedAvg), chosen by --outer auto")
+    assert warnings[1].startswith("each shard holds about 162 training rows but trains 25 steps × "
+                                  "batch 32 per round, going over them 5 times")
+    # one flag given: the other is chosen for it, from the data
+    spec, _, epochs = settle("digits-mlp", shards=8)
+    assert (spec.options.shards, spec.options.sync_every, spec.options.chosen) == (8, 20, ["sync_every"])
+    assert epochs <= EPOCHS_PER_ROUND_WARNING
+    spec, _, _ = settle("digits-mlp", sync_every=100)
+    assert (spec.options.shards, spec.options.sync_every, spec.options.chosen) == (2, 100, ["shards"])
+    # a larger batch makes a smaller H (H × batch is what goes over the rows)
+    spec, warnings, _ = settle("digits-mlp", batch_size=128, accumulate=2)
+    assert (spec.options.shards, spec.options.sync_every, warnings) == (2, 10, [])
+
+
+def test_a_commands_own_choices_are_not_warned_about():
+    """`tensorturn distill` chooses 100 steps a round for its student (measured for it): its
+    choice, not the user's, so it is not warned about; the same value given by hand is."""
+    _, warnings, epochs = settle("digits-mlp", shards=2, sync_every=100, chosen=["sync_every", "shards"])
+    assert epochs > EPOCHS_PER_ROUND_WARNING and warnings == []
+    _, warnings, _ = settle("digits-mlp", shards=2, sync_every=100)
+    assert "going over them 5 times" in warnings[-1]
+
+
+def test_the_chosen_defaults_are_in_the_stored_spec_and_nothing_is_warned(redis_server, tmp_path):
+    """The quick start's spec and an ensemble's, started in this process against a real Redis:
+    the spec every machine (and `resume`) reads holds the values chosen at start."""
+    configure(redis_server.url)
+    board = RunBoard(redis_client(redis_server.url))
+    store = (tmp_path / "store").as_uri()
+    quick = RunSpec.create("fused", "digits-mlp", store)
+    ensemble = RunSpec.create("ensemble", "digits-mlp", store, members=2, segments=1, segment_steps=5)
+    for spec in (quick, ensemble):
+        runs.submit(spec, redis_server.url)
+        assert board.describe(spec.run_id)["warnings"] == []
+    stored = load_spec(open_store(store), quick.run_id).options
+    assert (stored.shards, stored.sync_every, stored.outer, stored.outer_lr, stored.keep) == (2, 25, "sgd", 1.0, "last")
+    assert stored.chosen == ["shards", "sync_every"]
+    assert board.describe(quick.run_id)["spec"]["options"]["shards"] == 2
+
+
