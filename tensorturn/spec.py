@@ -128,7 +128,7 @@ class Bound:
 
 YEAR_S = 365 * 24 * 3600
 # Every numeric option of a run, of either mode, of `distill` and of the command that starts it:
-# one table, shown by `--help` and checked before anything is queued (tests/test_bounds.py).
+# one table, shown by `--help` and checked before anything is queued (tests/integration/test_bounds.py).
 LIMITS: dict[str, Bound] = {
     # every run (RunSpec)
     "seed": Bound(0, 2 ** 32 - 1, "seeds are 32-bit"),

@@ -7,4 +7,4 @@ tasks report), :mod:`.workers` (the machines' hashes; :mod:`.roster` reads them,
 :class:`.board.RunBoard`; the client that rides out a restart (:mod:`.broker`), what is pruned
 when a run ends (:mod:`.housekeeping`) and a run's records in the store (:mod:`.manifest`).
 
-Nothing outside this package calls the Redis client (``tests/test_layering.py``)."""
+Nothing outside this package calls the Redis client (``tests/unit/test_layering.py``)."""

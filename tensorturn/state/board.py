@@ -74,7 +74,7 @@ class Snapshot:
 
 class RunBoard:
     """Live run state in Redis (keys from :mod:`tensorturn.layout`). ``r`` is the client, for
-    the classes of this package only (``tests/test_layering.py``)."""
+    the classes of this package only (``tests/unit/test_layering.py``)."""
 
     def __init__(self, client: Any):
         self.r: Any = client  # decode_responses=True: every reply is str (the stubs cannot say)

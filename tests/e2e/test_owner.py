@@ -12,12 +12,11 @@ from __future__ import annotations
 import contextlib
 import datetime
 import json
-import os
 
 import psutil
 import pytest
 import redis
-from conftest import ROOT, clean_env, run_to_end, start_pool, submit_run, tt, wait_for, wait_for_run
+from conftest import clean_env, run_to_end, start_pool, submit_run, tt, wait_for, wait_for_run
 
 from tensorturn import layout, platforms
 from tensorturn.pool.owner import Policy

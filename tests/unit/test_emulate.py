@@ -1,19 +1,16 @@
 """The testbed's emulated machines (testbed.emulate): a step's pace on a fake clock, a battery
-file in place of the sensor, and both reaching agents that a warm parent forked — through the
-hooks TensorTurn leaves for them (tensorturn.testbed_hooks), not through its settings."""
+file in place of the sensor, a file in place of the owner's CPU share — through the hooks
+TensorTurn leaves for them (tensorturn.testbed_hooks), not through its settings."""
 
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import pytest
-import redis
-from conftest import start_pool, wait_for
+from conftest import ROOT
 
 from tensorturn import config, testbed_hooks
 from tensorturn.pool import owner
-from tensorturn.state.roster import list_workers
 from testbed import emulate
 
 
@@ -88,31 +85,25 @@ def test_no_emulation_is_a_user_setting():
     assert not {n for n in names if any(w in n for w in ("SIM_STEP", "SLOWDOWN", "BATTERY_FILE"))}
 
 
-@pytest.mark.e2e
-def test_agents_forked_by_a_warm_parent_read_the_battery_file(tmp_path):
-    """A quick pool forks its agents from one warm parent (Linux): the emulations it installed
-    as it started reach each agent, which reads its own environment's battery file — here
-    saying ``battery``, so each pauses, as its policy asks."""
-    from tensorturn import platforms
-
-    if not platforms.forks_warm():
-        pytest.skip("agents are forked warm only where that is safe (Linux)")
-    battery = tmp_path / "battery"
-    battery.write_text("battery")
-    pool = start_pool(tmp_path, 2, quick=True,
-                      env={emulate.BATTERY_FILE: str(battery), "TENSORTURN_PAUSE_ON_BATTERY": "1"})
-    try:
-        assert pool.parent is not None  # forked, not started one by one
-        client = redis.Redis.from_url(pool.broker_url, decode_responses=True)
-        wait_for(lambda: sorted(w["paused"] for w in list_workers(client)) == ["on battery"] * 2,
-                 "both forked agents paused on battery")
-    finally:
-        pool.stop(grace=1.0)
-
-
 def test_the_package_neither_reads_the_emulations_nor_installs_them():
     """Only the testbed sets the hooks; the package reads no TESTBED_* variable."""
-    root = Path(__file__).resolve().parents[1] / "tensorturn"
+    root = ROOT / "tensorturn"
     found = [str(p.relative_to(root)) for p in sorted(root.rglob("*.py"))
              if "TESTBED_" in p.read_text() or re.search(r"testbed_hooks\.\w+\s*=[^=]", p.read_text())]
     assert found == []
+
+
+def test_an_others_cpu_file_stands_in_for_the_watchs_reading(tmp_path, monkeypatch):
+    said = tmp_path / "others-cpu"
+    monkeypatch.setenv(emulate.OTHERS_CPU_FILE, str(said))
+    assert emulate.others_cpu(12.5) == 12.5  # no file yet: the machine's reading
+    said.write_text("90")
+    assert emulate.others_cpu(12.5) == 90.0
+    assert emulate.others_cpu(None) is None  # the watch's first call has nothing to compare
+    said.write_text("")
+    assert emulate.others_cpu(12.5) == 12.5
+    monkeypatch.setattr(testbed_hooks, "others_cpu", emulate.others_cpu)
+    said.write_text("75")
+    watch = owner.CpuWatch()
+    watch.sample()
+    assert watch.sample() == 75.0
