@@ -20,8 +20,8 @@ import redis
 from conftest import clean_env, run_to_end, start_pool, submit_run, tt, wait_for, wait_for_run
 
 from tensorturn import layout, platforms
-from tensorturn.pool.owner import Policy
-from tensorturn.runs.owners import set_policy
+from tensorturn.pool.owner import OwnerRules
+from tensorturn.runs.owners import set_rules
 from tensorturn.state.board import RunBoard
 from tensorturn.state.roster import list_workers
 
@@ -179,7 +179,7 @@ def test_pause_hands_the_running_task_back_and_resume_brings_the_agent_back(pool
 
 def test_on_battery_the_agent_hands_back_and_resumes_on_mains(pool, reference):
     def unplugged(name: str) -> None:
-        assert tt("policy", name, "--pause-on-battery", env=cli_env(pool)).returncode == 0
+        assert tt("rules", name, "--pause-on-battery", env=cli_env(pool)).returncode == 0
         pool.battery.write_text("battery")
 
     name, back, _ = paused_mid_task(pool, reference, unplugged)
@@ -196,11 +196,11 @@ def test_outside_its_hours_the_agent_pauses_and_the_policy_changes_while_it_runs
         return f"{start:%H:%M}-{end:%H:%M}"
 
     later = hours(now + datetime.timedelta(hours=2), now + datetime.timedelta(hours=3))
-    name, _, _ = paused_mid_task(pool, reference, lambda name: tt("policy", name, "--hours", later, env=cli_env(pool)))
+    name, _, _ = paused_mid_task(pool, reference, lambda name: tt("rules", name, "--hours", later, env=cli_env(pool)))
     assert standing(pool, name)["state"] == "paused"
     assert standing(pool, name)["paused"] == f"outside hours ({later})"
     around = hours(now - datetime.timedelta(hours=1), now + datetime.timedelta(hours=1))
-    assert tt("policy", name, "--hours", around, env=cli_env(pool)).returncode == 0
+    assert tt("rules", name, "--hours", around, env=cli_env(pool)).returncode == 0
     wait_for(lambda: standing(pool, name)["state"] == "idle", "the agent to resume within its hours")
 
 
@@ -209,7 +209,7 @@ def test_a_busy_cpu_pauses_the_agent_until_the_owner_leaves(pool, reference):
 
     def owner_plays(name: str) -> None:
         burners.extend(subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2))
-        set_policy(pool.broker_url, name, Policy(busy_percent=40.0).to_json())
+        set_rules(pool.broker_url, name, OwnerRules(busy_percent=40.0).to_json())
 
     try:
         name, back, _ = paused_mid_task(pool, reference, owner_plays)
@@ -259,7 +259,7 @@ def after_its_next_look(pool, name: str, state: str) -> dict:
     """Set a signed policy that changes nothing (no CPU is busier than 100 %) and wait until the
     agent's heartbeat says it took that policy, or that it left ``state``: either way it has
     read its owner's marks since. What its heartbeat says then."""
-    doc = set_policy(pool.broker_url, name, Policy(busy_percent=100.0).to_json())
+    doc = set_rules(pool.broker_url, name, OwnerRules(busy_percent=100.0).to_json())
 
     def looked() -> dict | None:
         me = standing(pool, name)
