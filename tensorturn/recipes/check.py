@@ -151,4 +151,4 @@ def _end_with_parent() -> None:
 
 
 # compat(reshape-3): the old import path of tasks/start.py; dev/concepts.py rewrites it and drops this
-from tensorturn.recipes.contract import check_contract, check_fresh  # noqa: E402, F401
+from tensorturn.recipes.contract import check_contract, check_fresh  # noqa: E402, F401  # compat(reshape-3)
