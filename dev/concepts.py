@@ -298,8 +298,8 @@ def layers(text: str) -> str:
     return new
 
 
-CONCEPT_LINE = ('    "predictor": "a run\'s model loaded (Predictor): one fused model or a voting ensemble, as serve, '
-                'export and evaluation use it",\n')
+CONCEPT_LINE = ('    "predictor": "a run\'s model loaded (Predictor): one fused model or a voting ensemble, '
+                'for serve and export",\n')
 
 
 def concept_map(text: str) -> str:
