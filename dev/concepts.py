@@ -19,8 +19,9 @@ find is an error, and nothing is written):
    ``self`` inside ``state/board.py``. A forwarder named but not called on a board (passed as a
    function) is an error, for a person to rewrite.
 3. ``Claims`` split (``state/claims.py`` → also ``announcements.py``, ``uploads.py``): calls of an
-   announcement or upload-lease method through ``<board>.claims`` go to ``<board>.announcements``
-   or ``<board>.uploads``; ``<board>.claims.forget_stored(...)`` becomes ``<board>.forget_rounds(...)``;
+   announcement or upload-lease method through ``<board>.claims`` (or a name bound to it:
+   ``claims = world.board.claims``) go to ``<board>.announcements`` or ``<board>.uploads``;
+   ``<board>.claims.forget_stored(...)`` becomes ``<board>.forget_rounds(...)``;
    a ``NAME = Claims(...)`` whose every use is an upload lease's becomes ``UploadLeases``.
 4. Import paths: ``tensorturn.recipes.result`` → ``tensorturn.predictor`` (the file moves, with
    ``git mv``; pyproject's layers gain ``predictor`` below ``export``, and the concept map of
@@ -185,11 +186,29 @@ def rewrite_calls(path: Path, text: str, report: list[str]) -> str:
             if len(lines[later]) - len(lines[later].lstrip(" ")) > paren:
                 shifts[later] = shifts.get(later, 0) + by
 
+    aliases: dict[str, str] = {}  # a name bound to <board>.claims (``claims = world.board.claims``) → the board
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and len(node.targets) == 1:
+            pairs = ([(node.targets[0], node.value)] if isinstance(node.targets[0], ast.Name) else
+                     list(zip(node.targets[0].elts, node.value.elts))
+                     if isinstance(node.targets[0], ast.Tuple) and isinstance(node.value, ast.Tuple) else [])
+            for target, value in pairs:
+                if (isinstance(target, ast.Name) and isinstance(value, ast.Attribute) and value.attr == "claims"
+                        and is_board(value.value, in_board_file)):
+                    aliases[target.id] = ast.unparse(value.value)
     for node in ast.walk(tree):
         if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
             continue
         func = node.func
         called.add(id(func))
+        if (isinstance(func.value, ast.Name) and func.value.id in aliases
+                and (func.attr in ANNOUNCEMENTS or func.attr in UPLOADS)):
+            row = func.value.lineno - 1
+            start = byte_to_char(lines[row], func.value.col_offset)
+            new = f"{aliases[func.value.id]}.{'announcements' if func.attr in ANNOUNCEMENTS else 'uploads'}"
+            edits.append((row, start, start + len(func.value.id), new))
+            shift(node, len(new) - len(func.value.id))
+            continue
         if func.attr in FORWARDERS and is_board(func.value, in_board_file):
             owner, method = FORWARDERS[func.attr]
             edits.append((*span(lines, func), f"{owner}.{method}"))
