@@ -17,7 +17,9 @@ find is an error, and nothing is written):
    ``tensorturn/state/board.py``. A receiver is a board when its text ends in ``board`` (``board``,
    ``self.board``, ``world.board``), is a call of ``board(...)`` or ``RunBoard(...)``, or is
    ``self`` inside ``state/board.py``. A forwarder named but not called on a board (passed as a
-   function) is an error, for a person to rewrite.
+   function) is an error, for a person to rewrite; one named on the class (``RunBoard.keep`` in a
+   docstring, ``monkeypatch.setattr(RunBoard, "finish_attempt", ...)``) names the structure's class
+   and method (``Runs.keep``, ``Attempts.finish``).
 3. ``Claims`` split (``state/claims.py`` → also ``announcements.py``, ``uploads.py``): calls of an
    announcement or upload-lease method through ``<board>.claims`` (or a name bound to it:
    ``claims = world.board.claims``) go to ``<board>.announcements`` or ``<board>.uploads``;
@@ -226,9 +228,11 @@ def rewrite_calls(path: Path, text: str, report: list[str]) -> str:
                     raise Failed(f"{rel(path)}:{row + 1}: claims.forget_stored split over lines")
                 edits.append((row, start, end, "forget_rounds"))
                 shift(node, len("forget_rounds") - (end - start))
+    # (``board.members.all(...)``, on a tree this script has rewritten, names a structure: not that)
+    structures = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
     for node in ast.walk(tree):  # a forwarder named on a board without a call: a person rewrites it
-        if (isinstance(node, ast.Attribute) and id(node) not in called and node.attr in FORWARDERS
-                and is_board(node.value, in_board_file) and not isinstance(node.ctx, ast.Store)):
+        if (isinstance(node, ast.Attribute) and id(node) not in called | structures and node.attr in FORWARDERS
+                and is_board(node.value, False) and not isinstance(node.ctx, ast.Store)):
             raise Failed(f"{rel(path)}:{node.lineno}: {ast.unparse(node)} is not called: rewrite it by hand")
     for node in ast.walk(tree):  # a board's method called through a name this script cannot tell is a board
         if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in DISTINCT
@@ -245,6 +249,45 @@ def rewrite_calls(path: Path, text: str, report: list[str]) -> str:
     return "".join(lines)
 
 
+CLASSES = {"runs": ("runs", "Runs"), "claims": ("claims", "Claims"), "rounds": ("rounds", "Rounds"),
+           "progress": ("live", "Progress"), "members": ("members", "Members"), "traffic": ("traffic", "Traffic"),
+           "attempts": ("attempts", "Attempts"), "incidents": ("incidents", "Incidents")}
+
+
+def class_references(path: Path, text: str, report: list[str]) -> str:
+    """``RunBoard.<forwarder>`` named on the class — a docstring's :meth: reference, a test's
+    monkeypatch of it — names the structure's class and method instead (the import added)."""
+    def doc(m: re.Match) -> str:
+        if m[3] not in FORWARDERS:
+            return m[0]
+        owner, method = FORWARDERS[m[3]]
+        module, cls = CLASSES[owner]
+        return f"{m[1]}tensorturn.state.{module}.{cls}.{method}"
+
+    text = re.sub(r"(:meth:`~?)(tensorturn\.state\.board\.)?RunBoard\.(\w+)", doc, text)
+    needed: set[tuple[str, str]] = set()
+
+    def code(m: re.Match) -> str:
+        if m[2] not in FORWARDERS:
+            return m[0]
+        owner, method = FORWARDERS[m[2]]
+        module, cls = CLASSES[owner]
+        needed.add((module, cls))
+        return f"{m[1]}{cls}.{method}" if m[1] == "" else f'{m[1]}{cls}, "{method}"'
+
+    text = re.sub(r'(setattr\()RunBoard, "(\w+)"', code, text)
+    text = re.sub(r"()(?<![.\w`])RunBoard\.(\w+)\b(?!`)", code, text)
+    for module, cls in sorted(needed):
+        line = f"from tensorturn.state.{module} import {cls}"
+        if line not in text:
+            text, n = re.subn(r"^(\s*)(from tensorturn\.state\.board import RunBoard\n)",
+                              lambda m, line=line: m[1] + m[2] + m[1] + line + "\n", text, count=1, flags=re.M)
+            if n != 1:
+                raise Failed(f"{rel(path)}: names RunBoard's forwarders on the class but does not import RunBoard")
+        report.append(f"{rel(path)}: RunBoard.<forwarder> → {cls}")
+    return text
+
+
 def rename_attributes(text: str) -> str:
     for old, new in ATTRIBUTES.items():
         text = re.sub(rf"\.{old}\b", f".{new}", text)
@@ -254,7 +297,7 @@ def rename_attributes(text: str) -> str:
 def drop_forwarders(text: str) -> str:
     """``state/board.py`` without RunBoard's forwarding methods (and the section comments left
     with nothing under them), its docstring saying so."""
-    if BOARD_DOC[0] not in text:
+    if BOARD_DOC[0] not in text and BOARD_DOC[1] not in text:
         raise Failed(f"{BOARD_FILE}: its docstring's paragraph on forwarders is not as expected")
     text = text.replace(BOARD_DOC[0], BOARD_DOC[1])
     tree = ast.parse(text)
@@ -342,6 +385,7 @@ def main(check: bool) -> int:
             text = drop_compat(before)
             text = rewrite_calls(path, text, report)
             text = rename_attributes(text)
+            text = class_references(path, text, report)
             if rel(path) == BOARD_FILE:
                 text = drop_forwarders(text)
             text = uploads_by_name(path, text, report)
