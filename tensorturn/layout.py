@@ -209,13 +209,13 @@ def stored_key(run_id: str, r: int) -> str:
 
 def standby_key(run_id: str, r: int) -> str:
     """Fused: round r is complete — the list the slot of round r+1 standing by to take round
-    r's outer step waits on (:meth:`tensorturn.state.claims.Claims.await_complete`)."""
+    r's outer step waits on (:meth:`tensorturn.state.announcements.Announcements.await_complete`)."""
     return run_key(run_id, f"complete-r{r}")
 
 
 def global_stored_key(run_id: str, r: int) -> str:
     """Fused: θ_r is stored — the list round r's slots, queued while θ_r was being stepped, wait
-    on (:meth:`tensorturn.state.claims.Claims.await_global`)."""
+    on (:meth:`tensorturn.state.announcements.Announcements.await_global`)."""
     return run_key(run_id, f"global-r{r}")
 
 

@@ -1,9 +1,11 @@
-"""``pause``, ``unpause`` and ``policy``: a machine's owner comes first
-(:mod:`tensorturn.pool.owner`). ``resume MACHINE``, its name before ``unpause``, still works
-(:mod:`tensorturn.cli.run`) with a note: ``resume`` is a run's verb."""
+"""``pause``, ``unpause`` and ``rules``: a machine's owner comes first
+(:mod:`tensorturn.pool.owner`). Older names still work: ``policy MACHINE`` for ``rules`` (a
+"policy" is a fused run's sync policy now), and ``resume MACHINE`` for ``unpause``
+(:mod:`tensorturn.cli.run`, with a note: ``resume`` is a run's verb)."""
 
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Callable
 
@@ -15,8 +17,8 @@ from tensorturn.errors import TensorTurnError
 MACHINE = click.argument("machine", metavar="MACHINE")
 
 
-def policy_options(fn: Callable) -> Callable:
-    """The policy's flags, shared by ``agent`` (its policy from the start) and ``policy``."""
+def rules_options(fn: Callable) -> Callable:
+    """The owner's rules as flags, shared by ``agent`` (its rules from the start) and ``rules``."""
     for decorate in reversed((
         click.option("--hours", default=None, metavar="HH:MM-HH:MM",
                      help="Work only in these local hours, e.g. 22:00-08:00 (ranges comma-separated; "
@@ -34,7 +36,7 @@ def policy_options(fn: Callable) -> Callable:
 
 
 def unpause_machine(broker: str, machine: str, as_json: bool) -> None:
-    """`tensorturn unpause MACHINE`: end the machine's pause (its policy — hours, battery, a busy
+    """`tensorturn unpause MACHINE`: end the machine's pause (its rules — hours, battery, a busy
     CPU — may still hold it)."""
     from tensorturn.runs import owners
 
@@ -42,9 +44,9 @@ def unpause_machine(broker: str, machine: str, as_json: bool) -> None:
     if as_json:
         emit_json(doc)
     elif doc["was_paused"]:
-        click.echo(f"{doc['machine']} resumes within a few seconds, unless its policy holds it")
+        click.echo(f"{doc['machine']} resumes within a few seconds, unless its rules hold it")
     else:
-        click.echo(f"{doc['machine']} was not paused by `tensorturn pause` (its policy may hold it: "
+        click.echo(f"{doc['machine']} was not paused by `tensorturn pause` (its rules may hold it: "
                    f"see `tensorturn workers`)")
 
 
@@ -82,7 +84,7 @@ def pause(broker, store, machine, reason, as_json):
 @pool_options()
 def unpause(broker, store, machine, as_json):
     """End MACHINE's pause (`tensorturn pause MACHINE`): it takes tasks again within a few
-    seconds, unless its policy (hours, battery, a busy CPU or GPU) holds it.
+    seconds, unless its rules (hours, battery, a busy CPU or GPU) hold it.
 
     MACHINE is the agent's name as `workers` lists it (NAME@host), or NAME alone.
     """
@@ -91,34 +93,40 @@ def unpause(broker, store, machine, as_json):
 
 @cli.command()
 @MACHINE
-@policy_options
-@click.option("--clear", is_flag=True, help="Back to the policy the agent was started with.")
+@rules_options
+@click.option("--clear", is_flag=True, help="Back to the rules the agent was started with.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @pool_options()
-def policy(broker, store, machine, hours, pause_on_battery, pause_when_busy, pause_when_gpu_shared,
-           clear, as_json):
-    """Set MACHINE's policy while its agent runs (it replaces the one the agent was started
+def rules(broker, store, machine, hours, pause_on_battery, pause_when_busy, pause_when_gpu_shared,
+          clear, as_json):
+    """Set MACHINE's owner rules while its agent runs (they replace those the agent was started
     with, until --clear): the hours it may work, and when it steps aside for its owner.
 
     \b
-      tensorturn policy gaming-pc --hours 22:00-08:00 --pause-when-busy 30
-      tensorturn policy laptop --pause-on-battery
+      tensorturn rules gaming-pc --hours 22:00-08:00 --pause-when-busy 30
+      tensorturn rules laptop --pause-on-battery
     """
-    from tensorturn.pool.owner import Policy
+    from tensorturn.pool.owner import OwnerRules
     from tensorturn.runs import owners
 
     given = (hours, pause_on_battery, pause_when_busy, pause_when_gpu_shared)
     if clear and any(v is not None for v in given):
-        raise click.UsageError("--clear goes alone: it drops the policy set here")
+        raise click.UsageError("--clear goes alone: it drops the rules set here")
     if not clear and all(v is None for v in given):
-        raise click.UsageError("say what the policy is (--hours, --pause-on-battery, --pause-when-busy, "
+        raise click.UsageError("say what the rules are (--hours, --pause-on-battery, --pause-when-busy, "
                                "--pause-when-gpu-shared), or --clear")
-    rule = None if clear else Policy(hours=hours, on_battery=bool(pause_on_battery),
-                                     busy_percent=pause_when_busy or 0.0,
-                                     gpu_shared=bool(pause_when_gpu_shared))
-    doc = owners.set_policy(_need(broker, "policy"), machine, None if rule is None else rule.to_json())
+    rule = None if clear else OwnerRules(hours=hours, on_battery=bool(pause_on_battery),
+                                         busy_percent=pause_when_busy or 0.0,
+                                         gpu_shared=bool(pause_when_gpu_shared))
+    doc = owners.set_rules(_need(broker, "rules"), machine, None if rule is None else rule.to_json())
     if as_json:
         emit_json({**doc, "policy": None if rule is None else json.loads(rule.to_json())})
     else:
-        click.echo(f"{doc['machine']}: " + ("back to the policy it was started with" if rule is None
+        click.echo(f"{doc['machine']}: " + ("back to the rules it was started with" if rule is None
                                             else rule.describe()) + " (within a second)")
+
+
+# `tensorturn policy MACHINE ...`, the command's name before "policy" was left to the sync policies
+policy = copy.copy(rules)
+policy.hidden = True
+cli.add_command(policy, "policy")

@@ -8,7 +8,7 @@ import click
 
 from tensorturn import config
 from tensorturn.cli import cli, debug_option, pool_options, stop_on_signals
-from tensorturn.cli.owner import policy_options
+from tensorturn.cli.owner import rules_options
 from tensorturn.errors import TensorTurnError
 
 
@@ -53,7 +53,7 @@ def agent_flags(settings: config.Settings, broker: str | None, options: dict[str
               help="How tasks run: in forked pool processes (prefork) or on a thread of the agent's "
                    "own process (threads) [default: TENSORTURN_AGENT_POOL, else prefork on Linux, "
                    "threads on Windows and macOS, which cannot fork a process that loaded torch].")
-@policy_options
+@rules_options
 @pool_options(flags=agent_flags)
 def agent(broker, store, name, concurrency, memory_gb, cache_gb, role, loglevel, pool, hours,
           pause_on_battery, pause_when_busy, pause_when_gpu_shared):
@@ -77,8 +77,8 @@ def agent(broker, store, name, concurrency, memory_gb, cache_gb, role, loglevel,
     
     The owner comes first: a gaming PC that trains at night, a laptop that stops on battery:
       tensorturn agent --join-file join --name gaming-pc --hours 22:00-08:00 --pause-when-busy 30
-    Paused, it hands its running task back within a few seconds and takes nothing new until the
-    policy allows; `tensorturn pause/unpause/policy MACHINE` change it from any machine.
+    Paused, it hands its running task back within a few seconds and takes nothing new until its
+    rules allow; `tensorturn pause/unpause/rules MACHINE` change it from any machine.
     """
     import os
 
@@ -99,9 +99,9 @@ def agent(broker, store, name, concurrency, memory_gb, cache_gb, role, loglevel,
     from tensorturn.pool.routing import check_role
 
     check_role(role or config.current().role)  # TENSORTURN_ROLE may say anything
-    from tensorturn.pool.owner import Policy
+    from tensorturn.pool.owner import OwnerRules
 
-    Policy.from_settings(config.current())  # bad hours: one clear line now, not a silent agent
+    OwnerRules.from_settings(config.current())  # bad hours: one clear line now, not a silent agent
     from tensorturn.pool.threads import pool_of
 
     pool_of(config.current())  # a bad TENSORTURN_AGENT_POOL: the same

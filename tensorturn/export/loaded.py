@@ -56,7 +56,7 @@ class ExportedModel:
     @property
     def module(self) -> nn.Module:
         """One module: the fused model, or the ensemble whose forward pass returns its vote in the
-        form one member's output takes (:class:`tensorturn.recipes.result.EnsembleModel`). It
+        form one member's output takes (:class:`tensorturn.recipes.vote.EnsembleModel`). It
         takes *preprocessed* inputs: ``recipe.preprocess(raw)``."""
         return self.predictor.as_model()
 

@@ -92,7 +92,7 @@ def distill_spec(teacher: str, store: str, run_id: str = "", student: dict[str, 
     and the shards any fused run gets: :func:`tensorturn.modes.fused.default_shards`)."""
     from tensorturn.modes.fused import default_shards
     from tensorturn.recipes import check_name, resolve
-    from tensorturn.recipes.check import check_contract
+    from tensorturn.recipes.contract import check_contract
     from tensorturn.store.objects import open_store
 
     check_settings(temperature, alpha, top_k, mixup)

@@ -21,7 +21,7 @@ import torch
 
 from tensorturn import layout, trust
 from tensorturn.recipes import Recipe
-from tensorturn.recipes.check import check_contract
+from tensorturn.recipes.contract import check_contract
 from tensorturn.recipes.result import load_result
 from tensorturn.spec import RunState, new_run_id
 from tensorturn.state.manifest import finished_ensemble

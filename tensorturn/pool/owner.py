@@ -1,10 +1,12 @@
 """The owner comes first: an agent that steps aside while its machine's owner needs it.
 
 A gaming PC trains at night and is played on in the evening; a laptop runs on battery; a
-workstation is used by day. Each agent has a **policy** — allowed hours, pause on battery, pause
-while other processes keep the CPU busy or use the GPU — from its command line
+workstation is used by day. Each agent has its owner's **rules** (:class:`OwnerRules`; no relation
+to a fused run's sync policy) — allowed hours, pause on battery, pause while other processes keep
+the CPU busy or use the GPU — from its command line
 (``tensorturn agent --hours 22:00-08:00 --pause-on-battery ...``) or ``TENSORTURN_*`` variables,
-replaced while it runs by ``tensorturn policy MACHINE ...`` from any machine holding the join file,
+replaced while it runs by ``tensorturn rules MACHINE ...`` (``policy``, its older name, still
+works) from any machine holding the join file,
 and the owner may pause it outright (``tensorturn pause MACHINE`` / ``unpause``).
 
 :class:`OwnerWatch` (a worker bootstep, on a thread of its own) looks every second. When the
@@ -16,7 +18,7 @@ machine should step aside it
    hands itself back within about a second (:class:`HandedBack`): the attempt is recorded
    ``handed back``, costs none of the run's attempts, and its message goes back to the queue for
    another machine — from the same weights with the same seed, so the same result;
-3. and when the policy allows again, consumes its queues again.
+3. and when the rules allow again, consumes its queues again.
 
 A round's slot waiting for its weights reads the same field and hands itself back too.
 Outer steps and evaluations finish first (they are short: the outer step runs in the task of a
@@ -26,7 +28,7 @@ The readings (hours, battery, CPU, GPU) are the machine's own, so the hours are 
 time — the owner's clock, not the broker's. CPU: the share of all cores that processes other than
 this agent and its pool used since the last look, over :data:`BUSY_LOOKS` looks in a row to pause
 and :data:`CALM_LOOKS` to resume (a game's loading screen must not flap the agent). GPU: another
-process on it, from ``nvidia-smi`` (where there is none, the policy has nothing to read).
+process on it, from ``nvidia-smi`` (where there is none, the rules have nothing to read).
 """
 
 from __future__ import annotations
@@ -68,11 +70,12 @@ class HandedBack(Exception):
     run's attempts, and its task goes back to the queue for another machine."""
 
 
-# ---- the policy --------------------------------------------------------------------------------
+# ---- the owner's rules -------------------------------------------------------------------------
 
 @dataclass(frozen=True)
-class Policy:
-    """When an agent steps aside. ``hours``: the local times it may work, ``HH:MM-HH:MM``
+class OwnerRules:
+    """When an agent steps aside for its machine's owner (stored in the owner's ``policy`` mark,
+    the field's name since before these were called rules). ``hours``: the local times it may work, ``HH:MM-HH:MM``
     ranges, comma-separated (a range may pass midnight); None: any time. ``busy_percent``: pause
     while other processes use more than this share of the CPU (0: never)."""
 
@@ -88,7 +91,7 @@ class Policy:
             raise SpecError(f"the CPU threshold must be a percentage from 0 to 100 (got {self.busy_percent:g})")
 
     @classmethod
-    def from_settings(cls, settings: config.Settings) -> Policy:
+    def from_settings(cls, settings: config.Settings) -> OwnerRules:
         return cls(hours=settings.hours or None, on_battery=bool(settings.pause_on_battery),
                    busy_percent=float(settings.pause_busy_percent), gpu_shared=bool(settings.pause_gpu_shared))
 
@@ -96,7 +99,7 @@ class Policy:
         return json.dumps(asdict(self), sort_keys=True)
 
     @classmethod
-    def from_json(cls, text: str) -> Policy:
+    def from_json(cls, text: str) -> OwnerRules:
         doc = json.loads(text)
         return cls(hours=doc.get("hours"), on_battery=bool(doc.get("on_battery")),
                    busy_percent=float(doc.get("busy_percent") or 0), gpu_shared=bool(doc.get("gpu_shared")))
@@ -145,15 +148,15 @@ class Readings:
     gpu_others: list[tuple[int, float]] = field(default_factory=list)  # (pid, MiB) of others on the GPU
 
 
-def why_paused(policy: Policy, readings: Readings) -> str | None:
-    """Why the policy wants the machine left alone now, in words; None when it may work."""
-    if policy.hours and not within_hours(policy.hours, readings.local_time):
-        return f"outside hours ({policy.hours})"
-    if policy.on_battery and readings.on_battery:
+def why_paused(rules: OwnerRules, readings: Readings) -> str | None:
+    """Why the owner's rules want the machine left alone now, in words; None when it may work."""
+    if rules.hours and not within_hours(rules.hours, readings.local_time):
+        return f"outside hours ({rules.hours})"
+    if rules.on_battery and readings.on_battery:
         return "on battery"
-    if policy.busy_percent and readings.others_busy:  # (not the live figure: the reason stays put)
-        return f"owner: other processes use over {policy.busy_percent:g}% of the CPU"
-    if policy.gpu_shared and readings.gpu_others:
+    if rules.busy_percent and readings.others_busy:  # (not the live figure: the reason stays put)
+        return f"owner: other processes use over {rules.busy_percent:g}% of the CPU"
+    if rules.gpu_shared and readings.gpu_others:
         pid, mib = readings.gpu_others[0]
         return f"owner: another process uses the GPU (pid {pid}, {mib / 1024:.1f} GB)"
     return None
@@ -279,7 +282,7 @@ class Standing:
 
     def __init__(self) -> None:
         self.paused: str | None = None
-        self.policy: Policy | None = None
+        self.rules: OwnerRules | None = None
         self.quarantined = False  # as its last heartbeat read its quarantine mark
         self.marks: dict[str, int] = {}  # the owner's marks it holds, by field: their numbers
 
@@ -289,7 +292,7 @@ standing = Standing()
 
 class OwnerWatch(bootsteps.StartStopStep):
     """Worker bootstep: look at the owner's marks and the machine every :data:`LOOK_S`, and
-    step aside (or back) as the policy says.
+    step aside (or back) as the owner's rules say.
 
     What it wants (``standing.paused``) and what Celery does are kept apart: each look asks the
     event loop (:meth:`apply`, on the loop's thread, where Celery's consumer lives) to make the
@@ -322,7 +325,7 @@ class OwnerWatch(bootsteps.StartStopStep):
 
     def keep(self, client: Any) -> None:
         settings = config.current()
-        local = Policy.from_settings(settings)
+        local = OwnerRules.from_settings(settings)
         owners = Owners(client)
         node = self.worker.hostname
         self.marks = MarkMemory(node, self.worker.tt_incarnation, trust.find_key(),  # (the Heartbeat step's)
@@ -332,25 +335,25 @@ class OwnerWatch(bootsteps.StartStopStep):
             try:
                 self.look(owners, local)
             except Exception as exc:  # noqa: BLE001 - the broker may be restarting: the next look
-                log.warning("owner policy: %s", exc)
+                log.warning("owner rules: %s", exc)
             if self.stopping.wait(LOOK_S):
                 return
 
-    def look(self, owners: Owners, local: Policy) -> None:
+    def look(self, owners: Owners, local: OwnerRules) -> None:
         node = self.worker.hostname
         took = self.marks.take(owners.read(node, trust.find_key()))
         marks = self.marks.values()
         try:
-            policy = Policy.from_json(marks["policy"]) if "policy" in marks else local
+            rules = OwnerRules.from_json(marks["policy"]) if "policy" in marks else local
         except (ValueError, SpecError) as exc:
-            log.warning("ignored the policy set for %s: %s", node, exc)
-            policy = local
+            log.warning("ignored the rules set for %s: %s", node, exc)
+            rules = local
         readings = Readings(local_time=datetime.now().time(),
-                            on_battery=on_battery() if policy.on_battery else None,
-                            others_busy=self.cpu.look(policy.busy_percent), others_percent=self.cpu.percent,
-                            gpu_others=gpu_others({p.pid for p in own_processes()}) if policy.gpu_shared else [])
-        why = ("owner: " + marks["paused"]) if "paused" in marks else why_paused(policy, readings)
-        standing.policy = policy
+                            on_battery=on_battery() if rules.on_battery else None,
+                            others_busy=self.cpu.look(rules.busy_percent), others_percent=self.cpu.percent,
+                            gpu_others=gpu_others({p.pid for p in own_processes()}) if rules.gpu_shared else [])
+        why = ("owner: " + marks["paused"]) if "paused" in marks else why_paused(rules, readings)
+        standing.rules = rules
         consumer = getattr(self.worker, "consumer", None)
         if consumer is not None and consumer.task_consumer is not None:
             consumer.call_soon(self.apply)  # until Celery does what is wanted (idempotent)
@@ -386,7 +389,7 @@ class OwnerWatch(bootsteps.StartStopStep):
 
 
 class MarkMemory:
-    """The owner's last word, kept by the agent: for each mark (``paused``, ``policy``) the
+    """The owner's last word, kept by the agent: for each mark (``paused``, ``policy``: the rules) the
     newest signed one it took (:class:`tensorturn.state.owners.Mark`). A broker that loses a
     mark (an ``HDEL`` by someone with only the Redis password, a restart without its data)
     changes nothing here: only a newer signed mark does — ``unpause`` writes one saying nothing.

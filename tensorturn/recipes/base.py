@@ -54,8 +54,8 @@ class Recipe:
 
     One rule measures both modes: a fused run's model and an ensemble are both measured by
     ``evaluate`` — an ensemble as one model whose forward pass returns its vote (the log of the
-    combined probabilities, or the combined values: ``artifact.EnsembleModel``), so a recipe's
-    own ``evaluate`` gives the same figures, of the same meaning, in both modes. (Under ``--vote
+    combined probabilities, or the combined values: :class:`~tensorturn.recipes.vote.EnsembleModel`),
+    so a recipe's own ``evaluate`` gives the same figures, of the same meaning, in both modes. (Under ``--vote
     hard`` the ensemble's ``loss`` is that of its mean probability: vote shares are no
     probabilities.) A recipe that overrides ``evaluate`` reports metrics in the user's units
     itself: pass predictions and targets through ``unscale_targets``.

@@ -4,7 +4,8 @@ ensemble vote, evaluation, ``tensorturn serve``, ``check-recipe``) asks the kind
 classification.
 
 * ``classification`` (and ``language_model``, whose "classes" are the next token after a window):
-  outputs are class probabilities; the ensemble takes their mean (``soft``) or a majority (``hard``); metrics
+  outputs are class probabilities; the ensemble takes their mean (``soft``) or a majority (``hard``,
+  :mod:`tensorturn.recipes.vote`); metrics
   are accuracy and NLL; the API serves ``label`` and ``probabilities`` (and ``class_name`` when the
   recipe names its ``classes``).
 * ``regression``: outputs are the predicted values; the ensemble takes their mean (the vote rule
@@ -24,10 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tensorturn.recipes.vote import hard, soft
+
 KINDS = ("classification", "language_model", "regression")
-# a hard vote's winner is raised by this much of its share: far above float32's resolution
-# (2**-24), so it stays the largest through log and softmax, and small enough to read as a share
-TIE_MARGIN = 2.0 ** -16
 
 
 @dataclass(frozen=True)
@@ -60,24 +60,9 @@ class Kind:
         return torch.log(combine(torch.softmax(raw.float(), dim=-1)).clamp_min(1e-12))
 
     def combine(self, per_member: torch.Tensor, vote: str) -> torch.Tensor:
-        """One output per row from every member's (``[members, rows, ...]``).
-
-        Soft: the mean probability. Hard: each member's top class is one vote; the result is the
-        vote shares, the winner's raised by :data:`TIE_MARGIN` of itself. The winner is chosen
-        exactly — most votes, then the higher mean probability, then the lower class number — and
-        the margin is one float32 keeps through ``log`` and ``softmax``, so the label served
-        (argmax here) and the one an ensemble's ``evaluate`` measures (argmax after
-        :meth:`ensemble_forward` and the recipe's softmax) are the same class. (A tie-break added
-        as ``1e-6 * mean`` was below float32's resolution at a vote share: ties went to the first
-        class when served and to another after the log, and the two disagreed.)"""
-        mean = per_member.mean(0)
-        if vote != "hard":
-            return mean
-        counts = F.one_hot(per_member.argmax(-1), mean.shape[-1]).float().sum(0)  # exact integers
-        leading = counts == counts.amax(-1, keepdim=True)
-        winner = torch.where(leading, mean.float(), -torch.inf).argmax(-1, keepdim=True)
-        votes = counts / per_member.shape[0]
-        return votes.scatter(-1, winner, votes.gather(-1, winner) * (1 + TIE_MARGIN))
+        """One output per row from every member's (``[members, rows, ...]``): the mean
+        probability (``soft``) or the vote shares (``hard``, :func:`tensorturn.recipes.vote.hard`)."""
+        return hard(per_member) if vote == "hard" else soft(per_member)
 
     def metrics(self, combined: torch.Tensor, y: torch.Tensor, probabilities: torch.Tensor | None = None
                 ) -> dict[str, float]:
@@ -127,7 +112,7 @@ class Regression(Kind):
         return combine(raw.float())
 
     def combine(self, per_member: torch.Tensor, vote: str) -> torch.Tensor:
-        return per_member.mean(0)
+        return soft(per_member)  # the vote rule does not apply to values
 
     def metrics(self, combined: torch.Tensor, y: torch.Tensor, probabilities: torch.Tensor | None = None
                 ) -> dict[str, float]:

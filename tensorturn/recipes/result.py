@@ -16,6 +16,7 @@ from tensorturn.errors import RecipeError, TensorTurnError
 from tensorturn.recipes import BUILTIN, Recipe, resolve
 from tensorturn.recipes.answer import Prediction
 from tensorturn.recipes.learned import restore
+from tensorturn.recipes.vote import EnsembleModel
 from tensorturn.spec import RunState
 from tensorturn.store.objects import ObjectMissing, Store, sha256_hex
 from tensorturn.store.tensors import ENSEMBLE_FORMAT, MODEL_FORMAT, from_bytes, header_of, metadata_of
@@ -92,7 +93,7 @@ class Predictor:
 
     def as_model(self, vote: str | None = None) -> nn.Module:
         """The result as one model for ``Recipe.evaluate``: the fused model, or the ensemble
-        (:class:`EnsembleModel`) voting by ``vote`` (default: its own rule)."""
+        (:class:`~tensorturn.recipes.vote.EnsembleModel`) voting by ``vote`` (default: its own rule)."""
         if self.vote == "single":
             return self.models[0]
         return EnsembleModel(self.recipe, self.models, vote or self.vote)
@@ -178,23 +179,6 @@ def check_shapes(recipe: Recipe, config: dict[str, Any], shapes: Mapping[str, li
 
 def _line(exc: BaseException) -> str:
     return " ".join(str(exc).split()) or type(exc).__name__
-
-
-class EnsembleModel(nn.Module):
-    """An ensemble as one model, so that a recipe's ``evaluate`` measures its vote the way it
-    measures a fused model: the forward pass returns what one member's would, with the vote in
-    it (the recipe's kind says how: ``Kind.ensemble_forward`` — for classification, logits whose
-    softmax is the combined probability; for regression, the combined values). Members' outputs
-    are combined by ``Recipe.combine``, as when served."""
-
-    def __init__(self, recipe: Recipe, models: list[nn.Module], vote: str):
-        super().__init__()
-        self.members = nn.ModuleList(models)
-        self.recipe, self.vote = recipe, vote
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        raw = torch.stack([m(x) for m in self.members])
-        return self.recipe.kind.ensemble_forward(raw, lambda p: self.recipe.combine(p, self.vote))
 
 
 def load_result(store: Store, run_id: str, allow: Collection[str] = ()) -> tuple[Predictor, dict[str, Any]]:

@@ -1,5 +1,5 @@
 """What a machine's owner asks of its agent from any machine holding the join file: pause it,
-unpause it, change its policy (:mod:`tensorturn.pool.owner` is the agent's side)."""
+unpause it, change its rules (:mod:`tensorturn.pool.owner` is the agent's side)."""
 
 from __future__ import annotations
 
@@ -91,10 +91,11 @@ def _held_pause(client: Any, name: str) -> bool:
     return bool(me and me["verified"] and me["state"] == "paused" and "paused" in me["owner"])
 
 
-def set_policy(broker_url: str, machine: str, policy_json: str | None) -> dict[str, Any]:
-    """Replace ``machine``'s policy (JSON of :class:`tensorturn.pool.owner.Policy`) while it
-    runs; None: back to the one it was started with."""
+def set_rules(broker_url: str, machine: str, rules_json: str | None) -> dict[str, Any]:
+    """Replace ``machine``'s owner rules (JSON of :class:`tensorturn.pool.owner.OwnerRules`) while
+    it runs; None: back to the ones it was started with. They go in the owner's ``policy`` mark,
+    and the answer names them ``policy`` (the JSON of ``tensorturn rules --json``)."""
     client = check_broker(broker_url)
     name, incarnation, held = target(client, machine)
-    mark = Owners(client).set(name, incarnation, "policy", policy_json, trust.pool_key(), held.get("policy", 0))
-    return {"machine": name, "policy": policy_json, "seq": mark.seq}
+    mark = Owners(client).set(name, incarnation, "policy", rules_json, trust.pool_key(), held.get("policy", 0))
+    return {"machine": name, "policy": rules_json, "seq": mark.seq}

@@ -41,7 +41,7 @@ from starlette.responses import Response
 
 from tensorturn.errors import TensorTurnError
 from tensorturn.recipes.answer import Prediction, encode_answer, share
-from tensorturn.recipes.check import check_contract
+from tensorturn.recipes.contract import check_contract
 from tensorturn.recipes.result import Predictor, load_result
 from tensorturn.serve import tokens
 from tensorturn.serve.auth import Authenticator, AuthError, FailureCounter, TokenCache

@@ -2,7 +2,8 @@
 that each own one structure — :class:`~tensorturn.state.runs.Runs` (the run's hash, the list of
 runs), :class:`~tensorturn.state.rounds.Rounds`, :class:`~tensorturn.state.members.Members`,
 :class:`~tensorturn.state.attempts.Attempts`, :class:`~tensorturn.state.incidents.Incidents`,
-:class:`~tensorturn.state.claims.Claims`, :class:`~tensorturn.state.traffic.Traffic`, the live
+:class:`~tensorturn.state.claims.Claims`, :class:`~tensorturn.state.announcements.Announcements`,
+:class:`~tensorturn.state.uploads.UploadLeases`, :class:`~tensorturn.state.traffic.Traffic`, the live
 hash (:class:`~tensorturn.state.live.Progress`) and the machines
 (:class:`~tensorturn.state.workers.Workers`).
 
@@ -25,6 +26,7 @@ from typing import Any
 from tensorturn import config, layout
 from tensorturn.config import mask_text
 from tensorturn.spec import FINISHED, RunSpec, RunState
+from tensorturn.state.announcements import Announcements
 from tensorturn.state.attempts import Attempts, Figures
 from tensorturn.state.claims import Claims
 from tensorturn.state.housekeeping import maybe_prune
@@ -35,6 +37,7 @@ from tensorturn.state.members import Members
 from tensorturn.state.rounds import Rounds
 from tensorturn.state.runs import Runs, encode, read_state, state_of
 from tensorturn.state.traffic import Traffic
+from tensorturn.state.uploads import UploadLeases
 from tensorturn.state.workers import Workers
 
 # Read whole keys in one command. KEYS: the keys; ARGV: each key's kind, 'hash' or 'list'.
@@ -84,6 +87,8 @@ class RunBoard:
         self.round_log = Rounds(client)
         self.member_log = Members(client)
         self.claims = Claims(client)
+        self.announcements = Announcements(client)
+        self.uploads = UploadLeases(client)
         self.traffic = Traffic(client)
         self.progress = Progress(client)
         self.workers = Workers(client)
@@ -181,6 +186,15 @@ class RunBoard:
 
     def unclaimed_shards(self, run_id: str, r: int, shards: int) -> list[int]:
         return self.claims.unclaimed_shards(run_id, r, shards)
+
+    def forget_rounds(self, run_id: str, rounds: range) -> None:
+        """No shard of ``rounds`` counted stored, and nothing announced of them (a resume: their
+        tasks mark what is stored again, so a shard lost from the store is not counted); one
+        round trip."""
+        pipe = self.r.pipeline(transaction=False)
+        self.claims.forget_stored(run_id, rounds, pipe)
+        self.announcements.forget(run_id, rounds, pipe)
+        pipe.execute()
 
     # -- rounds, and what running tasks report --
     def record_round(self, run_id: str, round_: int, info: dict[str, Any]) -> None:

@@ -1,6 +1,9 @@
 """Who does what once in a run: one-time dispatches (``tt:run:<id>:claims``), which shard each
 slot of a round trains (``slots-r<r>``, ``owners``), and which shards of a round are stored
-(``stored-r<r>``: the last one queues the outer step, and backup copies stop).
+(``stored-r<r>``: the last one takes the outer step, and backup copies stop).
+
+What a waiting task is told is :mod:`tensorturn.state.announcements`; which shards of an
+overlapped round are still uploading is :mod:`tensorturn.state.uploads`.
 
 Every claim name comes from :mod:`tensorturn.layout` (``dispatch_claim``, ``backup_claim``, ...).
 """
@@ -10,14 +13,10 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
-import redis
-
 from tensorturn import layout
-from tensorturn.state.broker import lease_client
+from tensorturn.state.announcements import Announcements  # compat(reshape-3)
 from tensorturn.state.clock import broker_now
-
-BLOCKING_SLACK_S = 5  # a blocking wait's connection gives up this long after the wait
-ANNOUNCED_KEEP_S = 24 * 3600  # how long a round's "θ stored" announcement is kept (waiters come within a lease)
+from tensorturn.state.uploads import UploadLeases  # compat(reshape-3)
 
 # A round's slot → the shard it trains (see Claims.claim_shard). KEYS: the round's slots, the run's
 # owners; ARGV: slot, worker, shards, then the shards whose data this worker holds. Preference: a
@@ -64,12 +63,12 @@ return best
 """
 
 
-class Claims:
-    """A run's one-time claims and shard assignments."""
+class Claims(Announcements, UploadLeases):  # compat(reshape-3) -> class Claims:
+    """A run's one-time claims, shard assignments and stored marks."""
 
     def __init__(self, client: Any):
         self.r = client
-        self.blocking: Any = None  # for blocking waits: a client whose calls give up (lease_client)
+        self.blocking: Any = None  # compat(reshape-3)
 
     def claim(self, run_id: str, what: str) -> bool:
         """True the first time ``what`` is claimed for this run (guards one-time dispatches)."""
@@ -135,7 +134,8 @@ class Claims:
     def note_stored(self, run_id: str, r: int, k: int, worker: str, shards: int = 0) -> tuple[int, float | None]:
         """Shard ``k`` of round ``r`` is stored: how many of the round's shards are (a shard
         marked again — a redelivery — counts once), and how long round r−1 took to end — from
-        its second-to-last shard stored to θ_r announced (:meth:`announce_global`), by the
+        its second-to-last shard stored to θ_r announced
+        (:meth:`~tensorturn.state.announcements.Announcements.announce_global`), by the
         broker's clock — if known; one command. ``shards``: the round's count, so that its
         second-to-last shard notes the time."""
         count, end_ms = self.r.eval(_NOTE_STORED, 2, layout.stored_key(run_id, r), layout.run_key(run_id, "ends"),
@@ -161,50 +161,13 @@ class Claims:
         return bool(self.r.eval(_RELEASE_UNLESS_COMPLETE, 2, layout.stored_key(run_id, r),
                                 layout.run_key(run_id, "claims"), shards, what, holder))
 
-    def announce_complete(self, run_id: str, r: int) -> None:
-        """Round r's shards are all stored: the slot standing by to take its outer step goes on
-        (one command; a run's keys are given an expiry once it finishes)."""
-        self.r.rpush(layout.standby_key(run_id, r), "complete")
-
-    def await_complete(self, run_id: str, r: int, timeout_s: int) -> bool:
-        """Wait up to ``timeout_s`` (whole seconds) for :meth:`announce_complete`; whether it
-        came (taken: one slot stands by). A broker that does not answer counts as no
-        announcement."""
-        if self.blocking is None:
-            self.blocking = lease_client(self.r, timeout_s + BLOCKING_SLACK_S)
-        try:
-            return self.blocking.brpop([layout.standby_key(run_id, r)], timeout_s) is not None
-        except (redis.ConnectionError, redis.TimeoutError):
-            return False
-
-    def announce_global(self, run_id: str, r: int) -> None:
-        """θ_r is stored: the slots of round r waiting for it go on; and round r−1's end is
-        timed (:meth:`note_stored`). One command."""
-        self.r.eval(_ANNOUNCE_GLOBAL, 2, layout.global_stored_key(run_id, r), layout.run_key(run_id, "ends"),
-                    r, ANNOUNCED_KEEP_S)
-
-    def await_global(self, run_id: str, r: int, timeout_s: int) -> bool:
-        """Wait up to ``timeout_s`` (whole seconds) for θ_r's announcement; whether it came. A
-        blocking pop that pushes what it popped back onto the same list: every waiter sees the
-        one announcement, and one that comes later sees it at once. On a connection of its own
-        that gives up a few seconds after the wait (a link dropped mid-wait is not waited on for
-        hours); a broker that does not answer counts as no announcement."""
-        key = layout.global_stored_key(run_id, r)
-        if self.blocking is None:
-            self.blocking = lease_client(self.r, timeout_s + BLOCKING_SLACK_S)
-        try:
-            return self.blocking.brpoplpush(key, key, timeout_s) is not None
-        except (redis.ConnectionError, redis.TimeoutError):
-            return False
-
-    def forget_stored(self, run_id: str, rounds: range) -> None:
+    def forget_stored(self, run_id: str, rounds: range, pipe: Any = None) -> None:
         """No shard of ``rounds`` counted stored (a resume: its tasks mark what is stored again,
-        so a shard lost from the store is not counted)."""
+        so a shard lost from the store is not counted); in ``pipe`` when given."""
         keys = [layout.stored_key(run_id, r) for r in rounds]
-        keys += [layout.global_stored_key(run_id, r) for r in rounds]  # announcements of weights it steps again
-        keys += [layout.standby_key(run_id, r) for r in rounds]
         if keys:
-            self.r.delete(*keys)
+            (pipe or self.r).delete(*keys)
+        self.forget(run_id, rounds, pipe)  # compat(reshape-3): the announcements too, as board.forget_rounds does
 
     def is_stored(self, run_id: str, r: int, k: int) -> bool:
         return bool(self.r.hexists(layout.stored_key(run_id, r), str(k)))
@@ -213,42 +176,6 @@ class Claims:
         """The shards of round ``r`` stored so far."""
         return {int(k) for k in self.r.hkeys(layout.stored_key(run_id, r))}
 
-    # -- --sync overlap: shards handed over while they upload --
-    def hand_over(self, run_id: str, r: int, k: int, token: str, lease_s: float) -> None:
-        """Shard ``k`` of round ``r`` ended its task and uploads in the background: its upload's
-        lease (held by ``token``, ``lease_s`` seconds unless refreshed) first, then the handed set."""
-        pipe = self.r.pipeline()
-        pipe.set(layout.upload_key(run_id, r, k), token, px=int(lease_s * 1000))
-        pipe.sadd(layout.handed_key(run_id, r), str(k))
-        pipe.execute()
-
-    def refresh_upload(self, run_id: str, r: int, k: int, token: str, lease_s: float) -> bool:
-        """Extend the lease while ``token`` holds it; False when it lapsed or another holds it."""
-        return bool(self.r.eval(_REFRESH_IF_HELD, 1, layout.upload_key(run_id, r, k), token,
-                                int(lease_s * 1000)))
-
-    def upload_ended(self, run_id: str, r: int, k: int, token: str) -> None:
-        """The upload ended (stored, or failed): its lease goes, unless another upload holds it."""
-        self.r.eval(_DELETE_IF_HELD, 1, layout.upload_key(run_id, r, k), token)
-
-    def uploading(self, run_id: str, r: int, k: int) -> bool:
-        return bool(self.r.exists(layout.upload_key(run_id, r, k)))
-
-    def handed(self, run_id: str, r: int) -> set[int]:
-        """Round ``r``'s shards whose task ended: stored, or uploading (or its upload lost)."""
-        return {int(k) for k in self.r.smembers(layout.handed_key(run_id, r))}
-
-    def take_back(self, run_id: str, r: int, k: int) -> bool:
-        """Shard ``k`` of round ``r`` is to be trained again (its upload was lost): True for the
-        one caller that took it back."""
-        return bool(self.r.srem(layout.handed_key(run_id, r), str(k)))
-
-    def forget_uploads(self, run_id: str, rounds: range, shards: int) -> None:
-        """No shard of ``rounds`` handed over or uploading (a resume: their tasks run again)."""
-        keys = [layout.handed_key(run_id, r) for r in rounds]
-        keys += [layout.upload_key(run_id, r, k) for r in rounds for k in range(shards)]
-        if keys:
-            self.r.delete(*keys)
 
 
 _NOTE_STORED = """
@@ -261,18 +188,6 @@ if n + 1 == tonumber(ARGV[4]) then
   redis.call('hsetnx', KEYS[2], 'near' .. r, tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000))
 end
 return {n, tonumber(redis.call('hget', KEYS[2], 'end' .. (r - 1)) or -1)}
-"""
-_ANNOUNCE_GLOBAL = """
-redis.replicate_commands()
-redis.call('rpush', KEYS[1], 'stored')
-redis.call('expire', KEYS[1], ARGV[2])
-local near = redis.call('hget', KEYS[2], 'near' .. (tonumber(ARGV[1]) - 1))
-if near then
-  local t = redis.call('time')
-  local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-  redis.call('hsetnx', KEYS[2], 'end' .. (tonumber(ARGV[1]) - 1), now - tonumber(near))
-end
-return 1
 """
 _CLAIM_STEP = """
 redis.call('hsetnx', KEYS[2], ARGV[1], ARGV[2])
@@ -287,13 +202,5 @@ return 0
 """
 _RELEASE_IF_HELD = """
 if redis.call('hget', KEYS[1], ARGV[1]) == ARGV[2] then return redis.call('hdel', KEYS[1], ARGV[1]) end
-return 0
-"""
-_REFRESH_IF_HELD = """
-if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('pexpire', KEYS[1], ARGV[2]) end
-return 0
-"""
-_DELETE_IF_HELD = """
-if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end
 return 0
 """

@@ -2,8 +2,9 @@
 per agent (``tt:owner:<name>``), the one owner of every write to it.
 
 Two marks, each signed with the pool key (:func:`mark_doc`): ``paused`` (why: ``tensorturn
-pause``) and ``policy`` (JSON: ``tensorturn policy``, which replaces the policy the agent was
-started with). ``resume`` and ``policy --clear`` write a mark too, saying nothing (``value``
+pause``) and ``policy`` (the owner's rules, JSON: ``tensorturn rules``, which replaces the rules
+the agent was started with; the field keeps the name it had before they were called rules).
+``unpause`` and ``rules --clear`` write a mark too, saying nothing (``value``
 None): an owner's word is never a deletion, so a broker that loses a mark changes nothing
 (:class:`tensorturn.pool.owner.MarkMemory` keeps the last word the agent took).
 
@@ -30,7 +31,7 @@ FIELDS = ("paused", "policy")
 @dataclass(frozen=True)
 class Mark:
     """One owner's word for one agent: ``field`` says ``value`` (None: nothing — resumed, or
-    back to the policy the agent was started with), for start ``incarnation`` of the agent,
+    back to the rules the agent was started with), for start ``incarnation`` of the agent,
     numbered ``seq``."""
 
     worker: str

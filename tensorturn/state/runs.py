@@ -93,6 +93,10 @@ class Runs:
         h = self.r.hgetall(layout.run_key(run_id))
         return h if whole(h) else None
 
+    def exists(self, run_id: str) -> bool:
+        """Whether the broker holds the run's record, whole (a partial hash is a lost record)."""
+        return self.record(run_id) is not None
+
     def hash(self, run_id: str) -> dict[str, str]:
         """The run's whole hash; NotFound (saying why) when there is none."""
         h = self.record(run_id)
@@ -111,6 +115,9 @@ class Runs:
     def state(self, run_id: str) -> str | None:
         """The run's state; None when the broker has no whole record of it."""
         return state_of(read_state(self.r, run_id))
+
+    def is_finished(self, run_id: str) -> bool:
+        return self.state(run_id) in FINISHED
 
     def state_field(self, run_id: str, pipe: Any) -> None:
         """Queue in ``pipe`` a read of the hash's ``state`` field alone (whole or not)."""

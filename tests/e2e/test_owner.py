@@ -19,8 +19,8 @@ import redis
 from conftest import clean_env, run_to_end, start_pool, submit_run, tt, wait_for, wait_for_run
 
 from tensorturn import layout, platforms
-from tensorturn.pool.owner import Policy
-from tensorturn.runs.owners import set_policy
+from tensorturn.pool.owner import OwnerRules
+from tensorturn.runs.owners import set_rules
 from tensorturn.state.board import RunBoard
 from tensorturn.state.roster import list_workers
 
@@ -182,7 +182,7 @@ def test_pause_hands_the_running_task_back_and_resume_brings_the_agent_back(pool
 
 def test_on_battery_the_agent_hands_back_and_resumes_on_mains(pool, reference):
     def unplugged(name: str) -> None:
-        assert tt("policy", name, "--pause-on-battery", env=cli_env(pool)).returncode == 0
+        assert tt("rules", name, "--pause-on-battery", env=cli_env(pool)).returncode == 0
         pool.battery.write_text("battery")
 
     name, back, _ = paused_mid_task(pool, reference, unplugged)
@@ -199,22 +199,22 @@ def test_outside_its_hours_the_agent_pauses_and_the_policy_changes_while_it_runs
         return f"{start:%H:%M}-{end:%H:%M}"
 
     later = hours(now + datetime.timedelta(hours=2), now + datetime.timedelta(hours=3))
-    name, _, _ = paused_mid_task(pool, reference, lambda name: tt("policy", name, "--hours", later, env=cli_env(pool)))
+    name, _, _ = paused_mid_task(pool, reference, lambda name: tt("rules", name, "--hours", later, env=cli_env(pool)))
     assert standing(pool, name)["state"] == "paused"
     assert standing(pool, name)["paused"] == f"outside hours ({later})"
     around = hours(now - datetime.timedelta(hours=1), now + datetime.timedelta(hours=1))
-    assert tt("policy", name, "--hours", around, env=cli_env(pool)).returncode == 0
+    assert tt("rules", name, "--hours", around, env=cli_env(pool)).returncode == 0
     wait_for(lambda: standing(pool, name)["state"] == "idle", "the agent to resume within its hours")
 
 
 def test_a_busy_cpu_pauses_the_agent_until_the_owner_leaves(pool, reference):
     """The owner's game uses 90 % of the CPU, then leaves: the agents' CPU reading says so (a
     testbed stand-in, testbed.emulate: what else runs on the test machine would make a real
-    load flap), the policy set over the broker pauses the agent mid-task and it resumes once the
+    load flap), the rules set over the broker pause the agent mid-task and it resumes once the
     CPU is calm."""
     def owner_plays(name: str) -> None:
         pool.others_cpu.write_text("90")
-        set_policy(pool.broker_url, name, Policy(busy_percent=40.0).to_json())
+        set_rules(pool.broker_url, name, OwnerRules(busy_percent=40.0).to_json())
 
     try:
         name, back, _ = paused_mid_task(pool, reference, owner_plays)
@@ -262,7 +262,7 @@ def after_its_next_look(pool, name: str, state: str) -> dict:
     """Set a signed policy that changes nothing (no CPU is busier than 100 %) and wait until the
     agent's heartbeat says it took that policy, or that it left ``state``: either way it has
     read its owner's marks since. What its heartbeat says then."""
-    doc = set_policy(pool.broker_url, name, Policy(busy_percent=100.0).to_json())
+    doc = set_rules(pool.broker_url, name, OwnerRules(busy_percent=100.0).to_json())
 
     def looked() -> dict | None:
         me = standing(pool, name)

@@ -1,4 +1,4 @@
-"""The owner-first policy's parts, without agents: hours, reasons, the readings' parsing, the
+"""The owner's rules and their parts, without agents: hours, reasons, the readings' parsing, the
 CPU watch's hysteresis, and the signed marks on a real redis-server."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from tensorturn.pool import owner
 from tensorturn.pool.owner import (
     CpuWatch,
     MarkMemory,
-    Policy,
+    OwnerRules,
     Readings,
     parse_compute_apps,
     parse_hours,
@@ -36,6 +36,15 @@ def at(hh: int, mm: int = 0) -> datetime.time:
     return datetime.time(hh, mm)
 
 
+def test_the_rules_command_keeps_its_older_name_policy_hidden():
+    from tensorturn.cli import cli
+
+    rules, policy = cli.get_command(None, "rules"), cli.get_command(None, "policy")  # type: ignore[arg-type]
+    assert rules is not None and policy is not None and policy.callback is rules.callback
+    assert not rules.hidden and policy.hidden
+    assert [p.name for p in policy.params] == [p.name for p in rules.params]
+
+
 def test_hours_are_ranges_that_may_pass_midnight():
     assert within_hours("22:00-08:00", at(23, 30)) and within_hours("22:00-08:00", at(7, 59))
     assert not within_hours("22:00-08:00", at(8)) and not within_hours("22:00-08:00", at(12))
@@ -45,33 +54,33 @@ def test_hours_are_ranges_that_may_pass_midnight():
         with pytest.raises(SpecError):
             parse_hours(bad)
     with pytest.raises(SpecError):
-        Policy(busy_percent=120)
+        OwnerRules(busy_percent=120)
 
 
 def test_why_paused_says_what_holds_first():
     quiet = Readings(local_time=at(23))
-    assert why_paused(Policy(), quiet) is None
-    assert why_paused(Policy(hours="09:00-17:00"), quiet) == "outside hours (09:00-17:00)"
-    assert why_paused(Policy(on_battery=True), Readings(local_time=at(23), on_battery=True)) == "on battery"
-    assert why_paused(Policy(on_battery=True), Readings(local_time=at(23), on_battery=None)) is None
+    assert why_paused(OwnerRules(), quiet) is None
+    assert why_paused(OwnerRules(hours="09:00-17:00"), quiet) == "outside hours (09:00-17:00)"
+    assert why_paused(OwnerRules(on_battery=True), Readings(local_time=at(23), on_battery=True)) == "on battery"
+    assert why_paused(OwnerRules(on_battery=True), Readings(local_time=at(23), on_battery=None)) is None
     busy = Readings(local_time=at(23), others_busy=True, others_percent=87.4)
-    assert why_paused(Policy(busy_percent=30), busy) == "owner: other processes use over 30% of the CPU"
-    assert why_paused(Policy(), busy) is None  # no threshold: the CPU is not watched
+    assert why_paused(OwnerRules(busy_percent=30), busy) == "owner: other processes use over 30% of the CPU"
+    assert why_paused(OwnerRules(), busy) is None  # no threshold: the CPU is not watched
     gpu = Readings(local_time=at(23), gpu_others=[(4242, 2150.0)])
-    assert why_paused(Policy(gpu_shared=True), gpu) == "owner: another process uses the GPU (pid 4242, 2.1 GB)"
+    assert why_paused(OwnerRules(gpu_shared=True), gpu) == "owner: another process uses the GPU (pid 4242, 2.1 GB)"
 
 
 def test_a_policy_goes_through_json_and_reads_the_settings():
-    rule = Policy(hours="22:00-08:00", on_battery=True, busy_percent=30, gpu_shared=True)
-    assert Policy.from_json(rule.to_json()) == rule
+    rule = OwnerRules(hours="22:00-08:00", on_battery=True, busy_percent=30, gpu_shared=True)
+    assert OwnerRules.from_json(rule.to_json()) == rule
     assert rule.describe() == ("hours 22:00-08:00, pause on battery, pause while others use > 30% CPU, "
                                "pause while another process uses the GPU")
     from tensorturn import config
 
     settings = config.Settings.from_env({"TENSORTURN_HOURS": "22:00-08:00", "TENSORTURN_PAUSE_ON_BATTERY": "1",
                                          "TENSORTURN_PAUSE_BUSY_PERCENT": "30", "TENSORTURN_PAUSE_GPU_SHARED": "1"})
-    assert Policy.from_settings(settings) == rule
-    assert Policy.from_settings(config.Settings()) == Policy()
+    assert OwnerRules.from_settings(settings) == rule
+    assert OwnerRules.from_settings(config.Settings()) == OwnerRules()
 
 
 def test_nvidia_smi_compute_apps_less_this_agents_own():
@@ -167,7 +176,7 @@ def test_unpause_ends_a_pause_and_resume_machine_still_does_with_a_note(redis_se
     assert out.returncode == 0 and "`tensorturn unpause pc` ends it" in out.stdout and paused()
     out = tt("unpause", "pc", env=env)
     assert (out.returncode, out.stdout, out.stderr) == (
-        0, "pc@home resumes within a few seconds, unless its policy holds it\n", "")
+        0, "pc@home resumes within a few seconds, unless its rules hold it\n", "")
     assert not paused()
 
     assert tt("pause", "pc", env=env).returncode == 0 and paused()

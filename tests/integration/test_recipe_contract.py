@@ -19,7 +19,7 @@ from contract_recipes import NamedDigits
 from tensorturn import config, layout, trust
 from tensorturn.cli import cli
 from tensorturn.recipes import resolve
-from tensorturn.recipes.check import CheckFailed, check, check_contract
+from tensorturn.recipes.contract import CheckFailed, check, check_contract
 from tensorturn.recipes.result import Predictor
 from tensorturn.store.objects import open_store
 from tensorturn.store.tensors import ensemble_bytes
@@ -117,7 +117,7 @@ def test_an_ensemble_is_measured_by_the_recipes_evaluate_as_one_model(tmp_path):
     """vote_metrics is the recipe's evaluate of the ensemble as one model: the same function a
     fused run's model is measured by; the default evaluate and the served values are in the
     user's units."""
-    from tensorturn.modes.ensemble.tasks import vote_metrics
+    from tensorturn.modes.ensemble.vote import vote_metrics
 
     store = open_store((tmp_path / "store").as_uri())
     for name in ("contract_recipes:Diabetes", "contract_recipes:DiabetesR2"):
@@ -148,7 +148,7 @@ def test_a_regression_ensemble_whose_members_all_do_worse_than_the_mean_says_so(
     """Each member's R² over the test rows, where the recipe's evaluate gives none, is in the
     vote's figures (the ensemble's own stay evaluate's); when even the best member's is below 0
     the result says so in a line."""
-    from tensorturn.modes.ensemble.tasks import vote_metrics
+    from tensorturn.modes.ensemble.vote import vote_metrics
     from tensorturn.runs.display import result_lines
 
     store = open_store((tmp_path / "store").as_uri())
@@ -177,7 +177,7 @@ def test_a_regression_ensemble_whose_members_all_do_worse_than_the_mean_says_so(
         f"worse than the targets' mean (a learning rate too high? too few steps?)"]
 
 def test_a_hard_votes_figures_are_of_its_vote_and_its_loss_of_the_mean_probability():
-    from tensorturn.modes.ensemble.tasks import vote_metrics
+    from tensorturn.modes.ensemble.vote import vote_metrics
 
     recipe = resolve("digits-mlp")
     models = []

@@ -21,7 +21,7 @@ from tensorturn import config, layout, trust
 from tensorturn.errors import RecipeError
 from tensorturn.recipes import base as recipe_base
 from tensorturn.recipes import recipe_of, resolve
-from tensorturn.recipes.check import CheckFailed, check
+from tensorturn.recipes.contract import CheckFailed, check
 from tensorturn.recipes.learned import MAX_BYTES, encode, restore
 from tensorturn.spec import RunSpec
 from tensorturn.state.manifest import load_spec

@@ -123,7 +123,7 @@ def test_an_error_inside_torch_names_the_layer_and_the_line_of_the_recipes_model
     import contract_recipes
 
     from tensorturn.recipes import resolve
-    from tensorturn.recipes.check import CheckFailed, check_contract
+    from tensorturn.recipes.contract import CheckFailed, check_contract
 
     recipe = resolve("contract_recipes:WrongWidth", allow=["contract_recipes:WrongWidth"])
     with pytest.raises(CheckFailed) as caught:  # (the failure's frames begin in TensorTurn's check)

@@ -4,7 +4,7 @@ Each of M members gets its own seed, its own draw from the recipe's configuratio
 default, its own bootstrap sample of the training rows — diversity is what makes a vote beat its
 members (Dietterich 2000; Lakshminarayanan et al. 2017, arXiv 1612.01474). Everything drawn is
 recorded per member in the manifest. The plug-in (this module, no torch) holds the options; the
-Celery tasks — segment, vote — are in :mod:`.tasks`.
+Celery tasks are :mod:`.tasks` (segments) and :mod:`.vote` (the vote).
 
 Guarantees:
 
@@ -34,6 +34,7 @@ from tensorturn.state.live import WIDTH, figures, fit
 if TYPE_CHECKING:
     from tensorturn.recipes import Recipe
     from tensorturn.spec import RunSpec
+    from tensorturn.state.board import RunBoard
 
 VOTES = ("soft", "hard")
 DIVERSITY = ("full", "seed")
@@ -86,6 +87,15 @@ class EnsembleOptions(ModeOptions):
         return Workload(tasks=(members * self.segments, "--members × --segments"),
                         queued=(members, "--members"),
                         steps=(self.segments * self.segment_steps, "--segments × --segment-steps"))
+
+
+def options(spec: "RunSpec") -> EnsembleOptions:
+    return spec.opts(EnsembleOptions)
+
+
+def all_finished(spec: "RunSpec", board: "RunBoard") -> bool:
+    """Whether every member has finished (succeeded or dropped): the vote may run."""
+    return board.member_log.done_count(spec.run_id) >= (options(spec).members or 0)
 
 
 class Ensemble(ModeBase):

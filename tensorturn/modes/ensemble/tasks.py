@@ -1,4 +1,5 @@
-"""Ensemble mode's Celery tasks: train a member's segment, vote; and starting/resuming a run.
+"""Ensemble mode's Celery tasks: train a member's segment; and starting/resuming a run. The vote
+that ends the run is :mod:`.vote`'s.
 
 Both tasks run through the attempt protocol (:func:`tensorturn.tasks.attempt.execute`). The last
 segment of a member includes its evaluation, so a member counts as finished only once it is
@@ -13,23 +14,19 @@ import json
 import logging
 import math
 import random
-from collections.abc import Collection, Iterable
+from collections.abc import Collection
 from typing import Any
 
 import torch
 
 from tensorturn import layout
-from tensorturn.config import mask_text
-from tensorturn.data.source import pinned
 from tensorturn.errors import SpecError
-from tensorturn.modes.ensemble import EnsembleOptions
+from tensorturn.modes.ensemble import all_finished, options
+from tensorturn.modes.ensemble.vote import vote
 from tensorturn.pool.capacity import queue_for
 from tensorturn.pool.celery_app import app
 from tensorturn.pool.telemetry import TaskReporter
 from tensorturn.recipes import Recipe, load_splits, recipe_for, recipe_of
-from tensorturn.recipes.base import code_of_the_recipe
-from tensorturn.recipes.kinds import Explained
-from tensorturn.recipes.result import Predictor
 from tensorturn.spec import MemberState, Outcome, RunSpec, RunState
 from tensorturn.state.board import RunBoard
 from tensorturn.state.clock import broker_now
@@ -38,7 +35,6 @@ from tensorturn.state.manifest import save_spec, try_write_manifest, write_manif
 from tensorturn.store import seals
 from tensorturn.store.objects import Store, sha256_hex
 from tensorturn.store.tensors import (
-    ensemble_bytes,
     from_bytes,
     load_optimizer_tensors,
     model_bytes,
@@ -50,10 +46,6 @@ from tensorturn.train.device import pick_device, seed_global_generators
 from tensorturn.train.loop import derive_seed, load_model, set_threads, train_steps
 
 log = logging.getLogger(__name__)
-
-
-def options(spec: RunSpec) -> EnsembleOptions:
-    return spec.opts(EnsembleOptions)
 
 
 def member_plan(spec: RunSpec, recipe: Recipe) -> list[dict[str, Any]]:
@@ -131,10 +123,6 @@ def queue_segment(spec: RunSpec, m: int, j: int) -> None:
     """Queue segment j of member m on the machines that can hold the model."""
     train_segment.apply_async((spec.run_id, m, j), signed(spec.run_id, str(layout.segment_label(m, j))),
                               queue=queue_for(spec.memory_needed_bytes))
-
-
-def all_finished(spec: RunSpec, board: RunBoard) -> bool:
-    return board.member_log.done_count(spec.run_id) >= (options(spec).members or 0)
 
 
 def maybe_vote(spec: RunSpec, board: RunBoard) -> None:
@@ -368,111 +356,3 @@ def untrained_model(recipe: Recipe, plan: dict[str, Any], device: torch.device) 
     with torch.random.fork_rng(devices=[]):
         seed_global_generators(plan["seed"])
         return recipe.model(plan["model"]).to(device)
-
-
-# ---- the vote ----------------------------------------------------------------------------------
-
-@app.task(bind=True, name="tensorturn.ensemble.vote", max_retries=None)
-def vote(self, run_id: str, sig: str | None = None) -> dict[str, Any]:
-    """Merge the finished members into one ensemble file, evaluate the vote, finish the run."""
-    return execute(self, run_id, layout.vote_label(), VoteUnit, sig)
-
-
-# metrics where higher is better (the best member's is the largest); any other: the smallest
-HIGHER_IS_BETTER = ("accuracy", "r2", "f1", "auc", "precision", "recall")
-
-
-def vote_metrics(predictor: Predictor, pieces: Iterable[tuple[torch.Tensor, torch.Tensor]]
-                 ) -> dict[str, float]:
-    """The ensemble's test metrics by the recipe's own ``evaluate`` — the same function, of the
-    same meaning, as a fused run's — applied to the ensemble as one model
-    (:meth:`Predictor.as_model`), beside the members' mean and best; for classification, how
-    often members disagree. Under ``--vote hard`` the ``loss`` is the mean probability's (vote
-    shares are not probabilities). For regression, each member's ``r2`` over the whole split
-    (:class:`~tensorturn.recipes.kinds.Explained`) where the recipe's metrics have none — below
-    0, worse than predicting the targets' mean —, in the members' mean and best (the ensemble's
-    own figures stay those of ``evaluate``). The test split comes in ``pieces`` (one forward
-    pass each); every other figure is a mean over rows."""
-    recipe = predictor.recipe
-    kind = recipe.kind
-    ensemble = predictor.as_model()
-    soft = predictor.as_model("soft") if predictor.vote == "hard" and not kind.scaled else None
-    sums: dict[str, float] = {}
-    per_member_sums: list[dict[str, float]] = [{} for _ in predictor.models]
-    explained = [Explained() for _ in predictor.models] if kind.scaled else []
-    rows = 0
-
-    def add(into: dict[str, float], figures: dict[str, float], n: int) -> None:
-        for name, value in figures.items():
-            into[name] = into.get(name, 0.0) + value * n
-
-    for x, y in pieces:
-        n = len(y)
-        if n == 0:
-            continue
-        with code_of_the_recipe("evaluate"):  # (the data read around it is not the recipe's code)
-            figures = recipe.evaluate(ensemble, x, y)
-            if soft is not None and "loss" in figures:
-                figures["loss"] = recipe.evaluate(soft, x, y)["loss"]
-            each = [recipe.evaluate(model, x, y) for model in predictor.models]
-        add(sums, {f"test_{k}": v for k, v in figures.items()}, n)
-        for into, member in zip(per_member_sums, each):
-            add(into, member, n)
-        for r2, model in zip(explained, predictor.models):
-            r2.add(recipe.unscale_targets(recipe.predict(model, x)), recipe.unscale_targets(y.float()))
-        if not kind.scaled:
-            preds = predictor.member_outputs(x).argmax(-1)
-            pairs = [(a, b) for a in range(len(preds)) for b in range(a + 1, len(preds))]
-            add(sums, {"disagreement": sum(float((preds[a] != preds[b]).float().mean())
-                                           for a, b in pairs) / len(pairs) if pairs else 0.0}, n)
-        rows += n
-    if not rows:
-        return {}
-    out = {name: total / rows for name, total in sums.items()}
-    members = [{name: total / rows for name, total in m.items()} for m in per_member_sums]
-    scores = [e.value() for e in explained]
-    if scores and "r2" not in members[0]:
-        for m, score in zip(members, scores):
-            if score is not None:
-                m["r2"] = score
-    for name in members[0]:
-        values = [m[name] for m in members]
-        out[f"member_mean_test_{name}"] = sum(values) / len(values)
-        out[f"best_member_test_{name}"] = max(values) if name in HIGHER_IS_BETTER else min(values)
-    out["test_rows"] = rows  # as a fused run's result says how many rows its test figures read
-    return out
-
-
-class VoteUnit(Unit):
-    def done(self) -> bool:
-        return False  # a finished run (the vote's only output) returns before this
-
-    def run(self) -> str:
-        spec, store, board = self.spec, self.store, self.board
-        opts, run_id = options(spec), spec.run_id
-        if not all_finished(spec, board):  # a member was re-queued (a resume) since this was queued
-            board.release(run_id, layout.VOTE_CLAIM)  # the last member to finish queues it again
-            return Outcome.REFUSED.says("members still training")
-        members = board.members(run_id)
-        done = [e for e in members if e["state"] == MemberState.SUCCEEDED]
-        dropped = [e for e in members if e["state"] == MemberState.DROPPED]
-        if len(done) < opts.min_members:
-            reasons = "; ".join(f"member {e['member']}: {e['reason']}" for e in dropped)
-            self.finish_run(RunState.FAILED, error=mask_text(f"only {len(done)} of {opts.members} members "
-                                                      f"finished (--min-members {opts.min_members}): {reasons}"))
-            return SUCCEEDED
-        entries = []
-        for e in done:
-            m = e["member"]
-            state = from_bytes(seals.get_bytes(store, layout.key("segment", run_id, m, opts.segments - 1)))
-            entries.append((m, state, e["config"]["model"]))
-        blob = ensemble_bytes(entries, spec.recipe, opts.vote, spec.recipe_options, spec.recipe_state)
-        final = layout.key("final_ensemble", run_id)
-        self.a.check_cancelled(now=True)
-        sha = store.put_bytes(final, blob)
-        pieces = recipe_of(spec).eval_pieces("test", spec.eval_batches)
-        with pinned(spec.datasets):  # the file's recipe reads the run's dataset index, as checked
-            metrics = vote_metrics(Predictor.from_bytes(blob), pieces)
-        metrics.update(members_succeeded=len(done), members_dropped=len(dropped))
-        self.finish_run(RunState.SUCCEEDED, metrics=metrics, model_uri=store.uri(final), model_sha256=sha)
-        return SUCCEEDED
