@@ -33,7 +33,7 @@ from _common import figure, machine, run_job, table, write_outputs
 from tensorturn import layout, runs
 from tensorturn.merge.distill import ALPHA, MIXUP, TEMPERATURE, distill_spec
 from tensorturn.pool.embedded import LocalPool
-from tensorturn.recipes.result import Predictor
+from tensorturn.predictor import Predictor
 from tensorturn.store.objects import open_store
 from tensorturn.train.loop import set_threads
 

@@ -3,7 +3,7 @@
 One ensemble run of 8 digits-mlp members on an embedded pool (the run's defaults: diverse
 configurations, bootstrap samples, 3 segments of 400 steps). Then, from the members' final
 checkpoints in the store (``runs/<id>/members/mXX/seg-NNN.safetensors``, loaded with
-``tensorturn.recipes.result.Predictor``), the first k members' votes for k = 1..8 on the test split —
+``tensorturn.predictor.Predictor``), the first k members' votes for k = 1..8 on the test split —
 no retraining per k:
 
 * soft vote: mean of the members' probabilities (accuracy, and NLL of that mean);
@@ -28,8 +28,8 @@ from _common import figure, machine, run_job, table, write_outputs
 
 from tensorturn import layout
 from tensorturn.pool.embedded import LocalPool
+from tensorturn.predictor import Predictor
 from tensorturn.recipes import load_splits, resolve
-from tensorturn.recipes.result import Predictor
 from tensorturn.spec import options_json
 from tensorturn.store.objects import open_store
 from tensorturn.train.loop import set_threads

@@ -36,14 +36,14 @@ def trial(workdir: Path) -> float:
                        sync_every=20000)
         runs.submit(spec, pool.broker_url)
         board = RunBoard(redis.Redis.from_url(pool.broker_url, decode_responses=True))
-        while not (attempts := board.attempts(spec.run_id)):
+        while not (attempts := board.attempts.all(spec.run_id)):
             time.sleep(0.02)
         first = attempts[0]
         time.sleep(1.0)
         victim = int(first["worker"].split("@")[0].removeprefix("local")) - 1
         os.killpg(pool.agents[victim].pid, signal.SIGKILL)
         killed = time.time()
-        while len(attempts := board.attempts(spec.run_id)) < 2:
+        while len(attempts := board.attempts.all(spec.run_id)) < 2:
             time.sleep(0.05)
         latency = attempts[1]["started_at"] - killed
         board.fail(spec.run_id, "benchmark trial over")

@@ -302,7 +302,7 @@ class Run:
         """The trained model as the inference API loads it (checked against its signed
         manifest): the fused model, or the ensemble as one module that votes. Waits for the run;
         RunFailed when it did not succeed."""
-        from tensorturn.recipes.result import load_result
+        from tensorturn.predictor import load_result
         from tensorturn.store.objects import open_store
 
         self.result()

@@ -17,7 +17,7 @@
 
 :func:`load` gives back the torch module(s) and a ``predict`` that answers exactly what the
 inference API serves for the same run: it runs the serving code's own path
-(:meth:`tensorturn.recipes.result.Predictor.serve_rows` and
+(:meth:`tensorturn.predictor.Predictor.serve_rows` and
 :func:`tensorturn.recipes.answer.served_outputs`). It needs no broker, pool or store, and reads
 weights with safetensors only.
 """

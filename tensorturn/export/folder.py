@@ -39,8 +39,8 @@ from tensorturn.export.loaded import (
     TRANSFORMERS_DIR,
     rebuilt,
 )
+from tensorturn.predictor import Predictor, dataset_pins, result_bytes
 from tensorturn.recipes.answer import served_outputs
-from tensorturn.recipes.result import Predictor, dataset_pins, result_bytes
 from tensorturn.spec import FINISHED, RunState
 from tensorturn.store.objects import ObjectMissing, Store
 from tensorturn.store.tensors import metadata_of

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from tensorturn.errors import SpecError, TensorTurnError
-from tensorturn.recipes.result import Predictor
+from tensorturn.predictor import Predictor
 
 log = logging.getLogger(__name__)
 

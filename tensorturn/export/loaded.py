@@ -19,9 +19,9 @@ import numpy as np
 from torch import nn
 
 from tensorturn.errors import RecipeError, SpecError, TensorTurnError
+from tensorturn.predictor import Predictor, ShapeMismatch
 from tensorturn.recipes import Recipe
 from tensorturn.recipes.answer import served_outputs
-from tensorturn.recipes.result import Predictor, ShapeMismatch
 from tensorturn.store.objects import sha256_hex
 from tensorturn.store.tensors import header_of
 from tensorturn.trust import UntrustedError

@@ -20,9 +20,9 @@ from typing import Any
 import torch
 
 from tensorturn import layout, trust
+from tensorturn.predictor import load_result
 from tensorturn.recipes import Recipe
 from tensorturn.recipes.contract import check_contract
-from tensorturn.recipes.result import load_result
 from tensorturn.spec import RunState, new_run_id
 from tensorturn.state.manifest import finished_ensemble
 from tensorturn.store.objects import Store

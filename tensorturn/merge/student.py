@@ -200,7 +200,7 @@ class Distilled(Recipe):
     def compute_targets(self, store: Any, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The ensemble's soft vote on ``x`` (preprocessed rows), a forward pass per piece of
         ``eval_batch_size`` rows and member."""
-        from tensorturn.recipes.result import load_result
+        from tensorturn.predictor import load_result
         from tensorturn.train.device import pick_device
         from tensorturn.train.distill import teacher_targets
 

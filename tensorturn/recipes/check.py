@@ -148,7 +148,3 @@ def in_child() -> None:
 def _end_with_parent() -> None:
     sys.stdin.buffer.read()  # returns when the parent is gone (it never writes)
     os._exit(1)
-
-
-# compat(reshape-3): the old import path of tasks/start.py; dev/concepts.py rewrites it and drops this
-from tensorturn.recipes.contract import check_contract, check_fresh  # noqa: E402, F401  # compat(reshape-3)

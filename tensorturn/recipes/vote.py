@@ -1,5 +1,5 @@
 """The vote: how an ensemble's members' outputs become one answer, the same wherever it is taken —
-served (:meth:`tensorturn.recipes.result.Predictor.predict`), measured (:class:`EnsembleModel`,
+served (:meth:`tensorturn.predictor.Predictor.predict`), measured (:class:`EnsembleModel`,
 the ensemble as one model for a recipe's ``evaluate``), checked (``check-recipe``).
 
 A recipe's kind picks the rule (``Kind.combine``; a recipe may override ``Recipe.combine``):

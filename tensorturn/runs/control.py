@@ -38,11 +38,11 @@ def resume(run_id: str, broker_url: str, store_url: str,
     client = check_broker(broker_url)
     configure(broker_url)
     board = RunBoard(client)
-    if board.exists(run_id):
+    if board.runs.exists(run_id):
         # the board's state is not signed: "succeeded" is believed when the signed manifest says
         # it too (saved before the board's state moves); a run that did end unsaved (the store
         # was down) finalizes again, its outputs stored already
-        if board.state(run_id) == RunState.SUCCEEDED and succeeded_in(store, run_id):
+        if board.runs.state(run_id) == RunState.SUCCEEDED and succeeded_in(store, run_id):
             raise SpecError(f"run {run_id} already succeeded; nothing to resume")
         board.reopen(run_id)
     else:  # lost, or partly: what is left of the chain (queued, or written since) goes first
@@ -54,7 +54,7 @@ def resume(run_id: str, broker_url: str, store_url: str,
     if spec.store_url != store.url:  # the store moved: tasks follow the one given here
         spec.store_url = store.url
         save_spec(store, spec)
-        board.update_spec(spec)
+        board.runs.update_spec(spec)
     try:
         what = get_mode(spec.mode).resume(spec, store, board, allow)
     except Exception as exc:
@@ -93,13 +93,13 @@ def cancel(run_id: str, broker_url: str, store_url: str, by: str,
 
     client = check_broker(broker_url)
     board = RunBoard(client)
-    if not board.exists(run_id):
-        raise NotFound(board.absent(run_id))
+    if not board.runs.exists(run_id):
+        raise NotFound(board.runs.absent(run_id))
     store = open_store(store_url)
     # the manifest says cancelled before the board does (whoever sees it cancelled finds the
     # store agreeing), and again once the running attempts stopped
     if not end_run(store, board, run_id, RunState.CANCELLED, cancelled_by=mask_text(by)):
-        state = board.state(run_id)
+        state = board.runs.state(run_id)
         if state == RunState.CANCELLED:
             return board.describe(run_id), f"run {run_id} was cancelled already"
         raise SpecError(f"run {run_id} has {state}: there is nothing to cancel")
@@ -120,4 +120,4 @@ def cancel(run_id: str, broker_url: str, store_url: str, by: str,
 
 def running_attempts(board: RunBoard, run_id: str) -> list[dict[str, Any]]:
     """The run's attempts recorded as running (on a live machine or not)."""
-    return [a for a in board.attempts(run_id) if a["outcome"] == Outcome.RUNNING]
+    return [a for a in board.attempts.all(run_id) if a["outcome"] == Outcome.RUNNING]

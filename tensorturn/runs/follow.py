@@ -38,7 +38,7 @@ def wait(broker_url: str, run_id: str, on_update: Update | None = None,
         try:
             if on_update is None and settle_by is None and not past(deadline):
                 # nobody shows progress: one command a poll until the run finishes
-                if board.state(run_id) not in (*FINISHED, None):
+                if board.runs.state(run_id) not in (*FINISHED, None):
                     time.sleep(poll_s)
                     continue
             doc = annotate(board.describe(run_id), board)
@@ -89,7 +89,7 @@ def annotate(doc: dict[str, Any], board: RunBoard | None = None) -> dict[str, An
     why = "its tasks are queued but no attempt started or finished"
     if board is not None:
         running = running_on_live_workers(doc, board)
-        silent = silent_training(running, board.live(doc["run_id"]), now) if running else []
+        silent = silent_training(running, board.progress.entries(doc["run_id"]), now) if running else []
         if running and not silent:  # work goes on, only nothing started or finished lately
             for o in doc.get("outer_steps") or []:
                 doc["note"] = (f"round {o['round']}'s {o.get('what', 'outer step')} is {o['phase']} on {o['worker']} "

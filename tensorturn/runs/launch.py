@@ -351,7 +351,7 @@ class Launcher:
         from tensorturn.state.manifest import write_manifest
 
         try:
-            if not board.exists(run_id):
+            if not board.runs.exists(run_id):
                 return False
             try:
                 _, what = cancel(run_id, broker_url, self.store_url, by=by, wait_s=10.0)

@@ -86,9 +86,9 @@ def describe(run_id: str, broker_url: str | None, store_url: str,
     from tensorturn.store.objects import open_store
 
     board, down = _board(broker_url, on_broker_down)
-    if board is not None and board.exists(run_id):
+    if board is not None and board.runs.exists(run_id):
         settled = False  # a running run's record is settled by its own tasks, which come back with it
-        if board.is_finished(run_id):
+        if board.runs.is_finished(run_id):
             try:
                 settled = settle_from_store(open_store(store_url), board, run_id)
             except StoreError:  # the broker's record is all there is to show now
@@ -126,7 +126,7 @@ def list_runs(broker_url: str | None, store_url: str,
     runs: dict[str, dict[str, Any]] = {}
     board, _ = _board(broker_url, on_broker_down)
     if board is not None:
-        runs = {m["run_id"]: m for m in board.list_runs()}
+        runs = {m["run_id"]: m for m in board.runs.list_runs()}
     store = open_store(store_url)
     for key in store.list(layout.RUNS):
         parts = layout.parse("manifest", key)
@@ -165,12 +165,12 @@ def remove_run(run_id: str, broker_url: str | None, store_url: str,
     store = open_store(store_url)
     board, _ = _board(broker_url, None)  # a broker that does not answer: BrokerError, nothing deleted
     sizes = store.sizes(f"{layout.RUNS}{run_id}/")
-    if not sizes and not (board and board.keys(run_id)):
+    if not sizes and not (board and board.runs.keys(run_id)):
         where = "on the broker or in the store" if board else "in the store"
         raise NotFound(f"no run {run_id!r} {where} (see `tensorturn runs`)")
     plan = {"run_id": run_id, "state": _removable_state(run_id, board, store, force),
             "objects": len(sizes), "bytes": sum(sizes.values())}
-    readers = [other for other, spec in (board.live_specs() if board else {}).items()
+    readers = [other for other, spec in (board.runs.live_specs() if board else {}).items()
                if run_id in _runs_read(spec)]
     if readers:
         raise SpecError(f"run {run_id} is read by run{'s' * (len(readers) > 1)} "
@@ -183,14 +183,14 @@ def remove_run(run_id: str, broker_url: str | None, store_url: str,
     if confirm is not None and not confirm(plan):
         return None
     store.delete_folder(f"{layout.RUNS}{run_id}/")
-    plan["broker_keys"] = board.forget(run_id) if board else 0
+    plan["broker_keys"] = board.runs.forget(run_id) if board else 0
     return plan
 
 
 def _removable_state(run_id: str, board: RunBoard | None, store: Any, force: bool = False) -> str:
     """The state of a run ``remove_run`` may delete; SpecError for one that may be running."""
-    if board is not None and board.exists(run_id):
-        state = board.state(run_id) or "unknown"
+    if board is not None and board.runs.exists(run_id):
+        state = board.runs.state(run_id) or "unknown"
         if state not in FINISHED:
             raise SpecError(f"run {run_id} is {state}: cancel it first (`tensorturn cancel {run_id}`); "
                             f"nothing was removed")

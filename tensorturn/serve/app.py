@@ -40,9 +40,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
 from tensorturn.errors import TensorTurnError
+from tensorturn.predictor import Predictor, load_result
 from tensorturn.recipes.answer import Prediction, encode_answer, share
 from tensorturn.recipes.contract import check_contract
-from tensorturn.recipes.result import Predictor, load_result
 from tensorturn.serve import tokens
 from tensorturn.serve.auth import Authenticator, AuthError, FailureCounter, TokenCache
 from tensorturn.serve.batching import Batcher

@@ -14,9 +14,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from tensorturn import layout
-from tensorturn.state.announcements import Announcements  # compat(reshape-3)
 from tensorturn.state.clock import broker_now
-from tensorturn.state.uploads import UploadLeases  # compat(reshape-3)
 
 # A round's slot → the shard it trains (see Claims.claim_shard). KEYS: the round's slots, the run's
 # owners; ARGV: slot, worker, shards, then the shards whose data this worker holds. Preference: a
@@ -63,12 +61,11 @@ return best
 """
 
 
-class Claims(Announcements, UploadLeases):  # compat(reshape-3) -> class Claims:
+class Claims:
     """A run's one-time claims, shard assignments and stored marks."""
 
     def __init__(self, client: Any):
         self.r = client
-        self.blocking: Any = None  # compat(reshape-3)
 
     def claim(self, run_id: str, what: str) -> bool:
         """True the first time ``what`` is claimed for this run (guards one-time dispatches)."""
@@ -167,7 +164,6 @@ class Claims(Announcements, UploadLeases):  # compat(reshape-3) -> class Claims:
         keys = [layout.stored_key(run_id, r) for r in rounds]
         if keys:
             (pipe or self.r).delete(*keys)
-        self.forget(run_id, rounds, pipe)  # compat(reshape-3): the announcements too, as board.forget_rounds does
 
     def is_stored(self, run_id: str, r: int, k: int) -> bool:
         return bool(self.r.hexists(layout.stored_key(run_id, r), str(k)))

@@ -92,7 +92,7 @@ def _runs(client: Any) -> tuple[int, int]:
 
 def _leftovers_ttl(state: str | None, kept: bool, main_ttl: int) -> int | None:
     """The expiry for a run's keys that have none; None to leave them: a live run's, and a
-    finished record kept on purpose (:meth:`tensorturn.state.board.RunBoard.keep`). A finished run's
+    finished record kept on purpose (:meth:`tensorturn.state.runs.Runs.keep`). A finished run's
     get what is left of its hash's (all of it when the hash has none: a run that finished before
     its keys were given one); a lost record's (no whole hash: ``state`` None) all of it."""
     if state is not None and (state not in FINISHED or kept):

@@ -80,7 +80,7 @@ def try_write_manifest(store: Store | None, board: RunBoard, run_id: str) -> Non
         write_manifest(store, board, run_id)
     except StoreError as exc:
         log.warning("run %s: manifest not saved (%s); the broker keeps the run's state", run_id, exc)
-        board.keep(run_id)
+        board.runs.keep(run_id)
     except NotFound as exc:
         log.warning("run %s: manifest not saved: %s", run_id, exc)
 
@@ -106,17 +106,17 @@ def settle_from_store(store: Store, board: RunBoard, run_id: str, unit: str | No
 
     With ``unit`` (one whose output is stored), the store is read only when the board has no
     attempt of it succeeded: a late or backup copy of a unit the board saw done costs nothing."""
-    if unit is not None and board.has_succeeded(run_id, unit):
+    if unit is not None and board.attempts.has_succeeded(run_id, unit):
         return False
     try:
         manifest = read_manifest(store, run_id, verify=True)
     except (ObjectMissing, StoreError, trust.UntrustedError, ValueError, TypeError):
         return False
-    if not ahead_of(manifest, board.attempts(run_id)):
+    if not ahead_of(manifest, board.attempts.all(run_id)):
         return False
     log.warning("run %s: the broker's record is behind its manifest, which says %s (Redis went back "
                 "in time?); the store's record stands", run_id, manifest.get("state"))
-    board.forget(run_id)
+    board.runs.forget(run_id)
     return True
 
 
@@ -129,7 +129,7 @@ def end_run(store: Store | None, board: RunBoard, run_id: str, state: str, **fie
     saved again as the board holds it. A store that does not answer does not keep the run from
     ending: the board holds its only record, kept (:func:`try_write_manifest`). Whether this
     call finished the run."""
-    if board.is_finished(run_id):  # a duplicate task's end, or a cancel after the end
+    if board.runs.is_finished(run_id):  # a duplicate task's end, or a cancel after the end
         return False
     if store is not None and settle_from_store(store, board, run_id):  # it ended before, and Redis forgot
         return False
@@ -148,7 +148,7 @@ def end_run(store: Store | None, board: RunBoard, run_id: str, state: str, **fie
     if not finished:
         try_write_manifest(store, board, run_id)
     elif not saved:
-        board.keep(run_id)
+        board.runs.keep(run_id)
     return finished
 
 

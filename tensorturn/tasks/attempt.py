@@ -7,7 +7,7 @@ the vote — and :func:`execute` runs it in this order:
    pool key) does not verify is refused before anything is read: someone with access to the
    broker but not the key queued it. The agent's own store is used, never one named in a message.
 1. **Finished run?** A task of a succeeded or failed run returns at once. A message that names
-   a *slot* (a fused round's) is then bound to its unit, once (:meth:`RunBoard.claim_shard`).
+   a *slot* (a fused round's) is then bound to its unit, once (:meth:`tensorturn.state.claims.Claims.claim_shard`).
 2. **Already done?** A unit whose output is stored (a duplicate or late delivery, a retry of work
    another attempt finished) writes *no* state: it only makes sure its follow-up is queued
    (:meth:`Unit.then`, guarded by one-time claims), and records a ``duplicate_ignored`` incident.
@@ -182,7 +182,7 @@ def execute(task: Task, run_id: str, label: Label, unit_class: type[Unit], sig: 
         return _queued(task, board, run_id, label, unit_class, resolve, receipt, tally)
     finally:  # every byte the attempt moved through the store, whatever became of it
         try:
-            board.add_store_bytes(run_id, *tally.take(), task.request.hostname or "?")
+            board.traffic.add_store_bytes(run_id, *tally.take(), task.request.hostname or "?")
         except Exception as exc:  # noqa: BLE001 - a figure; the broker may be down
             log.debug("store bytes not recorded: %s", exc)
 
@@ -235,14 +235,14 @@ def _attempt(attempt: Attempt, unit: Unit, delivery: Delivery) -> Ending:
             if isinstance(delivery, Queued):
                 if settle_from_store(attempt.store, board, run_id, str(label)):  # it ended; the broker went back
                     return Ending(End.SKIPPED)
-                board.incident(run_id, "duplicate_ignored", str(label), worker,
-                               "the unit's output was already stored; nothing was redone or counted")
+                board.incidents.add(run_id, "duplicate_ignored", str(label), worker,
+                                    "the unit's output was already stored; nothing was redone or counted")
         else:
             cap, lease = attempt.spec.max_attempts, lease_of(delivery.task) if isinstance(delivery, Queued) else ()
             try:
-                begun = board.begin_attempt(run_id, str(label), worker, cap, *lease)
+                begun = board.attempts.begin(run_id, str(label), worker, cap, *lease)
             except Held as held:  # a replayed copy: the attempt running it goes on, uncounted here
-                board.incident(run_id, "duplicate_ignored", str(label), worker, str(held))
+                board.incidents.add(run_id, "duplicate_ignored", str(label), worker, str(held))
                 return Ending(End.SKIPPED)
             if begun is None:  # past the cap: given up, once
                 unit.give_up(f"{label} failed {cap} attempts")
@@ -264,7 +264,7 @@ def _attempt(attempt: Attempt, unit: Unit, delivery: Delivery) -> Ending:
         return Ending(End.HANDED_BACK)
     except RunCancelled:  # not a failure: recorded, never retried; the run is finished
         if attempt.key:
-            board.finish_attempt(run_id, attempt.key, CANCELLED, figures=Figures(worker))
+            board.attempts.finish(run_id, attempt.key, CANCELLED, figures=Figures(worker))
         try_write_manifest(attempt.store, board, run_id)
         return Ending(End.CANCELLED)
     except Exception as exc:  # noqa: BLE001 - every failure is recorded; the delivery retries it or gives up
@@ -288,7 +288,7 @@ def _failed(board: RunBoard, store: Store | None, run_id: str, label: Label, wor
     log.warning("run %s %s failed on %s: %s%s", run_id, label, worker, message,
                 "" if queued else "; queued for a retry")
     if queued and not key:
-        begun = board.begin_attempt(run_id, str(label), worker, max_attempts)
+        begun = board.attempts.begin(run_id, str(label), worker, max_attempts)
         key, number = begun[:2] if begun else (f"{label}#refused", max_attempts + 1)
     if key and not ended:  # (a run's end that failed is retried, its attempt kept)
         end_failed(board, run_id, key, message, exc, worker)
@@ -314,8 +314,8 @@ def lease_of(task: Task) -> tuple[str | None, float]:
 def end_given_back(board: RunBoard, run_id: str, key: str, outcome: str, worker: str) -> None:
     """End attempt ``key`` with ``outcome`` at no cost to its task's attempts: refused or handed
     back, the task is taken again (its message queued again)."""
-    board.attempt_log.give_back(run_id, key.rpartition("#")[0])
-    board.finish_attempt(run_id, key, outcome, figures=Figures(worker))
+    board.attempts.give_back(run_id, key.rpartition("#")[0])
+    board.attempts.finish(run_id, key, outcome, figures=Figures(worker))
 
 
 def end_handed_back(board: RunBoard, run_id: str, label: Label, key: str, why: str, worker: str) -> None:
@@ -331,8 +331,8 @@ def end_handed_back(board: RunBoard, run_id: str, label: Label, key: str, why: s
 
 def end_failed(board: RunBoard, run_id: str, key: str, message: str, exc: BaseException, worker: str) -> None:
     """End attempt ``key`` failed with ``message`` and ``exc``'s traceback."""
-    board.finish_attempt(run_id, key, Outcome.FAILED.says(message), traceback=_tail(exc),
-                         figures=Figures(worker, store_ok=False))
+    board.attempts.finish(run_id, key, Outcome.FAILED.says(message), traceback=_tail(exc),
+                          figures=Figures(worker, store_ok=False))
 
 
 def record_outcome(unit: Unit, outcome: str, tally: Tally) -> None:
@@ -341,14 +341,14 @@ def record_outcome(unit: Unit, outcome: str, tally: Tally) -> None:
     the run (:meth:`Unit.finish_run`), then the manifest, then the run's state."""
     a, board, run_id = unit.a, unit.board, unit.spec.run_id
     if outcome == LATE:
-        board.incident(run_id, "late_ignored", str(a.label), a.worker,
-                       "a late attempt finished after another stored the output; discarded")
+        board.incidents.add(run_id, "late_ignored", str(a.label), a.worker,
+                            "a late attempt finished after another stored the output; discarded")
     ending = unit.final
     store_up, store_down = tally.pending()
     figures = Figures(a.worker, a.bytes_up, a.bytes_down, store_up, store_down, store_ok=True, rate=a.rate,
                       trained_from=a.trained_from)
 
-    board.finish_attempt(run_id, a.key, outcome, figures=figures)
+    board.attempts.finish(run_id, a.key, outcome, figures=figures)
     a.ended = True
     tally.settle()  # recorded with the outcome (were it not, the end of execute() adds them)
     if ending is not None:  # the run's records complete, then its manifest, then its state

@@ -44,7 +44,7 @@ def worker_store_failed(task: Task, board: RunBoard, run_id: str, label: str, wo
     attempts run out as they should; an attempt that began during an outage that then ended
     is not held against its machine either."""
     failures, since = board.workers.store_failed(worker)
-    attempts = board.attempts(run_id)
+    attempts = board.attempts.all(run_id)
     began = next((a["started_at"] for a in attempts
                   if f"{a['task']}#{a['attempt']}" == attempt_key), time.time())
     others_ok = any(a["outcome"] == Outcome.SUCCEEDED and a["worker"] != worker
@@ -56,7 +56,7 @@ def worker_store_failed(task: Task, board: RunBoard, run_id: str, label: str, wo
                f"succeeded; it takes no more tasks until restarted. Last error: {message}")
     for a in attempts:  # its failures were the machine's: the tasks get those attempts back
         if a["worker"] == worker and a["started_at"] >= since and Outcome.of(a["outcome"]) == Outcome.FAILED:
-            board.attempt_log.give_back(run_id, a["task"])
+            board.attempts.give_back(run_id, a["task"])
     return True
 
 
@@ -71,7 +71,7 @@ def quarantine(task: Task, board: RunBoard, run_id: str, label: str, worker: str
     from tensorturn.pool.telemetry import agent_queues, quarantine_mark
 
     board.workers.quarantine(worker, quarantine_mark(worker, mask_text(reason)))
-    board.incident(run_id, "worker_quarantined", label, worker, reason)
+    board.incidents.add(run_id, "worker_quarantined", label, worker, reason)
     queues = agent_queues()
     withdraw(board.r, worker, queues)  # the outer steps waiting for it go to the trainers
     for queue in [*queues, layout.agent_queue(worker)]:

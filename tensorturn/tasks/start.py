@@ -30,14 +30,14 @@ START_TASK = "tensorturn.start_run"  # the name the submitter sends it by
 def start(spec: RunSpec, broker_url: str, store: Any, pool: list[dict[str, Any]],
           allow: Collection[str] = ()) -> None:
     """Build the recipe, fill what depends on the pool, check the model fits and the recipe keeps
-    its contract (:func:`tensorturn.recipes.check.check_contract`), store what the run starts
+    its contract (:func:`tensorturn.recipes.contract.check_contract`), store what the run starts
     from and queue its first work (on an agent, or in the submitting process). ``allow``: recipe
     names the submitting user allows here besides the machine's allowlist (an agent: none)."""
     from tensorturn.data.source import pinned
     from tensorturn.pool.capacity import check_fits
     from tensorturn.pool.celery_app import configure
     from tensorturn.recipes import recipe_for, resolve
-    from tensorturn.recipes.check import check_contract, check_fresh
+    from tensorturn.recipes.contract import check_contract, check_fresh
     from tensorturn.recipes.learned import state_of
 
     with pinned(spec.datasets) as read:
@@ -101,7 +101,7 @@ def start_run(self: Task, spec_json: Any, sig: str | None = None) -> None:
         return
     spec = RunSpec.from_json(spec_json)
     reply: dict[str, Any] = {"run_id": spec.run_id}
-    if board.exists(spec.run_id):  # a replayed request: a run starts once
+    if board.runs.exists(spec.run_id):  # a replayed request: a run starts once
         refuse(board.r, worker, self.name, run_id, "this run exists already (a replayed request?)")
         return
     before = store_moved()
@@ -127,7 +127,7 @@ def start_run(self: Task, spec_json: Any, sig: str | None = None) -> None:
                  "exit_code": 2}
     if "error" not in reply:  # what starting moved (θ_0, the spec, the manifest), for the run
         after = store_moved()
-        board.add_store_bytes(spec.run_id, after[0] - before[0], after[1] - before[1], worker)
+        board.traffic.add_store_bytes(spec.run_id, after[0] - before[0], after[1] - before[1], worker)
     _answer(board, spec.run_id, reply)
 
 

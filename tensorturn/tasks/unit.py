@@ -67,7 +67,7 @@ class Attempt:
         if standing:
             state, _, paused = self.board.state_and_standing(self.spec.run_id, self.worker)
         else:
-            state, paused = self.board.state(self.spec.run_id), None
+            state, paused = self.board.runs.state(self.spec.run_id), None
         if state == RunState.CANCELLED:
             raise RunCancelled(f"run {self.spec.run_id} was cancelled")
         if paused:

@@ -31,7 +31,7 @@ def test_cancel_stops_a_run_on_a_standing_pool_and_resume_continues_it(tmp_path,
                   "--detach", "--json")
     run_id = doc["run_id"]
     board = RunBoard(check_broker(pool.broker_url))
-    wait_for(lambda: len([a for a in board.attempts(run_id) if a["outcome"] == "running"]) == 2,
+    wait_for(lambda: len([a for a in board.attempts.all(run_id) if a["outcome"] == "running"]) == 2,
              "both agents training a shard")
 
     proc = tt("cancel", run_id, "--broker", pool.broker_url, "--store", str(store), "--json")
@@ -40,7 +40,7 @@ def test_cancel_stops_a_run_on_a_standing_pool_and_resume_continues_it(tmp_path,
     assert cancelled["state"] == "cancelled" and "tensorturn cancel" in cancelled["cancelled"]["by"]
     assert f"run {run_id} cancelled; 2 queued tasks dropped" in proc.stderr
     # the two running attempts stopped at their next look, recorded as cancelled
-    attempts = board.attempts(run_id)
+    attempts = board.attempts.all(run_id)
     assert [a["outcome"] for a in attempts] == [CANCELLED, CANCELLED]
     assert not list((store / "runs" / run_id).glob("r0000/shard-*"))  # nothing stored
 
@@ -48,7 +48,7 @@ def test_cancel_stops_a_run_on_a_standing_pool_and_resume_continues_it(tmp_path,
     wait_for(lambda: r.hlen("unacked") == 0 and all(
         w["state"] == "idle" for w in runs.workers(pool.broker_url)), "the agents idle")
     assert not [m for m in queued_messages(r) if run_id.encode() in m]
-    assert board.attempts(run_id) == attempts  # no attempt started after the cancel
+    assert board.attempts.all(run_id) == attempts  # no attempt started after the cancel
 
     status = tt("status", run_id, "--broker", pool.broker_url, "--store", str(store))
     assert status.returncode == 0, status.stderr
@@ -77,10 +77,11 @@ def test_a_resumed_run_shows_its_earlier_rounds_at_once_in_order_with_their_time
     run_id = tt_json("run", "--broker", pool.broker_url, "--store", str(store), "--recipe", "gated:Gated",
                      "--rounds", "4", "--shards", "2", "--sync-every", "200", "--detach", "--json")["run_id"]
     board = RunBoard(check_broker(pool.broker_url))
-    wait_for(lambda: [a for a in board.attempts(run_id) if a["task"].startswith("r2/") and a["outcome"] == "running"],
+    wait_for(lambda: [a for a in board.attempts.all(run_id)
+                      if a["task"].startswith("r2/") and a["outcome"] == "running"],
              "round 2 training")
     runs.cancel(run_id, pool.broker_url, store.as_uri(), by="test")
-    before = board.rounds(run_id)
+    before = board.rounds.all(run_id)
     assert [r["round"] for r in before] == [0]  # round 1's evaluation never ran
 
     # resumed, the run's shards wait at the gate: it is still running while it is looked at

@@ -81,7 +81,7 @@ def running_attempt(pool, run_id: str, round_: int = 0, settle: float = 0.5) -> 
     """Wait until a shard of ``round_`` is mid-training; return its attempt."""
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
-        for a in board(pool).attempts(run_id):
+        for a in board(pool).attempts.all(run_id):
             if a["task"].startswith(f"r{round_}/") and a["outcome"] == "running":
                 time.sleep(settle)
                 return a
@@ -139,7 +139,7 @@ def test_partition_heals_and_the_late_result_is_ignored(pool, reference, tmp_pat
     os.killpg(group, signal.SIGSTOP)  # partitioned: alive, but silent past its lease
     try:
         deadline = time.monotonic() + 180
-        while board(pool).state(spec.run_id) not in ("succeeded", "failed"):
+        while board(pool).runs.state(spec.run_id) not in ("succeeded", "failed"):
             assert time.monotonic() < deadline, "the run did not finish around the stalled agent"
             time.sleep(0.2)
     finally:
@@ -172,7 +172,7 @@ def test_a_machine_that_sleeps_mid_task_wakes_and_goes_back_to_work(pool, refere
 
     os.killpg(group, signal.SIGSTOP)
     try:
-        wait_for(lambda: board(pool).state(spec.run_id) in ("succeeded", "failed") and listed("offline"),
+        wait_for(lambda: board(pool).runs.state(spec.run_id) in ("succeeded", "failed") and listed("offline"),
                  "the run to finish around the sleeper, and the sleeper to be listed offline")
     finally:
         os.killpg(group, signal.SIGCONT)  # wakes
@@ -204,7 +204,7 @@ def test_duplicate_delivery_is_ignored(pool, reference, tmp_path):
     # too late to be sure the run still goes on), round 0's slot 1 is delivered again: it is
     # bound to the shard it trained, which is done
     wait_for(lambda: any(a["task"] == "r0/outer" and a["outcome"] == "succeeded"
-                         for a in board(pool).attempts(spec.run_id)), "round 0 stepped")
+                         for a in board(pool).attempts.all(spec.run_id)), "round 0 stepped")
     train_slot.apply_async(args=(spec.run_id, 0, 1), kwargs=signed(spec.run_id, "r0/slot-1"))
     doc = finish(pool, spec, reference)
     bound = board(pool).r.hget(layout.run_key(spec.run_id, "slots-r0"), "1")
@@ -401,10 +401,10 @@ def test_an_agent_killed_mid_multipart_upload_leaves_no_object_and_the_task_is_r
     deadline = time.monotonic() + 300
     while killed is None:
         assert time.monotonic() < deadline, "no upload in parts was caught half way"
-        assert not board(s3pool).is_finished(spec.run_id), "the run ended before an upload was caught"
+        assert not board(s3pool).runs.is_finished(spec.run_id), "the run ended before an upload was caught"
         for upload in s3.list_multipart_uploads(Bucket=s3_bucket).get("Uploads", []):
             task = task_of(upload["Key"])
-            running = [a for a in board(s3pool).attempts(spec.run_id)
+            running = [a for a in board(s3pool).attempts.all(spec.run_id)
                        if a["task"] == task and a["outcome"] == "running"]
             if not running:
                 continue

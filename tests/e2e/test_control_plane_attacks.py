@@ -126,10 +126,10 @@ def attack_with_remote_control(attacked_pool) -> None:
         ids = [m["headers"]["id"] for m in task_messages(r)]
         if ids:
             control.revoke(ids)
-        return board.state(spec.run_id) in ("succeeded", "failed", "cancelled")
+        return board.runs.state(spec.run_id) in ("succeeded", "failed", "cancelled")
 
     wait_for(revoke_every_task, "the run to finish", timeout=600, pause=0.2)
-    assert board.state(spec.run_id) == "succeeded", board.describe(spec.run_id).get("error")
+    assert board.runs.state(spec.run_id) == "succeeded", board.describe(spec.run_id).get("error")
     assert len(app.control.inspect(timeout=5).active()) == 2
     assert not [w for w in r.scan_iter("tt:worker:*") if r.hexists(w, "quarantined")]
 

@@ -46,8 +46,8 @@ def live(tmp_path_factory):
                          "gated:FailsOnce", "--rounds", "3", "--shards", "2", "--sync-every", "5",
                          "--detach", "--json")["run_id"]
         board = RunBoard(check_broker(pool.broker_url))
-        wait_for(lambda: board.rounds(run_id) and any(a["outcome"].startswith("failed")
-                                                       for a in board.attempts(run_id)),
+        wait_for(lambda: board.rounds.all(run_id) and any(a["outcome"].startswith("failed")
+                                                       for a in board.attempts.all(run_id)),
                  "round 0 recorded and the failed attempt")
         port = free_port()
         dash = subprocess.Popen(

@@ -21,8 +21,8 @@ from tensorturn import config, layout, trust
 from tensorturn.errors import RecipeError
 from tensorturn.merge.distill import distill_spec
 from tensorturn.merge.student import Distilled
+from tensorturn.predictor import load_result
 from tensorturn.recipes import Recipe, resolve
-from tensorturn.recipes.result import load_result
 from tensorturn.spec import RunSpec
 from tensorturn.state.board import RunBoard
 from tensorturn.store.objects import open_store
@@ -86,7 +86,7 @@ def test_the_student_learns_the_vote_and_serves_as_one_model_with_its_lineage(po
 def test_an_agent_killed_mid_distillation_loses_nothing(pool, ensemble, student):
     spec = submit_run(pool, distill_spec(ensemble["run_id"], pool.store_url, **STUDENT))
     board = RunBoard(redis.Redis.from_url(pool.broker_url, decode_responses=True))
-    victim = wait_for(lambda: next((a for a in board.attempts(spec.run_id)
+    victim = wait_for(lambda: next((a for a in board.attempts.all(spec.run_id)
                                     if a["task"].startswith("r0/") and a["outcome"] == "running"), None),
                       "a shard of round 0 training")
     index = int(victim["worker"].split("@")[0].removeprefix("local")) - 1

@@ -44,7 +44,7 @@ def test_a_lost_machine_costs_one_segment_not_the_member(pool_factory):
     spec = submit_run(pool, mode="ensemble", recipe="digits-mlp", members=2, segments=3,
                       segment_steps=2500)
     board = RunBoard(redis.Redis.from_url(pool.broker_url, decode_responses=True))
-    victim = wait_for(lambda: next((a for a in board.attempts(spec.run_id)
+    victim = wait_for(lambda: next((a for a in board.attempts.all(spec.run_id)
                                     if a["task"].endswith("/seg-1") and a["outcome"] == "running"), None),
                       "a second segment running")
     index = int(victim["worker"].split("@")[0].removeprefix("local")) - 1

@@ -178,7 +178,7 @@ def test_a_pushed_datasets_model_loads_without_its_store(runs, folders):
     """tabular's preprocessing reads the dataset's statistics: the folder carries its index, so
     the model predicts with the store gone, exactly as it served from the store."""
     from tensorturn import config as settings
-    from tensorturn.recipes.result import load_result
+    from tensorturn.predictor import load_result
 
     run = runs["tabular"]
     rows = np.array([[3, 120.5], [1, 30.0], [5, 199.0]], np.float32)
@@ -209,7 +209,7 @@ def test_a_language_model_loads_anywhere_without_its_text(runs, folders, tmp_pat
     """charlm's vocabulary is its text's characters: the folder carries it, so the model loads in
     another folder with no text there (nor, for the built-in corpus, the run's Python) and
     predicts what the run's model serves."""
-    from tensorturn.recipes.result import load_result
+    from tensorturn.predictor import load_result
 
     folder = runs["work"] / "exported" / "lm"
     config = json.loads((folder / "config.json").read_text())

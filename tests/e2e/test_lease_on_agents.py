@@ -46,7 +46,7 @@ def test_a_task_finishing_in_its_agents_shutdown_grace_keeps_its_lease(pool_fact
     pool = pool_factory(2, step_s=0.01)  # 600 steps: six seconds of training, two leases
     spec = submit_run(pool, mode="fused", recipe="digits-mlp", rounds=1, shards=1, sync_every=600)
     board = RunBoard(redis.Redis.from_url(pool.broker_url, decode_responses=True))
-    running = wait_for(lambda: next((a for a in board.attempts(spec.run_id)
+    running = wait_for(lambda: next((a for a in board.attempts.all(spec.run_id)
                                      if a["task"] == "r0/shard-0" and a["outcome"] == "running"), None),
                        "the shard to start", pause=0.02)
     victim = int(running["worker"].split("@")[0].removeprefix("local")) - 1
@@ -68,16 +68,16 @@ def test_copies_of_a_running_tasks_message_begin_no_attempt_and_leave_its_lease(
     r = redis_client(pool.broker_url)
     board = RunBoard(r)
     wait_for(lambda: any(a["task"] == "r0/shard-0" and a["outcome"] == "running"
-                         for a in board.attempts(spec.run_id)), "the shard training")
+                         for a in board.attempts.all(spec.run_id)), "the shard training")
     [(tag, stored)] = r.hgetall(layout.UNACKED).items()  # the one message held: the shard's
     message, _, queue = json.loads(stored)
     copies = [message] * 3
     for _ in range(3):
         copies.append({**message, "properties": {**message["properties"], "delivery_tag": str(uuid.uuid4())}})
     r.lpush(queue, *(json.dumps(c) for c in copies))
-    wait_for(lambda: sum(i["kind"] == "duplicate_ignored" for i in board.incidents(spec.run_id)) == 6
-             or board.is_finished(spec.run_id), "the copies delivered")
-    assert r.zscore(UNACKED_INDEX, tag) is not None or board.is_finished(spec.run_id)  # still leased
+    wait_for(lambda: sum(i["kind"] == "duplicate_ignored" for i in board.incidents.all(spec.run_id)) == 6
+             or board.runs.is_finished(spec.run_id), "the copies delivered")
+    assert r.zscore(UNACKED_INDEX, tag) is not None or board.runs.is_finished(spec.run_id)  # still leased
 
     doc = wait_for_run(pool, spec.run_id)
     assert doc["state"] == "succeeded", doc.get("error")

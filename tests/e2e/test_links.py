@@ -69,7 +69,7 @@ def run(pool, store, **extra) -> RunSpec:
 
 def running_on(pool, run_id: str, worker_prefix: str, timeout: float = 120) -> dict:
     board = RunBoard(redis_client(pool.broker_url))
-    return wait_for(lambda: next((a for a in board.attempts(run_id) if a["outcome"] == "running"
+    return wait_for(lambda: next((a for a in board.attempts.all(run_id) if a["outcome"] == "running"
                                   and a["worker"].startswith(worker_prefix) and "/outer" not in a["task"]),
                                  None), f"a task of run {run_id} on {worker_prefix}", timeout=timeout)
 
@@ -86,7 +86,7 @@ def test_a_link_down_past_the_lease_requeues_the_shard_and_the_healed_machine_re
     board = RunBoard(redis_client(pool.broker_url))
     link.down()
     try:
-        wait_for(lambda: [a for a in board.attempts(spec.run_id)
+        wait_for(lambda: [a for a in board.attempts.all(spec.run_id)
                           if a["task"] == victim["task"] and a["worker"].startswith("local2@")],
                  "the partitioned machine's shard requeued to local2")
     finally:
@@ -120,7 +120,7 @@ def test_a_flapping_link_loses_nothing_and_counts_nothing_twice(linked, referenc
     board = RunBoard(redis_client(pool.broker_url))
     flaps = 0
     try:
-        while not board.is_finished(spec.run_id) and flaps < 30:
+        while not board.runs.is_finished(spec.run_id) and flaps < 30:
             pool.links[0].down()
             time.sleep(2)   # the fault's own rhythm, not a wait for anything
             pool.links[0].up()
@@ -151,7 +151,7 @@ def test_on_a_1_mbit_link_an_upload_longer_than_the_lease_is_never_handed_out_tw
         runs.wait(pool.broker_url, spec.run_id, timeout_s=600)
         board = RunBoard(redis_client(pool.broker_url))
         # the last attempt is recorded just after the run finishes
-        wait_for(lambda: all(a["outcome"] != "running" for a in board.attempts(spec.run_id)),
+        wait_for(lambda: all(a["outcome"] != "running" for a in board.attempts.all(spec.run_id)),
                  "the last attempt's record")
         doc = board.describe(spec.run_id)
     finally:

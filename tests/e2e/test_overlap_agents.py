@@ -30,8 +30,8 @@ def test_overlapped_runs_give_one_model_on_1_and_3_agents_with_one_killed(pool_f
     board = RunBoard(redis.Redis.from_url(three.broker_url, decode_responses=True))
 
     def training_in_round_1() -> dict | None:
-        assert board.state(spec.run_id) not in ("succeeded", "failed"), "no round-1 shard was caught"
-        running = [a for a in board.attempts(spec.run_id)
+        assert board.runs.state(spec.run_id) not in ("succeeded", "failed"), "no round-1 shard was caught"
+        running = [a for a in board.attempts.all(spec.run_id)
                    if a["task"].startswith("r1/") and a["outcome"] == "running"]
         return running[0] if running else None
 

@@ -82,14 +82,14 @@ def standing(pool, name: str) -> dict:
 
 def running_shard(pool, run_id: str) -> dict:
     board = RunBoard(redis.Redis.from_url(pool.broker_url, decode_responses=True))
-    return wait_for(lambda: next((a for a in board.attempts(run_id)
+    return wait_for(lambda: next((a for a in board.attempts.all(run_id)
                                   if a["outcome"] == "running" and "/shard-" in a["task"]), None),
                     "a shard to be training")
 
 
 def handed_back(pool, run_id: str) -> list[dict]:
     board = RunBoard(redis.Redis.from_url(pool.broker_url, decode_responses=True))
-    return [a for a in board.attempts(run_id) if a["outcome"].startswith("handed back")]
+    return [a for a in board.attempts.all(run_id) if a["outcome"].startswith("handed back")]
 
 
 def check_same_run(doc: dict, reference: dict, victim: dict) -> None:
@@ -113,7 +113,7 @@ def held_mid_shard(pool, run_id: str) -> tuple[dict, list[psutil.Process]]:
 
     def running(victim: dict) -> bool:
         return any(a["task"] == victim["task"] and a["worker"] == victim["worker"] and a["outcome"] == "running"
-                   for a in board.attempts(run_id))
+                   for a in board.attempts.all(run_id))
 
     while True:
         victim = running_shard(pool, run_id)

@@ -27,7 +27,7 @@ def test_an_agent_failing_on_the_store_is_quarantined_and_the_run_completes(
     spec = submit_run(pool, mode="fused", recipe="digits-mlp", rounds=3, shards=8, sync_every=1500,
                       max_attempts=10)
     board = RunBoard(redis_client(pool.broker_url))
-    wait_for(lambda: any(a["outcome"] == "succeeded" for a in board.attempts(spec.run_id)),
+    wait_for(lambda: any(a["outcome"] == "succeeded" for a in board.attempts.all(spec.run_id)),
              "a first attempt succeeded", timeout=600)
     if fault == "unreachable":  # this machine's S3 settings point nowhere
         env = clean_env(TENSORTURN_BROKER_URL=pool.broker_url, TENSORTURN_STORE_URL=store,

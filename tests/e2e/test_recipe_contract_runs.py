@@ -10,8 +10,8 @@ import pytest
 from conftest import Server, bearer, tt, tt_json, tt_json_many
 
 from tensorturn import config, layout, trust
+from tensorturn.predictor import load_result
 from tensorturn.recipes import resolve
-from tensorturn.recipes.result import load_result
 from tensorturn.store.objects import open_store
 
 

@@ -43,8 +43,8 @@ def training_round_1(tmp_path, pool_factory, sync_every: int):
     run_id = tt_json("run", *args, "--recipe", "digits-mlp", "--rounds", "3", "--shards", "2",
                      "--sync-every", str(sync_every), "--detach", "--json")["run_id"]
     board = RunBoard(check_broker(pool.broker_url))
-    wait_for(lambda: board.has_round(run_id, 0) and any(
-        a["task"].startswith("r1/") and a["outcome"] == "running" for a in board.attempts(run_id)),
+    wait_for(lambda: board.rounds.has(run_id, 0) and any(
+        a["task"].startswith("r1/") and a["outcome"] == "running" for a in board.attempts.all(run_id)),
         "round 1 training")
     return pool, store, args, run_id, board
 
@@ -113,8 +113,8 @@ def test_a_runs_state_rewritten_on_the_broker_is_recovered_by_resume_to_the_same
     r = board.r
     for state in ("failed", "cancelled", "succeeded"):
         run_id = tt_json(*run, "--detach", "--json")["run_id"]
-        wait_for(lambda run_id=run_id: board.has_round(run_id, 0) and any(
-            a["task"].startswith("r1/") and a["outcome"] == "running" for a in board.attempts(run_id)),
+        wait_for(lambda run_id=run_id: board.rounds.has(run_id, 0) and any(
+            a["task"].startswith("r1/") and a["outcome"] == "running" for a in board.attempts.all(run_id)),
             "round 1 training")
         r.hset(layout.run_key(run_id), mapping={"state": state, "error": "forged"})
         wait_for(lambda: r.hlen("unacked") == 0 and not queued_messages(r) and all(

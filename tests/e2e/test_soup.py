@@ -9,8 +9,8 @@ import torch
 from conftest import run_to_end, tt_here, tt_here_json
 
 from tensorturn import layout
+from tensorturn.predictor import load_result
 from tensorturn.recipes import resolve
-from tensorturn.recipes.result import load_result
 from tensorturn.store.objects import open_store
 from tensorturn.store.tensors import from_bytes
 from tensorturn.train.distill import uniform_soup

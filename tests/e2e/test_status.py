@@ -137,10 +137,10 @@ def test_sigterm_puts_the_running_task_back_in_the_queue(tmp_path, pool_factory,
                   "--detach", "--json")
     board = RunBoard(check_broker(pool.broker_url))
     deadline = time.monotonic() + 180
-    while not board.attempts(doc["run_id"]):  # until the agent has started the shard
+    while not board.attempts.all(doc["run_id"]):  # until the agent has started the shard
         assert time.monotonic() < deadline, "the agent never started the shard"
         time.sleep(0.05)
-    assert [a["outcome"] for a in board.attempts(doc["run_id"])] == ["running"]
+    assert [a["outcome"] for a in board.attempts.all(doc["run_id"])] == ["running"]
     agent = pool.agents[0]
     agent.terminate()  # SIGTERM, as systemd or Ctrl-C would send
     assert agent.wait(60) is not None

@@ -55,7 +55,7 @@ def board(pool) -> RunBoard:
 
 
 def running_shard(pool, run_id: str) -> dict:
-    return wait_for(lambda: next((a for a in board(pool).attempts(run_id)
+    return wait_for(lambda: next((a for a in board(pool).attempts.all(run_id)
                                   if a["outcome"] == "running" and "/shard-" in a["task"]), None),
                     "a shard to be training")
 
@@ -106,7 +106,7 @@ def test_a_stop_hands_the_running_task_back(pool, reference):
 def test_a_duplicate_delivery_is_ignored(pool, reference):
     spec = submit_run(pool, **SPEC)
     wait_for(lambda: any(a["task"] == "r0/outer" and a["outcome"] == "succeeded"
-                         for a in board(pool).attempts(spec.run_id)), "round 0 stepped")
+                         for a in board(pool).attempts.all(spec.run_id)), "round 0 stepped")
     train_slot.apply_async(args=(spec.run_id, 0, 1), kwargs=signed(spec.run_id, "r0/slot-1"))
     doc = wait_for_run(pool, spec.run_id)
     same_model(doc, reference)

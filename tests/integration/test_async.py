@@ -88,7 +88,7 @@ def test_an_async_run_resumes_from_the_stores_log_after_redis_lost_it(world):
                   sync_every=10)
     update(0)
     update(1)
-    assert [r["round"] for r in world.board.rounds(spec.run_id)] == [0]
+    assert [r["round"] for r in world.board.rounds.all(spec.run_id)] == [0]
     world.board.r.flushall()
     _, what = runs.resume(spec.run_id, world.broker, spec.store_url)
     assert what == "resumed asynchronously at version 2 of 4"
@@ -156,7 +156,7 @@ def test_an_update_a_round_behind_the_latest_gets_a_backup_copy_before_all_are_h
         board.r.hset(layout.worker_key(worker), "last_rate", rate)
     for j, base in ((0, 0), (1, 0), (2, 0), (3, 1), (4, 2)):  # 5 of 12 updates handed out
         book.start(j, base)
-    board.begin_attempt(run_id, "u2", slow, 3)
+    board.attempts.begin(run_id, "u2", slow, 3)
 
     def backups_queued(version: int, worker: str) -> list[dict]:
         board.r.hset(book.k["async"], "version", version)

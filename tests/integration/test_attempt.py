@@ -180,15 +180,15 @@ def test_the_streaming_outer_step_gives_the_list_averages_bits(world, outer, cod
 
 def test_a_worker_claims_its_own_shards_first_then_new_ones_then_steals(world):
     board, run = world.board, "affinity"
-    claim = lambda r, i, w: board.claim_shard(run, r, i, w, 8)  # noqa: E731
+    claim = lambda r, i, w: board.claims.claim_shard(run, r, i, w, 8)  # noqa: E731
     order = "ABCABCAB"
     round0 = [claim(0, i, w) for i, w in enumerate(order)]
     assert round0 == list(range(8))                      # nobody owns anything: lowest first
-    owners = board.shard_owners(run)
+    owners = board.claims.shard_owners(run)
     assert [owners[k] for k in range(8)] == list(order)
     assert [claim(1, i, w) for i, w in enumerate("CBA")] == [2, 1, 0]  # each takes its own
     assert claim(1, 0, "B") == 2                         # a redelivered slot keeps its shard ...
-    assert board.shard_owners(run)[2] == "B"             # ... and whoever trains it owns it now
+    assert board.claims.shard_owners(run)[2] == "B"             # ... and whoever trains it owns it now
     # A is gone: B and C run out of their own shards and steal A's, last first
     rest = [claim(1, i, w) for i, w in zip(range(3, 8), "BCBCB")]
     assert rest == [4, 5, 7, 6, 3]
@@ -196,11 +196,11 @@ def test_a_worker_claims_its_own_shards_first_then_new_ones_then_steals(world):
     with pytest.raises(RuntimeError, match="no shard left"):
         claim(1, 8, "C")
     # a new run: a worker holding some shards' data (an earlier run's cache) takes those first
-    assert [board.claim_shard("again", 0, i, "A", 8, held=[5, 2]) for i in range(3)] == [2, 5, 0]
+    assert [board.claims.claim_shard("again", 0, i, "A", 8, held=[5, 2]) for i in range(3)] == [2, 5, 0]
     # and a thief takes a shard whose data it holds before the busiest owner's last
     for i, w in enumerate("BBBBB", start=3):
-        board.claim_shard("again", 0, i, w, 8)           # B: 1, 3, 4, 6, 7
-    assert [board.claim_shard("again", 1, i, "C", 8, held=[4]) for i in range(3)] == [4, 7, 6]
+        board.claims.claim_shard("again", 0, i, w, 8)           # B: 1, 3, 4, 6, 7
+    assert [board.claims.claim_shard("again", 1, i, "C", 8, held=[4]) for i in range(3)] == [4, 7, 6]
 
 
 def test_ensemble_duplicate_after_a_member_finished_keeps_it_in_the_vote(world):
@@ -280,7 +280,7 @@ def test_whoever_sees_a_run_finished_on_the_board_finds_its_manifest_saying_so(w
         runs.cancel(spec.run_id, world.broker, spec.store_url, by="test", wait_s=0)
     else:
         (drive_ensemble if ensemble_run else drive_fused)(spec)
-    state = world.board.state(spec.run_id)
+    state = world.board.runs.state(spec.run_id)
     assert state == {"succeeds": "succeeded", "fails": "failed", "cancelled": "cancelled"}[end.split()[-1]]
     assert seen[0] == (state, state), seen
     saved = read_manifest(open_store(spec.store_url), spec.run_id)
@@ -293,7 +293,7 @@ def test_a_recipe_whose_model_raises_is_refused_before_queueing(world, monkeypat
                           **{**FUSED, "recipe": "failing:Failing"})
     with pytest.raises(RecipeError, match="boom in model"):
         runs.submit(spec, world.broker)
-    assert not world.board.exists(spec.run_id)
+    assert not world.board.runs.exists(spec.run_id)
 
 
 # ---- the store failing, attempt caps, resume ----------------------------------------------------
@@ -323,7 +323,7 @@ def test_a_run_that_failed_on_its_attempt_cap_resumes_once_fixed(world, monkeypa
     spec = world.submit(**{**FUSED, "recipe": "failing:Failing"})
     monkeypatch.setenv("TT_FAIL_IN", "loss")
     shard(spec, 0, 0)
-    assert world.board.state(spec.run_id) == "failed"
+    assert world.board.runs.state(spec.run_id) == "failed"
     monkeypatch.delenv("TT_FAIL_IN")                     # the cause is fixed
     runs.resume(spec.run_id, world.broker, spec.store_url)
     drive_fused(spec)
@@ -452,7 +452,7 @@ def test_the_rounds_last_shard_stored_queues_its_outer_step_once(world):
     assert outer_steps_queued(world, 0) == 1
     for queue in world.board.r.scan_iter("tt.*"):  # the message lost, and its claim with it
         world.board.r.delete(queue)
-    world.board.release(spec.run_id, layout.outer_claim(0))
+    world.board.claims.release(spec.run_id, layout.outer_claim(0))
     shard(spec, 0, 0)  # the redelivered task of a stored shard
     assert outer_steps_queued(world, 0) == 1
     doc = world.board.describe(spec.run_id)
@@ -473,11 +473,11 @@ def test_an_outer_step_queues_its_rounds_evaluation_behind_the_next_round(world)
     # in the order agents take them (a queue is pushed at its head, taken at its tail)
     names = [name for name, _ in reversed(queued_tasks(world)) if name]
     assert names == ["tensorturn.fused.train_slot"] * spec.options.shards + ["tensorturn.fused.evaluate"]
-    assert not world.board.has_round(spec.run_id, 0)
+    assert not world.board.rounds.has(spec.run_id, 0)
     from conftest import run_eval
 
     run_eval(spec, 0)
-    assert [r["round"] for r in world.board.rounds(spec.run_id)] == [0]
+    assert [r["round"] for r in world.board.rounds.all(spec.run_id)] == [0]
 
 
 def test_an_evaluation_past_its_attempts_leaves_the_round_to_the_last_outer_step(world):
@@ -489,9 +489,9 @@ def test_an_evaluation_past_its_attempts_leaves_the_round_to_the_last_outer_step
     shard(spec, 0, 0)
     shard(spec, 0, 1)
     outer(spec, 0, evaluate=False)
-    world.board.begin_attempt(spec.run_id, "r0/eval", "gone@host", 1)  # its machine died mid-way
+    world.board.attempts.begin(spec.run_id, "r0/eval", "gone@host", 1)  # its machine died mid-way
     run_eval(spec, 0)  # the redelivery: past the cap
-    assert world.board.state(spec.run_id) == "running" and not world.board.has_round(spec.run_id, 0)
+    assert world.board.runs.state(spec.run_id) == "running" and not world.board.rounds.has(spec.run_id, 0)
     shard(spec, 1, 0)
     shard(spec, 1, 1)
     outer(spec, 1)
@@ -522,8 +522,8 @@ def test_after_redis_loses_its_data_the_run_says_so_and_resumes(world):
     _, what = runs.resume(spec.run_id, world.broker, spec.store_url)
     assert what.startswith("resumed at round 1")
     drive_fused(spec, start=1)
-    assert world.board.state(spec.run_id) == "succeeded"
-    assert [r["round"] for r in world.board.rounds(spec.run_id)] == [0, 1]
+    assert world.board.runs.state(spec.run_id) == "succeeded"
+    assert [r["round"] for r in world.board.rounds.all(spec.run_id)] == [0, 1]
 
 
 def test_a_run_without_progress_says_why(world):
@@ -557,7 +557,7 @@ def test_a_follow_up_that_fails_to_queue_is_queued_by_the_retry(world, monkeypat
     assert world.board.r.hexists(f"tt:run:{spec.run_id}:claims", "dispatch-r1")
     monkeypatch.setattr(fused, "dispatch_round", real_dispatch)
     drive_fused(spec, start=1)
-    assert world.board.state(spec.run_id) == "succeeded"
+    assert world.board.runs.state(spec.run_id) == "succeeded"
 
 
 def test_an_agent_is_listed_again_at_its_next_heartbeat_after_redis_lost_its_data(world):
@@ -596,14 +596,14 @@ def test_a_task_stored_by_two_attempts_is_counted_once(world):
     """A partitioned machine heals and finishes its shard beside the attempt that replaced it,
     both storing the same bytes: the first to finish is the success, the other is late."""
     board = world.board
-    first, _, _ = board.begin_attempt("twice", "r0/shard-1", "a@h", 3)
-    second, _, _ = board.begin_attempt("twice", "r0/shard-1", "b@h", 3)  # the first was lost
-    board.finish_attempt("twice", second, "succeeded")
-    board.finish_attempt("twice", first, "succeeded")
-    outcomes = {a["worker"]: a["outcome"] for a in board.attempts("twice")}
+    first, _, _ = board.attempts.begin("twice", "r0/shard-1", "a@h", 3)
+    second, _, _ = board.attempts.begin("twice", "r0/shard-1", "b@h", 3)  # the first was lost
+    board.attempts.finish("twice", second, "succeeded")
+    board.attempts.finish("twice", first, "succeeded")
+    outcomes = {a["worker"]: a["outcome"] for a in board.attempts.all("twice")}
     assert outcomes == {"b@h": "succeeded", "a@h": "late: attempt 2 of this task stored the same output first"}
-    board.finish_attempt("twice", second, "succeeded")  # a repeat of the winner's own record
-    assert {a["worker"]: a["outcome"] for a in board.attempts("twice")}["b@h"] == "succeeded"
+    board.attempts.finish("twice", second, "succeeded")  # a repeat of the winner's own record
+    assert {a["worker"]: a["outcome"] for a in board.attempts.all("twice")}["b@h"] == "succeeded"
 
 
 
@@ -625,10 +625,10 @@ def test_every_task_a_machine_finishes_counts_as_done_outer_steps_and_evaluation
     assert {w: int(r.hget(layout.worker_key(w), "tasks_done") or 0) for w in done} == done
 
     board = world.board  # a late copy of a task is not counted again
-    first, _, _ = board.begin_attempt("twice", "r0/shard-1", "a@h", 3)
-    second, _, _ = board.begin_attempt("twice", "r0/shard-1", "b@h", 3)
-    board.finish_attempt("twice", second, "succeeded")
-    board.finish_attempt("twice", first, "succeeded")
+    first, _, _ = board.attempts.begin("twice", "r0/shard-1", "a@h", 3)
+    second, _, _ = board.attempts.begin("twice", "r0/shard-1", "b@h", 3)
+    board.attempts.finish("twice", second, "succeeded")
+    board.attempts.finish("twice", first, "succeeded")
     assert [r.hget(layout.worker_key(w), "tasks_done") for w in ("a@h", "b@h")] == [None, "1"]
 
 
@@ -662,14 +662,14 @@ def test_eval_every_evaluates_every_nth_round_and_the_last(world):
     assert [r for r in sorted(records) if records[r]["val_loss"] is not None] == [1, 3]
     assert all(records[r]["val_rows"] == 0 and records[r]["loss"] > 0 and records[r]["samples"] > 0
                for r in (0, 2))
-    assert not {a["task"] for a in world.board.attempts(every.run_id)} & {"r0/eval", "r2/eval"}
+    assert not {a["task"] for a in world.board.attempts.all(every.run_id)} & {"r0/eval", "r2/eval"}
     for r, queued in ((0, False), (1, True), (2, False)):  # a claim is taken where one is queued
         assert world.board.claims.claim(every.run_id, layout.eval_claim(r)) is not queued
     assert doc["metrics"]["kept_round"] == min((1, 3), key=lambda r: (records[r]["val_loss"], -r))
 
     each = world.submit("store2", **{**FUSED, "rounds": 4, "keep": "best"})
     drive_fused(each)
-    reference = {rec["round"]: rec for rec in world.board.rounds(each.run_id)}
+    reference = {rec["round"]: rec for rec in world.board.rounds.all(each.run_id)}
     assert [records[r]["val_loss"] for r in (1, 3)] == [reference[r]["val_loss"] for r in (1, 3)]
     assert [records[r]["loss"] for r in range(4)] == [reference[r]["loss"] for r in range(4)]
     kept = open_store(every.store_url).get_bytes(layout.key("final_model", every.run_id))
@@ -701,7 +701,7 @@ def test_a_round_whose_record_was_lost_is_evaluated_again_before_the_run_finishe
     from the store, so --keep best chooses among every round and the records are whole."""
     spec = world.submit(**{**FUSED, "rounds": 3}, keep="best")
     drive_fused(spec)
-    reference = {rec["round"]: rec["val_loss"] for rec in world.board.rounds(spec.run_id)}
+    reference = {rec["round"]: rec["val_loss"] for rec in world.board.rounds.all(spec.run_id)}
     assert sorted(reference) == [0, 1, 2]
 
     lost = world.submit("store2", **{**FUSED, "rounds": 3}, keep="best")
@@ -777,7 +777,7 @@ def test_a_shard_delivered_again_takes_the_outer_step_its_first_delivery_claimed
     for key in world.board.r.scan_iter("*"):
         if world.board.r.type(key) == "list":
             world.board.r.delete(key)
-    world.board.release(spec.run_id, layout.outer_claim(0))
+    world.board.claims.release(spec.run_id, layout.outer_claim(0))
     world.board.claims.claim_for(spec.run_id, layout.outer_claim(0), "task:lost-one")  # claimed, then lost
     store = open_store(spec.store_url)
     shard_in_a_worker(spec, 0, 1, delivery="another")
@@ -924,7 +924,7 @@ def test_a_slot_of_the_next_round_takes_the_step_its_round_left_and_trains_from_
     spec = world.submit(**fields)
     shard(spec, 0, 0)
     shard(spec, 0, 1)
-    world.board.release(spec.run_id, layout.outer_claim(0))  # left to the next round, as a short round's is
+    world.board.claims.release(spec.run_id, layout.outer_claim(0))  # left to the next round, as a short round's is
     slot(spec, 1, 0)
     outer_attempts = attempts_of(world, spec, "r0/outer")
     assert [a["outcome"] for a in outer_attempts] == ["succeeded"]
@@ -934,7 +934,7 @@ def test_a_slot_of_the_next_round_takes_the_step_its_round_left_and_trains_from_
     store, other = open_store(spec.store_url), open_store(queued.store_url)
     k = int(trained[0]["task"][-1])
     assert int(stored_metadata(store, layout.key("shard", spec.run_id, 1, k))["bytes_down"]) == 0
-    assert [rec["round"] for rec in world.board.rounds(spec.run_id)] == [0]  # the deferred record
+    assert [rec["round"] for rec in world.board.rounds.all(spec.run_id)] == [0]  # the deferred record
     ours, theirs = layout.key("global", spec.run_id, 1), layout.key("global", queued.run_id, 1)
     assert store.get_bytes(ours) == other.get_bytes(theirs)
 
@@ -965,7 +965,7 @@ def test_a_slot_queued_ahead_stands_by_and_steps_as_soon_as_the_round_completes(
     waiter.start()
     wait_for(lambda: step_claim(world, spec, 0), "the slot standing by to claim round 0's step")
     shard(spec, 0, 1)  # (applied here, it leaves the queuing to the claim's holder)
-    world.board.claims.announce_complete(spec.run_id, 0)  # what the last shard task of a short round does
+    world.board.announcements.announce_complete(spec.run_id, 0)  # what the last shard task of a short round does
     waiter.join(timeout=300)
     assert not waiter.is_alive()
     assert [a["outcome"] for a in attempts_of(world, spec, "r0/outer")] == ["succeeded"]
@@ -1050,7 +1050,7 @@ def test_an_outer_step_that_fails_in_a_slot_is_queued_and_the_slot_given_back(wo
     spec = world.submit(**FUSED)
     shard(spec, 0, 0)
     shard(spec, 0, 1)
-    world.board.release(spec.run_id, layout.outer_claim(0))
+    world.board.claims.release(spec.run_id, layout.outer_claim(0))
     queued = outer_steps_queued(world, 0)  # (the shard applied here queued one as it claimed)
     real = fused_outer.average_and_step
     monkeypatch.setattr(fused_outer, "average_and_step", lambda *a: (_ for _ in ()).throw(OSError("disk gone")))
@@ -1083,7 +1083,7 @@ def test_a_rounds_end_is_timed_and_its_step_claimed_only_by_one(world):
     assert claims.claim_step(run, 0, "step", "task:y") == (False, {0, 1, 2})
     claims.release_if_held(run, "step", "task:x")
     assert claims.claim_step(run, 0, "step", "task:y") == (True, {0, 1, 2})
-    claims.announce_global(run, 1)
+    world.board.announcements.announce_global(run, 1)
     count, end = claims.note_stored(run, 1, 0, "a", 3)
     assert count == 1 and end is not None and end >= 0
 

@@ -106,10 +106,10 @@ def test_status_runs_and_report_read_the_store_when_the_coordinator_is_stopped(r
     done, live = (RunSpec.create(store_url=store.url, mode="fused", recipe="digits-mlp")
                   for _ in range(2))
     for spec in (done, live):
-        board.create(spec)
+        board.runs.create(spec)
         save_spec(store, spec)
     board.finish(done.run_id, "succeeded", metrics={"test_accuracy": 0.75})
-    board.mark_running(live.run_id)
+    board.runs.mark_running(live.run_id)
     for spec in (done, live):
         write_manifest(store, board, spec.run_id)
     join = tmp_path / "join"

@@ -149,7 +149,7 @@ def test_a_run_no_live_machine_can_hold_says_so(redis_server, tmp_path):
     spec = RunSpec.create(store_url=(tmp_path / "store").as_uri(), mode="fused",
                           recipe="digits-mlp", rounds=1, shards=2, sync_every=10)
     spec.memory_needed_bytes = 2 * TB  # the class of the largest models
-    board.create(spec)
+    board.runs.create(spec)
     beat(r, "small@h")
     forge_worker(r, "forged@gpu")
     config.use(config.current().with_(stall_s=0.0))

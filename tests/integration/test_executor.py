@@ -99,7 +99,7 @@ def queued(world, spec, unit: type[Fake]) -> dict:
 
 
 def outcomes(world, spec) -> list[str]:
-    return [a["outcome"] for a in world.board.attempts(spec.run_id) if a["task"] == str(LABEL)]
+    return [a["outcome"] for a in world.board.attempts.all(spec.run_id) if a["task"] == str(LABEL)]
 
 
 def run_state(world, spec) -> tuple[str, str | None]:
@@ -110,8 +110,8 @@ def run_state(world, spec) -> tuple[str, str | None]:
 def spend(world, spec, n: int) -> None:
     """``n`` failed attempts of the unit, recorded as a queued message's would be."""
     for _ in range(n):
-        key, _, _ = world.board.begin_attempt(spec.run_id, str(LABEL), "w0", spec.max_attempts)
-        world.board.finish_attempt(spec.run_id, key, "failed: earlier")
+        key, _, _ = world.board.attempts.begin(spec.run_id, str(LABEL), "w0", spec.max_attempts)
+        world.board.attempts.finish(spec.run_id, key, "failed: earlier")
 
 
 # ---- in place (run_here) -------------------------------------------------------------------------
@@ -126,7 +126,7 @@ def test_in_place_a_unit_done_before_is_only_followed(world, spec):
     unit = fake(done_before=True)
     assert in_place(world, spec, unit) is True
     assert unit.calls == ["done", "then"] and outcomes(world, spec) == []
-    assert world.board.incidents(spec.run_id) == []  # in place, no duplicate_ignored incident
+    assert world.board.incidents.all(spec.run_id) == []  # in place, no duplicate_ignored incident
 
 
 def test_in_place_a_unit_past_its_cap_gives_up_as_its_message_would(world, spec):
@@ -199,7 +199,7 @@ def test_queued_a_unit_done_before_is_an_incident_and_followed(world, spec):
     unit = fake(done_before=True)
     queued(world, spec, unit)
     assert unit.calls == ["done", "then"] and outcomes(world, spec) == []
-    assert [i["kind"] for i in world.board.incidents(spec.run_id)] == ["duplicate_ignored"]
+    assert [i["kind"] for i in world.board.incidents.all(spec.run_id)] == ["duplicate_ignored"]
 
 
 def test_queued_a_follow_up_that_fails_is_retried_and_the_unit_stays_done(world, spec):

@@ -23,7 +23,7 @@ def strict_json(text: str):
 def test_status_json_of_a_run_with_nan_metrics_is_strict_json(redis_server, tmp_path):
     spec = RunSpec.create("fused", "digits-mlp", (tmp_path / "store").as_uri(), rounds=1)
     board = RunBoard(redis_client(redis_server.url))
-    board.create(spec)
+    board.runs.create(spec)
     board.record_round(spec.run_id, 0, {"round": 0, "loss": float("nan"), "val_loss": float("inf"),
                                         "bytes": 0})
     board.finish(spec.run_id, "succeeded", metrics={"test_loss": float("nan"),

@@ -29,7 +29,7 @@ def outer_outcome(world, spec, r: int) -> str:
     """Round r's outer step in this process; the outcome its attempt recorded."""
     as_agent_of(spec)
     driver.outer_step.apply(args=([], spec.run_id, r), kwargs=signed(spec.run_id, f"r{r}/outer")).get()
-    return [a for a in world.board.attempts(spec.run_id) if a["task"] == f"r{r}/outer"][-1]["outcome"]
+    return [a for a in world.board.attempts.all(spec.run_id) if a["task"] == f"r{r}/outer"][-1]["outcome"]
 
 
 def drive(world, spec, lose: tuple[int, int] | None = None) -> dict:
@@ -44,11 +44,11 @@ def drive(world, spec, lose: tuple[int, int] | None = None) -> dict:
         if lost_before:  # the outer step waits for the upload, and sees its lease lapse
             outcome = outer_outcome(world, spec, r - 1)
             assert outcome.startswith(f"refused: shard {lose[1]} of round {lose[0]}: upload lost"), outcome
-            assert lose[1] not in board.claims.handed(spec.run_id, lose[0])
+            assert lose[1] not in board.uploads.handed(spec.run_id, lose[0])
             run_shard(spec, *lose)  # what the queued train_shard does on some agent
         for k in range(spec.options.shards if r < n else 0):
             if (r, k) == lose:
-                board.claims.hand_over(spec.run_id, r, k, "gone@nowhere", lease_s=0.3)
+                board.uploads.hand_over(spec.run_id, r, k, "gone@nowhere", lease_s=0.3)
             else:
                 run_shard(spec, r, k)
         if r >= 1:
@@ -95,7 +95,7 @@ def test_a_cancelled_overlapped_run_resumes_to_the_model_an_undisturbed_run_give
     assert outer_outcome(world, spec, 0) == "succeeded"
     finish_uploads()
     runs.cancel(spec.run_id, world.broker, spec.store_url, by="test", wait_s=0)
-    assert world.board.state(spec.run_id) == "cancelled"
+    assert world.board.runs.state(spec.run_id) == "cancelled"
 
     _, what = runs.resume(spec.run_id, world.broker, spec.store_url)
     assert what == "resumed at round 1 of 0..2, overlapped"
@@ -153,13 +153,13 @@ def test_a_shard_whose_last_round_is_not_there_yet_is_queued_again_without_using
     again a few seconds later."""
     spec = world.submit(**SPEC)
     run_shard(spec, 1, 0)
-    attempts = [a for a in world.board.attempts(spec.run_id) if a["task"] == "r1/shard-0"]
+    attempts = [a for a in world.board.attempts.all(spec.run_id) if a["task"] == "r1/shard-0"]
     assert [a["outcome"] for a in attempts] == [
         "refused: round 1's shard 0 starts from shard 0 of round 0, not stored yet; queued again in 3 s"]
     assert not [i for i in world.board.describe(spec.run_id)["incidents"] if i["kind"] == "upload_lost"]
     run_shard(spec, 0, 0)
     run_shard(spec, 1, 0)  # the attempt given back: this one is number 1 of its allowance again
-    assert [a["outcome"] for a in world.board.attempts(spec.run_id) if a["task"] == "r1/shard-0"][-1] == "succeeded"
+    assert [a["outcome"] for a in world.board.attempts.all(spec.run_id) if a["task"] == "r1/shard-0"][-1] == "succeeded"
 
 
 def test_a_shard_whose_last_round_trains_on_another_machine_waits_for_it(world, monkeypatch):
@@ -170,23 +170,23 @@ def test_a_shard_whose_last_round_trains_on_another_machine_waits_for_it(world, 
     # for up to a lease: one long enough that round 0's shard trains within it on busy cores
     monkeypatch.setattr(config, "_current", config.current().with_(visibility_timeout_s=600))
     spec = world.submit(**SPEC)
-    world.board.claim_shard(spec.run_id, 0, 0, "elsewhere@host", spec.options.shards)  # r0 slot 0 → shard 0
+    world.board.claims.claim_shard(spec.run_id, 0, 0, "elsewhere@host", spec.options.shards)  # r0 slot 0 → shard 0
     waiting = threading.Thread(target=run_shard, args=(spec, 1, 0))
     waiting.start()
-    wait_for(lambda: any(a["task"] == "r1/shard-0" for a in world.board.attempts(spec.run_id)),
+    wait_for(lambda: any(a["task"] == "r1/shard-0" for a in world.board.attempts.all(spec.run_id)),
              "round 1's shard 0 to begin")
     run_shard(spec, 0, 0)  # "elsewhere": its output is handed over and uploaded
     waiting.join(timeout=180)
     assert not waiting.is_alive()
-    outcomes = [a["outcome"] for a in world.board.attempts(spec.run_id) if a["task"] == "r1/shard-0"]
+    outcomes = [a["outcome"] for a in world.board.attempts.all(spec.run_id) if a["task"] == "r1/shard-0"]
     assert outcomes == ["succeeded"]
     finish_uploads()
 
 
 def test_an_upload_lease_is_refreshed_and_ended_only_by_its_holder(redis_server):
-    from tensorturn.state.claims import Claims
+    from tensorturn.state.uploads import UploadLeases
 
-    claims = Claims(redis.Redis.from_url(redis_server.url, decode_responses=True))
+    claims = UploadLeases(redis.Redis.from_url(redis_server.url, decode_responses=True))
     claims.hand_over("run-x", 0, 1, "a#1", lease_s=30)
     assert claims.uploading("run-x", 0, 1) and claims.handed("run-x", 0) == {1}
     assert not claims.refresh_upload("run-x", 0, 1, "b#2", lease_s=30)  # another upload's token

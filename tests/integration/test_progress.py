@@ -17,6 +17,7 @@ from tensorturn.modes import get_mode
 from tensorturn.pool import telemetry
 from tensorturn.runs.display import RunProgress
 from tensorturn.spec import RunSpec
+from tensorturn.state.attempts import Attempts
 from tensorturn.state.board import RunBoard
 from tensorturn.state.broker import redis_client
 from tensorturn.state.live import view
@@ -198,7 +199,7 @@ def board(redis_server):
 def live_run(board: RunBoard, tmp_path) -> RunSpec:
     spec = RunSpec.create(store_url=(tmp_path / "store").as_uri(), mode="fused", recipe="digits-mlp",
                           rounds=2, shards=2, sync_every=10)
-    board.create(spec)
+    board.runs.create(spec)
     return spec
 
 
@@ -213,10 +214,10 @@ def heartbeat(board: RunBoard, name: str) -> None:
 def test_training_tasks_report_steps_that_describe_shows(board, tmp_path, monkeypatch):
     spec = live_run(board, tmp_path)
     monkeypatch.setattr(telemetry, "PROGRESS_EVERY_S", 0.0)
-    done = board.begin_attempt(spec.run_id, "r0/shard-0", "w1@h", 3)
+    done = board.attempts.begin(spec.run_id, "r0/shard-0", "w1@h", 3)
     assert done is not None
-    board.finish_attempt(spec.run_id, done[0], "succeeded")
-    board.begin_attempt(spec.run_id, "r0/shard-1", "w2@h", 3)
+    board.attempts.finish(spec.run_id, done[0], "succeeded")
+    board.attempts.begin(spec.run_id, "r0/shard-1", "w2@h", 3)
     task = SimpleNamespace(request=SimpleNamespace(hostname="w2@h"), send_event=lambda *a, **k: None)
     reporter = telemetry.TaskReporter(task, board.r, "r0/shard-1", 10, 32, live=(spec.run_id, "shard-1"))
     reporter(4, 0.5)
@@ -224,7 +225,7 @@ def test_training_tasks_report_steps_that_describe_shows(board, tmp_path, monkey
         "round": 0, "shards_done": 1, "shards": 2, "steps_done": 14, "steps_total": 20}
     reporter(7, 0.4)
     assert board.describe(spec.run_id)["in_round"]["steps_done"] == 17
-    assert set(board.live(spec.run_id)) == {"shard-1"}  # one field per place, not per task
+    assert set(board.progress.entries(spec.run_id)) == {"shard-1"}  # one field per place, not per task
 
 
 def test_a_cancel_reaches_a_training_loop_through_its_progress_report(board, tmp_path, monkeypatch):
@@ -245,17 +246,17 @@ def test_an_outer_step_that_evaluates_is_not_a_stall(board, redis_server, tmp_pa
     spec = live_run(board, tmp_path)
     heartbeat(board, "w1@h")
     config.use(config.current().with_(stall_s=0.0))
-    begun = board.begin_attempt(spec.run_id, "r0/outer", "w1@h", 3)
+    begun = board.attempts.begin(spec.run_id, "r0/outer", "w1@h", 3)
     assert begun is not None
-    board.mark_phase(spec.run_id, "r0/outer", "evaluating", "w1@h")
+    board.progress.mark_phase(spec.run_id, "r0/outer", "evaluating", "w1@h")
     doc = runs.describe(spec.run_id, redis_server.url, spec.store_url)
     assert doc["outer_steps"][0]["phase"] == "evaluating"
     assert doc["note"].startswith("round 0's outer step is evaluating on w1@h (")
     assert "no progress" not in doc["note"]
     # recorded: the phase goes with the round, and with nothing running the run is stalled again
     board.record_round(spec.run_id, 0, {"round": 0, "loss": 1.0})
-    board.finish_attempt(spec.run_id, begun[0], "succeeded")
-    assert board.live(spec.run_id) == {}
+    board.attempts.finish(spec.run_id, begun[0], "succeeded")
+    assert board.progress.entries(spec.run_id) == {}
     doc = runs.describe(spec.run_id, redis_server.url, spec.store_url)
     assert doc["outer_steps"] == [] and doc["note"].startswith("no progress for")
 
@@ -264,7 +265,7 @@ def test_a_training_task_that_reports_no_step_is_named_in_the_stall_note(board, 
     spec = live_run(board, tmp_path)
     heartbeat(board, "w1@h")  # its machine is alive: only the task is silent
     config.use(config.current().with_(stall_s=0.0))
-    assert board.begin_attempt(spec.run_id, "r0/shard-1", "w1@h", 3) is not None
+    assert board.attempts.begin(spec.run_id, "r0/shard-1", "w1@h", 3) is not None
     doc = runs.describe(spec.run_id, redis_server.url, spec.store_url)
     assert doc["note"].startswith("no progress for")
     assert "r0/shard-1 on w1@h has reported no training step for" in doc["note"]
@@ -295,13 +296,13 @@ def drive_ensemble(spec: RunSpec) -> None:
 
 def states_when_attempts_finish(monkeypatch, board: RunBoard) -> dict[str, str | None]:
     seen: dict[str, str | None] = {}
-    real = RunBoard.finish_attempt
+    real = Attempts.finish
 
     def finish_attempt(self, run_id, key, *args, **kwargs):
-        seen[key] = board.state(run_id)
+        seen[key] = board.runs.state(run_id)
         return real(self, run_id, key, *args, **kwargs)
 
-    monkeypatch.setattr(RunBoard, "finish_attempt", finish_attempt)
+    monkeypatch.setattr(Attempts, "finish", finish_attempt)
     return seen
 
 

@@ -18,9 +18,9 @@ from contract_recipes import NamedDigits
 
 from tensorturn import config, layout, trust
 from tensorturn.cli import cli
+from tensorturn.predictor import Predictor
 from tensorturn.recipes import resolve
 from tensorturn.recipes.contract import CheckFailed, check, check_contract
-from tensorturn.recipes.result import Predictor
 from tensorturn.store.objects import open_store
 from tensorturn.store.tensors import ensemble_bytes
 

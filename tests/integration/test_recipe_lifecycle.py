@@ -101,7 +101,7 @@ def test_a_recipe_that_would_fail_on_the_agents_is_refused_at_submit(world, monk
     assert "\n" not in message and ("Unstorable" in recipe or re.search(where, message))
     if "SetByLoss" in recipe:
         assert "a hook other than raw_data sets self._weight: set it in __init__ or in raw_data" in message
-    assert not world.board.exists(spec.run_id)
+    assert not world.board.runs.exists(spec.run_id)
     assert not (world.tmp / "s" / layout.RUNS).exists() or not any((world.tmp / "s" / layout.RUNS).iterdir())
 
 

@@ -77,9 +77,9 @@ def test_a_hash_without_its_spec_is_no_record(world):
     spec = submit(world)
     world.r.hdel(layout.run_key(spec.run_id), "spec")   # what is left once a task wrote to a deleted record
     board = world.board
-    assert not board.exists(spec.run_id) and board.state(spec.run_id) is None
+    assert not board.runs.exists(spec.run_id) and board.runs.state(spec.run_id) is None
     assert board.state_and_standing(spec.run_id, "w1@host") == (None, False, None)
-    assert board.list_runs() == []
+    assert board.runs.list_runs() == []
     with pytest.raises(NotFound, match="record of run .* is incomplete.*tensorturn resume"):
         board.describe(spec.run_id)
     doc = runs.describe(spec.run_id, world.broker, world.store_url)  # from the store, with why
@@ -92,8 +92,8 @@ def test_no_writer_makes_up_a_record_that_was_deleted(world):
     spec = submit(world)
     delete_run_keys(world.r, spec.run_id)
     board = world.board
-    board.touch(spec.run_id)
-    board.mark_running(spec.run_id)
+    board.runs.touch(spec.run_id)
+    board.runs.mark_running(spec.run_id)
     board.record_round(spec.run_id, 0, {"round": 0, "loss": 1.0})
     assert not board.finish(spec.run_id, "succeeded", metrics={"test_accuracy": 1.0})
     assert not board.fail(spec.run_id, "boom") and not board.cancel(spec.run_id, "someone")
@@ -155,11 +155,11 @@ def test_a_finished_record_behind_its_manifest_is_read_from_the_manifest(world):
     entry = json.loads(world.r.hget(attempts, first))
     world.r.hset(attempts, first, json.dumps({**entry, "outcome": "running", "finished_at": None}))
     world.r.hdel(attempts, last)
-    assert world.board.state(spec.run_id) == "succeeded"
+    assert world.board.runs.state(spec.run_id) == "succeeded"
 
     doc = runs.describe(spec.run_id, world.broker, world.store_url)
     assert doc["attempts"] == saved["attempts"] and doc["state"] == "succeeded"
-    assert not world.board.exists(spec.run_id)  # the manifest is the run's record now
+    assert not world.board.runs.exists(spec.run_id)  # the manifest is the run's record now
     assert manifest.read_manifest(world.store, spec.run_id) == saved
 
 
@@ -182,7 +182,7 @@ def test_a_replayed_start_of_a_run_the_broker_forgot_is_refused(world):
     start_run.apply(args=(doc,), kwargs={"sig": pool_key().sign("submit", doc)}).get()
     _, [refused] = runs.refusals(world.broker)
     assert (refused["task"], refused["run_id"]) == ("tensorturn.start_run", spec.run_id)
-    assert not world.board.exists(spec.run_id)
+    assert not world.board.runs.exists(spec.run_id)
     assert world.store.get_bytes(layout.key("global", spec.run_id, 0)) == theta0
     assert world.store.get_bytes(layout.key("manifest", spec.run_id)) == saved
 
@@ -201,7 +201,7 @@ def test_prune_forgets_agents_gone_and_expires_what_runs_left(world):
     r.zadd(layout.RUN_INDEX, {"expired-run": 1})
     older = submit(world)                        # finished before its keys were given an expiry
     drive(older)
-    world.board.persist(older.run_id)
+    world.board.runs.persist(older.run_id)
 
     day = config.current().agent_ttl_s
     gone, here = "old@host", "new@host"
@@ -286,7 +286,7 @@ def test_runs_rm_deletes_a_finished_run_and_nothing_else(world):
     assert doc["broker_keys"] > 5 and doc["bytes"] > 0
     assert world.store.list(f"runs/{spec.run_id}/") == [] and run_keys(world.r, spec.run_id) == {}
     assert spec.run_id not in world.r.zrange(layout.RUN_INDEX, 0, -1)
-    assert world.store.exists(layout.key("manifest", keep.run_id)) and world.board.exists(keep.run_id)
+    assert world.store.exists(layout.key("manifest", keep.run_id)) and world.board.runs.exists(keep.run_id)
 
     gone = tt_here("runs", "rm", spec.run_id, "--yes", *args)
     assert gone.returncode == 2 and f"no run '{spec.run_id}'" in gone.stderr
@@ -306,11 +306,11 @@ def test_runs_rm_asks_first_on_a_terminal(world, monkeypatch):
     args = ["runs", "rm", spec.run_id, "--broker", world.broker, "--store", world.store_url]
     declined = CliRunner().invoke(cli, args, input="n\n")
     assert declined.exit_code == 1 and f"run {spec.run_id} not removed" in declined.output
-    assert world.board.exists(spec.run_id) and world.store.exists(layout.key("spec", spec.run_id))
+    assert world.board.runs.exists(spec.run_id) and world.store.exists(layout.key("spec", spec.run_id))
     agreed = CliRunner().invoke(cli, args, input="y\n")
     assert agreed.exit_code == 0, agreed.output
     assert f"remove run {spec.run_id} (cancelled): " in agreed.output and "removed:" in agreed.output
-    assert not world.board.exists(spec.run_id) and world.store.list(f"runs/{spec.run_id}/") == []
+    assert not world.board.runs.exists(spec.run_id) and world.store.list(f"runs/{spec.run_id}/") == []
 
 
 def test_runs_rm_refuses_a_run_that_is_running_read_or_served(world):
@@ -332,7 +332,7 @@ def test_runs_rm_refuses_a_run_that_is_running_read_or_served(world):
     drive(done)
     reader = RunSpec.create(store_url=world.store_url, mode="ensemble", recipe="digits-mlp",
                             members=2, init_from=done.run_id)
-    world.board.create(reader)                   # a live ensemble that starts from its model
+    world.board.runs.create(reader)                   # a live ensemble that starts from its model
     proc = tt_here("runs", "rm", done.run_id, "--yes", *args)
     assert proc.returncode == 2 and f"read by run {reader.run_id}, still running" in proc.stderr
     world.board.cancel(reader.run_id, "test")

@@ -267,7 +267,7 @@ def test_a_replayed_run_request_changes_nothing(world):
     assert refusals(r)[0]["reason"] == "this run exists already (a replayed request?)"
     after = RunBoard(r).describe(spec.run_id)
     assert (after["state"], after["created_at"]) == (before["state"], before["created_at"])
-    assert not RunBoard(r).incidents(spec.run_id)
+    assert not RunBoard(r).incidents.all(spec.run_id)
 
 
 def test_odd_signatures_and_records_are_refused_not_errors(tmp_path):

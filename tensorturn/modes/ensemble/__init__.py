@@ -95,7 +95,7 @@ def options(spec: "RunSpec") -> EnsembleOptions:
 
 def all_finished(spec: "RunSpec", board: "RunBoard") -> bool:
     """Whether every member has finished (succeeded or dropped): the vote may run."""
-    return board.member_log.done_count(spec.run_id) >= (options(spec).members or 0)
+    return board.members.done_count(spec.run_id) >= (options(spec).members or 0)
 
 
 class Ensemble(ModeBase):

@@ -110,12 +110,12 @@ def start(spec: RunSpec, store: Store, board: RunBoard, allow: Collection[str] =
     plan = member_plan(spec, recipe)
     spec.settle_run_config(recipe)  # kept: its lr and batch, the members the pool sized, the dataset version pinned
     save_spec(store, spec)
-    board.create(spec)
+    board.runs.create(spec)
     for entry in plan:
-        board.record_member(spec.run_id, entry["member"], _new_member(entry))
+        board.members.record(spec.run_id, entry["member"], _new_member(entry))
     write_manifest(store, board, spec.run_id)
     for entry in plan:
-        board.claim(spec.run_id, layout.segment_claim(entry["member"], 0))
+        board.claims.claim(spec.run_id, layout.segment_claim(entry["member"], 0))
         queue_segment(spec, entry["member"], 0)
 
 
@@ -128,7 +128,7 @@ def queue_segment(spec: RunSpec, m: int, j: int) -> None:
 def maybe_vote(spec: RunSpec, board: RunBoard) -> None:
     """Queue the vote once every member has finished (succeeded or dropped)."""
     if all_finished(spec, board):
-        board.once(spec.run_id, layout.VOTE_CLAIM, lambda: vote.apply_async(
+        board.claims.once(spec.run_id, layout.VOTE_CLAIM, lambda: vote.apply_async(
             (spec.run_id,), signed(spec.run_id, str(layout.vote_label())),
             queue=queue_for(spec.memory_needed_bytes)))
 
@@ -137,9 +137,9 @@ def drop(spec: RunSpec, board: RunBoard, m: int, reason: str, task: str, worker:
     """Drop member m from the vote with ``reason``, and say so in a ``member_dropped`` incident —
     unless it already succeeded (a late give-up of a unit that another attempt finished must not
     undo it)."""
-    if board.member(spec.run_id, m).get("state") not in (MemberState.SUCCEEDED, MemberState.DROPPED):
-        board.update_member(spec.run_id, m, state=MemberState.DROPPED, reason=reason)
-        board.incident(spec.run_id, "member_dropped", task, worker, f"member {m} dropped: {reason}")
+    if board.members.get(spec.run_id, m).get("state") not in (MemberState.SUCCEEDED, MemberState.DROPPED):
+        board.members.update(spec.run_id, m, state=MemberState.DROPPED, reason=reason)
+        board.incidents.add(spec.run_id, "member_dropped", task, worker, f"member {m} dropped: {reason}")
     board.member_done(spec.run_id, m)
     maybe_vote(spec, board)
 
@@ -151,7 +151,7 @@ def resume(spec: RunSpec, store: Store, board: RunBoard, allow: Collection[str] 
     resumed = []
     for entry in member_plan(spec, recipe_for(spec, allow)):
         m = entry["member"]
-        info = board.member(spec.run_id, m) or _new_member(entry)
+        info = board.members.get(spec.run_id, m) or _new_member(entry)
         if info["state"] == MemberState.DROPPED and info.get("reason", "").startswith("missed the deadline"):
             board.member_done(spec.run_id, m)
             continue
@@ -159,17 +159,17 @@ def resume(spec: RunSpec, store: Store, board: RunBoard, allow: Collection[str] 
             board.member_done(spec.run_id, m)
             continue
         # a member dropped for failures gets another chance: the cause may be fixed
-        board.member_log.undone(spec.run_id, m)
+        board.members.undone(spec.run_id, m)
         stored = [j for j in range(opts.segments)
                   if store.exists(layout.key("segment", spec.run_id, m, j))]
         j = min(max(stored) + 1 if stored else 0, opts.segments - 1)
-        board.record_member(spec.run_id, m, {**info, "state": MemberState.QUEUED, "reason": None,
-                                             "segments_done": len(stored)})
-        board.claim(spec.run_id, layout.segment_claim(m, j))
+        board.members.record(spec.run_id, m, {**info, "state": MemberState.QUEUED, "reason": None,
+                                              "segments_done": len(stored)})
+        board.claims.claim(spec.run_id, layout.segment_claim(m, j))
         queue_segment(spec, m, j)
         resumed.append(f"member {m} at segment {j}")
     if not resumed:
-        board.release(spec.run_id, layout.VOTE_CLAIM)
+        board.claims.release(spec.run_id, layout.VOTE_CLAIM)
         maybe_vote(spec, board)
     return "resumed " + (", ".join(resumed) if resumed else "the vote")
 
@@ -188,7 +188,7 @@ class SegmentUnit(Unit):
 
     def done(self) -> bool:
         m, j = self.a.label.numbers
-        state = self.board.member(self.spec.run_id, m).get("state")
+        state = self.board.members.get(self.spec.run_id, m).get("state")
         if state in (MemberState.DROPPED, MemberState.SUCCEEDED):
             return True
         return not self._last() and self.store.exists(layout.key("segment", self.spec.run_id, m, j))
@@ -200,15 +200,15 @@ class SegmentUnit(Unit):
             drop(spec, board, m, f"missed the deadline ({opts.deadline:g}s) before {self.a.label}",
                  str(self.a.label), self.a.worker)
             return Outcome.REFUSED.says("past the deadline")
-        info = board.member(spec.run_id, m)
+        info = board.members.get(spec.run_id, m)
         workers = info.get("workers", [])
         training = info.get("state") in (None, MemberState.QUEUED, MemberState.RUNNING)
-        board.update_member(spec.run_id, m, state=MemberState.RUNNING if training else info["state"],
-                            workers=workers if self.a.worker in workers else workers + [self.a.worker])
+        board.members.update(spec.run_id, m, state=MemberState.RUNNING if training else info["state"],
+                             workers=workers if self.a.worker in workers else workers + [self.a.worker])
         outcome = SUCCEEDED
         if not self.store.exists(layout.key("segment", spec.run_id, m, j)):
             outcome = self._train(m, j)
-        board.update_member(spec.run_id, m, segments_done=max(info.get("segments_done", 0), j + 1))
+        board.members.update(spec.run_id, m, segments_done=max(info.get("segments_done", 0), j + 1))
         if self._last():
             self._finish_member(m)
         return outcome
@@ -274,7 +274,7 @@ class SegmentUnit(Unit):
         metrics, unsound = judge(recipe, state, member_plan(spec, recipe)[m], pick_device(),
                                  spec.eval_batches)
         if unsound is None:
-            self.board.update_member(spec.run_id, m, state=MemberState.SUCCEEDED, metrics=metrics)
+            self.board.members.update(spec.run_id, m, state=MemberState.SUCCEEDED, metrics=metrics)
             self.board.member_done(spec.run_id, m)
         else:  # judged on what training stored: another attempt would store the same
             drop(spec, self.board, m, unsound, str(self.a.label), self.a.worker)
@@ -282,12 +282,12 @@ class SegmentUnit(Unit):
 
     def then(self) -> None:
         spec, (m, j) = self.spec, self.a.label.numbers
-        if self.board.member(spec.run_id, m).get("state") in (MemberState.DROPPED, MemberState.SUCCEEDED):
+        if self.board.members.get(spec.run_id, m).get("state") in (MemberState.DROPPED, MemberState.SUCCEEDED):
             self.board.member_done(spec.run_id, m)  # (again: a crash may have come between)
             maybe_vote(spec, self.board)
         elif j + 1 < options(spec).segments:
-            self.board.once(spec.run_id, layout.segment_claim(m, j + 1),
-                            lambda: queue_segment(spec, m, j + 1))
+            self.board.claims.once(spec.run_id, layout.segment_claim(m, j + 1),
+                                   lambda: queue_segment(spec, m, j + 1))
 
     def give_up(self, message: str) -> None:
         drop(self.spec, self.board, self.a.label.numbers[0], message, str(self.a.label), self.a.worker)

@@ -8,7 +8,7 @@ finished, naming every dropped member's reason.
 
 The rule that combines members' outputs is the recipe's kind's (``Recipe.combine``, soft or
 hard: :mod:`tensorturn.recipes.vote`); a model file is loaded and served by
-:class:`~tensorturn.recipes.result.Predictor`, the same code here as in ``serve`` and ``export``.
+:class:`~tensorturn.predictor.Predictor`, the same code here as in ``serve`` and ``export``.
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ from tensorturn.config import mask_text
 from tensorturn.data.source import pinned
 from tensorturn.modes.ensemble import all_finished, options
 from tensorturn.pool.celery_app import app
+from tensorturn.predictor import Predictor
 from tensorturn.recipes import recipe_of
 from tensorturn.recipes.base import code_of_the_recipe
 from tensorturn.recipes.kinds import Explained
-from tensorturn.recipes.result import Predictor
 from tensorturn.spec import MemberState, Outcome, RunState
 from tensorturn.store import seals
 from tensorturn.store.tensors import ensemble_bytes, from_bytes
@@ -112,9 +112,9 @@ class VoteUnit(Unit):
         spec, store, board = self.spec, self.store, self.board
         opts, run_id = options(spec), spec.run_id
         if not all_finished(spec, board):  # a member was re-queued (a resume) since this was queued
-            board.release(run_id, layout.VOTE_CLAIM)  # the last member to finish queues it again
+            board.claims.release(run_id, layout.VOTE_CLAIM)  # the last member to finish queues it again
             return Outcome.REFUSED.says("members still training")
-        members = board.members(run_id)
+        members = board.members.all(run_id)
         done = [e for e in members if e["state"] == MemberState.SUCCEEDED]
         dropped = [e for e in members if e["state"] == MemberState.DROPPED]
         if len(done) < opts.min_members:

@@ -33,8 +33,8 @@ class CopyAwareUnit(Unit):
 
     def give_up(self, message: str) -> None:
         if self.a.label.kind in COPY_KINDS:
-            self.board.incident(self.spec.run_id, "backup_dropped", str(self.a.label), self.a.worker,
-                                message)
+            self.board.incidents.add(self.spec.run_id, "backup_dropped", str(self.a.label), self.a.worker,
+                                     message)
             return
         super().give_up(message)
 
@@ -53,7 +53,7 @@ def running(board: RunBoard, run_id: str, unit_of: Callable[[layout.Label], int 
     """The units of the run some machine is training now: each running attempt whose label
     ``unit_of`` maps to a unit (None: not one to copy)."""
     out = []
-    for a in board.attempts(run_id):
+    for a in board.attempts.all(run_id):
         named = layout.parse_label(a["task"])
         unit = unit_of(named) if named is not None and a["outcome"] == Outcome.RUNNING else None
         if unit is not None:
@@ -90,8 +90,8 @@ def queue_backup(spec: RunSpec, board: RunBoard, worker: str, candidates: list[R
     ``label(unit)``; the incident says ``why(unit)``."""
     samples = options(spec).sync_every * spec.batch_for(recipe_of(spec))
     unit = pick(board, candidates, worker, samples)
-    if unit is None or not board.claim(spec.run_id, claim(unit)):
+    if unit is None or not board.claims.claim(spec.run_id, claim(unit)):
         return
     what = str(label(unit))
     task.s(*args(unit), **signed(spec.run_id, what)).apply_async(queue=layout.agent_queue(worker))
-    board.incident(spec.run_id, "backup_queued", what, worker, why(unit))
+    board.incidents.add(spec.run_id, "backup_queued", what, worker, why(unit))

@@ -97,7 +97,7 @@ class Driver:
         for work in works:
             match work:
                 case QueueRound(r, again=True):  # a start or resume: whoever queued it before
-                    board.claim(spec.run_id, layout.dispatch_claim(r))
+                    board.claims.claim(spec.run_id, layout.dispatch_claim(r))
                     dispatch_round(spec, r, board)
                 case QueueRound(r):
                     queue_round(spec, board, r)
@@ -109,11 +109,11 @@ class Driver:
                     send_outer(spec, board, r)
                 case HandOver(r, here):  # queued ahead: else the step here, else wake the slot standing by
                     if not queue_round(spec, board, r + 1) and not queue_outer(spec, board, r, here, self.outer_unit()):
-                        board.claims.announce_complete(spec.run_id, r)
+                        board.announcements.announce_complete(spec.run_id, r)
                 case QueueEval(r):
                     queue_eval(spec, board, r)
                 case AnnounceGlobal(r):
-                    board.claims.announce_global(spec.run_id, r)
+                    board.announcements.announce_global(spec.run_id, r)
                 case BackupCopy(r, worker):
                     try:  # only an optimisation: a failure here must not fail a shard that is done
                         queue_shard_backup(spec, store, board, r, worker)
@@ -148,7 +148,7 @@ def unit(build: Callable[[Attempt], Unit]) -> type[Unit]:
 
 def dispatch_round(spec: RunSpec, r: int, board: RunBoard) -> None:
     """Queue round r: a slot per shard, on machines that can hold the model. A slot trains the
-    shard its first worker claims (:meth:`RunBoard.claim_shard`): one it trained before where it
+    shard its first worker claims (:meth:`tensorturn.state.claims.Claims.claim_shard`): one it trained before where it
     can, so its cached chunks are read again rather than downloaded."""
     queue = queue_for(spec.memory_needed_bytes)
     run_id = spec.run_id
@@ -162,7 +162,7 @@ def queue_round(spec: RunSpec, board: RunBoard, r: int) -> bool:
     """Queue round r once (whoever comes first: the outer step that stores the weights it
     trains from, or round r−1's last or second-to-last shard, ahead); whether this call queued
     it."""
-    return board.once(spec.run_id, layout.dispatch_claim(r), lambda: dispatch_round(spec, r, board))
+    return board.claims.once(spec.run_id, layout.dispatch_claim(r), lambda: dispatch_round(spec, r, board))
 
 
 def queue_outer(spec: RunSpec, board: RunBoard, r: int, here: Attempt | None,
@@ -190,15 +190,15 @@ def queue_outer(spec: RunSpec, board: RunBoard, r: int, here: Attempt | None,
         send_outer(spec, board, r, queue)
 
     if here is None or here.task.request.is_eager:
-        return board.once(run_id, layout.outer_claim(r), send)
+        return board.claims.once(run_id, layout.outer_claim(r), send)
     if not board.claims.claim_for(run_id, layout.outer_claim(r), f"task:{here.task.request.id}"):
         return False  # another task has it (this one's earlier delivery would hold it)
     last = r + 1 == options(spec).rounds
-    if queue != anywhere or (last and len(board.rounds(run_id)) < r):
+    if queue != anywhere or (last and len(board.rounds.all(run_id)) < r):
         try:
             send()
         except BaseException:
-            board.release(run_id, layout.outer_claim(r))
+            board.claims.release(run_id, layout.outer_claim(r))
             raise
         return True
     if not run_here(here, layout.outer_label(r), outer):
@@ -230,7 +230,7 @@ def queue_eval(spec: RunSpec, board: RunBoard, r: int) -> None:
         return
     run_id = spec.run_id
     queue = routing.queue_for_outer(board.r, queue_for(spec.memory_needed_bytes))
-    board.once(run_id, layout.eval_claim(r), lambda: evaluate.s(
+    board.claims.once(run_id, layout.eval_claim(r), lambda: evaluate.s(
         run_id, r, **signed(run_id, str(layout.eval_label(r)))).apply_async(queue=queue))
 
 
@@ -238,7 +238,8 @@ def queue_shard_backup(spec: RunSpec, store: Store, board: RunBoard, r: int, wor
     """When round r has no shard left to hand out but some still training, queue a backup copy
     of a straggler (:func:`~.backups.queue_backup`)."""
     run_id = spec.run_id
-    if board.unclaimed_shards(run_id, r, options(spec).shards) or store.exists(layout.key("global", run_id, r + 1)):
+    if (board.claims.unclaimed_shards(run_id, r, options(spec).shards)
+            or store.exists(layout.key("global", run_id, r + 1))):
         return
     stored = board.claims.stored(run_id, r)
 
@@ -266,7 +267,7 @@ def train_slot(self: Any, run_id: str, r: int, i: int, sig: str | None = None) -
             held = recipe_of(spec).cached_shards(shards)
         except Exception:  # noqa: BLE001 - the shard's own attempt meets it again, and records it
             held = []
-        return layout.shard_label(r, board.claim_shard(run_id, r, i, worker, shards, held))
+        return layout.shard_label(r, board.claims.claim_shard(run_id, r, i, worker, shards, held))
 
     return execute(self, run_id, layout.slot_label(r, i), unit(shard_unit), sig, resolve=claim)
 

@@ -29,7 +29,7 @@ def kept_round(spec: RunSpec, board: RunBoard) -> int:
     """The round whose weights the run keeps: the last, or with ``--keep best`` the one with the
     lowest validation loss (a round without the figure, or not a number, is never the best)."""
     opts = options(spec)
-    rounds = board.rounds(spec.run_id) if opts.keep == "best" else []
+    rounds = board.rounds.all(spec.run_id) if opts.keep == "best" else []
     if not rounds:
         return opts.rounds - 1
 

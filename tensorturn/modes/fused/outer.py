@@ -200,7 +200,7 @@ class OuterUnit(Unit):
 
     def phase(self, what: str) -> None:
         """Say what this outer step is doing (``run`` and ``status`` show it)."""
-        self.board.mark_phase(self.spec.run_id, str(self.a.label), what, self.a.worker)
+        self.board.progress.mark_phase(self.spec.run_id, str(self.a.label), what, self.a.worker)
 
     def then(self) -> None:
         if self.followed:  # queued from run() already (execute calls this again)
@@ -215,7 +215,7 @@ class EvalUnit(Unit):
     has the round recorded by its last outer step (:func:`record_missing_rounds`)."""
 
     def done(self) -> bool:
-        return self.board.has_round(self.spec.run_id, self.a.label.numbers[0])
+        return self.board.rounds.has(self.spec.run_id, self.a.label.numbers[0])
 
     def run(self) -> str:
         spec, store, r = self.spec, self.store, self.a.label.numbers[0]
@@ -225,7 +225,7 @@ class EvalUnit(Unit):
             info = evaluate_round(spec, store, r, Path(tmp), shard_figures(spec, store, r))
         self.a.check_cancelled(now=True)
         count_data(self.board, spec.run_id, self.a.worker, data_before)
-        if self.board.is_finished(spec.run_id) or self.board.has_round(spec.run_id, r):
+        if self.board.runs.is_finished(spec.run_id) or self.board.rounds.has(spec.run_id, r):
             return LATE  # recorded by the run's last outer step
         seals.put_json(store, layout.key("round", spec.run_id, r), info)
         self.board.record_round(spec.run_id, r, info)
@@ -235,8 +235,8 @@ class EvalUnit(Unit):
     def give_up(self, message: str) -> None:
         """Past the attempt cap the run goes on: the last outer step evaluates the round again
         (:func:`record_missing_rounds`), and fails the run if that fails too."""
-        self.board.incident(self.spec.run_id, "evaluation_given_up", str(self.a.label), self.a.worker,
-                            f"{message}; the last outer step evaluates the round again")
+        self.board.incidents.add(self.spec.run_id, "evaluation_given_up", str(self.a.label), self.a.worker,
+                                 f"{message}; the last outer step evaluates the round again")
 
 
 EVAL_WAIT_S = 600  # how long the last outer step waits for a round's running evaluation
@@ -250,7 +250,7 @@ def record_missing_rounds(spec: RunSpec, store: Store, board: RunBoard, last: in
     and one whose evaluation failed (or a broker that lost the record) is read from the store
     or evaluated again: the same weights, so the same figures (a round ``--eval-every`` skips:
     its training figures)."""
-    recorded = {rec["round"] for rec in board.rounds(spec.run_id)}
+    recorded = {rec["round"] for rec in board.rounds.all(spec.run_id)}
     for k in range(last):
         if k in recorded or (evaluated(spec, k) and wait_for_evaluation(board, spec.run_id, k, worker, check)):
             continue
@@ -274,12 +274,12 @@ def wait_for_evaluation(board: RunBoard, run_id: str, r: int, worker: str, check
     pool child, most likely): its task, given back, may need this very agent."""
     label = str(layout.eval_label(r))
     for _ in poll(check, cap=0.5, within=EVAL_WAIT_S):
-        if board.has_round(run_id, r):
+        if board.rounds.has(run_id, r):
             return True
-        running = {a["worker"] for a in board.attempts(run_id) if a["task"] == label and a["outcome"] == "running"}
+        running = {a["worker"] for a in board.attempts.all(run_id) if a["task"] == label and a["outcome"] == "running"}
         running.discard(worker)
         if not running & board.workers.online():
-            return board.has_round(run_id, r)
+            return board.rounds.has(run_id, r)
     return False  # waited EVAL_WAIT_S in vain
 
 

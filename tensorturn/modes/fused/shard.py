@@ -133,11 +133,11 @@ def train_and_store(unit: Unit, r: int, k: int,
             on_step=on_step, precision=spec.precision, accumulate=spec.accumulate)
         check_update(delta, theta, opts.max_update_ratio)
     except Superseded:
-        unit.board.incident(spec.run_id, "superseded", str(a.label), a.worker,
-                            "another copy stored its output first; this one stopped")
+        unit.board.incidents.add(spec.run_id, "superseded", str(a.label), a.worker,
+                                 "another copy stored its output first; this one stopped")
         return LATE
     except UpdateRejected as exc:  # recorded apart: the unit is trained again
-        unit.board.incident(spec.run_id, "update_rejected", str(a.label), a.worker, str(exc))
+        unit.board.incidents.add(spec.run_id, "update_rejected", str(a.label), a.worker, str(exc))
         raise
     if unit.store.exists(out_key):  # never overwrite: it may be in use already
         return LATE
@@ -207,7 +207,7 @@ def data_bytes() -> tuple[int, int]:
 def count_data(board: RunBoard, run_id: str, worker: str, before: tuple[int, int]) -> None:
     """Add what this thread downloaded and read since ``before`` to the worker's figures."""
     now = data_bytes()
-    board.add_data_bytes(run_id, worker, now[0] - before[0], now[1] - before[1])
+    board.traffic.add_data_bytes(run_id, worker, now[0] - before[0], now[1] - before[1])
 
 
 def next_shard_here(board: RunBoard, spec: RunSpec, r: int, worker: str) -> int | None:
@@ -215,8 +215,8 @@ def next_shard_here(board: RunBoard, spec: RunSpec, r: int, worker: str) -> int 
     claimed. (Not the next round's: an outer step's evaluation, or a thief, would often take its
     place in the cache first.)"""
     shards = options(spec).shards
-    left = set(board.unclaimed_shards(spec.run_id, r, shards))
-    mine = sorted(s for s, w in board.shard_owners(spec.run_id).items() if w == worker and s in left)
+    left = set(board.claims.unclaimed_shards(spec.run_id, r, shards))
+    mine = sorted(s for s, w in board.claims.shard_owners(spec.run_id).items() if w == worker and s in left)
     return mine[0] if mine else None
 
 

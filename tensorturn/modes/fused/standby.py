@@ -56,7 +56,7 @@ def await_base(unit: ShardUnit, r: int) -> None:
         return
     began, unsure_since = time.monotonic(), None
     while not store.exists(key):
-        if board.claims.await_global(spec.run_id, r, 1):
+        if board.announcements.await_global(spec.run_id, r, 1):
             if store.exists(key):
                 return
             time.sleep(0.2)  # announced but not there: a store that lags, or an old announcement
@@ -64,7 +64,7 @@ def await_base(unit: ShardUnit, r: int) -> None:
         if take_step(unit, r - 1):  # left to nobody: the slot that stood by gave up
             return
         complete = round_complete(unit, r - 1)
-        step = board.attempt_log.latest(spec.run_id, label)
+        step = board.attempts.latest(spec.run_id, label)
         running = complete and (step is not None and step["outcome"] == Outcome.RUNNING
                                 and step["worker"] in board.workers.not_offline())
         unsure_since = None if running else (unsure_since or time.monotonic())
@@ -108,7 +108,7 @@ def take_step(unit: ShardUnit, r: int) -> bool:
                         raise NotYet(f"round {r} is not complete yet; this shard is queued again in {NOT_YET_S:g} s")
                     break  # complete the moment it gave up: it keeps the claim, and steps
                 ahead.read(stored)
-                board.claims.await_complete(spec.run_id, r, 1)
+                board.announcements.await_complete(spec.run_id, r, 1)
                 held, stored = board.claims.claim_step(spec.run_id, r, what, holder)
         except BaseException:
             board.claims.release_if_held(spec.run_id, what, holder)

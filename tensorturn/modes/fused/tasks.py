@@ -34,9 +34,9 @@ def start(spec: RunSpec, store: Store, board: RunBoard, allow: Collection[str] =
     spec.settle_run_config(recipe)  # kept: the shards, H and outer step chosen here too
     save_spec(store, spec)
     seals.put_bytes(store, layout.key("global", spec.run_id, 0), theta0)
-    board.create(spec)
+    board.runs.create(spec)
     for warning in warnings:
-        board.warn(spec.run_id, warning)
+        board.incidents.warn(spec.run_id, warning)
     write_manifest(store, board, spec.run_id)
     driver.start(spec, store, board)
 

@@ -30,7 +30,7 @@ from tensorturn.modes.fused.plans import NOT_YET_S, QueueShard, Wires
 from tensorturn.spec import RunSpec
 from tensorturn.state.board import RunBoard
 from tensorturn.state.broker import Hedged, lease_client
-from tensorturn.state.claims import Claims
+from tensorturn.state.uploads import UploadLeases
 from tensorturn.store import seals
 from tensorturn.store.objects import counted_apart
 from tensorturn.store.tensorfile import TensorReader, delta_tensors
@@ -46,7 +46,7 @@ BIND_GRACE_S = 1.0  # how long a shard waits for its last round's task to be bou
 
 def in_flight(board: RunBoard, spec: RunSpec, r: int, k: int) -> bool:
     """Whether shard k of round r's output is on its way to the store (its upload's lease held)."""
-    return board.claims.uploading(spec.run_id, r, k)
+    return board.uploads.uploading(spec.run_id, r, k)
 
 
 def start_from_own(unit: Unit, wires: Wires, r: int, k: int, theta: StateDict) -> tuple[StateDict, int]:
@@ -76,14 +76,14 @@ def await_uploads(unit: Unit, wires: Wires, r: int) -> str | None:
     it again once it is handed over)."""
     spec, store, board = unit.spec, unit.store, unit.board
     run_id, shards = spec.run_id, options(spec).shards
-    board.mark_phase(run_id, str(unit.a.label), "waiting for uploads", unit.a.worker)
+    board.progress.mark_phase(run_id, str(unit.a.label), "waiting for uploads", unit.a.worker)
     for _ in unit.a.waits(cap=UPLOAD_LOOK_S):
         missing = [k for k in range(shards) if not store.exists(layout.key("shard", run_id, r, k))]
         if not missing:
             return None
-        handed = board.claims.handed(run_id, r)
+        handed = board.uploads.handed(run_id, r)
         again = [k for k in missing if k not in handed]  # taken back: trained again now
-        lost = [k for k in missing if k in handed and not board.claims.uploading(run_id, r, k)
+        lost = [k for k in missing if k in handed and not board.uploads.uploading(run_id, r, k)
                 and not store.exists(layout.key("shard", run_id, r, k))]  # looked at after the lease
         if lost:
             again += train_again(wires, spec, board, r, lost, unit.a.worker)
@@ -98,16 +98,16 @@ def train_again(wires: Wires, spec: RunSpec, board: RunBoard, r: int, lost: list
     outer step's claim given back (the shard task that hands it over queues it again). Returns
     the shards this call took back."""
     run_id = spec.run_id
-    taken = [k for k in lost if board.claims.take_back(run_id, r, k)]
+    taken = [k for k in lost if board.uploads.take_back(run_id, r, k)]
     if not taken:
         return []
-    board.release(run_id, layout.outer_claim(r))
+    board.claims.release(run_id, layout.outer_claim(r))
     for k in taken:
         label = str(layout.shard_label(r, k))
-        board.incident(run_id, "upload_lost", label, worker,
-                       "its upload's lease lapsed before it was stored (its agent died or lost "
-                       "the network): trained again, from the same weights and seed")
-        board.attempt_log.give_back(run_id, label)
+        board.incidents.add(run_id, "upload_lost", label, worker,
+                            "its upload's lease lapsed before it was stored (its agent died or lost "
+                            "the network): trained again, from the same weights and seed")
+        board.attempts.give_back(run_id, label)
         wires.queue([QueueShard(r, k)])
     return taken
 
@@ -185,9 +185,9 @@ def own_output(unit: Unit, wires: Wires, r: int, k: int) -> tuple[Path, int, boo
     for _ in unit.a.waits(cap=UPLOAD_LOOK_S):
         if store.exists(key):
             break
-        if board.claims.uploading(run_id, r, k) or store.exists(key):
+        if board.uploads.uploading(run_id, r, k) or store.exists(key):
             continue
-        handed = k in board.claims.handed(run_id, r)
+        handed = k in board.uploads.handed(run_id, r)
         # its task runs on another machine (a slot took it), or is about to (its slot was
         # taken a moment ago, not yet bound): wait, for up to a lease or BIND_GRACE_S
         if not handed and time.monotonic() - began < (
@@ -220,7 +220,7 @@ def upload_in_background(unit: Unit, r: int, k: int, key: str, path: Path) -> No
     run_id, board, store, worker = unit.spec.run_id, unit.board, unit.store, unit.a.worker
     token = f"{worker}#{uuid.uuid4().hex[:12]}"
     kept.keep(run_id, r, k, spool)  # the shard's next round here starts from it
-    board.claims.hand_over(run_id, r, k, token, lease_s)
+    board.uploads.hand_over(run_id, r, k, token, lease_s)
 
     def upload() -> None:
         done = threading.Event()
@@ -234,14 +234,14 @@ def upload_in_background(unit: Unit, r: int, k: int, key: str, path: Path) -> No
             except Exception as exc:  # noqa: BLE001 - recorded; the outer step has it trained again
                 log.warning("run %s: the upload of shard %d of round %d failed: %s", run_id, k, r, exc)
                 try:
-                    board.incident(run_id, "upload_failed", str(layout.shard_label(r, k)), worker,
-                                   f"its upload failed: {mask_text(str(exc))}")
+                    board.incidents.add(run_id, "upload_failed", str(layout.shard_label(r, k)), worker,
+                                        f"its upload failed: {mask_text(str(exc))}")
                 except Exception:  # noqa: BLE001 - the broker is away too: the lease lapses
                     pass
             finally:
                 done.set()
             try:
-                board.add_store_bytes(run_id, moved[0], moved[1], worker)
+                board.traffic.add_store_bytes(run_id, moved[0], moved[1], worker)
             except Exception as exc:  # noqa: BLE001 - a figure; the broker may be away
                 log.debug("upload bytes not recorded: %s", exc)
 
@@ -249,11 +249,11 @@ def upload_in_background(unit: Unit, r: int, k: int, key: str, path: Path) -> No
         # this upload saturates the uplink the refreshes share: hedged (tensorturn.pool.lease),
         # on connections that give up after a lease
         hedged = Hedged(f"run {run_id}: the lease of shard {k} of round {r}'s upload")
-        quick = Claims(lease_client(board.r, lease_s))
+        quick = UploadLeases(lease_client(board.r, lease_s))
         try:
             while not done.wait(refresh_s):
                 hedged.send(quick.refresh_upload, run_id, r, k, token, lease_s)
-            board.claims.upload_ended(run_id, r, k, token)
+            board.uploads.upload_ended(run_id, r, k, token)
         except Exception as exc:  # noqa: BLE001 - the broker is away: the lease lapses by itself
             log.warning("run %s: the lease of shard %d of round %d's upload: %s", run_id, k, r, exc)
         finally:

@@ -55,7 +55,7 @@ def drain(spec: RunSpec, store: Store, board: RunBoard, worker: str) -> None:
                 while (j := book.next_pending()) is not None:
                     apply_one(spec, store, board, book, j, token, worker)
             except Fenced as exc:  # another applier took over: it carries on from the ledger
-                board.incident(spec.run_id, "apply_fenced", f"u{exc.j}", worker, str(exc))
+                board.incidents.add(spec.run_id, "apply_fenced", f"u{exc.j}", worker, str(exc))
                 break
         if not book.pending():
             break
@@ -65,7 +65,7 @@ def drain(spec: RunSpec, store: Store, board: RunBoard, worker: str) -> None:
             while True:        # lock held skipped evaluating them, and may have applied the last
                 seen = book.latest()["version"]
                 catch_up(spec, store, board, book)
-                if board.is_finished(spec.run_id) or book.latest()["version"] == seen:
+                if board.runs.is_finished(spec.run_id) or book.latest()["version"] == seen:
                     break
 
 
@@ -129,7 +129,7 @@ def catch_up(spec: RunSpec, store: Store, board: RunBoard, book: AsyncLedger) ->
     such rounds, the others recorded with their training figures only); finish the run at R·S."""
     opts = options(spec)
     version = book.latest()["version"]
-    recorded = {rec["round"] for rec in board.rounds(spec.run_id)}
+    recorded = {rec["round"] for rec in board.rounds.all(spec.run_id)}
     records = None
     for r in range(version // opts.shards):
         if r in recorded:
@@ -138,7 +138,7 @@ def catch_up(spec: RunSpec, store: Store, board: RunBoard, book: AsyncLedger) ->
         info = evaluate_round(spec, store, book, r, records, evaluated(spec, r))
         seals.put_json(store, layout.key("round", spec.run_id, r), info)
         board.record_round(spec.run_id, r, info)
-    if version >= total_updates(spec) and not board.is_finished(spec.run_id):
+    if version >= total_updates(spec) and not board.runs.is_finished(spec.run_id):
         finalize(spec, store, board, weights_key=lambda kept: version_key(spec, store, book, (kept + 1) * opts.shards))
 
 

@@ -102,9 +102,9 @@ def trusted_latest(spec: RunSpec, store: Store, board: RunBoard, book: AsyncLedg
     except (seals.TamperedObject, ObjectMissing, RuntimeError, KeyError, ValueError) as exc:
         log_latest, versions, applied = read_log(spec, store)
         book.repair(log_latest, versions, applied)
-        board.incident(spec.run_id, "ledger_repaired", "async", worker,
-                       f"the broker's record of the latest weights did not check out ({exc}); "
-                       f"put back from the store's log at version {log_latest['version']}")
+        board.incidents.add(spec.run_id, "ledger_repaired", "async", worker,
+                            f"the broker's record of the latest weights did not check out ({exc}); "
+                            f"put back from the store's log at version {log_latest['version']}")
         return log_latest
 
 

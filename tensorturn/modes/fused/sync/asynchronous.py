@@ -171,7 +171,7 @@ class UpdateUnit(backups.CopyAwareUnit):
             latest = book.latest()["version"]  # read after: the last update waits for the finish
             if latest != version:
                 version, moved = latest, time.monotonic()
-            if self.board.is_finished(spec.run_id) or (applied and latest < total):
+            if self.board.runs.is_finished(spec.run_id) or (applied and latest < total):
                 break
             time.sleep(APPLY_WAIT_S)
         try:  # only an optimisation: a failure here must not fail an update that is applied
@@ -205,7 +205,7 @@ def async_drain(self: Any, run_id: str, sig: str | None = None) -> None:
     if not authentic(self, run_id, DRAIN, sig):
         return
     board = board_for(self.app.conf.broker_url)
-    if board.is_finished(run_id) or board.state(run_id) is None:
+    if board.runs.is_finished(run_id) or board.runs.state(run_id) is None:
         return
     try:
         store = agent_store()
@@ -215,9 +215,9 @@ def async_drain(self: Any, run_id: str, sig: str | None = None) -> None:
         worker = self.request.hostname or "?"
         log.warning("run %s: applying stored updates beside the store failed: %s", run_id, exc)
         if self.request.retries >= (self.max_retries or 0):  # the trainers apply, after their patience
-            board.incident(run_id, "apply_failed", DRAIN, worker,
-                           f"applying updates beside the store failed {self.request.retries + 1} times; "
-                           f"the trainers apply them: {mask_text(str(exc))}")
+            board.incidents.add(run_id, "apply_failed", DRAIN, worker,
+                                f"applying updates beside the store failed {self.request.retries + 1} times; "
+                                f"the trainers apply them: {mask_text(str(exc))}")
             return
         raise self.retry(countdown=2) from None
 

@@ -60,7 +60,7 @@ class Overlap(Rounds):
         spec = run.spec
         r, evals = last_stored_round(spec, run.store, run.board)
         rounds = options(spec).rounds
-        run.board.claims.forget_uploads(spec.run_id, range(max(r - 1, 0), rounds), options(spec).shards)
+        run.board.uploads.forget_uploads(spec.run_id, range(max(r - 1, 0), rounds), options(spec).shards)
         works = [*evals, *(QueueRound(n) for n in range(r, min(r + 2, rounds)))]
         works += step_when_ready(run, r)  # its shards may all be stored already
         return works, f"resumed at round {r} of 0..{rounds - 1}, overlapped"
@@ -98,7 +98,7 @@ def step_when_ready(run: Context, r: int) -> list[Work]:
     run_id = spec.run_id
     if not store.exists(layout.key("global", run_id, r)):
         return []
-    handed = run.board.claims.handed(run_id, r)
+    handed = run.board.uploads.handed(run_id, r)
     if any(k not in handed and not store.exists(layout.key("shard", run_id, r, k))
            for k in range(options(spec).shards)):
         return []

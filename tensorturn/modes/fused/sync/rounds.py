@@ -80,7 +80,7 @@ class Rounds(SyncPolicy):
         spec = run.spec
         r, evals = last_stored_round(spec, run.store, run.board)
         rounds = options(spec).rounds
-        run.board.claims.forget_stored(spec.run_id, range(r, rounds))  # counted again from the store
+        run.board.forget_rounds(spec.run_id, range(r, rounds))  # counted again from the store
         return [*evals, QueueRound(r, again=True)], f"resumed at round {r} of 0..{rounds - 1}"
 
     def shard_plan(self, r: int, k: int) -> ShardPlan:
