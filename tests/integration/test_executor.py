@@ -276,7 +276,7 @@ def test_a_cancel_look_and_a_standing_look_keep_one_pace():
     CANCEL_LOOK_S; a look ``now`` always asks."""
     asked = []
     board = SimpleNamespace(
-        state=lambda run_id: asked.append("state") or "running",
+        runs=SimpleNamespace(state=lambda run_id: asked.append("state") or "running"),
         state_and_standing=lambda run_id, worker: asked.append("standing") or ("running", None, None))
     a = Attempt(task=None, board=board, store=None, spec=SimpleNamespace(run_id="r"), label=None, worker="w")
     a.look(now=True)

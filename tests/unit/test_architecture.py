@@ -58,6 +58,8 @@ CONCEPTS: dict[str, str] = {
     "config": "every TENSORTURN_* setting, read once into one frozen Settings",
     "platforms": "what differs between Linux, macOS and Windows",
     "errors": "errors a user can cause, with their exit codes",
+    "predictor": "a trained model (one, or an ensemble that votes) made ready to predict: what serve and export load",
+    "testbed_hooks": "where test and benchmark tooling plugs in (a step's pace, the owner's sensors); never a setting",
     "layout": "where everything lives: every store key, Redis key, claim name and task label, built and parsed",
 }
 # names that say where code was cut, not what it is
