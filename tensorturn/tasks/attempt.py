@@ -153,7 +153,7 @@ def _spec_here(store: Store, run_id: str) -> RunSpec:
                          f"agent's --store the pool's?") from None
 
 
-def execute(task: Task, run_id: str, label: Label, unit_class: type[Unit], sig: str | None,
+def execute(task: Task, run_id: str, label: Label, unit_class: Callable[[Attempt], Unit], sig: str | None,
             resolve: Callable[[RunBoard, RunSpec, str], Label] | None = None) -> dict[str, Any]:
     """Run ``label``'s unit through the protocol; returns a small deterministic receipt (a
     duplicate returns exactly what the first attempt returned; Celery stores no result).
@@ -187,7 +187,7 @@ def execute(task: Task, run_id: str, label: Label, unit_class: type[Unit], sig: 
             log.debug("store bytes not recorded: %s", exc)
 
 
-def _queued(task: Task, board: RunBoard, run_id: str, label: Label, unit_class: type[Unit],
+def _queued(task: Task, board: RunBoard, run_id: str, label: Label, unit_class: Callable[[Attempt], Unit],
             resolve: Callable[[RunBoard, RunSpec, str], Label] | None,
             receipt: dict[str, Any], tally: Tally) -> dict[str, Any]:
     """A queued message's attempt: its unit built from this agent's store (a failure there is

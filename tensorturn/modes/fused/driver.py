@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any, cast
+from typing import Any
 
 from tensorturn import layout
 from tensorturn.modes.fused import backups
@@ -135,13 +135,6 @@ def shard_unit(attempt: Attempt) -> Unit:
 def outer_unit(attempt: Attempt) -> Unit:
     """A round's outer step, planned by the run's policy."""
     return Driver.of_run(Context(attempt.spec, attempt.store, attempt.board)).outer_unit()(attempt)
-
-
-def unit(build: Callable[[Attempt], Unit]) -> type[Unit]:
-    """``build`` where :func:`~tensorturn.tasks.attempt.execute` takes a unit's class: it only
-    calls it with the attempt (``run_here`` takes such a builder already; once ``execute`` does
-    too, this goes)."""
-    return cast("type[Unit]", build)
 
 
 # ---- what the driver queues ---------------------------------------------------------------------
@@ -269,28 +262,28 @@ def train_slot(self: Any, run_id: str, r: int, i: int, sig: str | None = None) -
             held = []
         return layout.shard_label(r, board.claims.claim_shard(run_id, r, i, worker, shards, held))
 
-    return execute(self, run_id, layout.slot_label(r, i), unit(shard_unit), sig, resolve=claim)
+    return execute(self, run_id, layout.slot_label(r, i), shard_unit, sig, resolve=claim)
 
 
 @app.task(bind=True, name="tensorturn.fused.train_shard", max_retries=None)
 def train_shard(self: Any, run_id: str, r: int, k: int, sig: str | None = None) -> dict[str, Any]:
     """Train shard k for one round from θ_r and upload its pseudo-gradient (a named shard: what
     a slot becomes once bound; rounds queue slots)."""
-    return execute(self, run_id, layout.shard_label(r, k), unit(shard_unit), sig)
+    return execute(self, run_id, layout.shard_label(r, k), shard_unit, sig)
 
 
 @app.task(bind=True, name="tensorturn.fused.train_backup", max_retries=None)
 def train_backup(self: Any, run_id: str, r: int, k: int, sig: str | None = None) -> dict[str, Any]:
     """A backup copy of shard k of round r: whichever copy stores the shard first counts, the
     other stops at its next look (:class:`~.shard.Superseded`) or is discarded as late."""
-    return execute(self, run_id, layout.backup_label(r, k), unit(shard_unit), sig)
+    return execute(self, run_id, layout.backup_label(r, k), shard_unit, sig)
 
 
 @app.task(bind=True, name="tensorturn.fused.outer_step", max_retries=None)
 def outer_step(self: Any, _receipts: list, run_id: str, r: int, sig: str | None = None) -> dict[str, Any]:
     """Average round r's pseudo-gradients, step θ, then dispatch r+1 or finish (queued by the
     round's last shard stored; the first argument, once a chord's receipts, is empty)."""
-    return execute(self, run_id, layout.outer_label(r), unit(outer_unit), sig)
+    return execute(self, run_id, layout.outer_label(r), outer_unit, sig)
 
 
 @app.task(bind=True, name="tensorturn.fused.evaluate", max_retries=None)
