@@ -404,3 +404,45 @@ class Server:
 def bearer(token: str) -> dict[str, str]:
     """The header that carries an API token."""
     return {"Authorization": f"Bearer {token}"}
+
+
+# ---- what several modules check the same way --------------------------------------------------
+
+def error_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("error: ")]
+
+
+def assert_clean_error(proc, exit_code: int | None = None) -> str:
+    """A non-zero exit with exactly one ``error:`` line and no traceback; returns that line."""
+    assert proc.returncode != 0, proc.stdout + proc.stderr
+    if exit_code is not None:
+        assert proc.returncode == exit_code, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stdout, proc.stdout
+    lines = error_lines(proc.stderr)
+    assert len(lines) == 1, proc.stderr
+    assert proc.stdout == "", proc.stdout
+    return lines[0]
+
+
+def push_pictures(tmp_path, store: str, per_class: int = 40) -> None:
+    """Red-ish and blue-ish 12x12 pictures in two class folders, pushed as dataset 'colors'."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for name, channel in (("red", 0), ("blue", 2)):
+        (tmp_path / "pics" / name).mkdir(parents=True)
+        for i in range(per_class):
+            pixels = rng.integers(0, 120, size=(12, 12, 3), dtype=np.uint8)
+            pixels[..., channel] += 120
+            Image.fromarray(pixels).save(tmp_path / "pics" / name / f"{i}.png")
+    tt_json("data", "push", str(tmp_path / "pics"), "--name", "colors", "--store", store, "--json")
+
+
+@pytest.fixture
+def marker(tmp_path, monkeypatch):
+    """Where tests/recipes/evil_recipe.py leaves its mark if anything ever imports it."""
+    path = tmp_path / "evil-imported"
+    monkeypatch.setenv("TT_EVIL_MARKER", str(path))
+    return path

@@ -4,22 +4,7 @@ agents), a text folder (fused and ensemble), an image folder."""
 from __future__ import annotations
 
 import numpy as np
-from conftest import Server, bearer, tt_json, tt_json_many
-
-
-def push_pictures(tmp_path, store: str, per_class: int = 40) -> None:
-    """Red-ish and blue-ish 12x12 pictures in two class folders, pushed as dataset 'colors'."""
-    from PIL import Image
-
-    rng = np.random.default_rng(0)
-    for name, channel in (("red", 0), ("blue", 2)):
-        (tmp_path / "pics" / name).mkdir(parents=True)
-        for i in range(per_class):
-            pixels = rng.integers(0, 120, size=(12, 12, 3), dtype=np.uint8)
-            pixels[..., channel] += 120
-            Image.fromarray(pixels).save(tmp_path / "pics" / name / f"{i}.png")
-    tt_json("data", "push", str(tmp_path / "pics"), "--name", "colors", "--store", store, "--json")
-
+from conftest import Server, bearer, push_pictures, tt_json, tt_json_many
 
 
 def shard_chunk_bytes(chunks, shards):

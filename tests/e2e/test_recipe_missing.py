@@ -4,34 +4,14 @@ the run fails with every attempt."""
 from __future__ import annotations
 
 import redis
-from conftest import clean_env, queued_messages, tt
+from conftest import assert_clean_error, clean_env, queued_messages, tt
 
 from tensorturn import runs
 from tensorturn.spec import RunSpec
 
-
-def error_lines(stderr: str) -> list[str]:
-    return [line for line in stderr.splitlines() if line.startswith("error: ")]
-
-
-
 RUN = ("run",)
 
 SMALL = ("--rounds", "1", "--shards", "2", "--sync-every", "2")
-
-def assert_clean_error(proc, exit_code: int | None = None) -> str:
-    """A non-zero exit with exactly one ``error:`` line and no traceback; returns that line."""
-    assert proc.returncode != 0, proc.stdout + proc.stderr
-    if exit_code is not None:
-        assert proc.returncode == exit_code, proc.stderr
-    assert "Traceback" not in proc.stderr, proc.stderr
-    assert "Traceback" not in proc.stdout, proc.stdout
-    lines = error_lines(proc.stderr)
-    assert len(lines) == 1, proc.stderr
-    assert proc.stdout == "", proc.stdout
-    return lines[0]
-
-
 
 MY_RECIPE = '''
 """A recipe module that exists only on the submitting machine."""

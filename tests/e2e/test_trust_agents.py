@@ -8,7 +8,6 @@ import os
 import stat
 from pathlib import Path
 
-import pytest
 from conftest import TEST_POOL_KEY, clean_env, tt, wait_for
 
 from tensorturn import layout, runs, trust
@@ -20,13 +19,6 @@ FUSED = dict(mode="fused", recipe="digits-mlp", rounds=1, shards=2, sync_every=5
 
 OTHER_KEY = PoolKey.generate()
 
-@pytest.fixture
-def marker(tmp_path, monkeypatch):
-    """Where tests/evil_recipe.py leaves its mark if anything ever imports it."""
-    path = tmp_path / "evil-imported"
-    monkeypatch.setenv("TT_EVIL_MARKER", str(path))
-    return path
-
 
 def refusals(r) -> list[dict]:
     return [json.loads(x) for x in r.lrange(layout.REFUSED, 0, -1)]
@@ -36,7 +28,6 @@ def start_reply(r, run_id: str) -> dict:
     answer = r.blpop([layout.run_key(run_id, "started")], timeout=240)
     assert answer is not None, "no answer from start_run"
     return json.loads(answer[1])
-
 
 
 def test_real_agents_refuse_forged_messages_unread(tmp_path, pool_factory, marker):

@@ -7,29 +7,12 @@ import textwrap
 
 import pytest
 import redis
-from conftest import clean_env, queued_messages, tt
+from conftest import assert_clean_error, clean_env, error_lines, queued_messages, tt
 
 from tensorturn.pool.embedded import free_port
 
 RUN = ("run",)
 SMALL = ("--rounds", "1", "--shards", "2", "--sync-every", "2")
-
-
-def error_lines(stderr: str) -> list[str]:
-    return [line for line in stderr.splitlines() if line.startswith("error: ")]
-
-
-def assert_clean_error(proc, exit_code: int | None = None) -> str:
-    """A non-zero exit with exactly one ``error:`` line and no traceback; returns that line."""
-    assert proc.returncode != 0, proc.stdout + proc.stderr
-    if exit_code is not None:
-        assert proc.returncode == exit_code, proc.stderr
-    assert "Traceback" not in proc.stderr, proc.stderr
-    assert "Traceback" not in proc.stdout, proc.stdout
-    lines = error_lines(proc.stderr)
-    assert len(lines) == 1, proc.stderr
-    assert proc.stdout == "", proc.stdout
-    return lines[0]
 
 
 def assert_usage_error(proc, option: str) -> None:

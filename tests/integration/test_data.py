@@ -9,7 +9,7 @@ import os
 
 import numpy as np
 import pytest
-from conftest import tt, tt_json, tt_many
+from conftest import push_pictures, tt, tt_json, tt_many
 
 from tensorturn import data as datasets
 from tensorturn import layout
@@ -209,20 +209,6 @@ def test_a_run_on_a_dataset_that_is_not_there_is_one_line_and_queues_nothing(tmp
     assert proc.stderr.strip() == (
         "error: recipe 'tabular': no dataset 'nope' in the store (datasets: books; see `tensorturn data push`)")
     assert queued_messages(redis.Redis.from_url(redis_server.url)) == []
-
-
-def push_pictures(tmp_path, store: str, per_class: int = 40) -> None:
-    """Red-ish and blue-ish 12x12 pictures in two class folders, pushed as dataset 'colors'."""
-    from PIL import Image
-
-    rng = np.random.default_rng(0)
-    for name, channel in (("red", 0), ("blue", 2)):
-        (tmp_path / "pics" / name).mkdir(parents=True)
-        for i in range(per_class):
-            pixels = rng.integers(0, 120, size=(12, 12, 3), dtype=np.uint8)
-            pixels[..., channel] += 120
-            Image.fromarray(pixels).save(tmp_path / "pics" / name / f"{i}.png")
-    tt_json("data", "push", str(tmp_path / "pics"), "--name", "colors", "--store", store, "--json")
 
 
 def test_check_recipe_on_pushed_images_and_tables(tmp_path, table_csv):

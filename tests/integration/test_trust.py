@@ -34,14 +34,6 @@ OTHER_KEY = PoolKey.generate()
 
 
 @pytest.fixture
-def marker(tmp_path, monkeypatch):
-    """Where tests/evil_recipe.py leaves its mark if anything ever imports it."""
-    path = tmp_path / "evil-imported"
-    monkeypatch.setenv("TT_EVIL_MARKER", str(path))
-    return path
-
-
-@pytest.fixture
 def world(redis_server, tmp_path):
     """A run submitted in-process to a real redis-server; this process plays its agent."""
     configure(redis_server.url)
