@@ -5,7 +5,7 @@ global weights θ_r, takes H inner AdamW steps on its shard and reports the pseu
 Δ_k = θ_r − θ_k; the outer step averages them (weighted by samples, summed in shard-id order) and
 applies an outer optimizer — Nesterov SGD, lr 0.7, momentum 0.9 by default; SGD with lr 1 and no
 momentum is FedAvg. The functions here are pure (tensors in, tensors out); fused mode's tasks
-(:mod:`.shard`, and the one outer step, :mod:`tensorturn.modes.fused.step`, tensor by tensor) and
+(:mod:`tensorturn.modes.fused.shard`, and the one outer step, :mod:`tensorturn.modes.fused.step`, tensor by tensor) and
 ``benchmarks/diloco.py`` both call them, and their list forms are the bits the streaming step is
 tested against.
 
