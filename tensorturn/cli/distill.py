@@ -69,8 +69,8 @@ def distill(broker, store, teacher, student, temperature, alpha, top_k, mixup, l
                         alpha=alpha, top_k=top_k, mixup=mixup, allow=[str(ensemble.get("recipe"))],
                         **training, **given)
     tracked = tracking(track, track_dir, detach)
-    print_results(launched(lambda observer: runs.launch_distill(spec, broker, local_workers, detach,
-                                                                timeout_s, tracked(observer))), as_json)
+    print_results(launched(lambda observer: runs.Launcher(broker, spec.store_url, tracked(observer)).distill(
+        spec, local_workers, detach, timeout_s)), as_json)
 
 
 @cli.command()

@@ -15,11 +15,11 @@
 
 from tensorturn.runs.control import cancel, resume
 from tensorturn.runs.follow import annotate, wait
-from tensorturn.runs.launch import Interrupted, Launcher, Observer, Quiet, launch_distill
+from tensorturn.runs.launch import Interrupted, Launcher, Observer, Quiet
 from tensorturn.runs.records import describe, list_runs, prune, refusals, remove_run, workers
 from tensorturn.runs.request import RunRequest, validate
 from tensorturn.runs.submit import start_answer, submit
 
 __all__ = ["Interrupted", "Launcher", "Observer", "Quiet", "RunRequest", "annotate", "cancel",
-           "describe", "launch_distill", "list_runs", "prune", "refusals", "remove_run", "resume",
+           "describe", "list_runs", "prune", "refusals", "remove_run", "resume",
            "start_answer", "submit", "validate", "wait", "workers"]

@@ -361,10 +361,3 @@ class Launcher:
         except TensorTurnError as exc:  # the broker or store failed too: the pool stops all the same
             self.observer.say(f"run {run_id} could not be cancelled before the pool stopped: {exc}")
         return True
-
-
-def launch_distill(spec: RunSpec, broker: str | None, local_workers: int | None = LOCAL_WORKERS,
-                   detach: bool = False, timeout_s: float | None = None,
-                   observer: Observer | None = None) -> list[dict[str, Any]]:
-    """``tensorturn distill`` (:meth:`Launcher.distill`), as the command calls it."""
-    return Launcher(broker, spec.store_url, observer).distill(spec, local_workers, detach, timeout_s)

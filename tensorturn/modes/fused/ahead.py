@@ -22,7 +22,7 @@ Fetch = Callable[[Store, str, Path], str]  # a sealed object to a local file; it
 
 class ReadAhead:
     """What a slot standing by to take round r's outer step
-    (:func:`~tensorturn.modes.fused.sync.rounds.take_step`) reads of the step's inputs while the
+    (:func:`~tensorturn.modes.fused.standby.take_step`) reads of the step's inputs while the
     round's last shard still trains — the shards stored so far, θ_r, its outer state — each
     downloaded and checked against its seal once, into a folder of its own, and handed to the
     step (:meth:`fetch`) when it begins: at the round's end the step then downloads the last

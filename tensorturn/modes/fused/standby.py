@@ -83,7 +83,7 @@ def take_step(unit: ShardUnit, r: int) -> bool:
     unless another holds its claim; whether θ_{r+1} is stored now by it. The claim names the
     slot's task, so the same task delivered again after its machine was lost takes the step
     again. While round r's last shard still trains (the round queued ahead), the slot stands
-    by: it waits for :meth:`~tensorturn.state.claims.Claims.announce_complete` (a look a second
+    by: it waits for :meth:`~tensorturn.state.announcements.Announcements.announce_complete` (a look a second
     at most), so the step begins the moment the last shard is counted, with no queue, machine
     or message between. A slot that stops waiting — the round still incomplete after
     :func:`incomplete_wait_s` (looked at and given back in one command: the last shard stored
