@@ -85,7 +85,7 @@ def test_outer_steps_run_beside_the_store_and_move_to_the_trainers_when_it_is_go
 def test_an_async_runs_updates_are_applied_beside_the_store(pool_factory):
     """``--sync async`` with an agent beside the store: it applies every update (θ and the
     outer state stay on its machine); the trainers only train."""
-    from tensorturn.modes.fused.sync.async_versions import ledger
+    from tensorturn.modes.fused.async_versions import ledger
     from tensorturn.state.board import RunBoard
 
     pool = pool_factory(3, roles=["train", "train", "outer"])

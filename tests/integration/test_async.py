@@ -75,13 +75,13 @@ def test_an_async_run_resumes_from_the_stores_log_after_redis_lost_it(world):
     """Updates driven in-process: two of four applied (round 0 recorded), then Redis loses
     everything; `resume` rebuilds the latest version and the applied updates from the store's
     log, and the other two finish the run — four versions, each made by one update."""
-    from tensorturn.modes.fused.sync import asynchronous
+    from tensorturn.modes.fused import update as updates
     from tensorturn.modes.fused.weights import cache
 
     def update(j: int) -> None:
         as_agent_of(spec)
-        asynchronous.async_step.apply(args=(spec.run_id, j),
-                                      kwargs=signed(spec.run_id, f"u{j}")).get()
+        updates.async_step.apply(args=(spec.run_id, j),
+                                 kwargs=signed(spec.run_id, f"u{j}")).get()
 
     cache.clear()
     spec = world.submit(mode="fused", recipe="digits-mlp", sync="async", rounds=2, shards=2,
@@ -103,7 +103,7 @@ def test_an_async_run_resumes_from_the_stores_log_after_redis_lost_it(world):
 def test_an_async_run_with_eval_every_evaluates_every_nth_round_and_the_last(world):
     """--sync async --eval-every 2 over 3 rounds of 2 shards: rounds 1 and 2 (the last) carry
     validation figures, round 0 its updates' training figures and staleness only."""
-    from tensorturn.modes.fused.sync import asynchronous
+    from tensorturn.modes.fused import update as updates
     from tensorturn.modes.fused.weights import cache
 
     cache.clear()
@@ -111,7 +111,7 @@ def test_an_async_run_with_eval_every_evaluates_every_nth_round_and_the_last(wor
                         sync_every=10, eval_every=2)
     for j in range(6):
         as_agent_of(spec)
-        asynchronous.async_step.apply(args=(spec.run_id, j), kwargs=signed(spec.run_id, f"u{j}")).get()
+        updates.async_step.apply(args=(spec.run_id, j), kwargs=signed(spec.run_id, f"u{j}")).get()
     doc = world.board.describe(spec.run_id)
     assert doc["state"] == "succeeded", doc.get("error")
     records = {r["round"]: r for r in doc["rounds"]}
@@ -146,11 +146,12 @@ def test_an_update_a_round_behind_the_latest_gets_a_backup_copy_before_all_are_h
     the two rates queues one on its own queue — before every update is handed out (the copy
     trains from the latest weights; landing later, u2 would be weighted down and pull the model
     back). One version fewer, or a machine no faster, and nothing is queued."""
-    from tensorturn.modes.fused.sync import asynchronous
+    from tensorturn.modes.fused import update as updates
+    from tensorturn.modes.fused.async_versions import ledger
 
     spec = world.submit(mode="fused", recipe="digits-mlp", sync="async", rounds=4, shards=3, sync_every=10)
     board, run_id = world.board, spec.run_id
-    book = asynchronous.ledger(board, run_id)
+    book = ledger(board, run_id)
     fast, slow, peer = "fast@h", "slow@h", "peer@h"
     for worker, rate in ((fast, 400.0), (slow, 40.0), (peer, 40.0)):
         board.r.hset(layout.worker_key(worker), "last_rate", rate)
@@ -160,7 +161,7 @@ def test_an_update_a_round_behind_the_latest_gets_a_backup_copy_before_all_are_h
 
     def backups_queued(version: int, worker: str) -> list[dict]:
         board.r.hset(book.k["async"], "version", version)
-        asynchronous.queue_update_backup(spec, board, book, worker)
+        updates.queue_update_backup(spec, board, book, worker)
         return [i for i in board.describe(run_id)["incidents"] if i["kind"] == "backup_queued"]
 
     assert backups_queued(2, fast) == []     # two versions behind: within a round

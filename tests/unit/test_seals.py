@@ -156,7 +156,7 @@ def test_the_async_applier_refuses_what_the_outer_step_refuses(round0, store, re
     it refused."""
     import redis
 
-    from tensorturn.modes.fused.sync.async_apply import apply_one
+    from tensorturn.modes.fused.async_apply import apply_one
     from tensorturn.state.ledger import AsyncLedger
 
     spec, floats, _ = round0

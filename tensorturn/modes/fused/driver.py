@@ -6,7 +6,9 @@ Each task builds its unit with the policy's plan and a :class:`Driver` (the unit
 (:meth:`Driver.follow`), which asks the policy what follows (:meth:`~.sync.base.SyncPolicy.on_output`,
 :meth:`~.sync.base.SyncPolicy.on_step`) and queues it (:meth:`Driver.queue`). So the policy
 decides and the units stay plain: neither looks the other up. Celery includes this module
-through :mod:`.tasks`; the task names are what queued messages carry, and never change.
+through :mod:`.tasks`, and with it the asynchronous updates' tasks (:mod:`.update`, whose
+:func:`~.update.queue_updates` queues :class:`~.plans.QueueUpdates`); the task names are what
+queued messages carry, and never change.
 """
 
 from __future__ import annotations
@@ -37,8 +39,8 @@ from tensorturn.modes.fused.plans import (
 )
 from tensorturn.modes.fused.policies import policy
 from tensorturn.modes.fused.shard import ShardUnit
-from tensorturn.modes.fused.sync.asynchronous import queue_updates
 from tensorturn.modes.fused.sync.base import SyncPolicy
+from tensorturn.modes.fused.update import queue_updates
 from tensorturn.pool import routing
 from tensorturn.pool.capacity import queue_for
 from tensorturn.pool.celery_app import app, publishing

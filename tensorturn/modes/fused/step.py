@@ -7,7 +7,7 @@ pseudo-gradient with :class:`Synchronous` — DiLoCo's outer Nesterov step (Doui
 arXiv 2311.08105), FedAvg with ``--outer sgd`` — and, when the broadcast is compressed, writes
 θ_{r+1} as θ_r plus the move as every machine decodes it, keeping what the codec dropped for the
 next round (error feedback). An asynchronous run's applier
-(:func:`~tensorturn.modes.fused.sync.async_apply.apply_one`) moves the latest weights by one
+(:func:`~tensorturn.modes.fused.async_apply.apply_one`) moves the latest weights by one
 update with :class:`Delayed` (delayed Nesterov, spread).
 
 Guarantees: the arithmetic is :mod:`tensorturn.train.diloco`'s per-tensor functions (their list

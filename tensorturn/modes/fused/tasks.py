@@ -1,5 +1,6 @@
 """The fused mode's entry points — start and resume a run — and the module Celery includes for
-it: importing it registers the rounds' tasks (:mod:`.driver`) and every sync policy's.
+it: importing it registers the rounds' tasks (:mod:`.driver`) and, through the driver, the
+asynchronous updates' (:mod:`.update`).
 
 What every policy shares happens here (the options settled from the data, θ_0 and the spec
 stored, the run on the board); then the driver queues the work the run's

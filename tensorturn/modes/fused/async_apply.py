@@ -15,10 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from tensorturn import config, layout
-from tensorturn.modes.fused.finalize import finalize
-from tensorturn.modes.fused.options import eval_passes, evaluated, options, outer_args, samples_per_step
-from tensorturn.modes.fused.step import Delayed, InputCheck, outer_step
-from tensorturn.modes.fused.sync.async_versions import (
+from tensorturn.modes.fused.async_versions import (
     check_version_key,
     get_version,
     ledger,
@@ -26,6 +23,9 @@ from tensorturn.modes.fused.sync.async_versions import (
     trusted_latest,
     version_key,
 )
+from tensorturn.modes.fused.finalize import finalize
+from tensorturn.modes.fused.options import eval_passes, evaluated, options, outer_args, samples_per_step
+from tensorturn.modes.fused.step import Delayed, InputCheck, outer_step
 from tensorturn.recipes import recipe_of
 from tensorturn.spec import RunSpec
 from tensorturn.state.board import RunBoard
