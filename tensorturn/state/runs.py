@@ -88,6 +88,13 @@ class Runs:
     def update_spec(self, spec: RunSpec) -> None:
         self.r.hset(layout.run_key(spec.run_id), "spec", json.dumps(spec.to_json()))
 
+    def max_attempts(self, run_id: str) -> int | None:
+        """The run's attempt cap, from the spec the broker keeps beside its state (for a machine
+        that cannot read the spec from its own store); None without a record."""
+        spec = self.r.hget(layout.run_key(run_id), "spec")
+        cap = json.loads(spec).get("max_attempts") if spec else None
+        return cap if isinstance(cap, int) else None
+
     def record(self, run_id: str) -> dict[str, str] | None:
         """The run's hash when it is whole, else None."""
         h = self.r.hgetall(layout.run_key(run_id))

@@ -196,7 +196,7 @@ def _queued(task: Task, board: RunBoard, run_id: str, label: Label, unit_class: 
     worker, delivery = task.request.hostname or "?", Queued(task)
     store: Store | None = None
     unit: Unit | None = None
-    max_attempts = DEFAULT_MAX_ATTEMPTS
+    max_attempts: int | None = None  # the spec's, once read
     try:
         store = agent_store()
         spec = _spec_here(store, run_id)
@@ -205,6 +205,7 @@ def _queued(task: Task, board: RunBoard, run_id: str, label: Label, unit_class: 
             label = resolve(board, spec, worker)
         unit = unit_class(Attempt(task, board, store, spec, label, worker, tally=tally))
     except Exception as exc:  # noqa: BLE001 - the spec or store unreadable: recorded as an attempt's failure
+        max_attempts = max_attempts or _cap_on_the_broker(board, run_id)
         ending = _failed(board, store, run_id, label, worker, exc, delivery, max_attempts)
     else:
         ending = _attempt(unit.a, unit, delivery)
@@ -223,6 +224,17 @@ def _queued(task: Task, board: RunBoard, run_id: str, label: Label, unit_class: 
     if ending.end in (End.FAILED, End.RUN_FAILED):
         try_write_manifest(store, board, run_id)
     return receipt
+
+
+def _cap_on_the_broker(board: RunBoard, run_id: str) -> int:
+    """The run's attempt cap where this machine could not read its spec (a wrong --store, its
+    store unreachable): the broker's copy, so that a machine failing on its own store spends no
+    more of a task's attempts than the run allows, until quarantine takes it out of rotation."""
+    try:
+        return board.runs.max_attempts(run_id) or DEFAULT_MAX_ATTEMPTS
+    except Exception as exc:  # noqa: BLE001 - the broker stumbled too: the default cap
+        log.debug("the run's attempt cap not read from the broker: %s", exc)
+        return DEFAULT_MAX_ATTEMPTS
 
 
 def _attempt(attempt: Attempt, unit: Unit, delivery: Delivery) -> Ending:

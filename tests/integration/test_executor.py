@@ -297,3 +297,21 @@ def test_a_standing_look_hands_the_unit_back_when_the_owner_pauses_the_machine()
     with pytest.raises(HandedBack, match="its owner needs it"):
         for _ in a.waits(standing=True):  # (its look, before its first pause, raises)
             a.looked_at -= 2  # as if a while passed
+
+
+def test_queued_on_a_machine_without_the_runs_spec_the_runs_own_cap_holds(world, tmp_path):
+    """A machine whose store is not the run's (a wrong --store) cannot read the spec, nor so its
+    attempt cap: it takes the run's from the broker, not a cap of its own (it had spent a run's
+    attempts at 3 of 10 before quarantine could take it out of rotation)."""
+    from tensorturn import config
+
+    spec = world.submit(**{**FUSED, "max_attempts": 5})
+    config.use(config.current().with_(store_url=(tmp_path / "elsewhere").as_uri()))
+    for _ in range(4):
+        with pytest.raises(Retry):
+            queued(world, spec, fake())
+    assert run_state(world, spec)[0] == "running"  # (4 of 5 spent: not given up)
+    assert len(outcomes(world, spec)) == 4 and all("no run" in o for o in outcomes(world, spec))
+    queued(world, spec, fake())  # the fifth: the run's cap, given up
+    state, error = run_state(world, spec)
+    assert state == "failed" and error.startswith("r0/outer failed 5 attempts; last: store "), error
