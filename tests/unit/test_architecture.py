@@ -190,6 +190,7 @@ FUSED = PACKAGE / "modes" / "fused"
 # what may name a sync policy: the policies themselves (modes/fused/sync/), their registry, and
 # the driver that asks the run's policy and queues what it returns
 POLICY_SIDE = {"policies.py", "driver.py"}
+REGISTRY = "tensorturn.modes.fused.policies"
 ENTRY = "tasks.py"  # the mode's entry point, which Celery includes: it imports the driver only
 
 
@@ -199,7 +200,7 @@ def test_no_fused_unit_looks_a_policy_up():
     stores) and never looks a policy up or calls it: it is handed a plan and a driver to give
     its result to. No module of the fused mode but the policies, their registry and the driver
     imports one, or the driver (the entry point excepted), or calls a policy's method."""
-    side = ("tensorturn.modes.fused.policies", "tensorturn.modes.fused.sync", "tensorturn.modes.fused.driver")
+    side = (REGISTRY, "tensorturn.modes.fused.sync", "tensorturn.modes.fused.driver")
     decisions = {"policy", "shard_plan", "step_plan", "on_output", "on_step"}
     found = []
     for path in _modules(FUSED):
@@ -208,7 +209,10 @@ def test_no_fused_unit_looks_a_policy_up():
             continue
         tree = ast.parse(path.read_text(), str(path))
         for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom) and node.module:
+            if isinstance(node, ast.ImportFrom) and node.module == REGISTRY:
+                # the registry's names (the --sync choices) are no policy; a lookup is
+                named = [f"{node.module}.{a.name}" for a in node.names if a.name != "POLICIES"]
+            elif isinstance(node, ast.ImportFrom) and node.module:
                 named = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
             elif isinstance(node, ast.Import):
                 named = [a.name for a in node.names]
@@ -224,10 +228,17 @@ def test_no_fused_unit_looks_a_policy_up():
     assert found == []
 
 
-def test_the_sync_choices_are_the_registrys_policies():
-    """``--sync`` offers (:data:`~tensorturn.modes.fused.options.SYNCS`, read without torch)
-    exactly the policies of the registry."""
+def test_each_registered_policy_is_its_named_class():
+    """Each entry of the registry (a ``"module:Class"`` name, imported when a run asks) names a
+    :class:`~tensorturn.modes.fused.sync.base.SyncPolicy` of :mod:`tensorturn.modes.fused.sync`
+    whose ``name`` is its key — the ``--sync`` value that chooses it."""
     from tensorturn.modes.fused.options import SYNCS
-    from tensorturn.modes.fused.policies import POLICIES
+    from tensorturn.modes.fused.policies import POLICIES, policy_class
+    from tensorturn.modes.fused.sync.base import SyncPolicy
 
-    assert tuple(POLICIES) == SYNCS
+    assert SYNCS == tuple(POLICIES)
+    for name, where in POLICIES.items():
+        cls = policy_class(name)
+        assert issubclass(cls, SyncPolicy) and cls is not SyncPolicy
+        assert cls.name == name
+        assert where.startswith("tensorturn.modes.fused.sync.")

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, cast
 
+from tensorturn.modes.fused.policies import POLICIES
 from tensorturn.spec import ModeOptions, Workload, check_bounds
 
 if TYPE_CHECKING:
@@ -17,9 +18,8 @@ if TYPE_CHECKING:
     from tensorturn.spec import RunSpec
 
 OUTERS = ("auto", "nesterov", "sgd")
-# the --sync choices: one per policy of the registry (:data:`~.policies.POLICIES`, which imports
-# torch; a test checks the two agree)
-SYNCS = ("rounds", "backup", "async", "overlap")
+# the --sync choices: the registry's policies (:data:`~.policies.POLICIES` imports none of them)
+SYNCS = tuple(POLICIES)
 # store.tensors.CODECS, named here without importing torch (test_math checks they agree)
 CODECS = ("fp32", "fp16", "int8", "int4", "ternary", "int2")
 KEEPS = ("last", "best")

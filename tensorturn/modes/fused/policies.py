@@ -1,23 +1,37 @@
-"""The sync policy registry: the ``--sync`` value → its :class:`~.sync.base.SyncPolicy` (:mod:`.sync`:
-a barrier per round, rounds with backup copies of stragglers, no barrier, or rounds one step
-apart).
+"""The sync policy registry: the ``--sync`` value → where its :class:`~.sync.base.SyncPolicy`
+lives (:mod:`.sync`: a barrier per round, rounds with backup copies of stragglers, no barrier,
+or rounds one step apart).
 
-A new policy is its own module in :mod:`.sync` plus one line in :data:`POLICIES` — and its name
-in :data:`~.options.SYNCS`, which the options (read without torch, by the command line) offer
-as choices; a test checks the two agree. Only the driver (:mod:`.driver`) asks for a policy.
+A new policy is its own module in :mod:`.sync` plus one line in :data:`POLICIES`. The entries
+are ``"module:Class"`` names, imported when a run asks for the policy (Celery names its pools
+and result backends the same way): so the registry imports nothing, and the options — read by
+the command line without torch — offer its keys as the ``--sync`` choices. Only the driver
+(:mod:`.driver`) asks for a policy.
 """
 
 from __future__ import annotations
 
-from tensorturn.modes.fused.sync.asynchronous import Async
-from tensorturn.modes.fused.sync.backup import Backup
-from tensorturn.modes.fused.sync.base import SyncPolicy
-from tensorturn.modes.fused.sync.overlapped import Overlap
-from tensorturn.modes.fused.sync.rounds import Rounds
+from typing import TYPE_CHECKING
 
-POLICIES: dict[str, type[SyncPolicy]] = {p.name: p for p in (Rounds, Backup, Async, Overlap)}
+if TYPE_CHECKING:
+    from tensorturn.modes.fused.sync.base import SyncPolicy
+
+POLICIES: dict[str, str] = {
+    "rounds": "tensorturn.modes.fused.sync.rounds:Rounds",
+    "backup": "tensorturn.modes.fused.sync.backup:Backup",
+    "async": "tensorturn.modes.fused.sync.asynchronous:Async",
+    "overlap": "tensorturn.modes.fused.sync.overlapped:Overlap",
+}
+
+
+def policy_class(name: str) -> type[SyncPolicy]:
+    """The class registered for ``--sync name`` (a KeyError for a name the options would have
+    refused)."""
+    from kombu.utils.imports import symbol_by_name
+
+    return symbol_by_name(POLICIES[name])
 
 
 def policy(name: str) -> SyncPolicy:
-    """The policy of ``--sync name`` (a KeyError for a name the options would have refused)."""
-    return POLICIES[name]()
+    """The policy of ``--sync name``."""
+    return policy_class(name)()
