@@ -54,9 +54,6 @@ class Mode(Protocol):
         """What the run is doing now, in one line of at most ``width`` columns ("" if nothing
         to say), from the live parts of its description (:mod:`tensorturn.state.live`)."""
 
-    def final_key(self, run_id: str) -> str:
-        """Where the run's result lives in the store."""
-
 
 class ModeBase:
     """What modes share: a name, an options class, what progress counts, and the mode's

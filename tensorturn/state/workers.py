@@ -124,7 +124,3 @@ class Workers:
     def quarantine(self, worker: str, mark: dict[str, str]) -> None:
         """Write ``worker``'s signed quarantine ``mark`` (:func:`tensorturn.pool.telemetry.quarantine_mark`)."""
         self.r.hset(layout.worker_key(worker), mapping=mark)
-
-    def quarantine_field(self, worker: str, pipe: Any) -> None:
-        """Queue in ``pipe`` a read of ``worker``'s quarantine mark."""
-        pipe.hget(layout.worker_key(worker), "quarantined")

@@ -25,7 +25,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from tensorturn import layout
 from tensorturn.errors import SpecError
 from tensorturn.modes import ModeBase
 from tensorturn.spec import LIMITS, MemberState, ModeOptions, Workload, check_bounds, options_json
@@ -165,9 +164,6 @@ class Ensemble(ModeBase):
         names: dict[str, str] = {MemberState.RUNNING: "training", MemberState.SUCCEEDED: "done"}
         states = ", ".join(f"{c} {names.get(s, s)}" for s, c in sorted(counts.items()))
         return fit(f"{len(members)} members: {states}; {segments:.1f}/{len(members) * n} segments", width)
-
-    def final_key(self, run_id: str) -> str:
-        return layout.key("final_ensemble", run_id)
 
 
 MODE = Ensemble("ensemble", EnsembleOptions, "segments", "tensorturn.modes.ensemble.tasks")

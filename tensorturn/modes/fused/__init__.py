@@ -29,7 +29,6 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
-from tensorturn import layout
 from tensorturn.modes import ModeBase
 from tensorturn.modes.fused.options import (
     AUTO_NESTEROV_EPOCHS,
@@ -94,9 +93,6 @@ class Fused(ModeBase):
             parts.append(f"round {o['round']} {o['phase']} on {o['worker'].split('@')[0]} "
                          f"({max(now - o['since'], 0):.0f}s)")
         return fit("; ".join(parts), width)
-
-    def final_key(self, run_id: str) -> str:
-        return layout.key("final_model", run_id)
 
 
 MODE = Fused("fused", FusedOptions, "rounds", "tensorturn.modes.fused.tasks")
