@@ -20,6 +20,7 @@ from tensorturn.spec import options_json
 # is logged masked, as `store`); `run_config` repeats the settings logged one by one
 NOT_PARAMS = ("run_id", "created_at", "store_url", "options", "recipe_options", "memory_needed_bytes",
               "run_config")
+Param = str | int | float | bool  # a logged setting: numbers and flags kept as such
 # characters every backend takes in a metric name (MLflow is the strictest: no '@' in a name)
 _UNSAFE = re.compile(r"[^\w.\-/ ]")
 
@@ -85,7 +86,7 @@ class Tracker(Protocol):
 
     name: str
 
-    def start(self, run_id: str, params: dict[str, str]) -> Logged: ...
+    def start(self, run_id: str, params: dict[str, Param]) -> Logged: ...
 
     def where(self) -> str: ...
 
@@ -96,28 +97,39 @@ class Tracker(Protocol):
     def close(self) -> None: ...
 
 
-def params(doc: dict[str, Any]) -> dict[str, str]:
+def params(doc: dict[str, Any]) -> dict[str, Param]:
     """The run's settings, flat: the spec's common fields, ``option.<name>`` for the mode's options
-    and ``recipe.<name>`` for the recipe's; values as text (JSON for lists and objects). Safe to
-    log (:func:`tensorturn.config.public`): a recipe option named like a secret (``api_token``)
-    is ``***``, and every URL's password in any value is masked — a tracker's records leave the
-    machine (W&B, a shared MLflow server)."""
+    and ``recipe.<name>`` for the recipe's. Each is the value the run used: a setting the user left
+    out is the one the run decided at its start (the recipe's ``lr`` and batch size, the shards
+    and H chosen from the data — :meth:`~tensorturn.spec.RunSpec.settle_run_config`), not
+    ``None``. Numbers and flags stay numbers and flags, so a tracker sorts and filters on them
+    (TensorBoard's HParams tab, W&B's config); lists and objects are JSON text, and a setting with
+    no value at all is left out. Safe to log (:func:`tensorturn.config.public`): a recipe option
+    named like a secret (``api_token``) is ``***``, and every URL's password in any value is
+    masked — a tracker's records leave the machine (W&B, a shared MLflow server)."""
     spec = config.public(doc.get("spec") or {})
-    out = {"mode": str(doc.get("mode")), "recipe": str(doc.get("recipe"))}
+    used = spec.get("run_config") or {}
+    out: dict[str, Any] = {"mode": str(doc.get("mode")), "recipe": str(doc.get("recipe"))}
     out["store"] = spec.get("store_url") or ""
     for key, value in spec.items():
         if key not in NOT_PARAMS:
-            out[key] = _text(value)
-    for key, value in config.public(options_json(doc.get("spec") or {})).items():
+            out[key] = used.get(key) if value is None else value
+    options = config.public(options_json(doc.get("spec") or {}))
+    for key, value in options.items():
         if key not in NOT_PARAMS:
-            out[f"option.{key}"] = _text(value)
+            out[f"option.{key}"] = used.get(key) if value is None else value
     for key, value in (spec.get("recipe_options") or {}).items():
-        out[f"recipe.{key}"] = _text(value)
-    return {metric_name(k): v for k, v in out.items()}
+        out[f"recipe.{key}"] = value
+    return {metric_name(k): _param(v) for k, v in out.items() if v is not None}
 
 
-def _text(value: Any) -> str:
-    return json.dumps(value, sort_keys=True) if isinstance(value, (list, dict)) else str(value)
+def as_text(values: dict[str, Param]) -> dict[str, str]:
+    """The parameters as text, for a tracker that keeps text only (MLflow)."""
+    return {k: str(v).lower() if isinstance(v, bool) else str(v) for k, v in values.items()}
+
+
+def _param(value: Any) -> Param:
+    return json.dumps(value, sort_keys=True) if isinstance(value, (list, dict)) else value
 
 
 def _number(value: Any) -> float | None:

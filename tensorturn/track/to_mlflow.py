@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from tensorturn import config
-from tensorturn.track.base import Final, Logged
+from tensorturn.track.base import Final, Logged, as_text
 
 TAG = "tensorturn.run_id"
 MARK = "samples"  # every round's record holds its samples: the history of this metric says which are logged
@@ -41,7 +41,7 @@ class MlflowTracker:
     def where(self) -> str:
         return f"{config.mask_url(self.uri)}, experiment {self.experiment}, MLflow run {self.run_id}"
 
-    def start(self, run_id: str, params: dict[str, str]) -> Logged:
+    def start(self, run_id: str, params: dict[str, Any]) -> Logged:
         from mlflow import MlflowClient
         from mlflow.entities import Param
 
@@ -70,7 +70,7 @@ class MlflowTracker:
         run = self.client.create_run(experiment_id, run_name=run_id, tags={TAG: run_id})
         self.run_id = run.info.run_id
         # MLflow keeps a parameter once: logged when the run is made, never again
-        items = [Param(k, v[:6000]) for k, v in sorted(params.items())]
+        items = [Param(k, v[:6000]) for k, v in sorted(as_text(params).items())]
         for i in range(0, len(items), 100):  # log_batch takes at most 100 parameters
             self.client.log_batch(self.run_id, params=items[i:i + 100])
         return logged

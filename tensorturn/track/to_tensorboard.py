@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from tensorturn.track.base import Final, Logged
+from tensorturn.track.base import Final, Logged, Param
 
 KEPT = "tensorturn-logged.json"
 
@@ -26,7 +26,7 @@ class TensorBoardTracker:
     def where(self) -> str:
         return str(self.dir)
 
-    def start(self, run_id: str, params: dict[str, str]) -> Logged:
+    def start(self, run_id: str, params: dict[str, Param]) -> Logged:
         from torch.utils.tensorboard import SummaryWriter
 
         self.dir = self.root / run_id

@@ -12,7 +12,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from tensorturn.track.base import Final, Logged
+from tensorturn.track.base import Final, Logged, Param
 
 
 def logged_in() -> bool:
@@ -47,7 +47,7 @@ class WandbTracker:
         where = Path(run_dir).parent if run_dir else self.dir
         return f"{where} ({self.mode}{'; `wandb sync` uploads it' if self.mode == 'offline' else ''})"
 
-    def start(self, run_id: str, params: dict[str, str]) -> Logged:
+    def start(self, run_id: str, params: dict[str, Param]) -> Logged:
         import wandb
 
         self.dir.mkdir(parents=True, exist_ok=True)

@@ -101,6 +101,11 @@ def test_fused_rounds_read_back_from_mlflow(tracked):
     assert {k for k in run.data.metrics if k.startswith("rate/")}  # each machine's samples/s
     assert run.data.metrics["final/test_accuracy"] == doc["metrics"]["test_accuracy"]
     assert run.data.params["mode"] == "fused" and run.data.params["option.rounds"] == "3"
+    # what the run used where the user gave nothing: the recipe's lr and batch, the data's H
+    used = doc["spec"]["run_config"]
+    assert [run.data.params[k] for k in ("lr", "batch_size", "option.sync_every")] == [
+        str(used["lr"]), str(used["batch_size"]), str(used["sync_every"])]
+    assert "None" not in run.data.params.values()
     assert run.info.status == "FINISHED"
     # the model itself, as the store holds it (the store is a folder here)
     path = client.download_artifacts(run.info.run_id, "model/model.safetensors", str(folder / "dl"))
@@ -117,7 +122,21 @@ def test_fused_rounds_read_back_from_tensorboard(tracked):
     (model,) = acc.Tensors("run/model/text_summary")
     assert doc["model_uri"] in model.tensor_proto.string_val[0].decode()
     assert "fused" in acc.Tensors("run/settings/text_summary")[0].tensor_proto.string_val[0].decode()
-    assert acc.PluginTagToContent("hparams")  # the options, in the HParams tab
+    # the settings in the HParams tab, numbers as numbers (so they sort and filter as such)
+    hparams = hparams_of(acc)
+    assert hparams["option.rounds"].number_value == 3 and hparams["mode"].string_value == "fused"
+    assert hparams["lr"].number_value == doc["spec"]["run_config"]["lr"]
+
+
+def hparams_of(acc):
+    """The hparams a TensorBoard run's events declare, read as the HParams plugin reads them."""
+    from tensorboard.plugins.hparams import plugin_data_pb2
+
+    for content in acc.PluginTagToContent("hparams").values():
+        data = plugin_data_pb2.HParamsPluginData.FromString(content)
+        if data.HasField("session_start_info"):
+            return data.session_start_info.hparams
+    raise AssertionError("no hparams in the run's events")
 
 
 def test_fused_rounds_in_the_offline_wandb_run(tracked):
@@ -237,9 +256,9 @@ def test_secrets_in_options_are_masked_in_what_trackers_log(tmp_path):
     logged = params(doc)
     assert logged["recipe.api_token"] == "***" and "run_config" not in logged
     assert logged["recipe.dataset"] == "https://bob:***@data.example/rows.csv"
-    assert logged["option.rounds"] == "2" and logged["store"].startswith("s3://AKIA:***@")
+    assert logged["option.rounds"] == 2 and logged["store"].startswith("s3://AKIA:***@")
     for secret in ("hunter2", "tok-4f2a9c", "s3cret-pw"):
-        assert [k for k, v in logged.items() if secret in v] == [], secret
+        assert [k for k, v in logged.items() if secret in str(v)] == [], secret
     tracker = TensorBoardTracker(tmp_path)
     tracker.start(doc["run_id"], logged)
     tracker.close()
