@@ -31,6 +31,7 @@ from typing import Any
 from celery import Celery
 from celery.signals import worker_init
 from celery.worker.control import Panel
+from kombu.connection import resolve_aliases
 
 from tensorturn import config
 from tensorturn.pool import remote_control, transport
@@ -71,6 +72,12 @@ def transport_options(settings: config.Settings) -> dict:
         "socket_keepalive": True,
         "health_check_interval": 10,
     }
+
+
+# A connection's URL, as Flower and ``celery inspect`` read it back (``Connection.as_uri``), names
+# this transport by its scheme, as kombu names pyamqp's ``amqp``: Flower picks its broker client
+# (the queues' lengths) by that scheme, and knows ``redis`` but no class path.
+resolve_aliases.setdefault(transport.NAME, "redis")
 
 
 def transport_for(broker_url: str) -> str | None:

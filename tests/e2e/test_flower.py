@@ -15,6 +15,7 @@ import httpx
 import pytest
 from conftest import start_pool
 
+from tensorturn.layout import DEFAULT_QUEUE
 from tensorturn.pool.embedded import free_port, stop_process_group
 
 pytestmark = pytest.mark.e2e
@@ -78,6 +79,17 @@ def test_flower_lists_both_agents(flower):
     for name, info in workers.items():
         if name.startswith(AGENTS):
             assert isinstance(info, dict) and info, (name, info)
+
+
+def test_flower_reads_the_queues_lengths(flower):
+    """Flower's broker page and ``/api/queues/length`` read each queue's length from Redis: it
+    picks its broker client by the connection's URL scheme, which names TensorTurn's transport
+    ``redis``, as Redis's own would."""
+    with httpx.Client(base_url=flower, auth=AUTH, timeout=15) as client:
+        resp = client.get("/api/queues/length")
+    assert resp.status_code == 200, resp.text[:500]
+    lengths = {q["name"]: q["messages"] for q in resp.json()["active_queues"]}
+    assert DEFAULT_QUEUE in lengths and all(isinstance(n, int) and n >= 0 for n in lengths.values())
 
 
 @pytest.mark.parametrize("auth", [None, ("admin", "wrong"), ("someone", "s3cret")],
