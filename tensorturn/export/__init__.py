@@ -2,18 +2,25 @@
 
 ``tensorturn export RUN DIR`` writes (:func:`tensorturn.export.folder.export_run`):
 
-* ``model.safetensors`` — the run's final model file, byte for byte (its sha256 is the run's
+* ``tensorturn.safetensors`` — the run's final model file, byte for byte (its sha256 is the run's
   ``model_sha256``): one model, or an ensemble's members under ``m<member>.`` prefixes in one file
   with the vote rule in its metadata — the very file ``tensorturn serve`` loads;
-* ``config.json`` — recipe and its options, the run's options, model config(s), task kind, input
-  shape and datatype, the served outputs, class names, lineage (run id, data version, the runs it
-  started from or learnt from), metrics;
-* ``README.md`` — a model card: metrics, data, how it was trained (mode, machines, rounds, bytes);
+* ``tensorturn.json`` — recipe and its options, the run's options, model config(s), task kind,
+  input shape and datatype, the served outputs, class names, lineage (run id, data version, the
+  runs it started from or learnt from), metrics; no store URL;
+* ``README.md`` — a model card, its YAML front matter the Hugging Face Hub's (library, pipeline
+  tag, tags, metrics): metrics, data, how it was trained (mode, machines, rounds, bytes);
 * ``dataset/`` — only for a recipe over a pushed dataset: that dataset version's index (the
   features' statistics the recipe's preprocessing uses; no rows), so the recipe builds without
   the store;
-* optionally ``model.onnx`` (``--format onnx``) and ``transformers/`` (``--format transformers``:
-  a GPT-2 folder for ``charlm``/``gpt2-small``).
+* optionally ``model.onnx`` (``--format onnx``; its ``metadata_props`` name the task, class names
+  and recipe) and, with ``--format transformers`` (``charlm``, ``gpt2-small``, ``textlm``), the
+  files that make the folder itself a transformers GPT-2 folder: ``config.json``,
+  ``model.safetensors``, ``generation_config.json``, ``tokenizer.json``, ``tokenizer_config.json``.
+
+TensorTurn's own files carry its name so the root is free for transformers' names. A folder
+exported before (``tensorturn-export/1``: TensorTurn's ``config.json`` and ``model.safetensors``,
+GPT-2 under ``transformers/``) still loads.
 
 :func:`load` gives back the torch module(s) and a ``predict`` that answers exactly what the
 inference API serves for the same run: it runs the serving code's own path

@@ -1,6 +1,12 @@
 """The exported folder's ``README.md``: a model card (Mitchell et al., "Model Cards for Model
 Reporting", 2019; the layout Hugging Face model cards use) written from the run's record — what
-the model is, how it scored, what it learnt from, and how it was trained."""
+the model is, how it scored, what it learnt from, and how it was trained.
+
+It opens with the YAML front matter the Hugging Face Hub reads (``huggingface_hub.ModelCard``):
+``library_name`` (``transformers`` where the folder is one, else ``tensorturn``), ``pipeline_tag``
+from the task, ``tags``, ``license`` (``unknown``: a run does not say under which terms its data
+and weights may be used — the owner sets it), ``metrics`` and a ``model-index`` with the test
+figures. The front matter is written as JSON values, which YAML reads as they are."""
 
 from __future__ import annotations
 
@@ -78,27 +84,78 @@ def kept_round(manifest: dict[str, Any]) -> dict[str, Any] | None:
     return next((r for r in rounds if r.get("round") == kept), None)
 
 
+NOUNS = {"classification": "classification model", "regression": "regression model",
+         "language_model": "language model"}
+# the Hub's task for each kind (a model over images — rows of [channels, height, width] — is
+# an image classifier; other rows are a table's)
+PIPELINE_TAGS = {"language_model": "text-generation", "regression": "tabular-regression",
+                 "classification": "tabular-classification"}
+FORMAT_FILES = {
+    "onnx": "the served computation as one ONNX graph: raw rows in (`input`), the outputs `predict` "
+            "returns out; its `metadata_props` name the task, class names and recipe",
+    "transformers": "the same model as transformers' GPT-2 and its tokenizer: `AutoModelForCausalLM`, "
+                    "`AutoTokenizer` and `pipeline(\"text-generation\")` load this folder"}
+
+
+def pipeline_tag(doc: dict[str, Any]) -> str:
+    if doc["task"] == "classification" and len(doc["input"]["shape"]) == 3:
+        return "image-classification"
+    return PIPELINE_TAGS.get(doc["task"], "other")
+
+
+def front_matter(doc: dict[str, Any], title: str) -> list[str]:
+    """The YAML front matter's lines (module docstring)."""
+    recipe, lineage = doc["recipe"], doc["lineage"]
+    tags = ["tensorturn", recipe["name"], lineage["mode"], "safetensors", *sorted(doc["formats"])]
+    tested = {k.removeprefix("test_"): v for k, v in sorted((doc.get("metrics") or {}).items())
+              if k.startswith("test_") and k != "test_rows"  # a count of rows, not a figure of the model
+              and isinstance(v, (int, float)) and not isinstance(v, bool)}
+    data = lineage["data"]
+    dataset = str(data.get("dataset") or data.get("file") or f"{recipe['name']} built-in data")
+    index = [{"name": title, "results": [{
+        "task": {"type": pipeline_tag(doc)},
+        "dataset": {"name": dataset, "type": dataset, "split": "test"},
+        "metrics": [{"type": k, "value": v, "name": f"test {k}"} for k, v in tested.items()]}]}]
+    fields: dict[str, Any] = {"library_name": "transformers" if "transformers" in doc["formats"] else "tensorturn",
+                              "pipeline_tag": pipeline_tag(doc), "tags": list(dict.fromkeys(tags)),
+                              "license": "unknown", "metrics": list(tested)}
+    if tested:
+        fields["model-index"] = index
+    return ["---", *(f"{k}: {json.dumps(v, ensure_ascii=False)}" for k, v in fields.items()), "---", ""]
+
+
+def use(doc: dict[str, Any]) -> list[str]:
+    """The card's "Use" section: TensorTurn's loader, and transformers' where the folder is one."""
+    shape = ", ".join(map(str, doc["input"]["shape"]))
+    rows = "token ids" if doc["task"] == "language_model" else "raw inputs"
+    lines = ["## Use", "", "```python", "import tensorturn", "",
+             'model = tensorturn.load("path/to/this/folder")',
+             f"out = model.predict(rows)  # rows: [N, {shape}] {rows}", "```", "",
+             "`predict` returns what `tensorturn serve` answers for this run: "
+             + ", ".join(f"`{o['name']}` {o['shape']}" for o in doc["outputs"]) + ". "
+             "`model.module` is the torch module (it takes the recipe's preprocessed inputs).", ""]
+    if "transformers" in doc["formats"]:
+        context = doc["input"]["shape"][0]
+        lines += ["With transformers (the prompt and what it generates fit the model's context of "
+                  f"{context} tokens):", "", "```python", "from transformers import pipeline", "",
+                  'generate = pipeline("text-generation", model="path/to/this/folder")',
+                  'generate("def main():", max_new_tokens=8)  # greedy: each token `predict`\'s label',
+                  "```", ""]
+    return lines
+
+
 def model_card(doc: dict[str, Any], manifest: dict[str, Any]) -> str:
-    """The card's Markdown for ``config.json``'s ``doc`` and the run's ``manifest``."""
+    """The card's Markdown for ``tensorturn.json``'s ``doc`` and the run's ``manifest``."""
     lineage, recipe = doc["lineage"], doc["recipe"]
     title = f"{recipe['name']} — {lineage['mode']} run {lineage['run_id']}"
     what = ("a voting ensemble of {n} models ({vote} vote)".format(
         n=len(doc["model"]["members"]), vote=doc["model"]["vote"])
         if doc["model"]["kind"] == "ensemble" else "one model")
-    lines = [f"# {title}", "",
-             f"A {doc['task'].replace('_', ' ')} model trained with TensorTurn: {what}, recipe "
+    noun = NOUNS.get(doc["task"], f"{doc['task'].replace('_', ' ')} model")
+    lines = [*front_matter(doc, title), f"# {title}", "",
+             f"A {noun} trained with TensorTurn: {what}, recipe "
              f"`{recipe['name']}`" + (f" with options `{json.dumps(recipe['options'], sort_keys=True)}`"
-                                      if recipe["options"] else "") + ".", "",
-             "## Use", "", "```python", "import tensorturn.export", "",
-             'model = tensorturn.export.load("path/to/this/folder")',
-             f"out = model.predict(rows)  # rows: [N, {', '.join(map(str, doc['input']['shape']))}] raw inputs",
-             "```", "",
-             "`predict` returns what `tensorturn serve` answers for this run: "
-             + ", ".join(f"`{o['name']}` {o['shape']}" for o in doc["outputs"]) + ". "
-             "`model.module` is the torch module (it takes the recipe's preprocessed inputs).", ""]
-    if doc["formats"]:
-        lines += ["Also exported: " + ", ".join(f"{fmt} (`{where}`)" for fmt, where in sorted(doc["formats"].items()))
-                  + ".", ""]
+                                      if recipe["options"] else "") + ".", "", *use(doc)]
     metrics = doc.get("metrics") or {}
     lines += ["## Metrics", ""]
     if metrics:
@@ -132,10 +189,11 @@ def model_card(doc: dict[str, Any], manifest: dict[str, Any]) -> str:
     parents = lineage.get("parents") or {}
     lines += ["", "## Lineage", "", f"- run `{lineage['run_id']}`, model sha256 `{doc['model_sha256']}`"]
     lines += [f"- {'started from' if k == 'init_from' else 'distilled from'} run `{v}`" for k, v in parents.items()]
-    lines += ["", "## Files", "", "- `model.safetensors` — the weights (the run's own model file)",
-              "- `config.json` — recipe, options, model config, task, inputs and outputs, lineage",
+    lines += ["", "## Files", "", "- `tensorturn.safetensors` — the weights (the run's own model file)",
+              "- `tensorturn.json` — recipe, options, model config, task, inputs and outputs, lineage",
               "- `README.md` — this card"]
     if doc.get("dataset"):
         lines.append("- `dataset/` — the pushed dataset's index (no rows): what preprocessing reads")
-    lines += [f"- `{where}` — {fmt}" for fmt, where in sorted(doc["formats"].items())]
+    lines += [f"- {', '.join(f'`{name}`' for name in files)} — {FORMAT_FILES.get(fmt, fmt)}"
+              for fmt, files in sorted(doc["formats"].items())]
     return "\n".join(lines) + "\n"

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from tensorturn import layout
-from tensorturn.config import mask_url, public
+from tensorturn.config import public
 from tensorturn.data.source import check_pinned, pinned
 from tensorturn.errors import NotFound, RecipeError, SpecError, TensorTurnError
 from tensorturn.export import card
@@ -36,7 +36,6 @@ from tensorturn.export.loaded import (
     EXPORT_FORMAT,
     MODEL_FILE,
     ONNX_FILE,
-    TRANSFORMERS_DIR,
     rebuilt,
 )
 from tensorturn.predictor import Predictor, dataset_pins, result_bytes
@@ -189,20 +188,20 @@ def _write_folder(dest: Path, data: bytes, dataset: DatasetIndex | None, wanted:
 
 
 def texts(doc: dict[str, Any], manifest: dict[str, Any]) -> dict[str, str]:
-    """``config.json`` and the model card, as written: for people and other machines, so what
+    """``tensorturn.json`` and the model card, as written: for people and other machines, so what
     the card quotes of the run's record is :func:`public` too (:func:`describe` made ``doc``)."""
     return {CONFIG_FILE: json.dumps(doc, indent=2, sort_keys=True) + "\n",
             CARD_FILE: card.model_card(doc, public(manifest))}
 
 
-def _write_format(fmt: str, predictor: Predictor, doc: dict[str, Any], work: Path) -> str:
+def _write_format(fmt: str, predictor: Predictor, doc: dict[str, Any], work: Path) -> list[str]:
+    """Format ``fmt`` written into the folder ``work``: the names of the files it wrote."""
     from tensorturn.export import formats
 
     if fmt == "onnx":
-        formats.write_onnx(predictor, doc["input"]["shape"], work / ONNX_FILE)
-        return ONNX_FILE
-    formats.write_gpt2(predictor, work / TRANSFORMERS_DIR)
-    return TRANSFORMERS_DIR
+        formats.write_onnx(predictor, doc, work / ONNX_FILE)
+        return [ONNX_FILE]
+    return formats.write_gpt2(predictor, work)
 
 
 @dataclass
@@ -233,7 +232,8 @@ def _dataset_index(store: Store, manifest: dict[str, Any]) -> DatasetIndex | Non
 
 def describe(predictor: Predictor, manifest: dict[str, Any], file_meta: dict[str, str],
              dataset: DatasetIndex | None) -> dict[str, Any]:
-    """``config.json``: everything needed to rebuild and understand the model, no secret: what
+    """``tensorturn.json``: everything needed to rebuild and understand the model, no secret (nor
+    where the store is: the folder leaves it): what
     is there for people (the recipe's and the run's options, lineage) is :func:`public` — every
     string masked, secret-named values ``***`` — and what rebuilds the model with none of its data
     (the recipe's :meth:`~tensorturn.recipes.Recipe.standalone_options`) is exact, so it must hold
@@ -272,7 +272,6 @@ def describe(predictor: Predictor, manifest: dict[str, Any], file_meta: dict[str
             "mode": manifest["mode"],
             "created_at": manifest.get("created_at"),
             "finished_at": manifest.get("finished_at"),
-            "store": mask_url(spec.get("store_url")),
             "data": public(data_version(options, dataset)),
             "parents": public({k: v for k, v in (("init_from", (spec.get("options") or {}).get("init_from")),
                                                  ("teacher", options.get("teacher"))) if v}),

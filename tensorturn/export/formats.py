@@ -6,20 +6,33 @@
   out — so an ONNX runtime answers what ``tensorturn serve`` answers. Written by torch's own
   exporter (``torch.onnx.export(dynamo=True)``, which needs ``onnx`` and ``onnxscript``), with the
   number of rows left dynamic.
-* transformers (``transformers/``): charlm's GPT (``charlm``, ``gpt2-small``, ``textlm``) as a
-  ``GPT2LMHeadModel`` folder (``save_pretrained``: safetensors + config.json). The layouts map
-  one to one — token and position embeddings, pre-LayerNorm blocks with a fused q|k|v projection,
-  a 4× MLP, a final LayerNorm — with three differences handled here: GPT-2's ``Conv1D`` keeps its
-  weight transposed; charlm's MLP uses exact GELU (``activation_function="gelu"``, not GPT-2's
-  tanh ``gelu_new``); and charlm's head has a bias where GPT-2's ``lm_head`` has none. The bias is
-  folded into the final LayerNorm's: with W the head's weight, b its bias, solve W·δ = b and add
-  δ to ``ln_f.bias`` (W·(y + δ) = W·y + b). That is exact when b lies in W's column space — always
-  for a vocabulary no wider than the model (256 bytes ≤ 768 for gpt2-small) with W of full rank;
-  otherwise the export is refused rather than written approximately.
+* transformers (the folder itself: ``config.json``, ``model.safetensors``,
+  ``generation_config.json``, ``tokenizer.json``, ``tokenizer_config.json``): charlm's GPT
+  (``charlm``, ``gpt2-small``, ``textlm``) as a ``GPT2LMHeadModel``, so ``AutoTokenizer``,
+  ``AutoModelForCausalLM`` and ``pipeline("text-generation")`` load the folder as it is. The
+  layouts map one to one — token and position embeddings, pre-LayerNorm blocks with a fused
+  q|k|v projection, a 4× MLP, a final LayerNorm — with three differences handled here: GPT-2's
+  ``Conv1D`` keeps its weight transposed; charlm's MLP uses exact GELU
+  (``activation_function="gelu"``, not GPT-2's tanh ``gelu_new``); and charlm's head has a bias
+  where GPT-2's ``lm_head`` has none. The bias is folded into the final LayerNorm's: with W the
+  head's weight, b its bias, solve W·δ = b and add δ to ``ln_f.bias`` (W·(y + δ) = W·y + b). That
+  is exact when b lies in W's column space — always for a vocabulary no wider than the model (256
+  bytes ≤ 768 for gpt2-small) with W of full rank; otherwise the export is refused rather than
+  written approximately.
+
+  The tokenizer encodes text as the recipe does (the ``tokenizers`` library, no Python code to
+  trust): charlm's is a character-level WordLevel over its vocabulary (one token per character,
+  an unknown character an error, as charlm refuses it); gpt2-small's and textlm's is GPT-2's
+  byte-level mapping with no merges, so a token is a UTF-8 byte. The vocabularies have no
+  begin/end-of-text token (the models were trained on running text), so none is declared: a
+  generation runs to its length. Padding (a batch of prompts of different lengths) uses id 0
+  under the attention mask, which transformers' GPT-2 honours (positions from the mask); a prompt
+  and its continuation fit the model's context (``n_positions``).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import warnings
 from collections.abc import Iterator
@@ -60,9 +73,27 @@ def served_names(predictor: Predictor) -> list[str]:
     return [o.name for o in predictor.recipe.kind.served(probe, None)]
 
 
-def write_onnx(predictor: Predictor, input_shape: list[int], path: Path) -> None:
+def onnx_metadata(doc: dict[str, Any]) -> dict[str, str]:
+    """The graph's ``metadata_props`` (``session.get_modelmeta().custom_metadata_map`` in
+    onnxruntime): what a runtime needs to read the outputs — the task, the class names in label
+    order — and where the model came from, from ``tensorturn.json``'s ``doc`` (already public)."""
+    props = {"tensorturn.format": str(doc["format"]), "tensorturn.task": str(doc["task"]),
+             "tensorturn.recipe": json.dumps(doc["recipe"], sort_keys=True),
+             "tensorturn.run_id": str(doc["lineage"]["run_id"]),
+             "tensorturn.model_sha256": str(doc["model_sha256"]),
+             "tensorturn.input": json.dumps(doc["input"], sort_keys=True),
+             "tensorturn.outputs": json.dumps(doc["outputs"], sort_keys=True)}
+    if doc.get("classes"):
+        props["tensorturn.classes"] = json.dumps(doc["classes"])
+    if doc.get("vocabulary"):
+        props["tensorturn.vocabulary"] = json.dumps(doc["vocabulary"])
+    return props
+
+
+def write_onnx(predictor: Predictor, doc: dict[str, Any], path: Path) -> None:
     """``model.onnx`` of the served computation; input ``input`` float32 ``[rows, *input_shape]``
-    (raw rows, as the API takes them)."""
+    (raw rows, as the API takes them); ``metadata_props`` from ``doc`` (:func:`onnx_metadata`)."""
+    input_shape = doc["input"]["shape"]
     for module in ("onnx", "onnxscript"):
         try:
             __import__(module)
@@ -82,6 +113,7 @@ def write_onnx(predictor: Predictor, input_shape: list[int], path: Path) -> None
                         f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from exc
     if program is None:
         raise TensorTurnError("--format onnx: torch.onnx.export returned no program")
+    program.model.metadata_props.update(onnx_metadata(doc))
     program.save(str(path))
 
 
@@ -118,7 +150,7 @@ def gpt2_state(model: nn.Module) -> tuple[dict[str, Any], dict[str, torch.Tensor
               "n_layer": n_layer, "n_head": int(n_head), "n_inner": 4 * int(n_embd),
               "activation_function": "gelu", "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
               "layer_norm_epsilon": float(model.ln_f.eps), "tie_word_embeddings": False,
-              "bos_token_id": None, "eos_token_id": None}
+              "bos_token_id": None, "eos_token_id": None, "pad_token_id": 0}
     out = {"transformer.wte.weight": sd["tok.weight"], "transformer.wpe.weight": sd["pos.weight"],
            "transformer.ln_f.weight": sd["ln_f.weight"],
            "transformer.ln_f.bias": sd["ln_f.bias"] + fold_bias(sd["head.weight"], sd["head.bias"]),
@@ -145,13 +177,51 @@ def fold_bias(weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     return delta.float()
 
 
-def write_gpt2(predictor: Predictor, path: Path) -> None:
-    """``transformers/``: a GPT2LMHeadModel folder (``from_pretrained`` loads it)."""
+def byte_alphabet() -> dict[int, str]:
+    """GPT-2's byte → printable character map (Radford et al. 2019, its ``encoder.py``): the
+    printable Latin-1 bytes stand for themselves, the others for the characters from U+0100 on,
+    in order. The ``tokenizers`` ByteLevel pre-tokenizer writes a text's bytes with it."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    out, extra = {b: chr(b) for b in keep}, 0
+    for b in range(256):
+        if b not in out:
+            out[b] = chr(256 + extra)
+            extra += 1
+    return out
+
+
+def tokenizer(recipe: Any) -> Any:
+    """A ``PreTrainedTokenizerFast`` that encodes text to the ids the recipe's ``encode`` gives
+    (module docstring): byte-level for a recipe over UTF-8 bytes, else one token per character
+    of the recipe's vocabulary."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from tensorturn.recipes.charlm import ByteVocabulary
+
+    if isinstance(recipe, ByteVocabulary):
+        alphabet = byte_alphabet()
+        tok = Tokenizer(models.BPE(vocab={alphabet[b]: b for b in range(256)}, merges=[]))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        tok.decoder = decoders.ByteLevel()
+    else:
+        tok = Tokenizer(models.WordLevel(vocab={ch: i for i, ch in enumerate(recipe.vocab())}))
+        tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # each character
+        tok.decoder = decoders.Fuse()  # characters joined as they are, no space between
+    # clean_up_tokenization_spaces: off, or decode would drop the space before "." and ","
+    return PreTrainedTokenizerFast(tokenizer_object=tok, model_max_length=int(recipe.context),
+                                   clean_up_tokenization_spaces=False)
+
+
+def write_gpt2(predictor: Predictor, path: Path) -> list[str]:
+    """The folder ``path`` as a transformers folder (module docstring): a ``GPT2LMHeadModel``
+    (``config.json``, ``model.safetensors``), its ``generation_config.json`` and tokenizer.
+    Returns the names written."""
     if predictor.vote != "single":
         raise SpecError(f"--format transformers holds one model; this run is an ensemble of "
                         f"{len(predictor.models)} (export it without the format, or use --format onnx)")
     try:
-        from transformers import GPT2Config, GPT2LMHeadModel
+        from transformers import GenerationConfig, GPT2Config, GPT2LMHeadModel
     except ImportError:
         raise TensorTurnError(f"--format transformers needs the 'transformers' package: {EXTRA}") from None
     config, state = gpt2_state(predictor.models[0])
@@ -162,12 +232,18 @@ def write_gpt2(predictor: Predictor, path: Path) -> None:
     if missing or unexpected:
         raise TensorTurnError(f"--format transformers: the GPT-2 layout did not map (missing {missing[:3]}, "
                               f"unexpected {unexpected[:3]})")
+    # greedy, as `predict`'s label; no end-of-text token to stop at; id 0 pads under the mask
+    model.generation_config = GenerationConfig(bos_token_id=None, eos_token_id=None, pad_token_id=0,
+                                               do_sample=False)
     from transformers.utils import logging as hf_logging
 
+    before = set(path.iterdir())
     bars = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # a bar per shard written, on the export command's stderr
     try:
         model.save_pretrained(str(path), safe_serialization=True)
+        tokenizer(predictor.recipe).save_pretrained(str(path))
     finally:
         if bars:
             hf_logging.enable_progress_bar()
+    return sorted(p.name for p in set(path.iterdir()) - before)

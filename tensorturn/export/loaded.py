@@ -1,7 +1,7 @@
 """An exported folder loaded back: the torch module(s) and the served predictions, no pool.
 
 Nothing here talks to a broker, a pool or an object store: the weights come from the folder's
-``model.safetensors`` (safetensors only, never ``torch.load``), the recipe is built from the name
+``tensorturn.safetensors`` (safetensors only, never ``torch.load``), the recipe is built from the name
 and options in the file (a user's recipe must be importable here and allowed, as for ``serve``),
 and a recipe over a pushed dataset reads that dataset's index from the folder's ``dataset/``.
 """
@@ -26,19 +26,22 @@ from tensorturn.store.objects import sha256_hex
 from tensorturn.store.tensors import header_of
 from tensorturn.trust import UntrustedError
 
-EXPORT_FORMAT = "tensorturn-export/1"
-CONFIG_FILE = "config.json"
-MODEL_FILE = "model.safetensors"
+# TensorTurn's own two files carry its name, so that the folder's root is free for the layout
+# other tools read there (transformers: config.json, model.safetensors, tokenizer.json)
+EXPORT_FORMAT = "tensorturn-export/2"
+CONFIG_FILE = "tensorturn.json"
+MODEL_FILE = "tensorturn.safetensors"
 CARD_FILE = "README.md"
 DATASET_DIR = "dataset"      # a file store holding the pushed dataset's index only
 ONNX_FILE = "model.onnx"
-TRANSFORMERS_DIR = "transformers"
+# a folder exported before the layout above: its config.json and model.safetensors were TensorTurn's
+OLD_FORMAT, OLD_CONFIG_FILE, OLD_MODEL_FILE = "tensorturn-export/1", "config.json", "model.safetensors"
 
 
 @dataclass
 class ExportedModel:
     """An exported run: ``module`` (the fused model, or the ensemble as one module that votes),
-    ``models`` (each member), ``recipe``, ``config`` (``config.json``) and :meth:`predict`."""
+    ``models`` (each member), ``recipe``, ``config`` (``tensorturn.json``) and :meth:`predict`."""
 
     path: Path
     config: dict[str, Any]
@@ -93,24 +96,40 @@ def _rows(inputs: Any, shape: list[int]) -> np.ndarray:
     return np.ascontiguousarray(x)
 
 
+def config_file(folder: Path) -> Path:
+    """Where the folder's description is: ``tensorturn.json``, or an older export's ``config.json``."""
+    if not (folder / CONFIG_FILE).exists() and (folder / OLD_CONFIG_FILE).exists():
+        return folder / OLD_CONFIG_FILE
+    return folder / CONFIG_FILE
+
+
 def read_config(folder: Path) -> dict[str, Any]:
-    """The folder's ``config.json``; TensorTurnError when it is no exported model folder."""
+    """The folder's ``tensorturn.json`` (an older export's ``config.json``); TensorTurnError when
+    it is no exported model folder."""
     if not folder.is_dir():
         raise TensorTurnError(f"{folder} is not a folder (an exported model is a folder from "
                               f"`tensorturn export RUN DIR`)")
+    path = config_file(folder)
     try:
-        doc = json.loads((folder / CONFIG_FILE).read_text(encoding="utf-8"))
+        doc = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise TensorTurnError(f"{folder} holds no {CONFIG_FILE}: not a folder from `tensorturn export`") from None
     except (OSError, ValueError) as exc:
-        raise TensorTurnError(f"{folder / CONFIG_FILE} is not readable JSON: {exc}") from None
-    if not isinstance(doc, dict) or doc.get("format") != EXPORT_FORMAT:
+        raise TensorTurnError(f"{path} is not readable JSON: {exc}") from None
+    wanted = EXPORT_FORMAT if path.name == CONFIG_FILE else OLD_FORMAT
+    if not isinstance(doc, dict) or doc.get("format") != wanted:
         found = doc.get("format") if isinstance(doc, dict) else None
-        raise TensorTurnError(f"{folder / CONFIG_FILE} is format {found!r}, not {EXPORT_FORMAT!r}")
+        raise TensorTurnError(f"{path} is format {found!r}, not {wanted!r}")
     wrong = _wrong_field(doc)
     if wrong:
-        raise TensorTurnError(f"{folder / CONFIG_FILE}: {wrong}: not a whole folder from `tensorturn export`")
+        raise TensorTurnError(f"{path}: {wrong}: not a whole folder from `tensorturn export`")
     return doc
+
+
+def model_file(folder: Path, doc: dict[str, Any]) -> Path:
+    """The folder's TensorTurn model file: ``tensorturn.safetensors``, or an older export's
+    ``model.safetensors`` (its format says which; never a path the config names)."""
+    return folder / (MODEL_FILE if doc.get("format") == EXPORT_FORMAT else OLD_MODEL_FILE)
 
 
 def _wrong_field(doc: dict[str, Any]) -> str | None:
@@ -144,29 +163,30 @@ def dataset_store(folder: Path, doc: dict[str, Any]) -> Iterator[None]:
 
 
 def load(path: str | Path, allow: Collection[str] = ()) -> ExportedModel:
-    """The folder ``tensorturn export`` wrote at ``path``: checked (``model.safetensors`` must be
-    the file ``config.json`` names by sha256, of the same recipe), its recipe built (``allow``:
+    """The folder ``tensorturn export`` wrote at ``path``: checked (``tensorturn.safetensors`` must
+    be the file ``tensorturn.json`` names by sha256, of the same recipe), its recipe built (``allow``:
     recipe names allowed for this call besides this machine's allowlist — a user recipe is code),
     its weights loaded. TensorTurnError (one line) for a folder that is not one."""
     folder = Path(path).expanduser()
     doc = read_config(folder)
+    weights, described = model_file(folder, doc), config_file(folder).name
     try:
-        data = (folder / MODEL_FILE).read_bytes()
+        data = weights.read_bytes()
     except OSError as exc:
-        raise TensorTurnError(f"{folder / MODEL_FILE} is not readable: {exc.strerror or exc}") from None
+        raise TensorTurnError(f"{weights} is not readable: {exc.strerror or exc}") from None
     if sha256_hex(data) != doc.get("model_sha256"):
-        raise UntrustedError(f"{folder / MODEL_FILE} is not the file {CONFIG_FILE} names (its sha256 "
+        raise UntrustedError(f"{weights} is not the file {described} names (its sha256 "
                              f"differs): the folder was changed after export")
     try:
         named = header_of(data)[0].get("recipe")
     except ValueError as exc:
-        raise TensorTurnError(f"{folder / MODEL_FILE} is not a safetensors file: {exc}") from None
+        raise TensorTurnError(f"{weights} is not a safetensors file: {exc}") from None
     if named != doc["recipe"]["name"]:
-        raise UntrustedError(f"{folder / MODEL_FILE} names recipe {named!r}, {CONFIG_FILE} "
+        raise UntrustedError(f"{weights} names recipe {named!r}, {described} "
                              f"{doc['recipe']['name']!r}; refused")
     standalone = doc["recipe"].get("standalone_options") or {}
     with dataset_store(folder, doc):
-        predictor = rebuilt(data, allow, standalone, what=str(folder / MODEL_FILE),
+        predictor = rebuilt(data, allow, standalone, what=str(weights),
                             hint="this folder's recipe needs that data wherever it loads" if standalone
                             or not doc.get("vocabulary") else "the folder was exported by a TensorTurn "
                             "that did not save what rebuilds the model without its data: export the run again")

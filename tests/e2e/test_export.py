@@ -1,5 +1,6 @@
 """`tensorturn export RUN DIR`: the folder, loaded back with no pool, predicts what the API serves;
-its ONNX graph and GPT-2 folder load in onnxruntime and transformers with the same outputs."""
+its ONNX graph and the folder itself as a GPT-2 folder load in onnxruntime and transformers with
+the same outputs; its card is one the Hugging Face Hub reads."""
 
 from __future__ import annotations
 
@@ -85,8 +86,8 @@ def test_the_folder_describes_the_model_and_how_it_was_trained(runs, folders):
     for name in ("fused", "ensemble"):
         run, result = runs[name], folders[name]
         folder = runs["work"] / "exported" / name
-        assert sorted(result["files"]) == ["README.md", "config.json", "model.onnx", "model.safetensors"]
-        config = json.loads((folder / "config.json").read_text())
+        assert sorted(result["files"]) == ["README.md", "model.onnx", "tensorturn.json", "tensorturn.safetensors"]
+        config = json.loads((folder / "tensorturn.json").read_text())
         # the run's own model file: its sha256 is the run's
         assert config["model_sha256"] == result["model_sha256"] == run["model_sha256"]
         assert config["recipe"] == {"name": "digits-mlp", "options": {}}
@@ -95,6 +96,7 @@ def test_the_folder_describes_the_model_and_how_it_was_trained(runs, folders):
         assert config["lineage"]["run_id"] == run["run_id"] and config["lineage"]["mode"] == name
         assert config["metrics"]["test_accuracy"] == run["metrics"]["test_accuracy"]
         assert config["run"]["mode"] == name and "store_url" not in config["run"]
+        assert "store" not in config["lineage"] and runs["store"] not in json.dumps(config)
         card = (folder / "README.md").read_text()
         assert run["run_id"] in card and f"| mode | {name} |" in card
         assert f"| test_accuracy | {run['metrics']['test_accuracy']:.4g} |" in card
@@ -102,10 +104,10 @@ def test_the_folder_describes_the_model_and_how_it_was_trained(runs, folders):
         for part in folder.iterdir():  # nothing secret in the folder
             assert TEST_POOL_KEY.encode() not in part.read_bytes()
             assert runs["token"].encode() not in part.read_bytes()
-    fused = json.loads((runs["work"] / "exported" / "fused" / "config.json").read_text())
+    fused = json.loads((runs["work"] / "exported" / "fused" / "tensorturn.json").read_text())
     assert fused["model"] == {"kind": "single", "config": {"dropout": 0.1, "hidden": [256]}}
     assert "| rounds | 2 of 2 |" in (runs["work"] / "exported" / "fused" / "README.md").read_text()
-    ensemble = json.loads((runs["work"] / "exported" / "ensemble" / "config.json").read_text())
+    ensemble = json.loads((runs["work"] / "exported" / "ensemble" / "tensorturn.json").read_text())
     assert ensemble["model"]["kind"] == "ensemble" and ensemble["model"]["vote"] == "soft"
     assert [m["member"] for m in ensemble["model"]["members"]] == [0, 1]
 
@@ -153,25 +155,60 @@ def test_the_onnx_graph_answers_as_the_api_in_onnxruntime(runs, folders):
                 if name == "lm" else x)
         session = onnxruntime.InferenceSession(str(folder / "model.onnx"))
         assert [i.name for i in session.get_inputs()] == ["input"]
+        meta = session.get_modelmeta().custom_metadata_map  # what reads the outputs, and whence
+        assert json.loads(meta["tensorturn.recipe"])["name"] == model.config["recipe"]["name"]
+        assert meta["tensorturn.run_id"] == runs[name]["run_id"] and meta["tensorturn.task"] == model.config["task"]
+        assert json.loads(meta.get("tensorturn.classes", "null")) == model.config["classes"]
         label, probabilities = session.run(["label", "probabilities"], {"input": rows})
         expected = model.predict(rows)
         assert np.array_equal(label, expected["label"])
         assert np.allclose(probabilities, expected["probabilities"], atol=1e-5), name
 
 
-def test_charlm_exports_as_a_gpt2_folder_transformers_loads(runs, folders):
-    from transformers import GPT2LMHeadModel
+def test_a_charlm_folder_is_one_transformers_loads_and_generates_from(runs, folders):
+    """`AutoTokenizer`, `AutoModelForCausalLM` and `pipeline("text-generation")` on the exported
+    folder itself: the tokenizer encodes the text as charlm does, the logits are the model's and
+    greedy generation after a window is `tensorturn.load(DIR).predict`'s label."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
 
     folder = runs["work"] / "exported" / "lm"
-    model = tensorturn.export.load(folder)
+    model = tensorturn.load(folder)
     assert model.config["task"] == "language_model" and len(model.config["vocabulary"]) > 64
-    hf = GPT2LMHeadModel.from_pretrained(str(folder / "transformers")).eval()
-    ids = torch.from_numpy(np.random.default_rng(2).integers(0, len(model.config["vocabulary"]), (4, 16)))
+    files = set(folders["lm"]["files"])
+    assert {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json"} <= files
+    text = (runs["work"] / "lm.txt").read_text(encoding="utf-8")
+    windows = [text[i:i + 16] for i in range(0, 4000, 500)]
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    rows = np.asarray(tokenizer(windows)["input_ids"])
+    assert rows.tolist() == [model.recipe.encode(w).tolist() for w in windows]
+    hf = AutoModelForCausalLM.from_pretrained(folder).eval()
+    ids = torch.from_numpy(rows)
     with torch.no_grad():
         theirs, ours = hf(ids).logits, model.module(ids)
     assert theirs.shape == ours.shape and torch.allclose(theirs, ours, atol=1e-4)
-    # next-character probabilities, as served
-    assert np.allclose(torch.softmax(theirs[:, -1], -1).numpy(), model.predict(ids.numpy())["probabilities"], atol=1e-5)
+    served = model.predict(rows)  # next-character probabilities and label, as served
+    assert np.allclose(torch.softmax(theirs[:, -1], -1).numpy(), served["probabilities"], atol=1e-5)
+    generate = pipeline("text-generation", model=str(folder))
+    for window, label in zip(windows, served["label"]):
+        assert generate(window, max_new_tokens=1)[0]["generated_text"] == window + model.config["vocabulary"][label]
+
+
+def test_the_card_is_one_the_hugging_face_hub_reads(runs, folders):
+    from huggingface_hub import ModelCard
+
+    lm = ModelCard.load(runs["work"] / "exported" / "lm" / "README.md")
+    assert lm.data.library_name == "transformers" and lm.data.pipeline_tag == "text-generation"
+    assert {"tensorturn", "charlm", "fused", "onnx"} <= set(lm.data.tags) and lm.data.license == "unknown"
+    assert lm.data.metrics == ["accuracy", "loss"]
+    tested = {r.metric_type: r.metric_value for r in lm.data.eval_results}
+    assert tested == {"accuracy": runs["lm"]["metrics"]["test_accuracy"], "loss": runs["lm"]["metrics"]["test_loss"]}
+    assert lm.text.startswith("\n# charlm — fused run") and "A language model trained with TensorTurn" in lm.text
+    assert 'pipeline("text-generation", model="path/to/this/folder")' in lm.text
+    digits = ModelCard.load(runs["work"] / "exported" / "ensemble" / "README.md")
+    assert digits.data.library_name == "tensorturn" and digits.data.pipeline_tag == "tabular-classification"
+    assert "A classification model trained with TensorTurn: a voting ensemble of 2 models" in digits.text
+    assert 'tensorturn.load("path/to/this/folder")' in digits.text and "tensorturn.export.load" not in digits.text
+    assert "`model.onnx` — the served computation as one ONNX graph" in digits.text
 
 
 def test_a_pushed_datasets_model_loads_without_its_store(runs, folders):
@@ -186,7 +223,7 @@ def test_a_pushed_datasets_model_loads_without_its_store(runs, folders):
     settings.use(settings.current().with_(store_url=where))  # as `serve --store` does (reset after the test)
     served = load_result(open_store(where), run["run_id"])[0].serve_rows(rows)
     settings.reload()  # no store: the default ./tensorturn-store holds nothing
-    config = json.loads((runs["work"] / "exported" / "tabular" / "config.json").read_text())
+    config = json.loads((runs["work"] / "exported" / "tabular" / "tensorturn.json").read_text())
     assert config["lineage"]["data"]["dataset"] == "houses" and config["lineage"]["data"]["version"] == 1
     assert config["task"] == "regression" and [o["name"] for o in config["outputs"]] == ["prediction"]
     moved = runs["work"] / "tables-gone"
@@ -212,7 +249,7 @@ def test_a_language_model_loads_anywhere_without_its_text(runs, folders, tmp_pat
     from tensorturn.predictor import load_result
 
     folder = runs["work"] / "exported" / "lm"
-    config = json.loads((folder / "config.json").read_text())
+    config = json.loads((folder / "tensorturn.json").read_text())
     text = (runs["work"] / "lm.txt").read_text(encoding="utf-8")
     assert config["vocabulary"] == sorted(set(text))
     assert config["recipe"]["standalone_options"] == {"vocabulary": config["vocabulary"]}
@@ -240,12 +277,12 @@ def test_export_reads_a_relative_data_path_from_the_current_folder(runs, folders
     assert list(tmp_path.iterdir()) == []
     shutil.copy(runs["work"] / "lm.txt", tmp_path / "lm.txt")
     tt_here_json("export", lm, str(tmp_path / "lm"), "--store", store, "--json")
-    exported = json.loads((tmp_path / "lm" / "config.json").read_text())
+    exported = json.loads((tmp_path / "lm" / "tensorturn.json").read_text())
     assert exported["recipe"]["standalone_options"] == folders_config(runs, "lm")["recipe"]["standalone_options"]
 
 
 def folders_config(runs, name):
-    return json.loads((runs["work"] / "exported" / name / "config.json").read_text())
+    return json.loads((runs["work"] / "exported" / name / "tensorturn.json").read_text())
 
 
 def test_config_and_card_hold_no_secret_of_the_run(runs, folders):
@@ -261,7 +298,7 @@ def test_config_and_card_hold_no_secret_of_the_run(runs, folders):
     manifest["spec"].update(store_url=url, recipe_options=options,
                             run_config={**manifest["spec"]["run_config"], "store": url, "recipe_options": options})
     model = tensorturn.export.load(runs["work"] / "exported" / "fused")
-    data = (runs["work"] / "exported" / "fused" / "model.safetensors").read_bytes()
+    data = (runs["work"] / "exported" / "fused" / "tensorturn.safetensors").read_bytes()
     doc = describe(model.predictor, manifest, metadata_of(data), None)
     written = texts(doc, manifest)
     for name, text in written.items():
@@ -390,15 +427,15 @@ def test_export_writes_nothing_outside_dir_whatever_the_dataset_index_holds(runs
 def test_the_command_runs_as_a_user_runs_it(runs, folders, tmp_path):
     proc = tt("export", runs["fused"]["run_id"], str(tmp_path / "cli"), "--store", runs["store"])
     assert proc.returncode == 0, proc.stderr
-    assert f"exported run {runs['fused']['run_id']}" in proc.stdout and "model.safetensors" in proc.stdout
+    assert f"exported run {runs['fused']['run_id']}" in proc.stdout and "tensorturn.safetensors" in proc.stdout
     assert proc.stderr == ""
-    assert "model.safetensors" in tt("export", "--help").stdout
+    assert "tensorturn.safetensors" in tt("export", "--help").stdout
 
 
 def test_load_refuses_a_folder_that_is_not_an_export_or_was_changed(runs, folders, tmp_path):
     with pytest.raises(TensorTurnError, match="not a folder"):
         tensorturn.export.load(tmp_path / "nothing")
-    with pytest.raises(TensorTurnError, match="holds no config.json"):
+    with pytest.raises(TensorTurnError, match="holds no tensorturn.json"):
         tensorturn.export.load(tmp_path)
     copy = tmp_path / "copy"
     shutil.copytree(runs["work"] / "exported" / "fused", copy)
@@ -407,9 +444,9 @@ def test_load_refuses_a_folder_that_is_not_an_export_or_was_changed(runs, folder
         model.predict(np.zeros((2, 63)))
     with pytest.raises(SpecError, match="non-finite"):
         model.predict(np.full((1, 64), np.nan))
-    data = bytearray((copy / "model.safetensors").read_bytes())
+    data = bytearray((copy / "tensorturn.safetensors").read_bytes())
     data[-1] ^= 1
-    (copy / "model.safetensors").write_bytes(bytes(data))
+    (copy / "tensorturn.safetensors").write_bytes(bytes(data))
     with pytest.raises(UntrustedError, match="changed after export"):
         tensorturn.export.load(copy)
 
@@ -422,12 +459,12 @@ def test_a_user_recipe_loads_only_where_it_is_allowed(runs, folders, tmp_path):
 
     copy = tmp_path / "user"
     shutil.copytree(runs["work"] / "exported" / "fused", copy)
-    config = json.loads((copy / "config.json").read_text())
+    config = json.loads((copy / "tensorturn.json").read_text())
     data = model_bytes(tensorturn.export.load(copy).models[0].state_dict(), "mixed_recipe:Small",
                        config["model"]["config"])
-    (copy / "model.safetensors").write_bytes(data)
+    (copy / "tensorturn.safetensors").write_bytes(data)
     config.update(model_sha256=sha256_hex(data), recipe={"name": "mixed_recipe:Small", "options": {}})
-    (copy / "config.json").write_text(json.dumps(config))
+    (copy / "tensorturn.json").write_text(json.dumps(config))
     with pytest.raises(UntrustedError, match="not allowed on this machine"):
         tensorturn.export.load(copy)
     model = tensorturn.export.load(copy, allow=["mixed_recipe:Small"])

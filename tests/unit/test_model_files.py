@@ -25,18 +25,36 @@ def weights(config: dict = CONFIG) -> dict[str, torch.Tensor]:
     return DigitsMLP().model(config).state_dict()
 
 
-def folder(path: Path, data: bytes, edit=None) -> Path:
-    """An exported folder holding model file ``data``, its ``config.json`` naming it by sha256
-    (as a crafter would write it: the pair agrees), changed by ``edit(config)``."""
+def folder(path: Path, data: bytes, edit=None, old: bool = False) -> Path:
+    """An exported folder holding model file ``data``, its ``tensorturn.json`` naming it by sha256
+    (as a crafter would write it: the pair agrees), changed by ``edit(config)``; ``old``: laid
+    out as exports were before (``config.json``, ``model.safetensors``)."""
     path.mkdir(parents=True, exist_ok=True)
-    (path / "model.safetensors").write_bytes(data)
-    config = {"format": "tensorturn-export/1", "model_file": "model.safetensors", "model_sha256": sha256_hex(data),
+    model_file, config_file = ("model.safetensors", "config.json") if old else MODEL_AND_CONFIG
+    (path / model_file).write_bytes(data)
+    config = {"format": "tensorturn-export/1" if old else "tensorturn-export/2", "model_file": model_file,
+              "model_sha256": sha256_hex(data),
               "recipe": {"name": "digits-mlp", "options": {}}, "input": {"shape": [64], "datatype": "FP32"},
               "task": "classification", "model": {"kind": "single", "config": CONFIG}}
     if edit:
         edit(config)
-    (path / "config.json").write_text(json.dumps(config))
+    (path / config_file).write_text(json.dumps(config))
     return path
+
+
+MODEL_AND_CONFIG = ("tensorturn.safetensors", "tensorturn.json")
+
+
+def test_a_folder_exported_before_the_layout_changed_still_loads(tmp_path):
+    """Exports once kept TensorTurn's files as config.json and model.safetensors (now the names
+    transformers reads): such a folder loads as it is, and a transformers config.json beside a
+    tensorturn.json is never taken for TensorTurn's."""
+    data = model_bytes(weights(), "digits-mlp", CONFIG)
+    old = tensorturn.export.load(folder(tmp_path / "old", data, old=True))
+    new = folder(tmp_path / "new", data)
+    (new / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    rows = torch.rand(3, 64).numpy() * 16
+    assert (old.predict(rows)["label"] == tensorturn.export.load(new).predict(rows)["label"]).all()
 
 
 def refused(path: Path, *expected: str) -> str:
@@ -68,7 +86,7 @@ def put(name, value):
 
 
 CONFIG_CASES = {
-    "not JSON": lambda p: (p / "config.json").write_text("{not json"),
+    "not JSON": lambda p: (p / "tensorturn.json").write_text("{not json"),
     "no recipe": lambda p: folder(p, model_bytes(weights(), "digits-mlp", CONFIG), drop("recipe")),
     "recipe a string": lambda p: folder(p, model_bytes(weights(), "digits-mlp", CONFIG), put("recipe", "digits-mlp")),
     "recipe without name": lambda p: folder(p, model_bytes(weights(), "digits-mlp", CONFIG), put("recipe", {})),
@@ -83,10 +101,10 @@ CONFIG_CASES = {
 
 
 @pytest.mark.parametrize("case", sorted(CONFIG_CASES))
-def test_a_malformed_config_json_is_one_line_naming_it(case, tmp_path):
+def test_a_malformed_description_is_one_line_naming_it(case, tmp_path):
     path = folder(tmp_path / "m", model_bytes(weights(), "digits-mlp", CONFIG))
     CONFIG_CASES[case](path)
-    refused(path, str(path / "config.json"))
+    refused(path, str(path / "tensorturn.json"))
 
 
 def truncated(data: bytes) -> bytes:
@@ -116,7 +134,7 @@ MODEL_CASES = {
 @pytest.mark.parametrize("case", sorted(MODEL_CASES))
 def test_a_malformed_model_file_is_one_line_naming_it(case, tmp_path):
     path = folder(tmp_path / "m", MODEL_CASES[case]())
-    refused(path, str(path / "model.safetensors"))
+    refused(path, str(path / "tensorturn.safetensors"))
 
 
 def test_a_config_asking_for_more_than_the_file_holds_is_refused_before_it_is_built(tmp_path, monkeypatch):
@@ -136,7 +154,8 @@ def test_a_config_asking_for_more_than_the_file_holds_is_refused_before_it_is_bu
         return out
 
     monkeypatch.setattr(DigitsMLP, "model", spy)
-    said = refused(path, str(path / "model.safetensors"), "tensor '0.bias' is [8] in the file, [30000] in the model")
+    said = refused(path, str(path / "tensorturn.safetensors"),
+                   "tensor '0.bias' is [8] in the file, [30000] in the model")
     assert "refused before building it" in said
     assert built == [([30000, 30000], "meta")]  # never on a real device
     # an ensemble's members are checked each, under their prefix, all before any is built
