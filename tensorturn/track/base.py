@@ -68,13 +68,17 @@ class ModelRef:
 
 @dataclass
 class Final:
-    """A finished run: its state, its error, its final figures (the vote's, for an ensemble) and model."""
+    """A finished run: its state, its error, its final figures (the vote's, for an ensemble) and
+    model; its id and store URL (as the run's spec holds it: never logged — a tracker that logs
+    the model itself exports it from there)."""
 
     state: str
     step: int
     metrics: dict[str, float]
     model: ModelRef | None
     error: str | None = None
+    run_id: str = ""
+    store_url: str | None = field(default=None, repr=False)
 
 
 class Tracker(Protocol):
@@ -199,4 +203,5 @@ def final(doc: dict[str, Any]) -> Final:
                          local if local is not None and local.is_file() else None)
     return Final(str(doc.get("state")), max(rounds + members, default=0) + 1,
                  {metric_name(k): v for k, v in out.items() if v is not None}, model,
-                 config.mask_text(doc["error"]) if doc.get("error") else None)
+                 config.mask_text(doc["error"]) if doc.get("error") else None,
+                 str(doc.get("run_id") or ""), (doc.get("spec") or {}).get("store_url"))

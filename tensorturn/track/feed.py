@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 
 # backend → (modules it needs, the extra that installs them)
 NEEDS: dict[str, tuple[tuple[str, ...], str]] = {
-    "mlflow": (("mlflow", "sqlalchemy", "alembic"), "mlflow"),
+    "mlflow": (("mlflow", "sqlalchemy", "alembic", "pandas"), "mlflow"),
     "tensorboard": (("tensorboard",), "tensorboard"),
     "wandb": (("wandb",), "wandb"),
 }

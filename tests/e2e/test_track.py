@@ -11,6 +11,7 @@ import logging
 import os
 import struct
 import sys
+import time
 
 import pytest
 from conftest import clean_env, tt, tt_here, tt_many
@@ -107,10 +108,96 @@ def test_fused_rounds_read_back_from_mlflow(tracked):
         str(used["lr"]), str(used["batch_size"]), str(used["sync_every"])]
     assert "None" not in run.data.params.values()
     assert run.info.status == "FINISHED"
-    # the model itself, as the store holds it (the store is a folder here)
-    path = client.download_artifacts(run.info.run_id, "model/model.safetensors", str(folder / "dl"))
+    # the model as an MLflow model: its weights the run's own file, nothing pickled
+    path = client.download_artifacts(run.info.run_id, "model/artifacts/tensorturn/tensorturn.safetensors",
+                                     str(folder / "dl"))
     assert hashlib.sha256(open(path, "rb").read()).hexdigest() == doc["model_sha256"]
     assert run.data.tags["tensorturn.model_uri"] == doc["model_uri"]
+    files = artifact_paths(client, run.info.run_id, "model")
+    assert {"model/MLmodel", "model/mlflow_model.py", "model/requirements.txt"} <= files
+    assert not [f for f in files if f.endswith((".pkl", ".pickle", ".pt", ".pth"))]
+
+
+def artifact_paths(client, run_id, under):
+    out = set()
+    for info in client.list_artifacts(run_id, under):
+        out |= artifact_paths(client, run_id, info.path) if info.is_dir else {info.path}
+    return out
+
+
+def test_the_logged_model_predicts_what_serve_answers(tracked, pool, monkeypatch):
+    """`mlflow.pyfunc.load_model("runs:/<id>/model")`, MLflow's own loader, answers what
+    `tensorturn serve` answers over HTTP for the same run: the fused model, and the ensemble's
+    vote and members."""
+    import httpx
+    import mlflow.pyfunc
+    import numpy as np
+    from conftest import Server, bearer, tt_json
+    from sklearn.datasets import load_digits
+
+    x, _ = load_digits(return_X_y=True)
+    x = x[:64].astype(np.float32)
+    token = tt_json("token", "create", "--name", "mlflow", "--store", pool.store_url, "--json")["token"]
+    for mode in ("fused", "ensemble"):
+        doc, folder = tracked[mode]
+        _, run = mlflow_run(folder, doc["run_id"])
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{folder / 'mlflow.db'}")
+        model = mlflow.pyfunc.load_model(f"runs:/{run.info.run_id}/model")
+        inputs = model.metadata.get_input_schema().inputs[0]
+        assert inputs.shape == (-1, 64) and str(inputs.type) == "float32"
+        predicted = model.predict(x, params={"members": True})
+        server = Server(pool.store_url, doc["run_id"])
+        try:
+            r = httpx.post(f"{server.url}/v2/models/{doc['run_id']}/infer", headers=bearer(token), timeout=60,
+                           json={"inputs": [{"name": "input", "shape": list(x.shape), "datatype": "FP32",
+                                             "data": x.flatten().tolist()}], "parameters": {"members": True}})
+        finally:
+            server.stop()
+        assert r.status_code == 200, r.text
+        served = {o["name"]: np.asarray(o["data"]).reshape(o["shape"]) for o in r.json()["outputs"]}
+        assert sorted(predicted) == sorted(served), mode
+        for key in served:
+            assert np.array_equal(predicted[key], served[key].astype(predicted[key].dtype)), (mode, key)
+
+
+def test_the_pinned_mlflow_server_reads_the_store_the_client_wrote(tracked, tmp_path):
+    """The full `mlflow` of the version the extra pins (mlflow-skinny) serves the SQLite store the
+    client wrote — no "out-of-date database schema" — and its REST API returns the run."""
+    import subprocess
+    from importlib.metadata import version
+
+    import httpx
+
+    from tensorturn.pool.embedded import free_port
+
+    assert version("mlflow") == version("mlflow-skinny")  # one pin, client and server
+    doc, folder = tracked["fused"]
+    _, run = mlflow_run(folder, doc["run_id"])
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--backend-store-uri",
+                             f"sqlite:///{folder / 'mlflow.db'}", "--host", "127.0.0.1", "--port", str(port),
+                             "--workers", "1"], cwd=tmp_path, env=_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        got = None
+        for _ in range(600):
+            try:
+                got = httpx.get(f"{url}/api/2.0/mlflow/runs/get", params={"run_id": run.info.run_id}, timeout=5)
+                break
+            except httpx.TransportError:
+                assert proc.poll() is None, proc.stdout.read()
+                time.sleep(0.2)
+        assert got is not None and got.status_code == 200, got.text if got is not None else "no answer"
+        served = got.json()["run"]
+        assert served["info"]["status"] == "FINISHED"
+        assert {p["key"]: p["value"] for p in served["data"]["params"]}["mode"] == "fused"
+        metrics = {m["key"]: m["value"] for m in served["data"]["metrics"]}
+        assert metrics["final/test_accuracy"] == doc["metrics"]["test_accuracy"]
+        assert httpx.get(url, timeout=10).status_code == 200  # the UI's page
+    finally:
+        os.killpg(proc.pid, 15)
+        proc.wait(timeout=30)
 
 
 def test_fused_rounds_read_back_from_tensorboard(tracked):
