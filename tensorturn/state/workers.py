@@ -21,8 +21,23 @@ from tensorturn.state import roster
 from tensorturn.state.clock import broker_now
 from tensorturn.state.live import Progress
 from tensorturn.state.runs import Runs
+from tensorturn.store.links import meter
 
 KEEP_S = 7 * 24 * 3600  # a heartbeat hash outlives its agent this long, unless pruned sooner
+SAMPLES_KEPT = 100      # timed transfers waiting for the next heartbeat, at most
+
+
+def take_caps(up: Any, down: Any) -> None:
+    """Hand the owner's caps (bytes/s, as a heartbeat stores them; None: no heartbeat says)
+    to this process's store (:data:`tensorturn.store.links.meter`)."""
+    if up is None and down is None:
+        return
+    meter.set_caps(roster.number(up), roster.number(down))
+
+
+def _sample(s: Any) -> bool:
+    return (isinstance(s, list) and len(s) == 3 and s[0] in ("up", "down")
+            and all(isinstance(x, (int, float)) and x > 0 for x in s[1:]))
 
 
 class Workers:
@@ -62,6 +77,22 @@ class Workers:
         mark, sig = pipe.execute()[-1]
         return mark, sig
 
+    def take_samples(self, node: str) -> list[list[Any]]:
+        """The timed store transfers of ``node``'s processes since the last call, oldest first:
+        [direction, bytes, seconds] each (anything else in the list is dropped)."""
+        raw = self.r.lpop(layout.links_key(node), SAMPLES_KEPT) or []
+        return [s for s in map(roster.json_value, raw) if _sample(s)]
+
+    def link_sample(self, node: str, direction: str, nbytes: int, seconds: float) -> None:
+        """A timed store transfer of one of ``node``'s processes, for its next heartbeat
+        (:meth:`take_samples`)."""
+        key = layout.links_key(node)
+        pipe = self.r.pipeline(transaction=False)
+        pipe.rpush(key, json.dumps([direction, int(nbytes), float(seconds)]))
+        pipe.ltrim(key, -SAMPLES_KEPT, -1)
+        pipe.expire(key, KEEP_S)
+        pipe.execute()
+
     def unquarantine(self, node: str) -> None:
         """Remove ``node``'s quarantine mark (one its own tasks did not sign)."""
         self.r.hdel(layout.worker_key(node), "quarantined", roster.QUARANTINE_SIGNATURE)
@@ -81,13 +112,15 @@ class Workers:
         key = layout.worker_key(worker)
         pipe = self.r.pipeline(transaction=False)
         pipe.hset(key, mapping={"task": label, "progress": json.dumps(progress)})
-        pipe.hget(key, "paused")
+        pipe.hmget(key, "paused", "cap_up_bps", "cap_down_bps")
         if live is not None:
             run_id, field, entry = live
             Progress(self.r).write(run_id, field, entry, pipe)
             Runs(self.r).state_field(run_id, pipe)
         replies = pipe.execute()
-        return (replies[-1] if live is not None else None), (replies[1] or None)
+        paused, up, down = replies[1]
+        take_caps(up, down)  # a rules change holds for the task's next transfer
+        return (replies[-1] if live is not None else None), (paused or None)
 
     def task_ended(self, worker: str, done: bool, rate: float | None, pipe: Any) -> None:
         """``worker``'s task ended, in ``pipe``: ``done`` when its output is the one recorded
