@@ -150,7 +150,7 @@ class OwnerRules:
         if self.max_download_mbit:
             parts.append(f"download ≤ {self.max_download_mbit:g} Mbit/s")
         if self.data_cap:
-            parts.append(f"pause past {self.data} GB")
+            parts.append(f"pause past {self.data}")
         return ", ".join(parts)
 
 
@@ -201,7 +201,7 @@ def why_paused(rules: OwnerRules, readings: Readings) -> str | None:
         return f"owner: another process uses the GPU (pid {pid}, {mib / 1024:.1f} GB)"
     cap = rules.data
     if cap is not None and readings.data_used is not None and readings.data_used >= cap.bytes:
-        return f"data cap ({cap} GB)"
+        return f"data cap ({cap})"
     return None
 
 

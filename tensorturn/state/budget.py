@@ -36,7 +36,7 @@ class DataCap:
         return int(self.gb * GB)
 
     def __str__(self) -> str:
-        return f"{self.gb:g}/{self.period}"
+        return f"{self.gb:g} GB/{self.period}"
 
 
 def parse_cap(text: str) -> DataCap:

@@ -9,7 +9,7 @@ store moves (:mod:`tensorturn.store.objects`) passes through :data:`meter`:
   — a file store's pieces, S3's bodies of bytes; S3's file transfers use boto3's own limiter
   (``TransferConfig.max_bandwidth``, applied by s3transfer as the parts stream), set to the cap.
   The bucket holds :data:`BURST_S` of the rate, so a transfer of N bytes takes at least
-  ``(N − burst) / rate``: over 100 MB at 20 Mbit/s the rate is within 0.3 % of the cap;
+  ``(N − burst) / rate``: over 100 MB at 20 Mbit/s the rate is within 0.05 % of the cap;
 - **measurement**: every transfer of at least :data:`MEASURE_MIN_BYTES` is timed and folded into
   an exponentially weighted average per direction (:class:`Ewma`), seeded by :func:`probe` when
   an agent starts; where nothing was measured the figure is None — never invented;
@@ -37,8 +37,8 @@ if TYPE_CHECKING:
 UP, DOWN = "up", "down"
 MEASURE_MIN_BYTES = 1 << 20   # transfers smaller than this say more of the round trip than of the link
 EWMA_ALPHA = 0.3              # the weight of a new measurement
-BURST_S = 0.05                # a bucket holds this much of its rate (and at least one MIN_BURST)
-MIN_BURST = 64 * 1024
+BURST_S = 0.02                # a bucket holds this much of its rate (and at least one MIN_BURST)
+MIN_BURST = 16 * 1024
 PIECE = 1 << 20               # the size of the pieces a paced transfer moves
 PROBE_BYTES = 4 << 20         # the start's probe moves at most this much each way...
 PROBE_S = 2.0                 # ...or for this long, whichever comes first
