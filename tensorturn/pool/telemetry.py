@@ -162,7 +162,8 @@ def outer_queues() -> list[str]:
     return [q for q in agent_queues() if q.startswith(OUTER_PREFIX)]
 
 
-PINGS = 3  # the broker's round trip is the median of this many PINGs, every heartbeat
+PINGS = 3        # the broker's round trip is the median of this many PINGs...
+PING_EVERY = 10  # ...every this many heartbeats (the first one's too)
 
 
 def hand_over(node: str, broker_url: str) -> Callable[[Sample], None]:
@@ -183,12 +184,14 @@ def hand_over(node: str, broker_url: str) -> Callable[[Sample], None]:
 class Links:
     """What the heartbeat says of the machine's links: the measured rates to and from the store
     (an average of every timed transfer of the agent's processes, the start's probe first) and
-    when they were measured, on the broker's clock; the broker's round trip."""
+    when they were measured, on the broker's clock; the broker's round trip, every
+    :data:`PING_EVERY` beats."""
 
     def __init__(self) -> None:
         self.ewma = {UP: Ewma(), DOWN: Ewma()}
         self.measured_at = 0.0
         self.rtt_s: float | None = None
+        self.beats = 0
 
     def fold(self, samples: list[list[Any]], now: float) -> None:
         """Timed transfers (direction, bytes, seconds), oldest first."""
@@ -196,14 +199,9 @@ class Links:
             self.ewma[direction].add(nbytes / seconds)
             self.measured_at = now
 
-    def ping(self, client: Any) -> None:
+    def ping(self, workers: Workers) -> None:
         """The median of :data:`PINGS` round trips to the broker."""
-        times = []
-        for _ in range(PINGS):
-            t0 = time.perf_counter()
-            client.ping()
-            times.append(time.perf_counter() - t0)
-        self.rtt_s = statistics.median(times)
+        self.rtt_s = statistics.median(workers.round_trips(PINGS))
 
     def fields(self, rules: OwnerRules, data_used: int | None) -> dict[str, str]:
         """The heartbeat's link fields (:data:`tensorturn.state.roster.LINK_FIELDS`): strings, ""
@@ -232,7 +230,7 @@ class Heartbeat(bootsteps.StartStopStep):
         self.client: Any = None
         self.node = ""
         self.outer: list[str] = []
-        self.links = Links()
+        self.links: Links | None = Links()
         # before the pool forks (it starts after this step is made): every process of the agent
         # hands its timed transfers to this heartbeat
         meter.on_sample = hand_over(worker.hostname, worker.app.conf.broker_url)
@@ -255,8 +253,8 @@ class Heartbeat(bootsteps.StartStopStep):
                              name="tt-link-probe", daemon=True).start()
 
     def probe(self, url: str) -> None:
-        """Measure the link to the store (at most 4 MB or 2 s each way), count what it moved
-        against the data budget, and say so in a heartbeat at once."""
+        """Measure the link to the store (at most 4 MB or 2 s each way) and count what it moved
+        against the data budget; the heartbeats after it say what it measured."""
         from tensorturn.store.objects import open_store
 
         try:
@@ -265,7 +263,6 @@ class Heartbeat(bootsteps.StartStopStep):
             log.info("link to the store: %s up, %s down", _rate(done.up_bps), _rate(done.down_bps))
         except Exception as exc:  # noqa: BLE001 - the figure stays "not measured"
             log.warning("the link to the store was not measured: %s", exc)
-        self.beat()
 
     @property
     def workers(self) -> Workers:
@@ -275,16 +272,20 @@ class Heartbeat(bootsteps.StartStopStep):
     def beat(self, first: bool = False):
         try:
             now = broker_now(self.client)
-            self.links.fold(self.workers.take_samples(self.node), now)
-            self.links.ping(self.client)
+            links = self.links = getattr(self, "links", None) or Links()  # (tests make the step bare)
+            links.beats += 1
+            if links.beats % PING_EVERY == 1:
+                links.ping(self.workers)
             rules = standing.rules or OwnerRules.from_settings(config.current())
             # the inventory goes out with every beat: a Redis that lost its data (restarted
             # without AOF) lists the machine again at the next heartbeat; a killed pool child
-            # leaves its progress behind (cleared while no task runs)
-            mark, sig = self.workers.beat(
-                self.node, {**signed_beat(self.node, now, self.links.fields(rules, standing.data_used)),
+            # leaves its progress behind (cleared while no task runs). The transfers timed
+            # since the last beat come back in the same round trip: the next beat says them.
+            mark, sig, samples = self.workers.beat(
+                self.node, {**signed_beat(self.node, now, links.fields(rules, standing.data_used)),
                             "live": json.dumps(live_figures()), "pid": os.getpid()},
                 first=first, idle=not worker_state.active_requests)
+            links.fold(samples, now)
             quarantined = standing.quarantined = self.quarantined(mark, sig)
             if self.outer and not quarantined and not standing.paused:
                 routing.advertise(self.client, self.node, self.outer)

@@ -14,6 +14,7 @@ fields mean what :meth:`Workers.task_ended` and :meth:`Workers.store_ok` write.
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 from tensorturn import layout
@@ -60,10 +61,13 @@ class Workers:
         return {w["name"] for w in self.all() if w["state"] != roster.WorkerState.OFFLINE}
 
     # -- the agent's own heartbeat --
-    def beat(self, node: str, fields: dict[str, Any], first: bool, idle: bool) -> tuple[str | None, str | None]:
+    def beat(self, node: str, fields: dict[str, Any], first: bool, idle: bool
+             ) -> tuple[str | None, str | None, list[list[Any]]]:
         """Write one heartbeat of ``node`` (``fields``: signed inventory, live figures, pid), in
         one round trip; ``first`` starts its hash afresh, ``idle`` clears a task a killed pool
-        child left behind. Returns its quarantine mark and the mark's signature."""
+        child left behind. Returns its quarantine mark, the mark's signature, and the timed
+        store transfers of ``node``'s processes since the last beat (:meth:`link_sample`), oldest
+        first: [direction, bytes, seconds] each (anything else in the list is dropped)."""
         key = layout.worker_key(node)
         pipe = self.r.pipeline(transaction=False)  # one writer of these fields: no MULTI/EXEC
         if first:
@@ -74,18 +78,22 @@ class Workers:
             pipe.hdel(key, "task", "progress")
         pipe.expire(key, KEEP_S)
         pipe.hmget(key, "quarantined", roster.QUARANTINE_SIGNATURE)
-        mark, sig = pipe.execute()[-1]
-        return mark, sig
+        pipe.lpop(layout.links_key(node), SAMPLES_KEPT)
+        *_, (mark, sig), samples = pipe.execute()
+        return mark, sig, [s for s in map(roster.json_value, samples or []) if _sample(s)]
 
-    def take_samples(self, node: str) -> list[list[Any]]:
-        """The timed store transfers of ``node``'s processes since the last call, oldest first:
-        [direction, bytes, seconds] each (anything else in the list is dropped)."""
-        raw = self.r.lpop(layout.links_key(node), SAMPLES_KEPT) or []
-        return [s for s in map(roster.json_value, raw) if _sample(s)]
+    def round_trips(self, n: int) -> list[float]:
+        """The seconds each of ``n`` PINGs to the broker took, one after the other."""
+        out = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            self.r.ping()
+            out.append(time.perf_counter() - t0)
+        return out
 
     def link_sample(self, node: str, direction: str, nbytes: int, seconds: float) -> None:
         """A timed store transfer of one of ``node``'s processes, for its next heartbeat
-        (:meth:`take_samples`)."""
+        (:meth:`beat` takes them)."""
         key = layout.links_key(node)
         pipe = self.r.pipeline(transaction=False)
         pipe.rpush(key, json.dumps([direction, int(nbytes), float(seconds)]))

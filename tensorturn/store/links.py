@@ -22,6 +22,7 @@ A cap holds per process: an agent's tasks run in one pool process by default (``
 
 from __future__ import annotations
 
+import os
 import secrets
 import threading
 import time
@@ -163,6 +164,17 @@ class Meter:
 
 meter = Meter()
 _probing = threading.local()  # a probe times its objects as a whole, not each one
+
+
+def _after_fork() -> None:
+    """A forked pool process gets new locks: one held by another thread of its parent (the
+    start's probe pacing its bytes) at the fork would be held in the child for ever."""
+    meter.lock = threading.Lock()
+    for bucket in meter.buckets.values():
+        bucket.lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork)
 
 
 class Transfer:

@@ -275,7 +275,10 @@ class FileStore(Store):
     def _put_file(self, key: str, path: Path, sha256: str) -> None:
         def copy(f: BinaryIO) -> None:
             with open(path, "rb") as source:
-                _paced_copy(source, f, UP)
+                if meter.cap(UP):
+                    _paced_copy(source, f, UP)
+                else:
+                    shutil.copyfileobj(source, f, PIECE)
 
         self._write(key, copy)
 
