@@ -108,3 +108,56 @@ def test_a_bad_data_cap_or_link_cap_stops_the_agent_at_once_in_one_line():
         out = tt("agent", "--broker", "redis://127.0.0.1:1/0", *flags, env=env)
         assert out.returncode == 2 and says in out.stderr, out.stderr
         assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+
+def test_a_plan_reads_each_machines_effective_rates_and_never_a_made_up_one(redis_server, monkeypatch):
+    """What a run's plan reads (:func:`tensorturn.state.roster.links`) from signed heartbeats:
+    None where neither a measurement nor a cap is known, the cap alone before a measurement,
+    the smaller of the two after one, and a measurement ten minutes old said to be stale."""
+    from tensorturn.pool import owner
+    from tensorturn.pool.owner import OwnerRules
+    from tensorturn.pool.telemetry import Heartbeat, inventory
+    from tensorturn.state.broker import redis_client
+    from tensorturn.state.clock import broker_now
+    from tensorturn.state.roster import links
+
+    inventory()  # (torch imported before the first beat: its time is not the heartbeat's)
+    r = redis_client(redis_server.url)
+    hb = Heartbeat.__new__(Heartbeat)  # the agent's heartbeat step, without a worker around it
+    hb.client, hb.node, hb.tref, hb.outer = r, "pc@home", None, []
+    hb.beat(first=True)
+    bare = links(r)["pc@home"]
+    assert bare["up_bps"] is None and bare["down_bps"] is None and not bare["measured"]
+    assert bare["rtt_s"] is not None and bare["rtt_s"] > 0  # the broker's round trip is measured at once
+    monkeypatch.setattr(owner.standing, "rules", OwnerRules(max_upload_mbit=20))
+    hb.beat()
+    assert links(r)["pc@home"]["up_bps"] == 2_500_000 and links(r)["pc@home"]["down_bps"] is None
+    Workers = type(hb.workers)
+    Workers(r).link_sample("pc@home", "up", 4 * MB, 2.0)     # a pool process's timed transfers
+    Workers(r).link_sample("pc@home", "down", 30 * MB, 1.0)
+    hb.beat()  # takes them
+    hb.beat()  # says them
+    now = broker_now(r)
+    seen = links(r, now=now)["pc@home"]
+    assert seen["up_bps"] == 2 * MB and seen["down_bps"] == 30 * MB and seen["measured"] and not seen["stale"]
+    hb.links.measured_at = now - 601  # its last transfer of a megabyte or more, ten minutes ago
+    hb.beat()
+    old = links(r)["pc@home"]
+    assert old["stale"] and old["up_bps"] == 2 * MB  # its figure still given, said to be old
+
+
+def test_a_task_takes_its_owners_caps_from_its_agents_heartbeat(redis_server, capped):
+    """A pool process is not the process that reads the owner's rules: it takes the caps its
+    agent's heartbeat says in the round trips it makes anyway (the attempt's first look, each
+    progress report)."""
+    from tensorturn.state.board import RunBoard
+    from tensorturn.state.broker import redis_client
+    from tensorturn.state.workers import Workers
+
+    r = redis_client(redis_server.url)
+    r.hset("tt:worker:pc@home", mapping={"cap_up_bps": "2500000", "cap_down_bps": "0"})
+    RunBoard(r).state_and_standing("some-run", "pc@home")
+    assert meter.cap("up") == 2_500_000 and meter.cap("down") == 0
+    r.hset("tt:worker:pc@home", mapping={"cap_up_bps": "1250000", "cap_down_bps": "12500000"})
+    Workers(r).report("pc@home", "r0/shard-0", {"step": 1})
+    assert meter.cap("up") == 1_250_000 and meter.cap("down") == 12_500_000
