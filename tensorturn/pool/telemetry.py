@@ -220,7 +220,7 @@ class Links:
 class Heartbeat(bootsteps.StartStopStep):
     """Worker bootstep: publish inventory once and live figures every heartbeat; measure the
     link to the store once at the start (:func:`tensorturn.store.links.probe`, on a thread of
-    its own) and the broker's round trip every beat."""
+    its own) and the broker's round trip every :data:`PING_EVERY` beats."""
 
     requires = {"celery.worker.components:Timer"}
 
