@@ -6,8 +6,9 @@ uploads a pseudo-gradient, and a metered line has a monthly allowance. So every 
 store moves (:mod:`tensorturn.store.objects`) passes through :data:`meter`:
 
 - **caps**: a :class:`TokenBucket` per direction (bytes/s; 0: none) paces the transfer as it goes
-  — a file store's pieces, S3's bodies of bytes; S3's file transfers use boto3's own limiter
-  (``TransferConfig.max_bandwidth``, applied by s3transfer as the parts stream), set to the cap.
+  — a file store's pieces; S3's files and bodies over a megabyte through the transfer manager's
+  progress callback, on the threads that send and receive the parts; S3's ranges and small
+  bodies as a whole.
   The bucket holds :data:`BURST_S` of the rate, so a transfer of N bytes takes at least
   ``(N − burst) / rate``: over 100 MB at 20 Mbit/s the rate is within 0.05 % of the cap;
 - **measurement**: every transfer of at least :data:`MEASURE_MIN_BYTES` is timed and folded into

@@ -16,7 +16,7 @@ from tensorturn.state.budget import Budget
 from tensorturn.state.traffic import Traffic
 from tensorturn.store import links
 from tensorturn.store.links import PROBE_BYTES, meter, probe
-from tensorturn.store.objects import open_store
+from tensorturn.store.objects import ObjectMissing, open_store
 
 MB = 1_000_000
 SIZE = 100 * MB
@@ -71,6 +71,8 @@ def test_a_100_mb_transfer_keeps_to_the_owners_cap_both_ways(kind, capped, paylo
     data = payload.read_bytes()
     check_capped(timed(lambda: store.put_bytes("bytes", data)), f"{kind} put_bytes")
     check_capped(timed(lambda: store.get_bytes("bytes")), f"{kind} get_bytes")
+    with pytest.raises(ObjectMissing):  # a missing object is one, capped or not
+        store.get_bytes("none")
 
 
 def test_the_start_probe_measures_within_its_bounds_and_leaves_nothing(tmp_path, capped):

@@ -263,7 +263,7 @@ def test_mask_text_hides_every_password_in_a_message():
 SMALL_PARTS = """
 from boto3.s3.transfer import TransferConfig
 import tensorturn.store.objects as st
-st.transfer_config = lambda *_: TransferConfig(multipart_threshold=5 * 2 ** 20,
+st.transfer_config = lambda: TransferConfig(multipart_threshold=5 * 2 ** 20,
                                             multipart_chunksize=5 * 2 ** 20, max_concurrency=1)
 """
 
@@ -273,7 +273,7 @@ def test_s3_files_move_in_parts_and_round_trip(s3store, s3_bucket, tmp_path, mon
 
     import tensorturn.store.objects as st
 
-    monkeypatch.setattr(st, "transfer_config", lambda *_: TransferConfig(  # 5 MiB parts, as below
+    monkeypatch.setattr(st, "transfer_config", lambda: TransferConfig(  # 5 MiB parts, as below
         multipart_threshold=5 * 2 ** 20, multipart_chunksize=5 * 2 ** 20, max_concurrency=1))
     data = bytes(range(256)) * (12 * 4096 + 7)  # 12 MiB and a bit: three parts
     (tmp_path / "big").write_bytes(data)
