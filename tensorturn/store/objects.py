@@ -508,9 +508,10 @@ def _pacer(direction: str) -> Callable[[int], None] | None:
     """The transfer manager's progress callback, under an owner's cap: it runs on the thread
     that moves the bytes, as they go (an upload's as they are sent, not while botocore reads
     the body for its checksum; a download's as they arrive), so waiting in it holds the
-    transfer to the cap — one bucket for every part in flight. (s3transfer's own limiter,
-    ``max_bandwidth``, undershot: 65–70 Mbit/s up under a 100 Mbit/s cap, on moto.) A retried
-    part reports its bytes back as negative: nothing is given back."""
+    transfer to the cap — one bucket for every part in flight and for the folder store's
+    pieces, whose rate a cap changed mid-transfer sets at once (s3transfer's ``max_bandwidth``
+    is fixed per transfer; measured on moto the two rates were the same). A retried part
+    reports its bytes back as negative: nothing is given back."""
     if not meter.cap(direction):
         return None
     return lambda n: meter.pace(direction, n)
