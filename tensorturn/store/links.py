@@ -40,7 +40,7 @@ UP, DOWN = "up", "down"
 MEASURE_MIN_BYTES = 1 << 20   # transfers smaller than this say more of the round trip than of the link
 EWMA_ALPHA = 0.3              # the weight of a new measurement
 BURST_S = 0.02                # a bucket holds this much of its rate (and at least one MIN_BURST)
-MIN_BURST = 16 * 1024
+MIN_BURST = 8 * 1024
 PIECE = 1 << 20               # the size of the pieces a paced transfer moves
 PROBE_BYTES = 4 << 20         # the start's probe moves at most this much each way...
 PROBE_S = 2.0                 # ...or for this long, whichever comes first
@@ -209,13 +209,14 @@ class Probe:
 def probe(store: Store, name: str, max_bytes: int = PROBE_BYTES, max_s: float = PROBE_S) -> Probe:
     """Measure the link to ``store`` now, at most ``max_bytes`` or ``max_s`` each way, whichever
     comes first: objects of doubling size (256 KiB, 512 KiB, ...) written under
-    ``links/<name>/`` and read back, then removed; the figures are folded into :data:`meter`
-    (and heard by its ``on_sample``) as one measurement each way. Each object is a request, so
-    the figure includes a round trip per object: the rate objects of a few MB get. A store
-    that fails ends the probe (the figure is then None: not measured) and raises."""
-    rates: dict[str, float | None] = {UP: None, DOWN: None}
+    ``links/<name>/`` and read back, then removed. Each way's figure is its largest object's
+    bytes over that object's time (:func:`largest_rate`): what a request costs whatever its
+    size — a round trip, the store's own work — is in it, less so the larger the object, so the
+    figure is never more than the link carries. The figures are folded into :data:`meter` (and
+    heard by its ``on_sample``) as one measurement each way. A store that fails ends the probe
+    (a figure it did not reach is None: not measured) and raises."""
+    timed: dict[str, list[tuple[int, float]]] = {UP: [], DOWN: []}
     written: list[tuple[str, int]] = []
-    total = 0
     _probing.on = True
     try:
         size, moved, spent = 256 * 1024, 0, 0.0
@@ -224,23 +225,21 @@ def probe(store: Store, name: str, max_bytes: int = PROBE_BYTES, max_s: float = 
             body = secrets.token_bytes(size)  # incompressible
             t0 = time.perf_counter()
             store.put_bytes(key, body)
-            spent += time.perf_counter() - t0
-            moved += size
+            took = time.perf_counter() - t0
             written.append((key, size))
+            timed[UP].append((size, took))
+            moved, spent = moved + size, spent + took
             # the next object twice as big, or what the time left carries at the rate seen
             size = min(2 * size, max(64 * 1024, int(moved / max(spent, 1e-9) * (max_s - spent))))
-        if moved:
-            rates[UP], total = moved / max(spent, 1e-9), total + moved
-        moved, spent = 0, 0.0
+        spent = 0.0
         for key, size in written:
             if spent >= max_s:
                 break
             t0 = time.perf_counter()
             store.get_bytes(key)
-            spent += time.perf_counter() - t0
-            moved += size
-        if moved:
-            rates[DOWN], total = moved / max(spent, 1e-9), total + moved
+            took = time.perf_counter() - t0
+            timed[DOWN].append((size, took))
+            spent += took
     finally:
         _probing.on = False
         for key, _ in written:
@@ -248,7 +247,17 @@ def probe(store: Store, name: str, max_bytes: int = PROBE_BYTES, max_s: float = 
                 store.delete(key)
             except Exception:  # noqa: BLE001 - a probe object left behind is harmless
                 pass
+    rates = {direction: largest_rate(timed[direction]) for direction in (UP, DOWN)}
     for direction, rate in rates.items():
         if rate is not None:  # one measurement each way, of the size the average counts
             meter.add(Sample(direction, MEASURE_MIN_BYTES, MEASURE_MIN_BYTES / rate))
-    return Probe(rates[UP], rates[DOWN], total)
+    return Probe(rates[UP], rates[DOWN], sum(n for way in timed.values() for n, _ in way))
+
+
+def largest_rate(timed: list[tuple[int, float]]) -> float | None:
+    """Bytes/s of the largest of objects each timed whole ((bytes, seconds); the last of equals:
+    a bucket's burst goes to the first); None without one."""
+    if not timed:
+        return None
+    nbytes, seconds = max(reversed(timed), key=lambda t: t[0])
+    return nbytes / max(seconds, 1e-9)

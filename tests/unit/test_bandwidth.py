@@ -123,3 +123,13 @@ def test_a_machines_links_read_as_measured_against_capped_and_never_made_up():
     bare = {"link_up_bps": None, "link_down_bps": None, "broker_rtt_s": None, "link_stale": False}
     assert link_summary(bare) == "up not measured down not measured Mbit/s, rtt not measured"
     assert "(stale)" in link_summary({**w, "link_stale": True})
+
+
+def test_a_probes_figure_is_its_largest_objects_rate_never_a_made_up_one():
+    from tensorturn.store.links import largest_rate
+
+    assert largest_rate([]) is None
+    # per request 0.1 s whatever the size: the largest object says the most of the link
+    assert largest_rate([(256_000, 0.2), (512_000, 0.3), (1_024_000, 0.5)]) == pytest.approx(2_048_000)
+    # the first object of a size may have had the bucket's burst: the last of equals counts
+    assert largest_rate([(256_000, 0.9), (256_000, 1.0)]) == pytest.approx(256_000)
