@@ -15,6 +15,7 @@ import hashlib
 import io
 import json
 import logging
+import mimetypes
 import os
 import secrets
 import shutil
@@ -397,11 +398,10 @@ class S3Store(Store):
     def _put(self, key: str, data: bytes, sha256: str) -> None:
         if meter.cap(UP) and len(data) > PIECE:  # under a cap, streamed at it (s3transfer's limiter)
             self.client.upload_fileobj(io.BytesIO(data), self.bucket, self._key(key), Config=transfer_config(),
-                                       ExtraArgs={"Metadata": {"sha256": sha256}}, Callback=_pacer(UP))
+                                       ExtraArgs=_object_args(key, sha256), Callback=_pacer(UP))
             return
         meter.pace(UP, len(data))  # a small body is paced as a whole, before it goes
-        self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data,
-                               Metadata={"sha256": sha256})
+        self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data, **_object_args(key, sha256))
 
     def _get(self, key: str) -> bytes:
         from botocore.exceptions import ClientError
@@ -421,7 +421,7 @@ class S3Store(Store):
     def _put_file(self, key: str, path: Path, sha256: str) -> None:
         self.client.upload_file(str(path), self.bucket, self._key(key), Config=transfer_config(),
                                 Callback=_pacer(UP),
-                                ExtraArgs={"Metadata": {"sha256": sha256}})
+                                ExtraArgs=_object_args(key, sha256))
 
     def _get_file(self, key: str, path: Path) -> None:
         from botocore.exceptions import ClientError
@@ -491,6 +491,14 @@ class S3Store(Store):
 
 
 _BACKENDS: dict[str, Callable[[str], Store]] = {"file": FileStore, "s3": S3Store}
+
+
+def _object_args(key: str, sha256: str) -> dict[str, Any]:
+    """What an S3 object is stored with besides its body: its sha256, and its content type from
+    its name (``application/json`` for a record, so a browser or the AWS console shows it as
+    such; ``application/octet-stream`` for weights and anything unknown)."""
+    kind = mimetypes.guess_type(key, strict=False)[0] or "application/octet-stream"
+    return {"Metadata": {"sha256": sha256}, "ContentType": kind}
 
 
 def transfer_config() -> Any:
