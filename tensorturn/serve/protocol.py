@@ -1,6 +1,7 @@
-"""The inference API's wire format (Open Inference Protocol, KServe V2): a request body parsed
-and validated into one float32 array, errors as ``{"error": ...}``, and the OpenAPI text of the
-infer route. The answer's encoding is :mod:`tensorturn.recipes.answer` (``check-recipe`` sends it
+"""The inference API's wire format (Open Inference Protocol, KServe V2): a request body — JSON,
+and any binary tensor data after it — parsed and validated into one float32 array (or a text
+model's strings) and the outputs it asks for, errors as ``{"error": ...}``, and the OpenAPI text
+of the routes. The answer's encoding is :mod:`tensorturn.recipes.answer` (``check-recipe`` sends it
 too).
 
 Parsing is strict and says what is wrong in one line: bodies come from anyone holding a token,
@@ -300,10 +301,9 @@ def parse_request(raw: bytes, sig: Signature, json_length: str | None = None) ->
     if not isinstance(spec, dict):
         raise BadRequest("each input must be an object with name, shape, datatype and data")
     name, datatype, shape = spec.get("name"), spec.get("datatype"), spec.get("shape")
-    known = sig.inputs()
-    if name not in [i["name"] for i in known]:
+    if name != INPUT_NAME and not (sig.text and name == TEXT_INPUT):
         raise BadRequest(f"no input {str(name)[:64]!r} in this model: its inputs are "
-                         + " or ".join(f"{i['name']!r} ({i['datatype']} {i['shape']})" for i in known))
+                         + " or ".join(f"{i['name']!r} ({i['datatype']} {i['shape']})" for i in sig.inputs()))
     size = _parameters(spec, "inputs[0].").get("binary_data_size")
     if size is not None and (type(size) is not int or size < 0 or "data" in spec):
         raise BadRequest("'binary_data_size' must be a whole number of bytes, given instead of 'data'")
