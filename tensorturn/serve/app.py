@@ -136,7 +136,7 @@ class ServedModel:
         self.served = [(o.name, o.datatype, [-1, *np.asarray(o.data).shape[1:]])
                        for o in served_outputs(probe, members, self.kind, self.classes)]
         self.member_outputs = {self.kind.member_output(m["member"]) for m in self.predictor.members}
-        declared = getattr(self.recipe, "input_dtype", "FP32")
+        declared = self.recipe.input_dtype
         # a text recipe (charlm and its byte-level kin) encodes a string into its token ids
         self.encode = getattr(self.recipe, "encode", None) if self.kind.name == "language_model" else None
         self.signature = Signature(self.input_shape, tuple(n for n, _, _ in self.served),

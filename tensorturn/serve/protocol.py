@@ -261,7 +261,12 @@ def _requested(body: dict, sig: Signature) -> tuple[list[str] | None, dict[str, 
         if name in names:
             raise BadRequest(f"output {name!r} is asked for twice")
         names.append(name)
-        flag = _flag(_parameters(o, f"outputs[{len(names) - 1}]."), "binary_data", f"outputs[{len(names) - 1}].")
+        where = f"outputs[{len(names) - 1}]."
+        params = _parameters(o, where)
+        if params.get("classification"):  # Triton's classification extension (class_count)
+            raise BadRequest(f"{where}parameters.classification: the classification extension is not "
+                             f"served; ask for 'label' and 'probabilities'")
+        flag = _flag(params, "binary_data", where)
         if flag is not None:
             binary[name] = flag
     return names, binary

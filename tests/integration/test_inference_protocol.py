@@ -169,6 +169,9 @@ def test_unknown_input_and_output_names_are_400s_naming_what_exists(api):
         client.infer("digits", [given], outputs=[triton.InferRequestedOutput("OUTPUT__0")], headers=bearer(token))
     assert refused.value.status() == "400"
     assert refused.value.message() == "no output 'OUTPUT__0' in this model: its outputs are 'label', 'probabilities'"
+    with pytest.raises(InferenceServerException, match="the classification extension is not served"):
+        client.infer("digits", [given], outputs=[triton.InferRequestedOutput("label", class_count=3)],
+                     headers=bearer(token))
 
 
 def test_a_text_model_answers_strings(api):
@@ -269,3 +272,25 @@ def test_the_docs_page_loads_nothing_from_another_host(api):
     assert sources and all(s.startswith("/") for s in sources), sources
     for source in sources:
         assert httpx.get(f"{url}{source}").status_code == 200, source
+
+
+def test_binary_outputs_read_back_with_each_clients_own_parser():
+    """Strings (a classifier's class names) and numbers after the JSON, framed as the binary
+    tensor data extension says, decode with Triton's and KServe's parsers."""
+    from kserve import InferResponse
+    from tritonclient.http import InferResult
+
+    from tensorturn.recipes.answer import encode_outputs
+    from tensorturn.recipes.kinds import Output
+
+    outputs = [Output("label", "INT64", np.array([3, 0])), Output("probabilities", "FP32", np.eye(2, dtype=np.float32)),
+               Output("class_name", "BYTES", np.array(["three", "zéro"], dtype=object))]
+    body, length = encode_outputs("m", "v", "id", outputs, {"label", "class_name"})
+    triton = InferResult.from_response_body(body, header_length=length)
+    kserve = {o.name: o.as_numpy() for o in InferResponse.from_bytes(body, length).outputs}
+    for decoded in (triton.as_numpy, kserve.get):
+        assert decoded("label").tolist() == [3, 0]
+        assert decoded("probabilities").tolist() == [[1.0, 0.0], [0.0, 1.0]]
+    assert triton.as_numpy("class_name").tolist() == [b"three", "zéro".encode()]
+    assert kserve["class_name"].tolist() == ["three", "zéro"]
+    assert encode_outputs("m", "v", "id", outputs)[1] is None  # all JSON: no header
