@@ -53,6 +53,9 @@ hours                 the local hours an agent may work, e.g. `22:00-08:00` (com
 pause_on_battery      1: an agent pauses while its machine runs on battery (`agent --pause-on-battery`)
 pause_busy_percent    an agent pauses while other processes use over this % of the CPU; 0: never (`--pause-when-busy`)
 pause_gpu_shared      1: an agent pauses while another process uses its GPU (`agent --pause-when-gpu-shared`)
+max_upload_mbit       an agent's cap on its uploads to the store, Mbit/s; 0: none (`agent --max-upload-mbit`)
+max_download_mbit     an agent's cap on its downloads from the store, Mbit/s; 0: none (`agent --max-download-mbit`)
+data_cap_gb           GB an agent may move per `day`, `week` or `month` (`200/month`), then it pauses (`--data-cap-gb`)
 agent_pool            how an agent runs tasks: `prefork` (Linux's default) or `threads` (elsewhere; `agent --pool`)
 role                  what an agent takes: `train`, `outer` (outer steps, beside the store) or `both` (`agent --role`)
 quick_end_s           seconds a fused round may take to end (last two shards → θ) and queue the next ahead; 0: never
@@ -70,7 +73,8 @@ class Variable:
 
 # numeric settings that may be 0 (the others must be more): no retries, no grace, no cache
 MAY_BE_ZERO = {"store_retries", "store_backoff_s", "shutdown_grace_s", "cache_gb", "quick_end_s",
-               "pause_on_battery", "pause_busy_percent", "pause_gpu_shared"}
+               "pause_on_battery", "pause_busy_percent", "pause_gpu_shared", "max_upload_mbit",
+               "max_download_mbit"}
 
 
 @dataclass(frozen=True)
@@ -106,6 +110,9 @@ class Settings:
     pause_on_battery: int = 0
     pause_busy_percent: float = 0.0
     pause_gpu_shared: int = 0
+    max_upload_mbit: float = 0.0
+    max_download_mbit: float = 0.0
+    data_cap_gb: str | None = None
     agent_pool: str | None = None
     role: str = "train"
     quick_end_s: float = 1.0

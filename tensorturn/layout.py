@@ -102,6 +102,7 @@ report          runs/{run_id}/report/{name}.png
 report_page     runs/{run_id}/report/report.html
 serving         runs/{run_id}/serving/{server}.json
 clock           clock/{token}
+link_probe      links/{agent}/probe-{piece:02d}
 token           auth/tokens/{token_id}.json
 dataset         datasets/{name}/v{version:04d}.json
 chunk           datasets/chunks/{sha256}.parquet
@@ -238,6 +239,19 @@ def owner_key(name: str) -> str:
     """What the owner of agent ``name`` asked of it from any machine (``tensorturn pause``,
     ``tensorturn policy``): signed marks its agent reads every second."""
     return f"{PREFIX}owner:{name}"
+
+
+def links_key(name: str) -> str:
+    """Agent ``name``'s timed store transfers, from its pool processes to its heartbeat (a list,
+    drained every beat: :meth:`tensorturn.state.workers.Workers.beat`). Not under ``tt:worker:``,
+    whose keys are all heartbeat hashes."""
+    return f"{PREFIX}links:{name}"
+
+
+def data_key(name: str, period: str) -> str:
+    """The bytes agent ``name`` moved to and from the store in ``period`` (``2026-12``,
+    ``2026-W49``, ``2026-12-07``: :func:`tensorturn.pool.owner.period_of`), for its data cap."""
+    return f"{PREFIX}data:{name}:{period}"
 
 
 ADVERTISED = f"{PREFIX}outer-queues"  # sorted set: "<outer queue>|<agent>" → when that agent last beat

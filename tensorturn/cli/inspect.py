@@ -182,7 +182,8 @@ def report(broker, store, run_id, as_json, out):
                    "queues; expire keys finished or lost runs left.")
 @pool_options()
 def workers(broker, store, as_json, prune):
-    """List the pool's machines: state (idle/busy/paused/offline/quarantined), device, memory, task.
+    """List the pool's machines: state (idle/busy/paused/offline/quarantined), device, memory, task,
+    and their links: measured store rates against the owner's caps, broker round trip, data budget.
 
     An agent offline for longer than TENSORTURN_AGENT_TTL_S (a day) is forgotten.
     """
@@ -223,6 +224,8 @@ def workers(broker, store, as_json, prune):
             line += f"  ({w['quarantined']})"
         if w["state"] == WorkerState.PAUSED:
             line += f"  ({w['paused']})"
+        if w["state"] != WorkerState.OFFLINE:
+            line += f"  [{records.link_summary(w)}]"
         click.echo(line)
     total, refused = records.refusals(broker)
     if total:

@@ -30,6 +30,14 @@ def rules_options(fn: Callable) -> Callable:
                           "build), for 2 s in a row; resume after 5 s under it. 0: never."),
         click.option("--pause-when-gpu-shared", is_flag=True, default=None,
                      help="Pause while another process uses the GPU (NVIDIA: nvidia-smi)."),
+        click.option("--max-upload-mbit", type=click.FloatRange(min=0), default=None, metavar="MBIT",
+                     help="Upload to the store at most this fast, Mbit/s (a video call at home keeps "
+                          "working). 0: no cap."),
+        click.option("--max-download-mbit", type=click.FloatRange(min=0), default=None, metavar="MBIT",
+                     help="Download from the store at most this fast, Mbit/s. 0: no cap."),
+        click.option("--data-cap-gb", default=None, metavar="GB/PERIOD",
+                     help="Move at most this much through the store per day, week or month, e.g. "
+                          "200/month (GB = 10^9 bytes); past it, pause until the next period."),
     )):
         fn = decorate(fn)
     return fn
@@ -98,26 +106,32 @@ def unpause(broker, store, machine, as_json):
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @pool_options()
 def rules(broker, store, machine, hours, pause_on_battery, pause_when_busy, pause_when_gpu_shared,
-          clear, as_json):
+          max_upload_mbit, max_download_mbit, data_cap_gb, clear, as_json):
     """Set MACHINE's owner rules while its agent runs (they replace those the agent was started
     with, until --clear): the hours it may work, and when it steps aside for its owner.
 
     \b
       tensorturn rules gaming-pc --hours 22:00-08:00 --pause-when-busy 30
       tensorturn rules laptop --pause-on-battery
+      tensorturn rules desktop --max-upload-mbit 20 --data-cap-gb 200/month
     """
     from tensorturn.pool.owner import OwnerRules
     from tensorturn.runs import owners
 
-    given = (hours, pause_on_battery, pause_when_busy, pause_when_gpu_shared)
+    given = (hours, pause_on_battery, pause_when_busy, pause_when_gpu_shared, max_upload_mbit,
+             max_download_mbit, data_cap_gb)
     if clear and any(v is not None for v in given):
         raise click.UsageError("--clear goes alone: it drops the rules set here")
     if not clear and all(v is None for v in given):
         raise click.UsageError("say what the rules are (--hours, --pause-on-battery, --pause-when-busy, "
-                               "--pause-when-gpu-shared), or --clear")
+                               "--pause-when-gpu-shared, --max-upload-mbit, --max-download-mbit, "
+                               "--data-cap-gb), or --clear")
     rule = None if clear else OwnerRules(hours=hours, on_battery=bool(pause_on_battery),
                                          busy_percent=pause_when_busy or 0.0,
-                                         gpu_shared=bool(pause_when_gpu_shared))
+                                         gpu_shared=bool(pause_when_gpu_shared),
+                                         max_upload_mbit=max_upload_mbit or 0.0,
+                                         max_download_mbit=max_download_mbit or 0.0,
+                                         data_cap=data_cap_gb or "")
     doc = owners.set_rules(_need(broker, "rules"), machine, None if rule is None else rule.to_json())
     if as_json:
         emit_json({**doc, "policy": None if rule is None else json.loads(rule.to_json())})

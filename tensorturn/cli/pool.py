@@ -26,7 +26,10 @@ def agent_flags(settings: config.Settings, broker: str | None, options: dict[str
                           hours=given("hours", "hours"),
                           pause_on_battery=int(given("pause_on_battery", "pause_on_battery")),
                           pause_busy_percent=float(given("pause_when_busy", "pause_busy_percent")),
-                          pause_gpu_shared=int(given("pause_when_gpu_shared", "pause_gpu_shared")))
+                          pause_gpu_shared=int(given("pause_when_gpu_shared", "pause_gpu_shared")),
+                          max_upload_mbit=float(given("max_upload_mbit", "max_upload_mbit")),
+                          max_download_mbit=float(given("max_download_mbit", "max_download_mbit")),
+                          data_cap_gb=given("data_cap_gb", "data_cap_gb"))
 
 
 @cli.command()
@@ -56,7 +59,8 @@ def agent_flags(settings: config.Settings, broker: str | None, options: dict[str
 @rules_options
 @pool_options(flags=agent_flags)
 def agent(broker, store, name, concurrency, memory_gb, cache_gb, role, loglevel, pool, hours,
-          pause_on_battery, pause_when_busy, pause_when_gpu_shared):
+          pause_on_battery, pause_when_busy, pause_when_gpu_shared, max_upload_mbit, max_download_mbit,
+          data_cap_gb):
     """Run this machine's agent: a Celery worker that trains what the pool queues.
 
     \b
@@ -79,6 +83,8 @@ def agent(broker, store, name, concurrency, memory_gb, cache_gb, role, loglevel,
       tensorturn agent --join-file join --name gaming-pc --hours 22:00-08:00 --pause-when-busy 30
     Paused, it hands its running task back within a few seconds and takes nothing new until its
     rules allow; `tensorturn pause/unpause/rules MACHINE` change it from any machine.
+    The household's line comes first too:
+      tensorturn agent --join-file join --max-upload-mbit 20 --data-cap-gb 200/month
     """
     import os
 
@@ -101,7 +107,7 @@ def agent(broker, store, name, concurrency, memory_gb, cache_gb, role, loglevel,
     check_role(role or config.current().role)  # TENSORTURN_ROLE may say anything
     from tensorturn.pool.owner import OwnerRules
 
-    OwnerRules.from_settings(config.current())  # bad hours: one clear line now, not a silent agent
+    OwnerRules.from_settings(config.current())  # bad hours or caps: one clear line now, not a silent agent
     from tensorturn.pool.threads import pool_of
 
     pool_of(config.current())  # a bad TENSORTURN_AGENT_POOL: the same

@@ -25,7 +25,8 @@ MACHINE_FIELDS = (
     "name", "state", "verified", "role", "device", "device_name", "cpu_count", "device_memory_gb",
     "memory_total_gb", "vram_gb", "cpu_percent", "memory_used_gb", "gpu_util_percent",
     "gpu_memory_used_gb", "task", "samples_per_s", "tasks_done", "quarantined", "paused",
-    "last_seen_s", "stopped", "stopped_s", "hostname", "os",
+    "last_seen_s", "stopped", "stopped_s", "hostname", "os", "link_up_bps", "link_down_bps", "link_stale",
+    "broker_rtt_s", "cap_up_bps", "cap_down_bps", "data_cap_bytes", "data_cap_period", "data_used_bytes",
 )
 RUN_SUMMARY_FIELDS = ("run_id", "mode", "state", "recipe", "created_at", "finished_at", "metrics",
                       "error", "note")
@@ -60,7 +61,7 @@ def pick(doc: dict[str, Any], fields: tuple[str, ...]) -> dict[str, Any]:
 
 def machines(broker_url: str) -> list[dict[str, Any]]:
     """The pool's machines as ``tensorturn workers`` lists them, the page's fields only."""
-    return [pick(w, MACHINE_FIELDS) for w in records.workers(broker_url)]
+    return [{**pick(w, MACHINE_FIELDS), "links": records.link_summary(w)} for w in records.workers(broker_url)]
 
 
 def served_models(store_url: str, run_ids: list[str]) -> list[dict[str, Any]]:

@@ -1,9 +1,12 @@
 """The owner comes first: an agent that steps aside while its machine's owner needs it.
 
 A gaming PC trains at night and is played on in the evening; a laptop runs on battery; a
-workstation is used by day. Each agent has its owner's **rules** (:class:`OwnerRules`; no relation
-to a fused run's sync policy) — allowed hours, pause on battery, pause while other processes keep
-the CPU busy or use the GPU — from its command line
+workstation is used by day; a home line carries a video call, and a metered one has an allowance.
+Each agent has its owner's **rules** (:class:`OwnerRules`; no relation to a fused run's sync
+policy) — allowed hours, pause on battery, pause while other processes keep the CPU busy or use
+the GPU, caps on its store transfers in Mbit/s (a token bucket: :mod:`tensorturn.store.links`)
+and a data cap per day, week or month (past it, it pauses: :mod:`tensorturn.state.budget`) —
+from its command line
 (``tensorturn agent --hours 22:00-08:00 --pause-on-battery ...``) or ``TENSORTURN_*`` variables,
 replaced while it runs by ``tensorturn rules MACHINE ...`` (``policy``, its older name, still
 works) from any machine holding the join file,
@@ -36,6 +39,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import re
 import subprocess
@@ -55,7 +59,9 @@ from celery import bootsteps
 from tensorturn import config, platforms, testbed_hooks, trust
 from tensorturn.errors import SpecError
 from tensorturn.state.broker import redis_client
+from tensorturn.state.budget import Budget, DataCap, parse_cap
 from tensorturn.state.owners import Mark, Owners
+from tensorturn.store.links import MBIT, meter
 
 log = logging.getLogger(__name__)
 
@@ -83,17 +89,27 @@ class OwnerRules:
     on_battery: bool = False
     busy_percent: float = 0.0
     gpu_shared: bool = False
+    max_upload_mbit: float = 0.0    # the store link's caps, Mbit/s (0: none): a token bucket
+    max_download_mbit: float = 0.0  # on every transfer (:mod:`tensorturn.store.links`)
+    data_cap: str = ""              # GB per day, week or month, "200/month" ("": none)
 
     def __post_init__(self) -> None:
         if self.hours is not None:
             parse_hours(self.hours)
         if not 0 <= self.busy_percent <= 100:
             raise SpecError(f"the CPU threshold must be a percentage from 0 to 100 (got {self.busy_percent:g})")
+        for what, mbit in (("upload", self.max_upload_mbit), ("download", self.max_download_mbit)):
+            if not (math.isfinite(mbit) and mbit >= 0):
+                raise SpecError(f"the {what} cap must be a number of Mbit/s ≥ 0; 0: none (got {mbit:g})")
+        if self.data_cap:
+            parse_cap(self.data_cap)
 
     @classmethod
     def from_settings(cls, settings: config.Settings) -> OwnerRules:
         return cls(hours=settings.hours or None, on_battery=bool(settings.pause_on_battery),
-                   busy_percent=float(settings.pause_busy_percent), gpu_shared=bool(settings.pause_gpu_shared))
+                   busy_percent=float(settings.pause_busy_percent), gpu_shared=bool(settings.pause_gpu_shared),
+                   max_upload_mbit=float(settings.max_upload_mbit), max_download_mbit=float(settings.max_download_mbit),
+                   data_cap=settings.data_cap_gb or "")
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -102,7 +118,24 @@ class OwnerRules:
     def from_json(cls, text: str) -> OwnerRules:
         doc = json.loads(text)
         return cls(hours=doc.get("hours"), on_battery=bool(doc.get("on_battery")),
-                   busy_percent=float(doc.get("busy_percent") or 0), gpu_shared=bool(doc.get("gpu_shared")))
+                   busy_percent=float(doc.get("busy_percent") or 0), gpu_shared=bool(doc.get("gpu_shared")),
+                   max_upload_mbit=float(doc.get("max_upload_mbit") or 0),
+                   max_download_mbit=float(doc.get("max_download_mbit") or 0),
+                   data_cap=str(doc.get("data_cap") or ""))
+
+    @property
+    def cap_up_bps(self) -> float:
+        """The upload cap in bytes/s (0: none)."""
+        return self.max_upload_mbit * MBIT
+
+    @property
+    def cap_down_bps(self) -> float:
+        return self.max_download_mbit * MBIT
+
+    @property
+    def data(self) -> DataCap | None:
+        """The data cap (None: none)."""
+        return parse_cap(self.data_cap) if self.data_cap else None
 
     def describe(self) -> str:
         parts = [f"hours {self.hours}" if self.hours else "any hour"]
@@ -112,6 +145,12 @@ class OwnerRules:
             parts.append(f"pause while others use > {self.busy_percent:g}% CPU")
         if self.gpu_shared:
             parts.append("pause while another process uses the GPU")
+        if self.max_upload_mbit:
+            parts.append(f"upload ≤ {self.max_upload_mbit:g} Mbit/s")
+        if self.max_download_mbit:
+            parts.append(f"download ≤ {self.max_download_mbit:g} Mbit/s")
+        if self.data_cap:
+            parts.append(f"pause past {self.data}")
         return ", ".join(parts)
 
 
@@ -146,6 +185,7 @@ class Readings:
     others_busy: bool = False               # other processes over the CPU threshold, held
     others_percent: float | None = None
     gpu_others: list[tuple[int, float]] = field(default_factory=list)  # (pid, MiB) of others on the GPU
+    data_used: int | None = None            # bytes moved in the data cap's period (None: not read)
 
 
 def why_paused(rules: OwnerRules, readings: Readings) -> str | None:
@@ -159,6 +199,9 @@ def why_paused(rules: OwnerRules, readings: Readings) -> str | None:
     if rules.gpu_shared and readings.gpu_others:
         pid, mib = readings.gpu_others[0]
         return f"owner: another process uses the GPU (pid {pid}, {mib / 1024:.1f} GB)"
+    cap = rules.data
+    if cap is not None and readings.data_used is not None and readings.data_used >= cap.bytes:
+        return f"data cap ({cap})"
     return None
 
 
@@ -285,6 +328,7 @@ class Standing:
         self.rules: OwnerRules | None = None
         self.quarantined = False  # as its last heartbeat read its quarantine mark
         self.marks: dict[str, int] = {}  # the owner's marks it holds, by field: their numbers
+        self.data_used: int | None = None  # bytes moved in the data cap's period, as last read
 
 
 standing = Standing()
@@ -309,6 +353,7 @@ class OwnerWatch(bootsteps.StartStopStep):
         self.worker = worker
         self.cpu = CpuWatch()
         self.marks: MarkMemory  # at start: it needs the agent's name and start
+        self.budget: Budget     # at start: it needs the broker
         self.applied = False  # the consumer was paused by this watch (apply: the loop's thread only)
 
     def start(self, worker):
@@ -327,6 +372,7 @@ class OwnerWatch(bootsteps.StartStopStep):
         settings = config.current()
         local = OwnerRules.from_settings(settings)
         owners = Owners(client)
+        self.budget = Budget(client)
         node = self.worker.hostname
         self.marks = MarkMemory(node, self.worker.tt_incarnation, trust.find_key(),  # (the Heartbeat step's)
                                 memory_path(settings, node, self.worker.app.conf.broker_url))
@@ -348,12 +394,16 @@ class OwnerWatch(bootsteps.StartStopStep):
         except (ValueError, SpecError) as exc:
             log.warning("ignored the rules set for %s: %s", node, exc)
             rules = local
+        cap = rules.data
+        standing.data_used = self.budget.used(node, cap.period) if cap is not None else None
         readings = Readings(local_time=datetime.now().time(),
                             on_battery=on_battery() if rules.on_battery else None,
                             others_busy=self.cpu.look(rules.busy_percent), others_percent=self.cpu.percent,
-                            gpu_others=gpu_others({p.pid for p in own_processes()}) if rules.gpu_shared else [])
+                            gpu_others=gpu_others({p.pid for p in own_processes()}) if rules.gpu_shared else [],
+                            data_used=standing.data_used)
         why = ("owner: " + marks["paused"]) if "paused" in marks else why_paused(rules, readings)
         standing.rules = rules
+        meter.set_caps(rules.cap_up_bps, rules.cap_down_bps)  # this process's transfers (the probe)
         consumer = getattr(self.worker, "consumer", None)
         if consumer is not None and consumer.task_consumer is not None:
             consumer.call_soon(self.apply)  # until Celery does what is wanted (idempotent)

@@ -22,9 +22,12 @@ import os
 import platform
 import secrets
 import socket
+import statistics
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 from functools import lru_cache
 from typing import Any
 
@@ -36,12 +39,14 @@ from tensorturn import config, trust
 from tensorturn.layout import OUTER_PREFIX, agent_queue
 from tensorturn.pool import routing
 from tensorturn.pool.capacity import queues_for
-from tensorturn.pool.owner import standing
+from tensorturn.pool.owner import OwnerRules, standing
 from tensorturn.pool.threads import pool_of
 from tensorturn.state import roster
 from tensorturn.state.broker import redis_client
+from tensorturn.state.budget import Budget
 from tensorturn.state.clock import broker_now
 from tensorturn.state.workers import Workers
+from tensorturn.store.links import DOWN, UP, Ewma, Sample, meter, probe
 
 log = logging.getLogger(__name__)
 
@@ -157,8 +162,65 @@ def outer_queues() -> list[str]:
     return [q for q in agent_queues() if q.startswith(OUTER_PREFIX)]
 
 
+PINGS = 3        # the broker's round trip is the median of this many PINGs...
+PING_EVERY = 10  # ...every this many heartbeats (the first one's too)
+
+
+def hand_over(node: str, broker_url: str) -> Callable[[Sample], None]:
+    """What a process of agent ``node`` does with a timed store transfer: hand it to the agent's
+    heartbeat through the broker (its pool processes are not the process that beats). A
+    client per process: a forked pool process makes its own."""
+    clients: dict[int, Any] = {}
+
+    def hook(sample: Sample) -> None:
+        client = clients.get(os.getpid())
+        if client is None:
+            client = clients[os.getpid()] = redis_client(broker_url)
+        Workers(client).link_sample(node, sample.direction, sample.nbytes, sample.seconds)
+
+    return hook
+
+
+class Links:
+    """What the heartbeat says of the machine's links: the measured rates to and from the store
+    (an average of every timed transfer of the agent's processes, the start's probe first) and
+    when they were measured, on the broker's clock; the broker's round trip, every
+    :data:`PING_EVERY` beats."""
+
+    def __init__(self) -> None:
+        self.ewma = {UP: Ewma(), DOWN: Ewma()}
+        self.measured_at = 0.0
+        self.rtt_s: float | None = None
+        self.beats = 0
+
+    def fold(self, samples: list[list[Any]], now: float) -> None:
+        """Timed transfers (direction, bytes, seconds), oldest first."""
+        for direction, nbytes, seconds in samples:
+            self.ewma[direction].add(nbytes / seconds)
+            self.measured_at = now
+
+    def ping(self, workers: Workers) -> None:
+        """The median of :data:`PINGS` round trips to the broker."""
+        self.rtt_s = statistics.median(workers.round_trips(PINGS))
+
+    def fields(self, rules: OwnerRules, data_used: int | None) -> dict[str, str]:
+        """The heartbeat's link fields (:data:`tensorturn.state.roster.LINK_FIELDS`): strings, ""
+        for what was never measured (never a figure made up)."""
+        cap = rules.data
+        up, down = self.ewma[UP].value, self.ewma[DOWN].value
+        return {"link_up_bps": "" if up is None else f"{up:.0f}",
+                "link_down_bps": "" if down is None else f"{down:.0f}",
+                "link_measured_at": repr(self.measured_at) if self.measured_at else "",
+                "broker_rtt_s": "" if self.rtt_s is None else f"{self.rtt_s:.6f}",
+                "cap_up_bps": f"{rules.cap_up_bps:.0f}", "cap_down_bps": f"{rules.cap_down_bps:.0f}",
+                "data_cap_bytes": str(cap.bytes if cap else 0), "data_cap_period": cap.period if cap else "",
+                "data_used_bytes": str(data_used or 0) if cap else "0"}
+
+
 class Heartbeat(bootsteps.StartStopStep):
-    """Worker bootstep: publish inventory once and live figures every heartbeat."""
+    """Worker bootstep: publish inventory once and live figures every heartbeat; measure the
+    link to the store once at the start (:func:`tensorturn.store.links.probe`, on a thread of
+    its own) and the broker's round trip every :data:`PING_EVERY` beats."""
 
     requires = {"celery.worker.components:Timer"}
 
@@ -168,6 +230,10 @@ class Heartbeat(bootsteps.StartStopStep):
         self.client: Any = None
         self.node = ""
         self.outer: list[str] = []
+        self.links: Links | None = Links()
+        # before the pool forks (it starts after this step is made): every process of the agent
+        # hands its timed transfers to this heartbeat
+        meter.on_sample = hand_over(worker.hostname, worker.app.conf.broker_url)
 
     def start(self, worker):
         self.node = worker.hostname
@@ -177,9 +243,26 @@ class Heartbeat(bootsteps.StartStopStep):
         worker.tt_incarnation = INCARNATION  # what the owner's marks are signed for (.owner)
         self.outer = outer_queues()
         psutil.cpu_percent(interval=None)  # prime the counter
+        local = OwnerRules.from_settings(config.current())
+        meter.set_caps(local.cap_up_bps, local.cap_down_bps)  # until the owner watch has looked
         self.beat(first=True)
         self.tref = worker.timer.call_repeatedly(config.current().heartbeat_s, self.beat,
                                                  priority=5)
+        if config.current().store_url:  # an agent of a pool with a store of its own says how far it is
+            threading.Thread(target=self.probe, args=(config.current().store_url,),
+                             name="tt-link-probe", daemon=True).start()
+
+    def probe(self, url: str) -> None:
+        """Measure the link to the store (at most 4 MB or 2 s each way) and count what it moved
+        against the data budget; the heartbeats after it say what it measured."""
+        from tensorturn.store.objects import open_store
+
+        try:
+            done = probe(open_store(url), self.node)
+            Budget(self.client).add(self.node, done.nbytes)
+            log.info("link to the store: %s up, %s down", _rate(done.up_bps), _rate(done.down_bps))
+        except Exception as exc:  # noqa: BLE001 - the figure stays "not measured"
+            log.warning("the link to the store was not measured: %s", exc)
 
     @property
     def workers(self) -> Workers:
@@ -188,13 +271,21 @@ class Heartbeat(bootsteps.StartStopStep):
 
     def beat(self, first: bool = False):
         try:
+            now = broker_now(self.client)
+            links = self.links = getattr(self, "links", None) or Links()  # (tests make the step bare)
+            links.beats += 1
+            if links.beats % PING_EVERY == 1:
+                links.ping(self.workers)
+            rules = standing.rules or OwnerRules.from_settings(config.current())
             # the inventory goes out with every beat: a Redis that lost its data (restarted
             # without AOF) lists the machine again at the next heartbeat; a killed pool child
-            # leaves its progress behind (cleared while no task runs)
-            mark, sig = self.workers.beat(
-                self.node, {**signed_beat(self.node, broker_now(self.client)), "live": json.dumps(live_figures()),
-                            "pid": os.getpid()},
+            # leaves its progress behind (cleared while no task runs). The transfers timed
+            # since the last beat come back in the same round trip: the next beat says them.
+            mark, sig, samples = self.workers.beat(
+                self.node, {**signed_beat(self.node, now, links.fields(rules, standing.data_used)),
+                            "live": json.dumps(live_figures()), "pid": os.getpid()},
                 first=first, idle=not worker_state.active_requests)
+            links.fold(samples, now)
             quarantined = standing.quarantined = self.quarantined(mark, sig)
             if self.outer and not quarantined and not standing.paused:
                 routing.advertise(self.client, self.node, self.outer)
@@ -234,16 +325,18 @@ class Heartbeat(bootsteps.StartStopStep):
         self.stop(worker)
 
 
-def signed_beat(node: str, now: float) -> dict[str, str]:
+def signed_beat(node: str, now: float, links: dict[str, str] | None = None) -> dict[str, str]:
     """This agent's heartbeat fields, signed with the pool key (unsigned without one: such an
     agent refuses every task anyway, and the roster says ``unverified``). ``paused``: why its
     owner's policy has it step aside (:mod:`.owner`), empty while it works; ``owner``: the
     numbers of its owner's marks it holds (so `tensorturn workers --json` shows which word of
-    the owner's it took)."""
+    the owner's it took); ``links``: what it measured of its links, and its owner's caps
+    (:meth:`Links.fields`; every one "" when not given: not measured, no cap)."""
     fields = {"name": node, "inventory": json.dumps(inventory()),
               "queues": json.dumps(agent_queues()), "last_seen": repr(now),
               "incarnation": INCARNATION, "paused": standing.paused or "",
-              "owner": json.dumps(standing.marks, sort_keys=True)}
+              "owner": json.dumps(standing.marks, sort_keys=True),
+              **{f: "" for f in roster.LINK_FIELDS}, **(links or {})}
     key = trust.find_key()
     if key is not None:
         fields[roster.SIGNATURE] = key.sign("inventory", roster.heartbeat_doc(fields))
@@ -315,3 +408,7 @@ class TaskReporter:
         """This machine's training rate over the whole task, samples/s (backup copies weigh it):
         the attempt's end records it with the task done."""
         return round(self.steps * self.batch_size / max(time.monotonic() - self.t0, 1e-9), 1)
+
+
+def _rate(bps: float | None) -> str:
+    return "not measured" if bps is None else f"{bps * 8 / 1e6:.1f} Mbit/s"

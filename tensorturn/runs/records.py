@@ -48,6 +48,25 @@ def workers(broker_url: str) -> list[dict[str, Any]]:
     return [w for w in list_workers(check_broker(broker_url)) if not forgotten(w)]
 
 
+def link_summary(w: dict[str, Any]) -> str:
+    """A machine's links in words, as ``workers`` and the dashboard show them: the measured
+    rates against the owner's caps (Mbit/s), the broker's round trip, and the data budget used:
+    ``up 18.2/20 down 95.1 Mbit/s, rtt 41 ms, data 12.3/200 GB this month``. What was never
+    measured is said so, and a measurement older than ten minutes is said to be stale."""
+    def way(name: str) -> str:
+        measured, cap = w.get(f"link_{name}_bps"), w.get(f"cap_{name}_bps") or 0
+        text = "not measured" if measured is None else f"{measured * 8 / 1e6:.1f}"
+        return f"{name} {text}" + (f"/{cap * 8 / 1e6:g}" if cap else "")
+
+    parts = [f"{way('up')} {way('down')} Mbit/s" + (" (stale)" if w.get("link_stale") else "")]
+    rtt = w.get("broker_rtt_s")
+    parts.append("rtt not measured" if rtt is None else f"rtt {rtt * 1000:.0f} ms")
+    if w.get("data_cap_bytes"):
+        parts.append(f"data {w.get('data_used_bytes', 0) / 1e9:.3g}/{w['data_cap_bytes'] / 1e9:g} GB "
+                     f"this {w.get('data_cap_period') or 'period'}")
+    return ", ".join(parts)
+
+
 def prune(broker_url: str) -> dict[str, Any]:
     """Prune the broker's leftovers now (:func:`tensorturn.state.housekeeping.prune`)."""
     from tensorturn.state.housekeeping import prune as prune_now

@@ -2,7 +2,8 @@
 
 Requests queue; the batcher thread takes the first one and everything queued behind it (while the
 previous batch ran), up to ``max_rows`` rows, optionally waiting ``window_s`` for more, runs the
-model once on the rows stacked together and hands each request its slice. The event loop is
+model once on the rows stacked together and hands each request its slice. Only rows of one shape
+share a batch. The event loop is
 woken once per batch. The model thread sets its own torch thread count, so the model's cost is
 fixed and the event loop keeps the rest of the CPU.
 """
@@ -77,7 +78,8 @@ class Batcher(Generic[R, T]):
                     item = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
                 break
-            if item is _STOP or rows + len(item[0]) > self.max_rows:
+            # rows of another shape (a text model's shorter window) start the next batch
+            if item is _STOP or rows + len(item[0]) > self.max_rows or item[0].shape[1:] != first[0].shape[1:]:
                 return batch, item
             batch.append(item)
             rows += len(item[0])

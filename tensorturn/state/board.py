@@ -37,7 +37,7 @@ from tensorturn.state.rounds import Rounds
 from tensorturn.state.runs import Runs, encode, read_state, state_of
 from tensorturn.state.traffic import Traffic
 from tensorturn.state.uploads import UploadLeases
-from tensorturn.state.workers import Workers
+from tensorturn.state.workers import Workers, take_caps
 
 # Read whole keys in one command. KEYS: the keys; ARGV: each key's kind, 'hash' or 'list'.
 _READ_KEYS = """
@@ -95,8 +95,12 @@ class RunBoard:
     # -- the run --
     def state_and_standing(self, run_id: str, worker: str) -> tuple[str | None, bool, str | None]:
         """The run's state, whether ``worker`` is out of rotation, and why it is paused (None
-        when it is not), in one command."""
-        reply = list(read_state(self.r, run_id, worker)) + [None, None]
+        when it is not), in one command. The same command reads the owner's caps on the store
+        link from ``worker``'s heartbeat and hands them to this process's store
+        (:func:`tensorturn.state.workers.take_caps`): a task's transfers keep to the rules its
+        owner set while it waited in the queue."""
+        reply = list(read_state(self.r, run_id, worker)) + [None] * 4
+        take_caps(reply[4], reply[5])
         return state_of(reply), bool(reply[2]), reply[3] or None
 
     def finish(self, run_id: str, state: str, pipe: Any = None, **fields: Any) -> bool:

@@ -137,8 +137,8 @@ def _agents(client: Any) -> list[str]:
     pipe = client.pipeline(transaction=False)
     for node in names:
         queue = layout.agent_queue(node)
-        pipe.delete(layout.worker_key(node), layout.owner_key(node), queue, KOMBU_BINDING.format(queue),
-                    KOMBU_PERMANENT.format(queue))
+        pipe.delete(layout.worker_key(node), layout.owner_key(node), layout.links_key(node), queue,
+                    KOMBU_BINDING.format(queue), KOMBU_PERMANENT.format(queue))
         pipe.srem(KOMBU_BINDING.format(MAILBOXES), KOMBU_SEP * 2 + f"{node}.{MAILBOXES}")
     pipe.execute()
     return sorted(names)

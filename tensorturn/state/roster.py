@@ -24,7 +24,13 @@ from tensorturn.layout import WORKER_PATTERN, worker_key
 from tensorturn.state.clock import broker_now
 
 OFFLINE_AFTER = 3  # heartbeats
-SIGNED = ("name", "inventory", "queues", "last_seen", "incarnation", "paused", "owner")  # a heartbeat's signed fields
+# what an agent says of its link to the store and the broker, and of its owner's caps (signed:
+# a run's plan is made from them): see :func:`links`
+LINK_FIELDS = ("link_up_bps", "link_down_bps", "link_measured_at", "broker_rtt_s", "cap_up_bps",
+               "cap_down_bps", "data_cap_bytes", "data_cap_period", "data_used_bytes")
+SIGNED = ("name", "inventory", "queues", "last_seen", "incarnation", "paused", "owner",
+          *LINK_FIELDS)  # a heartbeat's signed fields
+STALE_AFTER_S = 600.0  # a link measured longer ago than this is said to be stale
 SIGNATURE = "signature"
 QUARANTINE_SIGNATURE = "quarantined_sig"
 
@@ -58,6 +64,46 @@ def verified(key: trust.PoolKey, redis_key: str, h: dict[str, Any]) -> bool:
     it names."""
     return (redis_key == worker_key(str(h.get("name"))) and all(isinstance(h.get(f), str) for f in SIGNED)
             and key.verify("inventory", heartbeat_doc(h), h.get(SIGNATURE)))
+
+
+def link_figures(h: dict[str, Any], now: float) -> dict[str, Any]:
+    """What heartbeat ``h`` says of the machine's links, as ``workers --json`` shows it: the
+    measured rates (bytes/s; None: not measured), how old the measurement is (``link_age_s``)
+    and whether it is ``stale`` (older than :data:`STALE_AFTER_S`), the broker's round trip,
+    the owner's caps (bytes/s; 0: none) and data budget (``data_cap`` "200/month" or None,
+    ``data_used_bytes`` in its period)."""
+    at = _number(h.get("link_measured_at"))
+    up, down = _number(h.get("link_up_bps")), _number(h.get("link_down_bps"))
+    cap_bytes = int(_number(h.get("data_cap_bytes")))
+    return {
+        "link_up_bps": up or None, "link_down_bps": down or None,
+        "link_age_s": round(now - at, 1) if at else None,
+        "link_stale": bool(at) and now - at > STALE_AFTER_S,
+        "broker_rtt_s": _number(h.get("broker_rtt_s")) or None,
+        "cap_up_bps": _number(h.get("cap_up_bps")), "cap_down_bps": _number(h.get("cap_down_bps")),
+        "data_cap_bytes": cap_bytes, "data_cap_period": str(h.get("data_cap_period") or "") if cap_bytes else "",
+        "data_used_bytes": int(_number(h.get("data_used_bytes"))) if cap_bytes else 0,
+    }
+
+
+def links(client, now: float | None = None, key: trust.PoolKey | None = None) -> dict[str, dict[str, Any]]:
+    """The effective links of the machines that take tasks, by name, for a run's plan: ``up_bps``
+    and ``down_bps`` are min(measured, cap) where both are known, the cap alone where nothing
+    was measured, None where neither is; ``stale`` where the measurement is older than
+    :data:`STALE_AFTER_S` (its figure still given, said to be old); ``rtt_s`` the broker's round
+    trip (None: not measured). Only verified heartbeats count (:func:`list_workers`)."""
+    now = broker_now(client) if now is None else now
+    out = {}
+    for w in list_workers(client, now=now, key=key):
+        if w["state"] not in TAKES_TASKS:
+            continue
+        figures = {}
+        for way in ("up", "down"):
+            measured, cap = w[f"link_{way}_bps"], w[f"cap_{way}_bps"]
+            figures[f"{way}_bps"] = (min(measured, cap) if measured and cap else measured or cap or None)
+        out[w["name"]] = {**figures, "stale": w["link_stale"], "rtt_s": w["broker_rtt_s"],
+                          "measured": w["link_up_bps"] is not None or w["link_down_bps"] is not None}
+    return out
 
 
 def quarantine_verified(key: trust.PoolKey, h: dict[str, Any], incarnation: Any) -> bool:
@@ -126,6 +172,7 @@ def list_workers(client, now: float | None = None, heartbeat_s: float | None = N
             "incarnation": h.get("incarnation"),
             "owner": {k: v for k, v in _object(h.get("owner")).items() if isinstance(v, int)},
             "queues": [q for q in _list(h.get("queues")) if isinstance(q, str)],
+            **link_figures(h, now),
         })
     return out
 
@@ -148,6 +195,16 @@ def _json(text: Any) -> Any:
         return json.loads(text) if isinstance(text, str) else None
     except ValueError:
         return None
+
+
+def json_value(text: Any) -> Any:
+    """``text`` read as JSON; None where it is not."""
+    return _json(text)
+
+
+def number(value: Any) -> float:
+    """``value`` as a finite number; 0 where it is not one."""
+    return _number(value)
 
 
 def _number(value: Any) -> float:

@@ -39,6 +39,8 @@ local out = {redis.call('hmget', KEYS[1], unpack(ARGV)), redis.call('hexists', K
 if KEYS[2] then
   out[3] = redis.call('hget', KEYS[2], 'quarantined')
   out[4] = redis.call('hget', KEYS[2], 'paused')
+  out[5] = redis.call('hget', KEYS[2], 'cap_up_bps')
+  out[6] = redis.call('hget', KEYS[2], 'cap_down_bps')
 end
 return out
 """
@@ -52,7 +54,8 @@ def whole(h: dict[str, str]) -> bool:
 def read_state(client: Any, run_id: str, worker: str | None = None) -> Any:
     """Read (with a pipeline: queue) what :func:`state_of` takes, in one command; with a
     ``worker``, its quarantine mark and why it is paused too (the reply's third and fourth
-    items: None, or a false value, when it has none)."""
+    items: None, or a false value, when it has none), and its owner's caps on the store link
+    (fifth and sixth: bytes/s up and down, as its heartbeat says; None before one says)."""
     keys = [layout.run_key(run_id)] + ([layout.worker_key(worker)] if worker is not None else [])
     return client.eval(_READ_STATE, len(keys), *keys, *SMALL)
 

@@ -1,12 +1,14 @@
 """The bytes a run moved, on the broker: through the links per task (``tt:run:<id>:bytes``,
 counted once per task), through the store per machine (``store_bytes``), and dataset bytes per
-machine (``data_bytes`` downloaded, ``data_read`` read by its tasks)."""
+machine (``data_bytes`` downloaded, ``data_read`` read by its tasks). A machine's store bytes
+count against its data budget in the same round trip (:mod:`tensorturn.state.budget`)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from tensorturn import layout
+from tensorturn.state.budget import Budget
 
 
 class Traffic:
@@ -27,13 +29,14 @@ class Traffic:
 
     def add_store_bytes(self, run_id: str, up: int, down: int, worker: str, pipe: Any = None) -> None:
         """Add what one attempt (or a run's start) on ``worker`` stored and fetched, every object
-        included (in ``pipe``, when given): for the run, and for that machine."""
+        included (in ``pipe``, when given): for the run, and for that machine — and its data budget."""
         if up or down:
             own = pipe is None
             pipe = self.r.pipeline(transaction=False) if own else pipe
             key = layout.run_key(run_id, "store_bytes")
             for field, value in (("up", up), ("down", down), (f"up@{worker}", up), (f"down@{worker}", down)):
                 pipe.hincrby(key, field, value)
+            Budget(self.r).add(worker, up + down, pipe)
             if own:
                 pipe.execute()
 

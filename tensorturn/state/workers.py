@@ -14,6 +14,7 @@ fields mean what :meth:`Workers.task_ended` and :meth:`Workers.store_ok` write.
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 from tensorturn import layout
@@ -21,8 +22,23 @@ from tensorturn.state import roster
 from tensorturn.state.clock import broker_now
 from tensorturn.state.live import Progress
 from tensorturn.state.runs import Runs
+from tensorturn.store.links import meter
 
 KEEP_S = 7 * 24 * 3600  # a heartbeat hash outlives its agent this long, unless pruned sooner
+SAMPLES_KEPT = 100      # timed transfers waiting for the next heartbeat, at most
+
+
+def take_caps(up: Any, down: Any) -> None:
+    """Hand the owner's caps (bytes/s, as a heartbeat stores them; None: no heartbeat says)
+    to this process's store (:data:`tensorturn.store.links.meter`)."""
+    if up is None and down is None:
+        return
+    meter.set_caps(roster.number(up), roster.number(down))
+
+
+def _sample(s: Any) -> bool:
+    return (isinstance(s, list) and len(s) == 3 and s[0] in ("up", "down")
+            and all(isinstance(x, (int, float)) and x > 0 for x in s[1:]))
 
 
 class Workers:
@@ -45,10 +61,13 @@ class Workers:
         return {w["name"] for w in self.all() if w["state"] != roster.WorkerState.OFFLINE}
 
     # -- the agent's own heartbeat --
-    def beat(self, node: str, fields: dict[str, Any], first: bool, idle: bool) -> tuple[str | None, str | None]:
+    def beat(self, node: str, fields: dict[str, Any], first: bool, idle: bool
+             ) -> tuple[str | None, str | None, list[list[Any]]]:
         """Write one heartbeat of ``node`` (``fields``: signed inventory, live figures, pid), in
         one round trip; ``first`` starts its hash afresh, ``idle`` clears a task a killed pool
-        child left behind. Returns its quarantine mark and the mark's signature."""
+        child left behind. Returns its quarantine mark, the mark's signature, and the timed
+        store transfers of ``node``'s processes since the last beat (:meth:`link_sample`), oldest
+        first: [direction, bytes, seconds] each (anything else in the list is dropped)."""
         key = layout.worker_key(node)
         pipe = self.r.pipeline(transaction=False)  # one writer of these fields: no MULTI/EXEC
         if first:
@@ -59,8 +78,28 @@ class Workers:
             pipe.hdel(key, "task", "progress")
         pipe.expire(key, KEEP_S)
         pipe.hmget(key, "quarantined", roster.QUARANTINE_SIGNATURE)
-        mark, sig = pipe.execute()[-1]
-        return mark, sig
+        pipe.lpop(layout.links_key(node), SAMPLES_KEPT)
+        *_, (mark, sig), samples = pipe.execute()
+        return mark, sig, [s for s in map(roster.json_value, samples or []) if _sample(s)]
+
+    def round_trips(self, n: int) -> list[float]:
+        """The seconds each of ``n`` PINGs to the broker took, one after the other."""
+        out = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            self.r.ping()
+            out.append(time.perf_counter() - t0)
+        return out
+
+    def link_sample(self, node: str, direction: str, nbytes: int, seconds: float) -> None:
+        """A timed store transfer of one of ``node``'s processes, for its next heartbeat
+        (:meth:`beat` takes them)."""
+        key = layout.links_key(node)
+        pipe = self.r.pipeline(transaction=False)
+        pipe.rpush(key, json.dumps([direction, int(nbytes), float(seconds)]))
+        pipe.ltrim(key, -SAMPLES_KEPT, -1)
+        pipe.expire(key, KEEP_S)
+        pipe.execute()
 
     def unquarantine(self, node: str) -> None:
         """Remove ``node``'s quarantine mark (one its own tasks did not sign)."""
@@ -81,13 +120,15 @@ class Workers:
         key = layout.worker_key(worker)
         pipe = self.r.pipeline(transaction=False)
         pipe.hset(key, mapping={"task": label, "progress": json.dumps(progress)})
-        pipe.hget(key, "paused")
+        pipe.hmget(key, "paused", "cap_up_bps", "cap_down_bps")
         if live is not None:
             run_id, field, entry = live
             Progress(self.r).write(run_id, field, entry, pipe)
             Runs(self.r).state_field(run_id, pipe)
         replies = pipe.execute()
-        return (replies[-1] if live is not None else None), (replies[1] or None)
+        paused, up, down = replies[1]
+        take_caps(up, down)  # a rules change holds for the task's next transfer
+        return (replies[-1] if live is not None else None), (paused or None)
 
     def task_ended(self, worker: str, done: bool, rate: float | None, pipe: Any) -> None:
         """``worker``'s task ended, in ``pipe``: ``done`` when its output is the one recorded

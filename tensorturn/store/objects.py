@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import io
 import json
 import logging
+import mimetypes
 import os
 import secrets
 import shutil
@@ -29,6 +31,7 @@ from urllib.parse import unquote, urlsplit
 from tensorturn import config, layout
 from tensorturn.config import mask_url
 from tensorturn.errors import StoreError, StoreURLError
+from tensorturn.store.links import DOWN, PIECE, UP, Transfer, meter
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -163,12 +166,15 @@ class Store(ABC):
     def put_bytes(self, key: str, data: bytes, sha256: str | None = None) -> str:
         """Store ``data``; returns its sha256 (``sha256``, when the caller computed it already)."""
         digest = sha256 or sha256_hex(data)
-        self._retrying("write", key, lambda: self._put(key, data, digest))
+        with Transfer(UP, len(data)):
+            self._retrying("write", key, lambda: self._put(key, data, digest))
         _count(len(data), 0)
         return digest
 
     def get_bytes(self, key: str) -> bytes:
-        data = self._retrying("read", key, lambda: self._get(key))
+        with Transfer(DOWN) as moving:
+            data = self._retrying("read", key, lambda: self._get(key))
+            moving.nbytes = len(data)
         _count(0, len(data))
         return data
 
@@ -178,18 +184,24 @@ class Store(ABC):
         (``sha256``, when the caller hashed the file already: a model-sized file is read once)."""
         path = Path(path)
         digest = sha256 or file_sha256(path)
-        self._retrying("write", key, lambda: self._put_file(key, path, digest))
-        _count(path.stat().st_size, 0)
+        size = path.stat().st_size
+        with Transfer(UP, size):
+            self._retrying("write", key, lambda: self._put_file(key, path, digest))
+        _count(size, 0)
         return digest
 
     def get_file(self, key: str, path: Path | str) -> None:
         """Write an object to a local file without holding it in memory (S3: ranged parts)."""
-        self._retrying("read", key, lambda: self._get_file(key, Path(path)))
-        _count(0, Path(path).stat().st_size)
+        with Transfer(DOWN) as moving:
+            self._retrying("read", key, lambda: self._get_file(key, Path(path)))
+            moving.nbytes = Path(path).stat().st_size
+        _count(0, moving.nbytes)
 
     def get_range(self, key: str, start: int, stop: int) -> bytes:
         """Bytes ``[start, stop)`` of an object (unverified: its sha256 covers the whole)."""
-        data = self._retrying("read", key, lambda: self._get_range(key, start, stop))
+        with Transfer(DOWN) as moving:
+            data = self._retrying("read", key, lambda: self._get_range(key, start, stop))
+            moving.nbytes = len(data)
         _count(0, len(data))
         return data
 
@@ -254,12 +266,21 @@ class FileStore(Store):
         return self.root / check_key(key)
 
     def _put(self, key: str, data: bytes, sha256: str) -> None:
-        self._write(key, lambda f: f.write(data))
+        def write(f: BinaryIO) -> None:
+            view = memoryview(data)
+            for i in range(0, len(view), PIECE):  # at the owner's cap, piece by piece
+                meter.pace(UP, len(view[i:i + PIECE]))
+                f.write(view[i:i + PIECE])
+
+        self._write(key, write)
 
     def _put_file(self, key: str, path: Path, sha256: str) -> None:
         def copy(f: BinaryIO) -> None:
             with open(path, "rb") as source:
-                shutil.copyfileobj(source, f, 1 << 20)
+                if meter.cap(UP):
+                    _paced_copy(source, f, UP)
+                else:
+                    shutil.copyfileobj(source, f, PIECE)
 
         self._write(key, copy)
 
@@ -280,13 +301,22 @@ class FileStore(Store):
 
     def _get_file(self, key: str, path: Path) -> None:
         try:
-            shutil.copyfile(self._path(key), path)
+            if not meter.cap(DOWN):
+                shutil.copyfile(self._path(key), path)
+                return
+            with open(self._path(key), "rb") as source, open(path, "wb") as target:
+                _paced_copy(source, target, DOWN)
         except FileNotFoundError:
             raise ObjectMissing(f"store {self.url}: no object {key}") from None
 
     def _get(self, key: str) -> bytes:
         try:
-            return self._path(key).read_bytes()
+            if not meter.cap(DOWN):
+                return self._path(key).read_bytes()
+            with open(self._path(key), "rb") as f:
+                out = bytearray()
+                _paced_copy(f, out, DOWN)
+                return bytes(out)
         except FileNotFoundError:
             raise ObjectMissing(f"store {self.url}: no object {key}") from None
 
@@ -294,9 +324,11 @@ class FileStore(Store):
         try:
             with open(self._path(key), "rb") as f:
                 f.seek(start)
-                return f.read(stop - start)
+                data = f.read(stop - start)
         except FileNotFoundError:
             raise ObjectMissing(f"store {self.url}: no object {key}") from None
+        meter.pace(DOWN, len(data))
+        return data
 
     def _exists(self, key: str) -> bool:
         return self._path(key).is_file()
@@ -364,28 +396,39 @@ class S3Store(Store):
         return False
 
     def _put(self, key: str, data: bytes, sha256: str) -> None:
-        self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data,
-                               Metadata={"sha256": sha256})
+        if meter.cap(UP) and len(data) > PIECE:  # under a cap, streamed at it (s3transfer's limiter)
+            self.client.upload_fileobj(io.BytesIO(data), self.bucket, self._key(key), Config=transfer_config(),
+                                       ExtraArgs=_object_args(key, sha256), Callback=_pacer(UP))
+            return
+        meter.pace(UP, len(data))  # a small body is paced as a whole, before it goes
+        self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data, **_object_args(key, sha256))
 
     def _get(self, key: str) -> bytes:
         from botocore.exceptions import ClientError
 
         try:
+            if meter.cap(DOWN):  # under a cap, streamed at it (s3transfer's limiter)
+                body = io.BytesIO()
+                self.client.download_fileobj(self.bucket, self._key(key), body, Config=transfer_config(),
+                                             Callback=_pacer(DOWN))
+                return body.getvalue()
             return self.client.get_object(Bucket=self.bucket, Key=self._key(key))["Body"].read()
         except ClientError as exc:
-            if exc.response.get("Error", {}).get("Code") in {"NoSuchKey", "404"}:
+            if exc.response.get("Error", {}).get("Code") in {"NoSuchKey", "404", "NotFound"}:
                 raise ObjectMissing(f"store {self.url}: no object {key}") from None
             raise
 
     def _put_file(self, key: str, path: Path, sha256: str) -> None:
         self.client.upload_file(str(path), self.bucket, self._key(key), Config=transfer_config(),
-                                ExtraArgs={"Metadata": {"sha256": sha256}})
+                                Callback=_pacer(UP),
+                                ExtraArgs=_object_args(key, sha256))
 
     def _get_file(self, key: str, path: Path) -> None:
         from botocore.exceptions import ClientError
 
         try:
-            self.client.download_file(self.bucket, self._key(key), str(path), Config=transfer_config())
+            self.client.download_file(self.bucket, self._key(key), str(path), Config=transfer_config(),
+                                      Callback=_pacer(DOWN))
         except ClientError as exc:
             if exc.response.get("Error", {}).get("Code") in {"NoSuchKey", "404", "NotFound"}:
                 raise ObjectMissing(f"store {self.url}: no object {key}") from None
@@ -395,12 +438,14 @@ class S3Store(Store):
         from botocore.exceptions import ClientError
 
         try:
-            return self.client.get_object(Bucket=self.bucket, Key=self._key(key),
+            data = self.client.get_object(Bucket=self.bucket, Key=self._key(key),
                                           Range=f"bytes={start}-{stop - 1}")["Body"].read()
         except ClientError as exc:
             if exc.response.get("Error", {}).get("Code") in {"NoSuchKey", "404"}:
                 raise ObjectMissing(f"store {self.url}: no object {key}") from None
             raise
+        meter.pace(DOWN, len(data))
+        return data
 
     def _exists(self, key: str) -> bool:
         from botocore.exceptions import ClientError
@@ -448,6 +493,14 @@ class S3Store(Store):
 _BACKENDS: dict[str, Callable[[str], Store]] = {"file": FileStore, "s3": S3Store}
 
 
+def _object_args(key: str, sha256: str) -> dict[str, Any]:
+    """What an S3 object is stored with besides its body: its sha256, and its content type from
+    its name (``application/json`` for a record, so a browser or the AWS console shows it as
+    such; ``application/octet-stream`` for weights and anything unknown)."""
+    kind = mimetypes.guess_type(key, strict=False)[0] or "application/octet-stream"
+    return {"Metadata": {"sha256": sha256}, "ContentType": kind}
+
+
 def transfer_config() -> Any:
     """boto3's transfer manager: objects over 4 parts move in parts of ``TENSORTURN_PART_MB``
     (16 MiB), 4 at a time, each part retried on its own; memory holds a few parts, never the
@@ -457,6 +510,29 @@ def transfer_config() -> Any:
     part = int(max(config.current().part_mb, 5) * 1024 ** 2)  # S3's smallest part is 5 MiB
     return TransferConfig(multipart_threshold=4 * part, multipart_chunksize=part,
                           max_concurrency=4, use_threads=True)
+
+
+def _pacer(direction: str) -> Callable[[int], None] | None:
+    """The transfer manager's progress callback, under an owner's cap: it runs on the thread
+    that moves the bytes, as they go (an upload's as they are sent, not while botocore reads
+    the body for its checksum; a download's as they arrive), so waiting in it holds the
+    transfer to the cap — one bucket for every part in flight and for the folder store's
+    pieces, whose rate a cap changed mid-transfer sets at once (s3transfer's ``max_bandwidth``
+    is fixed per transfer; measured on moto the two rates were the same). A retried part
+    reports its bytes back as negative: nothing is given back."""
+    if not meter.cap(direction):
+        return None
+    return lambda n: meter.pace(direction, n)
+
+
+def _paced_copy(source: BinaryIO, target: Any, direction: str) -> None:
+    """Copy ``source`` into ``target`` (a file, or a bytearray) in pieces, each under the cap."""
+    while piece := source.read(PIECE):
+        meter.pace(direction, len(piece))
+        if isinstance(target, bytearray):
+            target += piece
+        else:
+            target.write(piece)
 
 
 def check_store_url(url: str) -> None:

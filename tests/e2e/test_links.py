@@ -167,3 +167,24 @@ def test_on_a_1_mbit_link_an_upload_longer_than_the_lease_is_never_handed_out_tw
         (a["task"], a["outcome"]) for a in doc["attempts"]]
     kinds = {i["kind"] for i in doc["incidents"]}
     assert not kinds & {"requeued", "duplicate_ignored", "late_ignored"}, doc["incidents"]
+
+
+def test_agents_measure_their_home_links_never_above_what_the_link_carries(linked):
+    """Behind 20 Mbit/s up, 100 down and 40 ms: each agent's probe at start (at most 4 MB or 2 s
+    each way, to S3 through the link) measures at most what the link carries — a loaded machine
+    can only measure less — and its broker round trip at least the link's 40 ms."""
+    from tensorturn.state.roster import list_workers
+
+    pool, _ = linked
+
+    def measured() -> list[dict] | None:
+        ws = list_workers(redis_client(pool.broker_url))
+        return ws if len(ws) == 2 and all(w["link_up_bps"] and w["link_down_bps"] and w["broker_rtt_s"]
+                                          for w in ws) else None
+
+    for w in wait_for(measured, "both agents to measure their links"):
+        print(f"{w['name']}: up {w['link_up_bps'] * 8 / 1e6:.1f} Mbit/s, down {w['link_down_bps'] * 8 / 1e6:.1f} "
+              f"Mbit/s, rtt {w['broker_rtt_s'] * 1000:.0f} ms")
+        assert w["link_up_bps"] * 8 / 1e6 <= 20 * 1.05
+        assert w["link_down_bps"] * 8 / 1e6 <= 100 * 1.05
+        assert w["broker_rtt_s"] >= 0.040

@@ -302,3 +302,58 @@ def test_a_copied_pause_mark_written_back_after_a_restart_pauses_nobody(lone):
     me = after_its_next_look(lone, "local1", "idle")
     assert me["state"] == "idle" and not me["paused"]
     wait_for(lambda: consuming(lone, "local1"), "the agent to consume its queues")
+
+
+# ---- the household's line: caps, measured links, a data cap ---------------------------------------
+
+def test_past_its_data_cap_the_agent_pauses_while_its_task_is_redone_elsewhere(pool, reference):
+    """A metered line: the owner sets a data cap the agent has already used up (its start's
+    probe alone moved megabytes today). It hands its running shard back, the shard is redone
+    on the other agent at no cost to the attempts, and the run's model is the undisturbed one's."""
+    def metered(name: str) -> None:
+        assert tt("rules", name, "--data-cap-gb", "0.001/day", env=cli_env(pool)).returncode == 0
+
+    name, back, _ = paused_mid_task(pool, reference, metered)
+    assert back["outcome"] == "handed back: data cap (0.001 GB/day)"
+    me = standing(pool, name)
+    assert me["paused"] == "data cap (0.001 GB/day)" and me["verified"]
+    assert me["data_cap_bytes"] == 1_000_000 and me["data_cap_period"] == "day"
+    assert me["data_used_bytes"] >= 1_000_000
+
+
+def test_agents_say_their_measured_links_and_their_owners_caps(pool):
+    """Each agent measures its link to the store when it starts and its broker's round trip
+    every heartbeat, and says so in its signed heartbeat beside its owner's caps; the pool's
+    plan reads the effective rates (:func:`tensorturn.state.roster.links`): never above a cap."""
+    from tensorturn.state.roster import links
+
+    def measured() -> list[dict] | None:
+        ws = workers(pool)
+        return ws if all(w["link_up_bps"] and w["link_down_bps"] and w["broker_rtt_s"] for w in ws) else None
+
+    for w in wait_for(measured, "both agents to measure their links"):
+        assert w["verified"] and w["link_age_s"] is not None and not w["link_stale"]
+        assert w["cap_up_bps"] == 0 and w["data_cap_bytes"] == 0 and w["data_used_bytes"] == 0
+    out = tt("rules", "local1", "--max-upload-mbit", "20", "--max-download-mbit", "100", "--data-cap-gb",
+             "200/month", env=cli_env(pool))
+    assert out.returncode == 0, out.stderr
+    assert "upload ≤ 20 Mbit/s, download ≤ 100 Mbit/s, pause past 200 GB/month" in out.stdout
+    me = wait_for(lambda: (w := standing(pool, "local1"))["cap_up_bps"] and w, "the caps in its heartbeat")
+    assert me["verified"] and me["state"] in ("idle", "busy")  # signed, and at work: under its cap
+    assert me["cap_up_bps"] == 2_500_000 and me["cap_down_bps"] == 12_500_000
+    assert me["data_cap_bytes"] == 200_000_000_000 and me["data_cap_period"] == "month"
+    assert me["data_used_bytes"] > 0  # the start's probe counted
+    effective = links(redis.Redis.from_url(pool.broker_url, decode_responses=True))[me["name"]]
+    assert effective["up_bps"] == min(me["link_up_bps"], 2_500_000)
+    assert effective["down_bps"] == min(me["link_down_bps"], 12_500_000) and effective["rtt_s"] > 0
+    listed = tt("workers", env=cli_env(pool))
+    assert "/20 down " in listed.stdout and "GB this month" in listed.stdout, listed.stdout
+
+
+def test_an_agent_started_with_a_cap_keeps_its_own_transfers_to_it(pool_factory, tmp_path):
+    """Started with --max-upload-mbit 2 (TENSORTURN_MAX_UPLOAD_MBIT, as the agent's flag sets
+    it): its start's probe, bounded to 2 s, measures its capped link — at most the cap and 5 %."""
+    capped = pool_factory(1, env={"TENSORTURN_MAX_UPLOAD_MBIT": "2", "TENSORTURN_CACHE_DIR": str(tmp_path / "c")})
+    me = wait_for(lambda: (w := standing(capped, "local1"))["link_up_bps"] and w, "its link measured")
+    assert me["cap_up_bps"] == 250_000
+    assert me["link_up_bps"] <= 250_000 * 1.05, me["link_up_bps"]

@@ -119,7 +119,7 @@ def test_ensemble_votes_over_http(servers, runs):
     ({"inputs": [{"name": "input", "shape": [1, 63], "datatype": "FP32", "data": [0] * 63}]},
      400, "does not fit this model"),
     ({"inputs": [{"name": "input", "shape": [1, 64], "datatype": "BYTES", "data": ["a"] * 64}]},
-     400, "unsupported datatype"),
+     400, "unsupported datatype 'BYTES' for input 'input'"),
     ({"inputs": [{"name": "input", "shape": [1, 64], "datatype": "FP32", "data": [0] * 60}]},
      400, "must hold 64 numbers"),
     ({"inputs": [{"name": "input", "shape": [1, 64], "datatype": "FP32",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import textwrap
 
+import numpy as np
 import pytest
 import redis
 from conftest import assert_clean_error, clean_env, error_lines, queued_messages, tt
@@ -171,31 +172,76 @@ def test_status_of_unknown_run_is_an_error(redis_server, tmp_path):
 
 # ---- the inference API: values the declared datatype cannot hold, an input of another name ------
 
+def signature():
+    from tensorturn.serve.protocol import Signature
+
+    return Signature([2], ("label", "probabilities"), max_rows=10)
+
+
 @pytest.mark.parametrize("name,datatype,data,said", [
     ("input", "INT8", [300, 0], "data holds 300, outside INT8's range -128..127"),
     ("input", "INT8", [2.5, 0], "data holds a fraction, which is no INT8 value (declare FP32)"),
     ("input", "UINT8", [-7, 0], "data holds -7, outside UINT8's range 0..255"),
     ("input", "FP16", [70000.0, 0], "data holds numbers beyond the FP16 range (±65504)"),
-    ("../../etc/passwd", "FP32", [0.0, 1.0], "input '../../etc/passwd' is not this model's: its input is "
-                                               "named 'input'"),
-    (None, "FP32", [0.0, 1.0], "input 'None' is not this model's"),
+    ("input", "INT64", [2 ** 24 + 1, 0], "data holds 1.67772e+07: the model reads float32, which holds whole "
+                                         "numbers exactly only up to ±16,777,216"),
+    ("input", "BOOL", [1, 0], "data must contain true or false only (found int)"),
+    ("input", "BYTES", ["a", "b"], "unsupported datatype 'BYTES' for input 'input': send numbers (this "
+                                   "model's is FP32)"),
+    ("../../etc/passwd", "FP32", [0.0, 1.0], "no input '../../etc/passwd' in this model: its inputs are "
+                                               "'input' (FP32 [-1, 2])"),
+    (None, "FP32", [0.0, 1.0], "no input 'None' in this model"),
 ])
 def test_the_api_checks_values_against_their_datatype_and_the_input_by_name(name, datatype, data, said):
     from tensorturn.serve.protocol import BadRequest, parse_request
 
     spec = {"shape": [1, 2], "datatype": datatype, "data": data, **({"name": name} if name else {})}
     with pytest.raises(BadRequest) as refused:
-        parse_request(json.dumps({"inputs": [spec]}).encode(), [2], 10)
+        parse_request(json.dumps({"inputs": [spec]}).encode(), signature())
     assert refused.value.status == 400 and refused.value.message.startswith(said)
 
 
 @pytest.mark.parametrize("datatype,data", [("INT8", [-128, 127]), ("UINT8", [0, 255]), ("INT64", [-5, 7]),
+                                           ("UINT64", [0, 2 ** 24]), ("BOOL", [True, False]),
                                            ("FP16", [0.5, -65504.0]), ("FP32", [2.5, 1024.0])])
 def test_values_within_their_datatype_are_taken(datatype, data):
     from tensorturn.serve.protocol import parse_request
 
     body = {"inputs": [{"name": "input", "shape": [1, 2], "datatype": datatype, "data": data}]}
-    assert parse_request(json.dumps(body).encode(), [2], 10).x.tolist() == [[float(v) for v in data]]
+    assert parse_request(json.dumps(body).encode(), signature()).x.tolist() == [[float(v) for v in data]]
+
+
+@pytest.mark.parametrize("datatype,data", [("INT64", [-5, 7]), ("UINT8", [0, 255]), ("BOOL", [True, False]),
+                                           ("FP16", [0.5, -65504.0]), ("FP64", [2.5, 1e30])])
+def test_binary_tensor_data_is_read_as_json_data_is(datatype, data):
+    """The binary tensor data extension: the JSON's length in a header, then each input's bytes,
+    little-endian and row-major."""
+    from tensorturn.recipes.answer import NUMPY_DTYPES
+    from tensorturn.serve.protocol import parse_request
+
+    raw = np.array(data, NUMPY_DTYPES[datatype]).tobytes()
+    head = json.dumps({"inputs": [{"name": "input", "shape": [1, 2], "datatype": datatype,
+                                   "parameters": {"binary_data_size": len(raw)}}]}).encode()
+    parsed = parse_request(head + raw, signature(), str(len(head)))
+    assert parsed.x.tolist() == [np.float32(data).tolist()]
+
+
+@pytest.mark.parametrize("cut,header,said", [
+    (0, "9999", "Inference-Header-Content-Length is '9999': it must be the length of the JSON part"),
+    (0, "x", "Inference-Header-Content-Length is 'x'"),
+    (3, None, "input 'input' declares 16 bytes of binary data; 13 follow the JSON"),
+    (-3, None, "input 'input' declares 16 bytes of binary data; 19 follow the JSON"),
+])
+def test_binary_data_that_does_not_add_up_is_a_400(cut, header, said):
+    from tensorturn.serve.protocol import BadRequest, parse_request
+
+    raw = np.zeros(2, "<f8").tobytes()
+    head = json.dumps({"inputs": [{"name": "input", "shape": [1, 2], "datatype": "FP64",
+                                   "parameters": {"binary_data_size": 16}}]}).encode()
+    body = head + (raw[:-cut] if cut > 0 else raw + b"\0" * -cut)
+    with pytest.raises(BadRequest) as refused:
+        parse_request(body, signature(), header or str(len(head)))
+    assert refused.value.message.startswith(said)
 
 
 @pytest.mark.parametrize("args,message", [
@@ -227,8 +273,8 @@ def test_a_request_id_longer_than_the_cap_is_a_400():
         return json.dumps({"id": request_id, "inputs": [
             {"name": "input", "shape": [1, 2], "datatype": "FP32", "data": [0.0, 1.0]}]}).encode()
 
-    assert parse_request(body("x" * MAX_ID_CHARS), [2], 10).id == "x" * MAX_ID_CHARS
+    assert parse_request(body("x" * MAX_ID_CHARS), signature()).id == "x" * MAX_ID_CHARS
     with pytest.raises(BadRequest) as refused:
-        parse_request(body("x" * 3_000_000), [2], 10)
+        parse_request(body("x" * 3_000_000), signature())
     assert refused.value.status == 400
     assert refused.value.message == f"'id' is 3,000,000 characters; at most {MAX_ID_CHARS} are echoed back"

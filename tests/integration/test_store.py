@@ -146,6 +146,20 @@ def test_s3_put_get_round_trip_and_sha256_metadata(s3store, s3_bucket):
     assert head["Metadata"]["sha256"] == d2 == sha256_hex(b"v2")
 
 
+def test_s3_objects_carry_their_content_type(s3store, s3_bucket, tmp_path):
+    """A stored record is ``application/json`` to S3 (the console, a browser, ``aws s3 cp``), by
+    either path a body takes; weights and unknown kinds are ``application/octet-stream``."""
+    spec = tmp_path / "spec.json"
+    spec.write_text('{"seed": 0}')
+    s3store.put_json("runs/abc/spec.json", {"seed": 0})
+    s3store.put_file("runs/abc/manifest.json", spec)
+    s3store.put_bytes("runs/abc/global/r0000.safetensors", PAYLOAD)
+    kinds = {key: boto3.client("s3").head_object(Bucket=s3_bucket, Key=f"pre/fix/runs/abc/{key}")["ContentType"]
+             for key in ("spec.json", "manifest.json", "global/r0000.safetensors")}
+    assert kinds == {"spec.json": "application/json", "manifest.json": "application/json",
+                     "global/r0000.safetensors": "application/octet-stream"}
+
+
 def test_s3_uri_is_where_plain_boto3_finds_the_object(s3store):
     s3store.put_bytes("runs/r/final/model.safetensors", PAYLOAD)
     uri = s3store.uri("runs/r/final/model.safetensors")
