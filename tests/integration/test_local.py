@@ -201,3 +201,29 @@ def test_a_warm_parent_forks_each_line_of_agents_as_it_comes_until_its_pipe_clos
         assert [(tmp_path / f"{n}.log").read_text() for n in "abc"] == ["a\n", "b\n", "c\n"]
     finally:
         warm.stop_parent(parent)
+
+
+FORKED_SETTINGS = """
+import os
+from tensorturn.cli import run_in
+from tensorturn.pool.celery_app import app  # configured now, as the warm parent imports it
+
+try:
+    run_in({**os.environ, "TENSORTURN_SHUTDOWN_GRACE_S": "1.5", "TENSORTURN_VISIBILITY_TIMEOUT_S": "7"},
+           ["--help"])
+except SystemExit:
+    pass
+print(app.conf.worker_soft_shutdown_timeout, app.conf.broker_transport_options["visibility_timeout"])
+"""
+
+
+def test_an_agent_forked_from_the_warm_parent_configures_celery_with_its_own_settings():
+    """The warm parent imports Celery's app, which reads the settings as it is imported: the
+    agent forked from it (``run_in`` its environment) gives its running task its own shutdown
+    grace and lease, not the parent's."""
+    env = {k: v for k, v in clean_env().items() if k not in ("TENSORTURN_SHUTDOWN_GRACE_S",
+                                                             "TENSORTURN_VISIBILITY_TIMEOUT_S")}
+    out = subprocess.run([sys.executable, "-c", FORKED_SETTINGS], env=env, capture_output=True,
+                         text=True, timeout=300, stdin=subprocess.DEVNULL)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[-2:] == ["1.5", "7"]
