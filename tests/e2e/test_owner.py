@@ -16,7 +16,7 @@ import json
 import psutil
 import pytest
 import redis
-from conftest import clean_env, run_to_end, start_pool, submit_run, tt, wait_for, wait_for_run
+from conftest import clean_env, run_to_end, start_pool, submit_run, tt, tt_here, wait_for, wait_for_run
 
 from tensorturn import layout, platforms
 from tensorturn.pool.owner import OwnerRules
@@ -40,7 +40,9 @@ def owned(tmp_path_factory):
     battery.write_text("ac")
     others_cpu = tmp / "others-cpu"  # the share of the CPU other processes use, as the agents read it
     others_cpu.write_text("0")
-    pool = start_pool(tmp, 2, step_s=STEP_S, loglevel="INFO",
+    # agents started one by one, not forked warm: held_mid_shard finds an agent's pool
+    # processes by the title Celery gives them, which an agent forked from the warm parent lacks
+    pool = start_pool(tmp, 2, step_s=STEP_S, loglevel="INFO", quick=False,
                       env={"TESTBED_BATTERY_FILE": str(battery), "TENSORTURN_CACHE_DIR": str(tmp / "cache"),
                            "TESTBED_OTHERS_CPU_FILE": str(others_cpu)})
     pool.battery, pool.others_cpu = battery, others_cpu
@@ -54,9 +56,9 @@ def pool(owned):
     yield owned
     owned.battery.write_text("ac")
     owned.others_cpu.write_text("0")
-    for name in ("local1", "local2"):
-        tt("unpause", name, env=cli_env(owned))
-        tt("policy", name, "--clear", env=cli_env(owned))
+    for name in ("local1", "local2"):  # in this process: each command a subprocess took seconds
+        tt_here("unpause", name, env=cli_env(owned))
+        tt_here("policy", name, "--clear", env=cli_env(owned))
     wait_for(lambda: {w["state"] for w in workers(owned)} <= {"idle", "busy"}, "both agents back at work")
 
 
