@@ -41,7 +41,8 @@ WORKER_MODULES = ("celery.bin.celery", "celery.apps.worker", "celery.worker.work
 
 def warm_up() -> None:
     """Import what every agent imports before it takes work: torch and the recipes
-    (:func:`tensorturn.recipes.warm_up`), Celery's worker and the app (:data:`WORKER_MODULES`).
+    (:func:`tensorturn.recipes.warm_up`), Celery's worker and the app (:data:`WORKER_MODULES`);
+    find where the process title lives (setproctitle).
     Before that, what billiard reads when first imported (:func:`tensorturn.platforms.cold_stop`).
     Then freeze what is loaded out of the garbage collector's sight: each agent's pool runs a
     full collection before it forks (0.2 s over every object torch made), and the forks share
@@ -54,6 +55,13 @@ def warm_up() -> None:
     import_recipes()
     for module in WORKER_MODULES:
         importlib.import_module(module)
+    # setproctitle finds the title's memory on first use, beside the environment's: an agent
+    # replaces its environment (tensorturn.cli.run_in) before Celery titles it, and then its
+    # title stayed the parent's command line — found now, each agent and its pool processes
+    # show in `ps` as Celery names them
+    import setproctitle
+
+    setproctitle.getproctitle()
     gc.freeze()
 
 

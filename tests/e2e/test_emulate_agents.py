@@ -29,6 +29,10 @@ def test_agents_forked_by_a_warm_parent_read_the_battery_file(tmp_path):
         client = redis.Redis.from_url(pool.broker_url, decode_responses=True)
         wait_for(lambda: sorted(w["paused"] for w in list_workers(client)) == ["on battery"] * 2,
                  "both forked agents paused on battery")
+        # each titled in `ps` as Celery names an agent's processes (test_owner finds them so)
+        for i, agent in enumerate(pool.agents):
+            titles = [" ".join(p.cmdline()) for p in (psutil.Process(agent.pid), *psutil.Process(agent.pid).children())]
+            assert titles[0].startswith(f"[celeryd: local{i + 1}@") and "PoolWorker" in titles[1], titles
         # each a start of its own (what a signed mark or command is bound to), not the parent's
         assert len({w["incarnation"] for w in list_workers(client)}) == 2
         # an agent the pool starts again is forked by the same parent, a new start, and reads
