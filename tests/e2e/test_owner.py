@@ -40,9 +40,7 @@ def owned(tmp_path_factory):
     battery.write_text("ac")
     others_cpu = tmp / "others-cpu"  # the share of the CPU other processes use, as the agents read it
     others_cpu.write_text("0")
-    # agents started one by one, not forked warm: held_mid_shard finds an agent's pool
-    # processes by the title Celery gives them, which an agent forked from the warm parent lacks
-    pool = start_pool(tmp, 2, step_s=STEP_S, loglevel="INFO", quick=False,
+    pool = start_pool(tmp, 2, step_s=STEP_S, loglevel="INFO",
                       env={"TESTBED_BATTERY_FILE": str(battery), "TENSORTURN_CACHE_DIR": str(tmp / "cache"),
                            "TESTBED_OTHERS_CPU_FILE": str(others_cpu)})
     pool.battery, pool.others_cpu = battery, others_cpu
