@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from tensorturn import platforms
 from tensorturn.pool.embedded import LocalPool, RedisServer, stop_process_group
 from testbed import emulate
 from testbed.s3 import start_moto
@@ -191,10 +192,18 @@ def start_pool(workdir: Path, agents: int = 2, store_url: str | None = None,
     ``workdir/store``). With ``step_s`` every training step of its agents lasts that long
     (testbed.emulate's TESTBED_SIM_STEP_S): a task trains as long as the test needs, however
     loaded the machine is. ``options`` go to :class:`LocalPool` (``roles``, ``loglevel``, ``appendonly``). The caller
-    stops it (:meth:`LocalPool.stop`)."""
+    stops it (:meth:`LocalPool.stop`).
+
+    Where the platform allows (Linux: :func:`tensorturn.platforms.forks_warm`) its agents are
+    forked from one warm parent, as ``tensorturn run``'s are (:meth:`LocalPool.start_forked`):
+    the same ``tensorturn agent`` command, each a session of its own (``os.killpg`` on its pid
+    reaches it and its pool), all answering before this returns — and the imports paid once, not
+    once an agent (seconds of a core each). Elsewhere each agent is a process of its own."""
     env = dict(env or {})
     if step_s is not None:
         env[emulate.SIM_STEP_S] = str(step_s)
+    # not `quick` where agents cannot fork warm: it would return once the first agent answers
+    options.setdefault("quick", platforms.forks_warm())
     pool = AgentPool(agents, store_url or (workdir / "store").as_uri(), env=env,
                      workdir=workdir / "pool", **options)
     return pool.__enter__()  # which stops what it started if it fails

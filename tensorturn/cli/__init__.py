@@ -229,10 +229,16 @@ def cli() -> None:
 def run_in(environ: dict[str, str], args: list[str]) -> None:
     """Run the command ``args`` in this process as a process started with ``environ`` would
     (an embedded pool's agent, forked from its warm parent: :mod:`tensorturn.pool.warm`): its
-    settings are read from that environment, not kept from the parent's. Exits."""
+    settings are read from that environment, not kept from the parent's — Celery's app's
+    too, which the parent configured as it imported it (a forked agent gave its running task
+    the parent's shutdown grace, not its own). Exits."""
     os.environ.clear()
     os.environ.update(environ)
     config.reload()
+    if "tensorturn.pool.celery_app" in sys.modules:
+        from tensorturn.pool.celery_app import app, settings_for
+
+        app.conf.update(settings_for(config.current()))
     cli(args=args, prog_name="tensorturn")
 
 

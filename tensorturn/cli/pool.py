@@ -125,22 +125,24 @@ def agent(broker, store, name, concurrency, memory_gb, cache_gb, role, loglevel,
 @debug_option
 def local_agents():
     """An embedded pool's warm parent (tensorturn.pool.warm): import what an agent needs once,
-    read the agents to start from stdin (JSON: each one's name, environment and log), fork
-    them, and wait for them. Started by the pool, not by people."""
-    import json
+    read the agents to start from stdin (a JSON line of them: each one's name, environment and
+    log; later lines, agents the pool starts again), fork each, and wait for them. Started by
+    the pool, not by people."""
     import sys
 
     from tensorturn.cli import run_in
     from tensorturn.pool.warm import fork_agents, warm_up
 
     warm_up()  # before stdin is read: the pool starts Redis meanwhile, then writes the specs
-    specs = json.loads(sys.stdin.buffer.read())
 
     def agent_main(spec: dict[str, Any]) -> int:
+        from tensorturn.pool.telemetry import new_incarnation
+
+        new_incarnation()  # a start of its own, not the parent's (nor a killed sibling's)
         run_in(spec["env"], ["agent", "--name", spec["name"], "--concurrency", "1"])
         return 0
 
-    sys.exit(fork_agents(specs, agent_main, sys.stdout))
+    sys.exit(fork_agents(sys.stdin.fileno(), agent_main, sys.stdout))
 
 
 @cli.command()

@@ -416,14 +416,21 @@ class LocalPool:
             settings = settings.with_(cache_dir=str(Path(settings.cache_dir) / f"local{i + 1}"))
         return {**self.agent_environ(i), **settings.environ()}
 
-    def start_agent(self, i: int) -> subprocess.Popen:
-        """(Re)start agent ``local<i+1>`` as its own process group, logging to the workdir."""
+    def start_agent(self, i: int, timeout: float = 90) -> platforms.Process:
+        """(Re)start agent ``local<i+1>`` as its own process group, logging to the workdir:
+        forked from the pool's warm parent where it forked the others (:meth:`start_forked`),
+        as they were, else a process of its own."""
         env = self.agent_env(i)
         log_path = self.workdir / f"agent-{i + 1}.log"
-        with open(log_path, "ab") as out:
-            proc = subprocess.Popen(self.agent_argv(i), env=env, stdout=out,
-                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    **platforms.new_group())
+        proc: platforms.Process
+        if self.parent is not None and self.parent.poll() is None:
+            spec = {"name": f"local{i + 1}", "env": env, "log": str(log_path)}
+            proc = next(warm.hand_over(self.parent, [spec], self.workdir / "warm-parent.log", timeout))
+        else:
+            with open(log_path, "ab") as out:
+                proc = subprocess.Popen(self.agent_argv(i), env=env, stdout=out,
+                                        stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                        **platforms.new_group())
         _started.add(proc)
         if i < len(self.agents):
             self.agents[i], self.logs[i] = proc, log_path

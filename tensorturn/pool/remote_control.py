@@ -29,7 +29,7 @@ from functools import lru_cache
 from typing import Any
 
 from tensorturn import trust
-from tensorturn.pool.telemetry import INCARNATION
+from tensorturn.pool import telemetry
 from tensorturn.state.broker import redis_client
 from tensorturn.state.refusals import refuse
 
@@ -62,11 +62,12 @@ def command_doc(command: str, arguments: dict[str, Any], worker: str | None,
 
 
 def send(app: Any, command: str, arguments: dict[str, Any], worker: str | None = None,
-         incarnation: str | None = INCARNATION, reply: bool = False) -> Any:
+         incarnation: str | None = None, reply: bool = False) -> Any:
     """Send ``command`` signed with the pool key, to ``worker`` only or to every agent. A
     command bound to one agent names its ``incarnation``: by default this process's (a task
     of that agent), else the one its heartbeat shows (``tensorturn workers --json``). With
     ``reply``, the agents' answers."""
+    incarnation = telemetry.INCARNATION if incarnation is None else incarnation
     sig = trust.pool_key().sign(PURPOSE, command_doc(command, arguments, worker, incarnation))
     return app.control.broadcast(command, arguments={**arguments, "sig": sig}, reply=reply,
                                  destination=[worker] if worker else None, timeout=2.0)
@@ -85,7 +86,7 @@ def guard(panel: MutableMapping[str, Handler]) -> None:
 def _checked(name: str, handler: Handler) -> Handler:
     def checked(state: Any, sig: Any = None, **arguments: Any) -> Any:
         key = trust.find_key()
-        doc = command_doc(name, arguments, state.hostname, INCARNATION)
+        doc = command_doc(name, arguments, state.hostname, telemetry.INCARNATION)
         if key is None or not key.verify(PURPOSE, doc, sig):
             return _refuse(state, name, "missing or bad signature: sent by someone without the "
                                         "pool key, or for another agent or an earlier start of it")

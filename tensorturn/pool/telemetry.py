@@ -56,8 +56,18 @@ GB = 1024 ** 3
 MIB = 1024 ** 2
 # This start of the agent: made in the main process before the pool forks, so its tasks share
 # it. Signed quarantine marks and remote-control commands (:mod:`.remote_control`) name it, so a
-# copy of one replayed after a restart binds nobody.
+# copy of one replayed after a restart binds nobody. Read it as ``telemetry.INCARNATION``, when
+# needed: an agent forked from a warm parent makes its own (:func:`new_incarnation`).
 INCARNATION = secrets.token_hex(8)
+
+
+def new_incarnation() -> None:
+    """Make this process a new start of an agent (:data:`INCARNATION`): an agent forked from an
+    embedded pool's warm parent (:mod:`.warm`), which imported this module, would otherwise
+    share the parent's with every agent it forks — those it forks again after a kill included,
+    which a mark or command signed for the killed one would then bind."""
+    global INCARNATION
+    INCARNATION = secrets.token_hex(8)
 
 
 def _cpu_model() -> str:

@@ -41,7 +41,8 @@ WORKER_MODULES = ("celery.bin.celery", "celery.apps.worker", "celery.worker.work
 
 def warm_up() -> None:
     """Import what every agent imports before it takes work: torch and the recipes
-    (:func:`tensorturn.recipes.warm_up`), Celery's worker and the app (:data:`WORKER_MODULES`).
+    (:func:`tensorturn.recipes.warm_up`), Celery's worker and the app (:data:`WORKER_MODULES`);
+    find where the process title lives (setproctitle).
     Before that, what billiard reads when first imported (:func:`tensorturn.platforms.cold_stop`).
     Then freeze what is loaded out of the garbage collector's sight: each agent's pool runs a
     full collection before it forks (0.2 s over every object torch made), and the forks share
@@ -54,46 +55,88 @@ def warm_up() -> None:
     import_recipes()
     for module in WORKER_MODULES:
         importlib.import_module(module)
+    # setproctitle finds the title's memory on first use, beside the environment's: an agent
+    # replaces its environment (tensorturn.cli.run_in) before Celery titles it, and then its
+    # title stayed the parent's command line — found now, each agent and its pool processes
+    # show in `ps` as Celery names them
+    import setproctitle
+
+    setproctitle.getproctitle()
     gc.freeze()
 
 
-def fork_agents(specs: list[dict[str, Any]], run: Callable[[dict[str, Any]], int],
-                pids: IO[str]) -> int:
-    """Fork one agent per spec (``{"log": path, ...}``): each a session of its own (the pool
-    stops it as a process group), its stdout and stderr appended to its log, ``run(spec)`` its
-    life and exit status. Each child's pid is written to ``pids`` as a JSON line as soon as it
-    is forked; then wait for all of them. 0, or 1 when one ended with an error."""
-    children = []
-    for spec in specs:
-        pid = os.fork()
-        if pid == 0:  # the agent: never returns into the parent's code
-            code = 1
-            try:
-                os.setsid()
-                log = os.open(spec["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-                null = os.open(os.devnull, os.O_RDONLY)
-                for fd, target in ((null, 0), (log, 1), (log, 2)):
-                    os.dup2(fd, target)
-                os.close(log)
-                os.close(null)
-                code = run(spec)
-            except SystemExit as exc:
-                code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-            except BaseException:  # noqa: BLE001 - shown in the agent's log, then the child ends
-                import traceback
+# how long a forked agent that ended waits, at most, for the warm parent to collect its exit
+REAP_S = 0.5
 
-                traceback.print_exc()
-            finally:
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os._exit(code)
-        children.append(pid)
-        pids.write(json.dumps({"pid": pid}) + "\n")
-        pids.flush()
+
+def fork_agents(requests: int, run: Callable[[dict[str, Any]], int], pids: IO[str]) -> int:
+    """Fork one agent per spec (``{"log": path, ...}``) of each line read from the file
+    descriptor ``requests`` (a JSON list of specs a line: the pool's agents, then each it starts
+    again), as each line arrives, until ``requests`` closes; then wait for every agent. Each
+    agent is a session of its own (the pool stops it as a process group), its stdout and stderr
+    appended to its log, ``run(spec)`` its life and exit status. Each child's pid is written to
+    ``pids`` as a JSON line as soon as it is forked; one that ends meanwhile is reaped within
+    :data:`REAP_S`. 0, or 1 when one ended with an error."""
+    children: set[int] = set()
+    worst, read, more = 0, b"", b"open"
+    while more:
+        if select.select([requests], [], [], REAP_S)[0]:
+            more = os.read(requests, 65536)
+            *lines, read = (read + more).split(b"\n")
+            if not more:  # closed: an unterminated last line counts too
+                lines.append(read)
+            for line in filter(bytes.strip, lines):
+                for spec in json.loads(line):
+                    pid = _fork(spec, run)
+                    children.add(pid)
+                    pids.write(json.dumps({"pid": pid}) + "\n")
+                    pids.flush()
+        worst = max(worst, _reap(children, block=False))
+    return max(worst, _reap(children, block=True))
+
+
+def _fork(spec: dict[str, Any], run: Callable[[dict[str, Any]], int]) -> int:
+    """Fork the agent ``spec`` describes (:func:`fork_agents`); its pid."""
+    pid = os.fork()
+    if pid:
+        return pid
+    code = 1  # the agent: never returns into the parent's code
+    try:
+        os.setsid()
+        log = os.open(spec["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        null = os.open(os.devnull, os.O_RDONLY)
+        for fd, target in ((null, 0), (log, 1), (log, 2)):
+            os.dup2(fd, target)
+        os.close(log)
+        os.close(null)
+        code = run(spec)
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except BaseException:  # noqa: BLE001 - shown in the agent's log, then the child ends
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def _reap(children: set[int], block: bool) -> int:
+    """Collect the exit of each of ``children`` that has ended (``block``: of all of them,
+    waiting), taking it out of the set; 1 when one ended with an error, else 0."""
     worst = 0
-    for pid in children:
-        _, status = os.waitpid(pid, 0)
-        worst = worst or int(os.waitstatus_to_exitcode(status) != 0)
+    while children:
+        try:
+            pid, status = os.waitpid(-1, 0 if block else os.WNOHANG)
+        except ChildProcessError:  # none left
+            children.clear()
+            break
+        if pid == 0:
+            break
+        if pid in children:
+            children.discard(pid)
+            worst = worst or int(os.waitstatus_to_exitcode(status) != 0)
     return worst
 
 
@@ -161,14 +204,15 @@ def start_parent(environ: dict[str, str], log: Path) -> subprocess.Popen:
 
 def hand_over(parent: subprocess.Popen, specs: list[dict[str, Any]], log: Path,
               timeout: float) -> Iterator[ForkedAgent]:
-    """Give the warm parent its agents to fork (``specs``, secrets included: a pipe, never
-    argv) and yield each as it is forked (so a pool interrupted meanwhile stops those it has);
-    TensorTurnError, with the end of its log, when it ends first or takes longer than
-    ``timeout``."""
+    """Give the warm parent agents to fork (``specs``, secrets included: a pipe, never argv) —
+    the pool's, or later one it starts again — and yield each as it is forked (so a pool
+    interrupted meanwhile stops those it has); TensorTurnError, with the end of its log, when
+    it ends first or takes longer than ``timeout``. The pipe stays open for the next agents
+    (:func:`stop_parent` closes it)."""
     assert parent.stdin is not None and parent.stdout is not None
     try:
-        parent.stdin.write(json.dumps(specs).encode())
-        parent.stdin.close()
+        parent.stdin.write(json.dumps(specs).encode() + b"\n")
+        parent.stdin.flush()
     except BrokenPipeError:
         pass  # it ended: said below
     # read from the pipe itself: a buffered readline would take every line that has arrived
@@ -204,3 +248,9 @@ def stop_parent(parent: subprocess.Popen) -> None:
             pass
     platforms.kill_group(parent)
     parent.wait()
+    for pipe in (parent.stdin, parent.stdout):
+        try:
+            if pipe is not None:
+                pipe.close()
+        except BrokenPipeError:  # what was left to write goes with it
+            pass

@@ -16,7 +16,7 @@ import json
 import psutil
 import pytest
 import redis
-from conftest import clean_env, run_to_end, start_pool, submit_run, tt, wait_for, wait_for_run
+from conftest import clean_env, run_to_end, start_pool, submit_run, tt, tt_here, wait_for, wait_for_run
 
 from tensorturn import layout, platforms
 from tensorturn.pool.owner import OwnerRules
@@ -54,9 +54,9 @@ def pool(owned):
     yield owned
     owned.battery.write_text("ac")
     owned.others_cpu.write_text("0")
-    for name in ("local1", "local2"):
-        tt("unpause", name, env=cli_env(owned))
-        tt("policy", name, "--clear", env=cli_env(owned))
+    for name in ("local1", "local2"):  # in this process: each command a subprocess took seconds
+        tt_here("unpause", name, env=cli_env(owned))
+        tt_here("policy", name, "--clear", env=cli_env(owned))
     wait_for(lambda: {w["state"] for w in workers(owned)} <= {"idle", "busy"}, "both agents back at work")
 
 

@@ -135,7 +135,7 @@ def test_a_stop_that_hangs_is_cut_short_with_its_stacks_and_kills_what_it_starte
 
 ALL_AT_ONCE = """
 import json, signal, sys
-specs = json.loads(sys.stdin.read())
+specs = json.loads(sys.stdin.readline())
 sys.stdout.write("".join(json.dumps({"pid": int(s["name"])}) + "\\n" for s in specs))
 sys.stdout.flush()
 signal.pause()
@@ -164,3 +164,66 @@ def test_agents_a_warm_parent_reports_at_once_are_all_taken(tmp_path):
         for p in sleepers:
             p.kill()
             p.wait()
+
+
+FORKS = """
+import sys
+from tensorturn.pool.warm import fork_agents
+
+def run(spec):
+    print(spec["name"], flush=True)  # into its log
+    return int(spec["code"])
+
+sys.exit(fork_agents(sys.stdin.fileno(), run, sys.stdout))
+"""
+
+
+def test_a_warm_parent_forks_each_line_of_agents_as_it_comes_until_its_pipe_closes(tmp_path):
+    """The pool's agents come in one line, an agent it starts again in a later one: the
+    parent forks each line's as it arrives — after earlier agents ended, which it collects —
+    and, once its pipe closes, ends saying whether any agent failed."""
+    from tensorturn.pool import warm
+
+    parent = subprocess.Popen([sys.executable, "-c", FORKS], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, start_new_session=True)
+    log = tmp_path / "parent.log"
+    try:
+        specs = [{"name": name, "code": 0, "log": str(tmp_path / f"{name}.log")} for name in ("a", "b")]
+        first = list(warm.hand_over(parent, specs, log, timeout=120))
+        assert [agent.wait(timeout=120) for agent in first] == [-1, -1]
+        [again] = warm.hand_over(parent, [{"name": "c", "code": 3, "log": str(tmp_path / "c.log")}],
+                                 log, timeout=120)
+        assert again.wait(timeout=120) == -1 and again.pid not in [agent.pid for agent in first]
+        assert parent.poll() is None  # it waits for more
+        assert parent.stdin is not None
+        parent.stdin.close()
+        assert parent.wait(timeout=120) == 1  # c failed
+        assert [(tmp_path / f"{n}.log").read_text() for n in "abc"] == ["a\n", "b\n", "c\n"]
+    finally:
+        warm.stop_parent(parent)
+
+
+FORKED_SETTINGS = """
+import os
+from tensorturn.cli import run_in
+from tensorturn.pool.celery_app import app  # configured now, as the warm parent imports it
+
+try:
+    run_in({**os.environ, "TENSORTURN_SHUTDOWN_GRACE_S": "1.5", "TENSORTURN_VISIBILITY_TIMEOUT_S": "7"},
+           ["--help"])
+except SystemExit:
+    pass
+print(app.conf.worker_soft_shutdown_timeout, app.conf.broker_transport_options["visibility_timeout"])
+"""
+
+
+def test_an_agent_forked_from_the_warm_parent_configures_celery_with_its_own_settings():
+    """The warm parent imports Celery's app, which reads the settings as it is imported: the
+    agent forked from it (``run_in`` its environment) gives its running task its own shutdown
+    grace and lease, not the parent's."""
+    env = {k: v for k, v in clean_env().items() if k not in ("TENSORTURN_SHUTDOWN_GRACE_S",
+                                                             "TENSORTURN_VISIBILITY_TIMEOUT_S")}
+    out = subprocess.run([sys.executable, "-c", FORKED_SETTINGS], env=env, capture_output=True,
+                         text=True, timeout=300, stdin=subprocess.DEVNULL)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[-2:] == ["1.5", "7"]
