@@ -112,8 +112,8 @@ def start_agents(pool: LocalPool, speeds: list[float], step_s: float) -> None:
 
 def measure(recipe: str, name: str, speeds: list[float], args) -> list[dict[str, Any]]:
     """The pool's solo ratings, then every variant once per seed: one result per seed."""
-    cfg = {**RECIPES[recipe], **{k: v for k, v in (("sync_every", args.sync_every), ("rounds", args.rounds))
-                                 if v}}
+    cfg = {**RECIPES[recipe], **{k: v for k, v in (("sync_every", args.sync_every), ("rounds", args.rounds),
+                                                   ("step_s", args.step_s)) if v}}
     shards = args.shards or (8 if len(speeds) <= 3 else 2 * len(speeds))
     seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else [args.seed]
     variants = args.variants.split(",")
@@ -218,6 +218,9 @@ def main() -> None:
     parser.add_argument("--seeds", default="", help="several seeds, comma-separated (one pool start)")
     parser.add_argument("--sync-every", type=int, default=0, help="H (0: the recipe's)")
     parser.add_argument("--rounds", type=int, default=0, help="rounds (0: the recipe's)")
+    parser.add_argument("--step-s", type=float, default=0.0,
+                        help="seconds of a speed-1 step (0: the recipe's); longer keeps a fast agent's "
+                             "real compute within its emulated step on a loaded machine")
     parser.add_argument("--variants", default=",".join(VARIANTS),
                         help="sync policies to run, comma-separated; the first is the baseline")
     parser.add_argument("--name", default="mixed_speeds", help="the results' file name")
