@@ -200,4 +200,4 @@ def test_during_the_first_two_rounds_an_update_one_version_behind_gets_a_backup_
     assert backups_queued(1, peer) == []     # one behind, but the peer is no faster
     queued = backups_queued(1, fast)
     assert [(i["task"], i["worker"]) for i in queued] == [("u2/backup", fast)]
-    assert "1 versions behind" in queued[0]["detail"]
+    assert "1 version behind" in queued[0]["detail"]

@@ -214,7 +214,8 @@ def queue_update_backup(spec: RunSpec, board: RunBoard, book: AsyncLedger, worke
         if handed_out:
             return (f"every update is handed out and u{j} is still training: {worker} trains a "
                     f"backup copy, by its rate sooner")
-        return (f"u{j} trains from version {bases.get(j)}, {latest - bases.get(j, latest)} versions behind "
+        late = latest - bases.get(j, latest)
+        return (f"u{j} trains from version {bases.get(j)}, {late} version{'s' * (late != 1)} behind "
                 f"the latest: {worker} trains a backup copy from the latest, by its rate sooner")
 
     backups.queue_backup(
