@@ -141,11 +141,11 @@ def test_a_ledger_put_back_from_the_log_applies_again_what_the_log_lacks(redis_s
 
 
 def test_an_update_a_round_behind_the_latest_gets_a_backup_copy_before_all_are_handed_out(world):
-    """A slow machine trains u2 from version 0 while the others go on. Once the latest weights
-    are a round (S = 3 versions) past u2's, a machine that would train a whole copy sooner by
-    the two rates queues one on its own queue — before every update is handed out (the copy
-    trains from the latest weights; landing later, u2 would be weighted down and pull the model
-    back). One version fewer, or a machine no faster, and nothing is queued."""
+    """A slow machine trains u2 from version 6 while the others go on (past the warm-up's first
+    two rounds). Once the latest weights are a round (S = 3 versions) past u2's, a machine that
+    would train a whole copy sooner by the two rates queues one on its own queue — before every
+    update is handed out (the copy trains from the latest weights; landing later, u2 would be
+    weighted down and pull the model back). One version fewer, or a machine no faster, and nothing is queued."""
     from tensorturn.modes.fused import update as updates
     from tensorturn.modes.fused.async_versions import ledger
 
@@ -155,7 +155,7 @@ def test_an_update_a_round_behind_the_latest_gets_a_backup_copy_before_all_are_h
     fast, slow, peer = "fast@h", "slow@h", "peer@h"
     for worker, rate in ((fast, 400.0), (slow, 40.0), (peer, 40.0)):
         board.r.hset(layout.worker_key(worker), "last_rate", rate)
-    for j, base in ((0, 0), (1, 0), (2, 0), (3, 1), (4, 2)):  # 5 of 12 updates handed out
+    for j, base in ((0, 6), (1, 6), (2, 6), (3, 7), (4, 8)):  # 5 of 12 updates handed out
         book.start(j, base)
     board.attempts.begin(run_id, "u2", slow, 3)
 
@@ -164,9 +164,40 @@ def test_an_update_a_round_behind_the_latest_gets_a_backup_copy_before_all_are_h
         updates.queue_update_backup(spec, board, book, worker)
         return [i for i in board.describe(run_id)["incidents"] if i["kind"] == "backup_queued"]
 
-    assert backups_queued(2, fast) == []     # two versions behind: within a round
-    assert backups_queued(3, peer) == []     # a round behind, but the peer is no faster
-    queued = backups_queued(3, fast)
+    assert backups_queued(8, fast) == []     # two versions behind: within a round
+    assert backups_queued(9, peer) == []     # a round behind, but the peer is no faster
+    queued = backups_queued(9, fast)
     assert [(i["task"], i["worker"]) for i in queued] == [("u2/backup", fast)]
     assert "3 versions behind" in queued[0]["detail"]
     assert board.r.llen(layout.agent_queue(fast)) == 1
+
+
+def test_during_the_first_two_rounds_an_update_one_version_behind_gets_a_backup_copy(world):
+    """The warm-up: while the latest weights are fewer than 2·S versions in, an update one
+    version behind is copied already by a machine that would train it sooner — early updates
+    move the weights most, and one landing late there costs the most (1:1:4, 3 shards:
+    docs/benchmarks/mixed-speeds.md §12c). Within the same version, or by a machine no faster,
+    nothing is queued."""
+    from tensorturn.modes.fused import update as updates
+    from tensorturn.modes.fused.async_versions import ledger
+
+    spec = world.submit(mode="fused", recipe="digits-mlp", sync="async", rounds=4, shards=3, sync_every=10)
+    board, run_id = world.board, spec.run_id
+    book = ledger(board, run_id)
+    fast, slow, peer = "fast@h", "slow@h", "peer@h"
+    for worker, rate in ((fast, 400.0), (slow, 40.0), (peer, 40.0)):
+        board.r.hset(layout.worker_key(worker), "last_rate", rate)
+    for j in range(3):
+        book.start(j, 0)
+    board.attempts.begin(run_id, "u2", slow, 3)
+
+    def backups_queued(version: int, worker: str) -> list[dict]:
+        board.r.hset(book.k["async"], "version", version)
+        updates.queue_update_backup(spec, board, book, worker)
+        return [i for i in board.describe(run_id)["incidents"] if i["kind"] == "backup_queued"]
+
+    assert backups_queued(0, fast) == []     # trained from the latest
+    assert backups_queued(1, peer) == []     # one behind, but the peer is no faster
+    queued = backups_queued(1, fast)
+    assert [(i["task"], i["worker"]) for i in queued] == [("u2/backup", fast)]
+    assert "1 version behind" in queued[0]["detail"]
