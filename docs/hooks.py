@@ -128,6 +128,17 @@ def codecs() -> str:
     return _table(("codec", "bytes per value", "fewer bytes than fp32"), rows)
 
 
+def plan() -> str:
+    from tensorturn.modes.fused import plan as model
+
+    names = ("TARGET_UTILISATION", "MAX_PLANNED_SYNC_EVERY", "SMALL_COMM", "ROUND_TRIPS_PER_TASK",
+             "TASK_OVERHEAD_S", "FIXED_ROUND_S", "OUTER_S_PER_VALUE", "LOOPBACK_BPS", "LOOPBACK_RTT_S",
+             "BESIDE_STORE_BPS", "SPEED_SPREAD")
+    rows = [(f"`{name}`", f"{getattr(model, name):g}") for name in names]
+    rows += [(f"`{codec}` bytes per value", f"{size:.4f}") for codec, size in model.BYTES_PER_VALUE.items()]
+    return _table(("the plan's figure (tensorturn/modes/fused/plan.py)", "value"), rows)
+
+
 def modes() -> str:
     from tensorturn import registry
 
@@ -218,7 +229,7 @@ def commands() -> str:
 
 
 LISTS: dict[str, Callable[[], str]] = {
-    "settings": settings, "policies": policies, "codecs": codecs, "modes": modes, "recipes": recipes,
+    "settings": settings, "policies": policies, "codecs": codecs, "plan": plan, "modes": modes, "recipes": recipes,
     "layers": layers, "modules": modules, "keys": keys, "commands": commands,
 }
 

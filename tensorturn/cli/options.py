@@ -159,7 +159,7 @@ def run_groups() -> list[tuple[str, list[str]]]:
     command waits; then the expert options — each mode's others (from its options class) and
     the inner training's."""
     groups = [("Options", ["mode", "recipe", "recipe_options", "config_file", "rounds", "members",
-                           "merge", "seed", "local_workers", "join_file", "as_json", "print_config",
+                           "merge", "seed", "local_workers", "join_file", "as_json", "print_config", "plan_only",
                            "help"]),
               ("Where it runs, and how the command waits",
                ["broker", "store", "allow", "detach", "timeout_s", "track", "track_dir", "debug"])]

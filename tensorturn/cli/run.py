@@ -48,9 +48,13 @@ from tensorturn.recipes.check import HOOK_TIMEOUT_S
 @click.option("--print-config", is_flag=True,
               help="Print the settings the run would have (the run file's and the flags, with every "
                    "default) as a run file, and exit without running.")
+@click.option("--plan-only", is_flag=True,
+              help="Fused: print what --plan auto would choose (codecs, sync, H, shards, where the "
+                   "outer step runs) and why, from the pool's links and step times (θ_0's step "
+                   "timed here), and exit without running.")
 @track_options
 def run(broker, store, mode, recipe, recipe_options, merge, local_workers, detach, timeout_s,
-        as_json, config_file, print_config, track, track_dir, **options):
+        as_json, config_file, print_config, plan_only, track, track_dir, **options):
     """Train a model on the pool and print the result.
 
     \b
@@ -60,6 +64,7 @@ def run(broker, store, mode, recipe, recipe_options, merge, local_workers, detac
       tensorturn run --mode ensemble --recipe digits-mlp --members 4 --merge distill
       tensorturn run --recipe charlm --rounds 4 --print-config > run.toml
       tensorturn run --config run.toml --seed 1
+      tensorturn run --recipe gpt2-small --broker redis://... --plan-only
     """
     from click.core import ParameterSource
 
@@ -79,6 +84,16 @@ def run(broker, store, mode, recipe, recipe_options, merge, local_workers, detac
     if print_config:
         click.echo(runfile.dumps(request.settings), nl=False)
         return
+    if plan_only:
+        doc = Launcher(broker, store).plan(request)
+        if as_json:
+            emit_json(doc)
+        else:
+            from tensorturn.runs.display import plan_lines
+
+            for line in plan_lines(doc["plan"]):
+                click.echo(line)
+        return
     tracked = tracking(track, track_dir, detach)
     docs: list[dict] = []
     try:
@@ -92,9 +107,13 @@ def run(broker, store, mode, recipe, recipe_options, merge, local_workers, detac
 
 @cli.command()
 @click.argument("run_id", metavar="RUN")
+@click.option("--replan", is_flag=True,
+              help="Fused, started with --plan auto: make the plan again from today's links and "
+                   "step times (the codecs and H it chose; the sync policy stays) before the next "
+                   "round; recorded on the run.")
 @follow_options("resume")
 @track_options
-def resume(broker, store, run_id, local_workers, detach, timeout_s, as_json, track, track_dir):
+def resume(broker, store, run_id, replan, local_workers, detach, timeout_s, as_json, track, track_dir):
     """Continue a run from the last complete round or checkpoints in the store. (To let a
     paused machine work again: `tensorturn unpause MACHINE`.)
 
@@ -114,7 +133,7 @@ def resume(broker, store, run_id, local_workers, detach, timeout_s, as_json, tra
 
     tracked = tracking(track, track_dir, detach)
     print_results(launched(lambda observer: Launcher(broker, store, tracked(observer)).resume(
-        run_id, local_workers, detach, timeout_s)), as_json)
+        run_id, local_workers, detach, timeout_s, replan=replan)), as_json)
 
 
 @cli.command()

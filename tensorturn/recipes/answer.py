@@ -49,7 +49,7 @@ def served_outputs(pred: Prediction, members: list[dict] | None, kind: Kind,
     what the inference API answers and what an exported model's ``predict`` returns."""
     outputs = list(kind.served(pred.combined, classes))
     for entry, p in zip(members or [], pred.per_member):
-        outputs.append(Output(kind.member_output(entry["member"]), "FP32", p))
+        outputs.append(Output(kind.member_output(entry["member"]), "FP32", kind.member_values(p)))
     return outputs
 
 

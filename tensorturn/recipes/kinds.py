@@ -85,6 +85,10 @@ class Kind:
     def member_output(self, member: int) -> str:
         return f"member_{member}_probabilities"
 
+    def member_values(self, values: Any) -> Any:
+        """A member's output as served (its probabilities, as they are)."""
+        return values
+
 
 class LanguageModel(Kind):
     """A language model: a classification over the next token. Its targets may hold every
@@ -121,11 +125,14 @@ class Regression(Kind):
         return {"loss": float((err ** 2).mean()), "mae": float(err.abs().mean())}
 
     def served(self, combined: Any, classes: list[str] | None = None) -> list[Output]:
-        data = combined[..., 0] if combined.ndim == 2 and combined.shape[-1] == 1 else combined
-        return [Output("prediction", "FP32", data)]
+        return [Output("prediction", "FP32", self.member_values(combined))]
 
     def member_output(self, member: int) -> str:
         return f"member_{member}_prediction"
+
+    def member_values(self, values: Any) -> Any:
+        """One value a row (``[rows]``) where the model predicts one: a member's shape is the vote's."""
+        return values[..., 0] if values.ndim == 2 and values.shape[-1] == 1 else values
 
 
 class Explained:

@@ -18,10 +18,14 @@ from tensorturn.state.queues import drop_queued
 
 
 def resume(run_id: str, broker_url: str, store_url: str,
-           allow: Collection[str] = ()) -> tuple[dict[str, Any], str]:
+           allow: Collection[str] = (), replan: bool = False) -> tuple[dict[str, Any], str]:
     """Continue a run whose chain was lost (Redis lost its data, the embedded pool was stopped)
     or that failed and whose cause is fixed, from the store alone. ``allow``: recipe names this
     process may build besides the machine's allowlist (:func:`tensorturn.recipes.resolve`).
+
+    With ``replan`` (a fused run started with ``--plan auto``), the plan is made again from
+    today's figures before anything is queued (:func:`tensorturn.modes.fused.timing.replan`):
+    the spec keeps it, and the run records it as an incident.
 
     Returns the run's description and a sentence on what was resumed.
     """
@@ -35,6 +39,8 @@ def resume(run_id: str, broker_url: str, store_url: str,
         spec = load_spec(store, run_id)
     except ObjectMissing:
         raise NotFound(f"no run {run_id!r} in the store {config.mask_url(store_url)}") from None
+    if replan:
+        check_replan(spec)
     client = check_broker(broker_url)
     configure(broker_url)
     board = RunBoard(client)
@@ -56,6 +62,13 @@ def resume(run_id: str, broker_url: str, store_url: str,
         save_spec(store, spec)
         board.runs.update_spec(spec)
     try:
+        if replan:
+            from tensorturn.modes.fused.timing import replan as plan_again
+
+            note = plan_again(spec, client, allow)
+            save_spec(store, spec)
+            board.runs.update_spec(spec)
+            board.incidents.add(run_id, "replanned", "", "", note)
         what = get_mode(spec.mode).resume(spec, store, board, allow)
     except Exception as exc:
         # reopened but nothing queued: say so on the run rather than leave it `running`
@@ -63,6 +76,17 @@ def resume(run_id: str, broker_url: str, store_url: str,
                                        f"`tensorturn resume {run_id}` again once the cause is fixed")
         raise
     return board.describe(run_id), what
+
+
+def check_replan(spec: Any) -> None:
+    """SpecError unless ``resume --replan`` can plan ``spec``'s run again: a fused run started
+    with ``--plan auto``."""
+    if spec.mode != "fused":
+        raise SpecError(f"--replan makes a fused run's plan again; run {spec.run_id} is not fused "
+                        f"(--mode {spec.mode})")
+    if getattr(spec.options, "plan", "auto") != "auto":
+        raise SpecError(f"run {spec.run_id} was started with --plan off: there is no plan to make "
+                        f"again (resume it without --replan)")
 
 
 def succeeded_in(store: Any, run_id: str) -> bool:

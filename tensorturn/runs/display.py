@@ -100,7 +100,39 @@ def shown(doc: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(spec, dict):
         return doc
     masked = {**spec, **{k: public(spec[k]) for k in ("recipe_options", "run_config") if spec.get(k)}}
-    return {**doc, "spec": masked}
+    planned = (spec.get("options") or {}).get("planned") if isinstance(spec.get("options"), dict) else None
+    extra = {"utilisation": {"predicted": planned.get("predicted_utilisation"),
+                             "measured": measured_utilisation(doc)}} if planned else {}
+    return {**doc, "spec": masked, **extra}
+
+
+def measured_utilisation(doc: dict[str, Any]) -> float | None:
+    """The share of the trainers' time their shard tasks spent training, so far: the training
+    seconds of the succeeded shard attempts (``trained_s``) ÷ (the machines that trained × the
+    time from the first such attempt's start to the last one's end). What a fused run's plan
+    predicted (``predicted_utilisation``) is the same measure in a steady round; a run's first
+    round and its end (the last outer step, the test) count here, so a short run reads lower.
+    None before a shard attempt has finished."""
+    trained = [a for a in doc.get("attempts") or []
+               if a.get("trained_s") is not None and a.get("outcome") == "succeeded" and a.get("finished_at")]
+    if not trained:
+        return None
+    span = max(a["finished_at"] for a in trained) - min(a["started_at"] for a in trained)
+    machines = len({a["worker"] for a in trained})
+    return round(min(sum(a["trained_s"] for a in trained) / (machines * span), 1.0), 3) if span > 0 else None
+
+
+def plan_lines(plan: dict[str, Any], indent: str = "") -> list[str]:
+    """A fused run's plan (:class:`tensorturn.modes.fused.plan.Plan`) in a few lines: what it
+    chose, what it predicts, and why."""
+    down = "" if plan["broadcast_codec"] == plan["codec"] else f" up, {plan['broadcast_codec']} down"
+    outer = "beside the store" if plan["outer_role"] == "store" else "on a trainer"
+    lines = [f"{indent}plan: codec {plan['codec']}{down}; sync {plan['sync']}; H {plan['sync_every']}; "
+             f"{plan['shards']} shards; outer steps {outer}",
+             f"{indent}  predicted utilisation {plan['predicted_utilisation']:.2f}, a round "
+             f"{plan['round_s']:.1f} s, {plan['bytes_per_round'] / 1e6:,.1f} MB over the links a round"]
+    lines += [f"{indent}  - {why}" for why in plan.get("why") or []]
+    return lines
 
 
 def result_lines(doc: dict[str, Any]) -> list[str]:
@@ -121,6 +153,11 @@ def result_lines(doc: dict[str, Any]) -> list[str]:
     if isinstance(best_r2, (int, float)) and best_r2 < 0:
         lines.append(f"  warning: every member's R² on the test rows is below 0 (the best: {figure(best_r2)}): "
                      f"each predicts worse than the targets' mean (a learning rate too high? too few steps?)")
+    utilisation = doc.get("utilisation") or {}
+    if utilisation.get("predicted") is not None:
+        measured = utilisation.get("measured")
+        lines.append(f"  utilisation: predicted {utilisation['predicted']:.2f} by the plan, measured "
+                     + ("— (no shard finished yet)" if measured is None else f"{measured:.2f}"))
     if doc.get("agents"):
         agents = doc["agents"]
         lines.append(f"  trained on {len(agents)} agent{'s' if len(agents) != 1 else ''}: {', '.join(agents)}")

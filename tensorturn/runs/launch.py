@@ -211,10 +211,11 @@ class Launcher:
         return self.launch([self.submitting(spec, recipes)], recipes, local_workers, detach, timeout_s)
 
     def resume(self, run_id: str, local_workers: int | None = LOCAL_WORKERS, detach: bool = False,
-               timeout_s: float | None = None) -> list[dict[str, Any]]:
+               timeout_s: float | None = None, replan: bool = False) -> list[dict[str, Any]]:
         """``tensorturn resume``: continue a run from the store
-        (:func:`tensorturn.runs.control.resume`) and follow it. An unknown run, and a soup
-        (finished when made), are refused before any pool starts."""
+        (:func:`tensorturn.runs.control.resume`; ``replan``: its plan made again first) and
+        follow it. An unknown run, and a soup (finished when made), are refused before any pool
+        starts; so is ``replan`` for a run that is not fused."""
         from tensorturn.runs import control
         from tensorturn.runs.records import describe
 
@@ -223,6 +224,10 @@ class Launcher:
         if (known.get("lineage") or {}).get("souped_from"):
             raise SpecError(f"run {run_id} is a weight soup made by `tensorturn soup`: it is finished, "
                             f"there is nothing to resume")
+        if replan:  # before any pool starts
+            from tensorturn.runs.control import check_replan
+
+            check_replan(RunSpec.from_json(known["spec"]))
         recipes = [known["recipe"]]
         if known["recipe"] == "distill":  # a student: its agents build the ensemble's recipe too
             recipes.append(((known.get("spec") or {}).get("recipe_options") or {}).get("recipe", ""))
@@ -231,10 +236,31 @@ class Launcher:
         allow = recipes if not self.broker else []
 
         def start(broker_url: str, say: Say) -> None:
-            _, what = control.resume(run_id, broker_url, self.store_url, allow=allow)
+            _, what = control.resume(run_id, broker_url, self.store_url, allow=allow, replan=replan)
             say(f"run {run_id}: {what}")
 
         return self.launch([(run_id, start)], recipes, local_workers, detach, timeout_s)
+
+    def plan(self, request: RunRequest) -> dict[str, Any]:
+        """``tensorturn run --plan-only``: what ``--plan auto`` would choose for ``request``'s fused
+        run on this pool (or the embedded pool it would start), with its reasons — nothing is
+        queued or stored (:func:`tensorturn.modes.fused.timing.plan_for`)."""
+        spec = request.spec
+        if spec.mode != "fused":
+            raise SpecError(f"--plan-only shows a fused run's plan; --mode {spec.mode} has none "
+                            f"(drop --plan-only, or use --mode fused)")
+        if getattr(spec.options, "plan", "auto") != "auto":
+            raise SpecError("--plan-only shows what --plan auto chooses: drop --plan off")
+        from tensorturn.modes.fused.timing import plan_for
+
+        client = None
+        if self.broker:
+            from tensorturn.state.broker import check_broker
+
+            client = check_broker(self.broker)
+        spec = request.spec_for(self.store_url, None)
+        chosen = plan_for(spec, client, request.local_workers or LOCAL_WORKERS, allow=(spec.recipe,))
+        return {"plan": chosen.to_json()}
 
     def check_waiting(self, local_workers: int | None, timeout_s: float | None) -> None:
         """SpecError unless how a launch runs is in bounds: an embedded pool's agents (unused on

@@ -61,7 +61,8 @@ return out
 # 3 the entry as begun, 4 the entry finished, 5-6 the entry finished late, before and after the
 # number of the attempt that stored first, 7 succeeded ('1'/'0'), 8 now, 9 the task's bytes
 # ('up,down', or '' for none), 10-11 store bytes up and down, 12 worker, 13 the store answered
-# ('1'/'0'), 14 the training rate ('' for none). Returns 0; 1 when the entry is not the one begun
+# ('1'/'0'), 14 the training rate ('' for none), 15-16 a recipe and its step seconds, merged
+# into the worker's step_s (16 '' for none: Workers.step_time). Returns 0; 1 when the entry is not the one begun
 # (a resume restored it, or another agent marked it lost): nothing is written then, and the
 # caller finishes it the long way.
 _FINISH = """
@@ -90,6 +91,12 @@ if ARGV[13] == '1' then redis.call('hdel', KEYS[6], 'store_failures', 'store_fai
 redis.call('hdel', KEYS[6], 'task')
 if ARGV[7] == '1' and not late then redis.call('hincrby', KEYS[6], 'tasks_done', 1) end
 if ARGV[14] ~= '' then redis.call('hset', KEYS[6], 'last_rate', ARGV[14]) end
+if ARGV[16] ~= '' then
+  local ok, steps = pcall(cjson.decode, redis.call('hget', KEYS[6], 'step_s') or '{}')
+  if not ok or type(steps) ~= 'table' then steps = {} end
+  steps[ARGV[15]] = tonumber(ARGV[16])
+  redis.call('hset', KEYS[6], 'step_s', cjson.encode(steps))
+end
 return 0
 """
 
@@ -128,10 +135,15 @@ class Figures:
     store_ok: bool = True
     rate: float | None = None
     trained_from: float | None = None  # when it began training, on the broker's clock (before: θ and data)
+    trained_s: float | None = None  # how long it trained (after: storing its output)
+    step: tuple[str, float] | None = None  # (recipe, seconds a step) the worker publishes for plans
 
     def entry(self) -> dict[str, Any]:
         """What the figures add to the attempt's own entry."""
-        return {} if self.trained_from is None else {"trained_from": self.trained_from}
+        out: dict[str, Any] = {} if self.trained_from is None else {"trained_from": self.trained_from}
+        if self.trained_s is not None:
+            out["trained_s"] = round(self.trained_s, 3)
+        return out
 
 
 class Held(Exception):
@@ -259,7 +271,8 @@ class Attempts:
             "1" if succeeded else "0", now,
             f"{figures.bytes_up},{figures.bytes_down}" if succeeded else "",
             figures.store_up, figures.store_down, figures.worker, "1" if figures.store_ok else "0",
-            "" if figures.rate is None else figures.rate)
+            "" if figures.rate is None else figures.rate,
+            figures.step[0] if figures.step else "", f"{figures.step[1]:.6g}" if figures.step else "")
         return bool(int(changed))
 
     def _figures(self, run_id: str, task: str, outcome: str, figures: Figures, pipe: Any) -> None:
@@ -271,6 +284,8 @@ class Attempts:
         if figures.store_ok:
             workers.store_ok(figures.worker, pipe)
         workers.task_ended(figures.worker, outcome == Outcome.SUCCEEDED, figures.rate, pipe)
+        if figures.step:
+            workers.step_time(figures.worker, *figures.step, pipe)
 
     def latest(self, run_id: str, task: str) -> dict[str, Any] | None:
         """The entry of ``task``'s latest attempt, or None before its first (one round trip)."""

@@ -41,6 +41,17 @@ def _sample(s: Any) -> bool:
             and all(isinstance(x, (int, float)) and x > 0 for x in s[1:]))
 
 
+# a recipe's step seconds merged into an agent's step_s (KEYS: its hash; ARGV: recipe, seconds)
+_STEP_TIME = """
+if redis.call('exists', KEYS[1]) == 0 then return 0 end
+local ok, steps = pcall(cjson.decode, redis.call('hget', KEYS[1], 'step_s') or '{}')
+if not ok or type(steps) ~= 'table' then steps = {} end
+steps[ARGV[1]] = tonumber(ARGV[2])
+redis.call('hset', KEYS[1], 'step_s', cjson.encode(steps))
+return 1
+"""
+
+
 class Workers:
     """Every agent's hash."""
 
@@ -140,6 +151,11 @@ class Workers:
             pipe.hincrby(key, "tasks_done", 1)
         if rate is not None:
             pipe.hset(key, "last_rate", rate)
+
+    def step_time(self, worker: str, recipe: str, seconds: float, pipe: Any) -> None:
+        """``worker`` steps ``recipe`` in ``seconds`` (its ``step_s``: JSON, recipe → seconds,
+        read by a fused run's plan), in ``pipe``."""
+        pipe.eval(_STEP_TIME, 1, layout.worker_key(worker), recipe, f"{seconds:.6g}")
 
     def last_rate(self, worker: str) -> float | None:
         """``worker``'s training rate over its last whole task (samples/s); None before one."""

@@ -358,7 +358,7 @@ def record_outcome(unit: Unit, outcome: str, tally: Tally) -> None:
     ending = unit.final
     store_up, store_down = tally.pending()
     figures = Figures(a.worker, a.bytes_up, a.bytes_down, store_up, store_down, store_ok=True, rate=a.rate,
-                      trained_from=a.trained_from)
+                      trained_from=a.trained_from, trained_s=a.trained_s, step=a.step)
 
     board.attempts.finish(run_id, a.key, outcome, figures=figures)
     a.ended = True

@@ -45,6 +45,8 @@ class Attempt:
     bytes_down: int = 0
     rate: float | None = None  # samples/s over the whole task, once it trained
     trained_from: float | None = None  # when it began training (broker clock), once it did
+    trained_s: float | None = None  # how long its training took (the run's measured utilisation)
+    step: tuple[str, float] | None = None  # (recipe, seconds a step) its worker publishes for plans
     tally: Tally | None = None  # the store bytes of this task's process not yet recorded
     ended: bool = False  # its outcome is recorded: a failure after that (the run's end) leaves it
     looked_at: float = 0.0

@@ -73,7 +73,8 @@ def test_up_and_join_connect_two_agents_with_telemetry(coordinator, tmp_path):
         # outbound only: no agent process listens on any TCP port
         for proc in agents:
             tree = [psutil.Process(proc.pid)] + psutil.Process(proc.pid).children(recursive=True)
-            listening = [c for p in tree for c in p.net_connections("tcp")
+            # psutil 6 renamed connections() to net_connections(); the index may serve either
+            listening = [c for p in tree for c in getattr(p, "net_connections", p.connections)("tcp")
                          if c.status == psutil.CONN_LISTEN]
             assert listening == []
         # the plain Celery tooling sees the agents too

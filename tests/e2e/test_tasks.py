@@ -39,10 +39,13 @@ def test_a_regression_recipe_trains_in_both_modes_and_is_served_with_a_predictio
         assert outputs["prediction"]["datatype"] == "FP32" and outputs["prediction"]["shape"] == [3]
         assert len(outputs["prediction"]["data"]) == 3
         members = [outputs[f"member_{i}_prediction"]["data"] for i in range(3)]
+        assert all(outputs[f"member_{i}_prediction"]["shape"] == [3] for i in range(3))  # as the vote's
         mean = [sum(v) / 3 for v in zip(*members)]
         assert outputs["prediction"]["data"] == pytest.approx(mean, rel=1e-5, abs=1e-6)
         meta = httpx.get(f"{server.url}/v2/models/{ensemble['run_id']}", headers=bearer(token), timeout=60).json()
         assert meta["parameters"]["task"] == "regression"
-        assert meta["outputs"] == [{"name": "prediction", "datatype": "FP32", "shape": [-1]}]
+        # the vote's output, then each member's (answered when asked for), one value a row each
+        assert meta["outputs"] == [{"name": name, "datatype": "FP32", "shape": [-1]} for name in
+                                   ("prediction", *(f"member_{i}_prediction" for i in range(3)))]
     finally:
         server.stop()

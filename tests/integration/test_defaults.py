@@ -110,6 +110,30 @@ def test_the_chosen_defaults_are_in_the_stored_spec_and_nothing_is_warned(redis_
     stored = load_spec(open_store(store), quick.run_id).options
     assert (stored.shards, stored.sync_every, stored.outer, stored.outer_lr, stored.keep) == (2, 25, "sgd", 1.0, "last")
     assert stored.chosen == ["shards", "sync_every"]
+    assert (stored.codec, stored.sync, stored.plan) == ("fp32", "rounds", "auto")  # planned: a small model
+    assert stored.planned["sync_every"] == 25 and stored.planned["why"]
+    assert stored.planned["chose"] == ["codec", "sync"]
     assert board.describe(quick.run_id)["spec"]["options"]["shards"] == 2
+
+
+def test_plan_off_keeps_the_static_defaults_and_stores_no_plan():
+    spec, warnings, _ = settle("digits-mlp", plan="off")
+    opts = spec.options
+    assert (opts.codec, opts.sync, opts.sync_every, opts.planned) == ("fp32", "rounds", 25, {})
+    assert opts.chosen == ["shards", "sync_every"] and warnings == []
+
+
+def test_a_plan_fills_only_what_the_user_left_out():
+    from tensorturn.modes.fused.options import PlanFigures
+    from tensorturn.modes.fused.plan import Machine
+
+    capped = tuple(Machine(f"w{i}", 1.0, 20e6 / 8, 100e6 / 8, 0.04) for i in range(3))
+    figures = PlanFigures(85_500_000, 1.0, capped, outer_beside_store=True)
+    spec = RunSpec.create("fused", "digits-mlp", "file:///unused", sync="rounds")
+    settle_options(spec, resolve("digits-mlp", {}), figures)
+    opts = spec.options
+    assert opts.sync == "rounds" and "sync" not in opts.planned["chose"]  # the user's
+    assert opts.codec != "fp32" and "codec" in opts.planned["chose"]
+    assert opts.planned["sync"] == "rounds" and "sync rounds: given" in opts.planned["why"]
 
 

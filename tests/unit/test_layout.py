@@ -71,15 +71,19 @@ def test_a_flat_spec_of_an_older_run_still_reads():
 
 
 def test_an_option_may_be_left_out_only_where_its_default_leaves_it_out():
-    """``broadcast_codec`` left out (None) means the codec's; ``codec`` has no such meaning,
-    and a run file or JSON spec naming it None (or an unknown codec) is refused in one line."""
+    """``broadcast_codec`` left out (None) means the codec's, ``codec`` and ``sync`` left out
+    mean the plan's (``--plan``); ``plan`` has no such meaning, and a run file or JSON spec naming
+    it None (or an unknown codec) is refused in one line."""
     def spec(**options):
         return RunSpec.create(mode="fused", recipe="digits-mlp", store_url="file:///s", **options)
 
     spec(broadcast_codec=None).validate()
+    spec(codec=None, sync=None).validate()
     assert spec(codec="ternary", broadcast_codec="int4").validate().options.down_codec == "int4"
     assert spec(codec="ternary").options.down_codec == "ternary"
-    with pytest.raises(SpecError, match="^--codec None is not one of fp32, "):
-        spec(codec=None).validate()
+    with pytest.raises(SpecError, match="^--plan None is not one of auto, off"):
+        spec(plan=None).validate()
+    with pytest.raises(SpecError, match="^--codec 'int3' is not one of fp32, "):
+        spec(codec="int3").validate()
     with pytest.raises(SpecError, match="^--broadcast-codec 'int3' is not one of fp32, "):
         spec(broadcast_codec="int3").validate()

@@ -8,8 +8,9 @@ so every machine and ``resume`` read the same values and the math never depends 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
+from tensorturn.modes.fused.plan import Bounds, Given, Machine, Plan, choose
 from tensorturn.modes.fused.policies import POLICIES
 from tensorturn.spec import ModeOptions, Workload, check_bounds
 
@@ -23,6 +24,9 @@ SYNCS = tuple(POLICIES)
 # store.tensors.CODECS, named here without importing torch (test_math checks they agree)
 CODECS = ("fp32", "fp16", "int8", "int4", "ternary", "int2")
 KEEPS = ("last", "best")
+PLANS = ("auto", "off")
+# what --plan off (and a run from before the plan) has for what the user left out
+STATIC_CODEC, STATIC_SYNC = "fp32", "rounds"
 AUTO_NESTEROV_EPOCHS = 1.0  # --outer auto: Nesterov when a shard's round covers its rows at most this often
 # a shard going over its rows more often than this per round, with --shards or --sync-every
 # given, is warned about (little data)
@@ -56,8 +60,10 @@ class FusedOptions(ModeOptions):
     keep            the result: the last round's weights, or those of the round with the lowest validation loss
     eval_every      validation figures every this many rounds and for the last; the others record training figures only
     sync            rounds: barrier per round; backup: +copies of stragglers; async: none; overlap: one step apart
+    plan            auto: codecs, sync and H left out chosen from links and step times; off: fp32, rounds, H from data
     """
-    CHOICES = {"outer": OUTERS, "codec": CODECS, "broadcast_codec": CODECS, "keep": KEEPS, "sync": SYNCS}
+    CHOICES = {"outer": OUTERS, "codec": CODECS, "broadcast_codec": CODECS, "keep": KEEPS, "sync": SYNCS,
+               "plan": PLANS}
 
     rounds: int = 8
     sync_every: int | None = None       # None: from the data at start (see fill_from_data)
@@ -65,17 +71,21 @@ class FusedOptions(ModeOptions):
     outer: str = "auto"                 # decided at start from the data (see resolve_outer)
     outer_lr: float | None = None       # None: default_outer_lr(outer)
     outer_momentum: float = 0.9
-    codec: str = "fp32"
-    broadcast_codec: str | None = None  # None: the codec's
+    codec: str | None = None            # None: planned at start (--plan off: fp32)
+    broadcast_codec: str | None = None  # None: the codec's (or planned)
     keep: str = "last"
     eval_every: int = 1
-    sync: str = "rounds"
+    sync: str | None = None             # None: planned at start (--plan off: rounds)
+    plan: str = "auto"
+    # the plan made at start (plan.Plan.to_json(), with the figures it was made from), kept in the
+    # spec so every machine and resume read the same; {} with --plan off
+    planned: dict = field(default_factory=dict)
     # a pseudo-gradient whose norm exceeds this multiple of the weights' norm is rejected
     max_update_ratio: float = 10.0
     # derived at start: sha256 of θ_0's model file, so machines can rebuild θ_0 from the seed
     init_sha256: str = ""
-    # which of shards and sync_every TensorTurn chose (from the data, or a command's own
-    # defaults) rather than the user: a run warns about its shards' passes only for the user's
+    # which of shards, sync_every, codec and sync TensorTurn chose (from the data, the plan, or a
+    # command's own defaults) rather than the user: a run warns about its shards' passes only for the user's
     chosen: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -116,10 +126,65 @@ class FusedOptions(ModeOptions):
                 f"rows {epochs_per_round:.1f} times a round, where DiLoCo's Nesterov step overshoots "
                 f"(--outer nesterov forces it)")
 
+    def fill_static(self) -> None:
+        """``--plan off``: what the user left out of the codec and sync as before the plan (fp32,
+        blocking rounds); the shards and H stay the data's (:meth:`fill_from_data`)."""
+        self.codec = self.codec or STATIC_CODEC
+        self.sync = self.sync or STATIC_SYNC
+
+    @property
+    def plan_chose(self) -> list[str]:
+        """The options the plan chose (the user left them out): ``planned["chose"]``."""
+        return list(self.planned.get("chose") or [])
+
+    def apply_plan(self, planned: Plan) -> None:
+        """Take what the user left out from ``planned`` (:func:`.plan.choose` kept what was
+        given), and keep the plan in the spec, with the names of the options it chose."""
+        chose = []
+        if self.codec is None:
+            self.codec = planned.codec
+            chose.append("codec")
+            if self.broadcast_codec is None and planned.broadcast_codec != planned.codec:
+                self.broadcast_codec = planned.broadcast_codec
+                chose.append("broadcast_codec")
+        if self.sync is None:
+            self.sync = planned.sync
+            chose.append("sync")
+        for name in ("shards", "sync_every"):
+            if name in self.chosen and getattr(self, name) != getattr(planned, name):
+                setattr(self, name, getattr(planned, name))
+                chose.append(name)
+        self.planned = {**planned.to_json(), "chose": chose}
+
+    def given(self) -> Given:
+        """What the user gave of what the plan chooses (what TensorTurn chose counts as not
+        given: a plan made again chooses it again)."""
+        def mine(name: str) -> Any:
+            return None if name in self.chosen or name in self.plan_chose else getattr(self, name)
+
+        return Given(mine("codec"), mine("broadcast_codec"), mine("sync"), mine("sync_every"))
+
+    def replan(self, planned: Plan) -> list[str]:
+        """Take ``planned`` (made again: ``resume --replan``) for what TensorTurn chose at start
+        — the codecs and H; the sync policy and the shards stay (a run's rounds and shards are
+        recorded by them) — and say what changed."""
+        changed, chose = [], self.plan_chose
+        for name, value in (("codec", planned.codec), ("broadcast_codec", planned.broadcast_codec),
+                            ("sync_every", planned.sync_every)):
+            if name not in self.chosen and name not in chose and not (name == "broadcast_codec" and "codec" in chose):
+                continue
+            before = getattr(self, name) if name != "broadcast_codec" else self.down_codec
+            if before != value:
+                changed.append(f"{name} {before} → {value}")
+                chose = [*chose, name] if name not in chose else chose
+            setattr(self, name, value)
+        self.planned = {**planned.to_json(), "chose": chose, "shards_fixed": True}
+        return changed
+
     @property
     def down_codec(self) -> str:
         """The broadcast's codec: ``broadcast_codec``, else the pseudo-gradients' ``codec``."""
-        return self.broadcast_codec or self.codec
+        return self.broadcast_codec or self.codec or STATIC_CODEC
 
     def validate(self) -> None:
         super().validate()
@@ -139,11 +204,13 @@ class FusedOptions(ModeOptions):
 
 
 class StartedOptions(FusedOptions):
-    """What :class:`FusedOptions` are once the run has started (:meth:`~FusedOptions.fill_from_data`):
-    the shards and H are numbers. A type for the tasks, never made."""
+    """What :class:`FusedOptions` are once the run has started (:meth:`~FusedOptions.fill_from_data`,
+    then the plan): the shards, H, codec and sync are set. A type for the tasks, never made."""
 
     shards: int
     sync_every: int
+    codec: str
+    sync: str
 
 
 def default_shards(train_rows: int) -> int:
@@ -158,8 +225,15 @@ def default_sync_every(train_rows: int, shards: int, samples_per_step: int,
     """H when the user gives none: 25, or fewer so that a shard goes over its rows at most
     ``epochs`` times a round (at least 1 step): the small sets of benchmarks/defaults.py went
     over their rows 10-30 times a round with H 25."""
+    return min(MAX_SYNC_EVERY, sync_every_bound(train_rows, shards, samples_per_step, epochs))
+
+
+def sync_every_bound(train_rows: int, shards: int, samples_per_step: int,
+                     epochs: float = EPOCHS_PER_ROUND) -> int:
+    """The most H the data allows: a shard goes over its rows at most ``epochs`` times a round
+    (at least 1 step). The plan raises H up to it (and :data:`.plan.MAX_PLANNED_SYNC_EVERY`)."""
     rows = train_rows / max(shards, 1)
-    return max(1, min(MAX_SYNC_EVERY, int(epochs * rows // max(samples_per_step, 1))))
+    return max(1, int(epochs * rows // max(samples_per_step, 1)))
 
 
 # ---- a started run's options -------------------------------------------------------------------
@@ -209,18 +283,51 @@ def epochs_per_round(spec: RunSpec, recipe: Recipe) -> float:
     return opts.sync_every * samples_per_step(spec, recipe) / max(rows, 1.0)
 
 
-def settle_options(spec: RunSpec, recipe: Recipe) -> list[str]:
+def settle_options(spec: RunSpec, recipe: Recipe, figures: PlanFigures | None = None) -> list[str]:
     """Decide what the user left to the data — the shards and H (:meth:`FusedOptions.fill_from_data`),
-    then ``--outer auto`` — once, before the spec is stored: every machine and ``resume`` read
-    the same values. Returns the warnings ``run`` prints about the setup: none when TensorTurn
-    chose both the shards and H; else what ``--outer auto`` chose and :func:`small_data_warning`."""
+    then with ``--plan auto`` the codecs, sync and H from ``figures`` (:func:`make_plan`; without
+    figures, or with ``--plan off``, fp32 and blocking rounds), then ``--outer auto`` — once,
+    before the spec is stored: every machine and ``resume`` read the same values. Returns the
+    warnings ``run`` prints about the setup: none when TensorTurn chose both the shards and H;
+    else what ``--outer auto`` chose and :func:`small_data_warning`."""
     opts = options(spec)
     opts.fill_from_data(recipe.train_rows(), samples_per_step(spec, recipe))
+    if opts.plan == "auto" and figures is not None:
+        opts.apply_plan(make_plan(spec, recipe, figures))
+    opts.fill_static()
     epochs = epochs_per_round(spec, recipe)
     chosen = opts.resolve_outer(epochs)
     if {"shards", "sync_every"} <= set(opts.chosen):
         return []
     return [w for w in (chosen, small_data_warning(spec, recipe, epochs)) if w]
+
+
+@dataclass(frozen=True)
+class PlanFigures:
+    """What a plan is made from besides the spec and the data: the model's float values, a step's
+    seconds where the plan is made (θ_0's, timed), the trainers (:class:`.plan.Machine`), whether
+    an agent beside the store serves the outer queue, and sentences on figures not measured."""
+
+    values: int
+    step_s: float
+    machines: tuple[Machine, ...] = ()
+    outer_beside_store: bool = False
+    notes: tuple[str, ...] = ()
+
+
+def make_plan(spec: RunSpec, recipe: Recipe, figures: PlanFigures) -> Plan:
+    """The plan (:func:`.plan.choose`) for ``spec``'s fused run, its shards and the data's H set
+    (:meth:`FusedOptions.fill_from_data`), around the options the user gave."""
+    opts = options(spec)
+    sps = samples_per_step(spec, recipe)
+    data_h = default_sync_every(recipe.train_rows(), opts.shards, sps) if "sync_every" in opts.chosen \
+        else opts.sync_every
+    planned_shards = "shards" in opts.chosen and not opts.planned.get("shards_fixed")
+    bounds = Bounds(opts.shards, data_h, sync_every_bound(recipe.train_rows(), opts.shards, sps),
+                    rows_per_step=recipe.train_rows() / max(sps, 1) if planned_shards else 0.0,
+                    epochs=EPOCHS_PER_ROUND, data_max=MAX_SYNC_EVERY, max_shards=MAX_SHARDS)
+    return choose(figures.values, figures.machines, figures.step_s, bounds, opts.given(),
+                  figures.outer_beside_store, figures.notes)
 
 
 def small_data_warning(spec: RunSpec, recipe: Recipe, epochs: float) -> str | None:

@@ -126,11 +126,14 @@ def train_and_store(unit: Unit, r: int, k: int,
     if isinstance(unit, ShardUnit) and unit.deferred:  # an outer step taken while it waited for θ
         on_step = after_first_step(on_step, unit.run_deferred)
     a.trained_from = broker_now(unit.board.r)
+    t0 = time.perf_counter()
     try:
         delta, loss, samples = train_replica(
             recipe, theta, x, y, rows, opts.sync_every,
             spec.lr or recipe.lr, batch, derive_seed(spec.seed, r, k), pick_device(),
             on_step=on_step, precision=spec.precision, accumulate=spec.accumulate)
+        a.trained_s = time.perf_counter() - t0
+        a.step = (spec.recipe, a.trained_s / max(opts.sync_every, 1))  # published with the attempt's end
         check_update(delta, theta, opts.max_update_ratio)
     except Superseded:
         unit.board.incidents.add(spec.run_id, "superseded", str(a.label), a.worker,

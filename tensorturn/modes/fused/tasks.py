@@ -2,9 +2,10 @@
 it: importing it registers the rounds' tasks (:mod:`.driver`) and, through the driver, the
 asynchronous updates' (:mod:`.update`).
 
-What every policy shares happens here (the options settled from the data, θ_0 and the spec
-stored, the run on the board); then the driver queues the work the run's
-:class:`~.sync.base.SyncPolicy` plans.
+What every policy shares happens here (the options settled from the data and the plan —
+:mod:`.plan`, from the pool's figures and θ_0's step timed here —, θ_0 and the spec stored,
+the run on the board); then the driver queues the work the run's :class:`~.sync.base.SyncPolicy`
+plans.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from collections.abc import Collection
 from tensorturn import layout
 from tensorturn.modes.fused import driver
 from tensorturn.modes.fused.options import options, settle_options
+from tensorturn.modes.fused.timing import plan_figures
 from tensorturn.modes.fused.weights import global_bytes
 from tensorturn.recipes import recipe_for
 from tensorturn.spec import RunSpec
@@ -29,8 +31,10 @@ def start(spec: RunSpec, store: Store, board: RunBoard, allow: Collection[str] =
     first work (``allow``: recipe names allowed here besides the machine's allowlist,
     :func:`tensorturn.recipes.resolve`)."""
     recipe = recipe_for(spec, allow)
-    warnings = settle_options(spec, recipe)
-    theta0 = global_bytes(spec, recipe, initial_state(recipe, spec.seed))
+    state = initial_state(recipe, spec.seed)
+    figures = plan_figures(spec, recipe, state, board.r) if options(spec).plan == "auto" else None
+    warnings = settle_options(spec, recipe, figures)
+    theta0 = global_bytes(spec, recipe, state)
     options(spec).init_sha256 = sha256_hex(theta0)  # machines rebuild θ_0 from the seed, verified
     spec.settle_run_config(recipe)  # kept: the shards, H and outer step chosen here too
     save_spec(store, spec)

@@ -38,7 +38,7 @@ CAPTIONS = {
 
 # spec fields that are not options a person chose (shown elsewhere, or bookkeeping)
 _NOT_OPTIONS = frozenset({"run_id", "created_at", "mode", "recipe", "recipe_options", "options", "store_url",
-                          "chosen", "init_sha256", "memory_needed_bytes"})
+                          "chosen", "init_sha256", "memory_needed_bytes", "planned"})
 
 TEMPLATE = """<!doctype html>
 <html lang="en">
@@ -191,6 +191,15 @@ def _summary(doc: dict[str, Any], workers: list[dict[str, Any]], t0: float | Non
         states = [m.get("state") for m in members]
         rows.append(("members", f"{len(members)}: " + ", ".join(
             f"{states.count(s)} {s}" for s in sorted({s for s in states if s})) if members else "none yet"))
+    planned = options.get("planned") or {}
+    if planned:
+        from tensorturn.runs.display import measured_utilisation, plan_lines
+
+        chose = plan_lines(planned)[0].removeprefix("plan: ")
+        rows.append(("plan", chose + " — " + "; ".join(planned.get("why") or [])))
+        measured = measured_utilisation(doc)
+        rows.append(("utilisation", f"predicted {_number(planned.get('predicted_utilisation'))} by the plan, "
+                                    f"measured {'—' if measured is None else _number(measured)}"))
     metrics = doc.get("metrics") or {}
     rows.append(("final metrics", ", ".join(f"{k} {_number(v)}" for k, v in sorted(metrics.items())) or "—"))
     if doc.get("model_uri"):

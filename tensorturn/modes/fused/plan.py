@@ -1,0 +1,345 @@
+"""The fused run's plan: what ``--plan auto`` chooses for the options the user left out — the
+codecs up and down, the sync policy, H, and where the outer step belongs — from the model's
+bytes, the machines' measured links and step times, and the data's bounds. Pure and torch-free
+(the CLI prints a plan with ``run --plan-only``); what gathers the figures is :mod:`.measured`.
+
+**The model of a round** (:func:`predict`). A shard task on machine *i* downloads the broadcast
+(its codec's bytes ÷ the machine's down rate), trains H steps (H × its step time), uploads its
+pseudo-gradient (the codec's bytes ÷ its up rate) and makes :data:`ROUND_TRIPS_PER_TASK` round
+trips to the broker and store (benchmarks: 26.4 a task). The round's S shards go to the M
+machines as they free up (waves of tasks: S ≤ M is one wave). The outer step reads S
+pseudo-gradients and writes θ, its momentum and the broadcast — beside the store on the store's
+disk, on a trainer over that trainer's links — and costs CPU (:data:`OUTER_S_PER_VALUE`); a
+round has :data:`FIXED_ROUND_S` of dispatch besides (the chord, the next round's queueing).
+
+* Blocking rounds (``rounds``, ``backup``): round = the tasks' makespan + the fixed cost + the
+  outer step.
+* Overlapped rounds (``overlap``, and ``async`` as an approximation): round r+1 trains while
+  round r's uploads, outer step and broadcast go on, so a round lasts the longer of the
+  machines' compute (with each task's round trips) and that chain.
+
+Utilisation = the compute the shards do ÷ (M × the round): the figure BENCHMARKS §13b measures
+(0.174 predicted for its fp32 blocking row at H = 25, 1.5 s steps, 20/100 Mbit/s: 0.165
+measured; 0.35 for its fp32 H = 64 row: 0.330 measured).
+
+**The choice** (:func:`choose`), each decision said in ``why``:
+
+1. sync: blocking rounds where the round's transfers are small against its compute (≤
+   :data:`SMALL_COMM` of it at the data's H, or under the round's fixed cost: not worth
+   hiding), overlapped where they are not; machines of very different speeds ask
+   :func:`choose_for_speeds`.
+2. codec pair, fidelity first (fp32, then int8, int4, then ternary up / int2 down): the first
+   pair that reaches :data:`TARGET_UTILISATION` at some H within the bounds; when none does,
+   the most faithful within a tenth of the best pair's utilisation.
+3. H: the smallest from the data's default (today's ``default_sync_every``: ≤ 25) up to the
+   data's bound (a shard's rows gone over at most 4 times a round) and :data:`MAX_PLANNED_SYNC_EVERY`
+   that reaches the target; when none does, the highest. A small model — a round's compute at
+   the data's H under :data:`SMALL_ROUND_S` — keeps the data's shards and H: its round's fixed
+   costs weigh on any H the data allows, and those were measured on such data (benchmarks/defaults.py).
+4. shards: left to the data, and the model not small, the data's made a whole number of waves
+   on the machines (2 shards on 3 machines: 3; 8 on 3: 6) — every machine busy to the round's
+   end; the model depends on the plan, stored in the spec, not on which machines ran it.
+5. outer_role: ``store`` where an agent beside the store serves the outer queue, else
+   ``trainer`` (and the plan says that one would help when its links are slow).
+
+Options the user gave always win: they are fixed, and the rest is chosen around them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+from tensorturn.modes.fused.speeds import choose_for_speeds
+
+# bytes one value takes in each codec (store/tensors.py: INT8_BLOCK 256, INT4_BLOCK 64,
+# TERNARY_BLOCK 256 at 5 codes a byte, INT2_BLOCK 1024 with 2 scales; a float32 scale a block)
+BYTES_PER_VALUE = {"fp32": 4.0, "fp16": 2.0, "int8": 1 + 4 / 256, "int4": 0.5 + 4 / 64,
+                   "ternary": 1 / 5 + 4 / 256, "int2": 0.25 + 8 / 1024}
+UP_CODECS = ("fp32", "int8", "int4", "ternary")   # fidelity first (ternary: the smallest up)
+DOWN_CODECS = ("fp32", "int8", "int4", "int2")    # the broadcast's (int2: the smallest down)
+TARGET_UTILISATION = 0.9
+# the plan goes no higher whatever the links: BENCHMARKS §13b's H = 100 steps of ≈ 1 s (DiLoCo's
+# 500 is for large data); past it, the plan compresses more rather than sync less often
+MAX_PLANNED_SYNC_EVERY = 100
+SMALL_COMM = 0.1              # transfers this small against a round's compute: blocking rounds
+ROUND_TRIPS_PER_TASK = 26     # a shard task's broker and store round trips (BENCHMARKS §13b: 26.4)
+TASK_OVERHEAD_S = 0.3         # a task's start and end besides its round trips
+FIXED_ROUND_S = 1.0           # a round's dispatch: its last shard seen, outer step and next round queued (§13)
+# the outer step's CPU per value for each shard it reads and once for θ (fit to §11/§13b: 11 s
+# for fp32 at 85.5M values, 2 shards, on 2 shared cores; a quantised codec's decoding doubles it)
+OUTER_S_PER_VALUE = 4.3e-8
+LOOPBACK_BPS = 1e9            # a link not measured: taken as fast as loopback (and said so)
+LOOPBACK_RTT_S = 0.0005
+BESIDE_STORE_BPS = 5e8        # the outer step's reads and writes on the store's own machine
+SPEED_SPREAD = 2.0            # machines whose step times differ more than this: choose_for_speeds
+# a round of less compute than this at the data's H keeps the data's shards and H (a small model:
+# its round's fixed costs of 1-2 s weigh on any H the data allows; benchmarks/defaults.py
+# measured those shards and H on such data)
+SMALL_ROUND_S = 10.0
+
+
+@dataclass(frozen=True)
+class Machine:
+    """One trainer as the plan sees it: its step time (s, None: not known — the run's measured
+    one is used) and its links to the store (bytes/s, None: not measured) and broker (s)."""
+
+    name: str
+    step_s: float | None = None
+    up_bps: float | None = None
+    down_bps: float | None = None
+    rtt_s: float | None = None
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """What the data allows: its shards, its default H (today's) and the most H it allows; with
+    ``rows_per_step`` (training rows ÷ rows a step reads), the shards are the plan's to fit to
+    the machines too, and these H are worked out again for them (as options.py does)."""
+
+    shards: int
+    sync_every: int      # the data's default H (options.default_sync_every)
+    max_sync_every: int  # a shard's rows gone over at most ``epochs`` times a round
+    rows_per_step: float = 0.0  # 0: the shards are fixed (given, or a small model's)
+    epochs: float = 4.0         # options.EPOCHS_PER_ROUND
+    data_max: int = 25          # options.MAX_SYNC_EVERY: the data's default H at most
+    max_shards: int = 8         # options.MAX_SHARDS
+
+    def for_shards(self, shards: int) -> Bounds:
+        """These bounds for ``shards`` shards of the same data."""
+        most = max(1, int(self.epochs * self.rows_per_step / shards))
+        return replace(self, shards=shards, sync_every=min(self.data_max, most), max_sync_every=most)
+
+
+def fitted_shards(shards: int, machines: int, most: int) -> int:
+    """The data's ``shards`` made a whole number of waves on ``machines`` (every machine busy to
+    a round's end): the nearest multiple, at least one wave, at most ``most`` (or one wave when
+    the machines are more)."""
+    if shards % machines == 0:
+        return shards
+    waves = max(1, round(shards / machines))
+    while waves > 1 and waves * machines > most:
+        waves -= 1
+    return waves * machines
+
+
+@dataclass(frozen=True)
+class Given:
+    """The options the user gave (None: the plan's to choose)."""
+
+    codec: str | None = None
+    broadcast_codec: str | None = None
+    sync: str | None = None
+    sync_every: int | None = None
+
+
+@dataclass
+class Plan:
+    codec: str
+    broadcast_codec: str
+    sync: str
+    sync_every: int
+    shards: int
+    outer_role: str  # "store": outer steps beside the store; "trainer": on a trainer
+    predicted_utilisation: float
+    round_s: float
+    bytes_per_round: int
+    why: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Prediction:
+    round_s: float
+    utilisation: float
+    bytes_per_round: int
+
+
+def predict(values: int, machines: Sequence[Machine], step_s: float, shards: int, sync_every: int,
+            sync: str, codec: str, broadcast_codec: str, outer_beside_store: bool) -> Prediction:
+    """The model of one steady round (module docstring): its seconds, the trainers' utilisation
+    and the bytes it moves over the machines' links. ``step_s``: for a machine with none."""
+    trainers = list(machines) or [Machine("here")]
+    up_bytes = values * BYTES_PER_VALUE[codec]
+    down_bytes = values * BYTES_PER_VALUE[broadcast_codec]
+
+    def rate(bps: float | None) -> float:
+        return bps if bps and bps > 0 else LOOPBACK_BPS
+
+    def rtt(m: Machine) -> float:
+        return m.rtt_s if m.rtt_s is not None else LOOPBACK_RTT_S
+
+    computes = [sync_every * (m.step_s or step_s) for m in trainers]
+    fixed = [ROUND_TRIPS_PER_TASK * rtt(m) + TASK_OVERHEAD_S for m in trainers]
+    ups = [up_bytes / rate(m.up_bps) for m in trainers]
+    downs = [down_bytes / rate(m.down_bps) for m in trainers]
+    blocking = sync in ("rounds", "backup")
+    tasks = [c + f + (u + d if blocking else 0.0) for c, f, u, d in zip(computes, fixed, ups, downs)]
+    # the shards go to the machines as they free up (waves when shards > machines)
+    free, compute = [0.0] * len(trainers), 0.0
+    for _ in range(shards):
+        i = min(range(len(trainers)), key=lambda j: free[j] + tasks[j])
+        free[i] += tasks[i]
+        compute += computes[i]
+    makespan = max(free)
+    quantised = 1.0 if codec == "fp32" else 2.0
+    outer_cpu = values * (shards + 1) * OUTER_S_PER_VALUE * quantised
+    outer_in, outer_out = shards * up_bytes, values * 8.0 + down_bytes  # θ and momentum (fp32) + broadcast
+    moved = shards * (up_bytes + down_bytes)
+    if outer_beside_store:
+        outer = outer_cpu + (outer_in + outer_out) / BESIDE_STORE_BPS
+    else:  # on a trainer: over the slowest one's links (any trainer may take it)
+        outer = outer_cpu + max(outer_in / rate(m.down_bps) + outer_out / rate(m.up_bps) for m in trainers)
+        moved += int(outer_in + outer_out)
+    if blocking:
+        round_s = makespan + FIXED_ROUND_S + outer
+    else:
+        chain = max(ups) + FIXED_ROUND_S + outer + max(downs)
+        round_s = max(makespan, chain)
+    utilisation = compute / (len(trainers) * round_s) if round_s > 0 else 0.0
+    return Prediction(round_s, min(utilisation, 1.0), int(moved))
+
+
+def codec_pairs(given: Given) -> list[tuple[str, str]]:
+    """The (up, down) codec pairs to try, fidelity first: by the most compressed of the two,
+    then the two together, then compressing up first (the broadcast reaches every θ). A codec
+    given fixes its side; ``--codec`` alone fixes the broadcast's too, as without a plan."""
+    if given.codec and not given.broadcast_codec:
+        return [(given.codec, given.codec)]
+    ups = [given.codec] if given.codec else list(UP_CODECS)
+    downs = [given.broadcast_codec] if given.broadcast_codec else list(DOWN_CODECS)
+
+    def level(codec: str, ladder: tuple[str, ...]) -> int:
+        return ladder.index(codec) if codec in ladder else 0
+
+    pairs = [(u, d) for u in ups for d in downs]
+    return sorted(pairs, key=lambda p: (max(level(p[0], UP_CODECS), level(p[1], DOWN_CODECS)),
+                                        level(p[0], UP_CODECS) + level(p[1], DOWN_CODECS),
+                                        level(p[1], DOWN_CODECS)))
+
+
+def choose(values: int, machines: Sequence[Machine], step_s: float, bounds: Bounds, given: Given,
+           outer_beside_store: bool, notes: Sequence[str] = ()) -> Plan:
+    """The plan for a model of ``values`` float values trained by ``machines`` (a step takes
+    ``step_s`` on a machine with no figure of its own), within ``bounds``, around ``given``
+    (module docstring). ``notes``: sentences on the figures (what was not measured), put first
+    in ``why``."""
+    trainers = list(machines) or [Machine("here")]
+    why = list(notes)
+    h_data = given.sync_every or min(bounds.sync_every, bounds.max_sync_every)
+    # a small model: the data's shards and H are kept (SMALL_ROUND_S)
+    small = h_data * max(m.step_s or step_s for m in trainers) < SMALL_ROUND_S
+    data_shards = bounds.shards
+    if bounds.rows_per_step > 0 and not small:
+        bounds = bounds.for_shards(fitted_shards(bounds.shards, len(trainers), bounds.max_shards))
+        h_data = given.sync_every or min(bounds.sync_every, bounds.max_sync_every)
+    lo = min(bounds.sync_every, bounds.max_sync_every)
+    hi = max(lo, min(MAX_PLANNED_SYNC_EVERY, bounds.max_sync_every))
+    h_values = [h_data] if given.sync_every or small else list(range(lo, hi + 1))
+
+    def run(sync: str, pair: tuple[str, str], h: int) -> Prediction:
+        return predict(values, trainers, step_s, bounds.shards, h, sync, pair[0], pair[1], outer_beside_store)
+
+    def smallest_h(sync: str, pair: tuple[str, str]) -> int | None:
+        for h in h_values:  # utilisation grows with H: the first that reaches the target
+            if run(sync, pair, h).utilisation >= TARGET_UTILISATION:
+                return h
+        return None
+
+    pairs = codec_pairs(given)
+    # 1. sync: are the round's transfers small against its compute?
+    first = pairs[0]
+    compute = h_data * max(m.step_s or step_s for m in trainers)
+    transfer = max(values * (BYTES_PER_VALUE[first[0]] / (m.up_bps or LOOPBACK_BPS)
+                             + BYTES_PER_VALUE[first[1]] / (m.down_bps or LOOPBACK_BPS)) for m in trainers)
+    links_limit = transfer > max(SMALL_COMM * compute, FIXED_ROUND_S)
+    speeds = [m.step_s or step_s for m in trainers]
+    if given.sync:
+        sync = given.sync
+        why.append(f"sync {sync}: given")
+    elif max(speeds) > SPEED_SPREAD * min(speeds) and (mixed := choose_for_speeds(speeds, bounds.shards)):
+        sync = mixed
+        why.append(f"sync {sync}: the machines' steps take {min(speeds):.3g}-{max(speeds):.3g} s "
+                   f"(the mixed-speed rule, docs/benchmarks/mixed-speeds.md)")
+    elif links_limit:
+        sync = "overlap"
+        why.append(f"sync overlap: a round's transfers at {first[0]} take {transfer:.1f} s against "
+                   f"{compute:.1f} s of compute at H = {h_data}; overlapped, the next round trains "
+                   f"while they go")
+    else:
+        sync = "rounds"
+        why.append(f"sync rounds: a round's transfers at {first[0]} take {transfer:.2f} s against "
+                   f"{compute:.2f} s of compute at H = {h_data}: too little to be worth hiding")
+    # 2-3. the most faithful codecs that reach the target, at the smallest H that does
+    chosen: tuple[tuple[str, str], int] | None = None
+    for pair in pairs:
+        h = smallest_h(sync, pair)
+        if h is not None:
+            chosen = (pair, h)
+            break
+    if chosen is None:
+        pair = max(pairs, key=lambda p: (run(sync, p, h_values[-1]).utilisation, -pairs.index(p)))
+        best = run(sync, pair, h_values[-1]).utilisation
+        # the most faithful pair within a tenth of the best: fidelity is not traded for less
+        pair = next(p for p in pairs if run(sync, p, h_values[-1]).utilisation >= best * (1 - SMALL_COMM))
+        h = h_values[-1]
+        chosen = (pair, h)
+        if given.sync_every:
+            why.append(f"H = {h}: given")
+        elif not small:
+            why.append(f"H = {h}: no H up to {hi} reaches utilisation {TARGET_UTILISATION}; the most "
+                       f"the data and the plan allow")
+        else:
+            why.append(f"H = {h}: the data's, for a round of {compute:.2f} s of compute (under "
+                       f"{SMALL_ROUND_S:.0f} s: a small model, whose round's fixed costs — ≈ "
+                       f"{FIXED_ROUND_S:.0f} s and {ROUND_TRIPS_PER_TASK} round trips a task — "
+                       f"weigh on any H the data allows)")
+    else:
+        h = chosen[1]
+        why.append(f"H = {h}: given" if given.sync_every else
+                   f"H = {h}: the smallest from the data's {lo} (at most {hi}) that keeps a "
+                   f"predicted utilisation ≥ {TARGET_UTILISATION}")
+    (up, down), h = chosen
+    reached = run(sync, (up, down), h).utilisation >= TARGET_UTILISATION
+    if given.codec:
+        why.append(f"codec {up}: given" + ("" if given.broadcast_codec else ", and the broadcast's"))
+    elif up == "fp32" and down == "fp32":
+        why.append("codec fp32 both ways: the links carry whole-precision updates in time")
+    else:
+        what = "the most faithful pair that reaches" if reached else "none reaches; the best for"
+        why.append(f"codec {up} up, {down} down: {what} utilisation "
+                   f"{TARGET_UTILISATION} ({values * BYTES_PER_VALUE[up] / 1e6:.1f} MB up a shard, "
+                   f"{values * BYTES_PER_VALUE[down] / 1e6:.1f} MB down)")
+    if given.broadcast_codec:
+        why.append(f"broadcast codec {down}: given")
+    # 4. shards against machines
+    waves = math.ceil(bounds.shards / len(trainers))
+    on = f"{len(trainers)} machine{'s' if len(trainers) > 1 else ''}"
+    if bounds.shards != data_shards:
+        why.append(f"shards {bounds.shards}, not the data's {data_shards}: {waves} whole "
+                   f"wave{'s' if waves > 1 else ''} on {on}, none waiting for the others "
+                   f"(the model depends on the shards, so on this plan, never on which machines run them)")
+    elif bounds.shards < len(trainers):
+        why.append(f"shards {bounds.shards} on {on}: {len(trainers) - bounds.shards} wait each round")
+    else:
+        why.append(f"shards {bounds.shards} on {on}: {waves} wave{'s' if waves > 1 else ''} a round")
+    # 5. the outer step
+    if outer_beside_store:
+        role = "store"
+        why.append("outer steps beside the store: an agent there serves the outer queue")
+    else:
+        role = "trainer"
+        cost = run(sync, (up, down), h).round_s - predict(values, trainers, step_s, bounds.shards, h,
+                                                           sync, up, down, True).round_s
+        line = "outer steps on a trainer: no agent beside the store serves the outer queue"
+        if cost > 0.05 * run(sync, (up, down), h).round_s:
+            line += (f"; one there (`tensorturn agent --role outer` on the store's machine) would "
+                     f"save ≈ {cost:.0f} s a round")
+        why.append(line)
+    final = run(sync, (up, down), h)
+    return Plan(up, down, sync, h, bounds.shards, role, round(final.utilisation, 3),
+                round(final.round_s, 2), final.bytes_per_round, why)

@@ -1,0 +1,141 @@
+"""A step of the run's model timed where its plan is made (:mod:`.plan`), and the figures the
+plan reads from the pool gathered with it (:func:`plan_figures`).
+
+θ_0's steps are timed on the agent that builds θ_0 (``tasks.start``): that machine has the
+recipe's data and device ready, and a trainer of the pool has the same kind of figure from its
+own shard tasks (``step_s``: :meth:`tensorturn.state.workers.Workers.step_time`), which wins where it
+exists. The timing leaves the run untouched: its random generators are restored and θ_0 is
+copied into a model of its own.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Collection
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from tensorturn.errors import SpecError
+from tensorturn.modes.fused.measured import pool_machines
+from tensorturn.modes.fused.options import PlanFigures, options, samples_per_step
+from tensorturn.modes.fused.plan import Machine, Plan
+from tensorturn.recipes import Recipe
+from tensorturn.spec import RunSpec
+from tensorturn.store.tensors import StateDict, float_keys
+from tensorturn.train.device import pick_device
+from tensorturn.train.loop import load_model, set_threads, train_steps
+
+log = logging.getLogger(__name__)
+
+TIMED_STEPS = 3    # steps timed after one to warm up ...
+TIMING_BUDGET_S = 2.0  # ... or fewer, once this long has gone (at least one)
+
+
+def float_values(state: StateDict) -> int:
+    """The values the codecs move: every float tensor's."""
+    return sum(state[k].numel() for k in float_keys(state))
+
+
+def time_step(spec: RunSpec, recipe: Recipe, theta: StateDict) -> float:
+    """Seconds of one inner step of ``recipe``'s model from ``theta`` on this machine, at the
+    run's batch, precision and threads: one step to warm up (its own time when it takes
+    :data:`TIMING_BUDGET_S` or more: a large model on a slow device), then up to
+    :data:`TIMED_STEPS` within that budget (the testbed's step pacer applies, as in a shard task)."""
+    device = pick_device()
+    set_threads(spec.threads_per_task)
+    devices = [device.index or 0] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        model = load_model(recipe, theta, recipe.default_config(), device)
+        opt = torch.optim.AdamW(model.parameters(), lr=spec.lr or recipe.lr, weight_decay=recipe.weight_decay)
+        x, y, rows = recipe.shard_data(0, options(spec).shards or 1, spec.seed)
+
+        def step() -> None:
+            train_steps(recipe, model, opt, x, y, rows, 1, spec.batch_for(recipe), spec.seed, device,
+                        precision=spec.precision, accumulate=spec.accumulate)
+
+        t0 = time.perf_counter()
+        step()  # the first warms up; when it alone takes the budget, its time is the figure
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if time.perf_counter() - t0 >= TIMING_BUDGET_S:
+            return time.perf_counter() - t0
+        t0, n = time.perf_counter(), 0
+        while n < TIMED_STEPS and (n == 0 or time.perf_counter() - t0 < TIMING_BUDGET_S):
+            step()
+            n += 1
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return (time.perf_counter() - t0) / n
+
+
+def plan_figures(spec: RunSpec, recipe: Recipe, theta: StateDict, client: Any | None) -> PlanFigures:
+    """What :func:`.options.make_plan` needs: the model's values, the pool's trainers (from broker
+    ``client``; None: this machine alone) and, unless every trainer has timed the recipe's step
+    already, θ_0's step timed here."""
+    # the data's shards first (settle_options finds them set): θ_0's steps read one shard's rows
+    options(spec).fill_from_data(recipe.train_rows(), samples_per_step(spec, recipe))
+    machines, beside, notes = pool_machines(client, spec.recipe) if client is not None else ([], False, [])
+    if machines and all(m.step_s is not None for m in machines):
+        step_s = min(m.step_s for m in machines if m.step_s is not None)
+    else:
+        step_s = time_step(spec, recipe, theta)
+        notes.append(f"a step of θ_0 timed on this machine: {step_s:.3g} s "
+                     f"(batch {samples_per_step(spec, recipe)})")
+    if not machines:
+        notes.append("no trainer in the pool yet: planned for this machine alone, its links loopback")
+    return PlanFigures(float_values(theta), step_s, tuple(machines), beside, tuple(notes))
+
+
+def plan_for(spec: RunSpec, client: Any | None, local_workers: int, allow: Collection[str] = ()) -> Plan:
+    """What ``--plan auto`` would choose for ``spec`` now (``run --plan-only``), made in this
+    process — nothing queued, nothing stored: the recipe built here (``allow``: the names the
+    user gave on this machine's command line), the data's shards and H, θ_0's step timed here
+    unless every trainer of the pool on broker ``client`` has timed the recipe. Without a pool
+    (``client`` None): the embedded pool's ``local_workers`` agents on this machine, loopback."""
+    from tensorturn.data.source import pinned
+    from tensorturn.modes.fused.options import make_plan
+    from tensorturn.recipes import resolve
+    from tensorturn.train.diloco import initial_state
+
+    with pinned(spec.datasets):
+        recipe = resolve(spec.recipe, spec.recipe_options, allow)
+    state = initial_state(recipe, spec.seed)
+    figures = plan_figures(spec, recipe, state, client)
+    if client is None:
+        local = tuple(Machine(f"local-{i + 1}") for i in range(local_workers))
+        notes = tuple(n for n in figures.notes if not n.startswith("no trainer"))
+        figures = replace(figures, machines=local, notes=(
+            *notes, f"an embedded pool of {local_workers} agents on this machine: links loopback"))
+    return make_plan(spec, recipe, figures)
+
+
+def replan(spec: RunSpec, client: Any, allow: Collection[str] = ()) -> str:
+    """``resume --replan``: the plan made again for a stopped run from today's figures — the
+    pool's links and step times on broker ``client``, θ_0's step timed here where a trainer has
+    none — for what TensorTurn chose at start (:meth:`.options.FusedOptions.replan`); the next
+    round the resume queues uses it. Returns a sentence on what changed."""
+    from tensorturn.modes.fused.options import make_plan
+    from tensorturn.recipes import recipe_for
+    from tensorturn.train.diloco import initial_state
+
+    opts = options(spec)
+    if opts.plan != "auto":
+        raise SpecError(f"run {spec.run_id} was started with --plan off: there is no plan to make "
+                        f"again (resume it without --replan)")
+    recipe = recipe_for(spec, allow)
+    figures = plan_figures(spec, recipe, initial_state(recipe, spec.seed), client)
+    before = dict(opts.planned)
+    # the policy and the shards stay: planned around them
+    opts.planned = {**before, "shards_fixed": True, "chose": [c for c in opts.plan_chose if c != "sync"]}
+    planned = make_plan(spec, recipe, figures)
+    opts.planned = before
+    if "sync" in opts.plan_chose:
+        planned.why = [f"sync {opts.sync}: kept from the run's start (a run changes its policy only "
+                       f"when started again)" if w == f"sync {opts.sync}: given" else w for w in planned.why]
+    changed = opts.replan(planned)
+    what = "; ".join(changed) or "nothing changed"
+    return (f"planned again from today's figures: {what} (predicted utilisation "
+            f"{planned.predicted_utilisation:.2f})")
