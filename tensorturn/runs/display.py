@@ -129,8 +129,10 @@ def plan_lines(plan: dict[str, Any], indent: str = "") -> list[str]:
     outer = "beside the store" if plan["outer_role"] == "store" else "on a trainer"
     lines = [f"{indent}plan: codec {plan['codec']}{down}; sync {plan['sync']}; H {plan['sync_every']}; "
              f"{plan['shards']} shards; outer steps {outer}",
-             f"{indent}  predicted utilisation {plan['predicted_utilisation']:.2f}, a round "
-             f"{plan['round_s']:.1f} s, {plan['bytes_per_round'] / 1e6:,.1f} MB over the links a round"]
+             f"{indent}  " + (f"predicted utilisation {plan['predicted_utilisation']:.2f}, a round "
+                              f"{plan['round_s']:.1f} s, " if plan.get("predicted_utilisation") is not None
+                              else "no utilisation predicted (no step timed), ")
+             + f"{plan['bytes_per_round'] / 1e6:,.1f} MB over the links a round"]
     lines += [f"{indent}  - {why}" for why in plan.get("why") or []]
     return lines
 

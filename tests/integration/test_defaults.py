@@ -137,3 +137,46 @@ def test_a_plan_fills_only_what_the_user_left_out():
     assert opts.planned["sync"] == "rounds" and "sync rounds: given" in opts.planned["why"]
 
 
+
+
+def test_the_step_is_timed_only_where_the_plan_depends_on_it():
+    """digits-mlp on this machine alone is planned alike at any step time (its transfers are
+    nothing, and its H is the data's either way): nothing is trained to plan it, and the plan
+    predicts no utilisation. Behind 200 ms of broker round trips, a round's fixed costs weigh
+    on a step of a second, not on one of a millisecond: there the step is timed."""
+    from tensorturn.modes.fused.options import PlanFigures, step_matters
+    from tensorturn.modes.fused.plan import Machine
+    from tensorturn.modes.fused.timing import float_values, plan_figures
+    from tensorturn.train.diloco import initial_state
+
+    spec = RunSpec.create("fused", "digits-mlp", "file:///unused")
+    recipe = resolve("digits-mlp", {})
+    figures = plan_figures(spec, recipe, initial_state(recipe, spec.seed), None)
+    assert figures.step_s is None and any(n.startswith("no step timed") for n in figures.notes)
+    settle_options(spec, recipe, figures)
+    assert spec.options.planned["predicted_utilisation"] is None and spec.options.codec == "fp32"
+    far = PlanFigures(float_values(initial_state(recipe, spec.seed)), None, (Machine("w1", None, 1e8, 1e8, 0.2),))
+    assert step_matters(spec, recipe, far)
+
+
+def test_a_step_that_fails_when_timed_leaves_the_run_to_its_shard_tasks(monkeypatch):
+    """θ_0's step, timed for the plan, fails inside the recipe (ShapeBug's batches of 32): the
+    run starts anyway with the fixed defaults and a warning that says why; its shard tasks meet
+    the failure where attempts and logs account for it (tests/e2e/test_tracebacks_embedded.py)."""
+    import failing
+
+    from tensorturn.modes.fused import timing
+    from tensorturn.modes.fused.plan import Machine
+    from tensorturn.train.diloco import initial_state
+
+    # a pool behind 200 ms of round trips, no step timed there yet: the plan needs one
+    far = [Machine("w1", None, 1e8, 1e8, 0.2)]
+    monkeypatch.setattr(timing, "pool_machines", lambda client, recipe: (far, False, []))
+    spec = RunSpec.create("fused", "failing:ShapeBug", "file:///unused")
+    recipe = failing.ShapeBug()
+    figures, warning = timing.figures_or_reason(spec, recipe, initial_state(recipe, spec.seed), object())
+    assert figures is None and warning is not None
+    assert warning.startswith("the plan could not time a step of θ_0 (RuntimeError: mat1 and mat2")
+    assert warning.endswith("the run starts with fp32, blocking rounds and the data's H")
+    settle_options(spec, recipe, figures)
+    assert (spec.options.codec, spec.options.sync, spec.options.planned) == ("fp32", "rounds", {})

@@ -7,7 +7,7 @@ so every machine and ``resume`` read the same values and the math never depends 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, cast
 
 from tensorturn.modes.fused.plan import Bounds, Given, Machine, Plan, choose
@@ -302,14 +302,20 @@ def settle_options(spec: RunSpec, recipe: Recipe, figures: PlanFigures | None = 
     return [w for w in (chosen, small_data_warning(spec, recipe, epochs)) if w]
 
 
+# step times (s) a plan is tried at to learn whether it depends on the step time at all
+STEP_GRID_S = (1e-3, 1e-2, 0.1, 1.0, 10.0, 100.0, 1e3)
+PLAN_CHOICES = ("codec", "broadcast_codec", "sync", "sync_every", "shards", "outer_role")
+
+
 @dataclass(frozen=True)
 class PlanFigures:
     """What a plan is made from besides the spec and the data: the model's float values, a step's
-    seconds where the plan is made (θ_0's, timed), the trainers (:class:`.plan.Machine`), whether
-    an agent beside the store serves the outer queue, and sentences on figures not measured."""
+    seconds where the plan is made (θ_0's, timed; None where the plan chooses alike at any step
+    time: then it predicts no utilisation), the trainers (:class:`.plan.Machine`), whether an
+    agent beside the store serves the outer queue, and sentences on figures not measured."""
 
     values: int
-    step_s: float
+    step_s: float | None
     machines: tuple[Machine, ...] = ()
     outer_beside_store: bool = False
     notes: tuple[str, ...] = ()
@@ -326,8 +332,21 @@ def make_plan(spec: RunSpec, recipe: Recipe, figures: PlanFigures) -> Plan:
     bounds = Bounds(opts.shards, data_h, sync_every_bound(recipe.train_rows(), opts.shards, sps),
                     rows_per_step=recipe.train_rows() / max(sps, 1) if planned_shards else 0.0,
                     epochs=EPOCHS_PER_ROUND, data_max=MAX_SYNC_EVERY, max_shards=MAX_SHARDS)
-    return choose(figures.values, figures.machines, figures.step_s, bounds, opts.given(),
-                  figures.outer_beside_store, figures.notes)
+    if figures.step_s is not None:
+        return choose(figures.values, figures.machines, figures.step_s, bounds, opts.given(),
+                      figures.outer_beside_store, figures.notes)
+    planned = choose(figures.values, figures.machines, STEP_GRID_S[0], bounds, opts.given(),
+                     figures.outer_beside_store, figures.notes)
+    return replace(planned, predicted_utilisation=None, round_s=None)
+
+
+def step_matters(spec: RunSpec, recipe: Recipe, figures: PlanFigures) -> bool:
+    """Whether the plan for ``figures`` (its ``step_s`` left out) chooses otherwise at some step
+    time of :data:`STEP_GRID_S`: a small model whose H the user gave, say, is planned alike at
+    any (its transfers are nothing at any link), and its steps need not be timed to plan it."""
+    chosen = {tuple(getattr(plan, name) for name in PLAN_CHOICES)
+              for plan in (make_plan(spec, recipe, replace(figures, step_s=step)) for step in STEP_GRID_S)}
+    return len(chosen) > 1
 
 
 def small_data_warning(spec: RunSpec, recipe: Recipe, epochs: float) -> str | None:

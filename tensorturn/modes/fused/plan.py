@@ -143,8 +143,8 @@ class Plan:
     sync_every: int
     shards: int
     outer_role: str  # "store": outer steps beside the store; "trainer": on a trainer
-    predicted_utilisation: float
-    round_s: float
+    predicted_utilisation: float | None  # None: no step time known (the plan is alike at any)
+    round_s: float | None
     bytes_per_round: int
     why: list[str] = field(default_factory=list)
 

@@ -15,7 +15,7 @@ from collections.abc import Collection
 from tensorturn import layout
 from tensorturn.modes.fused import driver
 from tensorturn.modes.fused.options import options, settle_options
-from tensorturn.modes.fused.timing import plan_figures
+from tensorturn.modes.fused.timing import figures_or_reason
 from tensorturn.modes.fused.weights import global_bytes
 from tensorturn.recipes import recipe_for
 from tensorturn.spec import RunSpec
@@ -32,8 +32,9 @@ def start(spec: RunSpec, store: Store, board: RunBoard, allow: Collection[str] =
     :func:`tensorturn.recipes.resolve`)."""
     recipe = recipe_for(spec, allow)
     state = initial_state(recipe, spec.seed)
-    figures = plan_figures(spec, recipe, state, board.r) if options(spec).plan == "auto" else None
-    warnings = settle_options(spec, recipe, figures)
+    figures, unplanned = figures_or_reason(spec, recipe, state, board.r) if options(spec).plan == "auto" \
+        else (None, None)
+    warnings = [w for w in (unplanned,) if w] + settle_options(spec, recipe, figures)
     theta0 = global_bytes(spec, recipe, state)
     options(spec).init_sha256 = sha256_hex(theta0)  # machines rebuild θ_0 from the seed, verified
     spec.settle_run_config(recipe)  # kept: the shards, H and outer step chosen here too

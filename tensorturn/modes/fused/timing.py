@@ -20,7 +20,7 @@ import torch
 
 from tensorturn.errors import SpecError
 from tensorturn.modes.fused.measured import pool_machines
-from tensorturn.modes.fused.options import PlanFigures, options, samples_per_step
+from tensorturn.modes.fused.options import STEP_GRID_S, PlanFigures, options, samples_per_step, step_matters
 from tensorturn.modes.fused.plan import Machine, Plan
 from tensorturn.recipes import Recipe
 from tensorturn.spec import RunSpec
@@ -32,6 +32,10 @@ log = logging.getLogger(__name__)
 
 TIMED_STEPS = 3    # steps timed after one to warm up ...
 TIMING_BUDGET_S = 2.0  # ... or fewer, once this long has gone (at least one)
+
+
+class StepFailed(Exception):
+    """θ_0's step, timed for the plan, failed: what the recipe raised, in a line."""
 
 
 def float_values(state: StateDict) -> int:
@@ -73,20 +77,45 @@ def time_step(spec: RunSpec, recipe: Recipe, theta: StateDict) -> float:
 
 def plan_figures(spec: RunSpec, recipe: Recipe, theta: StateDict, client: Any | None) -> PlanFigures:
     """What :func:`.options.make_plan` needs: the model's values, the pool's trainers (from broker
-    ``client``; None: this machine alone) and, unless every trainer has timed the recipe's step
-    already, θ_0's step timed here."""
+    ``client``; None: this machine alone) and a step's seconds: the trainers' own where every
+    one has timed the recipe; else θ_0's step timed here — unless the plan chooses alike at any
+    step time (:func:`.options.step_matters`: a small model whose H was given), when nothing is
+    trained here and the plan predicts no utilisation. A step that fails here raises
+    :class:`StepFailed` (:func:`figures_or_reason` plans without it)."""
     # the data's shards first (settle_options finds them set): θ_0's steps read one shard's rows
     options(spec).fill_from_data(recipe.train_rows(), samples_per_step(spec, recipe))
     machines, beside, notes = pool_machines(client, spec.recipe) if client is not None else ([], False, [])
+    figures = PlanFigures(float_values(theta), None, tuple(machines), beside)
     if machines and all(m.step_s is not None for m in machines):
-        step_s = min(m.step_s for m in machines if m.step_s is not None)
-    else:
-        step_s = time_step(spec, recipe, theta)
+        step_s: float | None = min(m.step_s for m in machines if m.step_s is not None)
+    elif step_matters(spec, recipe, figures):
+        try:
+            step_s = time_step(spec, recipe, theta)
+        except Exception as exc:  # noqa: BLE001 — the recipe's own step: whatever it raises
+            raise StepFailed(f"{type(exc).__name__}: {exc}") from exc
         notes.append(f"a step of θ_0 timed on this machine: {step_s:.3g} s "
                      f"(batch {samples_per_step(spec, recipe)})")
+    else:
+        step_s = None
+        notes.append(f"no step timed: the plan chooses alike at any step time from "
+                     f"{STEP_GRID_S[0] * 1e3:g} ms to {STEP_GRID_S[-1]:g} s (so it predicts no utilisation)")
     if not machines:
         notes.append("no trainer in the pool yet: planned for this machine alone, its links loopback")
-    return PlanFigures(float_values(theta), step_s, tuple(machines), beside, tuple(notes))
+    return replace(figures, step_s=step_s, notes=tuple(notes))
+
+
+def figures_or_reason(spec: RunSpec, recipe: Recipe, theta: StateDict, client: Any | None
+                      ) -> tuple[PlanFigures | None, str | None]:
+    """:func:`plan_figures` at a run's start, or None and the warning to record where θ_0's
+    step failed here: the run starts with the fixed defaults (fp32, blocking rounds, the data's
+    H), and its shard tasks meet the same failure where attempts, retries and logs account for
+    it — a plan is an estimate, and never what fails a run."""
+    try:
+        return plan_figures(spec, recipe, theta, client), None
+    except StepFailed as exc:
+        log.warning("run %s: θ_0's step failed when timed for the plan: %s", spec.run_id, exc)
+        return None, (f"the plan could not time a step of θ_0 ({exc}): the run starts with fp32, "
+                      f"blocking rounds and the data's H")
 
 
 def plan_for(spec: RunSpec, client: Any | None, local_workers: int, allow: Collection[str] = ()) -> Plan:
@@ -137,5 +166,6 @@ def replan(spec: RunSpec, client: Any, allow: Collection[str] = ()) -> str:
                        f"when started again)" if w == f"sync {opts.sync}: given" else w for w in planned.why]
     changed = opts.replan(planned)
     what = "; ".join(changed) or "nothing changed"
-    return (f"planned again from today's figures: {what} (predicted utilisation "
-            f"{planned.predicted_utilisation:.2f})")
+    predicted = planned.predicted_utilisation
+    return (f"planned again from today's figures: {what}"
+            + (f" (predicted utilisation {predicted:.2f})" if predicted is not None else ""))
