@@ -207,6 +207,16 @@ class Runs:
         pipe.expire(answer, 3600)
         pipe.execute()
 
+    def first_timing(self, run_id: str, worker: str) -> str | None:
+        """Mark that ``worker`` times a step of ``run_id``'s θ_0 for its plan (kept an hour).
+        None for the first try; for a start delivered again, the worker whose try it was — that
+        try's process went away while it trained (out of memory, killed), and so would this one."""
+        mark = layout.run_key(run_id, "timing")
+        if self.r.set(mark, worker, nx=True, ex=3600):
+            return None
+        before = self.r.get(mark)
+        return before.decode() if isinstance(before, bytes) else str(before)
+
     def start_answer(self, run_id: str, timeout_s: int = 1) -> dict[str, Any] | None:
         """The agent's answer to the request to start ``run_id``, taken off the list; None when
         none came within ``timeout_s``."""

@@ -180,3 +180,28 @@ def test_a_step_that_fails_when_timed_leaves_the_run_to_its_shard_tasks(monkeypa
     assert warning.endswith("the run starts with fp32, blocking rounds and the data's H")
     settle_options(spec, recipe, figures)
     assert (spec.options.codec, spec.options.sync, spec.options.planned) == ("fp32", "rounds", {})
+
+
+def test_a_start_delivered_again_after_its_step_killed_its_process_does_not_time_it_again(
+        redis_server, monkeypatch):
+    """The first try of a start marks that it times θ_0's step, and its process dies in that
+    step (a recipe that runs out of memory): Celery delivers the start again, and this try
+    reads the mark and plans without timing — else the start would kill agent after agent."""
+    import failing
+
+    from tensorturn.modes.fused import timing
+    from tensorturn.modes.fused.plan import Machine
+    from tensorturn.state.runs import Runs
+    from tensorturn.train.diloco import initial_state
+
+    far = [Machine("w1", None, 1e8, 1e8, 0.2)]
+    monkeypatch.setattr(timing, "pool_machines", lambda client, recipe: (far, False, []))
+    spec = RunSpec.create("fused", "failing:ShapeBug", "file:///unused")
+    recipe = failing.ShapeBug()
+    board = Runs(redis_client(redis_server.url))
+    assert board.first_timing(spec.run_id, "local1@vm") is None  # the first try, before it died
+    figures, warning = timing.figures_or_reason(spec, recipe, initial_state(recipe, spec.seed), object(),
+                                                board, "local2@vm")
+    assert figures is None and warning == ("the plan's step of θ_0 ended its process on local1@vm (out of "
+                                           "memory? killed?): the run starts with fp32, blocking rounds "
+                                           "and the data's H")

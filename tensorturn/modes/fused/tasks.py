@@ -26,14 +26,21 @@ from tensorturn.store.objects import Store, sha256_hex
 from tensorturn.train.diloco import initial_state
 
 
+def _here() -> str:
+    """The agent this start runs on (its Celery name), or this machine outside a task."""
+    from celery import current_task
+
+    return (current_task.request.hostname if current_task else None) or "this machine"
+
+
 def start(spec: RunSpec, store: Store, board: RunBoard, allow: Collection[str] = ()) -> None:
     """Write the spec and initial weights, record the run, and let its sync policy queue the
     first work (``allow``: recipe names allowed here besides the machine's allowlist,
     :func:`tensorturn.recipes.resolve`)."""
     recipe = recipe_for(spec, allow)
     state = initial_state(recipe, spec.seed)
-    figures, unplanned = figures_or_reason(spec, recipe, state, board.r) if options(spec).plan == "auto" \
-        else (None, None)
+    figures, unplanned = figures_or_reason(spec, recipe, state, board.r, board.runs, _here()) \
+        if options(spec).plan == "auto" else (None, None)
     warnings = [w for w in (unplanned,) if w] + settle_options(spec, recipe, figures)
     theta0 = global_bytes(spec, recipe, state)
     options(spec).init_sha256 = sha256_hex(theta0)  # machines rebuild θ_0 from the seed, verified

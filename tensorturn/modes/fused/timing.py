@@ -24,6 +24,7 @@ from tensorturn.modes.fused.options import STEP_GRID_S, PlanFigures, options, sa
 from tensorturn.modes.fused.plan import Machine, Plan
 from tensorturn.recipes import Recipe
 from tensorturn.spec import RunSpec
+from tensorturn.state.runs import Runs
 from tensorturn.store.tensors import StateDict, float_keys
 from tensorturn.train.device import pick_device
 from tensorturn.train.loop import load_model, set_threads, train_steps
@@ -104,12 +105,17 @@ def plan_figures(spec: RunSpec, recipe: Recipe, theta: StateDict, client: Any | 
     return replace(figures, step_s=step_s, notes=tuple(notes))
 
 
-def figures_or_reason(spec: RunSpec, recipe: Recipe, theta: StateDict, client: Any | None
-                      ) -> tuple[PlanFigures | None, str | None]:
+def figures_or_reason(spec: RunSpec, recipe: Recipe, theta: StateDict, client: Any | None,
+                      runs: Runs | None = None, worker: str = "?") -> tuple[PlanFigures | None, str | None]:
     """:func:`plan_figures` at a run's start, or None and the warning to record where θ_0's
-    step failed here: the run starts with the fixed defaults (fp32, blocking rounds, the data's
-    H), and its shard tasks meet the same failure where attempts, retries and logs account for
-    it — a plan is an estimate, and never what fails a run."""
+    step failed here — or where ``runs`` says a try of this start before went away while it
+    timed it (its process killed: the message delivered again would kill this one too): the run
+    starts with the fixed defaults (fp32, blocking rounds, the data's H), and its shard tasks
+    meet the same failure where attempts, retries and logs account for it — a plan is an
+    estimate, and never what fails a run."""
+    if runs is not None and (before := runs.first_timing(spec.run_id, worker)) is not None:
+        return None, (f"the plan's step of θ_0 ended its process on {before} (out of memory? killed?): "
+                      f"the run starts with fp32, blocking rounds and the data's H")
     try:
         return plan_figures(spec, recipe, theta, client), None
     except StepFailed as exc:
