@@ -217,6 +217,10 @@ class Runs:
         before = self.r.get(mark)
         return before.decode() if isinstance(before, bytes) else str(before)
 
+    def timed(self, run_id: str) -> None:
+        """The step :meth:`first_timing` marked has ended, one way or the other: the mark goes."""
+        self.r.delete(layout.run_key(run_id, "timing"))
+
     def start_answer(self, run_id: str, timeout_s: int = 1) -> dict[str, Any] | None:
         """The agent's answer to the request to start ``run_id``, taken off the list; None when
         none came within ``timeout_s``."""

@@ -205,3 +205,4 @@ def test_a_start_delivered_again_after_its_step_killed_its_process_does_not_time
     assert figures is None and warning == ("the plan's step of θ_0 ended its process on local1@vm (out of "
                                            "memory? killed?): the run starts with fp32, blocking rounds "
                                            "and the data's H")
+    assert board.first_timing(spec.run_id, "local3@vm") is None  # decided: no mark left behind

@@ -114,6 +114,7 @@ def figures_or_reason(spec: RunSpec, recipe: Recipe, theta: StateDict, client: A
     meet the same failure where attempts, retries and logs account for it — a plan is an
     estimate, and never what fails a run."""
     if runs is not None and (before := runs.first_timing(spec.run_id, worker)) is not None:
+        runs.timed(spec.run_id)
         return None, (f"the plan's step of θ_0 ended its process on {before} (out of memory? killed?): "
                       f"the run starts with fp32, blocking rounds and the data's H")
     try:
@@ -122,6 +123,9 @@ def figures_or_reason(spec: RunSpec, recipe: Recipe, theta: StateDict, client: A
         log.warning("run %s: θ_0's step failed when timed for the plan: %s", spec.run_id, exc)
         return None, (f"the plan could not time a step of θ_0 ({exc}): the run starts with fp32, "
                       f"blocking rounds and the data's H")
+    finally:
+        if runs is not None:
+            runs.timed(spec.run_id)  # this process lived through the step: no mark left behind
 
 
 def plan_for(spec: RunSpec, client: Any | None, local_workers: int, allow: Collection[str] = ()) -> Plan:
