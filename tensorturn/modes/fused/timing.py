@@ -93,7 +93,8 @@ def plan_figures(spec: RunSpec, recipe: Recipe, theta: StateDict, client: Any | 
         try:
             step_s = time_step(spec, recipe, theta)
         except Exception as exc:  # noqa: BLE001 — the recipe's own step: whatever it raises
-            raise StepFailed(f"{type(exc).__name__}: {exc}") from exc
+            said = str(exc).strip().splitlines()
+            raise StepFailed(f"{type(exc).__name__}: {said[0]}" if said else type(exc).__name__) from exc
         notes.append(f"a step of θ_0 timed on this machine: {step_s:.3g} s "
                      f"(batch {samples_per_step(spec, recipe)})")
     else:
