@@ -36,7 +36,8 @@ TIMING_BUDGET_S = 2.0  # ... or fewer, once this long has gone (at least one)
 
 
 class StepFailed(Exception):
-    """θ_0's step, timed for the plan, failed: what the recipe raised, in a line."""
+    """θ_0's step, timed for the plan, failed (what the recipe raised, in a line) or ended an
+    earlier try's process."""
 
 
 def float_values(state: StateDict) -> int:
@@ -76,13 +77,15 @@ def time_step(spec: RunSpec, recipe: Recipe, theta: StateDict) -> float:
         return (time.perf_counter() - t0) / n
 
 
-def plan_figures(spec: RunSpec, recipe: Recipe, theta: StateDict, client: Any | None) -> PlanFigures:
+def plan_figures(spec: RunSpec, recipe: Recipe, theta: StateDict, client: Any | None,
+                 runs: Runs | None = None, worker: str = "?") -> PlanFigures:
     """What :func:`.options.make_plan` needs: the model's values, the pool's trainers (from broker
     ``client``; None: this machine alone) and a step's seconds: the trainers' own where every
     one has timed the recipe; else θ_0's step timed here — unless the plan chooses alike at any
     step time (:func:`.options.step_matters`: a small model whose H was given), when nothing is
     trained here and the plan predicts no utilisation. A step that fails here raises
-    :class:`StepFailed` (:func:`figures_or_reason` plans without it)."""
+    :class:`StepFailed`; so does a start that ``runs`` marks as timing it already — an earlier
+    try whose process the step ended (:meth:`~tensorturn.state.runs.Runs.first_timing`)."""
     # the data's shards first (settle_options finds them set): θ_0's steps read one shard's rows
     options(spec).fill_from_data(recipe.train_rows(), samples_per_step(spec, recipe))
     machines, beside, notes = pool_machines(client, spec.recipe) if client is not None else ([], False, [])
@@ -90,11 +93,7 @@ def plan_figures(spec: RunSpec, recipe: Recipe, theta: StateDict, client: Any | 
     if machines and all(m.step_s is not None for m in machines):
         step_s: float | None = min(m.step_s for m in machines if m.step_s is not None)
     elif step_matters(spec, recipe, figures):
-        try:
-            step_s = time_step(spec, recipe, theta)
-        except Exception as exc:  # noqa: BLE001 — the recipe's own step: whatever it raises
-            said = str(exc).strip().splitlines()
-            raise StepFailed(f"{type(exc).__name__}: {said[0]}" if said else type(exc).__name__) from exc
+        step_s = _timed_once(spec, recipe, theta, runs, worker)
         notes.append(f"a step of θ_0 timed on this machine: {step_s:.3g} s "
                      f"(batch {samples_per_step(spec, recipe)})")
     else:
@@ -106,27 +105,38 @@ def plan_figures(spec: RunSpec, recipe: Recipe, theta: StateDict, client: Any | 
     return replace(figures, step_s=step_s, notes=tuple(notes))
 
 
-def figures_or_reason(spec: RunSpec, recipe: Recipe, theta: StateDict, client: Any | None,
-                      runs: Runs | None = None, worker: str = "?") -> tuple[PlanFigures | None, str | None]:
-    """:func:`plan_figures` at a run's start, or None and the warning to record where θ_0's
-    step failed here — or where ``runs`` says a try of this start before went away while it
-    timed it (its process killed: the message delivered again would kill this one too): the run
-    starts with the fixed defaults (fp32, blocking rounds, the data's H), and its shard tasks
-    meet the same failure where attempts, retries and logs account for it — a plan is an
-    estimate, and never what fails a run."""
-    if runs is not None and (before := runs.first_timing(spec.run_id, worker)) is not None:
-        runs.timed(spec.run_id)
-        return None, (f"the plan's step of θ_0 ended its process on {before} (out of memory? killed?): "
-                      f"the run starts with fp32, blocking rounds and the data's H")
+def _timed_once(spec: RunSpec, recipe: Recipe, theta: StateDict, runs: Runs | None, worker: str) -> float:
+    """:func:`time_step`, under ``runs``' mark for the run's start (when given): a start delivered
+    again after its process died in this step does not take it again, and the mark goes once
+    the step has ended either way. Raises :class:`StepFailed` saying what happened."""
+    before = runs.first_timing(spec.run_id, worker) if runs is not None else None
     try:
-        return plan_figures(spec, recipe, theta, client), None
-    except StepFailed as exc:
-        log.warning("run %s: θ_0's step failed when timed for the plan: %s", spec.run_id, exc)
-        return None, (f"the plan could not time a step of θ_0 ({exc}): the run starts with fp32, "
-                      f"blocking rounds and the data's H")
+        if before is not None:
+            raise StepFailed(f"the plan's step of θ_0 ended its process on {before} (out of memory? killed?)")
+        return time_step(spec, recipe, theta)
+    except StepFailed:
+        raise
+    except Exception as exc:  # noqa: BLE001 — the recipe's own step: whatever it raises
+        said = str(exc).strip().splitlines()
+        what = f"{type(exc).__name__}: {said[0]}" if said else type(exc).__name__
+        raise StepFailed(f"the plan could not time a step of θ_0 ({what})") from exc
     finally:
         if runs is not None:
             runs.timed(spec.run_id)  # this process lived through the step: no mark left behind
+
+
+def figures_or_reason(spec: RunSpec, recipe: Recipe, theta: StateDict, client: Any | None,
+                      runs: Runs | None = None, worker: str = "?") -> tuple[PlanFigures | None, str | None]:
+    """:func:`plan_figures` at a run's start, or None and the warning to record where θ_0's
+    step failed here, or ended an earlier try's process: the run starts with the fixed
+    defaults (fp32, blocking rounds, the data's H), and its shard tasks meet the same failure
+    where attempts, retries and logs account for it — a plan is an estimate, and never what
+    fails a run."""
+    try:
+        return plan_figures(spec, recipe, theta, client, runs, worker), None
+    except StepFailed as exc:
+        log.warning("run %s: %s", spec.run_id, exc)
+        return None, f"{exc}: the run starts with fp32, blocking rounds and the data's H"
 
 
 def plan_for(spec: RunSpec, client: Any | None, local_workers: int, allow: Collection[str] = ()) -> Plan:
