@@ -220,12 +220,16 @@ class LinkPool(LocalPool):
     def __init__(self, workers: int, store_url: str, store_env: dict[str, str], rtt_ms: float = 0.0,
                  up_mbit: float | None = None, down_mbit: float | None = None,
                  workdir: Path | None = None, loglevel: str = "WARNING", outer_agent: bool = False,
-                 allow: tuple[str, ...] = ()):
+                 allow: tuple[str, ...] = (), link_rates: list[tuple[float, float]] | None = None,
+                 agent_env: list[dict[str, str]] | None = None):
         super().__init__(workers + outer_agent, store_url, workdir=workdir, loglevel=loglevel,
                          roles=["train"] * workers + ["outer"] * outer_agent, allow=allow)
         self.trainers = workers
         self.store_env, self.rtt_ms = store_env, rtt_ms
         self.up_mbit, self.down_mbit = up_mbit, down_mbit
+        # per trainer: its link's (up, down) Mbit/s, and variables of its own (a machine of its own
+        # speed: ``TESTBED_SIM_STEP_S``); else every link at up_mbit/down_mbit, the same environment
+        self.link_rates, self.own_env = link_rates, agent_env or []
         self.tag = f"{os.getpid() % 1000}{next(_indexes) % 100}"
         self.links: list[Link] = []
         self.proxy: DelayProxy | None = None
@@ -247,7 +251,8 @@ class LinkPool(LocalPool):
         assert self.proxy is not None
         link = Link(next(_indexes) % 250 + 1, self.tag).create()
         self.links.append(link)
-        link.shape(self.up_mbit, self.down_mbit)
+        up, down = self.link_rates[i] if self.link_rates else (self.up_mbit, self.down_mbit)
+        link.shape(up, down)
         delay = self.rtt_ms / 2000
         self.proxy.forward((link.host_ip, self.redis.port), ("127.0.0.1", self.redis.port), delay)
         self.proxy.forward((link.host_ip, self.s3_target[1]), self.s3_target, delay)
@@ -272,7 +277,8 @@ class LinkPool(LocalPool):
         if i >= self.trainers:
             return {**os.environ, **self.store_env}
         link = self.links[i]
-        return {**os.environ, **self.store_env,
+        own = self.own_env[i] if i < len(self.own_env) else {}
+        return {**os.environ, **self.store_env, **own,
                 "AWS_ENDPOINT_URL": f"http://{link.host_ip}:{self.s3_target[1]}"}
 
     def agent_argv(self, i: int) -> list[str]:

@@ -95,6 +95,31 @@ def test_shards_left_to_the_data_fill_whole_waves_on_the_machines():
     assert fixed.shards == 2 and fixed.predicted_utilisation <= 2 / 3
 
 
+def test_two_waves_carry_twice_the_bytes_over_each_link():
+    """Overlapped, a round still moves each of a machine's tasks' update over its link: 6 shards
+    on 3 machines upload two updates a machine a round (fp32 at 20 Mbit/s: 2 × 137 s), which no
+    overlap hides behind 2 × 60 s of compute."""
+    one = predict(GPT2_SMALL, home(), 1.0, 3, 60, "overlap", "fp32", "fp32", True)
+    two = predict(GPT2_SMALL, home(), 1.0, 6, 60, "overlap", "fp32", "fp32", True)
+    upload = GPT2_SMALL * 4 / (20 * MBIT)
+    assert two.round_s >= 2 * upload > one.round_s
+    same_compute = predict(GPT2_SMALL, home(), 1.0, 3, 120, "overlap", "fp32", "fp32", True)
+    assert same_compute.utilisation > two.utilisation
+
+
+def test_where_the_links_set_the_pace_one_wave_a_round():
+    """The data's 8 shards on 3 machines over home links: one shard a machine (each shard's
+    update crosses the links once a round), not two waves — where the links are fast the waves
+    stay."""
+    data = Bounds(8, 25, 400, rows_per_step=100_000)
+    plan = choose(GPT2_SMALL, home(2.0), 2.0, data, Given(), outer_beside_store=True)
+    assert plan.shards == 3 and plan.predicted_utilisation >= TARGET_UTILISATION
+    assert any("the links set the pace" in w for w in plan.why)
+    fast = choose(GPT2_SMALL, [Machine(f"w{i}", 2.0, 1e12, 1e12, 0.0005) for i in range(3)], 2.0, data,
+                  Given(), outer_beside_store=True)
+    assert fast.shards == 6
+
+
 @pytest.mark.parametrize("shards, machines, most, fitted", [(2, 3, 8, 3), (8, 3, 8, 6), (4, 2, 8, 4),
                                                              (2, 12, 8, 12), (8, 1, 8, 8), (5, 4, 8, 4)])
 def test_fitted_shards(shards, machines, most, fitted):

@@ -180,11 +180,12 @@ def predict(values: int, machines: Sequence[Machine], step_s: float, shards: int
     blocking = sync in ("rounds", "backup")
     tasks = [c + f + (u + d if blocking else 0.0) for c, f, u, d in zip(computes, fixed, ups, downs)]
     # the shards go to the machines as they free up (waves when shards > machines)
-    free, compute = [0.0] * len(trainers), 0.0
+    free, compute, taken = [0.0] * len(trainers), 0.0, [0] * len(trainers)
     for _ in range(shards):
         i = min(range(len(trainers)), key=lambda j: free[j] + tasks[j])
         free[i] += tasks[i]
         compute += computes[i]
+        taken[i] += 1
     makespan = max(free)
     quantised = 1.0 if codec == "fp32" else 2.0
     outer_cpu = values * (shards + 1) * OUTER_S_PER_VALUE * quantised
@@ -199,7 +200,10 @@ def predict(values: int, machines: Sequence[Machine], step_s: float, shards: int
         round_s = makespan + FIXED_ROUND_S + outer
     else:
         chain = max(ups) + FIXED_ROUND_S + outer + max(downs)
-        round_s = max(makespan, chain)
+        # a machine's link carries each of its tasks' update (and broadcast) once a round: with
+        # two waves, twice the bytes in the same round, whatever overlaps what
+        links = max(max(n * u, n * d) for n, u, d in zip(taken, ups, downs))
+        round_s = max(makespan, chain, links)
     utilisation = compute / (len(trainers) * round_s) if round_s > 0 else 0.0
     return Prediction(round_s, min(utilisation, 1.0), int(moved))
 
@@ -222,6 +226,19 @@ def codec_pairs(given: Given) -> list[tuple[str, str]]:
                                         level(p[1], DOWN_CODECS)))
 
 
+def task_transfer_s(values: int, machines: Sequence[Machine], pair: tuple[str, str]) -> float:
+    """Seconds a task's update up and broadcast down take over the slowest machine's links."""
+    return max(values * (BYTES_PER_VALUE[pair[0]] / (m.up_bps or LOOPBACK_BPS)
+                         + BYTES_PER_VALUE[pair[1]] / (m.down_bps or LOOPBACK_BPS)) for m in machines)
+
+
+def links_bound(values: int, machines: Sequence[Machine], sync_every: int, step_s: float) -> bool:
+    """Whether a task's whole-precision transfers weigh on a round of ``sync_every`` steps (over
+    :data:`SMALL_COMM` of its compute, as the sync choice asks): the links set its pace."""
+    compute = sync_every * max(m.step_s or step_s for m in machines)
+    return task_transfer_s(values, machines, ("fp32", "fp32")) > max(SMALL_COMM * compute, FIXED_ROUND_S)
+
+
 def choose(values: int, machines: Sequence[Machine], step_s: float, bounds: Bounds, given: Given,
            outer_beside_store: bool, notes: Sequence[str] = ()) -> Plan:
     """The plan for a model of ``values`` float values trained by ``machines`` (a step takes
@@ -237,6 +254,11 @@ def choose(values: int, machines: Sequence[Machine], step_s: float, bounds: Boun
     if bounds.rows_per_step > 0 and not small:
         bounds = bounds.for_shards(fitted_shards(bounds.shards, len(trainers), bounds.max_shards))
         h_data = given.sync_every or min(bounds.sync_every, bounds.max_sync_every)
+        if bounds.shards > len(trainers) and links_bound(values, trainers, h_data, step_s):
+            # every shard's update crosses its machine's links once a round: where the links
+            # bound the round, one wave (a shard a machine) moves the fewest bytes for its compute
+            bounds = bounds.for_shards(min(len(trainers), bounds.max_shards))
+            h_data = given.sync_every or min(bounds.sync_every, bounds.max_sync_every)
     lo = min(bounds.sync_every, bounds.max_sync_every)
     hi = max(lo, min(MAX_PLANNED_SYNC_EVERY, bounds.max_sync_every))
     h_values = [h_data] if given.sync_every or small else list(range(lo, hi + 1))
@@ -254,8 +276,7 @@ def choose(values: int, machines: Sequence[Machine], step_s: float, bounds: Boun
     # 1. sync: are the round's transfers small against its compute?
     first = pairs[0]
     compute = h_data * max(m.step_s or step_s for m in trainers)
-    transfer = max(values * (BYTES_PER_VALUE[first[0]] / (m.up_bps or LOOPBACK_BPS)
-                             + BYTES_PER_VALUE[first[1]] / (m.down_bps or LOOPBACK_BPS)) for m in trainers)
+    transfer = task_transfer_s(values, trainers, first)
     links_limit = transfer > max(SMALL_COMM * compute, FIXED_ROUND_S)
     speeds = [m.step_s or step_s for m in trainers]
     if given.sync:
@@ -320,8 +341,11 @@ def choose(values: int, machines: Sequence[Machine], step_s: float, bounds: Boun
     waves = math.ceil(bounds.shards / len(trainers))
     on = f"{len(trainers)} machine{'s' if len(trainers) > 1 else ''}"
     if bounds.shards != data_shards:
+        links = (", where the links set the pace: each shard's update crosses them once a round"
+                 if waves == 1 and fitted_shards(data_shards, len(trainers), bounds.max_shards) > bounds.shards
+                 else "")
         why.append(f"shards {bounds.shards}, not the data's {data_shards}: {waves} whole "
-                   f"wave{'s' if waves > 1 else ''} on {on}, none waiting for the others "
+                   f"wave{'s' if waves > 1 else ''} on {on}, none waiting for the others{links} "
                    f"(the model depends on the shards, so on this plan, never on which machines run them)")
     elif bounds.shards < len(trainers):
         why.append(f"shards {bounds.shards} on {on}: {len(trainers) - bounds.shards} wait each round")
