@@ -154,7 +154,11 @@ def run_job(pool, store_url: str, timeout_s: float = 900, **spec_fields: Any) ->
     runs.submit(spec, pool.broker_url)
     doc = runs.wait(pool.broker_url, spec.run_id, poll_s=0.25, timeout_s=timeout_s)
     if doc["state"] != "succeeded":
-        raise RuntimeError(f"run {spec.run_id} ended {doc['state']}: {doc.get('error')}")
+        failed = [f"{a['task']} on {a.get('worker')}: {a['outcome']} "
+                  f"{(a.get('traceback') or '').strip().splitlines()[-1:]}" for a in doc.get("attempts", [])
+                  if a.get("outcome") not in ("succeeded", "running")]
+        raise RuntimeError(f"run {spec.run_id} ended {doc['state']}: {doc.get('error')}"
+                           + "".join(f"\n  {line}" for line in failed))
     return doc
 
 
