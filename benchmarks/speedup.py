@@ -23,14 +23,17 @@ Parts (``--parts``; each writes ``speedup_<part>.json`` under the results, the r
   the training rows, its validation loss every ``--eval-every`` steps; its wall is steps × S
   (emulated). Its final validation loss is the target.
 * ``home`` — three trainers on ``--rates`` (20/100 Mbit/s), ``--rtt-ms`` (40), defaults, ``--rounds``.
-* ``lan`` — the same on ``--lan-rate`` (1000/1000 Mbit/s, 1 ms): the defaults, then each
-  ``--lan-picks`` setting (codec/sync/H) at the defaults' samples.
+* ``home-picks`` — ``home``'s links, each ``--home-picks`` setting (codec/broadcast/sync/H).
+* ``lan`` — the trainers and the outer agent on loopback and a file store (a LAN's rate or more:
+  :func:`lan_part` says why not over emulated links): the defaults, then each ``--lan-picks``
+  setting (codec/sync/H) at about the defaults' samples.
+  (``speedup_home-before.json``: the ``home`` part as the plan before issue 49's last change chose.)
 * ``mixed`` — ``home``'s links, but the third machine 3× slower and the first one's link
   ``--mixed-up`` (5) Mbit/s up; a one-round warm-up run first, so the agents have published step
   times the plan reads (as a pool that has run before has).
 
-    python benchmarks/speedup.py [--parts alone,home,lan,mixed] [--steps 600] [--rounds 4]
-    python benchmarks/speedup.py --report
+    python benchmarks/speedup.py [--parts alone,home,lan,mixed] [--steps 600] [--rounds 10]
+    python benchmarks/speedup.py --report [--target-steps 600]
 """
 
 from __future__ import annotations
@@ -141,7 +144,9 @@ def fused_row(pool, store: str, args, label: str, target: float | None, **given:
            "broadcast_codec": plan.get("broadcast_codec") or given.get("broadcast_codec"),
            "rounds": len(doc["rounds"]), "steps": steps, "wall_s": doc["rounds"][-1]["at"] - submitted,
            "tasks_span_s": span, "utilisation": steps * args.sim_step / (TRAINERS * span),
-           "steady_utilisation": steady_utilisation(doc, sync, h * args.sim_step) if sync else None,
+           # a shard's compute ÷ its period, × the shards each machine trains a round (waves)
+           "steady_utilisation": (steady_utilisation(doc, sync, h * args.sim_step) or 0)
+           * max(1, int(plan.get("shards") or TRAINERS) // TRAINERS) if sync else None,
            "predicted_utilisation": plan.get("predicted_utilisation"),
            "val_loss": doc["rounds"][-1]["val_loss"], "curve": curve,
            "to_target_s": reached[0]["s"] if reached else None,
@@ -205,8 +210,7 @@ def pool_part(part: str, args, target: float | None) -> list[dict[str, Any]]:
     from testbed.s3 import start_moto
 
     k = dilation(args)
-    rate = args.lan_rate if part == "lan" else args.rates
-    rtt = args.lan_rtt_ms if part == "lan" else args.rtt_ms
+    rate, rtt = args.rates, args.rtt_ms
     up, down = links(rate)
     link_rates = [(up / k, down / k)] * TRAINERS
     steps = [args.sim_step] * TRAINERS
@@ -232,8 +236,13 @@ def pool_part(part: str, args, target: float | None) -> list[dict[str, Any]]:
             if part == "mixed":  # each agent's step time published, as after any earlier run
                 fused_row(pool, store, args, "mixed warm-up", None, rounds=1, sync_every=3,
                           codec="ternary", broadcast_codec="int2", sync="rounds")
-            rows.append(fused_row(pool, store, args, part, target,
-                                  rounds=args.lan_rounds if part == "lan" else args.rounds))
+            if part == "home-picks":  # settings by hand on the home links (codec/broadcast/sync/H)
+                for pick in filter(None, args.home_picks.split(",")):
+                    codec, broadcast, sync, h = pick.split("/")
+                    rows.append(fused_row(pool, store, args, f"home {pick}", target, rounds=args.pick_rounds,
+                                          codec=codec, broadcast_codec=broadcast, sync=sync, sync_every=int(h)))
+            else:
+                rows.append(fused_row(pool, store, args, part, target, rounds=args.rounds))
             if part == "lan":
                 for pick in filter(None, args.lan_picks.split(",")):
                     codec, sync, h = pick.split("/")
@@ -253,15 +262,15 @@ def path_of(part: str, args) -> Path:
 
 
 def report(args) -> None:
-    parts = {p: json.loads(path_of(p, args).read_text()) for p in ("alone", "home", "lan", "mixed")
-             if path_of(p, args).exists()}
+    names = ("alone", "home-before", "home", "home-picks", "lan", "mixed")
+    parts = {p: json.loads(path_of(p, args).read_text()) for p in names if path_of(p, args).exists()}
     if "alone" not in parts:
         sys.exit("speedup.py: no speedup_alone.json: run --parts alone first")
     base = parts["alone"]["rows"][0]
     budget = args.target_steps or base["steps"]
     at_budget = [p for p in base["curve"] if p["steps"] <= budget][-1]
     target, alone_wall = at_budget["val_loss"], at_budget["emulated_s"]
-    rows = [r for p in ("home", "lan", "mixed") if p in parts for r in parts[p]["rows"]]
+    rows = [r for p in ("home-before", "home", "home-picks", "lan", "mixed") if p in parts for r in parts[p]["rows"]]
     k = parts["alone"]["args"]["sim_step"] / parts["alone"]["args"]["stands_for"]
     print(f"\nthe machine alone: {at_budget['steps']} steps, {alone_wall:.0f} s emulated "
           f"({alone_wall / k:.0f} s at 1 s a step), val loss {target:.4f} (the target)\n")
@@ -318,6 +327,9 @@ def draw(base: dict[str, Any], rows: list[dict[str, Any]], k: float, target: flo
         ax.plot([p["s"] / k for p in pts], [p["val_loss"] for p in pts], "o-", color=f"C{i}",
                 label=f"3 machines, {r['part']} ({r['codec']}/{r['broadcast_codec']}, {r['sync']}, H {r['H']})")
     ax.axhline(target, color="grey", ls=":", lw=1)
+    lowest = min([p["val_loss"] for p in base["curve"]]
+                 + [p["val_loss"] for r in rows for p in r["curve"] if p["val_loss"] is not None])
+    ax.set_ylim(lowest - 0.1, lowest + 1.3)  # the first evaluations (≈ 5.7 at θ_0) off the top
     ax.set_xlabel("seconds at 1 s a step (measured ÷ the dilation)")
     ax.set_ylabel("validation loss")
     ax.legend(fontsize=7)
@@ -335,17 +347,18 @@ def main() -> None:
     parser.add_argument("--eval-every", type=int, default=50)
     parser.add_argument("--target-steps", type=int, default=0,
                         help="--report: the target is the machine alone's loss at this many steps (0: all)")
-    parser.add_argument("--rounds", type=int, default=5, help="the home and mixed runs' rounds")
+    parser.add_argument("--rounds", type=int, default=10, help="the home and mixed runs' rounds")
     parser.add_argument("--sim-step", type=float, default=2.0, help="emulated seconds a step lasts")
     parser.add_argument("--stands-for", type=float, default=1.0,
                         help="the step it stands for (s): links and RTT stretched by sim-step ÷ this")
     parser.add_argument("--rates", default="20/100")
     parser.add_argument("--rtt-ms", type=float, default=40)
-    parser.add_argument("--lan-rate", default="1000/1000")
-    parser.add_argument("--lan-rtt-ms", type=float, default=1)
     parser.add_argument("--lan-rounds", type=int, default=4, help="the LAN's defaults run's rounds")
     parser.add_argument("--lan-picks", default="fp32/rounds/25",
                         help="hand-picked codec/sync/H settings run on the LAN, comma-separated")
+    parser.add_argument("--home-picks", default="ternary/int2/overlap/25",
+                        help="--parts home-picks: codec/broadcast codec/sync/H settings on the home links")
+    parser.add_argument("--pick-rounds", type=int, default=10, help="the home picks' rounds")
     parser.add_argument("--mixed-up", type=float, default=5, help="the mixed pool's slow uplink, Mbit/s")
     parser.add_argument("--mixed-slow", type=float, default=3, help="the mixed pool's slow machine: × the step")
     parser.add_argument("--batch", type=int, default=1)

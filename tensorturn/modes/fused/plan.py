@@ -28,12 +28,12 @@ measured; 0.35 for its fp32 H = 64 row: 0.330 measured).
    :data:`SMALL_COMM` of it at the data's H, or under the round's fixed cost: not worth
    hiding), overlapped where they are not; machines of very different speeds ask
    :func:`choose_for_speeds`.
-2. codec pair, fidelity first (fp32, then int8, int4, then ternary up / int2 down): the first
-   pair that reaches :data:`TARGET_UTILISATION` at some H within the bounds; when none does,
-   the most faithful within a tenth of the best pair's utilisation.
-3. H: the smallest from the data's default (today's ``default_sync_every``: ≤ 25) up to the
-   data's bound (a shard's rows gone over at most 4 times a round) and :data:`MAX_PLANNED_SYNC_EVERY`
-   that reaches the target; when none does, the highest. A small model — a round's compute at
+2-3. codec pair and H: for each pair (fp32, then int8, int4, then ternary up / int2 down), the
+   smallest H from the data's default (today's ``default_sync_every``: ≤ 25) up to the data's
+   bound (a shard's rows gone over at most 4 times a round) and :data:`MAX_PLANNED_SYNC_EVERY`
+   that reaches :data:`TARGET_UTILISATION`; the pair whose H is smallest wins, the most
+   faithful among equals — H costs more per sample than a codec (BENCHMARKS §18). When no pair
+   reaches it, the highest H and the most faithful pair within a tenth of the best's utilisation. A small model — a round's compute at
    the data's H under :data:`SMALL_ROUND_S` — keeps the data's shards and H: its round's fixed
    costs weigh on any H the data allows, and those were measured on such data (benchmarks/defaults.py).
 4. shards: left to the data, and the model not small, the data's made a whole number of waves
@@ -295,13 +295,15 @@ def choose(values: int, machines: Sequence[Machine], step_s: float, bounds: Boun
         sync = "rounds"
         why.append(f"sync rounds: a round's transfers at {first[0]} take {transfer:.2f} s against "
                    f"{compute:.2f} s of compute at H = {h_data}: too little to be worth hiding")
-    # 2-3. the most faithful codecs that reach the target, at the smallest H that does
+    # 2-3. of the codec pairs that reach the target, the one that does at the smallest H (the
+    # most faithful of those): fewer local steps between averages cost far more per sample than
+    # compressing the updates (BENCHMARKS §18: H = 25 matched the machine alone's loss per
+    # sample, H = 99 needed twice its samples; a codec ≤ 1-2 %, §17b)
+    reaching = [(h, i, pair) for i, pair in enumerate(pairs) if (h := smallest_h(sync, pair)) is not None]
     chosen: tuple[tuple[str, str], int] | None = None
-    for pair in pairs:
-        h = smallest_h(sync, pair)
-        if h is not None:
-            chosen = (pair, h)
-            break
+    if reaching:
+        h, _, pair = min(reaching)
+        chosen = (pair, h)
     if chosen is None:
         pair = max(pairs, key=lambda p: (run(sync, p, h_values[-1]).utilisation, -pairs.index(p)))
         best = run(sync, pair, h_values[-1]).utilisation
@@ -331,9 +333,10 @@ def choose(values: int, machines: Sequence[Machine], step_s: float, bounds: Boun
     elif up == "fp32" and down == "fp32":
         why.append("codec fp32 both ways: the links carry whole-precision updates in time")
     else:
-        what = "the most faithful pair that reaches" if reached else "none reaches; the best for"
-        why.append(f"codec {up} up, {down} down: {what} utilisation "
-                   f"{TARGET_UTILISATION} ({values * BYTES_PER_VALUE[up] / 1e6:.1f} MB up a shard, "
+        what = ("the pair that reaches utilisation {t} at the smallest H (fewer local steps lose "
+                "less per sample than the codec)" if reached else "none reaches utilisation {t}; the best")
+        why.append(f"codec {up} up, {down} down: {what.format(t=TARGET_UTILISATION)} "
+                   f"({values * BYTES_PER_VALUE[up] / 1e6:.1f} MB up a shard, "
                    f"{values * BYTES_PER_VALUE[down] / 1e6:.1f} MB down)")
     if given.broadcast_codec:
         why.append(f"broadcast codec {down}: given")
