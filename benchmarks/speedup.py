@@ -243,12 +243,6 @@ def pool_part(part: str, args, target: float | None) -> list[dict[str, Any]]:
                                           codec=codec, broadcast_codec=broadcast, sync=sync, sync_every=int(h)))
             else:
                 rows.append(fused_row(pool, store, args, part, target, rounds=args.rounds))
-            if part == "lan":
-                for pick in filter(None, args.lan_picks.split(",")):
-                    codec, sync, h = pick.split("/")
-                    rounds = max(1, round(rows[0]["steps"] / (TRAINERS * int(h))))
-                    rows.append(fused_row(pool, store, args, f"lan {pick}", target, rounds=rounds,
-                                          codec=codec, sync=sync, sync_every=int(h)))
     finally:
         os.environ.pop("TESTBED_SIM_STEP_S", None)
         stop_process_group(moto, grace=5)

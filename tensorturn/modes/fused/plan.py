@@ -33,9 +33,10 @@ measured; 0.35 for its fp32 H = 64 row: 0.330 measured).
    bound (a shard's rows gone over at most 4 times a round) and :data:`MAX_PLANNED_SYNC_EVERY`
    that reaches :data:`TARGET_UTILISATION`; the pair whose H is smallest wins, the most
    faithful among equals — H costs more per sample than a codec (BENCHMARKS §18). When no pair
-   reaches it, the highest H and the most faithful pair within a tenth of the best's utilisation. A small model — a round's compute at
-   the data's H under :data:`SMALL_ROUND_S` — keeps the data's shards and H: its round's fixed
-   costs weigh on any H the data allows, and those were measured on such data (benchmarks/defaults.py).
+   reaches it, the highest H and the most faithful pair within a tenth of the best's
+   utilisation. A small model — a round's compute at the data's H under :data:`SMALL_ROUND_S` —
+   keeps the data's shards and H: its round's fixed costs weigh on any H the data allows, and
+   those were measured on such data (benchmarks/defaults.py).
 4. shards: left to the data, and the model not small, the data's made a whole number of waves
    on the machines (2 shards on 3 machines: 3; 8 on 3: 6) — every machine busy to the round's
    end; the model depends on the plan, stored in the spec, not on which machines ran it.
@@ -232,11 +233,13 @@ def task_transfer_s(values: int, machines: Sequence[Machine], pair: tuple[str, s
                          + BYTES_PER_VALUE[pair[1]] / (m.down_bps or LOOPBACK_BPS)) for m in machines)
 
 
-def links_bound(values: int, machines: Sequence[Machine], sync_every: int, step_s: float) -> bool:
-    """Whether a task's whole-precision transfers weigh on a round of ``sync_every`` steps (over
-    :data:`SMALL_COMM` of its compute, as the sync choice asks): the links set its pace."""
+def links_bound(values: int, machines: Sequence[Machine], sync_every: int, step_s: float,
+                pair: tuple[str, str]) -> bool:
+    """Whether a task's transfers in the most faithful codec ``pair`` left weigh on a round of
+    ``sync_every`` steps (over :data:`SMALL_COMM` of its compute, as the sync choice asks): the
+    links set its pace."""
     compute = sync_every * max(m.step_s or step_s for m in machines)
-    return task_transfer_s(values, machines, ("fp32", "fp32")) > max(SMALL_COMM * compute, FIXED_ROUND_S)
+    return task_transfer_s(values, machines, pair) > max(SMALL_COMM * compute, FIXED_ROUND_S)
 
 
 def choose(values: int, machines: Sequence[Machine], step_s: float, bounds: Bounds, given: Given,
@@ -254,7 +257,7 @@ def choose(values: int, machines: Sequence[Machine], step_s: float, bounds: Boun
     if bounds.rows_per_step > 0 and not small:
         bounds = bounds.for_shards(fitted_shards(bounds.shards, len(trainers), bounds.max_shards))
         h_data = given.sync_every or min(bounds.sync_every, bounds.max_sync_every)
-        if bounds.shards > len(trainers) and links_bound(values, trainers, h_data, step_s):
+        if bounds.shards > len(trainers) and links_bound(values, trainers, h_data, step_s, codec_pairs(given)[0]):
             # every shard's update crosses its machine's links once a round: where the links
             # bound the round, one wave (a shard a machine) moves the fewest bytes for its compute
             bounds = bounds.for_shards(min(len(trainers), bounds.max_shards))
@@ -277,7 +280,7 @@ def choose(values: int, machines: Sequence[Machine], step_s: float, bounds: Boun
     first = pairs[0]
     compute = h_data * max(m.step_s or step_s for m in trainers)
     transfer = task_transfer_s(values, trainers, first)
-    links_limit = transfer > max(SMALL_COMM * compute, FIXED_ROUND_S)
+    links_limit = links_bound(values, trainers, h_data, step_s, first)
     speeds = [m.step_s or step_s for m in trainers]
     if given.sync:
         sync = given.sync

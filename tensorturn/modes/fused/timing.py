@@ -68,7 +68,7 @@ def time_step(spec: RunSpec, recipe: Recipe, theta: StateDict) -> float:
                         precision=spec.precision, accumulate=spec.accumulate)
 
         t0 = time.perf_counter()
-        step()  # the first warms up; when it alone takes the budget, its time is the figure
+        step()  # the first warms up; when it alone takes WARM_UP_ALONE_S, its time is the figure
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         if time.perf_counter() - t0 >= WARM_UP_ALONE_S:
