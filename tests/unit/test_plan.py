@@ -185,6 +185,15 @@ def test_machines_of_very_different_speeds_take_the_mixed_speed_rule():
     # within the spread, the rule is not asked: equal machines plan as equal machines
     even = [Machine("a", 1.0), Machine("b", 1.5), Machine("c", 1.0)]
     assert choose(GPT2_SMALL, even, 1.0, BOUNDS, Given(), True).sync in ("rounds", "overlap")
+    # steps of a few ms 3× apart (a small model's, timed on a busy machine): the slowest round
+    # ends 8 ms after the fastest's, nothing to act on — rounds, as on equal machines
+    noisy = [Machine("a", 0.001), Machine("b", 0.004), Machine("c", 0.001)]
+    small = choose(20_000, noisy, 0.001, Bounds(2, 2, 80), Given(sync_every=2), True)
+    assert small.sync == "rounds" and not any("mixed-speed rule" in w for w in small.why)
+    # the 1:1:4 case of docs/benchmarks/mixed-speeds.md §12c (H 60 of 80 and 20 ms) still takes it
+    pool = [Machine("a", 0.08), Machine("b", 0.08), Machine("c", 0.02)]
+    assert any("mixed-speed rule" in w for w in choose(20_000, pool, 0.02, Bounds(3, 60, 80), Given(sync_every=60),
+                                                        True).why)
 
 
 def test_the_plan_imports_no_torch():

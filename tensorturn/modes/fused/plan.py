@@ -75,7 +75,8 @@ OUTER_S_PER_VALUE = 4.3e-8
 LOOPBACK_BPS = 1e9            # a link not measured: taken as fast as loopback (and said so)
 LOOPBACK_RTT_S = 0.0005
 BESIDE_STORE_BPS = 5e8        # the outer step's reads and writes on the store's own machine
-SPEED_SPREAD = 2.0            # machines whose step times differ more than this: choose_for_speeds
+SPEED_SPREAD = 2.0            # machines whose step times differ more than this (and whose rounds
+                              # differ by more than FIXED_ROUND_S): choose_for_speeds
 # a round of less compute than this at the data's H keeps the data's shards and H (a small model:
 # its round's fixed costs of 1-2 s weigh on any H the data allows; benchmarks/defaults.py
 # measured those shards and H on such data)
@@ -285,7 +286,11 @@ def choose(values: int, machines: Sequence[Machine], step_s: float, bounds: Boun
     if given.sync:
         sync = given.sync
         why.append(f"sync {sync}: given")
-    elif max(speeds) > SPEED_SPREAD * min(speeds) and (mixed := choose_for_speeds(speeds, bounds.shards)):
+    elif (max(speeds) > SPEED_SPREAD * min(speeds)
+          # and the slowest machine's round outlasts the fastest's by more than a round's fixed
+          # cost: steps of a few ms are noise-bound, their spread gains nothing to act on
+          and h_data * (max(speeds) - min(speeds)) > FIXED_ROUND_S
+          and (mixed := choose_for_speeds(speeds, bounds.shards))):
         sync = mixed
         why.append(f"sync {sync}: the machines' steps take {min(speeds):.3g}-{max(speeds):.3g} s "
                    f"(the mixed-speed rule, docs/benchmarks/mixed-speeds.md)")
