@@ -104,17 +104,6 @@ def links(spec: str) -> tuple[float, float]:
     return up, down
 
 
-def planned(spec: Any) -> dict[str, Any]:
-    """The plan kept in a run's spec (its fused options' ``planned``), wherever it nests."""
-    if isinstance(spec, dict):
-        if isinstance(spec.get("planned"), dict) and spec["planned"]:
-            return spec["planned"]
-        for value in spec.values():
-            if found := planned(value):
-                return found
-    return {}
-
-
 def fused_row(pool, store: str, args, label: str, target: float | None, **given: Any) -> dict[str, Any]:
     """One fused run on ``pool``, with only ``given`` of codec, sync and H (the rest planned)."""
     from tensorturn.runs.records import remove_run
@@ -128,7 +117,7 @@ def fused_row(pool, store: str, args, label: str, target: float | None, **given:
                   threads_per_task=1, eval_batches=args.eval_batches, seed=args.seed, **given)
     doc = settled(pool, doc["run_id"])
     after = wire(pool) if links_of else (0, 0)
-    plan = planned(doc["spec"])
+    plan = doc["spec"]["options"].get("planned") or {}  # the plan kept in the spec
     remove_run(doc["run_id"], pool.broker_url, store)  # moto holds objects in memory
     h = int(plan.get("sync_every") or given.get("sync_every") or doc["rounds"][0]["samples"] // args.batch)
     sync = plan.get("sync") or given.get("sync")
@@ -139,14 +128,15 @@ def fused_row(pool, store: str, args, label: str, target: float | None, **given:
     curve = [{"round": i + 1, "samples_steps": sum(int(x["samples"]) for x in doc["rounds"][:i + 1]) // args.batch,
               "s": r["at"] - submitted, "val_loss": r.get("val_loss")} for i, r in enumerate(doc["rounds"])]
     reached = [p for p in curve if target is not None and p["val_loss"] is not None and p["val_loss"] <= target]
-    row = {"part": label, "given": {k_: v for k_, v in given.items()}, "plan": plan, "H": h, "sync": sync,
+    steady = steady_utilisation(doc, sync, h * args.sim_step) if sync else None
+    row = {"part": label, "given": dict(given), "plan": plan, "H": h, "sync": sync,
            "codec": plan.get("codec") or given.get("codec"),
            "broadcast_codec": plan.get("broadcast_codec") or given.get("broadcast_codec"),
            "rounds": len(doc["rounds"]), "steps": steps, "wall_s": doc["rounds"][-1]["at"] - submitted,
            "tasks_span_s": span, "utilisation": steps * args.sim_step / (TRAINERS * span),
            # a shard's compute ÷ its period, × the shards each machine trains a round (waves)
-           "steady_utilisation": (steady_utilisation(doc, sync, h * args.sim_step) or 0)
-           * max(1, int(plan.get("shards") or TRAINERS) // TRAINERS) if sync else None,
+           "steady_utilisation": steady * max(1, int(plan.get("shards") or TRAINERS) // TRAINERS)
+           if steady is not None else None,
            "predicted_utilisation": plan.get("predicted_utilisation"),
            "val_loss": doc["rounds"][-1]["val_loss"], "curve": curve,
            "to_target_s": reached[0]["s"] if reached else None,
