@@ -19,6 +19,7 @@ and on moto's S3 server: bytes moved per run, wall time, each agent's peak resid
 
     python benchmarks/bigmodel.py [--part outer|transfers|runs|all]
     python benchmarks/bigmodel.py --part outer --sizes 86M --shards 2 --codecs fp32,int8,int4 --name bigmodel_codecs
+    python benchmarks/bigmodel.py --part outer --sizes 86M --shards 3 --up-codec ternary --codecs int2 --name outer_ternary
 """
 
 from __future__ import annotations
@@ -47,10 +48,10 @@ SIZES = {  # name: (recipe, options)
 
 # ---- part 1: the outer step ----------------------------------------------------------------------
 
-def prepare(work: Path, size: str, shards: int, codec: str = "fp32") -> tuple[str, str]:
+def prepare(work: Path, size: str, shards: int, codec: str = "fp32", up: str = "fp32") -> tuple[str, str]:
     """A store with round 1 of a fused run ready for its outer step: θ_1, the momentum entering
-    round 1, and S random pseudo-gradients (the run's ``codec`` encodes round 1's broadcast: of
-    3 rounds, only the last is kept exact). Returns (store URL, run id)."""
+    round 1, and S random pseudo-gradients encoded with ``up`` (the run's ``codec`` encodes round
+    1's broadcast: of 3 rounds, only the last is kept exact). Returns (store URL, run id)."""
     import torch
 
     from tensorturn import layout
@@ -78,7 +79,7 @@ def prepare(work: Path, size: str, shards: int, codec: str = "fp32") -> tuple[st
     for k in range(shards):
         delta = {name: 1e-3 * torch.randn(v.shape, generator=gen) for name, v in floats.items()}
         seals.put_bytes(store, layout.key("shard", spec.run_id, 1, k),
-                        delta_bytes(delta, "fp32", {"samples": "16", "loss": "1.0",
+                        delta_bytes(delta, up, {"samples": "16", "loss": "1.0",
                                                     "bytes_down": f"{0:015d}"}))
     return store.url, spec.run_id
 
@@ -126,14 +127,15 @@ def _status(field: str) -> int:
     raise KeyError(field)
 
 
-def part_outer(work: Path, sizes: list[str], shard_counts: list[int], codecs: list[str]) -> list[dict]:
+def part_outer(work: Path, sizes: list[str], shard_counts: list[int], codecs: list[str],
+               up: str = "fp32") -> list[dict]:
     """Each size × S × codec: the streaming step (and, for fp32, the list-based one it
-    replaced), each in a child process, from the same stored inputs."""
+    replaced), each in a child process, from the same stored inputs (pseudo-gradients in ``up``)."""
     rows = []
     for size in sizes:
         for shards in shard_counts:
             for codec in codecs:
-                url, run_id = prepare(work, size, shards, codec)
+                url, run_id = prepare(work, size, shards, codec, up)
                 for how in ("streaming", "list") if codec == "fp32" else ("streaming",):
                     from tensorturn import layout
                     from tensorturn.store.objects import open_store
@@ -150,7 +152,7 @@ def part_outer(work: Path, sizes: list[str], shard_counts: list[int], codecs: li
                                          f"{proc.stderr[-3000:]}")
                     got = json.loads(proc.stdout.strip().splitlines()[-1])
                     model = got["params"] * 4
-                    row = {"size": size, "shards": shards, "codec": codec, "how": how, **got,
+                    row = {"size": size, "shards": shards, "codec": codec, "up": up, "how": how, **got,
                            "model_fp32_bytes": model, "peak_over_model": round(got["peak_bytes"] / model, 2),
                            "growth_over_model": round((got["peak_bytes"] - got["baseline_bytes"]) / model, 2)}
                     rows.append(row)
@@ -314,6 +316,7 @@ def main() -> None:
     ap.add_argument("--sizes", default=",".join(SIZES))
     ap.add_argument("--shards", default="2,4,8")
     ap.add_argument("--codecs", default="fp32", help="outer part: comma-separated --codec values")
+    ap.add_argument("--up-codec", default="fp32", help="outer part: the codec of the stored pseudo-gradients")
     ap.add_argument("--stores", default="file,s3")
     ap.add_argument("--name", default="bigmodel", help="write NAME.json and NAME.png in benchmarks/results/")
     args = ap.parse_args()
@@ -329,9 +332,9 @@ def main() -> None:
         work = Path(tmp)
         if args.part in ("outer", "all"):
             summary["outer"] = part_outer(work, args.sizes.split(","), [int(s) for s in args.shards.split(",")],
-                                          args.codecs.split(","))
-            print(table(["size", "S", "codec", "how", "peak MB", "× model", "s"],
-                        [[r["size"], r["shards"], r.get("codec", "fp32"), r["how"], round(r["peak_bytes"] / 1e6),
+                                          args.codecs.split(","), args.up_codec)
+            print(table(["size", "S", "up", "codec", "how", "peak MB", "× model", "s"],
+                        [[r["size"], r["shards"], r.get("up", "fp32"), r.get("codec", "fp32"), r["how"], round(r["peak_bytes"] / 1e6),
                           r["peak_over_model"], r["seconds"]] for r in summary["outer"]]))
         if args.part in ("transfers", "all"):
             summary["transfers"] = part_transfers(work, args.stores.split(","))

@@ -101,27 +101,35 @@ def write_order(specs: dict[str, tuple[torch.dtype, list[int]]]) -> list[str]:
 
 
 class TensorWriter:
-    """A safetensors file written tensor by tensor, in :attr:`order`, byte for byte what
-    :func:`tensors.to_bytes` makes of the same tensors and metadata."""
+    """A safetensors file written tensor by tensor, byte for byte what :func:`tensors.to_bytes`
+    makes of the same tensors and metadata: in :attr:`order` (:meth:`write`), or in any order
+    (:meth:`put`: each tensor at its own offset, so a step that makes several files' tensors
+    together writes each once, as it is made). :meth:`close` checks every tensor was written."""
 
     def __init__(self, path: Path | str, specs: dict[str, tuple[torch.dtype, list[int]]],
                  metadata: dict[str, str] | None = None):
         self.order = write_order(specs)
-        header: dict = {}
+        self.offsets: dict[str, list[int]] = {}
         offset = 0
         for name in self.order:
             dtype, shape = specs[name]
             size = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
-            header[name] = {"dtype": NAMES[dtype], "shape": list(shape),
-                            "data_offsets": [offset, offset + size]}
+            self.offsets[name] = [offset, offset + size]
             offset += size
+        self.specs, self.next = specs, 0
+        self.written: set[str] = set()
+        text = self._header(metadata)
+        self.base = 8 + len(text)
+        self.file: BufferedWriter = open(path, "wb")  # noqa: SIM115 - closed by close() / the with block
+        self.file.write(len(text).to_bytes(8, "little") + text)
+
+    def _header(self, metadata: dict[str, str] | None) -> bytes:
+        header: dict = {name: {"dtype": NAMES[self.specs[name][0]], "shape": list(self.specs[name][1]),
+                               "data_offsets": self.offsets[name]} for name in self.order}
         if metadata:
             header["__metadata__"] = metadata
         text = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
-        text += b" " * ((-len(text)) % 8)
-        self.specs, self.next = specs, 0
-        self.file: BufferedWriter = open(path, "wb")  # noqa: SIM115 - closed by close() / the with block
-        self.file.write(len(text).to_bytes(8, "little") + text)
+        return text + b" " * ((-len(text)) % 8)
 
     def __enter__(self) -> TensorWriter:
         return self
@@ -133,16 +141,33 @@ class TensorWriter:
         """Write the next tensor (names must come in :attr:`order`)."""
         if self.next >= len(self.order) or name != self.order[self.next]:
             raise ValueError(f"tensor {name!r} out of order")
+        self.put(name, tensor)
+        self.next += 1
+
+    def put(self, name: str, tensor: torch.Tensor) -> None:
+        """Write tensor ``name`` at its place, whatever was written before."""
+        if name not in self.specs or name in self.written:
+            raise ValueError(f"tensor {name!r} is {'written already' if name in self.written else 'not in the file'}")
         dtype, shape = self.specs[name]
         if tensor.dtype != dtype or list(tensor.shape) != list(shape):
             raise ValueError(f"tensor {name!r} is {tensor.dtype} {list(tensor.shape)}, "
                              f"not {dtype} {list(shape)}")
+        self.file.seek(self.base + self.offsets[name][0])
         self.file.write(_raw(tensor))
-        self.next += 1
+        self.written.add(name)
+
+    def set_metadata(self, metadata: dict[str, str]) -> None:
+        """Replace the header's metadata with ``metadata`` of the same length once rendered (a
+        figure known only once the tensors are made — another file's sha256 — written last)."""
+        text = self._header(metadata)
+        if len(text) + 8 != self.base:
+            raise ValueError("the new metadata changes the header's length")
+        self.file.seek(8)
+        self.file.write(text)
 
     def close(self) -> None:
-        if self.next != len(self.order):
-            raise ValueError(f"{len(self.order) - self.next} tensors were never written")
+        if len(self.written) != len(self.order):
+            raise ValueError(f"{len(self.order) - len(self.written)} tensors were never written")
         self.file.close()
 
 
@@ -165,12 +190,11 @@ def write_delta(path: Path | str, delta: StateDict, codec: str, extra: dict[str,
 
 def write_encoded(path: Path | str, shapes: dict[str, list[int]], codec: str, meta: dict[str, str],
                   value: Callable[[str], torch.Tensor]) -> None:
-    """A delta file of the tensors ``value(name)`` gives (computed when needed, once per part it
-    is stored in), encoded with ``codec``."""
-    owner = {part: name for name, shape in shapes.items() for part in part_specs(name, shape, codec)}
+    """A delta file of the tensors ``value(name)`` gives (each computed and encoded once, its
+    parts written at their places), encoded with ``codec``."""
     specs = {part: spec for name, shape in shapes.items() for part, spec in part_specs(name, shape, codec).items()}
     with TensorWriter(path, specs, meta) as out:
-        for part in out.order:
-            name = owner[part]
-            out.write(part, encode_tensor(name, value(name), codec)[part])
+        for name in shapes:
+            for part, tensor in encode_tensor(name, value(name), codec).items():
+                out.put(part, tensor)
         out.close()

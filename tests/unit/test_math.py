@@ -271,3 +271,24 @@ def test_a_delta_written_tensor_by_tensor_is_delta_bytes_and_reads_back_alike(tm
     with TensorReader(tmp_path / "d") as f:
         streamed = dict(delta_tensors(f))
     assert streamed.keys() == whole.keys() and all(torch.equal(streamed[k], whole[k]) for k in whole)
+
+
+def test_a_file_written_in_any_order_is_the_canonical_file_and_refuses_mistakes(tmp_path):
+    from tensorturn.store.tensorfile import TensorWriter
+
+    tensors = {"b": torch.arange(6, dtype=torch.int64), "a": torch.randn(3, 2), "c": torch.randn(4).half()}
+    specs = {k: (v.dtype, list(v.shape)) for k, v in tensors.items()}
+    meta = {"sha256": "0" * 64, "format": "test"}
+    with TensorWriter(tmp_path / "f", specs, meta) as out:
+        for name in reversed(out.order):
+            out.put(name, tensors[name])
+        with pytest.raises(ValueError, match="written already"):
+            out.put("a", tensors["a"])
+        with pytest.raises(ValueError, match="header's length"):
+            out.set_metadata({**meta, "sha256": "1"})
+        out.set_metadata({**meta, "sha256": "f" * 64})
+        out.close()
+    assert (tmp_path / "f").read_bytes() == to_bytes(tensors, {**meta, "sha256": "f" * 64})
+    with TensorWriter(tmp_path / "g", specs) as out, pytest.raises(ValueError, match="never written"):
+        out.put("a", tensors["a"])
+        out.close()

@@ -18,7 +18,8 @@ from tensorturn.modes.fused.step import (
     Synchronous,
     outer_step,
 )
-from tensorturn.store.tensors import from_bytes, to_bytes
+from tensorturn.store.objects import file_sha256
+from tensorturn.store.tensors import from_bytes, metadata_of, to_bytes
 from tensorturn.train.diloco import UpdateRejected, async_update, compress_broadcast, outer_update
 
 META = {"format": "test"}
@@ -37,7 +38,8 @@ def move(theta: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("nesterov,momentum,codec", [(True, 0.9, None), (False, 0.0, None),
-                                                      (True, 0.9, "int8"), (False, 0.0, "int4")])
+                                                      (True, 0.9, "int8"), (False, 0.0, "int4"),
+                                                      (True, 0.9, "int2")])
 def test_a_rounds_step_gives_the_list_forms_bits(tmp_path, nesterov, momentum, codec):
     theta = weights(0)
     buf = move(theta, 1) if momentum else None
@@ -58,8 +60,11 @@ def test_a_rounds_step_gives_the_list_forms_bits(tmp_path, nesterov, momentum, c
         packed, stepped, left = compress_broadcast(theta, stepped, residual, codec)
         kept.update({RESIDUAL + k: v for k, v in left.items()})
         assert files.broadcast is not None
-        sent = from_bytes(files.broadcast.read_bytes())
+        data = files.broadcast.read_bytes()
+        sent, meta = from_bytes(data), metadata_of(data)
         assert sent.keys() == packed.keys() and all(torch.equal(sent[k], packed[k]) for k in packed)
+        assert meta["sha256"] == file_sha256(files.next) and meta["base_sha256"] == "base"
+        assert files.broadcast.read_bytes() == to_bytes(packed, meta)  # the header written last: still canonical
     else:
         assert files.broadcast is None
     assert files.next.read_bytes() == to_bytes(stepped, META)

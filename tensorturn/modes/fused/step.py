@@ -30,8 +30,8 @@ from typing import Protocol
 import torch
 
 from tensorturn.store.objects import file_sha256
-from tensorturn.store.tensorfile import DTYPES, TensorReader, TensorWriter, write_encoded, write_order
-from tensorturn.store.tensors import BROADCAST_FORMAT, StateDict, decode_tensor, encode_tensor
+from tensorturn.store.tensorfile import DTYPES, TensorReader, TensorWriter, write_order
+from tensorturn.store.tensors import BROADCAST_FORMAT, StateDict, decode_tensor, encode_tensor, part_specs
 from tensorturn.train.diloco import (
     apply_step,
     async_update,
@@ -98,14 +98,11 @@ class Rule(Protocol):
     def squares_order(self, io: Inputs) -> list[str]:
         """The tensors of θ whose squares are summed for the norm check, in the order summed."""
 
-    def exact(self, io: Inputs, name: str) -> torch.Tensor:
-        """θ' of tensor ``name``."""
+    def moves(self, io: Inputs, name: str) -> tuple[torch.Tensor, StateDict]:
+        """θ' of tensor ``name``, and the new outer state's entries that belong to it."""
 
     def state_specs(self, io: Inputs) -> Specs:
         """The entries of the rule's new outer state."""
-
-    def state(self, io: Inputs, entry: str) -> torch.Tensor:
-        """The new outer state's ``entry``."""
 
 
 @dataclass(frozen=True)
@@ -122,21 +119,15 @@ class Synchronous:
     def squares_order(self, io: Inputs) -> list[str]:
         return [name for name in write_order(io.specs) if name in io.delta]  # θ_{r+1}'s, as ever
 
-    def step(self, io: Inputs, name: str) -> tuple[StateDict, StateDict]:
-        """({name: θ'}, {name: its new momentum} or {})."""
+    def moves(self, io: Inputs, name: str) -> tuple[torch.Tensor, StateDict]:
         prev = io.part(name) if self.momentum else None
         d = {name: io.delta[name]} if name in io.delta else {}
-        return outer_update({name: io.theta.get(name)}, d, {name: prev} if prev is not None else None,
-                            self.lr, self.momentum, self.nesterov)
-
-    def exact(self, io: Inputs, name: str) -> torch.Tensor:
-        return self.step(io, name)[0][name]
+        theta, state = outer_update({name: io.theta.get(name)}, d, {name: prev} if prev is not None else None,
+                                    self.lr, self.momentum, self.nesterov)
+        return theta[name], state  # the momentum of ``name`` ({} without momentum)
 
     def state_specs(self, io: Inputs) -> Specs:
         return {name: (torch.float32, io.specs[name][1]) for name in io.delta} if self.momentum else {}
-
-    def state(self, io: Inputs, entry: str) -> torch.Tensor:
-        return self.step(io, entry)[1][entry]
 
 
 @dataclass(frozen=True)
@@ -156,25 +147,21 @@ class Delayed:
     def squares_order(self, io: Inputs) -> list[str]:
         return list(io.delta)  # the update's order, as the applier has always summed them
 
-    def step(self, io: Inputs, name: str) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        return async_update(io.theta.get(name), io.delta.get(name), io.part(MOMENTUM + name),
-                            io.part(ACCUMULATED + name), self.weight, self.lr, self.momentum, self.due,
-                            self.share)
-
-    def exact(self, io: Inputs, name: str) -> torch.Tensor:
-        return self.step(io, name)[0]
+    def moves(self, io: Inputs, name: str) -> tuple[torch.Tensor, StateDict]:
+        theta, buf, acc = async_update(io.theta.get(name), io.delta.get(name), io.part(MOMENTUM + name),
+                                       io.part(ACCUMULATED + name), self.weight, self.lr, self.momentum,
+                                       self.due, self.share)
+        if not self.momentum or name not in io.delta:
+            return theta, {}
+        zeros = torch.zeros(io.specs[name][1], dtype=torch.float32)  # where there is none yet
+        return theta, {MOMENTUM + name: buf if buf is not None else zeros,
+                       ACCUMULATED + name: acc if acc is not None else zeros}
 
     def state_specs(self, io: Inputs) -> Specs:
         if not self.momentum:
             return {}
         return {prefix + name: (torch.float32, io.specs[name][1])
                 for name in io.delta for prefix in (MOMENTUM, ACCUMULATED)}
-
-    def state(self, io: Inputs, entry: str) -> torch.Tensor:
-        prefix, name = entry[:len(MOMENTUM)], entry[len(MOMENTUM):]
-        _, buf, acc = self.step(io, name)
-        value = buf if prefix == MOMENTUM else acc
-        return value if value is not None else torch.zeros(io.specs[name][1], dtype=torch.float32)
 
 
 @dataclass(frozen=True)
@@ -188,15 +175,15 @@ class Broadcast:
     codec: str
     base_sha256: str
 
-    def want(self, rule: Rule, io: Inputs, name: str) -> torch.Tensor:
-        """The move of one tensor plus the residual the codec left last time."""
-        residual = io.part(RESIDUAL + name)
-        return rule.exact(io, name).float() - io.theta.get(name).float() + (
-            residual if residual is not None else 0.0)
-
-    def sent(self, name: str, want: torch.Tensor) -> torch.Tensor:
-        """The move as every machine decodes it."""
-        return decode_tensor(name, encode_tensor(name, want, self.codec), self.codec, list(want.shape))
+    def send(self, name: str, theta: torch.Tensor, exact: torch.Tensor, residual: torch.Tensor | None
+             ) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
+        """The move ``theta`` → ``exact`` of one tensor, plus the ``residual`` the codec left last
+        time, encoded: (its encoded parts, θ' as every machine rebuilds it — θ plus the move as
+        they decode it —, what the codec dropped)."""
+        want = exact.float() - theta.float() + (residual if residual is not None else 0.0)
+        parts = encode_tensor(name, want, self.codec)
+        sent = decode_tensor(name, parts, self.codec, list(want.shape))
+        return parts, apply_step({name: theta}, {name: sent})[name], want - sent
 
 
 @dataclass(frozen=True)
@@ -215,9 +202,11 @@ def outer_step(scratch: Path, theta: Path, state: Path | None, delta: StateDict,
     """Move θ (file ``theta``, its outer state in ``state``) by ``delta`` with ``rule``: the
     updates ``check`` looked at are checked against θ's norm first, then θ' (``scratch/next``,
     with ``meta``), the broadcast (``scratch/broadcast``) and the new state
-    (``scratch/state-next``) are written in that order, each a tensor at a time in its file's
-    order."""
-    with TensorReader(theta) as t, (TensorReader(state) if state is not None else contextlib.nullcontext()) as s:
+    (``scratch/state-next``) are written together, a tensor of θ at a time: each tensor's move is
+    computed and encoded once, and its parts written at their places in each file (the broadcast's
+    header, which names θ''s sha256, last)."""
+    with TensorReader(theta) as t, (TensorReader(state) if state is not None else contextlib.nullcontext()) as s, \
+            contextlib.ExitStack() as files:
         io = Inputs(t, s, delta, {name: (DTYPES[e["dtype"]], e["shape"]) for name, e in t.entries.items()})
         squares = 0.0
         for name in rule.squares_order(io):
@@ -225,35 +214,40 @@ def outer_step(scratch: Path, theta: Path, state: Path | None, delta: StateDict,
         if check is not None:
             check.against(squares)  # before anything is written
         next_path, state_path, broadcast_path = scratch / "next", scratch / "state-next", scratch / "broadcast"
-        with TensorWriter(next_path, io.specs, meta) as out:
-            for name in out.order:
-                if broadcast is None:
-                    out.write(name, rule.exact(io, name))
-                    continue
-                value = t.get(name)  # θ plus the move as every machine decodes it: the θ' they rebuild
-                sent = {name: broadcast.sent(name, broadcast.want(rule, io, name))} if value.is_floating_point() else {}
-                out.write(name, apply_step({name: value}, sent)[name])
-            out.close()
         moved = [name for name, (dtype, _) in io.specs.items() if dtype.is_floating_point] if broadcast else []
-        if broadcast is not None and moved:  # it names θ''s sha256
-            shapes = {name: list(io.specs[name][1]) for name in moved}
-            write_encoded(broadcast_path, shapes, broadcast.codec, {
-                "format": BROADCAST_FORMAT, "codec": broadcast.codec, "shapes": json.dumps(shapes, sort_keys=True),
-                "base_sha256": broadcast.base_sha256, "sha256": file_sha256(next_path)},
-                lambda name: broadcast.want(rule, io, name))
-
-        def new_state(entry: str) -> torch.Tensor:
-            if broadcast is not None and entry.startswith(RESIDUAL):  # what the codec did not send, sent next time
-                name = entry[len(RESIDUAL):]
-                want = broadcast.want(rule, io, name)
-                return want - broadcast.sent(name, want)
-            return rule.state(io, entry)
-
         state_specs = rule.state_specs(io)
         state_specs.update({RESIDUAL + name: (torch.float32, io.specs[name][1]) for name in moved})
-        if state_specs:
-            with TensorWriter(state_path, state_specs) as out:
-                for entry in out.order:
-                    out.write(entry, new_state(entry))
-                out.close()
+        out = files.enter_context(TensorWriter(next_path, io.specs, meta))
+        state_out = files.enter_context(TensorWriter(state_path, state_specs)) if state_specs else None
+        sent_out, sent_meta = None, {}
+        if broadcast is not None and moved:
+            shapes = {name: list(io.specs[name][1]) for name in moved}
+            sent_meta = {"format": BROADCAST_FORMAT, "codec": broadcast.codec,
+                         "shapes": json.dumps(shapes, sort_keys=True), "base_sha256": broadcast.base_sha256,
+                         "sha256": "0" * 64}  # θ''s, once written
+            sent_out = files.enter_context(TensorWriter(broadcast_path, {
+                part: spec for name, shape in shapes.items()
+                for part, spec in part_specs(name, shape, broadcast.codec).items()}, sent_meta))
+        floats = set(moved)
+        for name in out.order:
+            exact, entries = rule.moves(io, name)
+            if broadcast is not None:  # θ plus the move as every machine decodes it: the θ' they rebuild
+                value = t.get(name)
+                if name in floats:
+                    parts, exact, entries[RESIDUAL + name] = broadcast.send(
+                        name, value, exact, io.part(RESIDUAL + name))
+                    for part, tensor in parts.items():
+                        sent_out.put(part, tensor)  # type: ignore[union-attr]
+                else:
+                    exact = apply_step({name: value}, {})[name]
+            out.write(name, exact)
+            for entry, tensor in entries.items():
+                if entry in state_specs:
+                    state_out.put(entry, tensor)  # type: ignore[union-attr]
+        out.close()
+        if sent_out is not None:  # it names θ''s sha256
+            sent_out.set_metadata({**sent_meta, "sha256": file_sha256(next_path)})
+            sent_out.close()
+        if state_out is not None:
+            state_out.close()
     return StepFiles(next_path, state_path if state_specs else None, broadcast_path if moved else None)
