@@ -6,7 +6,8 @@ sizes, and ``gpt2-small``) and S = 2, 4, 8 shards, a child process runs round 1'
 stored random pseudo-gradients (Nesterov, so the momentum is read and written too) — the real
 average and step (``average_and_step``: streaming) and, for contrast, the list-based step it
 replaced (every shard's delta decoded into a list, then averaged) — and reports its peak
-resident memory (``VmHWM``, reset just before the step) and its time. The validation pass that
+resident memory (``VmHWM``, reset just before the step), its time, and the part of it spent
+computing (``compute_s``: what an agent publishes for plans, without fetching and storing). The validation pass that
 follows in a real outer step is not included: its memory is the recipe's eval batch's.
 
 Part 2 (``--part transfers``): one model-sized file (343 MB) up and down with the store's
@@ -19,7 +20,8 @@ and on moto's S3 server: bytes moved per run, wall time, each agent's peak resid
 
     python benchmarks/bigmodel.py [--part outer|transfers|runs|all]
     python benchmarks/bigmodel.py --part outer --sizes 86M --shards 2 --codecs fp32,int8,int4 --name bigmodel_codecs
-    python benchmarks/bigmodel.py --part outer --sizes 86M --shards 3 --up-codec ternary --codecs int2 --name outer_ternary
+    python benchmarks/bigmodel.py --part outer --sizes 86M --shards 3 --up-codec ternary --codecs fp32,int2 \
+        --name outer_ternary
 """
 
 from __future__ import annotations
@@ -90,7 +92,7 @@ def child(store_url: str, run_id: str, how: str) -> None:
 
     from tensorturn import layout
     from tensorturn.modes.fused.options import options
-    from tensorturn.modes.fused.outer import average_and_step, step_global
+    from tensorturn.modes.fused.outer import OuterClock, average_and_step, step_global
     from tensorturn.recipes import recipe_of
     from tensorturn.state.manifest import load_spec
     from tensorturn.store.objects import open_store
@@ -105,10 +107,10 @@ def child(store_url: str, run_id: str, how: str) -> None:
     params = sum(v.numel() for v in initial_state(recipe, 0).values())
     Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current resident size
     base = _status("VmRSS")
-    t0 = time.perf_counter()
+    t0, clock = time.perf_counter(), OuterClock()
     if how == "streaming":
         with tempfile.TemporaryDirectory() as scratch:
-            average_and_step(spec, store, 1, Path(scratch))
+            average_and_step(spec, store, 1, Path(scratch), clock=clock)
     else:  # the list-based step it replaced: every delta in memory, then the average
         decoded = [delta_from_bytes(store.get_bytes(layout.key("shard", run_id, 1, k)))
                    for k in range(options(spec).shards)]
@@ -117,7 +119,7 @@ def child(store_url: str, run_id: str, how: str) -> None:
         step_global(spec, recipe, store, 1, avg)
     seconds = time.perf_counter() - t0
     print(json.dumps({"params": params, "baseline_bytes": base, "peak_bytes": _status("VmHWM"),
-                      "seconds": round(seconds, 2)}))
+                      "seconds": round(seconds, 2), "compute_s": round(clock.seconds, 2) if clock.values else None}))
 
 
 def _status(field: str) -> int:
@@ -333,9 +335,10 @@ def main() -> None:
         if args.part in ("outer", "all"):
             summary["outer"] = part_outer(work, args.sizes.split(","), [int(s) for s in args.shards.split(",")],
                                           args.codecs.split(","), args.up_codec)
-            print(table(["size", "S", "up", "codec", "how", "peak MB", "× model", "s"],
-                        [[r["size"], r["shards"], r.get("up", "fp32"), r.get("codec", "fp32"), r["how"], round(r["peak_bytes"] / 1e6),
-                          r["peak_over_model"], r["seconds"]] for r in summary["outer"]]))
+            print(table(["size", "S", "up", "codec", "how", "peak MB", "× model", "s", "computing s"],
+                        [[r["size"], r["shards"], r.get("up", "fp32"), r.get("codec", "fp32"), r["how"],
+                          round(r["peak_bytes"] / 1e6), r["peak_over_model"], r["seconds"], r.get("compute_s")]
+                         for r in summary["outer"]]))
         if args.part in ("transfers", "all"):
             summary["transfers"] = part_transfers(work, args.stores.split(","))
         if args.part in ("runs", "all"):

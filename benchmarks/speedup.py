@@ -22,15 +22,17 @@ Parts (``--parts``; each writes ``speedup_<part>.json`` under the results, the r
   no store, no transfers — a baseline stricter than one agent), ``--steps`` AdamW steps over all
   the training rows, its validation loss every ``--eval-every`` steps; its wall is steps × S
   (emulated). Its final validation loss is the target.
-* ``home`` — three trainers on ``--rates`` (20/100 Mbit/s), ``--rtt-ms`` (40), defaults, ``--rounds``.
+* ``home`` — three trainers on ``--rates`` (20/100 Mbit/s), ``--rtt-ms`` (40), defaults, ``--rounds``;
+  a three-round warm-up run first (:data:`WARM_UP`), so the agents have published their step
+  times and the outer agent its outer step's rate, which the plan reads (as a pool that has run
+  before has).
 * ``home-picks`` — ``home``'s links, each ``--home-picks`` setting (codec/broadcast/sync/H).
 * ``lan`` — the trainers and the outer agent on loopback and a file store (a LAN's rate or more:
   :func:`lan_part` says why not over emulated links): the defaults, then each ``--lan-picks``
   setting (codec/sync/H) at about the defaults' samples.
   (``speedup_home-before.json``: the ``home`` part as the plan before issue 49's last change chose.)
 * ``mixed`` — ``home``'s links, but the third machine 3× slower and the first one's link
-  ``--mixed-up`` (5) Mbit/s up; a one-round warm-up run first, so the agents have published step
-  times the plan reads (as a pool that has run before has).
+  ``--mixed-up`` (5) Mbit/s up; the same warm-up first.
 
     python benchmarks/speedup.py [--parts alone,home,lan,mixed] [--steps 600] [--rounds 10]
     python benchmarks/speedup.py --report [--target-steps 600]
@@ -56,6 +58,10 @@ from _common import RESULTS, figure, machine, run_job, table, write_outputs  # n
 from wan import real_step_s, recipe_options, settled, steady_utilisation, wire  # noqa: E402
 
 TRAINERS = 3
+# the run before the measured one, on the same pool: each agent publishes its step time, and the
+# outer agent its outer step's rate from a steady round (the first two of three: overlapped, as
+# the trainers train on the cores it shares with them here)
+WARM_UP = dict(rounds=3, sync_every=10, codec="ternary", broadcast_codec="int8", sync="overlap")
 
 
 def dilation(args) -> float:
@@ -223,9 +229,8 @@ def pool_part(part: str, args, target: float | None) -> list[dict[str, Any]]:
                                 outer_agent=True, allow=(args.recipe,), link_rates=link_rates,
                                 agent_env=[{"TESTBED_SIM_STEP_S": str(s)} for s in steps]) as pool:
             measured_links(pool)
-            if part == "mixed":  # each agent's step time published, as after any earlier run
-                fused_row(pool, store, args, "mixed warm-up", None, rounds=1, sync_every=3,
-                          codec="ternary", broadcast_codec="int2", sync="rounds")
+            if part in ("home", "mixed"):  # a pool that has run before: its step times and outer rate published
+                fused_row(pool, store, args, f"{part} warm-up", None, **WARM_UP)
             if part == "home-picks":  # settings by hand on the home links (codec/broadcast/sync/H)
                 for pick in filter(None, args.home_picks.split(",")):
                     codec, broadcast, sync, h = pick.split("/")

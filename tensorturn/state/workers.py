@@ -157,6 +157,12 @@ class Workers:
         read by a fused run's plan), in ``pipe``."""
         pipe.eval(_STEP_TIME, 1, layout.worker_key(worker), recipe, f"{seconds:.6g}")
 
+    def outer_rate(self, worker: str, seconds_per_unit: float) -> None:
+        """``worker``'s outer step took ``seconds_per_unit`` a unit of its work
+        (:func:`tensorturn.modes.fused.plan.outer_units`; its ``outer_s_unit``, read by a fused
+        run's plan)."""
+        self.r.hset(layout.worker_key(worker), "outer_s_unit", f"{seconds_per_unit:.6g}")
+
     def last_rate(self, worker: str) -> float | None:
         """``worker``'s training rate over its last whole task (samples/s); None before one."""
         raw = self.r.hget(layout.worker_key(worker), "last_rate")

@@ -7,6 +7,7 @@ import redis
 from conftest import run_to_end, submit_run, wait_for, wait_for_run
 
 from tensorturn import layout, runs
+from tensorturn.modes.fused.measured import outer_rate
 from tensorturn.pool import routing
 from tensorturn.pool.embedded import stop_process_group
 
@@ -36,6 +37,11 @@ def test_outer_steps_run_beside_the_store_and_move_to_the_trainers_when_it_is_go
     beside = wait_for_run(pool, first.run_id)
     assert beside["state"] == "succeeded", beside.get("error")
     assert {w.split("@")[0] for w in outer_workers(beside)} == {"local3"}
+    # round 0's step (a steady one: the last has the run's end beside it) published its rate on
+    # the agent that took it, and the next plan reads it there
+    outer_agent = next(w for w in outer_workers(beside) if w.startswith("local3@"))
+    rate = float(r.hget(layout.worker_key(outer_agent), "outer_s_unit"))
+    assert rate > 0 and outer_rate(r) == (rate, "the outer step's rate as measured on 1 of 1 agent(s) that take it")
     shard_workers = {a["worker"].split("@")[0] for a in beside["attempts"]
                      if getattr(layout.parse_label(a["task"]), "kind", None) == "shard"}
     assert shard_workers <= {"local1", "local2"}

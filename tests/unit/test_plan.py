@@ -16,6 +16,7 @@ from tensorturn.modes.fused.plan import (
     choose,
     codec_pairs,
     fitted_shards,
+    outer_units,
     predict,
 )
 
@@ -49,6 +50,21 @@ def test_overlapped_rounds_hide_the_transfers_that_fit_under_a_rounds_compute():
     assert overlapped.utilisation > blocking.utilisation
     assert overlapped.utilisation >= TARGET_UTILISATION
     assert overlapped.bytes_per_round == blocking.bytes_per_round  # the same bytes, hidden
+
+
+def test_the_outer_steps_measured_rate_is_the_plans():
+    """An agent beside the store publishes its outer step's seconds a unit of work; where its
+    step is 3× slower than the model's (its cores shared with trainers, say), the chain of an
+    overlapped round outlasts its compute sooner, and the plan takes a larger H to hide it."""
+    assert outer_units(100, 3, "ternary", "int2") > outer_units(100, 3, "ternary", "int8") > \
+        outer_units(100, 3, "ternary", "fp32") > outer_units(100, 3, "fp32", "fp32") == 400
+    model = predict(GPT2_SMALL, home(), 1.0, 3, 40, "overlap", "ternary", "int4", True)
+    slow = predict(GPT2_SMALL, home(), 1.0, 3, 40, "overlap", "ternary", "int4", True, outer_s_unit=1.2e-7)
+    assert slow.round_s > model.round_s and slow.utilisation < model.utilisation
+    fast_plan = choose(GPT2_SMALL, home(), 1.0, BOUNDS, Given(), True)
+    slow_plan = choose(GPT2_SMALL, home(), 1.0, BOUNDS, Given(), True, outer_s_unit=1.2e-7)
+    assert slow_plan.sync_every > fast_plan.sync_every
+    assert slow_plan.predicted_utilisation >= TARGET_UTILISATION
 
 
 def test_more_shards_than_machines_train_in_waves():

@@ -67,6 +67,21 @@ def step_times(client: Any) -> dict[str, dict[str, float]]:
     return out
 
 
+def outer_rate(client: Any) -> tuple[float | None, str]:
+    """The seconds a unit of outer work (:func:`.plan.outer_units`) takes where the run's outer
+    steps go — on the agents beside the store that serve the outer queue, else on the trainers —
+    as they published it after their last steady outer step (the slowest's: any of them may take
+    the next), and a sentence saying where the figure comes from."""
+    workers = [w for w in roster.list_workers(client) if w["state"] in roster.TAKES_TASKS]
+    beside = [w["name"] for w in workers if w.get("role") in ("outer", "both")]
+    takers = beside or [w["name"] for w in workers if w.get("role", "train") in ("train", "both")]
+    beats = roster.heartbeats(client)
+    rates = [r for name in takers if (r := _number((beats.get(name) or {}).get("outer_s_unit"))) is not None]
+    if not rates:
+        return None, "the outer step's rate not measured yet on this pool: the model's figure taken"
+    return max(rates), f"the outer step's rate as measured on {len(rates)} of {len(takers)} agent(s) that take it"
+
+
 def pool_machines(client: Any, recipe: str) -> tuple[list[Machine], bool, list[str]]:
     """The pool's trainers as the plan sees them, whether an agent beside the store serves the
     outer queue (``--role outer`` or ``both``), and sentences on what was not measured."""

@@ -22,7 +22,9 @@ import contextlib
 import logging
 import shutil
 import tempfile
+import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +33,7 @@ from tensorturn.modes.fused import uploads
 from tensorturn.modes.fused.ahead import Fetch, ReadAhead
 from tensorturn.modes.fused.finalize import finalize
 from tensorturn.modes.fused.options import eval_passes, evaluated, options, outer_args, samples_per_step
+from tensorturn.modes.fused.plan import outer_units
 from tensorturn.modes.fused.plans import StepDone, StepPlan, Wires
 from tensorturn.modes.fused.shard import count_data, data_bytes
 from tensorturn.modes.fused.step import Broadcast, InputCheck, Synchronous, outer_step
@@ -173,8 +176,10 @@ class OuterUnit(Unit):
             raise NotYet(waiting)
         self.phase("averaging")
         with self.scratch() as tmp:
-            figures = average_and_step(spec, store, r, Path(tmp), self.fetch)
-            if not last:  # the machines train round r+1, and one evaluates θ_{r+1} when free
+            clock = OuterClock()
+            figures = average_and_step(spec, store, r, Path(tmp), self.fetch, clock)
+            if not last:  # a steady round's step (the last one's has the run's end beside it)
+                self.publish_rate(clock)  # the machines train round r+1, and one evaluates θ_{r+1} when free
                 self.then()
                 if self.deferred is not None and (tmp / "next").exists():  # the slot trains from θ_{r+1} next
                     keep_global(spec, r + 1, tmp / "next")
@@ -197,6 +202,18 @@ class OuterUnit(Unit):
             finalize(spec, store, self.board, local=tmp / "next", finish=self.finish_run)
         count_data(self.board, spec.run_id, self.a.worker, data_before)
         return SUCCEEDED
+
+    def publish_rate(self, clock: OuterClock) -> None:
+        """The seconds this step took a unit of its work (:func:`.plan.outer_units`), published
+        on this agent for the next runs' plans; only a figure: a failure is logged."""
+        if not clock.values or clock.seconds <= 0:  # stepped before, by another attempt
+            return
+        opts = options(self.spec)
+        units = outer_units(clock.values, opts.shards, opts.codec or "fp32", opts.down_codec)
+        try:
+            self.board.workers.outer_rate(self.a.worker, clock.seconds / units)
+        except Exception as exc:  # noqa: BLE001 - the step is done; the next plan takes the model's figure
+            log.warning("run %s: the outer step's rate not published (%s)", self.spec.run_id, exc)
 
     def phase(self, what: str) -> None:
         """Say what this outer step is doing (``run`` and ``status`` show it)."""
@@ -283,14 +300,34 @@ def wait_for_evaluation(board: RunBoard, run_id: str, r: int, worker: str, check
     return False  # waited EVAL_WAIT_S in vain
 
 
-def average_and_step(spec: RunSpec, store: Store, r: int, scratch: Path, fetch: Fetch = seals.get_file
-                     ) -> tuple[list[float], list[int], int, int]:
+@dataclass
+class OuterClock:
+    """What an outer step spent computing — reading and adding the updates, stepping θ, encoding
+    its broadcast — without fetching or storing (the plan models the transfers apart), and the
+    values it stepped (0: θ_{r+1} was stored already, no step taken)."""
+
+    seconds: float = 0.0
+    values: int = 0
+
+    @contextlib.contextmanager
+    def counting(self) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds += time.perf_counter() - start
+
+
+def average_and_step(spec: RunSpec, store: Store, r: int, scratch: Path, fetch: Fetch = seals.get_file,
+                     clock: OuterClock | None = None) -> tuple[list[float], list[int], int, int]:
     """Round r's average and outer step (unless θ_{r+1} is stored already), through files in
     ``scratch``, each object read with ``fetch`` (by default downloaded now; :class:`ReadAhead`
     hands over what it read while the round's last shard trained); returns the shards' (losses,
     samples, bytes up, bytes down). Each shard's pseudo-gradient is looked at as it is read
     (:class:`~tensorturn.modes.fused.step.InputCheck`) and added in shard order — the list
-    average's arithmetic (:func:`~tensorturn.train.diloco.weighted_average`), so the same bits."""
+    average's arithmetic (:func:`~tensorturn.train.diloco.weighted_average`), so the same bits.
+    ``clock``: where the step's computing time is counted."""
+    clock = clock if clock is not None else OuterClock()
     run_id, shards = spec.run_id, options(spec).shards
     keys = [layout.key("shard", run_id, r, k) for k in range(shards)]
     missing = [k for k, key in enumerate(keys) if not store.exists(key)]
@@ -317,30 +354,31 @@ def average_and_step(spec: RunSpec, store: Store, r: int, scratch: Path, fetch: 
             bytes_down += int(meta["bytes_down"])
             if not decided:
                 w = samples[k] / float(sum(samples))
-                for name, value in check.values(what, delta_tensors(shard)):
-                    accumulate(avg, {name: value}, w)
+                with clock.counting():
+                    for name, value in check.values(what, delta_tensors(shard)):
+                        accumulate(avg, {name: value}, w)
         path.unlink()
     if not decided:
-        step_global(spec, recipe, store, r, avg, scratch, check, fetch)
+        step_global(spec, recipe, store, r, avg, scratch, check, fetch, clock)
     return losses, samples, bytes_up, bytes_down
 
 
 def step_global(spec: RunSpec, recipe: Recipe, store: Store, r: int, avg: StateDict,
                 scratch: Path | None = None, check: InputCheck | None = None,
-                fetch: Fetch = seals.get_file) -> None:
+                fetch: Fetch = seals.get_file, clock: OuterClock | None = None) -> None:
     """Store θ_{r+1} from θ_r and the averaged pseudo-gradient ``avg`` (used up) — the one outer
     step (:func:`~tensorturn.modes.fused.step.outer_step`) with the run's outer optimizer and,
     but for the last round, its broadcast codec: first the outer state and, in compressed runs,
     the broadcast delta, then θ_{r+1}, whose existence decides the round. θ_{r+1} is also left
     at ``scratch/next`` (without a ``scratch`` folder, one is made for the step). The shards
     ``check`` looked at are checked against θ_r's norm before anything is stored. θ_r and its
-    outer state are read with ``fetch``."""
+    outer state are read with ``fetch``; ``clock`` counts the step's computing time and values."""
     opts = options(spec)
     if opts.outer == "auto":  # start decides it before the spec is stored
         raise RuntimeError(f"run {spec.run_id}: its spec never decided --outer auto")
     if scratch is None:
         with tempfile.TemporaryDirectory(prefix="tt-outer-") as tmp:
-            step_global(spec, recipe, store, r, avg, Path(tmp), check, fetch)
+            step_global(spec, recipe, store, r, avg, Path(tmp), check, fetch, clock)
         return
     run_id, codec = spec.run_id, opts.down_codec  # the broadcast's (the shards' files name their own)
     lr, momentum, nesterov = outer_args(spec)
@@ -351,9 +389,12 @@ def step_global(spec: RunSpec, recipe: Recipe, store: Store, r: int, avg: StateD
         fetch(store, state_key, scratch / "state")
     compressed = codec != "fp32" and r + 1 < opts.rounds  # the final θ is kept exact
     meta = model_metadata(spec.recipe, recipe.default_config(), spec.recipe_options, spec.recipe_state)
-    files = outer_step(scratch, scratch / "theta", scratch / "state" if has_state else None, avg,
-                       Synchronous(lr, momentum, nesterov), meta, check,
-                       Broadcast(codec, theta_sha) if compressed else None)
+    clock = clock if clock is not None else OuterClock()
+    clock.values = sum(v.numel() for v in avg.values())
+    with clock.counting():
+        files = outer_step(scratch, scratch / "theta", scratch / "state" if has_state else None, avg,
+                           Synchronous(lr, momentum, nesterov), meta, check,
+                           Broadcast(codec, theta_sha) if compressed else None)
     avg.clear()
     for kind, path in (("outer", files.state), ("broadcast", files.broadcast), ("global", files.next)):
         if path is not None:  # θ_{r+1} last: the outer state of r+1 is stored before it decides the round

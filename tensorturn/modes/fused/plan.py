@@ -9,8 +9,10 @@ pseudo-gradient (the codec's bytes ÷ its up rate) and makes :data:`ROUND_TRIPS_
 trips to the broker and store (benchmarks: 26.4 a task). The round's S shards go to the M
 machines as they free up (waves of tasks: S ≤ M is one wave). The outer step reads S
 pseudo-gradients and writes θ, its momentum and the broadcast — beside the store on the store's
-disk, on a trainer over that trainer's links — and costs CPU (:data:`OUTER_S_PER_VALUE`); a
-round has :data:`FIXED_ROUND_S` of dispatch besides (the chord, the next round's queueing).
+disk, on a trainer over that trainer's links — and costs CPU (:func:`outer_units` of work at
+the rate the agents that take it measured in their last steady round, :data:`OUTER_S_PER_UNIT`
+before any has); a round has :data:`FIXED_ROUND_S` of dispatch besides (the chord, the next
+round's queueing).
 
 * Blocking rounds (``rounds``, ``backup``): round = the tasks' makespan + the fixed cost + the
   outer step.
@@ -69,9 +71,16 @@ SMALL_COMM = 0.1              # transfers this small against a round's compute: 
 ROUND_TRIPS_PER_TASK = 26     # a shard task's broker and store round trips (BENCHMARKS §13b: 26.4)
 TASK_OVERHEAD_S = 0.3         # a task's start and end besides its round trips
 FIXED_ROUND_S = 1.0           # a round's dispatch: its last shard seen, outer step and next round queued (§13)
-# the outer step's CPU per value for each shard it reads and once for θ (fit to §11/§13b: 11 s
-# for fp32 at 85.5M values, 2 shards, on 2 shared cores; a quantised codec's decoding doubles it)
-OUTER_S_PER_VALUE = 4.3e-8
+# the outer step's CPU in units (outer_units): a value of a shard read in each up codec (decoded
+# and added), θ's step (1), and a value of the move encoded and decoded in each broadcast codec
+# — fit to benchmarks/bigmodel.py --part outer (86M values, 3 shards, one thread of an idle
+# machine, its computing seconds: fp32/fp32 6.9 s, fp32/int8 7.5, ternary/fp32 8.4,
+# ternary/int8 11.1, fp32/int2 12.9, ternary/int2 13.5; BENCHMARKS §11) — and the seconds a unit
+# takes where no agent that takes the step has measured its own: twice that thread's 2.0e-8, as
+# on the shared cores of BENCHMARKS §11/§13b (their fp32 and ternary rows, tests/unit/test_plan.py)
+READ_UNITS = {"fp32": 1.0, "fp16": 1.0, "int8": 1.4, "int4": 1.4, "ternary": 1.4, "int2": 1.4}
+BROADCAST_UNITS = {"fp32": 0.0, "fp16": 0.0, "int8": 1.0, "int4": 1.0, "ternary": 3.2, "int2": 3.2}
+OUTER_S_PER_UNIT = 4.0e-8
 LOOPBACK_BPS = 1e9            # a link not measured: taken as fast as loopback (and said so)
 LOOPBACK_RTT_S = 0.0005
 BESIDE_STORE_BPS = 5e8        # the outer step's reads and writes on the store's own machine
@@ -161,10 +170,18 @@ class Prediction:
     bytes_per_round: int
 
 
+def outer_units(values: int, shards: int, codec: str, broadcast_codec: str) -> float:
+    """The outer step's CPU work, in units of :data:`OUTER_S_PER_UNIT`: ``shards`` updates of
+    ``values`` read in ``codec``, θ stepped, and its move encoded in ``broadcast_codec``."""
+    return values * (shards * READ_UNITS[codec] + 1.0 + BROADCAST_UNITS[broadcast_codec])
+
+
 def predict(values: int, machines: Sequence[Machine], step_s: float, shards: int, sync_every: int,
-            sync: str, codec: str, broadcast_codec: str, outer_beside_store: bool) -> Prediction:
+            sync: str, codec: str, broadcast_codec: str, outer_beside_store: bool,
+            outer_s_unit: float | None = None) -> Prediction:
     """The model of one steady round (module docstring): its seconds, the trainers' utilisation
-    and the bytes it moves over the machines' links. ``step_s``: for a machine with none."""
+    and the bytes it moves over the machines' links. ``step_s``: for a machine with none;
+    ``outer_s_unit``: the outer step's measured seconds a unit (None: :data:`OUTER_S_PER_UNIT`)."""
     trainers = list(machines) or [Machine("here")]
     up_bytes = values * BYTES_PER_VALUE[codec]
     down_bytes = values * BYTES_PER_VALUE[broadcast_codec]
@@ -189,8 +206,7 @@ def predict(values: int, machines: Sequence[Machine], step_s: float, shards: int
         compute += computes[i]
         taken[i] += 1
     makespan = max(free)
-    quantised = 1.0 if codec == "fp32" else 2.0
-    outer_cpu = values * (shards + 1) * OUTER_S_PER_VALUE * quantised
+    outer_cpu = outer_units(values, shards, codec, broadcast_codec) * (outer_s_unit or OUTER_S_PER_UNIT)
     outer_in, outer_out = shards * up_bytes, values * 8.0 + down_bytes  # θ and momentum (fp32) + broadcast
     moved = shards * (up_bytes + down_bytes)
     if outer_beside_store:
@@ -244,11 +260,11 @@ def links_bound(values: int, machines: Sequence[Machine], sync_every: int, step_
 
 
 def choose(values: int, machines: Sequence[Machine], step_s: float, bounds: Bounds, given: Given,
-           outer_beside_store: bool, notes: Sequence[str] = ()) -> Plan:
+           outer_beside_store: bool, notes: Sequence[str] = (), outer_s_unit: float | None = None) -> Plan:
     """The plan for a model of ``values`` float values trained by ``machines`` (a step takes
     ``step_s`` on a machine with no figure of its own), within ``bounds``, around ``given``
     (module docstring). ``notes``: sentences on the figures (what was not measured), put first
-    in ``why``."""
+    in ``why``; ``outer_s_unit``: the outer step's measured rate (:func:`predict`)."""
     trainers = list(machines) or [Machine("here")]
     why = list(notes)
     h_data = given.sync_every or min(bounds.sync_every, bounds.max_sync_every)
@@ -268,7 +284,8 @@ def choose(values: int, machines: Sequence[Machine], step_s: float, bounds: Boun
     h_values = [h_data] if given.sync_every or small else list(range(lo, hi + 1))
 
     def run(sync: str, pair: tuple[str, str], h: int) -> Prediction:
-        return predict(values, trainers, step_s, bounds.shards, h, sync, pair[0], pair[1], outer_beside_store)
+        return predict(values, trainers, step_s, bounds.shards, h, sync, pair[0], pair[1], outer_beside_store,
+                       outer_s_unit)
 
     def smallest_h(sync: str, pair: tuple[str, str]) -> int | None:
         for h in h_values:  # utilisation grows with H: the first that reaches the target
@@ -369,7 +386,7 @@ def choose(values: int, machines: Sequence[Machine], step_s: float, bounds: Boun
     else:
         role = "trainer"
         cost = run(sync, (up, down), h).round_s - predict(values, trainers, step_s, bounds.shards, h,
-                                                           sync, up, down, True).round_s
+                                                           sync, up, down, True, outer_s_unit).round_s
         line = "outer steps on a trainer: no agent beside the store serves the outer queue"
         if cost > 0.05 * run(sync, (up, down), h).round_s:
             line += (f"; one there (`tensorturn agent --role outer` on the store's machine) would "
