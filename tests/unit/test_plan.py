@@ -190,6 +190,26 @@ def test_when_nothing_reaches_the_target_the_most_h_and_a_faithful_pair_near_the
     assert plan.predicted_utilisation >= 0.9 * best
 
 
+def test_where_more_h_buys_little_utilisation_the_plan_keeps_h_small():
+    """The speed-up benchmark's mixed pool as its agents measured it (steps of 2.47, 2.47 and
+    6.33 s; one uplink at 2.1 Mbit/s): the slow machine bounds every H's utilisation below 0.5,
+    so H = 100 would buy ≈ 0.05 of it for samples worth half (benchmarks §18). The plan weighs
+    the two and keeps H near the data's."""
+    from tensorturn.modes.fused.plan import sample_worth
+
+    mixed = [Machine("a", 2.47, 2.1 * MBIT, 29 * MBIT, 0.08), Machine("b", 2.47, 7.6 * MBIT, 29 * MBIT, 0.08),
+             Machine("c", 6.33, 7.6 * MBIT, 29 * MBIT, 0.08)]
+    plan = choose(GPT2_SMALL, mixed, 2.47, BOUNDS, Given(), True)
+    assert plan.predicted_utilisation < TARGET_UTILISATION and plan.sync_every < 40
+    assert any("the most useful work a second" in w for w in plan.why)
+
+    def useful(h: int) -> float:
+        return predict(GPT2_SMALL, mixed, 2.47, 3, h, plan.sync, plan.codec, plan.broadcast_codec,
+                       True).utilisation * sample_worth(h)
+    assert useful(plan.sync_every) >= max(useful(h) for h in (25, 50, 75, 100))
+    assert sample_worth(25) == 1.0 and sample_worth(99) == pytest.approx(0.5, abs=0.01)
+
+
 def test_machines_of_very_different_speeds_take_the_mixed_speed_rule():
     from tensorturn.modes.fused.speeds import choose_for_speeds
 

@@ -35,8 +35,9 @@ measured; 0.35 for its fp32 H = 64 row: 0.330 measured).
    bound (a shard's rows gone over at most 4 times a round) and :data:`MAX_PLANNED_SYNC_EVERY`
    that reaches :data:`TARGET_UTILISATION`; the pair whose H is smallest wins, the most
    faithful among equals — H costs more per sample than a codec (BENCHMARKS §18). When no pair
-   reaches it, the highest H and the most faithful pair within a tenth of the best's
-   utilisation. A small model — a round's compute at the data's H under :data:`SMALL_ROUND_S` —
+   reaches it, the pair and H that do the most useful work a second — utilisation ×
+   :func:`sample_worth` (a sample at a larger H is worth less) — and of the pairs within a
+   tenth of the best, the most faithful. A small model — a round's compute at the data's H under :data:`SMALL_ROUND_S` —
    keeps the data's shards and H: its round's fixed costs weigh on any H the data allows, and
    those were measured on such data (benchmarks/defaults.py).
 4. shards: left to the data, and the model not small, the data's made a whole number of waves
@@ -67,6 +68,8 @@ TARGET_UTILISATION = 0.9
 # the plan goes no higher whatever the links: BENCHMARKS §13b's H = 100 steps of ≈ 1 s (DiLoCo's
 # 500 is for large data); past it, the plan compresses more rather than sync less often
 MAX_PLANNED_SYNC_EVERY = 100
+# a sample's worth against H (sample_worth): 1 up to H = 25, half at H = 99 (BENCHMARKS §18)
+WORTH_H, WORTH_EXPONENT = 25, 0.5
 SMALL_COMM = 0.1              # transfers this small against a round's compute: blocking rounds
 ROUND_TRIPS_PER_TASK = 26     # a shard task's broker and store round trips (BENCHMARKS §13b: 26.4)
 TASK_OVERHEAD_S = 0.3         # a task's start and end besides its round trips
@@ -226,6 +229,14 @@ def predict(values: int, machines: Sequence[Machine], step_s: float, shards: int
     return Prediction(round_s, min(utilisation, 1.0), int(moved))
 
 
+def sample_worth(sync_every: int) -> float:
+    """What a sample trained at H = ``sync_every`` is worth against one at :data:`WORTH_H`
+    (1 up to it): on gpt2-small at batch 1, H = 25 matched one machine's loss per sample and H = 99
+    needed twice its samples (BENCHMARKS §18), so (WORTH_H / H)^:data:`WORTH_EXPONENT`. One
+    recipe's figure: it only weighs H against utilisation where no H reaches the target."""
+    return min(1.0, (WORTH_H / max(sync_every, 1)) ** WORTH_EXPONENT)
+
+
 def codec_pairs(given: Given) -> list[tuple[str, str]]:
     """The (up, down) codec pairs to try, fidelity first: by the most compressed of the two,
     then the two together, then compressing up first (the broadcast reaches every θ). A codec
@@ -330,17 +341,26 @@ def choose(values: int, machines: Sequence[Machine], step_s: float, bounds: Boun
         h, _, pair = min(reaching)
         chosen = (pair, h)
     if chosen is None:
-        pair = max(pairs, key=lambda p: (run(sync, p, h_values[-1]).utilisation, -pairs.index(p)))
-        best = run(sync, pair, h_values[-1]).utilisation
-        # the most faithful pair within a tenth of the best: fidelity is not traded for less
-        pair = next(p for p in pairs if run(sync, p, h_values[-1]).utilisation >= best * (1 - SMALL_COMM))
-        h = h_values[-1]
+        # none reaches it: the pair and H that do the most useful work a second — utilisation
+        # × what a sample is worth at that H (sample_worth) — and of the pairs within a tenth
+        # of the best, the most faithful: fidelity is not traded for less
+        def score(pair: tuple[str, str], h: int) -> float:
+            return run(sync, pair, h).utilisation * sample_worth(h)
+
+        def best_h_of(pair: tuple[str, str]) -> int:
+            return max(h_values, key=lambda h: (score(pair, h), -h))
+
+        best_h = {pair: best_h_of(pair) for pair in pairs}
+        best = max(score(pair, best_h[pair]) for pair in pairs)
+        pair = next(p for p in pairs if score(p, best_h[p]) >= best * (1 - SMALL_COMM))
+        h = best_h[pair]
         chosen = (pair, h)
         if given.sync_every:
             why.append(f"H = {h}: given")
         elif not small:
-            why.append(f"H = {h}: no H up to {hi} reaches utilisation {TARGET_UTILISATION}; the most "
-                       f"the data and the plan allow")
+            why.append(f"H = {h}: no H up to {hi} reaches utilisation {TARGET_UTILISATION}; the H "
+                       f"that does the most useful work a second (utilisation × a sample's worth at "
+                       f"that H: (25 / H)^{WORTH_EXPONENT:g}, benchmarks §18)")
         else:
             why.append(f"H = {h}: the data's, for a round of {compute:.2f} s of compute (under "
                        f"{SMALL_ROUND_S:.0f} s: a small model, whose round's fixed costs — ≈ "
