@@ -132,9 +132,11 @@ def plan() -> str:
     from tensorturn.modes.fused import plan as model
 
     names = ("TARGET_UTILISATION", "MAX_PLANNED_SYNC_EVERY", "SMALL_COMM", "ROUND_TRIPS_PER_TASK",
-             "TASK_OVERHEAD_S", "FIXED_ROUND_S", "OUTER_S_PER_VALUE", "LOOPBACK_BPS", "LOOPBACK_RTT_S",
-             "BESIDE_STORE_BPS", "SPEED_SPREAD")
+             "TASK_OVERHEAD_S", "FIXED_ROUND_S", "OUTER_S_PER_UNIT", "LOOPBACK_BPS", "LOOPBACK_RTT_S",
+             "BESIDE_STORE_BPS", "SPEED_SPREAD", "WORTH_H", "WORTH_EXPONENT")
     rows = [(f"`{name}`", f"{getattr(model, name):g}") for name in names]
+    rows += [(f"outer step units a value: `{codec}` read, broadcast",
+              f"{model.READ_UNITS[codec]:g}, {model.BROADCAST_UNITS[codec]:g}") for codec in model.READ_UNITS]
     rows += [(f"`{codec}` bytes per value", f"{size:.4f}") for codec, size in model.BYTES_PER_VALUE.items()]
     return _table(("the plan's figure (tensorturn/modes/fused/plan.py)", "value"), rows)
 

@@ -13,6 +13,7 @@ from tensorturn.modes.fused.plan import (
     Bounds,
     Given,
     Machine,
+    OuterSide,
     choose,
     codec_pairs,
     fitted_shards,
@@ -59,10 +60,10 @@ def test_the_outer_steps_measured_rate_is_the_plans():
     assert outer_units(100, 3, "ternary", "int2") > outer_units(100, 3, "ternary", "int8") > \
         outer_units(100, 3, "ternary", "fp32") > outer_units(100, 3, "fp32", "fp32") == 400
     model = predict(GPT2_SMALL, home(), 1.0, 3, 40, "overlap", "ternary", "int4", True)
-    slow = predict(GPT2_SMALL, home(), 1.0, 3, 40, "overlap", "ternary", "int4", True, outer_s_unit=1.2e-7)
+    slow = predict(GPT2_SMALL, home(), 1.0, 3, 40, "overlap", "ternary", "int4", True, OuterSide(1.2e-7))
     assert slow.round_s > model.round_s and slow.utilisation < model.utilisation
     fast_plan = choose(GPT2_SMALL, home(), 1.0, BOUNDS, Given(), True)
-    slow_plan = choose(GPT2_SMALL, home(), 1.0, BOUNDS, Given(), True, outer_s_unit=1.2e-7)
+    slow_plan = choose(GPT2_SMALL, home(), 1.0, BOUNDS, Given(), True, outer=OuterSide(1.2e-7))
     assert slow_plan.sync_every > fast_plan.sync_every
     assert slow_plan.predicted_utilisation >= TARGET_UTILISATION
 

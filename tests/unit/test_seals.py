@@ -181,3 +181,55 @@ def test_the_async_applier_refuses_what_the_outer_step_refuses(round0, store, re
     assert book.latest()["version"] == 0  # nothing committed
     apply(3, sound)
     assert book.latest()["version"] == 1
+
+
+def test_an_outer_steps_kept_output_is_read_here_only_while_the_run_holds_those_bytes(store, tmp_path):
+    """The outer step keeps θ_{r+1} and its state on its machine for its next step (an 86M
+    model's 1 GB a round not downloaded again): read back here, checked against its seal; a kept
+    file the run does not hold (no seal for its bytes) is dropped and the object downloaded."""
+    from tensorturn.modes.fused.ahead import KeptFiles
+
+    def no_download(store, key, path):
+        raise AssertionError(f"{key} downloaded")
+
+    kept, theta = KeptFiles(), layout.key("global", "run-k", 2)
+    (tmp_path / "next").write_bytes(b"theta two")
+    kept.keep("global", theta, tmp_path / "next", seals.put_file(store, theta, tmp_path / "next"))
+    assert (tmp_path / "next").read_bytes() == b"theta two"  # left in place for the step's own use
+    sha = kept.fetch(no_download)(store, theta, tmp_path / "read")
+    assert (tmp_path / "read").read_bytes() == b"theta two" and sha == sha256_hex(b"theta two")
+
+    later = layout.key("global", "run-k", 3)  # the next round's θ takes the kept θ's place
+    (tmp_path / "next3").write_bytes(b"theta three")
+    kept.keep("global", later, tmp_path / "next3", sha256_hex(b"theta three"))  # never sealed
+    assert list(kept.files) == [later]
+    store.put_bytes(later, b"theta three, as stored")
+    seals.seal(store, later, sha256_hex(b"theta three, as stored"), 22)
+    sha = kept.fetch(seals.get_file)(store, later, tmp_path / "read3")
+    assert (tmp_path / "read3").read_bytes() == b"theta three, as stored" and later not in kept.files
+
+
+def test_the_next_broadcast_is_read_ahead_once_stored_and_checked_against_its_seal(store, monkeypatch):
+    """With overlapped rounds a machine's next task starts from the broadcast the outer step
+    stores while this task trains: a thread looks for it and downloads it meanwhile; the next
+    task takes it (waiting for a download under way), or downloads it itself when nothing was
+    read ahead. What the run did not seal is never handed over."""
+    from tensorturn.modes.fused import weights
+
+    monkeypatch.setattr(weights, "AHEAD_LOOK_S", 0.01)
+    ahead, key, counted = weights.BroadcastAhead(), layout.key("broadcast", "run-b", 4), []
+    ahead.start(store, key, counted.append)
+    seals.put_bytes(store, key, b"the move")
+    assert ahead.done.wait(60)
+    assert ahead.take(key) == b"the move" and counted[0] >= len(b"the move")  # (its seal's too)
+    assert ahead.take(key) is None  # taken once
+
+    never = layout.key("broadcast", "run-b", 5)
+    ahead.start(store, never)
+    looking = ahead.done
+    assert ahead.take(never) is None and looking.wait(60)  # the look stops: the task downloads it
+
+    forged = layout.key("broadcast", "run-b", 6)
+    ahead.start(store, forged)
+    store.put_bytes(forged, b"not the run's")  # no seal
+    assert ahead.done.wait(60) and ahead.take(forged) is None

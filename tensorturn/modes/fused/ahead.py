@@ -1,10 +1,12 @@
 """What a slot standing by to take a round's outer step reads of the step's inputs while the
-round's last shard still trains (:class:`ReadAhead`), and how the step reads a sealed object
+round's last shard still trains (:class:`ReadAhead`), what an outer step keeps of its own
+outputs for the next (:class:`KeptFiles`), and how the step reads a sealed object
 (:data:`Fetch`)."""
 
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -86,3 +88,55 @@ class ReadAhead:
 
 
 READ_AHEAD_BYTES = 2 * 1024 ** 3  # (a file is read whole once begun: it may hold one file more)
+
+
+class KeptFiles:
+    """The outer step's own outputs — θ_{r+1} and its outer state — kept on this machine once
+    stored, so that this agent's next step reads them here instead of downloading them again:
+    for an 86M model with a compressed broadcast, 1 GB a round not read back from the store
+    (BENCHMARKS §18). A kept file is checked against its seal as a download is; only the latest
+    of each kind is kept (one run's θ and state: the model's size three times at most)."""
+
+    def __init__(self) -> None:
+        self.folder: Path | None = None
+        self.files: dict[str, tuple[str, Path, str]] = {}  # key → (its kind, its file here, its sha256)
+
+    def keep(self, kind: str, key: str, path: Path, sha256: str) -> None:
+        """Keep ``path`` (stored at ``key`` with ``sha256``; left in place: a hard link, or a
+        copy across file systems) in place of the kept file of the same ``kind``; only a saving:
+        a failure is logged, and the next step downloads it."""
+        try:
+            if self.folder is None or not self.folder.exists():
+                self.folder = Path(tempfile.mkdtemp(prefix="tt-kept-"))
+            for old in [k for k, (knd, _, _) in self.files.items() if knd == kind]:
+                self.files.pop(old)[1].unlink(missing_ok=True)
+            held = self.folder / f"{kind}-{len(os.listdir(self.folder))}-{sha256[:16]}"
+            try:
+                os.link(path, held)
+            except OSError:
+                shutil.copyfile(path, held)
+            self.files[key] = (kind, held, sha256)
+        except Exception as exc:  # noqa: BLE001 - only a saving: the next step downloads it
+            log.info("the outer step's %s not kept here (%s); the next step downloads it", kind, exc)
+
+    def fetch(self, fallback: Fetch) -> Fetch:
+        """``fallback``, but a file kept here is read here, checked against its seal."""
+        def read(store: Store, key: str, path: Path) -> str:
+            kept = self.files.get(key)
+            if kept is None or not kept[1].exists():
+                return fallback(store, key, path)
+            try:
+                seals.check(store, key, kept[2])  # the run stored these very bytes at this key
+            except seals.TamperedObject:  # not what the run holds now: read what it holds
+                self.files.pop(key, None)
+                kept[1].unlink(missing_ok=True)
+                return fallback(store, key, path)
+            try:
+                os.link(kept[1], path)
+            except OSError:
+                shutil.copyfile(kept[1], path)
+            return kept[2]
+        return read
+
+
+kept = KeptFiles()  # this process's (an agent's pool process takes task after task)

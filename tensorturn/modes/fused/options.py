@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, cast
 
-from tensorturn.modes.fused.plan import Bounds, Given, Machine, Plan, choose
+from tensorturn.modes.fused.plan import Bounds, Given, Machine, OuterSide, Plan, choose
 from tensorturn.modes.fused.policies import POLICIES
 from tensorturn.spec import ModeOptions, Workload, check_bounds
 
@@ -312,15 +312,15 @@ class PlanFigures:
     """What a plan is made from besides the spec and the data: the model's float values, a step's
     seconds where the plan is made (θ_0's, timed; None where the plan chooses alike at any step
     time: then it predicts no utilisation), the trainers (:class:`.plan.Machine`), whether an
-    agent beside the store serves the outer queue, sentences on figures not measured, and the
-    outer step's measured rate."""
+    agent beside the store serves the outer queue, sentences on figures not measured, and what
+    the agents that take the outer step measured."""
 
     values: int
     step_s: float | None
     machines: tuple[Machine, ...] = ()
     outer_beside_store: bool = False
     notes: tuple[str, ...] = ()
-    outer_s_unit: float | None = None  # the outer step's measured seconds a unit (None: the model's)
+    outer: OuterSide | None = None  # what the agents that take the outer step measured (None: the model's)
 
 
 def make_plan(spec: RunSpec, recipe: Recipe, figures: PlanFigures) -> Plan:
@@ -336,9 +336,9 @@ def make_plan(spec: RunSpec, recipe: Recipe, figures: PlanFigures) -> Plan:
                     epochs=EPOCHS_PER_ROUND, data_max=MAX_SYNC_EVERY, max_shards=MAX_SHARDS)
     if figures.step_s is not None:
         return choose(figures.values, figures.machines, figures.step_s, bounds, opts.given(),
-                      figures.outer_beside_store, figures.notes, figures.outer_s_unit)
+                      figures.outer_beside_store, figures.notes, figures.outer)
     planned = choose(figures.values, figures.machines, STEP_GRID_S[0], bounds, opts.given(),
-                     figures.outer_beside_store, figures.notes, figures.outer_s_unit)
+                     figures.outer_beside_store, figures.notes, figures.outer)
     return replace(planned, predicted_utilisation=None, round_s=None)
 
 

@@ -108,6 +108,17 @@ class Machine:
 
 
 @dataclass(frozen=True)
+class OuterSide:
+    """What the agents that take the outer step measured: the seconds a unit of its work takes
+    (:func:`outer_units`; None: :data:`OUTER_S_PER_UNIT`) and, beside the store, their links to
+    it (bytes/s; None: :data:`BESIDE_STORE_BPS`)."""
+
+    s_unit: float | None = None
+    up_bps: float | None = None
+    down_bps: float | None = None
+
+
+@dataclass(frozen=True)
 class Bounds:
     """What the data allows: its shards, its default H (today's) and the most H it allows; with
     ``rows_per_step`` (training rows ÷ rows a step reads), the shards are the plan's to fit to
@@ -181,10 +192,10 @@ def outer_units(values: int, shards: int, codec: str, broadcast_codec: str) -> f
 
 def predict(values: int, machines: Sequence[Machine], step_s: float, shards: int, sync_every: int,
             sync: str, codec: str, broadcast_codec: str, outer_beside_store: bool,
-            outer_s_unit: float | None = None) -> Prediction:
+            outer: OuterSide | None = None) -> Prediction:
     """The model of one steady round (module docstring): its seconds, the trainers' utilisation
     and the bytes it moves over the machines' links. ``step_s``: for a machine with none;
-    ``outer_s_unit``: the outer step's measured seconds a unit (None: :data:`OUTER_S_PER_UNIT`)."""
+    ``outer``: what the agents that take the outer step measured."""
     trainers = list(machines) or [Machine("here")]
     up_bytes = values * BYTES_PER_VALUE[codec]
     down_bytes = values * BYTES_PER_VALUE[broadcast_codec]
@@ -209,18 +220,23 @@ def predict(values: int, machines: Sequence[Machine], step_s: float, shards: int
         compute += computes[i]
         taken[i] += 1
     makespan = max(free)
-    outer_cpu = outer_units(values, shards, codec, broadcast_codec) * (outer_s_unit or OUTER_S_PER_UNIT)
-    outer_in, outer_out = shards * up_bytes, values * 8.0 + down_bytes  # θ and momentum (fp32) + broadcast
+    side = outer or OuterSide()
+    outer_cpu = outer_units(values, shards, codec, broadcast_codec) * (side.s_unit or OUTER_S_PER_UNIT)
+    # θ and its outer state (Nesterov's momentum; with a compressed broadcast its residual too)
+    theta_and_state = values * 4.0 * (2 + (broadcast_codec != "fp32"))
+    outer_in, outer_out = shards * up_bytes, theta_and_state + down_bytes  # read; written: θ', state, broadcast
     moved = shards * (up_bytes + down_bytes)
-    if outer_beside_store:
-        outer = outer_cpu + (outer_in + outer_out) / BESIDE_STORE_BPS
-    else:  # on a trainer: over the slowest one's links (any trainer may take it)
-        outer = outer_cpu + max(outer_in / rate(m.down_bps) + outer_out / rate(m.up_bps) for m in trainers)
+    if outer_beside_store:  # θ and the state read back where the last step left them (ahead.KeptFiles)
+        stepping = (outer_cpu + outer_in / (side.down_bps or BESIDE_STORE_BPS)
+                    + outer_out / (side.up_bps or BESIDE_STORE_BPS))
+    else:  # on a trainer, over the slowest one's links (any trainer may take it: θ and state read too)
+        outer_in += theta_and_state
+        stepping = outer_cpu + max(outer_in / rate(m.down_bps) + outer_out / rate(m.up_bps) for m in trainers)
         moved += int(outer_in + outer_out)
     if blocking:
-        round_s = makespan + FIXED_ROUND_S + outer
+        round_s = makespan + FIXED_ROUND_S + stepping
     else:
-        chain = max(ups) + FIXED_ROUND_S + outer + max(downs)
+        chain = max(ups) + FIXED_ROUND_S + stepping + max(downs)
         # a machine's link carries each of its tasks' update (and broadcast) once a round: with
         # two waves, twice the bytes in the same round, whatever overlaps what
         links = max(max(n * u, n * d) for n, u, d in zip(taken, ups, downs))
@@ -271,11 +287,11 @@ def links_bound(values: int, machines: Sequence[Machine], sync_every: int, step_
 
 
 def choose(values: int, machines: Sequence[Machine], step_s: float, bounds: Bounds, given: Given,
-           outer_beside_store: bool, notes: Sequence[str] = (), outer_s_unit: float | None = None) -> Plan:
+           outer_beside_store: bool, notes: Sequence[str] = (), outer: OuterSide | None = None) -> Plan:
     """The plan for a model of ``values`` float values trained by ``machines`` (a step takes
     ``step_s`` on a machine with no figure of its own), within ``bounds``, around ``given``
     (module docstring). ``notes``: sentences on the figures (what was not measured), put first
-    in ``why``; ``outer_s_unit``: the outer step's measured rate (:func:`predict`)."""
+    in ``why``; ``outer``: what the agents that take the outer step measured (:func:`predict`)."""
     trainers = list(machines) or [Machine("here")]
     why = list(notes)
     h_data = given.sync_every or min(bounds.sync_every, bounds.max_sync_every)
@@ -296,7 +312,7 @@ def choose(values: int, machines: Sequence[Machine], step_s: float, bounds: Boun
 
     def run(sync: str, pair: tuple[str, str], h: int) -> Prediction:
         return predict(values, trainers, step_s, bounds.shards, h, sync, pair[0], pair[1], outer_beside_store,
-                       outer_s_unit)
+                       outer)
 
     def smallest_h(sync: str, pair: tuple[str, str]) -> int | None:
         for h in h_values:  # utilisation grows with H: the first that reaches the target
@@ -406,7 +422,7 @@ def choose(values: int, machines: Sequence[Machine], step_s: float, bounds: Boun
     else:
         role = "trainer"
         cost = run(sync, (up, down), h).round_s - predict(values, trainers, step_s, bounds.shards, h,
-                                                           sync, up, down, True, outer_s_unit).round_s
+                                                           sync, up, down, True, outer).round_s
         line = "outer steps on a trainer: no agent beside the store serves the outer queue"
         if cost > 0.05 * run(sync, (up, down), h).round_s:
             line += (f"; one there (`tensorturn agent --role outer` on the store's machine) would "

@@ -21,7 +21,7 @@ from tensorturn.data.source import machine_cache
 from tensorturn.modes.fused import backups, standby, uploads
 from tensorturn.modes.fused.options import options
 from tensorturn.modes.fused.plans import ShardDone, ShardPlan, Wires
-from tensorturn.modes.fused.weights import fetch_global
+from tensorturn.modes.fused.weights import ahead, fetch_global
 from tensorturn.pool.telemetry import TaskReporter
 from tensorturn.recipes import Recipe, recipe_of
 from tensorturn.spec import RunSpec
@@ -72,6 +72,12 @@ class ShardUnit(backups.CopyAwareUnit):
             if plan.standby:
                 standby.await_base(self, plan.base)
             theta, moved = fetch_global(spec, recipe, self.store, plan.base)
+            if plan.base < r and r + 1 < options(spec).rounds and options(spec).down_codec != "fp32":
+                # overlapped: this machine's next task starts from θ_{base+1}, which the outer
+                # step makes while this one trains — its broadcast is read meanwhile
+                board, worker = self.board, self.a.worker
+                ahead.start(self.store, layout.key("broadcast", spec.run_id, plan.base + 1),
+                            lambda n: board.traffic.add_store_bytes(spec.run_id, 0, n, worker))
             start, more = uploads.start_from_own(self, self.wires, r, k, theta) if plan.own_start else (theta, 0)
             return start, moved + more, {}
 
@@ -125,6 +131,7 @@ def train_and_store(unit: Unit, r: int, k: int,
     on_step = watch_cancelled(on_step, a, reporter)
     if isinstance(unit, ShardUnit) and unit.deferred:  # an outer step taken while it waited for θ
         on_step = after_first_step(on_step, unit.run_deferred)
+    on_step = clock = StepClock(on_step)
     a.trained_from = broker_now(unit.board.r)
     t0 = time.perf_counter()
     try:
@@ -133,7 +140,7 @@ def train_and_store(unit: Unit, r: int, k: int,
             spec.lr or recipe.lr, batch, derive_seed(spec.seed, r, k), pick_device(),
             on_step=on_step, precision=spec.precision, accumulate=spec.accumulate)
         a.trained_s = time.perf_counter() - t0
-        a.step = (spec.recipe, a.trained_s / max(opts.sync_every, 1))  # published with the attempt's end
+        a.step = (spec.recipe, clock.step_s(a.trained_s / max(opts.sync_every, 1)))  # published with the attempt's end
         check_update(delta, theta, opts.max_update_ratio)
     except Superseded:
         unit.board.incidents.add(spec.run_id, "superseded", str(a.label), a.worker,
@@ -174,6 +181,28 @@ def after_first_step(on_step: Callable[[int, float], None], work: Callable[[], N
             pending.pop()()
 
     return step
+
+
+class StepClock:
+    """``on_step``, and the time of each step's end: a step's seconds for plans are the steps
+    after the first two — the first also builds the optimizer's state, and work that waited for
+    it (:func:`after_first_step`) runs before the second — as θ_0's timing leaves out its
+    warm-up (:func:`~tensorturn.modes.fused.timing.time_step`)."""
+
+    def __init__(self, on_step: Callable[[int, float], None]):
+        self.inner = on_step
+        self.ends: list[float] = []
+
+    def __call__(self, n: int, loss: float) -> None:
+        self.ends.append(time.perf_counter())
+        self.inner(n, loss)
+
+    def step_s(self, whole: float) -> float:
+        """Seconds a step after the first two; ``whole`` (the training's seconds ÷ its steps)
+        where there were too few to tell."""
+        if len(self.ends) < 4:
+            return whole
+        return (self.ends[-1] - self.ends[1]) / (len(self.ends) - 2)
 
 
 class Superseded(Exception):

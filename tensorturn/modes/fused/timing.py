@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from tensorturn.errors import SpecError
-from tensorturn.modes.fused.measured import outer_rate, pool_machines
+from tensorturn.modes.fused.measured import outer_side, pool_machines
 from tensorturn.modes.fused.options import STEP_GRID_S, PlanFigures, options, samples_per_step, step_matters
 from tensorturn.modes.fused.plan import Machine, Plan
 from tensorturn.recipes import Recipe
@@ -94,11 +94,11 @@ def plan_figures(spec: RunSpec, recipe: Recipe, theta: StateDict, client: Any | 
     # the data's shards first (settle_options finds them set): θ_0's steps read one shard's rows
     options(spec).fill_from_data(recipe.train_rows(), samples_per_step(spec, recipe))
     machines, beside, notes = pool_machines(client, spec.recipe) if client is not None else ([], False, [])
-    outer_s_unit = None
+    outer = None
     if machines:
-        outer_s_unit, said = outer_rate(client)
+        outer, said = outer_side(client)
         notes.append(said)
-    figures = PlanFigures(float_values(theta), None, tuple(machines), beside, outer_s_unit=outer_s_unit)
+    figures = PlanFigures(float_values(theta), None, tuple(machines), beside, outer=outer)
     if machines and all(m.step_s is not None for m in machines):
         step_s: float | None = min(m.step_s for m in machines if m.step_s is not None)
     elif step_matters(spec, recipe, figures):

@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import logging
 import tempfile
+import threading
+import time
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 
 from tensorturn import layout
@@ -20,7 +23,7 @@ from tensorturn.modes.fused.options import options
 from tensorturn.recipes import Recipe
 from tensorturn.spec import RunSpec
 from tensorturn.store import seals
-from tensorturn.store.objects import ObjectMissing, Store, sha256_hex
+from tensorturn.store.objects import ObjectMissing, Store, counted_apart, sha256_hex
 from tensorturn.store.tensorfile import TensorReader
 from tensorturn.store.tensors import StateDict, delta_layout, from_bytes, iter_decoded, metadata_of, model_bytes
 from tensorturn.train.diloco import apply_step, initial_state
@@ -51,6 +54,82 @@ class ThetaCache:
 
 
 cache = ThetaCache()
+
+
+AHEAD_LOOK_S = 2.0      # how often a broadcast read ahead is looked for until the step stores it
+AHEAD_WAIT_S = 600.0    # how long at most (the next task, waiting for it, downloads it then)
+
+
+class BroadcastAhead:
+    """The next round's broadcast, downloaded in a thread of this process while this round
+    trains. With overlapped rounds a machine trains round r+1 from θ_r while round r's outer
+    step makes θ_{r+1}, and its next task begins with θ_{r+1}'s broadcast: read ahead, that
+    download hides under the training instead of coming before the next task's (an int8 move of
+    an 86M model is 23 s at 30 Mbit/s: BENCHMARKS §18). One broadcast at a time; only a saving —
+    a failure is logged, and the next task downloads the broadcast itself."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.key: str | None = None
+        self.blob: bytes | None = None
+        self.downloading = False
+        self.stop, self.done = threading.Event(), threading.Event()
+
+    def start(self, store: Store, key: str, counted: Callable[[int], None] = lambda n: None) -> None:
+        """Look for ``key`` every :data:`AHEAD_LOOK_S` (until :meth:`take` or another start, for
+        :data:`AHEAD_WAIT_S` at most), and download it (checked against its seal) once stored;
+        ``counted(bytes)`` records what the download moved (in its thread)."""
+        with self.lock:
+            if self.key == key:
+                return
+            self.stop.set()  # the one before, if any
+            stop, done = threading.Event(), threading.Event()
+            self.key, self.blob, self.downloading, self.stop, self.done = key, None, False, stop, done
+
+        def read() -> None:
+            try:
+                deadline = time.monotonic() + AHEAD_WAIT_S
+                while not store.exists(key):
+                    if stop.wait(AHEAD_LOOK_S) or time.monotonic() > deadline:
+                        return
+                with self.lock:
+                    if self.key != key or stop.is_set():
+                        return
+                    self.downloading = True
+                with counted_apart() as moved:
+                    blob = seals.get_bytes(store, key)
+                with self.lock:
+                    if self.key == key:
+                        self.blob = blob
+                try:
+                    counted(moved[1])
+                except Exception as exc:  # noqa: BLE001 - a figure; the broker may be away
+                    log.debug("bytes read ahead not recorded: %s", exc)
+            except Exception as exc:  # noqa: BLE001 - only a saving: the task downloads it
+                log.info("reading %s ahead failed (%s); the next task downloads it", key, exc)
+            finally:
+                done.set()
+
+        threading.Thread(target=read, name=f"ahead-{key}", daemon=True).start()
+
+    def take(self, key: str) -> bytes | None:
+        """The broadcast at ``key`` if it was read ahead — waiting for a download under way — or
+        None (nothing read ahead for it: a look still waiting for it stops)."""
+        with self.lock:
+            if self.key != key:
+                return None
+            if not self.downloading:
+                self.stop.set()
+                self.key = None
+                return None
+            done = self.done
+        done.wait()
+        with self.lock:
+            blob, self.blob, self.key = self.blob, None, None
+        return blob
+
+
+ahead = BroadcastAhead()  # this process's
 
 
 def global_bytes(spec: RunSpec, recipe: Recipe, theta: StateDict) -> bytes:
@@ -102,8 +181,10 @@ def rebuild_from_broadcast(spec: RunSpec, recipe: Recipe, store: Store, r: int,
                            held: tuple[int, str, StateDict]) -> tuple[StateDict | None, str, int]:
     """θ_r from the θ_{r−1} ``held`` and round r's broadcast delta, if it rebuilds the stored
     weights (their sha256); (θ_r or None, its sha256, bytes downloaded)."""
+    key = layout.key("broadcast", spec.run_id, r)
+    blob = ahead.take(key)  # read while this machine's last task trained, or None
     try:
-        blob = seals.get_bytes(store, layout.key("broadcast", spec.run_id, r))
+        blob = blob if blob is not None else seals.get_bytes(store, key)
     except ObjectMissing:  # a run from before broadcasts existed
         return None, "", 0
     meta = metadata_of(blob)
