@@ -30,7 +30,8 @@ Parts (``--parts``; each writes ``speedup_<part>.json`` under the results, the r
 * ``lan`` — the trainers and the outer agent on loopback and a file store (a LAN's rate or more:
   :func:`lan_part` says why not over emulated links): the defaults, then each ``--lan-picks``
   setting (codec/sync/H) at about the defaults' samples.
-  (``speedup_home-before.json``: the ``home`` part as the plan before issue 49's last change chose.)
+  (``speedup_home-before.json``: the ``home`` part as the plan before issue 49's last change chose;
+  ``speedup_home-no-read-ahead.json``: before the next broadcast was read ahead.)
 * ``mixed`` — ``home``'s links, but the third machine 3× slower and the first one's link
   ``--mixed-up`` (5) Mbit/s up; the same warm-up first.
 
@@ -251,7 +252,7 @@ def path_of(part: str, args) -> Path:
 
 
 def report(args) -> None:
-    names = ("alone", "home-before", "home", "home-picks", "lan", "mixed")
+    names = ("alone", "home-before", "home-no-read-ahead", "home", "home-picks", "lan", "mixed")
     parts = {p: json.loads(path_of(p, args).read_text()) for p in names if path_of(p, args).exists()}
     if "alone" not in parts:
         sys.exit("speedup.py: no speedup_alone.json: run --parts alone first")
@@ -259,7 +260,7 @@ def report(args) -> None:
     budget = args.target_steps or base["steps"]
     at_budget = [p for p in base["curve"] if p["steps"] <= budget][-1]
     target, alone_wall = at_budget["val_loss"], at_budget["emulated_s"]
-    rows = [r for p in ("home-before", "home", "home-picks", "lan", "mixed") if p in parts for r in parts[p]["rows"]]
+    rows = [r for p in names[1:] if p in parts for r in parts[p]["rows"]]
     k = parts["alone"]["args"]["sim_step"] / parts["alone"]["args"]["stands_for"]
     print(f"\nthe machine alone: {at_budget['steps']} steps, {alone_wall:.0f} s emulated "
           f"({alone_wall / k:.0f} s at 1 s a step), val loss {target:.4f} (the target)\n")

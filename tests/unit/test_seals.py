@@ -207,6 +207,9 @@ def test_an_outer_steps_kept_output_is_read_here_only_while_the_run_holds_those_
     seals.seal(store, later, sha256_hex(b"theta three, as stored"), 22)
     sha = kept.fetch(seals.get_file)(store, later, tmp_path / "read3")
     assert (tmp_path / "read3").read_bytes() == b"theta three, as stored" and later not in kept.files
+    folder = kept.folder
+    kept.clear()  # the agent's process ends
+    assert folder is not None and not folder.exists() and kept.files == {}
 
 
 def test_the_next_broadcast_is_read_ahead_once_stored_and_checked_against_its_seal(store, monkeypatch):

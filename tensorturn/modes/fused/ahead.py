@@ -12,6 +12,8 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+from celery.signals import worker_process_shutdown, worker_shutdown
+
 from tensorturn import layout
 from tensorturn.spec import RunSpec
 from tensorturn.store import seals
@@ -139,4 +141,17 @@ class KeptFiles:
         return read
 
 
+    def clear(self) -> None:
+        """Remove what is kept (the process ends)."""
+        if self.folder is not None:
+            shutil.rmtree(self.folder, ignore_errors=True)
+        self.folder, self.files = None, {}
+
+
 kept = KeptFiles()  # this process's (an agent's pool process takes task after task)
+
+
+@worker_process_shutdown.connect
+@worker_shutdown.connect  # the threads pool: the agent's process's own
+def _clear_kept(**_: object) -> None:
+    kept.clear()
