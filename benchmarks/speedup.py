@@ -31,6 +31,7 @@ Parts (``--parts``; each writes ``speedup_<part>.json`` under the results, the r
   :func:`lan_part` says why not over emulated links): the defaults, then each ``--lan-picks``
   setting (codec/sync/H) at about the defaults' samples.
   (``speedup_home-before.json``: the ``home`` part as the plan before issue 49's last change chose;
+  ``speedup_home-int2.json``: before the outer step was made faster and measured;
   ``speedup_home-no-read-ahead.json``: before the next broadcast was read ahead.)
 * ``mixed`` — ``home``'s links, but the third machine 3× slower and the first one's link
   ``--mixed-up`` (5) Mbit/s up; the same warm-up first.
@@ -252,7 +253,7 @@ def path_of(part: str, args) -> Path:
 
 
 def report(args) -> None:
-    names = ("alone", "home-before", "home-no-read-ahead", "home", "home-picks", "lan", "mixed")
+    names = ("alone", "home-before", "home-int2", "home-no-read-ahead", "home", "home-picks", "lan", "mixed")
     parts = {p: json.loads(path_of(p, args).read_text()) for p in names if path_of(p, args).exists()}
     if "alone" not in parts:
         sys.exit("speedup.py: no speedup_alone.json: run --parts alone first")

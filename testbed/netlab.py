@@ -204,6 +204,11 @@ class DelayProxy:
         async def stop() -> None:
             for server in self.servers:
                 server.close()
+            # the connections' pumps end with the loop: cancelled and awaited, not left pending
+            pending = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
 
         asyncio.run_coroutine_threadsafe(stop(), self.loop).result(10)
         self.loop.call_soon_threadsafe(self.loop.stop)

@@ -142,7 +142,7 @@ def test_a_ledger_put_back_from_the_log_applies_again_what_the_log_lacks(redis_s
 
 def test_an_update_a_round_behind_the_latest_gets_a_backup_copy_before_all_are_handed_out(world):
     """A slow machine trains u2 from version 6 while the others go on (past the warm-up's first
-    two rounds). Once the latest weights are a round (S = 3 versions) past u2's, a machine that
+    round). Once the latest weights are a round (S = 3 versions) past u2's, a machine that
     would train a whole copy sooner by the two rates queues one on its own queue — before every
     update is handed out (the copy trains from the latest weights; landing later, u2 would be
     weighted down and pull the model back). One version fewer, or a machine no faster, and nothing is queued."""
@@ -172,8 +172,8 @@ def test_an_update_a_round_behind_the_latest_gets_a_backup_copy_before_all_are_h
     assert board.r.llen(layout.agent_queue(fast)) == 1
 
 
-def test_during_the_first_two_rounds_an_update_one_version_behind_gets_a_backup_copy(world):
-    """The warm-up: while the latest weights are fewer than 2·S versions in, an update one
+def test_during_the_first_round_an_update_one_version_behind_gets_a_backup_copy(world):
+    """The warm-up: while the latest weights are fewer than S versions in, an update one
     version behind is copied already by a machine that would train it sooner — early updates
     move the weights most, and one landing late there costs the most (1:1:4, 3 shards:
     docs/benchmarks/mixed-speeds.md §12c). Within the same version, or by a machine no faster,

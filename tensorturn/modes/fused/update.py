@@ -57,7 +57,8 @@ APPLY_WAIT_S = 0.1  # the longest pause of a task whose update waits to be appli
 BESIDE_LOOK_S = 1.0  # how often it looks whether an agent beside the store applies instead
 BESIDE_PATIENCE_S = 30.0  # no new version for this long while one applies: apply here too
 DRAIN = "drain"      # what an async_drain message's signature names
-WARM_UP_ROUNDS = 2   # versions < this × S: an update one version behind is copied already (§12c)
+WARM_UP_ROUNDS = 1   # versions < this × S: an update one version behind is copied already (§12c: 1 round
+                     # of copies, 0.68× rounds' wall; 2, 0.71×; the same test loss on average)
 
 
 def queue_updates(spec: RunSpec, updates: Iterable[int]) -> None:
@@ -192,8 +193,9 @@ def queue_update_backup(spec: RunSpec, board: RunBoard, book: AsyncLedger, worke
     and pull the model back to where it trained. During the first ``WARM_UP_ROUNDS`` rounds'
     versions, of one a single version behind: early updates move the weights most, so a late
     one there costs most — on two machines 4× slower than a third (3 shards, digits) async
-    ended +1 to +10 % in test loss against rounds without this and −5 to +3 % with it
-    (docs/benchmarks/mixed-speeds.md §12c). The copy trains from the latest weights (a
+    ended +1 to +10 % in test loss against rounds without this, and −4 to +5 % (mean +0.3 %)
+    at 0.68× rounds' wall with a round of copies (two rounds: 0.71×, mean 0.0 %;
+    docs/benchmarks/mixed-speeds.md §12c). The copy trains from the latest weights (a
     different pseudo-gradient); whichever copy is stored first is applied, the other stops at
     its next look."""
     shards = options(spec).shards
