@@ -181,8 +181,8 @@ def delta_tensors(reader: TensorReader) -> Iterator[tuple[str, torch.Tensor]]:
 def write_delta(path: Path | str, delta: StateDict, codec: str, extra: dict[str, str],
                 fmt: str = DELTA_FORMAT) -> None:
     """A pseudo-gradient file, byte for byte :func:`tensors.delta_bytes`'s, written tensor by
-    tensor: each is encoded as it is written (its parts again for each part: the same bits), so
-    no second copy of the model is made."""
+    tensor: each is encoded once as it is written, its parts at their places, so no second copy
+    of the model is made."""
     shapes = {k: list(v.shape) for k, v in delta.items()}
     meta = {"format": fmt, "codec": codec, "shapes": json.dumps(shapes, sort_keys=True), **extra}
     write_encoded(path, shapes, codec, meta, delta.__getitem__)

@@ -223,16 +223,26 @@ def test_the_next_broadcast_is_read_ahead_once_stored_and_checked_against_its_se
     ahead, key, counted = weights.BroadcastAhead(), layout.key("broadcast", "run-b", 4), []
     ahead.start(store, key, counted.append)
     seals.put_bytes(store, key, b"the move")
-    assert ahead.done.wait(60)
+    assert ahead.look is not None and ahead.look.done.wait(60)
     assert ahead.take(key) == b"the move" and counted[0] >= len(b"the move")  # (its seal's too)
     assert ahead.take(key) is None  # taken once
 
     never = layout.key("broadcast", "run-b", 5)
     ahead.start(store, never)
-    looking = ahead.done
-    assert ahead.take(never) is None and looking.wait(60)  # the look stops: the task downloads it
+    looking = ahead.look
+    assert looking is not None and ahead.take(never) is None
+    assert looking.done.wait(60)  # the look stops: the task downloads it
 
     forged = layout.key("broadcast", "run-b", 6)
     ahead.start(store, forged)
     store.put_bytes(forged, b"not the run's")  # no seal
-    assert ahead.done.wait(60) and ahead.take(forged) is None
+    assert ahead.look is not None and ahead.look.done.wait(60) and ahead.take(forged) is None
+
+    # a look replaced by another never hands over what it read
+    first, second = layout.key("broadcast", "run-b", 7), layout.key("broadcast", "run-c", 7)
+    seals.put_bytes(store, first, b"run b's move")
+    ahead.start(store, first)
+    replaced = ahead.look
+    assert replaced is not None and replaced.done.wait(60)
+    ahead.start(store, second)
+    assert ahead.take(first) is None

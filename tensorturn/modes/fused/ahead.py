@@ -9,6 +9,7 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -96,10 +97,12 @@ class KeptFiles:
     """The outer step's own outputs — θ_{r+1} and its outer state — kept on this machine once
     stored, so that this agent's next step reads them here instead of downloading them again:
     for an 86M model with a compressed broadcast, 1 GB a round not read back from the store
-    (BENCHMARKS §18). A kept file is checked against its seal as a download is; only the latest
-    of each kind is kept (one run's θ and state: the model's size three times at most)."""
+    (BENCHMARKS §18). A kept file is the very file whose sha256 was sealed (kept read-only); it
+    is used only while the run holds a seal for those bytes at its key, else downloaded. Only
+    the latest of each kind is kept (one run's θ and state)."""
 
     def __init__(self) -> None:
+        self.lock = threading.Lock()
         self.folder: Path | None = None
         self.files: dict[str, tuple[str, Path, str]] = {}  # key → (its kind, its file here, its sha256)
 
@@ -108,44 +111,49 @@ class KeptFiles:
         copy across file systems) in place of the kept file of the same ``kind``; only a saving:
         a failure is logged, and the next step downloads it."""
         try:
-            if self.folder is None or not self.folder.exists():
-                self.folder = Path(tempfile.mkdtemp(prefix="tt-kept-"))
-            for old in [k for k, (knd, _, _) in self.files.items() if knd == kind]:
-                self.files.pop(old)[1].unlink(missing_ok=True)
-            held = self.folder / f"{kind}-{len(os.listdir(self.folder))}-{sha256[:16]}"
-            try:
-                os.link(path, held)
-            except OSError:
-                shutil.copyfile(path, held)
-            self.files[key] = (kind, held, sha256)
+            with self.lock:
+                if self.folder is None or not self.folder.exists():
+                    self.folder = Path(tempfile.mkdtemp(prefix="tt-kept-"))
+                for old in [k for k, (knd, _, _) in self.files.items() if knd == kind]:
+                    self.files.pop(old)[1].unlink(missing_ok=True)
+                held = self.folder / f"{kind}-{sha256[:16]}-{len(os.listdir(self.folder))}"
+                try:
+                    os.link(path, held)
+                except OSError:
+                    shutil.copyfile(path, held)
+                held.chmod(0o444)  # (the step's own file too, when linked: nothing writes it again)
+                self.files[key] = (kind, held, sha256)
         except Exception as exc:  # noqa: BLE001 - only a saving: the next step downloads it
             log.info("the outer step's %s not kept here (%s); the next step downloads it", kind, exc)
 
     def fetch(self, fallback: Fetch) -> Fetch:
-        """``fallback``, but a file kept here is read here, checked against its seal."""
+        """``fallback``, but a file kept here is read here while the run holds its seal."""
         def read(store: Store, key: str, path: Path) -> str:
-            kept = self.files.get(key)
-            if kept is None or not kept[1].exists():
+            with self.lock:
+                kept = self.files.get(key)
+            if kept is None:
                 return fallback(store, key, path)
             try:
                 seals.check(store, key, kept[2])  # the run stored these very bytes at this key
-            except seals.TamperedObject:  # not what the run holds now: read what it holds
-                self.files.pop(key, None)
-                kept[1].unlink(missing_ok=True)
+                try:
+                    os.link(kept[1], path)
+                except OSError:
+                    shutil.copyfile(kept[1], path)
+            except (seals.TamperedObject, OSError):  # not what the run holds now, or gone: download
+                with self.lock:
+                    if self.files.get(key) == kept:
+                        self.files.pop(key)
+                        kept[1].unlink(missing_ok=True)
                 return fallback(store, key, path)
-            try:
-                os.link(kept[1], path)
-            except OSError:
-                shutil.copyfile(kept[1], path)
             return kept[2]
         return read
 
-
     def clear(self) -> None:
         """Remove what is kept (the process ends)."""
-        if self.folder is not None:
-            shutil.rmtree(self.folder, ignore_errors=True)
-        self.folder, self.files = None, {}
+        with self.lock:
+            if self.folder is not None:
+                shutil.rmtree(self.folder, ignore_errors=True)
+            self.folder, self.files = None, {}
 
 
 kept = KeptFiles()  # this process's (an agent's pool process takes task after task)

@@ -9,8 +9,8 @@ One streaming implementation, whatever the model's size and the codec: everythin
 local files, tensor by tensor, so memory holds one model-sized sum and a tensor at a time — the
 shards are averaged here (:func:`average_and_step`), and the step itself is the one every sync
 policy takes (:func:`~tensorturn.modes.fused.step.outer_step`): θ_{r+1}, the broadcast and the
-residual are each written in their file's order, the move computed again for each (2.4× an 86M
-model at the peak, the process included; ``benchmarks/bigmodel.py --codecs``). Its arithmetic is
+residual are written together, each tensor's move computed once (2.4× an 86M model at the
+peak, the process included; ``benchmarks/bigmodel.py --part outer``). Its arithmetic is
 the in-memory one's (:func:`~tensorturn.train.diloco.weighted_average`,
 :func:`~tensorturn.train.diloco.outer_update`, :func:`~tensorturn.train.diloco.compress_broadcast`)
 applied tensor by tensor, so the same bits. θ_{r+1} is stored last: its existence decides the round.

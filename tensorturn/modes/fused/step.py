@@ -12,10 +12,10 @@ update with :class:`Delayed` (delayed Nesterov, spread).
 
 Guarantees: the arithmetic is :mod:`tensorturn.train.diloco`'s per-tensor functions (their list
 forms are the bit references the tests compare with), applied tensor by tensor — memory holds one
-tensor of θ at a time besides the update, and a tensor's move is computed again for each file it
-goes to, with the same bits. Each update was looked at as it was read (:class:`InputCheck`)
-and its norm is checked against θ's before any file is written. Nothing here touches the store:
-the caller decides what is stored, and in which order.
+tensor of θ at a time besides the update, and a tensor's move is computed, encoded and decoded
+once, its parts written at their places in each file it goes to. Each update was looked at as
+it was read (:class:`InputCheck`) and its norm is checked against θ's before any file is
+written. Nothing here touches the store: the caller decides what is stored, and in which order.
 """
 
 from __future__ import annotations

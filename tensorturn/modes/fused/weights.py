@@ -16,6 +16,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from tensorturn import layout
@@ -60,6 +61,18 @@ AHEAD_LOOK_S = 2.0      # how often a broadcast read ahead is looked for until t
 AHEAD_WAIT_S = 600.0    # how long at most (the next task, waiting for it, downloads it then)
 
 
+@dataclass
+class _Look:
+    """One broadcast looked for and read ahead (its own events and result: a look that another
+    replaced never hands over what it read)."""
+
+    key: str
+    blob: bytes | None = None
+    downloading: bool = False
+    stop: threading.Event = field(default_factory=threading.Event)
+    done: threading.Event = field(default_factory=threading.Event)
+
+
 class BroadcastAhead:
     """The next round's broadcast, downloaded in a thread of this process while this round
     trains. With overlapped rounds a machine trains round r+1 from θ_r while round r's outer
@@ -70,37 +83,31 @@ class BroadcastAhead:
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.key: str | None = None
-        self.blob: bytes | None = None
-        self.downloading = False
-        self.stop, self.done = threading.Event(), threading.Event()
+        self.look: _Look | None = None
 
     def start(self, store: Store, key: str, counted: Callable[[int], None] = lambda n: None) -> None:
         """Look for ``key`` every :data:`AHEAD_LOOK_S` (until :meth:`take` or another start, for
         :data:`AHEAD_WAIT_S` at most), and download it (checked against its seal) once stored;
         ``counted(bytes)`` records what the download moved (in its thread)."""
         with self.lock:
-            if self.key == key:
+            if self.look is not None and self.look.key == key:
                 return
-            self.stop.set()  # the one before, if any
-            stop, done = threading.Event(), threading.Event()
-            self.key, self.blob, self.downloading, self.stop, self.done = key, None, False, stop, done
+            if self.look is not None:
+                self.look.stop.set()  # the one before
+            look = self.look = _Look(key)
 
         def read() -> None:
             try:
                 deadline = time.monotonic() + AHEAD_WAIT_S
                 while not store.exists(key):
-                    if stop.wait(AHEAD_LOOK_S) or time.monotonic() > deadline:
+                    if look.stop.wait(AHEAD_LOOK_S) or time.monotonic() > deadline:
                         return
                 with self.lock:
-                    if self.key != key or stop.is_set():
+                    if look.stop.is_set():
                         return
-                    self.downloading = True
+                    look.downloading = True
                 with counted_apart() as moved:
-                    blob = seals.get_bytes(store, key)
-                with self.lock:
-                    if self.key == key:
-                        self.blob = blob
+                    look.blob = seals.get_bytes(store, key)
                 try:
                     counted(moved[1])
                 except Exception as exc:  # noqa: BLE001 - a figure; the broker may be away
@@ -108,25 +115,23 @@ class BroadcastAhead:
             except Exception as exc:  # noqa: BLE001 - only a saving: the task downloads it
                 log.info("reading %s ahead failed (%s); the next task downloads it", key, exc)
             finally:
-                done.set()
+                look.done.set()
 
         threading.Thread(target=read, name=f"ahead-{key}", daemon=True).start()
 
     def take(self, key: str) -> bytes | None:
-        """The broadcast at ``key`` if it was read ahead — waiting for a download under way — or
-        None (nothing read ahead for it: a look still waiting for it stops)."""
+        """The broadcast at ``key`` if it was read ahead — waiting for a download under way, for
+        :data:`AHEAD_WAIT_S` at most — or None (nothing read ahead for it: a look still waiting
+        for it stops)."""
         with self.lock:
-            if self.key != key:
+            look = self.look
+            if look is None or look.key != key:
                 return None
-            if not self.downloading:
-                self.stop.set()
-                self.key = None
+            self.look = None  # handed over (or given up) once
+            if not look.downloading:
+                look.stop.set()
                 return None
-            done = self.done
-        done.wait()
-        with self.lock:
-            blob, self.blob, self.key = self.blob, None, None
-        return blob
+        return look.blob if look.done.wait(AHEAD_WAIT_S) else None
 
 
 ahead = BroadcastAhead()  # this process's
