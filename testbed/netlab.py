@@ -162,8 +162,12 @@ class DelayProxy:
             except OSError:
                 writer.close()
                 return
-            await asyncio.gather(self._pump(reader, up_writer, delay_s, counts, 0),
-                                 self._pump(up_reader, writer, delay_s, counts, 1))
+            try:
+                await asyncio.gather(self._pump(reader, up_writer, delay_s, counts, 0),
+                                     self._pump(up_reader, writer, delay_s, counts, 1))
+            except asyncio.CancelledError:  # the proxy closes: the connection ends with it
+                writer.close()
+                up_writer.close()
 
         self.servers.append(await asyncio.start_server(handle, *listen))
 
