@@ -197,3 +197,33 @@ def test_an_upload_lease_is_refreshed_and_ended_only_by_its_holder(redis_server)
     assert not claims.uploading("run-x", 0, 1)
     assert claims.take_back("run-x", 0, 1) and not claims.take_back("run-x", 0, 1)  # one taker
 
+
+
+def test_a_hand_over_between_two_looks_is_not_an_upload_lost(world, monkeypatch):
+    """Round 1's shard 0 waits for round 0's shard 0, whose task hands its upload over just after
+    the waiting task looked at the upload's lease: the waiting task must not take it for an
+    upload lost (that trained the shard again and gave the round's outer step back while the
+    upload went on). The hand-over sets the lease and the handed set together, so the handed
+    set is looked at first."""
+    from tensorturn.state.uploads import UploadLeases
+
+    spec = world.submit(**SPEC)
+    real = UploadLeases.uploading
+    looks = []
+
+    def uploading(self, run_id, r, k):  # round 0's hand-over lands right after the first look at it
+        was = real(self, run_id, r, k)
+        if r == 0 and not looks:
+            self.hand_over(run_id, r, k, "elsewhere#1", 600.0)
+        if r == 0:
+            looks.append(was)
+        return was
+
+    monkeypatch.setattr(UploadLeases, "uploading", uploading)
+    monkeypatch.setattr(uploads, "BIND_GRACE_S", 0.0)
+    run_shard(spec, 1, 0)
+    incidents = [i["kind"] for i in world.board.describe(spec.run_id)["incidents"]]
+    outcomes = [a["outcome"] for a in world.board.attempts.all(spec.run_id) if a["task"] == "r1/shard-0"]
+    assert looks and "upload_lost" not in incidents
+    assert outcomes == ["refused: round 1's shard 0 starts from shard 0 of round 0, not stored yet; "
+                        "queued again in 3 s"]

@@ -185,9 +185,12 @@ def own_output(unit: Unit, wires: Wires, r: int, k: int) -> tuple[Path, int, boo
     for _ in unit.a.waits(cap=UPLOAD_LOOK_S):
         if store.exists(key):
             break
+        # handed first: a hand-over sets the upload's lease with it, and the lease goes only once
+        # the output is stored or its upload failed or lapsed — read the other way round, a
+        # hand-over between the two looks reads as an upload lost
+        handed = k in board.uploads.handed(run_id, r)
         if board.uploads.uploading(run_id, r, k) or store.exists(key):
             continue
-        handed = k in board.uploads.handed(run_id, r)
         # its task runs on another machine (a slot took it), or is about to (its slot was
         # taken a moment ago, not yet bound): wait, for up to a lease or BIND_GRACE_S
         if not handed and time.monotonic() - began < (
