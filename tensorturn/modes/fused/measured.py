@@ -70,23 +70,17 @@ def step_times(client: Any) -> dict[str, dict[str, float]]:
 def outer_side(client: Any) -> tuple[OuterSide, str]:
     """What the agents that take the run's outer steps measured — those beside the store that
     serve the outer queue, else the trainers: the seconds a unit of its work takes, as they
-    published it after their last steady step (the slowest's: any of them may take the next),
-    and, beside the store, their links to it (the slowest's) — and a sentence saying where the
-    rate comes from."""
+    published it after their last steady step (the slowest's: any of them may take the next) —
+    and a sentence saying where the figure comes from."""
     workers = [w for w in roster.list_workers(client) if w["state"] in roster.TAKES_TASKS]
     beside = [w["name"] for w in workers if w.get("role") in ("outer", "both")]
     takers = beside or [w["name"] for w in workers if w.get("role", "train") in ("train", "both")]
-    beats, links = roster.heartbeats(client), link_figures(client)
+    beats = roster.heartbeats(client)
     rates = [r for name in takers if (r := _number((beats.get(name) or {}).get("outer_s_unit"))) is not None]
-
-    def slowest(field: str) -> float | None:
-        figures = [f for name in beside if (f := (links.get(name) or {}).get(field))]
-        return min(figures) if figures and len(figures) == len(beside) else None
-
-    side = OuterSide(max(rates) if rates else None, slowest("up_bps"), slowest("down_bps"))
     if not rates:
-        return side, "the outer step's rate not measured yet on this pool: the model's figure taken"
-    return side, f"the outer step's rate as measured on {len(rates)} of {len(takers)} agent(s) that take it"
+        return OuterSide(), "the outer step's rate not measured yet on this pool: the model's figure taken"
+    return (OuterSide(max(rates)),
+            f"the outer step's rate as measured on {len(rates)} of {len(takers)} agent(s) that take it")
 
 
 def pool_machines(client: Any, recipe: str) -> tuple[list[Machine], bool, list[str]]:

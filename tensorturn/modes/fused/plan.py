@@ -110,12 +110,12 @@ class Machine:
 @dataclass(frozen=True)
 class OuterSide:
     """What the agents that take the outer step measured: the seconds a unit of its work takes
-    (:func:`outer_units`; None: :data:`OUTER_S_PER_UNIT`) and, beside the store, their links to
-    it (bytes/s; None: :data:`BESIDE_STORE_BPS`)."""
+    (:func:`outer_units`; None: :data:`OUTER_S_PER_UNIT`). Their transfers beside the store go at
+    :data:`BESIDE_STORE_BPS`: an agent's probe of a few MB understates a bulk rate on the store's
+    own machine (moto here: 236 Mbit/s probed, ≈ 70 MB/s moved), and priced at it the plan chose
+    ternary over loopback where fp32 keeps up."""
 
     s_unit: float | None = None
-    up_bps: float | None = None
-    down_bps: float | None = None
 
 
 @dataclass(frozen=True)
@@ -227,8 +227,7 @@ def predict(values: int, machines: Sequence[Machine], step_s: float, shards: int
     outer_in, outer_out = shards * up_bytes, theta_and_state + down_bytes  # read; written: θ', state, broadcast
     moved = shards * (up_bytes + down_bytes)
     if outer_beside_store:  # θ and the state read back where the last step left them (ahead.KeptFiles)
-        stepping = (outer_cpu + outer_in / (side.down_bps or BESIDE_STORE_BPS)
-                    + outer_out / (side.up_bps or BESIDE_STORE_BPS))
+        stepping = outer_cpu + (outer_in + outer_out) / BESIDE_STORE_BPS
     else:  # on a trainer, over the slowest one's links (any trainer may take it: θ and state read too)
         outer_in += theta_and_state
         stepping = outer_cpu + max(outer_in / rate(m.down_bps) + outer_out / rate(m.up_bps) for m in trainers)
