@@ -112,8 +112,8 @@ class OuterSide:
     """What the agents that take the outer step measured: the seconds a unit of its work takes
     (:func:`outer_units`; None: :data:`OUTER_S_PER_UNIT`). Their transfers beside the store go at
     :data:`BESIDE_STORE_BPS`: an agent's probe of a few MB understates a bulk rate on the store's
-    own machine (moto here: 236 Mbit/s probed, ≈ 70 MB/s moved), and priced at it the plan chose
-    ternary over loopback where fp32 keeps up."""
+    own machine (the speed-up benchmark's outer agent probed moto at 236–417 Mbit/s), and priced
+    at it the plan chose ternary over loopback where fp32 keeps up."""
 
     s_unit: float | None = None
 
