@@ -43,6 +43,7 @@ Parts (``--parts``; each writes ``speedup_<part>.json`` under the results, the r
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -202,6 +203,15 @@ def lan_part(args, target: float | None) -> list[dict[str, Any]]:
     return rows
 
 
+def pool_dir(args) -> Any:
+    """The pool's working folder: removed at the end, or with ``--keep-pool DIR`` kept there (the
+    agents' logs at INFO, Redis's, the spool) to read what happened after a run."""
+    if not args.keep_pool:
+        return tempfile.TemporaryDirectory(prefix="tt-speedup-")
+    Path(args.keep_pool).mkdir(parents=True, exist_ok=True)
+    return contextlib.nullcontext(tempfile.mkdtemp(prefix="tt-speedup-", dir=args.keep_pool))
+
+
 def pool_part(part: str, args, target: float | None) -> list[dict[str, Any]]:
     from tensorturn.pool.embedded import stop_process_group
     from testbed import netlab
@@ -226,10 +236,11 @@ def pool_part(part: str, args, target: float | None) -> list[dict[str, Any]]:
 
         boto3.client("s3").create_bucket(Bucket="tt-speedup")
         store = "s3://tt-speedup/runs"
-        with tempfile.TemporaryDirectory(prefix="tt-speedup-") as tmp, \
+        with pool_dir(args) as tmp, \
                 netlab.LinkPool(TRAINERS, store, store_env, rtt_ms=rtt * k, workdir=Path(tmp),
                                 outer_agent=True, allow=(args.recipe,), link_rates=link_rates,
-                                agent_env=[{"TESTBED_SIM_STEP_S": str(s)} for s in steps]) as pool:
+                                agent_env=[{"TESTBED_SIM_STEP_S": str(s)} for s in steps],
+                                loglevel="INFO" if args.keep_pool else "WARNING") as pool:
             measured_links(pool)
             if part in ("home", "mixed"):  # a pool that has run before: its step times and outer rate published
                 fused_row(pool, store, args, f"{part} warm-up", None, **WARM_UP)
@@ -356,6 +367,8 @@ def main() -> None:
     parser.add_argument("--eval-batches", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out-dir", default=None)
+    parser.add_argument("--keep-pool", default=None, metavar="DIR",
+                        help="keep the home/mixed pools' folders under DIR, agents logging at INFO")
     args = parser.parse_args()
     # a stopped benchmark stops its pool (agents are process groups of their own, 2+ GB each here)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
