@@ -60,6 +60,20 @@ def pytest_collection_modifyitems(items):
     items.sort(key=lambda item: (module(item) not in long, -sizes[module(item)], module(item)))
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed test's report shows what every pool still running was doing: its broker's queues
+    and its runs' claims and unfinished attempts, and the end of each agent's log — CI keeps
+    neither the pools' folders nor their Redis."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed and _live_pools:
+        from testbed.diagnose import describe_pool
+
+        for i, pool in enumerate(_live_pools):
+            report.sections.append((f"pool {i} at failure", describe_pool(pool)))
+
+
 @pytest.fixture(autouse=True)
 def _settings_per_test():
     """Settings a test changed in this process (config.use) end with it."""
@@ -171,6 +185,10 @@ def redis_server(tmp_path):
 
 # ---- pools of real agents, and runs on them -----------------------------------------------------
 
+# The pools this test process has started and not stopped: a failed test shows their state.
+_live_pools: list[AgentPool] = []
+
+
 class AgentPool(LocalPool):
     """A :class:`LocalPool` whose agents start with ``env`` on top of this process's environment
     (a pace, a memory size, a gate file): a pool can be set up once for several tests, and this
@@ -179,6 +197,16 @@ class AgentPool(LocalPool):
     def __init__(self, workers: int, store_url: str, env: dict[str, str] | None = None, **options):
         super().__init__(workers, store_url, **options)
         self.env = dict(env or {})
+
+    def __enter__(self) -> AgentPool:
+        super().__enter__()
+        _live_pools.append(self)
+        return self
+
+    def stop(self, grace: float = 30.0) -> None:
+        if self in _live_pools:
+            _live_pools.remove(self)
+        super().stop(grace)
 
     def agent_environ(self, i: int) -> dict[str, str]:
         return {**super().agent_environ(i), **self.env}

@@ -122,6 +122,28 @@ def measured_utilisation(doc: dict[str, Any]) -> float | None:
     return round(min(sum(a["trained_s"] for a in trained) / (machines * span), 1.0), 3) if span > 0 else None
 
 
+def planned_of(doc: dict[str, Any]) -> dict[str, Any]:
+    """A fused run's plan as its spec holds it (empty for any other run)."""
+    spec = doc.get("spec")
+    opts = spec.get("options") if isinstance(spec, dict) else None
+    return (opts.get("planned") if isinstance(opts, dict) else None) or {}
+
+
+def utilisation_text(plan: dict[str, Any], measured: float | None) -> str:
+    """Predicted beside measured utilisation, in words. A round the plan predicts shorter than
+    :data:`~tensorturn.modes.fused.plan.SMALL_ROUND_S` is mostly the fixed costs it assumes
+    for any pool (dispatch, round trips): then the prediction is said to be rough."""
+    from tensorturn.modes.fused.plan import SMALL_ROUND_S
+
+    text = (f"predicted {plan['predicted_utilisation']:.2f} by the plan, measured "
+            + ("— (no shard finished yet)" if measured is None else f"{measured:.2f}"))
+    round_s = plan.get("round_s")
+    if isinstance(round_s, (int, float)) and round_s < SMALL_ROUND_S:
+        text += (f" (a round of {round_s:.1f} s is mostly the fixed costs the plan assumes for any "
+                 f"pool: for a model this small its prediction is rough)")
+    return text
+
+
 def plan_lines(plan: dict[str, Any], indent: str = "") -> list[str]:
     """A fused run's plan (:class:`tensorturn.modes.fused.plan.Plan`) in a few lines: what it
     chose, what it predicts, and why."""
@@ -157,9 +179,7 @@ def result_lines(doc: dict[str, Any]) -> list[str]:
                      f"each predicts worse than the targets' mean (a learning rate too high? too few steps?)")
     utilisation = doc.get("utilisation") or {}
     if utilisation.get("predicted") is not None:
-        measured = utilisation.get("measured")
-        lines.append(f"  utilisation: predicted {utilisation['predicted']:.2f} by the plan, measured "
-                     + ("— (no shard finished yet)" if measured is None else f"{measured:.2f}"))
+        lines.append("  utilisation: " + utilisation_text(planned_of(doc), utilisation.get("measured")))
     if doc.get("agents"):
         agents = doc["agents"]
         lines.append(f"  trained on {len(agents)} agent{'s' if len(agents) != 1 else ''}: {', '.join(agents)}")

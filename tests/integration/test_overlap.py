@@ -227,3 +227,39 @@ def test_a_hand_over_between_two_looks_is_not_an_upload_lost(world, monkeypatch)
     assert looks and "upload_lost" not in incidents
     assert outcomes == ["refused: round 1's shard 0 starts from shard 0 of round 0, not stored yet; "
                         "queued again in 3 s"]
+
+
+def test_a_shard_taken_back_while_its_upload_goes_on_has_the_round_stepped_once_stored(world, monkeypatch):
+    """Round 0's shard 2 is taken back as lost while its upload still goes on (what the race
+    above did): the outer step's claim is given back, and the copy queued to train it again finds
+    the output in flight and does nothing. Once the upload stores it, the uploader hands it to
+    the policy again, and the round's outer step is queued — before, no one queued it, and the
+    run stopped making progress."""
+    from tensorturn.modes.fused.plans import Context
+    from tensorturn.store import seals
+    from tensorturn.store.objects import open_store
+
+    spec = world.submit(**SPEC)
+    stalled, real_put = threading.Event(), seals.put_file
+
+    def put_file(store, key, path, *args, **kwargs):
+        if key == layout.key("shard", spec.run_id, 0, 2):
+            assert stalled.wait(60)
+        return real_put(store, key, path, *args, **kwargs)
+
+    monkeypatch.setattr(seals, "put_file", put_file)
+    for k in range(3):
+        run_shard(spec, 0, k)
+    claims = layout.run_key(spec.run_id, "claims")
+    assert world.board.r.hexists(claims, layout.outer_claim(0))  # queued as round 0's last shard ended
+    wires = driver.Driver.of_run(Context(spec, open_store(spec.store_url), world.board))
+    assert uploads.train_again(wires, spec, world.board, 0, [2], "judge@nowhere") == [2]
+    run_shard(spec, 0, 2)  # the copy queued again: its output is in flight
+    assert not world.board.r.hexists(claims, layout.outer_claim(0))
+    incidents = [(i["kind"], i["task"]) for i in world.board.describe(spec.run_id)["incidents"]]
+    assert ("duplicate_ignored", "r0/shard-2") in incidents
+
+    stalled.set()
+    finish_uploads()
+    assert world.board.r.hexists(claims, layout.outer_claim(0))
+    assert outer_outcome(world, spec, 0) == "succeeded"

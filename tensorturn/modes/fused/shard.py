@@ -82,7 +82,8 @@ class ShardUnit(backups.CopyAwareUnit):
             return start, moved + more, {}
 
         watch = (lambda: self.board.claims.is_stored(spec.run_id, r, k)) if plan.copies else None
-        put = (lambda key, path: uploads.upload_in_background(self, r, k, key, path)) if plan.background else None
+        put = ((lambda key, path: uploads.upload_in_background(self, self.wires, r, k, key, path))
+               if plan.background else None)
         try:
             outcome = train_and_store(self, r, k, theta_of, layout.key("shard", spec.run_id, r, k), watch, put)
             if outcome == SUCCEEDED and plan.copies:

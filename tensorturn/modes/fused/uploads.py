@@ -26,7 +26,7 @@ from celery.signals import worker_process_shutdown, worker_shutdown
 from tensorturn import config, layout
 from tensorturn.config import mask_text
 from tensorturn.modes.fused.options import options
-from tensorturn.modes.fused.plans import NOT_YET_S, QueueShard, Wires
+from tensorturn.modes.fused.plans import NOT_YET_S, QueueShard, ShardDone, Wires
 from tensorturn.spec import RunSpec
 from tensorturn.state.board import RunBoard
 from tensorturn.state.broker import Hedged, lease_client
@@ -208,12 +208,19 @@ def own_output(unit: Unit, wires: Wires, r: int, k: int) -> tuple[Path, int, boo
     return path, path.stat().st_size, False
 
 
-def upload_in_background(unit: Unit, r: int, k: int, key: str, path: Path) -> None:
+def upload_in_background(unit: Unit, wires: Wires, r: int, k: int, key: str, path: Path) -> None:
     """Move the pseudo-gradient at ``path`` to a spool file and upload it in a thread of this
     process under a lease (refreshed every ``lease_refresh_s``, lasting ``visibility_timeout_s``
     unrefreshed) — the lease is held before this returns, so the shard's task can end now. An
     output stored meanwhile (another copy's) is not stored over; a failed upload is recorded,
-    and its lease given back at once, so the outer step has the shard trained again."""
+    and its lease given back at once, so the outer step has the shard trained again.
+
+    Once stored, the output is handed to the run's policy again (``wires.follow``, as the
+    shard's task did when it ended): what follows is queued once, by one-time claims, so this
+    costs a look when the task queued it already — and when it could not, it is queued now. (The
+    task's look can come too early: a shard taken back as lost while its upload still went on,
+    whose copy trained again found it in flight and did nothing, left the round's outer step
+    queued by no one.)"""
     settings = config.current()
     lease_s, refresh_s = settings.visibility_timeout_s, settings.lease_refresh_s
     fd, name = tempfile.mkstemp(prefix=f"tt-upload-{unit.spec.run_id}-r{r}-{k}-")
@@ -226,7 +233,7 @@ def upload_in_background(unit: Unit, r: int, k: int, key: str, path: Path) -> No
     board.uploads.hand_over(run_id, r, k, token, lease_s)
 
     def upload() -> None:
-        done = threading.Event()
+        done, stored = threading.Event(), threading.Event()
 
         def put() -> None:
             moved = [0, 0]
@@ -234,6 +241,7 @@ def upload_in_background(unit: Unit, r: int, k: int, key: str, path: Path) -> No
                 if not store.exists(key):  # never over a stored output: it may be in use
                     with counted_apart() as moved:  # not in the task this process runs meanwhile
                         seals.put_file(store, key, spool)
+                stored.set()
             except Exception as exc:  # noqa: BLE001 - recorded; the outer step has it trained again
                 log.warning("run %s: the upload of shard %d of round %d failed: %s", run_id, k, r, exc)
                 try:
@@ -254,11 +262,18 @@ def upload_in_background(unit: Unit, r: int, k: int, key: str, path: Path) -> No
         hedged = Hedged(f"run {run_id}: the lease of shard {k} of round {r}'s upload")
         quick = UploadLeases(lease_client(board.r, lease_s))
         try:
-            while not done.wait(refresh_s):
-                hedged.send(quick.refresh_upload, run_id, r, k, token, lease_s)
-            board.uploads.upload_ended(run_id, r, k, token)
-        except Exception as exc:  # noqa: BLE001 - the broker is away: the lease lapses by itself
-            log.warning("run %s: the lease of shard %d of round %d's upload: %s", run_id, k, r, exc)
+            try:
+                while not done.wait(refresh_s):
+                    hedged.send(quick.refresh_upload, run_id, r, k, token, lease_s)
+                board.uploads.upload_ended(run_id, r, k, token)
+            except Exception as exc:  # noqa: BLE001 - the broker is away: the lease lapses by itself
+                log.warning("run %s: the lease of shard %d of round %d's upload: %s", run_id, k, r, exc)
+            if stored.is_set():
+                try:
+                    wires.follow(ShardDone(r, k, worker))
+                except Exception as exc:  # noqa: BLE001 - a second chance only: the task queued it where it could
+                    log.warning("run %s: shard %d of round %d stored; queuing what follows failed: %s",
+                                run_id, k, r, exc)
         finally:
             hedged.close()
             kept.release(spool)

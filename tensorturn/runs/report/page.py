@@ -193,13 +193,12 @@ def _summary(doc: dict[str, Any], workers: list[dict[str, Any]], t0: float | Non
             f"{states.count(s)} {s}" for s in sorted({s for s in states if s})) if members else "none yet"))
     planned = options.get("planned") or {}
     if planned:
-        from tensorturn.runs.display import measured_utilisation, plan_lines
+        from tensorturn.runs.display import measured_utilisation, plan_lines, utilisation_text
 
         chose = plan_lines(planned)[0].removeprefix("plan: ")
         rows.append(("plan", chose + " — " + "; ".join(planned.get("why") or [])))
-        measured = measured_utilisation(doc)
-        rows.append(("utilisation", f"predicted {_number(planned.get('predicted_utilisation'))} by the plan, "
-                                    f"measured {'—' if measured is None else _number(measured)}"))
+        if planned.get("predicted_utilisation") is not None:
+            rows.append(("utilisation", utilisation_text(planned, measured_utilisation(doc))))
     metrics = doc.get("metrics") or {}
     rows.append(("final metrics", ", ".join(f"{k} {_number(v)}" for k, v in sorted(metrics.items())) or "—"))
     if doc.get("model_uri"):
