@@ -78,13 +78,19 @@ def board(pool) -> RunBoard:
 
 
 def running_attempt(pool, run_id: str, round_: int = 0, settle: float = 0.5) -> dict:
-    """Wait until a shard of ``round_`` is mid-training; return its attempt."""
+    """Wait until a shard of ``round_`` is mid-training; return its attempt. A run that ends
+    first is an error that says how it ended."""
     deadline = time.monotonic() + 120
+    looks = board(pool)
     while time.monotonic() < deadline:
-        for a in board(pool).attempts.all(run_id):
+        for a in looks.attempts.all(run_id):
             if a["task"].startswith(f"r{round_}/") and a["outcome"] == "running":
                 time.sleep(settle)
                 return a
+        if looks.runs.state(run_id) in ("succeeded", "failed", "cancelled"):
+            doc = looks.describe(run_id)
+            raise AssertionError(f"the run ended {doc['state']} ({doc.get('error')}) before a shard of round "
+                                 f"{round_} was seen training: {[(a['task'], a['outcome']) for a in doc['attempts']]}")
         time.sleep(0.05)
     raise AssertionError("no shard started")
 
@@ -203,8 +209,13 @@ def test_duplicate_delivery_is_ignored(pool, reference, tmp_path):
     # once round 0's outer step is done (its evaluation and record come behind round 1's shards,
     # too late to be sure the run still goes on), round 0's slot 1 is delivered again: it is
     # bound to the shard it trained, which is done
-    wait_for(lambda: any(a["task"] == "r0/outer" and a["outcome"] == "succeeded"
-                         for a in board(pool).attempts.all(spec.run_id)), "round 0 stepped")
+    looks = board(pool)
+
+    def stepped() -> bool:
+        assert looks.runs.state(spec.run_id) not in ("failed", "cancelled"), looks.describe(spec.run_id).get("error")
+        return any(a["task"] == "r0/outer" and a["outcome"] == "succeeded" for a in looks.attempts.all(spec.run_id))
+
+    wait_for(stepped, "round 0 stepped")
     train_slot.apply_async(args=(spec.run_id, 0, 1), kwargs=signed(spec.run_id, "r0/slot-1"))
     doc = finish(pool, spec, reference)
     bound = board(pool).r.hget(layout.run_key(spec.run_id, "slots-r0"), "1")

@@ -156,10 +156,10 @@ class KeptFiles:
             self.folder, self.files = None, {}
 
 
-kept = KeptFiles()  # this process's (an agent's pool process takes task after task)
+step_outputs = KeptFiles()  # this process's (an agent's pool process takes task after task)
 
 
 @worker_process_shutdown.connect
 @worker_shutdown.connect  # the threads pool: the agent's process's own
 def _clear_kept(**_: object) -> None:
-    kept.clear()
+    step_outputs.clear()

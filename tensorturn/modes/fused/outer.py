@@ -30,7 +30,7 @@ from typing import Any
 
 from tensorturn import layout
 from tensorturn.modes.fused import uploads
-from tensorturn.modes.fused.ahead import Fetch, ReadAhead, kept
+from tensorturn.modes.fused.ahead import Fetch, ReadAhead, step_outputs
 from tensorturn.modes.fused.finalize import finalize
 from tensorturn.modes.fused.options import eval_passes, evaluated, options, outer_args, samples_per_step
 from tensorturn.modes.fused.plan import outer_units
@@ -382,7 +382,7 @@ def step_global(spec: RunSpec, recipe: Recipe, store: Store, r: int, avg: StateD
         return
     run_id, codec = spec.run_id, opts.down_codec  # the broadcast's (the shards' files name their own)
     lr, momentum, nesterov = outer_args(spec)
-    fetch = kept.fetch(fetch)  # θ_r and its state as this agent's last step left them, if it took it
+    fetch = step_outputs.fetch(fetch)  # θ_r and its state as this agent's last step left them, if it took it
     theta_sha = fetch(store, layout.key("global", run_id, r), scratch / "theta")
     state_key = layout.key("outer", run_id, r)
     has_state = r > 0 and (bool(momentum) or (codec != "fp32" and store.exists(state_key)))
@@ -402,4 +402,4 @@ def step_global(spec: RunSpec, recipe: Recipe, store: Store, r: int, avg: StateD
             key = layout.key(kind, run_id, r + 1)
             sha = seals.put_file(store, key, path)
             if kind != "broadcast":  # what this agent's next step reads
-                kept.keep(kind, key, path, sha)
+                step_outputs.keep(kind, key, path, sha)

@@ -2,7 +2,7 @@
 pseudo-gradient written to a local file, handed to a thread that uploads it under a lease of its
 own (``upload-r<r>-<k>``, refreshed as a task's), and the task ends; the agent takes its next
 task while the bytes go up. The shard's next round here starts from that file
-(:data:`kept`, :func:`start_from_own`); another machine downloads it once stored.
+(:data:`own_outputs`, :func:`start_from_own`); another machine downloads it once stored.
 
 An upload whose lease lapses (its agent died or lost the network) is a shard trained again
 (:func:`train_again`) — from the same weights with the same seed, so the same bytes: whichever
@@ -63,7 +63,7 @@ def start_from_own(unit: Unit, wires: Wires, r: int, k: int, theta: StateDict) -
                 start.update(apply_step({name: theta[name]}, {name: -d}))
     finally:
         if local:
-            kept.release(path)
+            own_outputs.release(path)
         else:
             path.unlink(missing_ok=True)
     return start, moved
@@ -163,7 +163,7 @@ class KeptOutputs:
             path.unlink(missing_ok=True)
 
 
-kept = KeptOutputs()
+own_outputs = KeptOutputs()
 uploads: set[threading.Thread] = set()  # this process's uploads in flight
 
 
@@ -177,7 +177,7 @@ def own_output(unit: Unit, wires: Wires, r: int, k: int) -> tuple[Path, int, boo
     is queued again in a few seconds rather than wait here (it may hold the only slot that
     would train it), and :class:`~tensorturn.tasks.attempt.NotYet` ends this attempt."""
     run_id, store, board = unit.spec.run_id, unit.store, unit.board
-    local = kept.get(run_id, r, k)
+    local = own_outputs.get(run_id, r, k)
     if local is not None:
         return local, 0, True
     key = layout.key("shard", run_id, r, k)
@@ -229,7 +229,7 @@ def upload_in_background(unit: Unit, wires: Wires, r: int, k: int, key: str, pat
     shutil.move(path, spool)
     run_id, board, store, worker = unit.spec.run_id, unit.board, unit.store, unit.a.worker
     token = f"{worker}#{uuid.uuid4().hex[:12]}"
-    kept.keep(run_id, r, k, spool)  # the shard's next round here starts from it
+    own_outputs.keep(run_id, r, k, spool)  # the shard's next round here starts from it
     board.uploads.hand_over(run_id, r, k, token, lease_s)
 
     def upload() -> None:
@@ -276,7 +276,7 @@ def upload_in_background(unit: Unit, wires: Wires, r: int, k: int, key: str, pat
                                 run_id, k, r, exc)
         finally:
             hedged.close()
-            kept.release(spool)
+            own_outputs.release(spool)
             uploads.discard(threading.current_thread())
 
     thread = threading.Thread(target=upload, name=f"lease-{run_id}-r{r}-{k}", daemon=True)
