@@ -42,12 +42,13 @@ def _sample(s: Any) -> bool:
 
 
 # a recipe's step seconds merged into an agent's step_s (KEYS: its hash; ARGV: recipe, seconds)
-_STEP_TIME = """
+# a figure per recipe in a worker's hash: KEYS[1] the hash, ARGV: recipe, seconds, the field
+_PER_RECIPE = """
 if redis.call('exists', KEYS[1]) == 0 then return 0 end
-local ok, steps = pcall(cjson.decode, redis.call('hget', KEYS[1], 'step_s') or '{}')
-if not ok or type(steps) ~= 'table' then steps = {} end
-steps[ARGV[1]] = tonumber(ARGV[2])
-redis.call('hset', KEYS[1], 'step_s', cjson.encode(steps))
+local ok, figures = pcall(cjson.decode, redis.call('hget', KEYS[1], ARGV[3]) or '{}')
+if not ok or type(figures) ~= 'table' then figures = {} end
+figures[ARGV[1]] = tonumber(ARGV[2])
+redis.call('hset', KEYS[1], ARGV[3], cjson.encode(figures))
 return 1
 """
 
@@ -155,7 +156,13 @@ class Workers:
     def step_time(self, worker: str, recipe: str, seconds: float, pipe: Any) -> None:
         """``worker`` steps ``recipe`` in ``seconds`` (its ``step_s``: JSON, recipe → seconds,
         read by a fused run's plan), in ``pipe``."""
-        pipe.eval(_STEP_TIME, 1, layout.worker_key(worker), recipe, f"{seconds:.6g}")
+        pipe.eval(_PER_RECIPE, 1, layout.worker_key(worker), recipe, f"{seconds:.6g}", "step_s")
+
+    def eval_time(self, worker: str, recipe: str, seconds: float) -> None:
+        """``worker`` evaluated a round of ``recipe`` in ``seconds``, θ's download included (its
+        ``eval_s``: JSON, recipe → seconds; an agent that takes the outer steps takes the
+        evaluations too, one after the other, and a fused run's plan counts both)."""
+        self.r.eval(_PER_RECIPE, 1, layout.worker_key(worker), recipe, f"{seconds:.6g}", "eval_s")
 
     def outer_rate(self, worker: str, seconds_per_unit: float) -> None:
         """``worker``'s outer step took ``seconds_per_unit`` a unit of its work

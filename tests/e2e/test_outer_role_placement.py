@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import redis
 from conftest import run_to_end, submit_run, wait_for, wait_for_run
@@ -44,6 +46,11 @@ def test_outer_steps_run_beside_the_store_and_move_to_the_trainers_when_it_is_go
     side, said = outer_side(r)
     assert rate > 0 and side.s_unit == rate
     assert said == "the outer step's rate as measured on 1 of 1 agent(s) that take it"
+    # round 0's evaluation went to the same agent, behind round 1's step: its time is the plan's too
+    evaluated = json.loads(r.hget(layout.worker_key(outer_agent), "eval_s"))["digits-mlp"]
+    side, said = outer_side(r, "digits-mlp")
+    assert evaluated > 0 and side.eval_s == evaluated
+    assert said.endswith(f"; a round's evaluation {evaluated:.1f} s there")
     shard_workers = {a["worker"].split("@")[0] for a in beside["attempts"]
                      if getattr(layout.parse_label(a["task"]), "kind", None) == "shard"}
     assert shard_workers <= {"local1", "local2"}

@@ -67,20 +67,35 @@ def step_times(client: Any) -> dict[str, dict[str, float]]:
     return out
 
 
-def outer_side(client: Any) -> tuple[OuterSide, str]:
+def outer_side(client: Any, recipe: str | None = None) -> tuple[OuterSide, str]:
     """What the agents that take the run's outer steps measured — those beside the store that
     serve the outer queue, else the trainers: the seconds a unit of its work takes, as they
-    published it after their last steady step (the slowest's: any of them may take the next) —
-    and a sentence saying where the figure comes from."""
+    published it after their last steady step, and the seconds an evaluation of a round of
+    ``recipe`` took them (the slowest's of each: any of them may take the next) — and a
+    sentence saying where the figures come from."""
     workers = [w for w in roster.list_workers(client) if w["state"] in roster.TAKES_TASKS]
     beside = [w["name"] for w in workers if w.get("role") in ("outer", "both")]
     takers = beside or [w["name"] for w in workers if w.get("role", "train") in ("train", "both")]
     beats = roster.heartbeats(client)
     rates = [r for name in takers if (r := _number((beats.get(name) or {}).get("outer_s_unit"))) is not None]
+    evals = [e for name in takers if (e := _number(_per_recipe((beats.get(name) or {}).get("eval_s"))
+                                                   .get(recipe or ""))) is not None]
+    eval_s = max(evals, default=0.0)
+    said = (f"; a round's evaluation {eval_s:.1f} s there" if evals and beside else "")
     if not rates:
-        return OuterSide(), "the outer step's rate not measured yet on this pool: the model's figure taken"
-    return (OuterSide(max(rates)),
-            f"the outer step's rate as measured on {len(rates)} of {len(takers)} agent(s) that take it")
+        return (OuterSide(None, eval_s if beside else 0.0),
+                "the outer step's rate not measured yet on this pool: the model's figure taken" + said)
+    return (OuterSide(max(rates), eval_s if beside else 0.0),
+            f"the outer step's rate as measured on {len(rates)} of {len(takers)} agent(s) that take it" + said)
+
+
+def _per_recipe(raw: Any) -> dict[str, Any]:
+    """A worker's per-recipe figures (JSON: recipe → seconds), or none."""
+    try:
+        doc = json.loads(raw or "{}")
+    except (TypeError, ValueError):
+        return {}
+    return doc if isinstance(doc, dict) else {}
 
 
 def pool_machines(client: Any, recipe: str) -> tuple[list[Machine], bool, list[str]]:

@@ -237,9 +237,13 @@ class EvalUnit(Unit):
     def run(self) -> str:
         spec, store, r = self.spec, self.store, self.a.label.numbers[0]
         self.a.check_cancelled(now=True)
-        data_before = data_bytes()
+        data_before, began = data_bytes(), time.monotonic()
         with tempfile.TemporaryDirectory(prefix="tt-eval-") as tmp:  # (its phase: "evaluating" throughout)
             info = evaluate_round(spec, store, r, Path(tmp), shard_figures(spec, store, r))
+        try:  # what a round's evaluation costs the agent that takes it (a fused run's plan reads it)
+            self.board.workers.eval_time(self.a.worker, spec.recipe, time.monotonic() - began)
+        except Exception as exc:  # noqa: BLE001 - a figure; the broker may be away
+            log.debug("the evaluation's time not published: %s", exc)
         self.a.check_cancelled(now=True)
         count_data(self.board, spec.run_id, self.a.worker, data_before)
         if self.board.runs.is_finished(spec.run_id) or self.board.rounds.has(spec.run_id, r):

@@ -12,7 +12,9 @@ pseudo-gradients and writes θ, its momentum and the broadcast — beside the st
 disk, on a trainer over that trainer's links — and costs CPU (:func:`outer_units` of work at
 the rate the agents that take it measured in their last steady round, :data:`OUTER_S_PER_UNIT`
 before any has); a round has :data:`FIXED_ROUND_S` of dispatch besides (the chord, the next
-round's queueing).
+round's queueing). An agent beside the store that takes the outer steps evaluates each round's
+weights too, between its steps: its round is at least the step and that evaluation (as it
+measured one, :attr:`OuterSide.eval_s`; none before it has).
 
 * Blocking rounds (``rounds``, ``backup``): round = the tasks' makespan + the fixed cost + the
   outer step.
@@ -113,9 +115,13 @@ class OuterSide:
     (:func:`outer_units`; None: :data:`OUTER_S_PER_UNIT`). Their transfers beside the store go at
     :data:`BESIDE_STORE_BPS`: an agent's probe of a few MB understates a bulk rate on the store's
     own machine (the speed-up benchmark's outer agent probed moto at 236–417 Mbit/s), and priced
-    at it the plan chose ternary over loopback where fp32 keeps up."""
+    at it the plan chose ternary over loopback where fp32 keeps up. ``eval_s``: the seconds they
+    took to evaluate a round of the recipe (0: not measured yet), which follows each step on the
+    same agent: on the speed-up benchmark's shared cores, 27–32 s after a 30–38 s step, and
+    rounds of 65 s where the plan without it predicted 55 s (BENCHMARKS §18)."""
 
     s_unit: float | None = None
+    eval_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -234,12 +240,16 @@ def predict(values: int, machines: Sequence[Machine], step_s: float, shards: int
         moved += int(outer_in + outer_out)
     if blocking:
         round_s = makespan + FIXED_ROUND_S + stepping
+        if outer_beside_store:  # its agent evaluates round r while round r+1 trains
+            round_s = max(round_s, stepping + side.eval_s)
     else:
         chain = max(ups) + FIXED_ROUND_S + stepping + max(downs)
         # a machine's link carries each of its tasks' update (and broadcast) once a round: with
         # two waves, twice the bytes in the same round, whatever overlaps what
         links = max(max(n * u, n * d) for n, u, d in zip(taken, ups, downs))
-        round_s = max(makespan, chain, links)
+        # beside the store, one agent steps and evaluates every round, one after the other
+        serial = stepping + side.eval_s if outer_beside_store else 0.0
+        round_s = max(makespan, chain, links, serial)
     utilisation = compute / (len(trainers) * round_s) if round_s > 0 else 0.0
     return Prediction(round_s, min(utilisation, 1.0), int(moved))
 

@@ -96,7 +96,7 @@ def plan_figures(spec: RunSpec, recipe: Recipe, theta: StateDict, client: Any | 
     machines, beside, notes = pool_machines(client, spec.recipe) if client is not None else ([], False, [])
     outer = None
     if machines:
-        outer, said = outer_side(client)
+        outer, said = outer_side(client, spec.recipe)
         notes.append(said)
     figures = PlanFigures(float_values(theta), None, tuple(machines), beside, outer=outer)
     if machines and all(m.step_s is not None for m in machines):
