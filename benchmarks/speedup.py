@@ -32,7 +32,9 @@ Parts (``--parts``; each writes ``speedup_<part>.json`` under the results, the r
   setting (codec/sync/H) at about the defaults' samples.
   (``speedup_home-before.json``: the ``home`` part as the plan before issue 49's last change chose;
   ``speedup_home-int2.json``: before the outer step was made faster and measured;
-  ``speedup_home-no-read-ahead.json``: before the next broadcast was read ahead.)
+  ``speedup_home-no-read-ahead.json``: before the next broadcast was read ahead;
+  ``speedup_home-probed-outer.json``: the outer step's transfers priced at its probed links;
+  ``speedup_home-eval-unmodelled.json``: before the plan counted the outer agent's evaluations.)
 * ``mixed`` — ``home``'s links, but the third machine 3× slower and the first one's link
   ``--mixed-up`` (5) Mbit/s up; the same warm-up first.
 
@@ -62,9 +64,11 @@ from wan import real_step_s, recipe_options, settled, steady_utilisation, wire  
 
 TRAINERS = 3
 # the run before the measured one, on the same pool: each agent publishes its step time, and the
-# outer agent its outer step's rate from a steady round (the first two of three: overlapped, as
-# the trainers train on the cores it shares with them here)
-WARM_UP = dict(rounds=3, sync_every=10, codec="ternary", broadcast_codec="int8", sync="overlap")
+# outer agent its outer step's rate and an evaluation's time from the first two rounds of three
+# (overlapped, as the trainers train on the cores it shares with them here). At the data's H, as
+# a run at the defaults would: at H = 10 the trainers waited more, and left the outer agent
+# more of the two cores than a run does (its evaluation: 15 s there, 28 s in the run after)
+WARM_UP = dict(rounds=3, sync_every=25, codec="ternary", broadcast_codec="int8", sync="overlap")
 
 
 def dilation(args) -> float:
@@ -264,7 +268,8 @@ def path_of(part: str, args) -> Path:
 
 
 def report(args) -> None:
-    names = ("alone", "home-before", "home-int2", "home-no-read-ahead", "home", "home-picks", "lan", "mixed")
+    names = ("alone", "home-before", "home-int2", "home-no-read-ahead", "home-probed-outer",
+             "home-eval-unmodelled", "home", "home-picks", "lan", "mixed")
     parts = {p: json.loads(path_of(p, args).read_text()) for p in names if path_of(p, args).exists()}
     if "alone" not in parts:
         sys.exit("speedup.py: no speedup_alone.json: run --parts alone first")
