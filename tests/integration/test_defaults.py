@@ -172,7 +172,7 @@ def test_a_step_that_fails_when_timed_leaves_the_run_to_its_shard_tasks(monkeypa
     # a pool behind 200 ms of round trips, no step timed there yet: the plan needs one
     far = [Machine("w1", None, 1e8, 1e8, 0.2)]
     monkeypatch.setattr(timing, "pool_machines", lambda client, recipe: (far, False, []))
-    monkeypatch.setattr(timing, "outer_side", lambda client, recipe=None: (None, "the outer step's rate not measured yet"))
+    monkeypatch.setattr(timing, "outer_side", lambda client, recipe: (None, "the outer step's rate not measured yet"))
     spec = RunSpec.create("fused", "failing:ShapeBug", "file:///unused")
     recipe = failing.ShapeBug()
     figures, warning = timing.figures_or_reason(spec, recipe, initial_state(recipe, spec.seed), object())
@@ -197,7 +197,7 @@ def test_a_start_delivered_again_after_its_step_killed_its_process_does_not_time
 
     far = [Machine("w1", None, 1e8, 1e8, 0.2)]
     monkeypatch.setattr(timing, "pool_machines", lambda client, recipe: (far, False, []))
-    monkeypatch.setattr(timing, "outer_side", lambda client, recipe=None: (None, "the outer step's rate not measured yet"))
+    monkeypatch.setattr(timing, "outer_side", lambda client, recipe: (None, "the outer step's rate not measured yet"))
     spec = RunSpec.create("fused", "failing:ShapeBug", "file:///unused")
     recipe = failing.ShapeBug()
     board = Runs(redis_client(redis_server.url))
