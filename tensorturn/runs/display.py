@@ -100,7 +100,7 @@ def shown(doc: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(spec, dict):
         return doc
     masked = {**spec, **{k: public(spec[k]) for k in ("recipe_options", "run_config") if spec.get(k)}}
-    planned = (spec.get("options") or {}).get("planned") if isinstance(spec.get("options"), dict) else None
+    planned = planned_of(doc)
     extra = {"utilisation": {"predicted": planned.get("predicted_utilisation"),
                              "measured": measured_utilisation(doc)}} if planned else {}
     return {**doc, "spec": masked, **extra}

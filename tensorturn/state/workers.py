@@ -41,8 +41,7 @@ def _sample(s: Any) -> bool:
             and all(isinstance(x, (int, float)) and x > 0 for x in s[1:]))
 
 
-# a recipe's step seconds merged into an agent's step_s (KEYS: its hash; ARGV: recipe, seconds)
-# a figure per recipe in a worker's hash: KEYS[1] the hash, ARGV: recipe, seconds, the field
+# a recipe's figure merged into a worker's JSON field of them (KEYS: its hash; ARGV: recipe, seconds, the field)
 _PER_RECIPE = """
 if redis.call('exists', KEYS[1]) == 0 then return 0 end
 local ok, figures = pcall(cjson.decode, redis.call('hget', KEYS[1], ARGV[3]) or '{}')

@@ -29,6 +29,15 @@ def _number(value: Any) -> float | None:
     return number if number == number and abs(number) != float("inf") and number > 0 else None
 
 
+def per_recipe(raw: Any) -> dict[str, Any]:
+    """A worker's figures by recipe (``step_s``, ``eval_s``: JSON, recipe → seconds), or none."""
+    try:
+        doc = json.loads(raw or "{}")
+    except (TypeError, ValueError):
+        return {}
+    return {k: v for k, v in doc.items() if isinstance(k, str)} if isinstance(doc, dict) else {}
+
+
 def link_figures(client: Any) -> dict[str, dict[str, Any]]:
     """Each agent's effective link figures by name: ``up_bps``, ``down_bps`` (bytes/s: the
     measured rate bounded by its owner's cap, the cap alone when not measured, None when
@@ -56,15 +65,8 @@ def link_figures(client: Any) -> dict[str, dict[str, Any]]:
 
 def step_times(client: Any) -> dict[str, dict[str, float]]:
     """Each agent's published step seconds by recipe (its ``step_s`` field)."""
-    out = {}
-    for name, h in roster.heartbeats(client).items():
-        try:
-            doc = json.loads(h.get("step_s") or "{}")
-        except ValueError:
-            doc = {}
-        out[name] = {k: float(v) for k, v in doc.items() if isinstance(k, str) and _number(v)} \
-            if isinstance(doc, dict) else {}
-    return out
+    return {name: {k: float(v) for k, v in per_recipe(h.get("step_s")).items() if _number(v)}
+            for name, h in roster.heartbeats(client).items()}
 
 
 def outer_side(client: Any, recipe: str | None = None) -> tuple[OuterSide, str]:
@@ -78,24 +80,13 @@ def outer_side(client: Any, recipe: str | None = None) -> tuple[OuterSide, str]:
     takers = beside or [w["name"] for w in workers if w.get("role", "train") in ("train", "both")]
     beats = roster.heartbeats(client)
     rates = [r for name in takers if (r := _number((beats.get(name) or {}).get("outer_s_unit"))) is not None]
-    evals = [e for name in takers if (e := _number(_per_recipe((beats.get(name) or {}).get("eval_s"))
+    evals = [e for name in beside if (e := _number(per_recipe((beats.get(name) or {}).get("eval_s"))
                                                    .get(recipe or ""))) is not None]
-    eval_s = max(evals, default=0.0)
-    said = (f"; a round's evaluation {eval_s:.1f} s there" if evals and beside else "")
-    if not rates:
-        return (OuterSide(None, eval_s if beside else 0.0),
-                "the outer step's rate not measured yet on this pool: the model's figure taken" + said)
-    return (OuterSide(max(rates), eval_s if beside else 0.0),
-            f"the outer step's rate as measured on {len(rates)} of {len(takers)} agent(s) that take it" + said)
-
-
-def _per_recipe(raw: Any) -> dict[str, Any]:
-    """A worker's per-recipe figures (JSON: recipe → seconds), or none."""
-    try:
-        doc = json.loads(raw or "{}")
-    except (TypeError, ValueError):
-        return {}
-    return doc if isinstance(doc, dict) else {}
+    eval_s = max(evals, default=0.0)  # (on the trainers, evaluations go behind the next round's shards)
+    said = (f"the outer step's rate as measured on {len(rates)} of {len(takers)} agent(s) that take it"
+            if rates else "the outer step's rate not measured yet on this pool: the model's figure taken")
+    return (OuterSide(max(rates) if rates else None, eval_s),
+            said + (f"; a round's evaluation {eval_s:.1f} s there" if eval_s else ""))
 
 
 def pool_machines(client: Any, recipe: str) -> tuple[list[Machine], bool, list[str]]:
