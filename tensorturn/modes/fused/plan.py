@@ -238,17 +238,15 @@ def predict(values: int, machines: Sequence[Machine], step_s: float, shards: int
         outer_in += theta_and_state
         stepping = outer_cpu + max(outer_in / rate(m.down_bps) + outer_out / rate(m.up_bps) for m in trainers)
         moved += int(outer_in + outer_out)
+    # beside the store, one agent steps and evaluates every round, one after the other
+    serial = stepping + side.eval_s if outer_beside_store else 0.0
     if blocking:
-        round_s = makespan + FIXED_ROUND_S + stepping
-        if outer_beside_store:  # its agent evaluates round r while round r+1 trains
-            round_s = max(round_s, stepping + side.eval_s)
+        round_s = max(makespan + FIXED_ROUND_S + stepping, serial)
     else:
         chain = max(ups) + FIXED_ROUND_S + stepping + max(downs)
         # a machine's link carries each of its tasks' update (and broadcast) once a round: with
         # two waves, twice the bytes in the same round, whatever overlaps what
         links = max(max(n * u, n * d) for n, u, d in zip(taken, ups, downs))
-        # beside the store, one agent steps and evaluates every round, one after the other
-        serial = stepping + side.eval_s if outer_beside_store else 0.0
         round_s = max(makespan, chain, links, serial)
     utilisation = compute / (len(trainers) * round_s) if round_s > 0 else 0.0
     return Prediction(round_s, min(utilisation, 1.0), int(moved))

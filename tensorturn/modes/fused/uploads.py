@@ -262,18 +262,14 @@ def upload_in_background(unit: Unit, wires: Wires, r: int, k: int, key: str, pat
         hedged = Hedged(f"run {run_id}: the lease of shard {k} of round {r}'s upload")
         quick = UploadLeases(lease_client(board.r, lease_s))
         try:
-            try:
-                while not done.wait(refresh_s):
-                    hedged.send(quick.refresh_upload, run_id, r, k, token, lease_s)
-                board.uploads.upload_ended(run_id, r, k, token)
-            except Exception as exc:  # noqa: BLE001 - the broker is away: the lease lapses by itself
-                log.warning("run %s: the lease of shard %d of round %d's upload: %s", run_id, k, r, exc)
+            while not done.wait(refresh_s):
+                hedged.send(quick.refresh_upload, run_id, r, k, token, lease_s)
+            board.uploads.upload_ended(run_id, r, k, token)
             if stored.is_set():
-                try:
-                    wires.follow(ShardDone(r, k, worker))
-                except Exception as exc:  # noqa: BLE001 - a second chance only: the task queued it where it could
-                    log.warning("run %s: shard %d of round %d stored; queuing what follows failed: %s",
-                                run_id, k, r, exc)
+                wires.follow(ShardDone(r, k, worker))
+        except Exception as exc:  # noqa: BLE001 - the broker is away: the lease lapses by itself, and
+            # what follows the shard was queued by its task where it could be
+            log.warning("run %s: the upload of shard %d of round %d, after it: %s", run_id, k, r, exc)
         finally:
             hedged.close()
             own_outputs.release(spool)
